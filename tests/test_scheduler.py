@@ -1,0 +1,379 @@
+"""Scheduler behaviours, after vLLM's tests/v1/core/test_scheduler.py (as behaviours, our own code)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sched_utils import (
+    EOS_TOKEN_ID,
+    assert_scheduler_empty,
+    create_requests,
+    create_scheduler,
+    runner_output,
+    step,
+)
+from tokenloom.core.outputs import ModelRunnerOutput
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.sampling_params import SamplingParams
+
+
+def drain(sched, max_steps: int = 10_000) -> int:
+    n = 0
+    while sched.has_unfinished_requests():
+        step(sched)
+        n += 1
+        assert n < max_steps, "scheduler did not drain"
+    return n
+
+
+def test_add_and_schedule_all() -> None:
+    sched = create_scheduler()
+    reqs = create_requests(10)
+    for i, r in enumerate(reqs):
+        sched.add_request(r)
+        assert len(sched.waiting) == i + 1 and sched.requests[r.request_id] is r
+    out = sched.schedule()
+    assert [d.req_id for d in out.scheduled_new_reqs] == [r.request_id for r in reqs]
+    assert all(out.num_scheduled_tokens[r.request_id] == 10 for r in reqs)
+    assert not sched.waiting and sched.running == reqs
+
+
+def test_finish_request_removes_everywhere() -> None:
+    sched = create_scheduler()
+    reqs = create_requests(10)
+    for r in reqs:
+        sched.add_request(r)
+    sched.schedule()  # all running now
+    extra = create_requests(2, prefix="w")
+    for r in extra:
+        sched.add_request(r)
+    aborted = sched.finish_requests(["0", "w1", "missing"], RequestStatus.FINISHED_ABORTED)
+    assert {r.request_id for r in aborted} == {"0", "w1"}
+    assert "0" not in sched.requests and reqs[0] not in sched.running
+    assert [r.request_id for r in sched.waiting] == ["w0"]
+    assert sched.get_num_unfinished_requests() == 10
+    assert not sched.kv_cache_manager.get_block_ids("0")  # blocks freed at once
+    out = sched.schedule()
+    assert "0" in out.finished_req_ids  # the runner is told to drop its state
+
+
+def test_concurrent_partial_requests_threshold() -> None:
+    """vLLM test_schedule_concurrent_partial_requests: budget 1024, threshold 400, 3x800 tokens."""
+    for caching in (True, False):
+        sched = create_scheduler(max_num_batched_tokens=1024, long_prefill_token_threshold=400,
+                                 max_model_len=1024, enable_prefix_caching=caching)
+        for r in create_requests(3, num_tokens=800):
+            sched.add_request(r)
+        expected = [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
+        for want in expected:
+            out, _ = step(sched)
+            assert [out.num_scheduled_tokens.get(str(i), 0) for i in range(3)] == want
+
+
+def test_threshold_is_lifted_for_a_lone_request() -> None:
+    """vLLM 0.32: with a single eligible request nobody can be starved, so it takes the whole budget."""
+    sched = create_scheduler(max_num_batched_tokens=512, long_prefill_token_threshold=100, max_model_len=2048)
+    sched.add_request(create_requests(1, num_tokens=800)[0])
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"0": 512}
+
+
+def test_max_num_seqs_caps_admission() -> None:
+    sched = create_scheduler(max_num_batched_tokens=100, max_num_seqs=2)
+    for r in create_requests(3, num_tokens=10):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert len(out.num_scheduled_tokens) == 2 and len(sched.waiting) == 1
+    assert out.bound_by == "max_num_seqs"
+    stats = sched.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, 1)
+
+
+def test_fcfs_preempts_last_running_and_recomputes() -> None:
+    """vLLM test_preempt_during_execution: 10 blocks of 16, two 80-token prompts (5 blocks each)."""
+    sched = create_scheduler(max_num_batched_tokens=100, num_blocks=10, block_size=16, max_model_len=200)
+    r0, r1 = create_requests(2, num_tokens=80, max_tokens=30)
+    sched.add_request(r0)
+    sched.add_request(r1)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"0": 80, "1": 20}
+    out, _ = step(sched)  # r0 needs a 6th block for position 80: the pool is full
+    assert out.preempted_req_ids == {"1"}
+    assert sched.running == [r0] and r1.status == RequestStatus.PREEMPTED
+    assert r1.num_computed_tokens == 0 and r1.num_preemptions == 1
+    assert list(sched.waiting) == [r1]
+    assert out.num_scheduled_tokens == {"0": 1}  # nobody admitted in a step that preempted
+    assert out.bound_by == "kv_blocks"
+    drain(sched)
+    assert r0.num_output_tokens == 30 and r1.num_output_tokens == 30
+    assert_scheduler_empty(sched)
+
+
+def test_preempted_request_resumes_with_its_outputs() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=5, block_size=16, max_model_len=200,
+                             enable_prefix_caching=False)
+    r0, r1 = create_requests(2, num_tokens=30, max_tokens=40)
+    for r in (r0, r1):
+        sched.add_request(r)
+    seen_resume = False
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for new in out.scheduled_new_reqs:
+            if new.req_id in out.resumed_req_ids:
+                seen_resume = True
+                req = r0 if new.req_id == "0" else r1
+                # Recompute: prompt plus every output so far, from position 0.
+                assert new.num_computed_tokens == 0
+                assert new.prefill_token_ids == req.prompt_token_ids + req.output_token_ids
+        sched.update_from_output(out, runner_output(sched, out))
+    assert seen_resume
+    assert r0.num_output_tokens == r1.num_output_tokens == 40
+    assert_scheduler_empty(sched)
+
+
+def test_victim_is_the_request_itself() -> None:
+    """A lone request that outgrows the pool preempts itself; with reserve-full-ISL it is rejected
+    up front instead, so here the pool is big enough only for a victim dance between two requests."""
+    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4, max_model_len=64)
+    a, b = create_requests(2, num_tokens=6, max_tokens=10)
+    sched.add_request(a)
+    sched.add_request(b)
+    drain(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 10
+    assert a.num_preemptions + b.num_preemptions > 0
+    assert_scheduler_empty(sched)
+
+
+def test_priority_order_and_tiebreaks() -> None:
+    sched = create_scheduler(policy="priority")
+    for r in create_requests(3, priorities=[2, 0, 1]):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["1", "2", "0"]
+
+    sched = create_scheduler(policy="priority")
+    for r in create_requests(4, priorities=[2, 1, 1, 0], arrival_times=[1, 3, 2, 4]):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["3", "2", "1", "0"]
+
+
+def test_priority_limited_slots_and_heap_order() -> None:
+    sched = create_scheduler(policy="priority", max_num_seqs=2)
+    for r in create_requests(4, priorities=[3, 2, 0, 1]):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert [d.req_id for d in out.scheduled_new_reqs] == ["2", "3"]
+    assert [r.request_id for r in sched.waiting] == ["1", "0"]
+
+    sched = create_scheduler(policy="priority", max_num_seqs=1)
+    prios = [5, 1, 8, 3, 2, 7, 4, 6]
+    for r in create_requests(8, priorities=prios, max_tokens=1):
+        sched.add_request(r)
+    order = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        order += [d.req_id for d in out.scheduled_new_reqs]
+    assert [prios[int(i)] for i in order] == sorted(prios)
+
+
+def test_priority_preemption_picks_lowest_priority() -> None:
+    """vLLM test_priority_scheduling_preemption: the high-priority request keeps running."""
+    sched = create_scheduler(policy="priority", max_num_batched_tokens=100, num_blocks=5, block_size=16,
+                             max_model_len=200)
+    (lo,) = create_requests(1, num_tokens=32, max_tokens=40, priorities=[5], prefix="lo")
+    sched.add_request(lo)
+    step(sched)
+    (hi,) = create_requests(1, num_tokens=32, max_tokens=40, priorities=[0], arrival_times=[9.0], prefix="hi")
+    sched.add_request(hi)
+    out, _ = step(sched)
+    assert "hi0" in out.num_scheduled_tokens
+    preempted = set()
+    for _ in range(40):
+        out, _ = step(sched)
+        preempted |= out.preempted_req_ids
+        if preempted:
+            break
+    assert preempted == {"lo0"}
+    assert lo.status == RequestStatus.PREEMPTED and hi in sched.running
+    drain(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_priority_victim_already_scheduled_this_step_is_undone() -> None:
+    """Priority: the victim may sit earlier in running and be scheduled already; its tokens go back."""
+    sched = create_scheduler(policy="priority", max_num_batched_tokens=100, num_blocks=6, block_size=4,
+                             max_model_len=100)
+    (lo,) = create_requests(1, num_tokens=4, max_tokens=20, priorities=[9], prefix="lo")
+    (hi,) = create_requests(1, num_tokens=4, max_tokens=20, priorities=[0], arrival_times=[5.0], prefix="hi")
+    sched.add_request(lo)
+    step(sched)
+    sched.add_request(hi)
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        if out.preempted_req_ids:
+            assert out.preempted_req_ids == {"lo0"}
+            assert "lo0" not in out.num_scheduled_tokens
+            assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+            break
+    else:
+        pytest.fail("expected a preemption")
+    drain(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_stop_conditions() -> None:
+    sched = create_scheduler()
+    eos, stop_tok, length, ignore = (
+        create_requests(1, prefix="eos")[0],
+        create_requests(1, prefix="stop", stop_token_ids=[42])[0],
+        create_requests(1, prefix="len", max_tokens=2)[0],
+        create_requests(1, prefix="ign", ignore_eos=True, max_tokens=3)[0],
+    )
+    for r in (eos, stop_tok, length, ignore):
+        sched.add_request(r)
+    out = sched.schedule()
+    tokens = {"eos0": [EOS_TOKEN_ID], "stop0": [10, 42, 12], "len0": [10, 11, 12], "ign0": [EOS_TOKEN_ID]}
+    results = {o.request_id: o for o in sched.update_from_output(out, runner_output(sched, out, tokens=tokens))}
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [EOS_TOKEN_ID]
+    assert stop_tok.stop_reason == 42 and stop_tok.output_token_ids == [10, 42]
+    assert results["stop0"].new_token_ids == [10, 42] and results["stop0"].finish_reason == "stop"
+    assert length.status == RequestStatus.FINISHED_LENGTH_CAPPED and length.output_token_ids == [10, 11]
+    assert results["len0"].finish_reason == "length"
+    assert ignore.status == RequestStatus.RUNNING and "ign0" not in out.finished_req_ids
+    assert sched.running == [ignore]
+
+
+def test_min_tokens_defers_stop() -> None:
+    sched = create_scheduler()
+    (r,) = create_requests(1, min_tokens=3, stop_token_ids=[42])
+    sched.add_request(r)
+    for want_finished in (False, False, True):
+        out = sched.schedule()
+        sched.update_from_output(out, runner_output(sched, out, token=EOS_TOKEN_ID))
+        assert r.is_finished() == want_finished
+    assert r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_max_model_len_caps_length() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_model_len=20)
+    (r,) = create_requests(1, num_tokens=15, max_tokens=100)
+    sched.add_request(r)
+    drain(sched)
+    assert r.num_tokens == 20 and r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_rejections_are_clear() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_model_len=32, num_blocks=4, block_size=4)
+    with pytest.raises(RequestRejected, match="empty"):
+        sched.add_request(Request("e", [], SamplingParams()))
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        sched.add_request(Request("long", [1] * 32, SamplingParams()))
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        sched.add_request(Request("big", [1] * 10, SamplingParams(max_tokens=20)))
+    sched.add_request(Request("ok", [1] * 10, SamplingParams(max_tokens=7)))  # 16 tokens = 4 blocks
+    with pytest.raises(RequestRejected, match="already in use"):
+        sched.add_request(Request("ok", [1] * 10, SamplingParams(max_tokens=7)))
+    assert list(sched.requests) == ["ok"]
+
+
+def test_prefix_hit_schedules_only_the_suffix() -> None:
+    """Two identical 33-token prompts with block 16: the second hits 32 and computes exactly 1."""
+    sched = create_scheduler(block_size=16)
+    a, b = create_requests(2, num_tokens=33, same_prompt=True)
+    sched.add_request(a)
+    step(sched)
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["1"] == 1 and out.cached_tokens == {"1": 32}
+    new = out.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 32 and new.block_ids[:2] == sched.kv_cache_manager.get_block_ids("0")[:2]
+    assert b.num_cached_tokens == 32
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert (stats.requests, stats.queries, stats.hits) == (2, 66, 32)
+
+
+def test_prefix_stats_only_counted_on_admission() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=1, block_size=16)
+    a, b = create_requests(2, num_tokens=33, same_prompt=True, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # b waits: max_num_seqs
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    assert stats.requests == 1
+    drain(sched)
+    assert (stats.requests, stats.hits) == (2, 32)
+
+
+def test_failed_request_finishes_with_error_others_go_on() -> None:
+    sched = create_scheduler()
+    reqs = create_requests(3)
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    mro = runner_output(sched, out)
+    mro = ModelRunnerOutput(mro.req_ids, mro.req_id_to_index, mro.sampled_token_ids, failed={"1": "bad token"})
+    results = {o.request_id: o for o in sched.update_from_output(out, mro)}
+    assert results["1"].finish_reason == "error" and results["1"].error == "bad token"
+    assert reqs[1].status == RequestStatus.FINISHED_ERROR and reqs[1] not in sched.running
+    drain(sched)
+    assert reqs[0].num_output_tokens == 16 and reqs[2].num_output_tokens == 16
+    assert_scheduler_empty(sched)
+
+
+def test_memory_leak_free_after_drain() -> None:
+    sched = create_scheduler(max_num_batched_tokens=256, num_blocks=64, block_size=16, max_model_len=512)
+    for r in create_requests(20, num_tokens=40, max_tokens=25):
+        sched.add_request(r)
+    drain(sched)
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("mode", ["static", "request"])
+def test_batching_modes_release_slots_at_batch_end(mode: str) -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2, batching=mode)
+    short, long_ = create_requests(2, num_tokens=4, max_tokens=2)[0], create_requests(1, num_tokens=4, max_tokens=6,
+                                                                                       prefix="L")[0]
+    late = create_requests(1, num_tokens=4, max_tokens=2, prefix="late")[0]
+    sched.add_request(short)
+    sched.add_request(long_)
+    sched.add_request(late)
+    admitted_at = {}
+    n = 0
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        for d in out.scheduled_new_reqs:
+            admitted_at[d.req_id] = n
+        n += 1
+    # "late" waits for the whole first batch, although short0 finished long before.
+    assert admitted_at["late0"] > admitted_at["L0"] + 5
+    assert_scheduler_empty(sched)
+
+
+def test_continuous_batching_fills_a_freed_slot_next_step() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
+    short = create_requests(1, num_tokens=4, max_tokens=2)[0]
+    long_ = create_requests(1, num_tokens=4, max_tokens=6, prefix="L")[0]
+    late = create_requests(1, num_tokens=4, max_tokens=2, prefix="late")[0]
+    for r in (short, long_, late):
+        sched.add_request(r)
+    finished_step = admitted_step = None
+    for n in range(20):
+        out, outs = step(sched)
+        if any(o.request_id == "0" and o.finished for o in outs):
+            finished_step = n
+        if any(d.req_id == "late0" for d in out.scheduled_new_reqs):
+            admitted_step = n
+            break
+    assert admitted_step == finished_step + 1
+
+
+def test_static_batching_prefills_before_decoding() -> None:
+    sched = create_scheduler(max_num_batched_tokens=16, max_num_seqs=4, batching="static")
+    for r in create_requests(3, num_tokens=10, max_tokens=3):
+        sched.add_request(r)
+    out, _ = step(sched)  # 10 + 6: request 1 half done; request 0 has its first token
+    assert out.num_scheduled_tokens == {"0": 10, "1": 6}
+    out, _ = step(sched)  # no decode for 0 until every member has its first token
+    assert "0" not in out.num_scheduled_tokens

@@ -1,0 +1,1 @@
+"""tokenloom: iteration-level scheduling for LLM inference."""

@@ -1,0 +1,52 @@
+"""`tokenloom` command line: one sub-command per job, each registered by the room that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, function) pairs; each function takes the sub-parsers object and adds its commands.
+# Imported lazily so `tokenloom replay` never pays for importing torch.
+_COMMAND_GROUPS = [
+    "tokenloom.core.replay_cli",
+    "tokenloom.engine.cli",
+    "tokenloom.server.cli",
+    "tokenloom.bench.cli",
+    "tokenloom.sim.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenloom", description="LLM inference with iteration-level scheduling (vLLM V1 style)."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _COMMAND_GROUPS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # that room is not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tokenloom {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

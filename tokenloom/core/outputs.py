@@ -1,0 +1,110 @@
+"""What crosses the boundary between the scheduler and a runner: plain dataclasses, nothing else.
+
+A runner (the torch ModelRunner or the cost-model SimulatedRunner) sees only a SchedulerOutput and
+answers with a ModelRunnerOutput; the scheduler turns that into per-request EngineCoreOutputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: newly admitted, or resumed after preemption.
+
+    `prefill_token_ids` is the whole current sequence (prompt + outputs so far, so a resumed
+    request recomputes its outputs too); `num_computed_tokens` is where this step starts
+    (its prefix-cache hit, or 0).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    prefill_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed since their last step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step. Insertion order: running first, then admitted.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Finished (or aborted) between the previous step and this one: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted while building this step: the runner drops their state too.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests resumed after preemption (they also appear in scheduled_new_reqs).
+    resumed_req_ids: set[str] = field(default_factory=set)
+    # Observability: the prefix-cache hit (tokens) of each request admitted this step, the
+    # tokens of each request that are prefill (vs. one decode token), and what bound the step.
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    num_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    bound_by: str = "nothing"
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampleLogprobs:
+    """Log-probabilities around one sampled token."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request in req_ids: empty for a prefill chunk that did not reach the end.
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[SampleLogprobs]] | None = None
+    # Requests whose execution failed: they are finished with an error, the rest go on.
+    failed: dict[str, str] = field(default_factory=dict)
+    # Wall (or simulated) seconds the step took to execute, when the runner knows it.
+    execute_time: float | None = None
+
+    @staticmethod
+    def empty() -> ModelRunnerOutput:
+        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,156 @@
+"""Request: one ledger per request, no phase field.
+
+`num_computed_tokens` chases `num_tokens_with_spec` (prompt + outputs + draft tokens). Prefill,
+chunked prefill, decode, recompute after preemption and prefix-cache hits are all just "how far
+behind is this request".
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISHED_REASON.get(status)
+
+
+_FINISHED_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+BlockHasher = Callable[["Request"], list[int]]
+
+
+def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...]) -> int:
+    """Hash of one full block, chained to its parent so equal blocks at different depths differ.
+
+    Python's tuple hash of ints is deterministic across processes (PYTHONHASHSEED only salts
+    str/bytes), which keeps schedules reproducible.
+    """
+    return hash((parent_hash, block_token_ids))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        block_size: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = self.sampling_params.effective_max_tokens
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Draft tokens proposed for verification in the next step (speculative decoding).
+        self.spec_token_ids: list[int] = []
+        # Tokens whose sampling is in flight under async scheduling (see docs/scheduler.md).
+        self.num_output_placeholders = 0
+
+        self.num_computed_tokens = 0
+        # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+
+        # Full-block hashes of all_token_ids, extended as tokens are appended.
+        self.block_size = block_size
+        self.block_hashes: list[int] = []
+        self._update_block_hashes()
+
+        # Timestamps for per-request metrics, stamped by the scheduler's clock.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.error: str | None = None
+        # Free-form slot for the front end (e.g. the detokenizer state).
+        self.extra: dict[str, Any] = {}
+
+    # The ledger ---------------------------------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        if not self.block_size:
+            return
+        bs = self.block_size
+        n_full = len(self._all_token_ids) // bs
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for i in range(len(self.block_hashes), n_full):
+            parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]))
+            self.block_hashes.append(parent)
+
+    # Status -------------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    @property
+    def is_prefill(self) -> bool:
+        """Derived, never stored: the request still has more than the last sampled token to compute."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens_with_spec}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens})"
+        )

@@ -1,0 +1,476 @@
+"""Scheduler: vLLM V1's unified, iteration-level scheduler.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
+`num_tokens_with_spec`; every step the scheduler hands out tokens from one shared budget so that
+the first catches up with the second:
+
+1. RUNNING requests first, in order, each taking min(deficit, long_prefill_token_threshold,
+   budget left). When `allocate_slots` finds no room, a victim is preempted (FCFS: the last of
+   running; priority: the largest (priority, arrival_time)), loses its blocks and progress, and
+   goes back to WAITING; if the victim is the request itself, the running pass stops.
+2. WAITING requests next, in policy order, while budget is left and len(running) < max_num_seqs,
+   but only if nobody was preempted in this step. With chunked prefill off, a prompt that does not
+   fit the budget left stops admission (break, not skip).
+3. The SchedulerOutput is built from the progress *before* the step; then progress advances
+   (the "computed frontier"), so a prefill chunk can be scheduled again before its output returns.
+
+The line-by-line reference is `vllm/v1/core/sched/scheduler.py` (vLLM 0.32); differences are listed
+in docs/scheduler.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.request_queue import create_request_queue
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served under this configuration."""
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.policy = scheduler_config.policy
+
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished between the previous schedule() and the next: the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        # static / request-level batching: the members of the batch in flight.
+        self._batch_ids: set[str] = set()
+
+    # Requests in and out ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run."""
+        self._validate(request)
+        if request.block_size != self.block_size:
+            request.block_size = self.block_size
+            request.block_hashes = []
+            request._update_block_hashes()
+        request.status = RequestStatus.WAITING
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestRejected(f"request id {rid!r} is already in use")
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise RequestRejected(f"request {rid!r}: the prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise RequestRejected(
+                f"request {rid!r}: prompt of {prompt_len} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        # The last sampled token is never fed back, so the KV holds at most final_len - 1 tokens.
+        final_len = min(prompt_len + request.max_tokens, self.max_model_len)
+        blocks_needed = cdiv(final_len - 1, self.block_size)
+        if blocks_needed > self.kv_cache_manager.num_blocks:
+            raise RequestRejected(
+                f"request {rid!r} needs {blocks_needed} KV blocks at its longest "
+                f"({final_len - 1} tokens) but the pool has only {self.kv_cache_manager.num_blocks}; "
+                "it could never finish (lower max_tokens, or give the KV cache more memory)"
+            )
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort on client disconnect, errors). Frees their blocks now."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
+        valid = [r for rid in dict.fromkeys(request_ids) if (r := self.requests.get(rid)) and not r.is_finished()]
+        running_to_remove = {id(r) for r in valid if r.status == RequestStatus.RUNNING}
+        if running_to_remove:
+            self.running = [r for r in self.running if id(r) not in running_to_remove]
+        waiting_to_remove = [r for r in valid if r.status != RequestStatus.RUNNING]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+        for request in valid:
+            request.status = finished_status
+            self._free_request(request)
+        return valid
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        request.finished_time = self.clock()
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self._batch_ids.discard(request.request_id)
+        del self.requests[request.request_id]
+
+    # The step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        now = self.clock()
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        cached_tokens: dict[str, int] = {}
+        token_budget = self.max_num_scheduled_tokens
+        bound_by: str | None = None
+
+        # The threshold exists to stop one long prefill starving others; alone, it may take all.
+        num_eligible = len(self.running) + len(self.waiting)
+        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+        hold_decodes = self._static_batch_still_prefilling()
+
+        # 1. RUNNING first.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = (
+                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+            )
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            # Never compute a position at or past max_model_len.
+            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            if hold_decodes and not request.is_prefill:
+                num_new_tokens = 0
+            if num_new_tokens <= 0:
+                # `continue`, not `break`: a request with nothing to do never blocks the others.
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                if self.policy == "priority":
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    victim_index = self.running.index(victim)
+                    del self.running[victim_index]
+                    if victim_index < req_index:
+                        req_index -= 1
+                    if victim in scheduled_running_reqs:
+                        # Undo its share of this step before its blocks go back to the pool.
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        req_to_new_block_ids.pop(victim.request_id)
+                        scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                else:
+                    victim = self.running.pop()
+                self._preempt_request(victim, now)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                bound_by = "kv_blocks"
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+            if request.spec_token_ids:
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                request.spec_token_ids = []
+
+        # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
+        if preempted_reqs:
+            bound_by = "kv_blocks"
+        else:
+            while token_budget > 0 and self.waiting:
+                if len(self.running) >= self.max_num_running_reqs:
+                    bound_by = "max_num_seqs"
+                    break
+                request = self.waiting.peek_request()
+                if not self._admission_open(request):
+                    bound_by = bound_by or "batch"
+                    break
+
+                if request.num_computed_tokens == 0:
+                    new_computed_blocks, num_new_local_computed = kv.get_computed_blocks(request)
+                else:
+                    new_computed_blocks, num_new_local_computed = [], 0
+                num_computed_tokens = request.num_computed_tokens + num_new_local_computed
+                # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
+                    bound_by = "budget"
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+
+                new_blocks = kv.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_new_local_computed,
+                    new_computed_blocks=new_computed_blocks,
+                    full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
+                    has_scheduled_reqs=bool(self.running),
+                )
+                if new_blocks is None:
+                    bound_by = "kv_blocks"
+                    break
+                kv.record_prefix_cache_stats(request, num_new_local_computed)
+
+                request = self.waiting.pop_request()
+                self.running.append(request)
+                if request.status == RequestStatus.WAITING:
+                    scheduled_new_reqs.append(request)
+                else:
+                    scheduled_resumed_reqs.append(request)
+                req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                cached_tokens[request.request_id] = num_new_local_computed
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        if bound_by is None:
+            bound_by = "budget" if token_budget == 0 and self._has_unscheduled_work(num_scheduled_tokens) else "nothing"
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    req_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    prefill_token_ids=list(r.all_token_ids),
+                    sampling_params=r.sampling_params,
+                    block_ids=req_to_new_block_ids[r.request_id],
+                    num_computed_tokens=r.num_computed_tokens,
+                )
+                for r in scheduled_new_reqs + scheduled_resumed_reqs
+            ],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running_reqs],
+                new_block_ids=[req_to_new_block_ids[r.request_id] for r in scheduled_running_reqs],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running_reqs],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+            resumed_req_ids={r.request_id for r in scheduled_resumed_reqs},
+            cached_tokens=cached_tokens,
+            num_prefill_tokens={
+                rid: n
+                for rid, n in num_scheduled_tokens.items()
+                if self.requests[rid].num_computed_tokens < self.requests[rid].num_tokens - 1
+            },
+            bound_by=bound_by,
+        )
+        self._update_after_schedule(output)
+        return output
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        # Advance the computed frontier now, after the output captured the old values: the runner
+        # needs the old start positions, and the next schedule() must not hand out these tokens again.
+        for req_id, n in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        # New sets, not clear(): the output just built holds the old ones.
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    def _preempt_request(self, request: Request, now: float) -> None:
+        """Recompute-style preemption: free the blocks, reset progress, back to waiting."""
+        assert request.status == RequestStatus.RUNNING
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend_request(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    def _has_unscheduled_work(self, num_scheduled_tokens: dict[str, int]) -> bool:
+        if self.waiting:
+            return True
+        return any(
+            r.num_tokens_with_spec - r.num_computed_tokens > num_scheduled_tokens.get(r.request_id, 0)
+            for r in self.running
+        )
+
+    # Static and request-level batching (for comparison; vLLM only has "continuous") -------
+    def _admission_open(self, request: Request) -> bool:
+        if self.scheduler_config.batching == "continuous":
+            return True
+        if not self._batch_ids:
+            if self.running:
+                return False
+            # Form the next batch from the head of the waiting queue, in policy order.
+            members = [r.request_id for r, _ in zip(self.waiting, range(self.max_num_running_reqs))]
+            self._batch_ids = set(members)
+        return request.request_id in self._batch_ids
+
+    def _static_batch_still_prefilling(self) -> bool:
+        """Static batching runs the batch in lockstep: every prompt first, then the decodes."""
+        if self.scheduler_config.batching != "static" or not self._batch_ids:
+            return False
+        return any(self.requests[rid].num_output_tokens == 0 for rid in self._batch_ids)
+
+    # Results back in -------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        now = self.clock()
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[int] = set()
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            if req_id in model_runner_output.failed:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = model_runner_output.failed[req_id]
+                self._free_request(request)
+                stopped.add(id(request))
+                outputs.append(
+                    EngineCoreOutput(req_id, [], finish_reason="error", error=request.error,
+                                     num_cached_tokens=max(request.num_cached_tokens, 0))
+                )
+                continue
+            i = index.get(req_id)
+            generated = list(sampled[i]) if i is not None and sampled else []
+
+            spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if spec and generated:
+                # Rejected draft tokens were counted as computed: take them back.
+                num_rejected = len(spec) + 1 - len(generated)
+                request.num_computed_tokens -= max(num_rejected, 0)
+
+            is_stopped = False
+            if generated:
+                generated, is_stopped = self._append_and_check_stop(request, generated)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                request.last_token_time = now
+            if is_stopped:
+                self._free_request(request)
+                stopped.add(id(request))
+            if generated or is_stopped:
+                req_logprobs = logprobs.get(req_id) if logprobs else None
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=generated,
+                        new_logprobs=req_logprobs[: len(generated)] if req_logprobs else None,
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if stopped:
+            self.running = [r for r in self.running if id(r) not in stopped]
+        return outputs
+
+    def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        for n, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request):
+                return new_token_ids[:n], True
+        return new_token_ids, False
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        # min_tokens is also enforced by the sampler (it masks stop tokens); this is the backstop.
+        if request.num_output_tokens >= params.min_tokens:
+            if last == params.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # Figures ---------------------------------------------------------------------------------
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """Unfinished requests, or finished ones the runner has not been told about yet."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.block_pool.get_num_free_blocks(),
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )

@@ -1,0 +1,1 @@
+"""Everything that touches torch lives here and nowhere above it."""
