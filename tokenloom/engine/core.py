@@ -1,0 +1,72 @@
+"""EngineCore: the one loop everything hangs on — schedule, execute, update.
+
+The runner is anything with `execute_model(SchedulerOutput) -> ModelRunnerOutput`: the torch
+ModelRunner, or the simulator's cost-model runner. The engine core knows nothing of text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.engine.trace import StepTracer
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner: Runner, tracer: StepTracer | None = None) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tracer = tracer
+        self.clock = scheduler.clock
+        self.num_steps = 0
+        # Figures for metrics: what the last step did.
+        self.last_step_tokens = 0
+        self.last_step_time = 0.0
+
+    def add_request(self, request: Request) -> None:
+        """Raises RequestRejected (a ValueError) for a request that can never run."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_requests():
+            return []
+        t_start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        model_output = self._execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        t_end = self.clock()
+        self.num_steps += 1
+        self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
+        self.last_step_time = t_end - t_start
+        if self.tracer is not None:
+            self.tracer.record(t_start, t_end, self.scheduler, scheduler_output, outputs)
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute_model(scheduler_output)
+        except Exception as exc:  # the step failed as a whole: its requests end with an error
+            logger.exception("model execution failed; finishing the step's requests with an error")
+            req_ids = list(scheduler_output.num_scheduled_tokens)
+            message = f"model execution failed: {type(exc).__name__}: {exc}"
+            return ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[] for _ in req_ids],
+                failed={r: message for r in req_ids},
+            )

@@ -1,0 +1,98 @@
+"""LLM: vLLM's offline API on tokenloom — code written for `vllm.LLM` runs unchanged.
+
+    llm = LLM()                                   # the default model, SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(outs[0].outputs[0].text, outs[0].metrics.time_to_first_token)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenloom.engine.llm_engine import LLMEngine, PromptType
+from tokenloom.engine.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_args(model=model, **kwargs)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """All prompts at once; results in prompt order."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                ids.append(engine.add_request(None, prompt, params, priority=priority[i] if priority else 0))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Chat conversations rendered with the model's own chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.llm_engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                         tokenize=True)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        finals: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        out_tokens = 0
+        try:
+            while len(finals) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            bar.update(1)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"output {out_tokens / elapsed:.0f} tok/s", refresh=False)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finals])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finals[i] for i in ids]

@@ -1,0 +1,234 @@
+"""LLMEngine: a model, its tokenizer, the scheduler and the runner, stepped in this process.
+
+    add_request(text or token ids) → tokenize → Request(s) → EngineCore.step() → OutputProcessor →
+    RequestOutputs (text, tokens, finish reasons, per-request metrics)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.engine.core import EngineCore
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.trace import StepTracer
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+# Upper bound on the default context: enough for chat, and keeps a small default pool useful.
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        import torch
+
+        from tokenloom.model.attention import kv_cache_bytes_per_block
+        from tokenloom.model.loader import load_model, resolve_model_path
+        from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        self.config = config
+        self.clock = clock
+        path = resolve_model_path(config.model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        loaded = load_model(path, dtype)
+        self.model_config = loaded.config
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = loaded.config.eos_token_id
+
+        cache_cfg = config.cache or CacheConfig()
+        block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype)
+        num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
+        sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
+                                           num_blocks * cache_cfg.block_size)
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+
+        self.runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=num_blocks,
+                                  dtype=dtype, device=device)
+        del loaded
+        self.dtype, self.device = self.runner.dtype, self.runner.device
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
+        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        logger.info(
+            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s, %d KV blocks of %d tokens (%.0f MiB), "
+            "max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
+            self.device, str(self.dtype).replace("torch.", ""), num_blocks, cache_cfg.block_size,
+            num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+        )
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
+        return cls(engine_config_from_kwargs(model=model, **kwargs))
+
+    # Sizing ---------------------------------------------------------------------------------
+    @staticmethod
+    def _num_blocks_for(config: EngineConfig, device: Any, block_bytes: int) -> int:
+        budget = config.kv_cache_memory
+        if budget is None:
+            if device.type == "cuda":
+                import torch
+
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * 0.9) - (1 << 30)  # leave room for activations
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory={budget} bytes holds no KV block ({block_bytes} bytes each); give it more memory"
+            )
+        return num_blocks
+
+    @staticmethod
+    def _scheduler_config(config: EngineConfig, model_max_len: int, pool_tokens: int) -> SchedulerConfig:
+        sched = config.scheduler or SchedulerConfig()
+        max_model_len = config.max_model_len or sched_max_len_default(config, model_max_len, pool_tokens)
+        if max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})"
+            )
+        updates: dict[str, Any] = {"max_model_len": max_model_len}
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"with chunked prefill off, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len}); raise it or pass --max-model-len"
+            )
+        return replace(sched, **updates)
+
+    # Requests ---------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        return list(ids)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        cores = []
+        for i in range(params.n):
+            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child.eos_token_id = self.eos_token_id
+            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            cores.append(Request(core_id, token_ids, child, arrival_time=arrival, priority=priority))
+        added = []
+        try:
+            for core in cores:
+                self.engine_core.add_request(core)
+                added.append(core.request_id)
+        except ValueError:
+            self.engine_core.abort_requests(added)
+            raise
+        self.output_processor.add_request(request_id, text, token_ids, cores, arrival)
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        results = []
+        for rid in ids:
+            core_ids = self.output_processor.core_ids(rid)
+            self.engine_core.abort_requests(core_ids)
+            out = self.output_processor.finish_aborted(rid)
+            if out is not None:
+                results.append(out)
+        return results
+
+    # The step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:  # a stop string ended these: free their blocks now
+            self.engine_core.abort_requests(to_abort)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
+
+
+def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
+    """The model's context length, capped so the default stays workable on a small KV pool."""
+    sched = config.scheduler or SchedulerConfig()
+    cap = min(model_max_len, _DEFAULT_MAX_MODEL_LEN, pool_tokens)
+    if not sched.enable_chunked_prefill:
+        cap = min(cap, sched.max_num_batched_tokens)
+    return max(cap, 2)
+
+
+_SCHED_KEYS = {
+    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
+    "policy", "watermark", "scheduler_reserve_full_isl", "batching",
+}
+_CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
+_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps"}
+
+
+def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
+    if "scheduling_policy" in kwargs:
+        kwargs["policy"] = kwargs.pop("scheduling_policy")
+    unknown = sorted(set(kwargs) - _SCHED_KEYS - _CACHE_KEYS - _ENGINE_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    sched_kwargs = {k: v for k, v in kwargs.items() if k in _SCHED_KEYS}
+    max_model_len = kwargs.get("max_model_len")
+    # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
+    sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
+    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_KEYS})
+    return EngineConfig(model=model, scheduler=sched, cache=cache,
+                        **{k: v for k, v in kwargs.items() if k in _ENGINE_KEYS})

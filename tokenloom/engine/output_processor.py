@@ -1,0 +1,235 @@
+"""The front end of a step: engine-core outputs (token ids) → RequestOutputs (text).
+
+Incremental detokenization, stop strings (held back while streaming, so a client never sees the
+first characters of a stop string that then completes), logprobs, and the fan-in of `n > 1`
+completions into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenloom.core.outputs import EngineCoreOutput, SampleLogprobs
+from tokenloom.core.request import Request
+from tokenloom.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Completion:
+    """One sequence of a request (one core request)."""
+
+    index: int
+    core_request: Request
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    sent_logprobs_len: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    arrival_time: float
+    completions: list[_Completion]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._by_core_id: dict[str, tuple[_Parent, _Completion]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        core_requests: list[Request],
+        arrival_time: float,
+    ) -> None:
+        completions = []
+        for i, core in enumerate(core_requests):
+            params = core.sampling_params
+            detok = None
+            if self.tokenizer is not None:
+                from tokenloom.model.tokenizer import IncrementalDetokenizer
+
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_token_ids
+                )
+            completions.append(
+                _Completion(i, core, params, detok, logprobs=[] if params.logprobs is not None else None,
+                            cumulative_logprob=0.0 if params.logprobs is not None else None)
+            )
+        parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, completions)
+        self._parents[request_id] = parent
+        for c in completions:
+            self._by_core_id[c.core_request.request_id] = (parent, c)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def core_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return [c.core_request.request_id for c in parent.completions] if parent else []
+
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs of requests that progressed, and core ids to abort (stop strings)."""
+        touched: dict[str, _Parent] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self._by_core_id.get(out.request_id)
+            if entry is None:
+                continue
+            parent, comp = entry
+            if comp.finished:
+                continue
+            if self._apply(comp, out):
+                to_abort.append(out.request_id)
+            touched[parent.request_id] = parent
+        results = [self._make_output(p) for p in touched.values()]
+        for p in touched.values():
+            if all(c.finished for c in p.completions):
+                self._forget(p)
+        return results, to_abort
+
+    def finish_aborted(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        """Close a request from outside (client went away, engine error); returns its last output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for c in parent.completions:
+            if not c.finished:
+                c.finish_reason = reason
+                c.error = error
+        result = self._make_output(parent)
+        self._forget(parent)
+        return result
+
+    # --------------------------------------------------------------------------------------
+    def _apply(self, comp: _Completion, out: EngineCoreOutput) -> bool:
+        """Fold one core output into a completion; True if a stop string ended it early."""
+        comp.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and comp.logprobs is not None:
+            for lp in out.new_logprobs:
+                comp.logprobs.append(self._logprob_dict(lp))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
+        if comp.detokenizer is not None:
+            old_len = len(comp.text)
+            comp.text += comp.detokenizer.step(out.new_token_ids) if out.new_token_ids else ""
+            if out.finished:
+                comp.text += comp.detokenizer.flush()
+            stop = self._find_stop_string(comp, old_len)
+            if stop is not None:
+                comp.finish_reason = "stop"
+                comp.stop_reason = stop
+                return not out.finished
+        if out.finished:
+            comp.finish_reason = out.finish_reason
+            comp.stop_reason = out.stop_reason
+            comp.error = out.error
+        return False
+
+    @staticmethod
+    def _find_stop_string(comp: _Completion, old_len: int) -> str | None:
+        stops = comp.params.stop
+        if not stops or comp.core_request.num_output_tokens < comp.params.min_tokens:
+            return None
+        best: tuple[int, str] | None = None
+        for s in stops:
+            # Only the new text, plus enough of the old to catch a stop string spanning the seam.
+            idx = comp.text.find(s, max(0, old_len - len(s) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        comp.text = comp.text[: idx + len(s)] if comp.params.include_stop_str_in_output else comp.text[:idx]
+        return s
+
+    def _logprob_dict(self, lp: SampleLogprobs) -> dict[int, Logprob]:
+        d = {tid: Logprob(v, rank + 1, self._token_text(tid)) for rank, (tid, v) in enumerate(lp.top)}
+        if lp.token_id not in d:
+            d[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
+        return d
+
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = [self._completion_output(c) for c in parent.completions]
+        first = parent.completions[0].core_request
+        cores = [c.core_request for c in parent.completions]
+        finished_times = [r.finished_time for r in cores if r.finished_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=min((r.first_scheduled_time for r in cores if r.first_scheduled_time), default=None),
+            first_token_time=min((r.first_token_time for r in cores if r.first_token_time), default=None),
+            last_token_time=max((r.last_token_time for r in cores if r.last_token_time), default=None),
+            finished_time=max(finished_times) if len(finished_times) == len(cores) else None,
+            num_preemptions=sum(r.num_preemptions for r in cores),
+        )
+        errors = [c.error for c in parent.completions if c.error]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outs,
+            finished=all(c.finished for c in parent.completions),
+            metrics=metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=errors[0] if errors else None,
+        )
+
+    @staticmethod
+    def _completion_output(c: _Completion) -> CompletionOutput:
+        # While streaming, hold back a tail that could still grow into a stop string.
+        hold = 0
+        if not c.finished and c.params.stop and not c.params.include_stop_str_in_output:
+            hold = max(len(s) for s in c.params.stop) - 1
+        visible = len(c.text) - hold if hold else len(c.text)
+        visible = max(visible, c.sent_text_len)
+        delta_text = c.text[c.sent_text_len : visible]
+        delta_ids = c.token_ids[c.sent_token_len :]
+        delta_lp = c.logprobs[c.sent_logprobs_len :] if c.logprobs is not None else None
+        c.sent_text_len, c.sent_token_len = visible, len(c.token_ids)
+        c.sent_logprobs_len = len(c.logprobs) if c.logprobs is not None else 0
+        return CompletionOutput(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            delta_logprobs=delta_lp,
+        )
+
+    def _forget(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for c in parent.completions:
+            self._by_core_id.pop(c.core_request.request_id, None)

@@ -1,0 +1,84 @@
+"""Step trace: one JSON line per engine step — what was scheduled, why, and what it cost.
+
+Off by default. When off the engine holds `None` instead of a tracer and pays one `is None` test
+per step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Any
+
+from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
+from tokenloom.core.scheduler import Scheduler
+
+
+def step_record(
+    step: int,
+    t_start: float,
+    t_end: float,
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    finished: list[str],
+) -> dict[str, Any]:
+    """The trace record of one step, read off the scheduler right after update_from_output."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    budget = scheduler.max_num_scheduled_tokens
+    used = output.total_num_scheduled_tokens
+    prefill = dict(output.num_prefill_tokens)
+    decode = {rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in prefill}
+    num_free = pool.get_num_free_blocks()
+    return {
+        "step": step,
+        "t_start": t_start,
+        "t_end": t_end,
+        "scheduled": dict(output.num_scheduled_tokens),
+        "prefill": prefill,
+        "decode": decode,
+        "budget": budget,
+        "budget_used": used,
+        "budget_left": budget - used,
+        "num_running": len(scheduler.running),
+        "num_waiting": len(scheduler.waiting),
+        "kv_blocks_used": kv.num_blocks - num_free,
+        "kv_blocks_free": num_free,
+        "kv_blocks_cached": pool.get_num_cached_free_blocks(),
+        "num_blocks": kv.num_blocks,
+        "preempted": sorted(output.preempted_req_ids),
+        "finished": finished,
+        "cached_tokens": dict(output.cached_tokens),
+        "bound_by": output.bound_by,
+    }
+
+
+class StepTracer:
+    """Writes step records as JSON lines to a file (or any text stream)."""
+
+    def __init__(self, sink: str | Path | IO[str]) -> None:
+        if isinstance(sink, str | Path):
+            self._file: IO[str] = open(sink, "w")  # noqa: SIM115 - closed in close()
+            self._owns = True
+        else:
+            self._file = sink
+            self._owns = False
+        self.num_steps = 0
+
+    def record(
+        self,
+        t_start: float,
+        t_end: float,
+        scheduler: Scheduler,
+        output: SchedulerOutput,
+        engine_outputs: list[EngineCoreOutput],
+    ) -> None:
+        finished = [o.request_id for o in engine_outputs if o.finished]
+        rec = step_record(self.num_steps, t_start, t_end, scheduler, output, finished)
+        self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self.num_steps += 1
+
+    def close(self) -> None:
+        self._file.flush()
+        if self._owns:
+            self._file.close()
