@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # numpy, aiohttp and matplotlib load only when a bench/plot command runs
     from tokenloom.bench.workloads import BenchRequest, Tokenize
 
-BENCH_EXTENSIONS = ["tokenloom.bench.sweep"]
+BENCH_EXTENSIONS = ["tokenloom.bench.throughput", "tokenloom.bench.sweep"]
 # literal copies of client.py's constants: importing client would pull aiohttp into every `tokenloom` run
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 

@@ -192,6 +192,29 @@ class LLMEngine:
             self.engine_core.abort_requests(to_abort)
         return outputs
 
+    def reset_scheduler(
+        self,
+        scheduler_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """A fresh scheduler (new knobs, empty prefix cache) over the same loaded model, for
+        benchmarks that compare configurations side by side without reloading weights."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_scheduler needs an idle engine")
+        cache_config = cache_config or self.cache_config
+        if cache_config.block_size != self.runner.block_size or (cache_config.num_blocks or 0) > self.runner.num_blocks:
+            raise ConfigError(
+                f"the runner's KV cache has {self.runner.num_blocks} blocks of {self.runner.block_size} tokens; "
+                "a new scheduler can use fewer blocks, not other sizes"
+            )
+        self.scheduler_config = scheduler_config or self.scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock or self.clock
+        self.runner.requests.clear()
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
 

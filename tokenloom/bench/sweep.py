@@ -1,0 +1,128 @@
+"""`tokenloom bench sweep`: one workload, one knob varied, everything else fixed, on the real engine.
+
+The seeds' advice (001 §6): change one knob at a time and record queue time, TTFT, ITL/TPOT, E2E
+percentiles, throughput and preemptions. The model is loaded once; every point gets a fresh
+scheduler, and repeats cycle through the points so slow drifts of the machine hit all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenloom.engine.args import add_engine_args, engine_config_from_args
+
+# Knobs a fresh scheduler can change without reloading the model.
+SWEEPABLE = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
+             "scheduling_policy", "watermark", "batching", "num_blocks", "enable_prefix_caching")  # fmt: skip
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("sweep", help="vary one scheduler knob over one workload on the real engine")
+    add_engine_args(p)
+    p.add_argument("--sweep", required=True, metavar="KNOB=v1,v2,...",
+                   help=f"one of: {', '.join(k.replace('_', '-') for k in SWEEPABLE)}")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset-path", default=None, help="JSONL workload (anchors' format) with arrival times")
+    w.add_argument("--num-prompts", type=int, default=64)
+    w.add_argument("--input-len", type=int, default=256)
+    w.add_argument("--output-len", type=int, default=64)
+    w.add_argument("--range-ratio", type=float, default=0.5)
+    w.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate for random prompts")
+    w.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("-o", "--output-prefix", default="sweep", help="writes PREFIX.json and PREFIX.png")
+    p.add_argument("--trace-prefix", default=None, help="also write a step trace per point: PREFIX.KNOB=V.jsonl")
+    p.set_defaults(func=_run)
+
+
+def _workload(args: argparse.Namespace) -> list:
+    from tokenloom.bench.workloads import assign_arrivals, load_jsonl, random_requests
+
+    if args.dataset_path:
+        reqs = load_jsonl(args.dataset_path)
+    else:
+        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                               seed=args.workload_seed)
+        reqs = assign_arrivals(reqs, args.request_rate, 1.0, args.workload_seed)
+    for r in reqs:
+        r.ignore_eos = True
+    return reqs
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tokenloom.bench.engine_runs import run_on_engine
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.sim.sweep import format_table, parse_sweep
+
+    sweep = parse_sweep(args.sweep)
+    if sweep.knob not in SWEEPABLE:
+        raise ValueError(f"bench sweep cannot vary {sweep.knob} without reloading the model; "
+                         f"one of: {', '.join(SWEEPABLE)}")
+    requests = _workload(args)
+    engine = LLMEngine(engine_config_from_args(args))
+    per_point: dict[str, list[Any]] = {label: [] for label in sweep.labels}
+    for rep in range(args.repeats):
+        for value, label in zip(sweep.values, sweep.labels):
+            trace = f"{args.trace_prefix}.{sweep.knob}={label}.jsonl" if args.trace_prefix and rep == 0 else None
+            res = run_on_engine(engine, requests, {sweep.knob: value}, trace=trace)
+            per_point[label].append(res)
+            print(f"[{rep + 1}/{args.repeats}] {sweep.knob}={label}: {res.metrics['duration']:.1f} s, "
+                  f"{res.num_preemptions} preemptions", file=sys.stderr)
+    rows = []
+    summary = {}
+    for label, results in per_point.items():
+        metrics = _median_metrics([r.metrics for r in results])
+        preempt = int(statistics.median(r.num_preemptions for r in results))
+        steps = int(statistics.median(r.num_steps for r in results))
+        rows.append((label, metrics, preempt, steps))
+        summary[label] = {"metrics": metrics, "preemptions": preempt, "steps": steps}
+    print(format_table(sweep.knob, rows))
+    out = Path(args.output_prefix)
+    with open(out.with_suffix(".json"), "w") as f:
+        json.dump({"knob": sweep.knob, "repeats": args.repeats, "model": engine.model_name,
+                   "dtype": str(engine.dtype).replace("torch.", ""), "points": summary}, f, indent=1)
+    plot_tradeoff(sweep.knob, rows, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+def _median_metrics(all_metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, v in all_metrics[0].items() if isinstance(v, int | float) and v is not None]
+    return {k: statistics.median(m[k] for m in all_metrics if m.get(k) is not None) for k in keys}
+
+
+def plot_tradeoff(knob: str, rows: list[tuple[str, dict[str, Any], int, int]], path: Path) -> None:
+    """TTFT, ITL, throughput and preemptions against the knob: the trade-off the seeds describe."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r[0] for r in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    panels = [
+        ("TTFT (ms)", [("p50", "median_ttft_ms"), ("p99", "p99_ttft_ms")]),
+        ("ITL (ms)", [("p50", "median_itl_ms"), ("p99", "p99_itl_ms")]),
+        ("output tok/s", [("", "output_throughput")]),
+    ]
+    for ax, (title, series) in zip(axes, panels):
+        for name, key in series:
+            ax.plot(x, [r[1].get(key, float("nan")) for r in rows], marker="o", label=name or None)
+        ax.set_title(title)
+        if any(name for name, _ in series):
+            ax.legend()
+    axes[3].bar(x, [r[2] for r in rows], color="tab:red")
+    axes[3].set_title("preemptions")
+    for ax in axes:
+        ax.set_xticks(list(x), labels)
+        ax.set_xlabel(knob)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
