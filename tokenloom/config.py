@@ -55,6 +55,11 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ConfigError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= max_model_len "
+                f"({self.max_model_len})"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -46,7 +46,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.watermark_blocks = int(watermark * num_blocks)
+        # vLLM sizes the watermark from KVCacheConfig.num_blocks, which counts its null block
+        # (block 0, never usable) too: int(watermark * (usable + 1)) (vllm/v1/core/kv_cache_manager.py:208).
+        self.watermark_blocks = int(watermark * (num_blocks + 1))
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request already carry their hash.
         self.num_cached_block: dict[str, int] = {}
