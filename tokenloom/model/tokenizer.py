@@ -1,0 +1,205 @@
+"""Tokenizers: a thin wrapper over a Hugging Face fast tokenizer, and streaming (incremental) detokenization.
+
+Encoding, decoding and chat templates are delegated to transformers so that tokenloom renders and splits
+text exactly the way the model's own tooling does.
+
+GGUF files carry no tokenizer.json; transformers rebuilds one from the GGUF metadata. That takes ~4 s for
+SmolLM2 (most of it in `gguf.GGUFReader` parsing the vocabulary), so the converted tokenizer is saved
+under `<cache>/tokenizers/<file stem>-<key>/` and later loads take ~0.3 s. The key hashes the GGUF's
+resolved path, size and mtime plus the transformers version, so an edited file or a transformers upgrade
+converts afresh. `<cache>` is `$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else
+`~/.cache/tokenloom`; deleting it is always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenloom.model.loader import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+# Bumped when the cache layout changes, so old entries are ignored rather than misread.
+_CACHE_FORMAT = 1
+
+
+def default_cache_dir() -> Path:
+    if env := os.environ.get("TOKENLOOM_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenloom"
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the handful of operations the engine needs."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # No space clean-up (" ." -> "."): it depends on neighbouring tokens, so streamed text could not
+        # agree with a one-shot decode.
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(list(ids))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        return len(self.hf)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf.all_special_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **template_kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's own template; token ids if `tokenize`."""
+        if not self.chat_template:
+            raise ValueError(
+                "this model has no chat template (no tokenizer.chat_template in the GGUF, no chat_template in "
+                "tokenizer_config.json); send a plain completion prompt instead"
+            )
+        text = self.hf.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+        )
+        # The template writes any BOS itself; this is also how transformers tokenizes a rendered chat.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
+    """The tokenizer of a model given as for `resolve_model_path` (GGUF file or Hugging Face directory)."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        return Tokenizer(_gguf_tokenizer(path, Path(cache_dir) if cache_dir else default_cache_dir()))
+    return Tokenizer(_hf_dir_tokenizer(path))
+
+
+def _hf_dir_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def _gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    entry = cache_dir / "tokenizers" / f"{path.stem}-{_cache_key(path)}"
+    if (entry / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if not _save_to_cache(hf, entry):
+        return hf
+    # Serve the cached copy even now, so the first run behaves exactly like every later one.
+    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+
+
+def _cache_key(path: Path) -> str:
+    import transformers
+
+    stat = path.stat()
+    ident = f"{_CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _save_to_cache(hf: Any, entry: Path) -> bool:
+    """Save atomically (concurrent processes may convert the same file); False if the cache is unusable."""
+    tmp: Path | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}-", dir=entry.parent))
+        hf.save_pretrained(str(tmp))
+        tmp.rename(entry)  # fails if another process got there first; its copy is as good as ours
+    except OSError as exc:
+        if not (entry / "tokenizer.json").is_file():
+            logger.warning("cannot cache the converted tokenizer in %s (%s); it is rebuilt next time", entry, exc)
+            return False
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+class IncrementalDetokenizer:
+    """Turn token ids, fed a step at a time, into text deltas (the prefix/read-offset scheme of vLLM and TGI).
+
+    Each step re-decodes a short window: tokens already emitted (`prefix`, context for decoders whose
+    output depends on neighbours, e.g. sentencepiece's leading space) plus the unread ones, and emits what
+    the window adds beyond the prefix. Text ending in U+FFFD is held back, because a multi-byte character
+    split over byte-fallback or byte-level tokens decodes to U+FFFD until its last byte arrives.
+
+    Without `prompt_ids`, `text` after `flush()` equals `tokenizer.decode(token_ids, skip_special_tokens)`.
+    With them, the last few prompt tokens serve as context, so the first token's leading space survives.
+    """
+
+    _CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids)[-self._CONTEXT_TOKENS :]
+        self._n_context = len(self._ids)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids fed so far (prompt context excluded)."""
+        return self._ids[self._n_context :]
+
+    def step(self, new_ids: int | Iterable[int]) -> str:
+        """Feed the ids of one step (one id or several); return the newly stable text (possibly "")."""
+        # int() also accepts numpy/torch scalars, which HF decode would choke on later.
+        if isinstance(new_ids, Iterable):
+            self._ids.extend(int(i) for i in new_ids)
+        else:
+            self._ids.append(int(new_ids))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream, release held-back text (an unfinished character becomes U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
