@@ -18,12 +18,19 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
+$(VENV)/.chromium: | $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "warning: could not install chromium (not root?); the explorer's browser test will be skipped"
+	touch $@
+
 setup: $(STAMP)
 
 serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
-test: setup
+test: setup $(VENV)/.chromium
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/python -m pytest -q
 
