@@ -1,0 +1,168 @@
+"""The engine end to end: LLM.generate / LLM.chat over the real runner, the scheduler, the front end."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom.config import ConfigError
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.engine.llm import LLM
+from tokenloom.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4)
+
+
+def _prompts(n: int, length: int = 20) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(length + i)]} for i in range(n)]
+
+
+def test_generate_returns_vllm_shaped_outputs(tiny) -> None:
+    outs = tiny.generate(["Hello, world!", {"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24]
+    assert outs[1].prompt_token_ids == [5, 6, 7] and outs[0].prompt == "Hello, world!"
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "length" and isinstance(c.text, str)
+        m = o.metrics
+        assert 0 <= m.queue_time <= m.time_to_first_token <= m.e2e_latency
+    assert tiny.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
+
+
+def test_same_tokens_alone_and_in_a_busy_batch_with_chunking_and_preemption(tiny_dir) -> None:
+    target = {"prompt_token_ids": [11 + (j * 5) % 200 for j in range(37)]}
+    alone = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4)
+    want = alone.generate([target], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    # A small budget chunks every prompt; a small pool forces preemption and recompute.
+    busy = LLM(str(tiny_dir), dtype="float32", num_blocks=40, block_size=4, max_num_batched_tokens=16,
+               max_num_seqs=8)
+    prompts = _prompts(6) + [target] + _prompts(3, 30)
+    outs = busy.generate(prompts, GREEDY, use_tqdm=False)
+    assert outs[6].outputs[0].token_ids == want
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert busy.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 40
+
+
+@pytest.mark.parametrize("mode", ["static", "request"])
+def test_batching_modes_give_the_same_tokens(tiny_dir, mode) -> None:
+    cont = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4, max_num_seqs=4)
+    other = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4, max_num_seqs=4, batching=mode)
+    prompts = _prompts(7)
+    a = [o.outputs[0].token_ids for o in cont.generate(prompts, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in other.generate(prompts, GREEDY, use_tqdm=False)]
+    assert a == b
+
+
+def test_prefix_cache_hits_do_not_change_tokens(tiny) -> None:
+    shared = [9] * 40
+    p1 = {"prompt_token_ids": shared + [1, 2, 3]}
+    first = tiny.generate([p1], GREEDY, use_tqdm=False)[0]
+    again = tiny.generate([p1], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 40 - 4
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_n_completions(tiny) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, n=3, ignore_eos=True)
+    a = tiny.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    b = tiny.generate(["Once upon a time", "noise"], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len(a.outputs) == 3 and [c.index for c in a.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # different seeds per completion
+
+
+def test_stop_string_truncates_and_frees(tiny) -> None:
+    base = tiny.generate(["The quick brown"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    out = tiny.generate(["The quick brown"], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+                        use_tqdm=False)[0].outputs[0]
+    assert out.text == base[: base.find(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
+    incl = tiny.generate(["The quick brown"], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                             include_stop_str_in_output=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert incl.text == base[: base.find(stop) + len(stop)]
+    assert tiny.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
+
+
+def test_streaming_deltas_never_show_a_stop_string(tiny) -> None:
+    engine = tiny.llm_engine
+    base = tiny.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = base[5:9]
+    rid = engine.add_request(None, "Hello", SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                streamed += out.outputs[0].delta_text
+                assert stop not in streamed
+    assert streamed == base[: base.find(stop)]
+
+
+def test_logprobs(tiny) -> None:
+    out = tiny.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert tok in lp and lp[tok].rank == 1  # greedy: the chosen token is the most likely
+        assert len(lp) == 3
+    assert comp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(comp.token_ids,
+                                                                                           comp.logprobs)))
+
+
+def test_chat_uses_the_models_template(tiny) -> None:
+    out = tiny.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    tok = tiny.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                                              add_special_tokens=False)
+
+
+def test_bad_input_gives_clear_errors_and_the_engine_goes_on(tiny) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        tiny.generate([{"prompt_token_ids": [1, 10**6]}], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="empty"):
+        tiny.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        tiny.generate([{"prompt_token_ids": [5] * 5000}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ConfigError, match="unknown engine argument"):
+        LLM("x", not_a_knob=1)
+    assert not tiny.llm_engine.has_unfinished_requests()
+    assert len(tiny.generate(["still alive"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_abort_frees_blocks_at_once(tiny) -> None:
+    engine = tiny.llm_engine
+    rid = engine.add_request(None, "abort me", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < 256
+    (out,) = engine.abort_request(rid)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_failing_step_finishes_its_requests_with_an_error(tiny, monkeypatch) -> None:
+    engine = tiny.llm_engine
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    rid = engine.add_request(None, "fail", GREEDY)
+    monkeypatch.setattr(engine.runner, "execute_model", boom)
+    outs = engine.step()
+    monkeypatch.undo()
+    (out,) = [o for o in outs if o.request_id == rid]
+    assert out.finished and out.outputs[0].finish_reason == "error" and "simulated" in out.error
+    assert len(tiny.generate(["after the failure"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24

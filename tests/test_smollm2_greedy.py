@@ -1,0 +1,45 @@
+"""The default model, end to end: greedy tokens equal Hugging Face transformers' greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.engine.llm import LLM
+from tokenloom.model.loader import resolve_model_path
+from tokenloom.sampling_params import SamplingParams
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for writing clean Python code.",
+    "Why is the sky blue?",
+]
+NEW_TOKENS = 64
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_on_8_chat_prompts() -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(None)
+    llm = LLM(dtype="float32", max_num_batched_tokens=256)  # small budget: prompts share steps
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+               for c in CHATS]
+    ours = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    hf.eval()
+    eos = tok.eos_token_id
+    for prompt, out in zip(prompts, ours):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos)
+        ref_ids = ref[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref_ids, (out.outputs[0].text, tok.decode(ref_ids))

@@ -1,0 +1,170 @@
+"""Attention over a paged KV cache, in plain torch: the same code runs on CPU and CUDA tensors.
+
+KV layout (per layer, one K and one V tensor, views of a single allocation):
+
+    [num_kv_heads, num_blocks, block_size, head_dim]      ("head-major")
+
+A token's slot is `block_id * block_size + offset`; viewed as [num_kv_heads, num_blocks * block_size,
+head_dim] a slot is one row per head. Head-major rather than vLLM's [num_blocks, block_size,
+num_kv_heads, head_dim]: gathering whole blocks along dim 1 lands a request's context directly in
+the [kv_heads, requests, keys, head_dim] shape the attention GEMMs want, with no transpose copy.
+Measured on the 2-core Zen 4 dev box, decode attention for 32 requests x 300 tokens of
+SmolLM2-135M's shape: 1.2 ms vs 3.0 ms (bf16), 3.2 ms vs 6.4 ms (fp32) per layer.
+
+One step's flattened batch is laid out decode groups first (one token per request), then prefill
+chunks:
+
+* decodes: single-token requests, in groups of similar context length (the runner forms them),
+  one padded call per group: gather the group's blocks, then matmul -> fp32 masked softmax ->
+  matmul. The kv heads are the GEMM batch and the G query heads sharing a kv head are the rows of
+  one small GEMM, so GQA needs no repeat of K/V. This beat SDPA's CPU flash kernel ~2x here: with
+  one query per request the kernel's per-(request, head) overhead dominates. The cost is memory
+  traffic: the gather writes every context once more before the GEMMs read it (a fused paged
+  kernel would read it once).
+* prefill chunks (more than one token, possibly starting at num_computed_tokens > 0): one SDPA
+  call per request over its gathered context with enable_gqa, 4-D inputs (the only shape torch's
+  CPU dispatcher sends to the flash kernel). Chunks starting at 0 use is_causal; later chunks pass
+  a bottom-right-aligned causal bool mask (query i at position start + i sees keys 0..start + i),
+  which the flash kernel runs ~2x slower than is_causal.
+
+Everything the layers share (block tables, masks) is built once per step in `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.model.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]
+
+
+@dataclass
+class DecodeMetadata:
+    """A group of single-token requests served by one padded attention call.
+
+    Decodes are grouped by context length (see the runner) so that padding to the group's longest
+    context stays small.
+    """
+
+    token_start: int  # offset of the group's first token in the flattened batch
+    num_seqs: int
+    block_tables: torch.Tensor  # [num_seqs * max_blocks] long, flattened, padded with block 0
+    max_blocks: int
+    key_bias: torch.Tensor  # [1, num_seqs, 1, max_blocks * block_size] fp32: 0 = attend, -inf = padding
+
+
+@dataclass
+class PrefillMetadata:
+    """One multi-token chunk of one request: queries at positions start..start+n-1."""
+
+    token_start: int  # offset of the chunk's first token in the flattened batch
+    num_tokens: int
+    context_len: int  # start + num_tokens: keys 0..context_len-1
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None: plain causal (start == 0)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each token's K/V is written
+    decodes: list[DecodeMetadata] = field(default_factory=list)
+    prefills: list[PrefillMetadata] = field(default_factory=list)
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * elem
+    return per_layer * config.num_hidden_layers
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[KVCache]:
+    """One zeroed allocation, handed out as a (K, V) pair of views per layer.
+
+    Zeroed rather than empty: padded decode slots read stale rows, and masked-out garbage must not
+    be NaN/Inf (0 * NaN would poison the softmax-weighted sum).
+    """
+    shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    full = torch.zeros(shape, dtype=dtype, device=device)
+    return [(full[i, 0], full[i, 1]) for i in range(config.num_hidden_layers)]
+
+
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V ([T, num_kv_heads, head_dim]) at their slots."""
+    k_cache, v_cache = kv_cache
+    num_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq * D].
+
+    Writes k/v into the cache first, then reads every query's context (cached + new) from it.
+    """
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
+    for group in meta.decodes:
+        s, e = group.token_start, group.token_start + group.num_seqs
+        out[s:e] = _decode_attention(q[s:e], kv_cache, group)
+    for chunk in meta.prefills:
+        s, e = chunk.token_start, chunk.token_start + chunk.num_tokens
+        out[s:e] = _prefill_attention(q[s:e], kv_cache, chunk)
+    return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] -> [Hkv, len(block_ids) * bs, D], whole blocks at a time."""
+    num_heads, _, block_size, head_dim = cache.shape
+    return cache.index_select(1, block_ids).view(num_heads, block_ids.numel() * block_size, head_dim)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata) -> torch.Tensor:
+    """Unfused matmul-softmax-matmul: with q_len of one, SDPA's CPU flash kernel spends its time on
+    per-(request, head) overhead; plain batched GEMMs were ~2x faster here."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    b = meta.num_seqs
+    group = q.shape[1] // num_kv_heads
+    k = _gather_blocks(k_cache, meta.block_tables).view(num_kv_heads, b, -1, head_dim)
+    v = _gather_blocks(v_cache, meta.block_tables).view(num_kv_heads, b, -1, head_dim)
+    # [B, Hq, D] -> [Hkv, B, G, D]: the G query heads sharing a kv head are the rows of one small
+    # GEMM against that head's keys, so GQA needs no repeat of K/V.
+    qh = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
+    # Scores come out of the GEMM in the run dtype (as in HF's eager attention); scale, mask and
+    # softmax run in fp32.
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float()
+    scores.mul_(head_dim**-0.5).add_(meta.key_bias)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    o = torch.matmul(probs, v)  # [Hkv, B, G, D]
+    return o.transpose(0, 1).reshape(b, num_kv_heads * group * head_dim)
+
+
+def _prefill_attention(q: torch.Tensor, kv_cache: KVCache, meta: PrefillMetadata) -> torch.Tensor:
+    k_cache, v_cache = kv_cache
+    n, num_q_heads, head_dim = q.shape
+    # 4-D inputs: with 3-D ones torch's CPU dispatcher falls back to the unfused math kernel.
+    k = _gather_blocks(k_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
+    v = _gather_blocks(v_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if meta.mask is None:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+    else:
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=meta.mask, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(n, num_q_heads * head_dim)
+
+
+def causal_offset_mask(start: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """[n, start + n] bool: query i (position start + i) sees keys 0..start + i."""
+    keys = torch.arange(start + num_tokens, device=device)
+    queries = torch.arange(start, start + num_tokens, device=device)
+    return keys[None, :] <= queries[:, None]
