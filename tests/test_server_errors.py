@@ -1,0 +1,171 @@
+"""Client mistakes over raw HTTP: each gets its status and an OpenAI-shaped error body, never a 500, and
+the server keeps serving (including after a fuzz of random JSON types in every field)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.test_server_harness import ServerProcess
+from tests.tiny_models import make_tiny_hf_model
+
+pytestmark = pytest.mark.slow
+KEY = "sk-errors"
+LIMIT = 16 * 1024  # --max-request-body-bytes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+    args = [str(model_dir), "--dtype", "float32", "--num-blocks", "512", "--block-size", "4",
+            "--served-model-name", "tiny", "--max-request-body-bytes", str(LIMIT)]
+    with ServerProcess(*args, api_key=KEY, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as c:
+        yield c
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+CMPL = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"n": 10_000}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [5] * 300}, "prompt"),  # longer than max_model_len (256)
+    ({"prompt": [1, 2, 10**6]}, "prompt"),  # out of vocabulary
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ({"stream": "maybe"}, "stream"),
+    ({"echo": True}, "echo"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), BAD_COMPLETIONS, ids=[json.dumps(p)[:40] for p, _ in BAD_COMPLETIONS])
+def test_bad_completion_parameters_are_400(http, patch, param) -> None:
+    _assert_error(http.post("/v1/completions", json={**CMPL, **patch}), 400, param)
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"max_completion_tokens": -3}, "max_tokens"),
+    ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), BAD_CHATS, ids=[json.dumps(p)[:40] for p, _ in BAD_CHATS])
+def test_bad_chat_parameters_are_400(http, patch, param) -> None:
+    _assert_error(http.post("/v1/chat/completions", json={**CHAT, **patch}), 400, param)
+
+
+def test_malformed_bodies_are_400(http) -> None:
+    for raw in [b"{not json", b"[1, 2]", b'"text"', b"", b'{"prompt": "a", "temperature": NaN}',
+                b'{"prompt": "a", "max_tokens": 4, "temperature": 1e999}', b"\xff\xfe", b"[" * 10_000]:
+        r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        _assert_error(r, 400)
+
+
+def test_unknown_model_route_and_method(http) -> None:
+    err = _assert_error(http.post("/v1/completions", json={**CMPL, "model": "gpt-17"}), 404, "model")
+    assert err["type"] == "NotFoundError"
+    _assert_error(http.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"}), 404, "model")
+    _assert_error(http.get("/v1/models/gpt-17"), 404)
+    _assert_error(http.get("/v1/nothing-here"), 404)
+    r = _assert_error(http.get("/v1/completions"), 405)
+    assert r["type"] == "MethodNotAllowedError"
+    _assert_error(http.delete("/health"), 405)
+
+
+def test_oversized_bodies_are_413(http) -> None:
+    big = {**CMPL, "prompt": "x" * (LIMIT + 10)}
+    _assert_error(http.post("/v1/completions", json=big), 413)
+
+    def chunks():  # no Content-Length: the limit is counted as the body streams in
+        yield b'{"prompt": "'
+        for _ in range(LIMIT // 1000 + 2):
+            yield b"y" * 1000
+        yield b'"}'
+
+    _assert_error(http.post("/v1/completions", content=chunks()), 413)
+
+
+def test_api_key(server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json=CMPL, headers=headers, timeout=10)
+        assert _assert_error(r, 401)["type"] == "AuthenticationError"
+    _assert_error(httpx.get(server.url + "/v1/models", timeout=10), 401)
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 200
+
+
+_VALUES = [None, True, False, -1, 0, 1, 3, 2**70, -(2**70), 1.5, -0.0, 1e300, "", "x", "1", [], [1], ["a"], [[1]],
+           [None], {}, {"a": 1}, {"type": "text"}]
+_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
+           "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+           "min_tokens", "priority", "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids",
+           "echo", "best_of", "user", "logit_bias", "suffix", "return_token_ids"]
+_CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                "response_format", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
+
+
+def test_fuzzed_fields_never_500_and_the_engine_keeps_serving(http) -> None:
+    rng = random.Random(1234)
+    cases = [("/v1/completions", CMPL, f) for f in _FIELDS] + [("/v1/chat/completions", CHAT, f)
+                                                              for f in _FIELDS + _CHAT_FIELDS if f != "prompt"]
+    statuses: dict[int, int] = {}
+    for path, base, field in cases:
+        for value in rng.sample(_VALUES, 8):
+            body = {**base, field: value}
+            with http.stream("POST", path, json=body) as r:
+                r.read()  # a stream=True that passed validation answers 200 with SSE
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code in (200, 400, 404), (body, r.status_code, r.text[:300])
+                if r.status_code != 200:
+                    _assert_error(r, r.status_code)
+                else:  # a stream fails after its 200 with an error event; a client's mistake never may
+                    assert b'"code":500' not in r.content, (body, r.text[:300])
+    assert statuses.get(200) and statuses.get(400)
+    ok = http.post("/v1/completions", json={**CMPL, "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    assert http.get("/health").status_code == 200

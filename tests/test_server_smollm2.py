@@ -1,0 +1,36 @@
+"""`make serve`'s configuration (the default model, SmolLM2-135M-Instruct, default options, loopback)
+answers the official openai client sensibly."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.test_server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # As the Makefile runs it, on an ephemeral port instead of 8000.
+    with ServerProcess("--host", "127.0.0.1", log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+def test_default_model_answers_a_chat_request(server) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    [model] = client.models.list().data
+    assert model.id == "SmolLM2-135M-Instruct" and model.model_extra["max_model_len"] == 8192
+    reply = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0.0, max_completion_tokens=40,
+    )
+    text = reply.choices[0].message.content
+    assert "Paris" in text, text
+    assert reply.usage.completion_tokens <= 40 and reply.choices[0].finish_reason in ("stop", "length")
+    streamed = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0.0, max_completion_tokens=40, stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text

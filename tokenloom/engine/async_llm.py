@@ -1,0 +1,345 @@
+"""AsyncLLM: the engine for an asyncio server, with the engine core in its own process.
+
+    API process (this)                                   engine-core process (core_proc.py)
+    tokenizer, validation ──EngineCoreRequest/Abort──▶   Scheduler + ModelRunner, stepping
+    OutputProcessor (text, stop strings, logprobs) ◀──EngineCoreOutputs──  (token ids, stats)
+    per-request asyncio queues → HTTP handlers
+
+`add_request` validates and enqueues at once (errors raise before any response is started), and
+returns nothing to await: outputs arrive on a RequestStream, which can carry several requests (a
+batch of prompts) and aborts whatever is unfinished when closed — that is how a client that goes
+away frees its KV blocks. The engine's per-request timestamps come back with the outputs and are
+written into local mirror Requests, so the OutputProcessor works exactly as in LLMEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from tokenloom.core.kv_cache_manager import cdiv
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import SchedulerStats
+from tokenloom.engine.core_client import EngineCoreClient
+from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady
+from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads it only with the tokenizer
+    from tokenloom.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+StatLogger = Callable[[IterationStats], None]
+
+
+class InvalidRequestError(ValueError):
+    """The request can never be served as sent (a client error); `param` names the culprit field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing can be served any more."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (--max-waiting-requests); try again later."""
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class RequestStream:
+    """Outputs of one or more requests, in the order they are produced; iterate until all finish."""
+
+    def __init__(self, engine: AsyncLLM) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.pending: set[str] = set()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.pending:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            self.pending.discard(item.request_id)
+        return item
+
+    def close(self) -> None:
+        """Abort every request of the stream that has not finished (idempotent)."""
+        for request_id in list(self.pending):
+            self._engine.abort(request_id)
+        self.pending.clear()
+
+
+class _Tracked:
+    __slots__ = ("stream", "cores")
+
+    def __init__(self, stream: RequestStream, cores: list[Request]) -> None:
+        self.stream = stream
+        self.cores = cores
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        ready: EngineReady,
+        tokenizer: Tokenizer,
+        max_waiting_requests: int | None = None,
+    ) -> None:
+        self.client = client
+        self.info = ready
+        self.tokenizer = tokenizer
+        self.max_waiting_requests = max_waiting_requests
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers: list[StatLogger] = []
+        self.accepting = True
+        self.scheduler_stats: SchedulerStats | None = None
+        self._requests: dict[str, _Tracked] = {}
+        self._mirrors: dict[str, Request] = {}  # core request id -> local mirror, while unfinished
+        self._num_sent = 0  # core requests sent to the engine
+        self._num_received = 0  # ... of which the engine had seen, as of its last batch
+
+    @classmethod
+    def from_client(
+        cls,
+        client: EngineCoreClient,
+        model: str | None,
+        max_waiting_requests: int | None = None,
+        ready_timeout_s: float = 600.0,
+    ) -> AsyncLLM:
+        """Load the tokenizer here while the (already spawned) engine process loads the model, then wait
+        for the engine to be ready. Stops the engine process if anything fails."""
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(model)
+            ready = client.wait_ready(ready_timeout_s)
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client, ready, tokenizer, max_waiting_requests)
+
+    def attach(self) -> None:
+        """Start receiving engine outputs; call from the running event loop."""
+        self.client.attach(self._on_outputs, self._on_engine_failure)
+
+    def shutdown(self) -> None:
+        self.accepting = False
+        self.client.shutdown()
+
+    # State ----------------------------------------------------------------------------------------
+    @property
+    def dead_reason(self) -> str | None:
+        if self.client.is_alive:
+            return None
+        exit_code = self.client.process.exitcode
+        return self.client.dead_reason or f"the engine process is not running (exit code {exit_code})"
+
+    @property
+    def num_waiting(self) -> int:
+        """Core requests waiting in the engine, counting those still in the pipe."""
+        waiting = self.scheduler_stats.num_waiting_reqs if self.scheduler_stats else 0
+        return waiting + self._num_sent - self._num_received
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    # Requests in ----------------------------------------------------------------------------------
+    def open_stream(self) -> RequestStream:
+        return RequestStream(self)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stream: RequestStream,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Validate and enqueue; raises InvalidRequestError, EngineOverloadedError, EngineDeadError or
+        EngineDrainingError before anything is sent. Outputs arrive on `stream`."""
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+        if not self.accepting:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids, params)
+        if self.max_waiting_requests is not None and self.num_waiting + params.n > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(limit {self.max_waiting_requests}); retry later"
+            )
+        arrival = time.monotonic()
+        cores = []
+        for i in range(params.n):
+            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child.eos_token_id = self.info.eos_token_id
+            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            cores.append(Request(core_id, prompt_token_ids, child, arrival_time=arrival, priority=priority))
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
+        self._requests[request_id] = _Tracked(stream, cores)
+        stream.pending.add(request_id)
+        for core in cores:
+            self._mirrors[core.request_id] = core
+            self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
+                                               arrival, priority))
+        self._num_sent += len(cores)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """What the scheduler would reject, said up front with vLLM's wording (HTTP 400)."""
+        n_prompt, max_len = len(prompt_token_ids), self.info.max_model_len
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
+        if n_prompt >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length of the input.",
+                "prompt",
+            )
+        if params.max_tokens is not None and n_prompt + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {n_prompt} input tokens "
+                f"({params.max_tokens} > {max_len} - {n_prompt}).",
+                "max_tokens",
+            )
+        final_len = min(n_prompt + params.effective_max_tokens, max_len)
+        blocks = cdiv(final_len - 1, self.info.block_size)
+        if blocks > self.info.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {blocks} KV-cache blocks at its longest but the pool has only "
+                f"{self.info.num_blocks}; lower max_tokens or the prompt length",
+                "max_tokens",
+            )
+
+    # Requests out ---------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """The client is gone: free its blocks in the engine now; nobody reads the final output."""
+        self._finish(request_id, "abort", None, deliver=False)
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def abort_all(self, message: str) -> None:
+        """Cut every unfinished request (shutdown grace period over): finish_reason "abort" + `message`."""
+        for request_id in list(self._requests):
+            self._finish(request_id, "abort", message, deliver=True)
+
+    def _finish(self, request_id: str, reason: str, error: str | None, deliver: bool) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        live = [c.request_id for c in tracked.cores if c.request_id in self._mirrors]
+        if live and self.client.is_alive:
+            self.client.send(AbortRequests(live))
+        out = self.output_processor.finish_aborted(request_id, reason, error)
+        stats = IterationStats(time.monotonic())
+        if out is not None:
+            self._record_finished(out, tracked, stats)
+            if deliver:
+                tracked.stream._put(out)
+        self._log(stats)
+        if not deliver:
+            tracked.stream.pending.discard(request_id)
+
+    # Engine messages (on the event loop) ------------------------------------------------------------
+    def _on_outputs(self, batch: EngineCoreOutputs) -> None:
+        ts = batch.timestamp
+        self.scheduler_stats = batch.stats
+        self._num_received = batch.num_requests_received
+        stats = IterationStats(ts, batch.stats, batch.step, ipc_latency=time.monotonic() - ts)
+        for rid, t in batch.first_scheduled.items():
+            if (mirror := self._mirrors.get(rid)) is not None:
+                mirror.first_scheduled_time = t
+        for out in batch.outputs:
+            mirror = self._mirrors.get(out.request_id)
+            if mirror is None:  # finished here already (stop string, abort): late tokens are dropped
+                continue
+            mirror.num_cached_tokens = out.num_cached_tokens
+            if out.new_token_ids:
+                if mirror.first_token_time is None:
+                    mirror.first_token_time = ts
+                    stats.time_to_first_tokens.append(ts - mirror.arrival_time)
+                    stats.num_prompt_tokens += mirror.num_prompt_tokens
+                else:
+                    stats.inter_token_latencies.append(ts - (mirror.last_token_time or ts))
+                mirror.last_token_time = ts
+                mirror.append_output_token_ids(out.new_token_ids)
+                stats.num_generation_tokens += len(out.new_token_ids)
+            if out.finished:
+                mirror.finished_time = ts
+                mirror.num_preemptions = batch.num_preemptions.get(out.request_id, 0)
+        outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
+        if to_abort:  # stop strings ended these: free their blocks now
+            self.client.send(AbortRequests(to_abort))
+        for out in outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:
+                continue
+            self._record_finished(out, tracked, stats)
+            if out.finished:
+                del self._requests[out.request_id]
+            tracked.stream._put(out)
+        self._log(stats)
+
+    def _on_engine_failure(self, message: str) -> None:
+        """Fail every request in flight at once (503), rather than leave it hanging."""
+        self.accepting = False
+        stats = IterationStats(time.monotonic())
+        for request_id in list(self._requests):
+            tracked = self._requests.pop(request_id)
+            out = self.output_processor.finish_aborted(request_id, "error", message)
+            if out is not None:
+                self._record_finished(out, tracked, stats)
+            tracked.stream._put(EngineDeadError(message))
+        self._log(stats)
+
+    # Figures --------------------------------------------------------------------------------------
+    def _record_finished(self, out: RequestOutput, tracked: _Tracked, stats: IterationStats) -> None:
+        """Stats for each completion of `out` that just finished; its mirror is dropped."""
+        for comp, core in zip(out.outputs, tracked.cores):
+            if comp.finish_reason is None or self._mirrors.pop(core.request_id, None) is None:
+                continue
+            end = core.finished_time or stats.timestamp
+            queued = core.first_scheduled_time
+            stats.finished.append(FinishedRequestStats(
+                finish_reason=comp.finish_reason,
+                e2e_latency=end - core.arrival_time,
+                queue_time=None if queued is None else queued - core.arrival_time,
+                num_prompt_tokens=core.num_prompt_tokens,
+                num_generation_tokens=len(comp.token_ids),
+            ))
+
+    def _log(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger(stats)
+            except Exception:  # figures must never take serving down
+                logger.exception("stat logger failed")

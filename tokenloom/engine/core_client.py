@@ -1,0 +1,144 @@
+"""The API process's handle on the engine-core process: spawn it, feed it, hear from it.
+
+Two one-way pipes. Messages to the engine go through a writer thread, so a full pipe (the engine is in
+the middle of a long step) never blocks the event loop. Messages from the engine are read on the
+event loop itself (`loop.add_reader`): a batch is one small pickle, and handling it there keeps every
+per-request structure single-threaded. EOF on the engine's pipe means the process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineFailed, EngineReady, Shutdown
+from tokenloom.engine.core_proc import run_engine_core
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads, no inherited sockets
+        engine_inbox, self._to_engine = ctx.Pipe(duplex=False)
+        self._from_engine, engine_outbox = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=run_engine_core, args=(config, engine_inbox, engine_outbox, log_level),
+            name="tokenloom-engine-core", daemon=True,
+        )
+        self.process.start()
+        # Drop our copies of the child's ends, or EOF would never show when the child dies.
+        engine_inbox.close()
+        engine_outbox.close()
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="engine-core-writer", daemon=True)
+        self._writer.start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self._on_failure: Callable[[str], None] | None = None
+        self.dead_reason: str | None = None
+        self._closed = False
+
+    # Start-up (synchronous: before the server binds) ---------------------------------------------
+    def wait_ready(self, timeout_s: float) -> EngineReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._from_engine.poll(0.05):
+                try:
+                    msg = self._from_engine.recv()
+                except EOFError:
+                    break
+                if isinstance(msg, EngineReady):
+                    return msg
+                if isinstance(msg, EngineFailed):
+                    raise EngineStartError(msg.message)
+            elif not self.process.is_alive():
+                break
+        if self.process.is_alive():
+            raise EngineStartError(f"the engine was not ready after {timeout_s:g} s")
+        self.process.join(1.0)
+        raise EngineStartError(f"the engine process exited during start-up (exit code {self.process.exitcode})")
+
+    # Running ------------------------------------------------------------------------------------
+    def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: Callable[[str], None]) -> None:
+        """Start delivering engine messages on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._on_outputs, self._on_failure = on_outputs, on_failure
+        self._loop.add_reader(self._from_engine.fileno(), self._on_readable)
+
+    def send(self, msg: Any) -> None:
+        if not self._closed:
+            self._outbox.put(msg)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.process.is_alive()
+
+    def _on_readable(self) -> None:
+        try:
+            while self._from_engine.poll():
+                msg = self._from_engine.recv()
+                if isinstance(msg, EngineCoreOutputs):
+                    assert self._on_outputs is not None
+                    self._on_outputs(msg)
+                elif isinstance(msg, EngineFailed):
+                    self._fail(msg.message)
+                    return
+        except (EOFError, OSError):
+            if not self._closed:
+                self.process.join(0.2)  # the exit code, when the kernel has it already
+                self._fail(f"the engine process died (exit code {self.process.exitcode})")
+        except Exception as exc:  # a bug handling outputs: fail loudly (503s, /health) rather than hang streams
+            logger.exception("handling engine outputs failed")
+            self._fail(f"internal error while handling engine outputs: {type(exc).__name__}: {exc}")
+
+    def _fail(self, message: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = message
+        logger.error("engine failure: %s", message)
+        self._detach()
+        if self._on_failure is not None:
+            self._on_failure(message)
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._from_engine.fileno())
+        self._loop = None
+
+    def _write_loop(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._to_engine.send(msg)
+            except OSError:  # the engine is gone; the reader reports it
+                return
+
+    # Stopping -----------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the engine to stop, and kill it if it has not within `timeout_s`. Idempotent."""
+        if self._closed:
+            return
+        if self.process.is_alive():
+            self._outbox.put(Shutdown())
+        self._outbox.put(None)
+        self._closed = True
+        self._writer.join(timeout_s)
+        self.process.join(timeout_s)
+        if self.process.is_alive():  # it ignores SIGTERM (see core_proc), so straight to SIGKILL
+            logger.warning("the engine process did not stop in %.0f s; killing it", timeout_s)
+            self.process.kill()
+            self.process.join()
+        self._detach()
+        self._to_engine.close()
+        self._from_engine.close()

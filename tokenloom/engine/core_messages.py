@@ -1,0 +1,76 @@
+"""What crosses the pipes between the API process and the engine-core process.
+
+API → engine: EngineCoreRequest (one per core request; `n > 1` is already fanned out), AbortRequests,
+Shutdown. Engine → API: EngineReady once (or EngineFailed), then one EngineCoreOutputs per loop
+iteration that did something, and EngineFailed if the loop dies. All are plain dataclasses, pickled
+by multiprocessing.Connection; timestamps are `time.monotonic()`, which is one clock for every
+process on the machine, so the API process can subtract them from its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.core.scheduler import SchedulerStats
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class EngineReady:
+    """What the API process needs to know about the loaded engine (it never loads the model)."""
+
+    model_name: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_id: int | None
+    vocab_size: int
+    dtype: str
+    device: str
+    load_time_s: float
+
+
+@dataclass
+class EngineFailed:
+    """The engine could not start, or its loop died; the message says why."""
+
+    message: str
+
+
+@dataclass
+class StepInfo:
+    num_tokens: int  # tokens scheduled in the step (iteration tokens)
+    duration_s: float  # schedule + execute + update
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    timestamp: float  # when the batch was built (after the step)
+    stats: SchedulerStats
+    num_requests_received: int  # core requests added so far (to count those still in the pipe)
+    step: StepInfo | None = None  # None: no step ran (only messages were handled)
+    # request id -> first time it was scheduled, reported once (the API process computes queue time).
+    first_scheduled: dict[str, float] = field(default_factory=dict)
+    # request id -> times it was preempted, for requests finished in this batch that ever were.
+    num_preemptions: dict[str, int] = field(default_factory=dict)

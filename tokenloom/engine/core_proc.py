@@ -1,0 +1,187 @@
+"""The engine-core process: model, scheduler and runner, stepping as fast as there is work.
+
+    loop: handle every message waiting in the inbox (add / abort / shutdown; block when idle)
+          → one EngineCore.step() if any request is unfinished
+          → send one EngineCoreOutputs (the step's token ids, scheduler stats, timestamps)
+
+Text never reaches this process: tokenization, detokenization, stop strings and HTTP live in the
+API process (AsyncLLM), so they never stall a step. Messages are read between steps only, which
+keeps the scheduler single-threaded. The process ends on Shutdown, or when its inbox reaches EOF
+(the API process is gone), so it can never outlive its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.core.request import Request
+from tokenloom.engine.core_messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineReady,
+    Shutdown,
+    StepInfo,
+)
+
+if TYPE_CHECKING:
+    from tokenloom.engine.core import EngineCore
+    from tokenloom.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str = "INFO") -> None:
+    """Entry point of the spawned process."""
+    # Ctrl-C (and a SIGTERM sent to the process group) reach this process too, but the API process
+    # decides when it stops: it drains requests first, then sends Shutdown. Should the API process
+    # die instead, the inbox reaches EOF and this process exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Before torch loads OpenMP: idle OpenMP threads spin ~10k iterations, then sleep (unless the user chose).
+    # This process shares the cores with the API process (and whatever else runs); libgomp's default long
+    # spin starves the one thread a parallel region waits for, which made steps several times slower on a
+    # loaded 2-core machine, while a short spin keeps nearly all of the spin's speed on a quiet one.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    try:
+        engine, ready = _load(config)
+    except Exception as exc:  # report any start-up failure to the API process, which prints it
+        _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    try:
+        outbox.send(ready)
+        EngineCoreProc(engine.engine_core, inbox, outbox).run()
+    except (EOFError, OSError):
+        logger.info("the API process is gone; engine core exiting")
+    except Exception as exc:
+        logger.exception("engine core loop failed")
+        _send_quietly(outbox, EngineFailed(f"engine core loop failed: {type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    finally:
+        engine.close()
+
+
+def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
+    from tokenloom.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    ready = EngineReady(
+        model_name=engine.model_name,
+        max_model_len=engine.scheduler_config.max_model_len,
+        num_blocks=engine.cache_config.num_blocks or 0,
+        block_size=engine.cache_config.block_size,
+        eos_token_id=engine.eos_token_id,
+        vocab_size=engine.model_config.vocab_size,
+        dtype=str(engine.dtype).replace("torch.", ""),
+        device=str(engine.device),
+        load_time_s=time.perf_counter() - t0,
+    )
+    return engine, ready
+
+
+def _send_quietly(outbox: Connection, msg: object) -> None:
+    with contextlib.suppress(OSError):  # the API process may be gone already
+        outbox.send(msg)
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+        self.core = core
+        self.scheduler = core.scheduler
+        self.inbox = inbox
+        self.outbox = outbox
+        self.num_received = 0
+        self.stopping = False
+        # Requests this process holds, so their timestamps can be read after the scheduler drops them.
+        self._live: dict[str, Request] = {}
+        self._unscheduled: set[str] = set()
+        # Adds the scheduler refused, answered with an error output in the next batch.
+        self._rejected: list[EngineCoreOutput] = []
+
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.scheduler.has_requests()
+            handled = self._handle_inbox(block=not busy)
+            if self.stopping:
+                break
+            step: StepInfo | None = None
+            outputs: list[EngineCoreOutput] = []
+            if self.scheduler.has_requests():
+                outputs = self.core.step()
+                step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
+            if step is not None or handled:
+                self.outbox.send(self._batch(outputs, step))
+
+    def _handle_inbox(self, block: bool) -> bool:
+        """Apply every waiting message; when `block`, wait for the first one. True if any was handled."""
+        if not self.inbox.poll(None if block else 0):
+            return False
+        while True:
+            msg = self.inbox.recv()  # EOFError when the API process is gone: ends the loop
+            if isinstance(msg, EngineCoreRequest):
+                self._add(msg)
+            elif isinstance(msg, AbortRequests):
+                self.core.abort_requests(msg.request_ids)
+                for rid in msg.request_ids:
+                    self._forget(rid)
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+                return True
+            if not self.inbox.poll(0):
+                return True
+
+    def _add(self, msg: EngineCoreRequest) -> None:
+        self.num_received += 1
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                          arrival_time=msg.arrival_time, priority=msg.priority)
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:  # RequestRejected: the API process validates first, so this is rare
+            self._rejected.append(EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(exc)))
+            return
+        self._live[msg.request_id] = request
+        self._unscheduled.add(msg.request_id)
+
+    def _batch(self, outputs: list[EngineCoreOutput], step: StepInfo | None) -> EngineCoreOutputs:
+        if self._rejected:
+            outputs = self._rejected + outputs
+            self._rejected = []
+        first_scheduled = {}
+        for rid in list(self._unscheduled):
+            t = self._live[rid].first_scheduled_time
+            if t is not None:
+                first_scheduled[rid] = t
+                self._unscheduled.discard(rid)
+        num_preemptions = {}
+        for out in outputs:
+            if out.finished:
+                request = self._live.get(out.request_id)
+                if request is not None and request.num_preemptions:
+                    num_preemptions[out.request_id] = request.num_preemptions
+                self._forget(out.request_id)
+        return EngineCoreOutputs(
+            outputs=outputs,
+            timestamp=time.monotonic(),
+            stats=self.scheduler.make_stats(),
+            num_requests_received=self.num_received,
+            step=step,
+            first_scheduled=first_scheduled,
+            num_preemptions=num_preemptions,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self._unscheduled.discard(request_id)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`tokenloom serve`): FastAPI + uvicorn over AsyncLLM."""

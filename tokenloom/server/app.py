@@ -1,0 +1,148 @@
+"""The FastAPI application: routes, error mapping, API-key check, and the engine's lifetime."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenloom.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineDrainingError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from tokenloom.server.config import ServerConfig
+from tokenloom.server.errors import APIError, error_body, error_response
+from tokenloom.server.serving_chat import create_chat_completion
+from tokenloom.server.serving_completions import create_completion
+from tokenloom.server.serving_tokenize import detokenize, tokenize
+from tokenloom.server.state import ServerState, get_state
+
+logger = logging.getLogger(__name__)
+
+# Paths any client may read, API key or not (probes and scrapers), as in vLLM.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.attach()
+        try:
+            yield
+        finally:  # uvicorn gets here after in-flight requests finished (or were cut)
+            engine.shutdown()
+            state.close()
+
+    app = FastAPI(title="tokenloom", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    _add_routes(app)
+    _add_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _add_routes(app: FastAPI) -> None:
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def list_models(raw: Request) -> JSONResponse:
+        state = get_state(raw)
+        return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(raw: Request, model: str) -> JSONResponse:
+        state = get_state(raw)
+        return JSONResponse(_model_card(state, state.model_name(model)))
+
+    @app.get("/health")
+    async def health(raw: Request) -> Response:
+        engine = get_state(raw).engine
+        if (reason := engine.dead_reason) is not None:
+            return JSONResponse(error_body(503, f"the engine is not running: {reason}"), status_code=503)
+        if not engine.accepting:
+            return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(raw: Request) -> Response:
+        return Response(get_state(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def server_version() -> JSONResponse:
+        try:
+            return JSONResponse({"version": version("tokenloom")})
+        except PackageNotFoundError:
+            return JSONResponse({"version": "unknown"})
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    info = state.engine.info
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenloom",
+            "root": info.model_name, "parent": None, "max_model_len": info.max_model_len}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def handle(exc_type: type[Exception], status: int, headers: dict[str, str] | None = None) -> None:
+        async def handler(request: Request, exc: Exception) -> JSONResponse:
+            return error_response(APIError(status, str(exc), getattr(exc, "param", None), headers))
+
+        app.add_exception_handler(exc_type, handler)
+
+    handle(InvalidRequestError, 400)
+    handle(EngineOverloadedError, 429, {"Retry-After": "1"})
+    handle(EngineDeadError, 503)
+    handle(EngineDrainingError, 503)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404) and wrong methods (405, with its Allow header) in the same error shape.
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(400, f"invalid request: {exc.errors()[:3]}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}"))
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on everything but OPEN_PATHS (401 otherwise), compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,53 @@
+"""`tokenloom serve [MODEL] [engine options] [server options]`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tokenloom.engine.args import add_engine_args, engine_config_from_args, parse_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like `vllm serve`)",
+                       description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /health, /metrics, /version, /tokenize, /detokenize.")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version); "
+                        "default $TOKENLOOM_API_KEY")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model's name)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="answer 429 while this many requests wait to be scheduled (0: no limit)")
+    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20,
+                   help="answer 413 to larger request bodies, e.g. 4MiB")
+    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cut")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenloom.engine.core_client import EngineStartError
+    from tokenloom.server.config import ServerConfig
+    from tokenloom.server.launcher import run_server
+
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key or None, served_model_names=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests or None, max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_grace_s=args.shutdown_grace_period, uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+    )
+    try:
+        return run_server(engine_config_from_args(args), config)
+    except EngineStartError as exc:
+        print(f"tokenloom serve: error: {exc}", file=sys.stderr)
+        return 1

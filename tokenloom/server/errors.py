@@ -1,0 +1,50 @@
+"""Errors as the client sees them: vLLM's OpenAI-shaped body and the right HTTP status.
+
+    {"error": {"message": "...", "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+
+`type` is the name of the exception class the official `openai` client raises for that status, and
+`code` repeats the status, as vLLM does; the client reads `message`, `type`, `param` and `code` from
+under "error". Streams that fail after their headers were sent carry the same object as one SSE
+`data:` event before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestEntityTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status, headers=exc.headers)
+
+
+def sse_error(status: int, message: str) -> str:
+    return f"data: {json.dumps(error_body(status, message))}\n\n"

@@ -1,0 +1,106 @@
+"""Running the server: engine process first, then uvicorn; on SIGINT/SIGTERM a graceful drain.
+
+Shutdown, in order: stop accepting (uvicorn closes the socket, new requests on open connections get
+503), let requests in flight finish for `shutdown_grace_s`, then cut the rest (finish_reason "abort"
+and an SSE error event), and once every response is out stop the engine process (lifespan exit).
+The engine process also exits by itself when this process dies (EOF on its pipe), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.core_client import EngineCoreClient
+from tokenloom.server.app import build_app
+from tokenloom.server.config import ServerConfig
+
+logger = logging.getLogger("tokenloom.server")
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float, t_launch: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+        self.t_launch = t_launch
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            info = self.engine.info
+            logger.info("tokenloom serve ready in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
+                        "max_model_len %d, %d KV blocks of %d tokens", time.perf_counter() - self.t_launch,
+                        info.load_time_s, info.model_name, info.dtype, info.device, info.max_model_len,
+                        info.num_blocks, info.block_size)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_drain)
+        super().handle_exit(sig, frame)
+
+    def _begin_drain(self) -> None:
+        self.engine.stop_accepting()
+        n = self.engine.num_unfinished
+        if n:
+            logger.info("shutting down: %d requests in flight get %.0f s to finish", n, self.grace_s)
+            assert self._loop is not None
+            self._loop.call_later(self.grace_s, self.engine.abort_all,
+                                  f"the server shut down; the request was cut after a {self.grace_s:g} s grace period")
+
+
+def _interrupt(sig: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    t_launch = time.perf_counter()
+    log_level = "DEBUG" if config.uvicorn_log_level == "trace" else config.uvicorn_log_level.upper()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(config.host):
+        logger.warning("binding %s: the server is reachable beyond this machine%s", config.host,
+                       "" if config.api_key else " and has no --api-key")
+    # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, so the engine process is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
+    # Spawn the engine first: it loads the model while this process loads torch and the tokenizer.
+    client = EngineCoreClient(engine_config, log_level)
+    try:
+        engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
+                                      config.engine_ready_timeout_s)
+        app = build_app(engine, config)
+        uv_config = uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+            access_log=config.access_log, lifespan="on",
+            # A backstop: the drain cuts requests at the grace period, uvicorn only if that fails.
+            timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+        )
+        server = GracefulServer(uv_config, engine, config.shutdown_grace_s, t_launch)
+        # uvicorn re-raises the signal that stopped it once it is done; by then the drain has happened.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda s, f: None)
+        asyncio.run(server.serve())
+        return 0 if server.started else 1
+    finally:
+        client.shutdown()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,45 @@
+"""POST /tokenize and /detokenize, with vLLM's request and response shapes."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tokenloom.server.body import parse_model, read_json
+from tokenloom.server.errors import APIError
+from tokenloom.server.params import render_chat
+from tokenloom.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from tokenloom.server.state import get_state
+
+
+async def tokenize(raw: Request) -> JSONResponse:
+    state = get_state(raw)
+    obj = await read_json(raw, state.config.max_request_body_bytes)
+    tok = state.tokenizer
+    if "messages" in obj:
+        chat = parse_model(TokenizeChatRequest, obj)
+        state.model_name(chat.model)
+        ids = await state.in_tokenizer_thread(
+            render_chat, tok, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
+            chat.chat_template_kwargs, chat.add_special_tokens,
+        )
+        want_strs = chat.return_token_strs
+    else:
+        req = parse_model(TokenizeCompletionRequest, obj)
+        state.model_name(req.model)
+        ids = await state.in_tokenizer_thread(tok.encode, req.prompt, req.add_special_tokens)
+        want_strs = req.return_token_strs
+    strs = await state.in_tokenizer_thread(tok.convert_ids_to_tokens, ids) if want_strs else None
+    return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(raw: Request) -> JSONResponse:
+    state = get_state(raw)
+    req = parse_model(DetokenizeRequest, await read_json(raw, state.config.max_request_body_bytes))
+    state.model_name(req.model)
+    vocab = state.tokenizer.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of vocabulary (size {vocab})", "tokens")
+    text = await state.in_tokenizer_thread(state.tokenizer.decode, req.tokens)
+    return JSONResponse({"prompt": text})

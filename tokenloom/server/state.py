@@ -1,0 +1,52 @@
+"""What every handler needs: the engine, the options, the model names, a tokenizer thread, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from fastapi import Request
+
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.server.config import ServerConfig
+from tokenloom.server.errors import APIError
+from tokenloom.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+class ServerState:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_names = list(config.served_model_names or [engine.info.model_name])
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.info.max_model_len
+        self.created = int(time.time())
+        # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
+        # tokenizer is never entered from two threads at once.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks)
+        engine.stat_loggers.append(self.metrics.record)
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+        return requested
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server

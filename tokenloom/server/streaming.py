@@ -1,0 +1,115 @@
+"""Delivering a RequestStream: as Server-Sent Events, or collected whole; either way a client that goes
+away aborts its requests at once, so their KV blocks are freed.
+
+Streaming: Starlette cancels the response when the client disconnects; SSEResponse closes the stream
+(aborting what is unfinished) however the response ends. Non-streaming: `collect` races the
+generation against the client's `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenloom.engine.async_llm import EngineDeadError, RequestStream
+from tokenloom.engine.outputs import CompletionOutput, RequestOutput
+from tokenloom.server.errors import sse_error
+from tokenloom.server.protocol import StreamOptions
+from tokenloom.server.responses import DONE, UsageCounter, sse
+
+# (choice index, request output, completion) → the choice of a chunk, or None to send nothing now
+ChoiceFn = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any] | None]
+
+
+class SSEResponse(StreamingResponse):
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+async def sse_events(
+    stream: RequestStream,
+    head: dict[str, Any],
+    choice_index: Callable[[RequestOutput, CompletionOutput], int],
+    choice: ChoiceFn,
+    opening: list[dict[str, Any]],
+    options: StreamOptions | None,
+) -> AsyncIterator[str]:
+    """The chunks of a streamed completion: `opening` chunks, one per choice per step that has something
+    to say, the usage chunk, then [DONE]. A request cut at shutdown gets finish_reason "abort" and then
+    an error event; engine failures end the stream with an error event."""
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.continuous_usage_stats)
+    usage = UsageCounter()
+    finished: set[int] = set()
+    cut: str | None = None
+    try:
+        for obj in opening:
+            yield sse(obj)
+        async for out in stream:
+            usage.update(out)
+            for comp in out.outputs:
+                index = choice_index(out, comp)
+                if index in finished:
+                    continue
+                if comp.finish_reason == "error":
+                    yield sse_error(500, out.error or "generation failed")
+                    yield DONE
+                    return
+                body = choice(index, out, comp)
+                if body is None:
+                    continue
+                chunk = {**head, "choices": [body]}
+                if comp.finish_reason is not None:
+                    finished.add(index)
+                    # Server-side queue time, for benchmark clients (tokenloom bench reads it here).
+                    chunk["metrics"] = {"queue_time_s": out.metrics.queue_time}
+                    if comp.finish_reason == "abort" and out.error:
+                        cut = out.error
+                if continuous_usage:
+                    chunk["usage"] = usage.as_dict()
+                yield sse(chunk)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+        if cut is not None:
+            yield sse_error(503, cut)
+        yield DONE
+    except EngineDeadError as exc:
+        yield sse_error(503, str(exc))
+        yield DONE
+
+
+async def collect(request: Request, stream: RequestStream) -> dict[str, RequestOutput] | None:
+    """The final output of each request of the stream; None if the client disconnected first."""
+
+    async def drain() -> dict[str, RequestOutput]:
+        last: dict[str, RequestOutput] = {}
+        async for out in stream:
+            last[out.request_id] = out
+        return last
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(drain())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        stream.close()
+    return work.result() if not work.cancelled() else None
