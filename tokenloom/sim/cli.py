@@ -1,0 +1,264 @@
+"""`tokenloom profile`, `tokenloom simulate` and `tokenloom explore`.
+
+Imports stay inside the commands: `tokenloom --help` never pays for torch (profile) or the bench client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenloom.engine.args import parse_bytes
+
+if TYPE_CHECKING:
+    from tokenloom.bench.workloads import BenchRequest
+    from tokenloom.config import CacheConfig, SchedulerConfig
+    from tokenloom.sim.profile import Profile
+    from tokenloom.sim.simulate import SimResult
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _add_profile(sub)
+    _add_simulate(sub)
+    e = sub.add_parser("explore", help="a local web page: move scheduler knobs, watch the real scheduler step by step")
+    e.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port)")
+    e.set_defaults(func=_explore)
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time the real model runner on a grid of step shapes and fit the cost model")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
+    p.add_argument("--passes", type=int, default=2, help="passes over the grid; each shape keeps its fastest")
+    p.add_argument("--max-wait", type=float, default=120.0,
+                   help="seconds to wait, before each shape, for other processes to leave the CPU (0: never wait)")
+    p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; for tests and tiny models)")
+    p.add_argument("-o", "--output", default="profile.json", help="where to write the profile JSON")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from tokenloom.sim.profiler import QUICK_GRID, Grid, run_profile
+
+    profile = run_profile(
+        args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        grid=QUICK_GRID if args.quick else Grid(), warmup=args.warmup, repeats=args.repeats, passes=args.passes,
+        max_wait_s=args.max_wait,
+        progress=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    profile.save(args.output)
+    f = profile.fit
+    print("cost model, seconds per unit (runner fit + scheduler overhead):")
+    for term, coef in profile.cost_model.coefficients.items():
+        extra = profile.scheduler_overhead.get(term)
+        print(f"  {term:<15} {coef:.3e}" + (f" + {extra:.3e}" if extra else ""))
+    print(f"fit on {f.num_samples} shapes: MAPE {f.mape:.1%}, worst {f.max_ape:.1%}, R² {f.r2:.4f}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- simulate
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="run a workload through the real scheduler with a calibrated cost model instead of the model",
+        description="Discrete-event simulation: the same scheduler as the engine, step times from a profile. "
+        "Prints the same summary as `tokenloom bench serve`; --result-file and --trace-steps write the same "
+        "files as `bench serve` and the engine, so `tokenloom plot bench|timeline` read them.",
+    )
+    p.add_argument("--profile", default="default",
+                   help="profile JSON from `tokenloom profile` (default: the one shipped for the default model)")
+
+    w = p.add_argument_group("workload (the names of `tokenloom bench serve`)")
+    w.add_argument("--workload", default=None, metavar="W",
+                   help="random | sharegpt | FILE.jsonl (shorthand for --dataset-name/--dataset-path)")
+    w.add_argument("--dataset-name", choices=["random", "sharegpt", "jsonl"], default="random")
+    w.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the shipped sample) or jsonl")
+    w.add_argument("--num-prompts", type=int, default=None, help="default: 100, or every line of a jsonl")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--random-input-len", type=int, default=1024)
+    w.add_argument("--random-output-len", type=int, default=128)
+    w.add_argument("--random-range-ratio", type=float, default=0.0)
+    w.add_argument("--random-prefix-len", type=int, default=0)
+    w.add_argument("--random-vocab-range", default="17:49151")
+    w.add_argument("--sharegpt-output-len", type=int, default=None)
+    w.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+
+    s = p.add_argument_group("scheduler (vLLM's names, defaults as `tokenloom serve`)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    s.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
+    s.add_argument("--watermark", type=float, default=None)
+    s.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None)
+    s.add_argument("--batching", choices=["continuous", "static", "request"], default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=None)
+    c.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: --kv-cache-memory / block bytes)")
+    c.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="as the engine's (default 2GiB on CPU)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--sweep", default=None, metavar="KNOB=v1,v2,...", help="one run per value; prints a table")
+    o.add_argument("--trace-steps", default=None, metavar="FILE", help="the engine's step trace (JSONL)")
+    o.add_argument("--result-file", default=None, help="bench-style result JSON")
+    o.add_argument("--metric-percentiles", default="50,90,95,99")
+    o.add_argument("--label", default=None)
+    p.set_defaults(func=_simulate)
+
+
+_ENGINE_KEYS = (
+    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
+    "scheduling_policy", "watermark", "scheduler_reserve_full_isl", "batching", "max_model_len", "block_size",
+    "num_blocks", "kv_cache_memory", "enable_prefix_caching",
+)  # fmt: skip
+
+
+def _workload_args(args: argparse.Namespace) -> None:
+    """--workload W -> the bench's --dataset-name / --dataset-path."""
+    if args.workload is None:
+        return
+    if args.workload in ("random", "sharegpt", "jsonl"):
+        args.dataset_name = args.workload
+    else:
+        args.dataset_name, args.dataset_path = "jsonl", args.workload
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tokenloom.bench.cli import build_workload
+    from tokenloom.bench.metrics import format_summary
+    from tokenloom.bench.workloads import assign_arrivals
+    from tokenloom.sim.profile import load_profile
+    from tokenloom.sim.sweep import format_table, parse_sweep, suffixed
+
+    _workload_args(args)
+    args.ignore_eos, args.random_prompt_format = True, "token-ids"  # what build_workload also reads
+    profile = load_profile(args.profile)
+    if profile.is_stale():
+        print(f"warning: the model runner's code changed since this profile was measured ({profile.created}); "
+              "its step times may be off: run `tokenloom profile` again", file=sys.stderr)
+    percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
+    base_requests = build_workload(args)
+    engine_kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
+    rate = args.request_rate
+    if rate is None and args.dataset_name != "jsonl":
+        rate = math.inf
+
+    def one(kwargs: dict[str, Any], rate: float | None, trace: str | None, result_file: str | None) -> _Run:
+        requests = base_requests
+        if rate is not None:
+            requests = assign_arrivals(base_requests, rate, args.burstiness, args.seed)
+        run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed)
+        if result_file:
+            _save_result(result_file, run, args, profile, rate, percentiles)
+        return run
+
+    if not args.sweep:
+        run = one(engine_kwargs, rate, args.trace_steps, args.result_file)
+        print(format_summary(run.result.metrics, {"request_rate": _rate_json(rate)}))
+        _print_sim_line(run)
+        return 1 if run.result.metrics["failed"] else 0
+
+    sweep = parse_sweep(args.sweep)
+    rows = []
+    for value, label in zip(sweep.values, sweep.labels):
+        kwargs, run_rate = dict(engine_kwargs), rate
+        if sweep.knob == "request_rate":
+            run_rate = value
+        else:
+            kwargs[sweep.knob] = value
+        run = one(kwargs, run_rate, suffixed(args.trace_steps, sweep.knob, label),
+                  suffixed(args.result_file, sweep.knob, label))  # fmt: skip
+        rows.append((label, run.result.metrics, run.result.num_preemptions, run.result.num_steps))
+        print(f"{sweep.knob}={label}: {run.result.num_steps} steps in {run.result.wall_seconds:.1f} s", file=sys.stderr)
+    print(format_table(sweep.knob, rows))
+    return 0
+
+
+@dataclass
+class _Run:
+    result: SimResult
+    sched: SchedulerConfig
+    cache: CacheConfig
+
+
+def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, Any], trace: str | None,
+             percentiles: list[float], seed: int) -> _Run:  # fmt: skip
+    from tokenloom.sim.simulate import engine_configs, simulate
+
+    sched, cache = engine_configs(profile, kwargs)
+    result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed)
+    return _Run(result, sched, cache)
+
+
+def _rate_json(rate: float | None) -> float | str | None:
+    return "inf" if rate is not None and math.isinf(rate) else rate
+
+
+def _print_sim_line(run: _Run) -> None:
+    r = run.result
+    sched, cache = run.sched, run.cache
+    print(f"simulated {r.metrics['duration']:.1f} s of serving in {r.wall_seconds:.2f} s: {r.num_steps} steps, "
+          f"{r.num_preemptions} preemptions; {cache.num_blocks} KV blocks of {cache.block_size}, "
+          f"max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}")
+
+
+def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profile, rate: float | None,
+                 percentiles: list[float]) -> None:  # fmt: skip
+    from tokenloom.bench.client import BenchResult
+
+    config = {
+        "model_id": profile.model,
+        "label": args.label,
+        "num_prompts": len(run.result.records),
+        "request_rate": _rate_json(rate),
+        "burstiness": args.burstiness,
+        "seed": args.seed,
+        "percentiles": percentiles,
+        "dataset_name": args.dataset_name,
+        "dataset_path": args.dataset_path,
+        "simulator": {
+            "profile": args.profile,
+            "profile_hardware": profile.hardware,
+            "scheduler_config": asdict(run.sched),
+            "cache_config": asdict(run.cache),
+            "num_steps": run.result.num_steps,
+            "num_preemptions": run.result.num_preemptions,
+            "wall_seconds": run.result.wall_seconds,
+        },
+    }
+    data = BenchResult(config=config, records=run.result.records, metrics=run.result.metrics).to_dict()
+    data["backend"] = "tokenloom-sim"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------------------------------------- explore
+
+
+def _explore(args: argparse.Namespace) -> int:
+    from tokenloom.explore.server import serve
+
+    serve(args.port)
+    return 0

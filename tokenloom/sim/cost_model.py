@@ -1,0 +1,147 @@
+"""Step-time cost model: seconds of one engine step as a linear function of the step's shape.
+
+    t = overhead + a·prefill_tokens + b·decode_tokens + c_p·prefill_attn + c_d·decode_attn
+        + d·num_seqs + e·num_samples
+
+A row of the step is one scheduled request: `n` tokens starting at position `start`. As in the real
+runner (tokenloom/model/runner.py), a one-token row is a decode and every longer row is a prefill chunk.
+The attention terms follow how that runner computes attention on this CPU:
+
+* a prefill chunk runs its own attention over its context: Σ_{i=1..n} (start + i) = n·start + n(n+1)/2
+  query-key pairs; `num_seqs` carries the per-row cost (one attention call, its mask, its inputs);
+* all decodes share one attention call padded to the longest context in the batch, so the decode
+  attention work is num_decodes × the longest decode context, not the sum of the contexts;
+* only rows that sample go through the LM head and the sampler (a chunk that stops short of its
+  sequence's end samples nothing): `num_samples`.
+
+Fitted by least squares on relative error (weights 1/t), so a 5 ms decode step counts as much as a
+500 ms prefill step, and with non-negative coefficients (a negative cost per token is an artefact of
+collinear samples, and would extrapolate badly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TERMS = ("overhead", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "num_seqs", "num_samples")
+
+
+@dataclass
+class StepShape:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_attn: int = 0
+    decode_max_context: int = 0
+    num_seqs: int = 0
+    num_samples: int = 0
+
+    def add_row(self, start: int, n: int, samples: bool) -> None:
+        self.num_seqs += 1
+        self.num_samples += samples
+        if n == 1:
+            self.decode_tokens += 1
+            if start >= self.decode_max_context:
+                self.decode_max_context = start + 1
+        else:
+            self.prefill_tokens += n
+            self.prefill_attn += n * start + n * (n + 1) // 2
+
+    @property
+    def decode_attn(self) -> int:
+        return self.decode_tokens * self.decode_max_context
+
+    def features(self) -> tuple[float, ...]:
+        """Values in TERMS order (the overhead's feature is 1)."""
+        return (1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attn, self.decode_attn, self.num_seqs,
+                self.num_samples)  # fmt: skip
+
+    @staticmethod
+    def of_rows(rows: Iterable[tuple[int, int, bool]]) -> StepShape:
+        shape = StepShape()
+        for start, n, samples in rows:
+            shape.add_row(start, n, samples)
+        return shape
+
+
+@dataclass
+class FitError:
+    mape: float  # mean |predicted - measured| / measured
+    max_ape: float
+    r2: float
+    num_samples: int
+
+
+@dataclass
+class CostModel:
+    """Seconds per unit of each term (missing terms are 0)."""
+
+    coefficients: dict[str, float]
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(TERMS)
+        if unknown:
+            raise ValueError(f"unknown cost-model term(s): {', '.join(sorted(unknown))}; known: {', '.join(TERMS)}")
+        self._coef = tuple(float(self.coefficients.get(t, 0.0)) for t in TERMS)
+
+    def predict(self, shape: StepShape) -> float:
+        c = self._coef
+        return (
+            c[0]
+            + c[1] * shape.prefill_tokens
+            + c[2] * shape.decode_tokens
+            + c[3] * shape.prefill_attn
+            + c[4] * shape.decode_attn
+            + c[5] * shape.num_seqs
+            + c[6] * shape.num_samples
+        )
+
+
+@dataclass
+class Sample:
+    """One profiled step: its shape and the measured seconds (a median over repeats)."""
+
+    shape: StepShape
+    seconds: float
+
+
+def fit(samples: Sequence[Sample], terms: Sequence[str] = TERMS) -> tuple[CostModel, FitError]:
+    """Non-negative least squares on relative error, by dropping negative terms and refitting.
+
+    With six terms the active-set loop ends after a few refits; it is plain numpy (no scipy).
+    """
+    if not samples:
+        raise ValueError("no samples to fit")
+    index = [TERMS.index(t) for t in terms]
+    x_all = np.array([s.shape.features() for s in samples], dtype=float)[:, index]
+    y = np.array([s.seconds for s in samples], dtype=float)
+    if np.any(y <= 0):
+        raise ValueError("measured step times must be > 0")
+    weights = 1.0 / y
+    active = list(range(len(index)))
+    while True:
+        x = x_all[:, active] * weights[:, None]
+        coef, *_ = np.linalg.lstsq(x, y * weights, rcond=None)
+        negative = [a for a, c in zip(active, coef) if c < 0]
+        if not negative:
+            break
+        # Drop the most negative one and refit: the others shift once it is gone.
+        worst = active[int(np.argmin(coef))]
+        active.remove(worst)
+    coefficients = {t: 0.0 for t in terms}
+    for a, c in zip(active, coef):
+        coefficients[terms[a]] = float(c)
+    model = CostModel(coefficients)
+    return model, fit_error(model, samples)
+
+
+def fit_error(model: CostModel, samples: Sequence[Sample]) -> FitError:
+    y = np.array([s.seconds for s in samples], dtype=float)
+    pred = np.array([model.predict(s.shape) for s in samples], dtype=float)
+    ape = np.abs(pred - y) / y
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return FitError(mape=float(ape.mean()), max_ape=float(ape.max()), r2=r2, num_samples=len(samples))

@@ -1,0 +1,137 @@
+"""A profile: a fitted cost model plus what it was measured on, as JSON. No torch here.
+
+`tokenloom profile` writes one (tokenloom/sim/profiler.py); `tokenloom simulate --profile` reads one.
+The samples travel with the fit so a profile can be refitted, or its error re-checked, later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import metadata, resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+from tokenloom.sim.cost_model import CostModel, FitError, Sample, StepShape
+
+FORMAT = "tokenloom-sim-profile/1"
+DEFAULT_PROFILE = "smollm2-135m-instruct-cpu.json"
+_SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu")
+
+
+@dataclass
+class Profile:
+    model: str
+    dtype: str
+    block_size: int
+    hardware: dict[str, Any]
+    cost_model: CostModel  # the runner's execute_model, fitted on the samples
+    fit: FitError
+    samples: list[Sample] = field(default_factory=list)
+    # The engine's own work around execute_model (schedule + update_from_output), seconds per step
+    # and per scheduled request, measured on the real Scheduler; added to every simulated step.
+    scheduler_overhead: dict[str, float] = field(default_factory=dict)
+    # What the simulator needs to size things as the engine does: the model's context length and
+    # the KV cache's bytes per token (the engine's default pool is its KV memory / this).
+    max_model_len: int = 2048
+    kv_bytes_per_token: int = 0
+    runner_fingerprint: str = ""  # runner_fingerprint() when profiled
+    created: str = ""
+    tokenloom_version: str = ""
+
+    def is_stale(self) -> bool:
+        """True when the runner's code differs from the code that was profiled."""
+        return bool(self.runner_fingerprint) and self.runner_fingerprint != runner_fingerprint()
+
+    @property
+    def step_model(self) -> CostModel:
+        """What one engine step costs: the runner's fit plus the scheduler's overhead."""
+        terms = dict(self.cost_model.coefficients)
+        for term, seconds in self.scheduler_overhead.items():
+            terms[term] = terms.get(term, 0.0) + seconds
+        return CostModel(terms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "hardware": self.hardware,
+            "max_model_len": self.max_model_len,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "runner_fingerprint": self.runner_fingerprint,
+            "created": self.created,
+            "tokenloom_version": self.tokenloom_version or tokenloom_version(),
+            "coefficients_s": self.cost_model.coefficients,
+            "scheduler_overhead_s": self.scheduler_overhead,
+            "fit": asdict(self.fit),
+            "samples": [{**asdict(s.shape), "seconds": s.seconds} for s in self.samples],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Profile:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a tokenloom profile (format {data.get('format')!r}, expected {FORMAT!r})")
+        samples = [
+            Sample(StepShape(**{k: v for k, v in s.items() if k != "seconds"}), float(s["seconds"]))
+            for s in data.get("samples", [])
+        ]
+        return Profile(
+            model=data["model"],
+            dtype=data["dtype"],
+            block_size=int(data["block_size"]),
+            hardware=dict(data.get("hardware", {})),
+            cost_model=CostModel(dict(data["coefficients_s"])),
+            scheduler_overhead=dict(data.get("scheduler_overhead_s", {})),
+            fit=FitError(**data["fit"]),
+            samples=samples,
+            max_model_len=int(data.get("max_model_len", 2048)),
+            kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
+            runner_fingerprint=data.get("runner_fingerprint", ""),
+            created=data.get("created", ""),
+            tokenloom_version=data.get("tokenloom_version", ""),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+
+def tokenloom_version() -> str:
+    try:
+        return metadata.version("tokenloom")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def runner_fingerprint() -> str:
+    """sha256 (first 16 hex digits) of tokenloom/model's sources, the code that decides how long a step takes.
+
+    All of them (Python and the compiled kernels' C++), not a chosen few: a new kernel changes step times
+    as much as an edit does. Read as files; torch is not imported.
+    """
+    digest = hashlib.sha256()
+    for name, data in sorted(_sources(resources.files("tokenloom.model"), "")):
+        digest.update(name.encode() + b"\0" + data)
+    return digest.hexdigest()[:16]
+
+
+def _sources(folder: Traversable, prefix: str) -> list[tuple[str, bytes]]:
+    out: list[tuple[str, bytes]] = []
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.name.startswith((".", "__")):
+            out += _sources(entry, f"{prefix}{entry.name}/")
+        elif entry.name.endswith(_SOURCE_SUFFIXES):
+            out.append((prefix + entry.name, entry.read_bytes()))
+    return out
+
+
+def load_profile(path: str | Path | None = None) -> Profile:
+    """A profile file, or the one shipped for the default model when `path` is None or "default"."""
+    if path is None or str(path) == "default":
+        text = resources.files("tokenloom.sim").joinpath("profiles").joinpath(DEFAULT_PROFILE).read_text("utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    return Profile.from_dict(json.loads(text))

@@ -1,0 +1,315 @@
+"""`tokenloom profile`: time the real ModelRunner on a grid of step shapes and fit the cost model.
+
+Steps are built by hand (no scheduler): each shape is a list of rows (start, n, samples). Decode rows
+are persistent requests that go through the runner's cached path, as in a real decode batch (the
+first, untimed call registers them); prefill rows are fresh requests every call, as a newly admitted
+prompt is. Block ids are fake but distinct, from a pool sized for the largest shape, so attention
+reads as much memory as it would for real. Each shape: warm-up calls, then the median of repeats; the
+grid is run in several passes and each shape keeps its fastest pass; before each shape the profiler
+waits for the machine to be quiet (quiet.py).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.sim.clock import VirtualClock
+from tokenloom.sim.cost_model import CostModel, Sample, StepShape, fit
+from tokenloom.sim.profile import Profile, runner_fingerprint, tokenloom_version
+from tokenloom.sim.quiet import wait_for_quiet
+from tokenloom.sim.runner import SimulatedRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Row:
+    start: int  # tokens already computed
+    n: int  # tokens this step
+    samples: bool = True  # does the row reach its sequence's end (and sample)?
+
+    @property
+    def length(self) -> int:
+        """The sequence length that makes the row sample (or not) by the runner's rule."""
+        return self.start + self.n + (0 if self.samples else 1)
+
+
+@dataclass
+class Grid:
+    """Prefill chunk sizes × start positions, decode batch sizes × contexts, and mixes of both."""
+
+    prefill_chunks: tuple[int, ...] = (16, 64, 192, 512)
+    prefill_starts: tuple[int, ...] = (0, 384)
+    multi_prefill: tuple[int, ...] = (2, 4)  # several prompts of 96 tokens in one step
+    decode_batches: tuple[int, ...] = (1, 8, 24, 64)
+    decode_contexts: tuple[int, ...] = (64, 512)
+    long_decode: tuple[int, int] = (16, 1536)  # (batch, context): the decode attention's slope
+    mixed_decodes: tuple[int, ...] = (8, 48)
+    mixed_chunks: tuple[int, ...] = (32, 256)
+    mixed_context: int = 256
+
+    def shapes(self) -> list[list[Row]]:
+        out: list[list[Row]] = []
+        for n, s in itertools.product(self.prefill_chunks, self.prefill_starts):
+            out.append([Row(s, n, samples=s == 0)])  # a first chunk that samples, a middle one that does not
+        for k in self.multi_prefill:
+            out.append([Row(0, 96)] * k)
+        for d, c in itertools.product(self.decode_batches, self.decode_contexts):
+            out.append([Row(c - 1, 1)] * d)
+        b, c = self.long_decode
+        out.append([Row(c - 1, 1)] * b)
+        for d, n in itertools.product(self.mixed_decodes, self.mixed_chunks):
+            out.append([Row(self.mixed_context - 1, 1)] * d + [Row(0, n)])
+        return out
+
+
+QUICK_GRID = Grid(prefill_chunks=(8, 32), prefill_starts=(0, 16), multi_prefill=(2,), decode_batches=(1, 4),
+                  decode_contexts=(8, 32), long_decode=(2, 64), mixed_decodes=(2,), mixed_chunks=(8,),
+                  mixed_context=16)  # fmt: skip
+
+
+@dataclass
+class _Live:
+    """Requests the runner currently holds for this shape."""
+
+    decodes: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num_computed_tokens)
+    prefills: list[str] = field(default_factory=list)
+
+
+class StepDriver:
+    """Feeds hand-built SchedulerOutputs to a runner and times execute_model."""
+
+    def __init__(self, runner: Any, block_size: int, vocab_size: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.ids = itertools.count()
+        self.params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+        self.live = _Live()
+        self.next_block = 0
+        self.prefill_block_mark = 0  # prefill rows take blocks from here on; the decodes' are below
+
+    def _blocks(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        blocks = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return blocks
+
+    def _new(self, row: Row, extra_tokens: int = 0) -> NewRequestData:
+        req_id = f"p{next(self.ids)}"
+        tokens = self.rng.integers(1, self.vocab_size, size=row.length).tolist()
+        return NewRequestData(req_id, tokens, tokens, self.params, self._blocks(row.length + extra_tokens), row.start)
+
+    def begin(self, rows: Sequence[Row], repeats: int) -> SchedulerOutput:
+        """The shape's first call: everything new. Decodes get blocks for the calls to come."""
+        finished = {rid for rid, _ in self.live.decodes} | set(self.live.prefills)
+        self.next_block = 0
+        decode_rows = [r for r in rows if r.n == 1]
+        prefill_rows = [r for r in rows if r.n > 1]
+        decodes = [self._new(r, extra_tokens=repeats + 1) for r in decode_rows]
+        self.prefill_block_mark = self.next_block
+        prefills = [self._new(r) for r in prefill_rows]
+        self.live = _Live(
+            decodes=[(nr.req_id, r.start + 1) for nr, r in zip(decodes, decode_rows)],
+            prefills=[nr.req_id for nr in prefills],
+        )
+        new = decodes + prefills
+        scheduled = {nr.req_id: r.n for nr, r in zip(new, decode_rows + prefill_rows)}
+        return _output(new, CachedRequestData(), scheduled, finished)
+
+    def again(self, rows: Sequence[Row]) -> tuple[SchedulerOutput, StepShape]:
+        """A further call: the decodes advance one token (cached path), the prefills are fresh prompts."""
+        finished = set(self.live.prefills)
+        self.next_block = self.prefill_block_mark  # reuse the prefills' blocks: their owners are gone
+        prefill_rows = [r for r in rows if r.n > 1]
+        new = [self._new(r) for r in prefill_rows]
+        cached = CachedRequestData(
+            req_ids=[rid for rid, _ in self.live.decodes],
+            new_block_ids=[[] for _ in self.live.decodes],
+            num_computed_tokens=[c for _, c in self.live.decodes],
+        )
+        scheduled = {rid: 1 for rid, _ in self.live.decodes} | {nr.req_id: r.n for nr, r in zip(new, prefill_rows)}
+        shape = StepShape.of_rows(
+            [(c, 1, True) for _, c in self.live.decodes] + [(r.start, r.n, r.samples) for r in prefill_rows]
+        )
+        self.live = _Live(decodes=[(rid, c + 1) for rid, c in self.live.decodes], prefills=[nr.req_id for nr in new])
+        return _output(new, cached, scheduled, finished), shape
+
+    def time_shape(self, rows: Sequence[Row], warmup: int, repeats: int) -> Sample:
+        self.runner.execute_model(self.begin(rows, warmup + repeats))
+        times: list[float] = []
+        shapes: list[StepShape] = []
+        for i in range(warmup + repeats):
+            output, shape = self.again(rows)
+            t0 = time.perf_counter()
+            self.runner.execute_model(output)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+                shapes.append(shape)
+        # The decodes' context grows one token per call: the middle call's shape goes with the median.
+        return Sample(shapes[len(shapes) // 2], statistics.median(times))
+
+
+def _output(
+    new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int], finished: set[str]
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        finished_req_ids=finished,
+    )
+
+
+def blocks_needed(grid: Grid, block_size: int, slack: int) -> int:
+    """The pool for the largest shape (decodes hold blocks for `slack` more tokens)."""
+    per_shape = []
+    for rows in grid.shapes():
+        per_shape.append(sum(-(-(r.length + (slack if r.n == 1 else 0)) // block_size) for r in rows))
+    return max(per_shape)
+
+
+def scheduler_overhead(
+    block_size: int, batch_sizes: Sequence[int] = (1, 16, 64, 128), steps: int = 40
+) -> dict[str, float]:
+    """Seconds the real Scheduler spends per step (schedule + update_from_output) around the runner,
+    as overhead + per-request cost, from decode batches of several sizes (the runner here costs nothing
+    and is not timed)."""
+    sizes, medians = [], []
+    for d in batch_sizes:
+        clock = VirtualClock()
+        max_len = 64 + steps + 16
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=max(2048, d), max_num_seqs=d, max_model_len=max_len),
+            CacheConfig(block_size=block_size, num_blocks=d * (-(-max_len // block_size)) + 1),
+            clock=clock,
+        )
+        runner = SimulatedRunner(CostModel({}), clock)
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        for i in range(d):
+            scheduler.add_request(Request(f"r{i}", [17 + i % 1000] * 64, params, arrival_time=float(i)))
+        scheduler.update_from_output(out := scheduler.schedule(), runner.execute_model(out))  # the prefills
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = scheduler.schedule()
+            t1 = time.perf_counter()
+            runner_output = runner.execute_model(out)
+            t2 = time.perf_counter()
+            scheduler.update_from_output(out, runner_output)
+            times.append((t1 - t0) + (time.perf_counter() - t2))
+        sizes.append(d)
+        medians.append(statistics.median(times))
+    per_seq, fixed = np.polyfit(sizes, medians, 1)
+    return {"overhead": max(float(fixed), 0.0), "num_seqs": max(float(per_seq), 0.0)}
+
+
+def hardware_info(device: str) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
+                            "torch": torch.__version__, "device": device}  # fmt: skip
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_profile(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    block_size: int = 16,
+    grid: Grid | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    passes: int = 2,
+    max_wait_s: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Load the model, time every shape of the grid, fit, and return the profile."""
+    from tokenloom.model.attention import kv_cache_bytes_per_block
+    from tokenloom.model.loader import load_model, resolve_model_path
+    from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+
+    grid = grid or Grid()
+    # Taken before anything is timed: if the runner's code changes meanwhile, the profile reads as stale.
+    fingerprint = runner_fingerprint()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = resolve_model_path(model)
+    loaded = load_model(path, torch_dtype)
+    config = loaded.config
+    num_blocks = blocks_needed(grid, block_size, warmup + repeats + 1)
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev)
+    driver = StepDriver(runner, block_size, config.vocab_size)
+    shapes = grid.shapes()
+    best: list[Sample | None] = [None] * len(shapes)
+    t0 = time.perf_counter()
+    # Each shape is timed only once the machine is quiet (or after max_wait_s anyway, counted as noisy);
+    # several passes over the grid, each shape keeping its fastest: other work only slows a step down.
+    noisy = 0
+    for p in range(passes):
+        for i, rows in enumerate(shapes):
+            quiet = wait_for_quiet(max_wait_s) if max_wait_s > 0 else True
+            noisy += not quiet
+            sample = driver.time_shape(rows, warmup, repeats)
+            previous = best[i]
+            if previous is None or sample.seconds < previous.seconds:
+                best[i] = sample
+            if progress:
+                s = sample.shape
+                progress(f"pass {p + 1}/{passes} [{i + 1}/{len(shapes)}] prefill {s.prefill_tokens:4d} tok, "
+                         f"{s.decode_tokens:3d} decodes (ctx {s.decode_max_context:4d}), {s.num_seqs:3d} seqs: "
+                         f"{sample.seconds * 1e3:8.2f} ms" + ("" if quiet else "  (machine busy)"))  # fmt: skip
+    samples = [b for b in best if b is not None]
+    cost_model, error = fit(samples)
+    if progress and runner_fingerprint() != fingerprint:
+        progress("warning: the runner's code changed while profiling; the profile is marked stale")
+    if max_wait_s > 0:
+        wait_for_quiet(max_wait_s)
+    overhead = scheduler_overhead(block_size)
+    hardware = hardware_info(str(runner.device))
+    hardware["shapes_timed_while_busy"] = noisy
+    dtype_name = str(runner.dtype).replace("torch.", "")
+    name = "SmolLM2-135M-Instruct" if model in (None, "default") else (config.name or path.stem)
+    logger.info("profiled %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
+    return Profile(
+        model=name,
+        dtype=dtype_name,
+        block_size=block_size,
+        hardware=hardware,
+        cost_model=cost_model,
+        fit=error,
+        samples=samples,
+        scheduler_overhead=overhead,
+        max_model_len=config.max_position_embeddings,
+        kv_bytes_per_token=kv_cache_bytes_per_block(config, 1, runner.dtype),
+        runner_fingerprint=fingerprint,
+        created=_dt.datetime.now().isoformat(timespec="seconds"),
+        tokenloom_version=tokenloom_version(),
+    )

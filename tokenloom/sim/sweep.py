@@ -1,0 +1,91 @@
+"""`--sweep KNOB=v1,v2,...`: one simulation per value of one knob, summarised in a table."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenloom.engine.args import parse_bytes
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "on", "yes"):
+        return True
+    if low in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+# Engine keyword names (vLLM's, as in `tokenloom serve`), plus the workload's request rate.
+KNOBS: dict[str, Callable[[str], Any]] = {
+    "max_num_batched_tokens": int,
+    "max_num_seqs": int,
+    "enable_chunked_prefill": _bool,
+    "long_prefill_token_threshold": int,
+    "scheduling_policy": str,
+    "watermark": float,
+    "scheduler_reserve_full_isl": _bool,
+    "batching": str,
+    "block_size": int,
+    "num_blocks": int,
+    "enable_prefix_caching": _bool,
+    "max_model_len": int,
+    "kv_cache_memory": parse_bytes,
+    "request_rate": float,
+}
+
+
+@dataclass
+class Sweep:
+    knob: str
+    values: list[Any]
+    labels: list[str]  # the values as typed, for the table and file names
+
+
+def parse_sweep(spec: str) -> Sweep:
+    name, sep, values = spec.partition("=")
+    knob = name.strip().lstrip("-").replace("-", "_")
+    if not sep or not values.strip():
+        raise ValueError(f"--sweep {spec!r}: expected KNOB=v1,v2,...")
+    if knob not in KNOBS:
+        raise ValueError(f"--sweep: unknown knob {name!r}; one of: {', '.join(k.replace('_', '-') for k in KNOBS)}")
+    labels = [v.strip() for v in values.split(",") if v.strip()]
+    try:
+        parsed = [KNOBS[knob](v) for v in labels]
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--sweep {spec!r}: {exc}") from None
+    return Sweep(knob, parsed, labels)
+
+
+def suffixed(path: str | None, knob: str, label: str) -> str | None:
+    """out.json -> out.max_num_seqs=64.json: one file per swept value."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{knob}={label}{p.suffix}"))
+
+
+_COLUMNS = [
+    ("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"), ("ITL p50", "median_itl_ms"),
+    ("ITL p99", "p99_itl_ms"), ("E2E p50", "median_e2el_ms"), ("E2E p99", "p99_e2el_ms"),
+    ("out tok/s", "output_throughput"),
+]  # fmt: skip
+
+
+def format_table(knob: str, rows: list[tuple[str, dict[str, Any], int, int]]) -> str:
+    """rows: (value label, metrics, preemptions, steps). Latencies in ms."""
+    head = [knob] + [c for c, _ in _COLUMNS] + ["preempt", "steps", "failed"]
+    body = []
+    for label, metrics, preemptions, steps in rows:
+        cells = [label]
+        for _, key in _COLUMNS:
+            v = metrics.get(key)
+            cells.append("n/a" if v is None else f"{v:.1f}")
+        cells += [str(preemptions), str(steps), str(metrics.get("failed", 0))]
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))
+    return "\n".join([fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in body])
