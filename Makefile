@@ -25,7 +25,13 @@ $(VENV)/.chromium: | $(STAMP)
 	  echo "warning: could not install chromium (not root?); the explorer's browser test will be skipped"
 	touch $@
 
-setup: $(STAMP)
+# Compile the CPU kernels once now, so the first `serve` does not pay it (optional: without a
+# compiler tokenloom runs its pure-torch path; see tokenloom/model/kernels.py).
+$(VENV)/.kernels: $(STAMP) tokenloom/model/csrc/cpu_kernels.cpp
+	$(BIN)/python -m tokenloom.model.kernels || echo "warning: CPU kernels not built; using the pure-torch path"
+	touch $@
+
+setup: $(STAMP) $(VENV)/.kernels
 
 serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)

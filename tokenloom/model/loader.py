@@ -93,7 +93,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load config and weights (converted to `dtype`) from a resolved path; see `resolve_model_path`."""
     path = Path(path)
-    with _single_threaded():
+    with single_threaded():
         if path.is_file():
             config, weights = _load_gguf(path, dtype)
             source = "gguf"
@@ -105,7 +105,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
 
 
 @contextmanager
-def _single_threaded() -> Iterator[None]:
+def single_threaded() -> Iterator[None]:
     """Run torch on one thread. Dequantizing and casting are memory-bound elementwise ops: a second thread
     saves little on an idle machine, while on a busy one OpenMP's spin-waiting made loading 5-10x slower
     (SmolLM2: 0.8-1.7 s on one thread vs 5-14 s on two, with other jobs running)."""

@@ -19,6 +19,14 @@ Debugging: `execute_model(so, return_logits=True)` keeps the step's fp32 logits 
 rows in `last_logits` (row of a request: `last_logits_index[req_id]`); off by default, it costs
 nothing then.
 
+CPU kernels: when tokenloom/model/kernels.py can build/load the compiled kernels (the default on
+CPU; `cpu_kernels=False` or TOKENLOOM_CPU_KERNELS=0 turn them off), the step runs the fused path
+(see tokenloom/model/llama.py and attention.py): inputs are laid out in scheduler order with one
+block-table row per sequence (no decode grouping, masks or key biases), the KV cache is left
+uninitialised (nothing unwritten reaches a result) and, for bf16, stored in the kernels' packed
+layout; the last layer runs attention, o-proj and MLP for the sampling rows only; all-greedy
+batches take the kernels' argmax of the bf16 logits.
+
 Threads (CPU): torch intra-op threads = usable cores (2 here; oneDNN GEMMs scale with them),
 inter-op threads = 1 (nothing runs concurrently); OMP_NUM_THREADS overrides. On an oversubscribed
 machine 2 OpenMP threads can be much slower than 1 (every op waits at a barrier for a descheduled
@@ -42,13 +50,15 @@ from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogp
 from tokenloom.model.attention import (
     AttentionMetadata,
     DecodeMetadata,
+    KernelMetadata,
     PrefillMetadata,
     allocate_kv_cache,
     causal_offset_mask,
 )
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.llama import LlamaModel
-from tokenloom.model.sampler import Sampler, SamplingRow, make_generator
+from tokenloom.model.loader import single_threaded
+from tokenloom.model.sampler import Sampler, SamplerOutput, SamplingRow, all_plain_greedy, make_generator
 from tokenloom.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -184,9 +194,14 @@ class ModelRunner:
         num_blocks: int,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
+        cpu_kernels: bool | None = None,
     ) -> None:
         """`model`: a LoadedModel (anything with .config and .weights), or a path / None for the
-        loader (None: the default SmolLM2-135M-Instruct GGUF)."""
+        loader (None: the default SmolLM2-135M-Instruct GGUF).
+
+        `cpu_kernels`: run the compiled CPU kernels (tokenloom/model/kernels.py). None (default):
+        on CPU when they build/load, else the pure-torch path; False: always the torch path; True:
+        require them (raises if they are unavailable)."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
@@ -197,11 +212,28 @@ class ModelRunner:
 
             model = load_model(resolve_model_path(model), self.dtype)
         self.model_config: ModelConfig = model.config
-        self.model = LlamaModel(model.config, model.weights, self.device, self.dtype)
+        kernels = None
+        if cpu_kernels is not False and self.device.type == "cpu":
+            from tokenloom.model.kernels import cpu_kernels as load_cpu_kernels
+
+            kernels = load_cpu_kernels()
+        if cpu_kernels and kernels is None:
+            raise RuntimeError("cpu_kernels=True but the compiled CPU kernels are unavailable (see the log)")
+        with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
+            self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels)
+        self.use_kernels = kernels is not None
+        # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
+        self.model.kv_packed = bool(
+            kernels is not None
+            and self.dtype == torch.bfloat16
+            and kernels.packed_layout_supported(block_size, model.config.head_dim)
+            and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
+        )
         self.vocab_size = self.model.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device,
+                                           zeroed=not self.use_kernels)
         self.sampler = Sampler()
         # Bounds on the decodes sharing one padded attention call (see group_decodes).
         self.decode_group_min, self.decode_group_max = 16, 32
@@ -244,9 +276,21 @@ class ModelRunner:
             )
             if not inputs.sample_reqs:
                 return
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+            if hidden.shape[0] != len(inputs.sample_reqs):  # else: exactly the sampling rows, in order
+                hidden = hidden.index_select(0, inputs.sample_indices)
             rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in inputs.sample_reqs]
-            out = self.sampler(logits, rows)
+            if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
+                # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
+                # argmax of fp32 logits, without the fp32 copy (torch's bf16 argmax is ~10x slower).
+                logits = self.model.compute_logits(hidden, fp32=False)
+                token_ids = self.model.kernels.argmax_rows(logits)
+                nan_rows = token_ids < 0
+                if bool(nan_rows.any()):
+                    token_ids[nan_rows] = logits[nan_rows].float().argmax(dim=-1)
+                out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
+            else:
+                logits = self.model.compute_logits(hidden)
+                out = self.sampler(logits, rows)
         if return_logits:
             self.last_logits = logits
             self.last_logits_index = {s.req_id: i for i, s in enumerate(inputs.sample_reqs)}
@@ -339,6 +383,8 @@ class ModelRunner:
     # ----------------------------------------------------------------------- input preparation
 
     def _prepare_inputs(self, scheduled: list[_Scheduled]) -> _StepInputs:
+        if self.use_kernels:
+            return self._prepare_inputs_fused(scheduled)
         groups = group_decodes(
             [s for s in scheduled if s.num_tokens == 1], self.decode_group_min, self.decode_group_max
         )
@@ -380,6 +426,55 @@ class ModelRunner:
             ),
             sample_indices=self._to_device(np.asarray(sample_rows, dtype=np.int64)),
             sample_reqs=[s.state for s in ordered if s.samples],
+        )
+
+    def _prepare_inputs_fused(self, scheduled: list[_Scheduled]) -> _StepInputs:
+        """Flat inputs for the fused kernels: sequences in scheduler order, one block-table row each."""
+        bs = self.block_size
+        n = len(scheduled)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
+        counts = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=n)
+        q_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=q_start[1:])
+        ends = starts + counts
+        num_blocks = -(-ends // bs)
+        tables = np.zeros((n, int(num_blocks.max())), dtype=np.int32)
+        ids: list[int] = []
+        for i, s in enumerate(scheduled):
+            tables[i, : num_blocks[i]] = s.state.block_ids[: num_blocks[i]]
+            if s.num_tokens == 1:
+                ids.append(s.state.token_ids[s.start])
+            else:
+                ids.extend(s.state.token_ids[s.start : s.end])
+        total = int(q_start[-1])
+        seq = np.repeat(np.arange(n), counts)
+        pos = np.arange(total, dtype=np.int64) + np.repeat(starts - q_start[:-1], counts)
+        slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
+        samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n)
+        sample_rows = (q_start[1:] - 1)[samples]
+        kernel = KernelMetadata(
+            block_tables=torch.from_numpy(tables),
+            q_start=torch.from_numpy(q_start.astype(np.int32)),
+            pos_start=torch.from_numpy(starts.astype(np.int32)),
+        )
+        attn = AttentionMetadata(slot_mapping=torch.from_numpy(slots), kernel=kernel)
+        sample_idx = torch.from_numpy(np.ascontiguousarray(sample_rows))
+        if len(sample_rows) < total:
+            # Only the sampling rows' last-layer outputs are needed: the last layer writes every
+            # row's K/V, then runs attention, o-proj and MLP on those rows alone.
+            attn.output_rows = sample_idx
+            attn.output_kernel = KernelMetadata(
+                block_tables=torch.from_numpy(np.ascontiguousarray(tables[samples])),
+                q_start=torch.arange(len(sample_rows) + 1, dtype=torch.int32),
+                pos_start=torch.from_numpy((ends[samples] - 1).astype(np.int32)),
+            )
+        return _StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.from_numpy(pos),
+            max_position=int(ends.max()) - 1,
+            attn=attn,
+            sample_indices=sample_idx,
+            sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
         )
 
     def _decode_inputs(

@@ -81,7 +81,7 @@ class Sampler:
 
         `logits` is left untouched (callers may keep it for debugging).
         """
-        if _all_plain_greedy(rows):
+        if all_plain_greedy(rows):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
         raw_logprobs = _raw_logprobs(logits, rows)
         if any(_min_tokens_active(r) or _has_penalties(r.params) for r in rows):
@@ -104,7 +104,8 @@ def _min_tokens_active(row: SamplingRow) -> bool:
     return row.num_output_tokens < row.params.min_tokens and bool(row.params.all_stop_token_ids)
 
 
-def _all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Every row takes the argmax and needs nothing else (no logprobs, penalties, min_tokens)."""
     return all(
         r.params.temperature < _GREEDY_EPS
         and r.params.logprobs is None

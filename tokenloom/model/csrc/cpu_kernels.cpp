@@ -1,0 +1,928 @@
+// CPU kernels for tokenloom's decoder (compiled on first use by tokenloom/model/kernels.py).
+//
+//   paged_attention      causal attention of a whole step (decodes and prefill chunks) straight from
+//                        the paged, head-major KV cache via the block tables: no gather copy.
+//   rms_norm             out = x / rms(x) * w                         (fp32 math, one rounding)
+//   fused_add_rms_norm   residual += x; x = residual / rms(residual) * w
+//   silu_and_mul         out = silu(gate) * up, gate_up = [gate | up]
+//   rotary_and_cache     neox rotary on the q and k heads of the fused qkv rows (in place), then
+//                        k and v written to their KV-cache slots
+//   argmax_rows          greedy sampling: row-wise argmax of the logits (fp32 or bf16)
+//
+// KV layouts: "plain" [Hkv, num_blocks, block_size, D] (the torch path's), and for bf16 with
+// AVX512-BF16 the "packed" one (same tensor shape, elements reordered within each block; see
+// attend_packed), which the runner uses whenever packed_layout_supported() says so.
+//
+// Element types: float and bfloat16, fp32 accumulation everywhere. The AVX-512 paths need
+// AVX512F/BW/VL (the bf16 dot products use AVX512-BF16 when the CPU has it); other CPUs, and head
+// sizes that are not a multiple of 16 (fp32) / 32 (bf16), take plain C++ loops.
+// Threads: at::parallel_for (torch's OpenMP pool, torch.get_num_threads()).
+
+// Slim includes (not torch/extension.h): the first-use compile takes ~10 s instead of ~30 s.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TL_AVX512 1
+#else
+#define TL_AVX512 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+template <> inline bf16 from_f<bf16>(float x) { return bf16(x); }  // round to nearest even
+
+// Tests set this to hold the SIMD attention path to the plain loops.
+bool g_force_scalar = false;
+// How many K blocks ahead a decode prefetches (tuning knob, see set_prefetch_blocks).
+int g_prefetch_blocks = 1;
+
+// A row of zeros that padded key slots point at (covers head_dim <= 512 in either dtype).
+alignas(64) const float kZeros[512] = {};
+
+#if TL_AVX512
+// ------------------------------------------------------------------------------ AVX-512 helpers
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i to_bf16_bits(__m512 v) {
+  // Round to nearest even, NaN kept quiet: what c10::BFloat16(float) does.
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v)); }
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v)); }
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// exp(x) for x <= 88.7: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 Taylor (rel. err ~1e-7).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.0f)), _mm512_set1_ps(88.7f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sixteen vectors -> one vector of their horizontal sums: lane i = sum(v[i]).
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; j++)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; j++) {
+    __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // u[j]: 128-bit lane L holds the lane-L partial sums of vectors 4j..4j+3.
+  __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Partial dot product of q and k (D elements) in the lanes of one vector.
+template <int D_>
+inline __m512 dot_lanes(const float* q, const float* k, int D) {
+  const int n = D_ ? D_ : D;
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int j = 16; j < n; j += 16) acc = _mm512_fmadd_ps(load16(q + j), load16(k + j), acc);
+  return acc;
+}
+template <int D_>
+inline __m512 dot_lanes(const bf16* q, const bf16* k, int D) {
+  const int n = D_ ? D_ : D;
+#ifdef __AVX512BF16__
+  __m512 acc = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 32) {
+    __m512i a = _mm512_loadu_si512(q + j), b = _mm512_loadu_si512(k + j);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+  return acc;
+#else
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int j = 16; j < n; j += 16) acc = _mm512_fmadd_ps(load16(q + j), load16(k + j), acc);
+  return acc;
+#endif
+}
+#endif  // TL_AVX512
+
+// ------------------------------------------------------------------------------ paged attention
+
+template <typename T>
+struct AttnArgs {
+  const T* q;             // row r, head h at q + r * q_row_stride + h * D
+  int64_t q_row_stride;
+  const T* k_cache;       // [Hkv, num_blocks, block_size, D] contiguous
+  const T* v_cache;
+  int64_t head_stride;    // num_blocks * block_size * D
+  const int32_t* block_tables;  // [S, bt_stride]
+  int64_t bt_stride;
+  T* out;                 // row r, head h at out + r * out_row_stride + h * D
+  int64_t out_row_stride;
+  int block_size, D, Hq, Hkv;
+  float scale;
+};
+
+// Slot offsets (in elements, relative to a head's base) of tokens 0..n-1 of one sequence.
+inline void token_offsets(const int32_t* table, int block_size, int D, int n, int64_t* offs) {
+  int t = 0;
+  for (int b = 0; t < n; b++) {
+    int64_t base = static_cast<int64_t>(table[b]) * block_size * D;
+    for (int o = 0; o < block_size && t < n; o++, t++) offs[t] = base + static_cast<int64_t>(o) * D;
+  }
+}
+
+// One query row against keys 0..n-1, for the G query heads of kv head `kvh`: exact two-pass softmax
+// over a score buffer (each K and V row is read once per row), fp32 throughout.
+template <typename T>
+void attend_scalar(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
+  const int D = a.D, G = a.Hq / a.Hkv;
+  const T* kb = a.k_cache + kvh * a.head_stride;
+  const T* vb = a.v_cache + kvh * a.head_stride;
+  std::vector<float> acc(D);
+  for (int g = 0; g < G; g++) {
+    const int h = kvh * G + g;
+    const T* q = a.q + row * a.q_row_stride + static_cast<int64_t>(h) * D;
+    float mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+      const T* k = kb + offs[t];
+      float s = 0.f;
+      for (int d = 0; d < D; d++) s += to_f(q[d]) * to_f(k[d]);
+      scores[t] = s * a.scale;
+      mx = std::max(mx, scores[t]);
+    }
+    float sum = 0.f;
+    for (int t = 0; t < n; t++) {
+      scores[t] = std::exp(scores[t] - mx);
+      sum += scores[t];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int t = 0; t < n; t++) {
+      const T* v = vb + offs[t];
+      for (int d = 0; d < D; d++) acc[d] += scores[t] * to_f(v[d]);
+    }
+    T* o = a.out + row * a.out_row_stride + static_cast<int64_t>(h) * D;
+    for (int d = 0; d < D; d++) o[d] = from_f<T>(acc[d] / sum);
+  }
+}
+
+#if TL_AVX512
+template <typename T, int D_>
+void attend_avx512(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
+  const int D = D_ ? D_ : a.D;
+  const int G = a.Hq / a.Hkv;
+  const int npad = (n + 15) & ~15;
+  const T* kb = a.k_cache + kvh * a.head_stride;
+  const T* vb = a.v_cache + kvh * a.head_stride;
+  const T* zero = reinterpret_cast<const T*>(kZeros);
+  const T* qrow = a.q + row * a.q_row_stride + static_cast<int64_t>(kvh) * G * D;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+
+  // Scores: sixteen keys at a time, reduced together.
+  for (int c0 = 0; c0 < n; c0 += 16) {
+    const T* kp[16];
+    for (int i = 0; i < 16; i++) kp[i] = c0 + i < n ? kb + offs[c0 + i] : zero;
+    for (int g = 0; g < G; g++) {
+      const T* q = qrow + g * D;
+      __m512 acc[16];
+      for (int i = 0; i < 16; i++) acc[i] = dot_lanes<D_>(q, kp[i], D);
+      _mm512_storeu_ps(scores + g * npad + c0, _mm512_mul_ps(reduce16(acc), scale));
+    }
+  }
+  // Softmax numerators in place; keep 1 / sum per head.
+  float inv_sum[64];
+  for (int g = 0; g < G; g++) {
+    float* s = scores + g * npad;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - t), s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+      __mmask16 k = tail_mask(n - t);
+      __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m)));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // Weighted sum of V, a tile of heads at a time (HT heads x NC vectors of accumulators).
+  constexpr int NC = D_ ? D_ / 16 : 32;
+  constexpr int HT = NC >= 16 ? 1 : 16 / NC;
+  const int nc = D / 16;
+  for (int g0 = 0; g0 < G; g0 += HT) {
+    const int nh = std::min(HT, G - g0);
+    __m512 acc[HT][NC];
+    for (int h = 0; h < HT; h++)
+      for (int c = 0; c < NC; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) {
+      const T* v = vb + offs[t];
+      __m512 vv[NC];
+      for (int c = 0; c < NC; c++)
+        if (c < nc) vv[c] = load16(v + 16 * c);
+      for (int h = 0; h < HT; h++) {
+        if (h >= nh) break;
+        const __m512 p = _mm512_set1_ps(scores[(g0 + h) * npad + t]);
+        for (int c = 0; c < NC; c++)
+          if (c < nc) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < nh; h++) {
+      const int head = kvh * G + g0 + h;
+      T* o = a.out + row * a.out_row_stride + static_cast<int64_t>(head) * D;
+      const __m512 inv = _mm512_set1_ps(inv_sum[g0 + h]);
+      for (int c = 0; c < nc; c++) store16(o + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+    }
+  }
+}
+#endif
+
+// Rows of one sequence handled together (prefill chunks): each K/V chunk is loaded once for all
+// of them. Scratch buffers hold kTileRows * G score rows.
+constexpr int kTileRows = 4;
+constexpr int kMaxCombos = 12;  // (row, head) score rows per packed_scores call: 24 accumulators
+
+#if TL_AVX512 && defined(__AVX512BF16__)
+#define TL_PACKED 1
+// The "packed" bf16 KV layout (block_size % 16 == 0, D % 32 == 0), per kv head and block:
+//   K as [D/2][block_size][2]: for a pair of dims, 16 consecutive keys fill one vector, so a key's
+//     scores come out of dot-product instructions in the lanes (no horizontal reductions);
+//   V as [block_size/2][D][2]: two consecutive tokens interleaved per dim, so probabilities x V is
+//     one AVX512-BF16 dot product per pair of tokens.
+// Probabilities are rounded to bf16 for the P x V products (as the torch path does); scores,
+// softmax and accumulation stay fp32.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// Scores of sixteen keys (one block's chunk, dim pair p at kp + 2 p bs) for NH heads: out[h][0..15].
+template <int NH>
+inline void packed_scores(const bf16* kp, int bs, int pairs, const int32_t* const* qd, float* const* out,
+                          __m512 scale) {
+  __m512 acc0[NH], acc1[NH];
+  for (int h = 0; h < NH; h++) acc0[h] = acc1[h] = _mm512_setzero_ps();
+  for (int p = 0; p < pairs; p += 2) {
+    const __m512i k0 = _mm512_loadu_si512(kp + static_cast<int64_t>(p) * 2 * bs);
+    const __m512i k1 = _mm512_loadu_si512(kp + static_cast<int64_t>(p + 1) * 2 * bs);
+    for (int h = 0; h < NH; h++) {
+      acc0[h] = _mm512_dpbf16_ps(acc0[h], (__m512bh)_mm512_set1_epi32(qd[h][p]), (__m512bh)k0);
+      acc1[h] = _mm512_dpbf16_ps(acc1[h], (__m512bh)_mm512_set1_epi32(qd[h][p + 1]), (__m512bh)k1);
+    }
+  }
+  for (int h = 0; h < NH; h++) _mm512_storeu_ps(out[h], _mm512_mul_ps(_mm512_add_ps(acc0[h], acc1[h]), scale));
+}
+
+// out[h] = sum over tokens of p[h][t] v[t] / sum[h], for NH heads; V packed per block as [bs/2][D][2],
+// probabilities as bf16 pairs (pp[h][i] = tokens 2i, 2i+1). NC: accumulators per head (D / 16).
+template <int NH, int NC>
+inline void packed_pv(const bf16* vb, const int32_t* table, int64_t block_elems, int bs, int n, int D,
+                      const int32_t* const* pp, const float* inv_sum, bf16* const* out) {
+  const int nc = D / 16;
+  __m512 acc[NH][NC];
+  for (int h = 0; h < NH; h++)
+    for (int c = 0; c < NC; c++) acc[h][c] = _mm512_setzero_ps();
+  for (int t0 = 0, b = 0; t0 < n; t0 += bs, b++) {
+    const bf16* vblock = vb + table[b] * block_elems;
+    const int pairs = (std::min(bs, n - t0) + 1) / 2;
+    for (int i = 0; i < pairs; i++) {
+      const bf16* v = vblock + static_cast<int64_t>(i) * 2 * D;
+      __m512i vv[NC];
+      for (int c = 0; c < NC; c++)
+        if (c < nc) vv[c] = _mm512_loadu_si512(v + 32 * c);
+      if (t0 + 2 * i + 1 >= n) {  // odd count: the pair's second token is an unwritten slot (weight 0,
+        const __m512i even = _mm512_set1_epi32(0xFFFF);  // but maybe NaN garbage: 0 x NaN = NaN)
+        for (int c = 0; c < NC; c++)
+          if (c < nc) vv[c] = _mm512_and_si512(vv[c], even);
+      }
+      const int pi = t0 / 2 + i;
+      for (int h = 0; h < NH; h++) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[h][pi]);
+        for (int c = 0; c < NC; c++)
+          if (c < nc) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], p, (__m512bh)vv[c]);
+      }
+    }
+  }
+  // acc[h][c] lanes: dims 16c .. 16c+15 in order (each dword of vv[c] is one dim's token pair).
+  for (int h = 0; h < NH; h++) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[h]);
+    for (int c = 0; c < nc; c++) store16(out[h] + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+  }
+}
+
+template <int N>
+inline void packed_scores_n(int nh, const bf16* kp, int bs, int pairs, const int32_t* const* qd, float* const* out,
+                            __m512 scale) {
+  if constexpr (N > 1) {
+    if (nh < N) return packed_scores_n<N - 1>(nh, kp, bs, pairs, qd, out, scale);
+  }
+  packed_scores<N>(kp, bs, pairs, qd, out, scale);
+}
+
+// Rows row0 .. row0 + nrows - 1 of one sequence (row i sees keys 0 .. n0 + i - 1), the G query
+// heads of kv head `kvh`, over the packed layout (see above).
+template <int D_>
+void attend_packed(const AttnArgs<bf16>& a, int64_t row0, int nrows, int kvh, int n0, const int32_t* table,
+                   float* scores, uint16_t* probs, bool prefetch) {
+  const int D = D_ ? D_ : a.D;
+  const int bs = a.block_size;
+  const int G = a.Hq / a.Hkv;
+  const int combos = nrows * G;  // score row c: row c / G, head c % G
+  const int n = n0 + nrows - 1;  // keys of the last row
+  const int npad = (n + 15) & ~15;
+  const int64_t block_elems = static_cast<int64_t>(bs) * D;
+  const bf16* kb = a.k_cache + kvh * a.head_stride;
+  const bf16* vb = a.v_cache + kvh * a.head_stride;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  const int nblocks = (n + bs - 1) / bs;
+  auto q_of = [&](int c) {
+    return reinterpret_cast<const int32_t*>(a.q + (row0 + c / G) * a.q_row_stride +
+                                            static_cast<int64_t>(kvh * G + c % G) * D);
+  };
+
+  // Scores, sixteen keys (within one block) at a time, up to kMaxCombos score rows at a time.
+  // Decodes (whose K/V come from memory; a prefill chunk's rows find them in L2) prefetch, entering
+  // a block, the next block's K and this block's V (read again by the P x V pass below).
+  for (int c0 = 0; c0 < n; c0 += 16) {
+    const int b = c0 / bs, off = c0 - b * bs;
+    if (prefetch && off == 0) {
+      const int ahead = g_prefetch_blocks;
+      for (int d = b == 0 ? 0 : ahead; d <= ahead && b + d < nblocks; d++)
+        prefetch_bytes(kb + table[b + d] * block_elems, block_elems * 2);
+      prefetch_bytes(vb + table[b] * block_elems, block_elems * 2);
+    }
+    const bf16* kp = kb + table[b] * block_elems + 2 * off;
+    for (int g0 = 0; g0 < combos; g0 += kMaxCombos) {
+      const int nh = std::min(kMaxCombos, combos - g0);
+      const int32_t* qd[kMaxCombos];
+      float* out[kMaxCombos];
+      for (int h = 0; h < nh; h++) {
+        qd[h] = q_of(g0 + h);
+        out[h] = scores + (g0 + h) * npad + c0;
+      }
+      packed_scores_n<kMaxCombos>(nh, kp, bs, D / 2, qd, out, scale);
+    }
+  }
+  // Softmax numerators, rounded to bf16 (zero past each row's keys); 1 / (sum of the rounded values).
+  float inv_sum[kTileRows * 64];
+  for (int c = 0; c < combos; c++) {
+    const int nc_keys = n0 + c / G;
+    const float* s = scores + c * npad;
+    uint16_t* pb = probs + c * npad;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < nc_keys; t += 16)
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(nc_keys - t), s + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < npad; t += 16) {
+      const __mmask16 k = t < nc_keys ? tail_mask(nc_keys - t) : __mmask16(0);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m)));
+      const __m256i eb = to_bf16_bits(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + t), eb);
+      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+    }
+    inv_sum[c] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // P x V over the last row's keys (earlier rows' extra weights are zero), HT score rows at a time.
+  constexpr int NC = D_ ? D_ / 16 : 32;
+  constexpr int HT = NC >= 16 ? 1 : 16 / NC;
+  for (int g0 = 0; g0 < combos; g0 += HT) {
+    const int nh = std::min(HT, combos - g0);
+    const int32_t* pp[4];
+    bf16* out[4];
+    for (int h = 0; h < nh; h++) {
+      const int c = g0 + h;
+      pp[h] = reinterpret_cast<const int32_t*>(probs + c * npad);
+      out[h] = a.out + (row0 + c / G) * a.out_row_stride + static_cast<int64_t>(kvh * G + c % G) * D;
+    }
+    const float* inv = inv_sum + g0;
+    if constexpr (HT >= 4) {
+      if (nh == 4) { packed_pv<4, NC>(vb, table, block_elems, bs, n, D, pp, inv, out); continue; }
+      if (nh == 3) { packed_pv<3, NC>(vb, table, block_elems, bs, n, D, pp, inv, out); continue; }
+    }
+    if constexpr (HT >= 2) {
+      if (nh == 2) { packed_pv<2, NC>(vb, table, block_elems, bs, n, D, pp, inv, out); continue; }
+    }
+    packed_pv<1, NC>(vb, table, block_elems, bs, n, D, pp, inv, out);
+  }
+}
+#else
+#define TL_PACKED 0
+#endif
+
+// Plain-loop attention over the packed layout (tests; CPUs without AVX512-BF16 never use the layout).
+void attend_packed_scalar(const AttnArgs<bf16>& a, int64_t row, int kvh, int n, const int32_t* table,
+                          float* scores) {
+  const int D = a.D, bs = a.block_size, G = a.Hq / a.Hkv;
+  const int64_t block_elems = static_cast<int64_t>(bs) * D;
+  const bf16* kb = a.k_cache + kvh * a.head_stride;
+  const bf16* vb = a.v_cache + kvh * a.head_stride;
+  std::vector<float> acc(D);
+  for (int g = 0; g < G; g++) {
+    const int h = kvh * G + g;
+    const bf16* q = a.q + row * a.q_row_stride + static_cast<int64_t>(h) * D;
+    float mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+      const bf16* blk = kb + table[t / bs] * block_elems;
+      const int off = t % bs;
+      float s = 0.f;
+      for (int d = 0; d < D; d++) s += to_f(q[d]) * to_f(blk[((d / 2) * bs + off) * 2 + d % 2]);
+      scores[t] = s * a.scale;
+      mx = std::max(mx, scores[t]);
+    }
+    float sum = 0.f;
+    for (int t = 0; t < n; t++) {
+      scores[t] = to_f(bf16(std::exp(scores[t] - mx)));
+      sum += scores[t];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int t = 0; t < n; t++) {
+      const bf16* blk = vb + table[t / bs] * block_elems;
+      const int off = t % bs;
+      for (int d = 0; d < D; d++) acc[d] += scores[t] * to_f(blk[((off / 2) * D + d) * 2 + off % 2]);
+    }
+    bf16* o = a.out + row * a.out_row_stride + static_cast<int64_t>(h) * D;
+    for (int d = 0; d < D; d++) o[d] = bf16(acc[d] / sum);
+  }
+}
+
+bool packed_layout_supported(int64_t block_size, int64_t head_dim) {
+  return TL_PACKED && block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 512;
+}
+
+template <typename T>
+void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const int32_t* pos_start, int64_t num_seqs,
+                          bool packed) {
+  // Work items: (a tile of rows of one sequence) x (kv head). Plain layout: one row per tile.
+  const int tile = packed ? kTileRows : 1;
+  struct Tile {
+    int32_t row0, nrows, seq, n0;  // n0: keys of the first row
+  };
+  std::vector<Tile> tiles;
+  tiles.reserve(q_start[num_seqs]);
+  int max_ctx = 0;
+  for (int64_t s = 0; s < num_seqs; s++) {
+    for (int32_t r = q_start[s]; r < q_start[s + 1]; r += tile) {
+      const int32_t nr = std::min<int32_t>(tile, q_start[s + 1] - r);
+      tiles.push_back({r, nr, static_cast<int32_t>(s), pos_start[s] + (r - q_start[s]) + 1});
+      max_ctx = std::max(max_ctx, tiles.back().n0 + nr - 1);
+    }
+  }
+  const int G = a.Hq / a.Hkv;
+  const int64_t items = static_cast<int64_t>(tiles.size()) * a.Hkv;
+  bool simd = false;
+#if TL_AVX512
+  simd = !g_force_scalar && a.D % (std::is_same<T, bf16>::value ? 32 : 16) == 0 && a.D <= 512 && G <= 64;
+#endif
+  std::atomic<int64_t> next{0};
+  // One task per thread, items handed out dynamically: contexts differ, so static chunks would not balance.
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores(static_cast<size_t>(tile) * G * ((max_ctx + 15) & ~15) + 16);
+    std::vector<uint16_t> probs(packed ? scores.size() : 0);
+    std::vector<int64_t> offs(packed ? 0 : max_ctx);
+    int64_t cached_seq = -1;
+    int cached_n = 0;
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= items) break;
+      const Tile& tl = tiles[i / a.Hkv];
+      const int kvh = static_cast<int>(i % a.Hkv);
+      const int32_t* table = a.block_tables + static_cast<int64_t>(tl.seq) * a.bt_stride;
+      if constexpr (std::is_same<T, bf16>::value) {
+        if (packed) {
+#if TL_PACKED
+          if (!g_force_scalar) {
+            const bool single = q_start[tl.seq + 1] - q_start[tl.seq] == 1;
+            if (a.D == 64) attend_packed<64>(a, tl.row0, tl.nrows, kvh, tl.n0, table, scores.data(), probs.data(), single);
+            else if (a.D == 128) attend_packed<128>(a, tl.row0, tl.nrows, kvh, tl.n0, table, scores.data(), probs.data(), single);
+            else attend_packed<0>(a, tl.row0, tl.nrows, kvh, tl.n0, table, scores.data(), probs.data(), single);
+            continue;
+          }
+#endif
+          for (int r = 0; r < tl.nrows; r++) attend_packed_scalar(a, tl.row0 + r, kvh, tl.n0 + r, table, scores.data());
+          continue;
+        }
+      }
+      const int64_t row = tl.row0;
+      const int n = tl.n0;
+      if (tl.seq != cached_seq || n > cached_n) {  // rows of one sequence come in order: extend the offsets
+        token_offsets(table, a.block_size, a.D, n, offs.data());
+        cached_seq = tl.seq;
+        cached_n = n;
+      }
+#if TL_AVX512
+      if (simd) {
+        if (a.D == 64) attend_avx512<T, 64>(a, row, kvh, n, offs.data(), scores.data());
+        else if (a.D == 128) attend_avx512<T, 128>(a, row, kvh, n, offs.data(), scores.data());
+        else attend_avx512<T, 0>(a, row, kvh, n, offs.data(), scores.data());
+        continue;
+      }
+#endif
+      attend_scalar<T>(a, row, kvh, n, offs.data(), scores.data());
+    }
+  });
+}
+
+// out: [T, Hq * D]; q: [T, >= Hq * D] rows (e.g. the fused qkv), heads contiguous from column 0;
+// caches: [Hkv, num_blocks, block_size, D]; block_tables [S, max_blocks] int32; q_start [S + 1] int32
+// (rows of sequence s: q_start[s] .. q_start[s+1]-1); pos_start [S] int32 (position of each
+// sequence's first row: row j of s sees keys 0 .. pos_start[s] + j).
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& pos_start,
+                     double scale, bool packed) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [Hkv, num_blocks, block_size, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "q and out must be 2-D rows");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_start.scalar_type() == at::kInt &&
+              pos_start.scalar_type() == at::kInt, "block_tables, q_start and pos_start must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && q_start.is_contiguous() &&
+              pos_start.is_contiguous(), "index tensors must be contiguous");
+  const int64_t S = pos_start.numel();
+  TORCH_CHECK(q_start.numel() == S + 1 && block_tables.size(0) >= S, "q_start must have S + 1 entries");
+  const int Hkv = k_cache.size(0), bs = k_cache.size(2), D = k_cache.size(3);
+  const int Hq = out.size(1) / D;
+  TORCH_CHECK(Hq * D == out.size(1) && Hq % Hkv == 0 && q.size(1) >= Hq * D, "head counts do not match");
+  TORCH_CHECK(!packed || (q.scalar_type() == at::kBFloat16 && bs % 16 == 0 && D % 32 == 0 && D <= 512 &&
+                          Hq / Hkv <= 64), "the packed KV layout needs bf16, block_size % 16 == 0, D % 32 == 0");
+  const int32_t* qs = q_start.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[S] <= q.size(0) && qs[S] <= out.size(0), "q_start out of range");
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      AttnArgs<float> a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                        k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                        out.data_ptr<float>(), out.stride(0), bs, D, Hq, Hkv, static_cast<float>(scale)};
+      paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      AttnArgs<bf16> a{q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                       k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                       out.data_ptr<bf16>(), out.stride(0), bs, D, Hq, Hkv, static_cast<float>(scale)};
+      paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, packed);
+    }));
+}
+
+// ------------------------------------------------------------------------------ RMSNorm
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+#if TL_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 v = load16(x + i, tail_mask(n - i));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < n; i++) s += to_f(x[i]) * to_f(x[i]);
+  return s;
+#endif
+}
+
+template <typename T>
+void scale_row(const T* x, const T* w, T* out, int64_t n, float inv) {
+#if TL_AVX512
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i, m), s), load16(w + i, m)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) out[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
+#endif
+}
+
+template <typename T>
+void add_into(T* residual, const T* x, int64_t n) {
+#if TL_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    store16(residual + i, _mm512_add_ps(load16(residual + i, m), load16(x + i, m)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) residual[i] = from_f<T>(to_f(residual[i]) + to_f(x[i]));
+#endif
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.is_contiguous() && w.numel() == x.size(1) &&
+              w.scalar_type() == x.scalar_type(), "expected rows [T, H] and a weight [H] of the same dtype");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.stride(1) == 1 && out.scalar_type() == x.scalar_type());
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          const float* xr = x.data_ptr<float>() + r * x.stride(0);
+          float inv = 1.0f / std::sqrt(sum_squares(xr, H) / H + static_cast<float>(eps));
+          scale_row(xr, w.data_ptr<float>(), out.data_ptr<float>() + r * out.stride(0), H, inv);
+        }
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          const bf16* xr = x.data_ptr<bf16>() + r * x.stride(0);
+          float inv = 1.0f / std::sqrt(sum_squares(xr, H) / H + static_cast<float>(eps));
+          scale_row(xr, w.data_ptr<bf16>(), out.data_ptr<bf16>() + r * out.stride(0), H, inv);
+        }
+      });
+    }));
+}
+
+// residual += x (rounded to the dtype, as an in-place torch add); x = rms_norm(residual) * w.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type());
+  const int64_t T = x.size(0), H = x.size(1);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "fused_add_rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          float* xr = x.data_ptr<float>() + r * x.stride(0);
+          float* rr = residual.data_ptr<float>() + r * residual.stride(0);
+          add_into(rr, xr, H);
+          float inv = 1.0f / std::sqrt(sum_squares(rr, H) / H + static_cast<float>(eps));
+          scale_row(rr, w.data_ptr<float>(), xr, H, inv);
+        }
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          bf16* xr = x.data_ptr<bf16>() + r * x.stride(0);
+          bf16* rr = residual.data_ptr<bf16>() + r * residual.stride(0);
+          add_into(rr, xr, H);
+          float inv = 1.0f / std::sqrt(sum_squares(rr, H) / H + static_cast<float>(eps));
+          scale_row(rr, w.data_ptr<bf16>(), xr, H, inv);
+        }
+      });
+    }));
+}
+
+// ------------------------------------------------------------------------------ SiLU and mul
+
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+#if TL_AVX512
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    __m512 x = load16(g + i, m);
+    // x / (1 + e^-x): reciprocal estimate + one Newton step (~1 ulp; vdivps costs ~3x more here).
+    const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+    __m512 s = _mm512_mul_ps(x, r);
+    store16(o + i, _mm512_mul_ps(s, load16(u + i, m)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) {
+    float x = to_f(g[i]);
+    o[i] = from_f<T>(x / (1.0f + std::exp(-x)) * to_f(u[i]));
+  }
+#endif
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 &&
+              gate_up.size(1) == 2 * out.size(1) && gate_up.size(0) == out.size(0) &&
+              out.scalar_type() == gate_up.scalar_type(), "expected out [T, I] and gate_up [T, 2I]");
+  const int64_t T = out.size(0), I = out.size(1);
+  AT_DISPATCH_SWITCH(out.scalar_type(), "silu_and_mul",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          const float* g = gate_up.data_ptr<float>() + r * gate_up.stride(0);
+          silu_mul_row(g, g + I, out.data_ptr<float>() + r * out.stride(0), I);
+        }
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+          const bf16* g = gate_up.data_ptr<bf16>() + r * gate_up.stride(0);
+          silu_mul_row(g, g + I, out.data_ptr<bf16>() + r * out.stride(0), I);
+        }
+      });
+    }));
+}
+
+// ------------------------------------------------------------------------------ rotary + KV write
+
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int half) {
+#if TL_AVX512
+  for (int i = 0; i < half; i += 16) {
+    __mmask16 m = tail_mask(half - i);
+    __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
+    __m512 c = load16(cos + i, m), s = load16(sin + i, m);
+    store16(x + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), m);
+    store16(x + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), m);
+  }
+#else
+  for (int i = 0; i < half; i++) {
+    float x1 = to_f(x[i]), x2 = to_f(x[half + i]), c = to_f(cos[i]), s = to_f(sin[i]);
+    x[i] = from_f<T>(x1 * c - x2 * s);
+    x[half + i] = from_f<T>(x2 * c + x1 * s);
+  }
+#endif
+}
+
+template <typename T>
+void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t* positions, const T* cos,
+                           const T* sin, int Hq, int Hkv, int D, T* kc, T* vc, int64_t head_stride,
+                           const int64_t* slots, int block_size, bool packed) {
+  const int half = D / 2;
+  at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; t++) {
+      T* row = qkv + t * row_stride;
+      const T* c = cos + positions[t] * half;
+      const T* s = sin + positions[t] * half;
+      for (int h = 0; h < Hq + Hkv; h++) rotate_head(row + static_cast<int64_t>(h) * D, c, s, half);
+      if (slots == nullptr || slots[t] < 0) continue;
+      if (packed) {  // see attend_packed: K [D/2][bs][2], V [bs/2][D][2] per block (2-byte elements)
+        const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
+        for (int h = 0; h < Hkv; h++) {
+          const int64_t base = h * head_stride + blk * block_size * D;
+          const uint32_t* k = reinterpret_cast<const uint32_t*>(row + static_cast<int64_t>(Hq + h) * D);
+          uint32_t* kdst = reinterpret_cast<uint32_t*>(kc + base) + off;
+          for (int p = 0; p < D / 2; p++) kdst[static_cast<int64_t>(p) * block_size] = k[p];
+          const T* v = row + static_cast<int64_t>(Hq + Hkv + h) * D;
+          T* vdst = vc + base + (off / 2) * 2 * D + (off % 2);
+          for (int d = 0; d < D; d++) vdst[2 * d] = v[d];
+        }
+        continue;
+      }
+      for (int h = 0; h < Hkv; h++) {
+        std::memcpy(kc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + h) * D, D * sizeof(T));
+        std::memcpy(vc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + Hkv + h) * D,
+                    D * sizeof(T));
+      }
+    }
+  });
+}
+
+// qkv: [T, (Hq + 2 Hkv) * D] rows (q heads, k heads, v heads); cos/sin: [P, D / 2] tables in qkv's
+// dtype; positions, slot_mapping: [T] int64. Rotates q and k in place, then writes k and v to the
+// caches ([Hkv, num_blocks, block_size, D]) at their slots.
+void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t num_q_heads, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                      bool packed) {
+  const int Hkv = k_cache.size(0), D = k_cache.size(3);
+  const int Hq = static_cast<int>(num_q_heads);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv shape");
+  TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == D / 2 &&
+              cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope tables");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "caches");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+              positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == qkv.size(0) &&
+              slot_mapping.numel() == qkv.size(0), "positions and slot_mapping: [T] int64");
+  TORCH_CHECK(!packed || (qkv.scalar_type() == at::kBFloat16 && k_cache.size(2) % 16 == 0 && D % 32 == 0),
+              "the packed KV layout needs bf16, block_size % 16 == 0, D % 32 == 0");
+  const int64_t T_ = qkv.size(0);
+  const int bs = k_cache.size(2);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t max_slot = k_cache.size(1) * k_cache.size(2);
+  for (int64_t t = 0; t < T_; t++) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of the rope table");
+    TORCH_CHECK(slots[t] < max_slot, "slot out of the cache");
+  }
+  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_and_cache",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      rotary_and_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), T_, pos, cos.data_ptr<float>(),
+                                   sin.data_ptr<float>(), Hq, Hkv, D, k_cache.data_ptr<float>(),
+                                   v_cache.data_ptr<float>(), k_cache.stride(0), slots, bs, false);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      rotary_and_cache_impl<bf16>(qkv.data_ptr<bf16>(), qkv.stride(0), T_, pos, cos.data_ptr<bf16>(),
+                                  sin.data_ptr<bf16>(), Hq, Hkv, D, k_cache.data_ptr<bf16>(),
+                                  v_cache.data_ptr<bf16>(), k_cache.stride(0), slots, bs, packed);
+    }));
+}
+
+// ------------------------------------------------------------------------------ greedy argmax
+
+// Row-wise argmax (first index of the maximum, as torch.argmax), or -1 for a row holding a NaN
+// (the caller falls back to torch for those). torch's bf16 argmax is ~10x slower than this scan.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+#if TL_AVX512
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = load16(x + i, m);
+    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+    mx = _mm512_mask_max_ps(mx, m, mx, v);
+  }
+  if (nan) return -1;
+  const float best = _mm512_reduce_max_ps(mx);
+  const __m512 b = _mm512_set1_ps(best);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail_mask(n - i), load16(x + i, tail_mask(n - i)), b, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return -1;
+#else
+  int64_t arg = 0;
+  float best = to_f(x[0]);
+  for (int64_t i = 0; i < n; i++) {
+    const float v = to_f(x[i]);
+    if (std::isnan(v)) return -1;
+    if (v > best) best = v, arg = i;
+  }
+  return arg;
+#endif
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0, "expected [S, V] rows");
+  const int64_t S = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({S}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_SWITCH(logits.scalar_type(), "argmax_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* x = logits.data_ptr<float>();
+      at::parallel_for(0, S, 8, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) o[r] = argmax_row(x + r * logits.stride(0), V);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const bf16* x = logits.data_ptr<bf16>();
+      at::parallel_for(0, S, 8, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) o[r] = argmax_row(x + r * logits.stride(0), V);
+      });
+    }));
+  return out;
+}
+
+bool has_avx512() { return TL_AVX512; }
+void set_force_scalar(bool on) { g_force_scalar = on; }
+void set_prefetch_blocks(int64_t n) { g_prefetch_blocks = static_cast<int>(n); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_and_cache", &rotary_and_cache);
+  m.def("argmax_rows", &argmax_rows);
+  m.def("has_avx512", &has_avx512);
+  m.def("packed_layout_supported", &packed_layout_supported);
+  m.def("set_force_scalar", &set_force_scalar);
+  m.def("set_prefetch_blocks", &set_prefetch_blocks);
+}

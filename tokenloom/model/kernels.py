@@ -1,0 +1,159 @@
+"""Compiled CPU kernels (csrc/cpu_kernels.cpp): built on first use, cached, optional.
+
+The first call to `cpu_kernels()` compiles the C++ source with torch's extension builder
+(`-O3 -march=native -fopenmp`; ~10 s on the 2-core dev box) into
+`<cache>/kernels/cpu_kernels-<key>/`, where `<cache>` is tokenloom's cache directory
+(`$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else `~/.cache/tokenloom`) and `<key>`
+hashes the source, the torch and Python versions, the compiler flags and the CPU's feature flags
+(the build targets this CPU). Later processes import the cached library directly (~10 ms).
+
+Anything that goes wrong (no compiler, no ninja, a compile error, an import error) logs one warning
+and returns None: callers then run the pure-torch path, which computes the same thing more slowly.
+`TOKENLOOM_CPU_KERNELS=0` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "module": None, "build_s": None}
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("TOKENLOOM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels module, or None when unavailable (then use the torch path)."""
+    if _state["tried"]:
+        return _state["module"]  # type: ignore[return-value]
+    with _lock:
+        if not _state["tried"]:
+            _state["module"] = _load() if enabled_by_env() else None
+            _state["tried"] = True
+    return _state["module"]  # type: ignore[return-value]
+
+
+def build_seconds() -> float | None:
+    """Seconds the compile took in this process (None: loaded from the cache, or not built)."""
+    return _state["build_s"]  # type: ignore[return-value]
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _cache_key() -> str:
+    import torch
+
+    ident = "|".join(
+        [hashlib.sha256(SOURCE.read_bytes()).hexdigest(), torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS),
+         _cpu_signature()]
+    )
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _load() -> ModuleType | None:
+    try:
+        from tokenloom.model.tokenizer import default_cache_dir
+
+        key = _cache_key()
+        name = f"tl_cpu_kernels_{key}"
+        build_dir = default_cache_dir() / "kernels" / f"cpu_kernels-{key}"
+        built = build_dir / f"{name}.so"
+        if built.is_file():
+            try:
+                return _import(name, built)
+            except ImportError as exc:  # a broken cache entry: rebuild it
+                logger.warning("cached CPU kernels at %s do not load (%s); rebuilding", built, exc)
+        return _build(name, build_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure means: run the torch path
+        lines = str(exc).strip().splitlines()
+        detail = [ln for ln in lines if "error" in ln.lower()][:3] or lines[-1:]
+        logger.warning("tokenloom CPU kernels unavailable (%s: %s); using the slower pure-torch path",
+                       type(exc).__name__, " | ".join(detail))
+        return None
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    import torch  # noqa: F401 - the library links against torch's; load those first
+
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, build_dir: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # The builder runs `ninja` from PATH; pip's ninja lives next to this interpreter, which an
+    # unactivated venv does not put on PATH.
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    logger.warning("compiling tokenloom's CPU kernels (first use on this machine, ~10-30 s) into %s", build_dir)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                                build_directory=str(build_dir), verbose=False)
+    _state["build_s"] = time.perf_counter() - t0
+    logger.info("CPU kernels built in %.1f s", _state["build_s"])
+    _remove_stale_builds(build_dir)
+    return module
+
+
+def _remove_stale_builds(current: Path) -> None:
+    """Builds of older sources (or other torch versions) pile up otherwise. A process still using
+    one keeps its mapped library: unlinking does not unmap it."""
+    for entry in current.parent.glob("cpu_kernels-*"):
+        if entry != current and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def main() -> int:
+    """`python -m tokenloom.model.kernels`: build (or load) the kernels now, e.g. after installing,
+    so that the first engine start-up does not pay the compile."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    module = cpu_kernels()
+    if module is None:
+        print("CPU kernels unavailable (see the warning above); tokenloom runs its pure-torch path")
+        return 1
+    built = build_seconds()
+    elapsed = time.perf_counter() - t0
+    how = f"built in {built:.1f} s" if built is not None else f"loaded from the cache in {elapsed:.2f} s"
+    print(f"CPU kernels {how}: AVX-512 {module.has_avx512()}, packed bf16 KV layout "
+          f"{module.packed_layout_supported(16, 64)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
