@@ -66,8 +66,10 @@ async def _stream(client: httpx.AsyncClient, i: int, prompt: list[int], max_toke
 def test_64_streams_with_disconnects_then_pool_is_free(server) -> None:
     n = 64
     prompts = [[3 + (7 * i + j) % 300 for j in range(8 + i % 9)] for i in range(n)]
-    max_tokens = [8 + i % 25 for i in range(n)]
     leavers = {i for i in range(n) if i % 11 == 5}
+    # Leavers ask for many tokens, so that they are still running when their client goes away (a
+    # short one can legitimately finish with "length" before the server notices the disconnect).
+    max_tokens = [200 if i in leavers else 8 + i % 25 for i in range(n)]
     before = server.metrics()
 
     async def run():
@@ -87,8 +89,11 @@ def test_64_streams_with_disconnects_then_pool_is_free(server) -> None:
     assert metric(after, "tokenloom:kv_cache_usage_perc") == 0
     assert metric(after, "tokenloom:kv_cache_free_blocks") == metric(after, "tokenloom:kv_cache_total_blocks")
     completed = [i for i in range(n) if i not in leavers]
-    assert _delta(after, before, "tokenloom:request_success_total", finished_reason="length") == len(completed)
-    assert _delta(after, before, "tokenloom:request_success_total", finished_reason="abort") == len(leavers)
+    finished_length = _delta(after, before, "tokenloom:request_success_total", finished_reason="length")
+    aborted = _delta(after, before, "tokenloom:request_success_total", finished_reason="abort")
+    # Every request is counted exactly once; at most a rare leaver outruns its own disconnect.
+    assert finished_length + aborted == n
+    assert len(completed) <= finished_length <= len(completed) + 1
     generated = _delta(after, before, "tokenloom:generation_tokens_total")
     exact = sum(max_tokens[i] for i in completed)
     assert exact + 2 * len(leavers) <= generated <= exact + sum(max_tokens[i] for i in leavers)
@@ -97,7 +102,8 @@ def test_64_streams_with_disconnects_then_pool_is_free(server) -> None:
     assert _delta(after, before, "tokenloom:e2e_request_latency_seconds_count") == n
     assert _delta(after, before, "tokenloom:request_queue_time_seconds_count") == n
     steps = _delta(after, before, "tokenloom:iteration_tokens_total_count")
-    assert steps >= max(max_tokens) and _delta(after, before, "tokenloom:engine_step_duration_seconds_count") == steps
+    assert steps >= max(max_tokens[i] for i in completed)
+    assert _delta(after, before, "tokenloom:engine_step_duration_seconds_count") == steps
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server) -> None:
