@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,9 @@ from tokenloom.core.scheduler import Scheduler  # noqa: E402
 from tokenloom.engine.core import EngineCore  # noqa: E402
 from tokenloom.engine.trace import StepTracer  # noqa: E402
 from tokenloom.sim.clock import WallClock  # noqa: E402
-from tokenloom.sim.cost_model import Sample, fit_error  # noqa: E402
-from tokenloom.sim.profile import load_profile, runner_fingerprint  # noqa: E402
+from tokenloom.sim.cost_model import Sample, fit, fit_error  # noqa: E402
+from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint  # noqa: E402
+from tokenloom.sim.profiler import Grid, Row, StepDriver, scheduler_overhead, time_grid  # noqa: E402
 from tokenloom.sim.quiet import cpu_times, wait_for_quiet  # noqa: E402
 from tokenloom.sim.runner import SequenceTracker  # noqa: E402
 from tokenloom.sim.simulate import SimResult, engine_configs, run_workload, simulate  # noqa: E402
@@ -129,6 +130,28 @@ def run_real(runner: Any, requests: list[BenchRequest], sched: Any, cache: Any, 
     return RealRun(result, recorder, times.seconds, others)
 
 
+def refit(runner: Any, profile: Profile, args: argparse.Namespace) -> Profile:
+    """Profile this very runner (same code, same KV pool) in this process, as `tokenloom profile` does."""
+    samples, noisy = time_grid(runner, runner.vocab_size, Grid(), 2, 5, args.refit_passes, args.max_wait)
+    cost_model, error = fit(samples)
+    print(f"refit on this runner: {len(samples)} shapes ({noisy} timed while busy), MAPE {error.mape:.1%}, "
+          f"worst {error.max_ape:.1%}, R² {error.r2:.4f}", file=sys.stderr)  # fmt: skip
+    return replace(profile, cost_model=cost_model, fit=error, samples=samples, runner_fingerprint=runner_fingerprint(),
+                   scheduler_overhead=scheduler_overhead(runner.block_size))  # fmt: skip
+
+
+PROBE = [Row(255, 1)] * 8  # one fixed decode step, timed before and after the real run
+
+
+def probe(runner: Any, profile: Profile) -> float:
+    """The machine's speed now relative to the profile: measured / predicted seconds of a fixed step.
+
+    On a shared VM the same step's time drifts by tens of percent over minutes; the simulator cannot be
+    more accurate than that, and this says how much of an error is the machine's, not the model's."""
+    sample = StepDriver(runner, runner.block_size, runner.vocab_size).time_shape(PROBE, 3, 15)
+    return sample.seconds / profile.cost_model.predict(sample.shape)
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -169,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write both results and the table as JSON")
     p.add_argument("--max-wait", type=float, default=300.0, help="seconds to wait for a quiet machine first")
     p.add_argument("--attempts", type=int, default=3, help="real runs until one is not contaminated by other work")
+    p.add_argument("--refit", action="store_true",
+                   help="profile the engine's own runner in this process first (same code and pool) and use that")
+    p.add_argument("--refit-passes", type=int, default=2)
     args = p.parse_args(argv)
 
     profile = load_profile(args.profile)
-    if profile.is_stale():
-        print("warning: the runner's code changed since the profile was measured; expect larger errors",
+    if profile.is_stale() and not args.refit:
+        print("warning: the runner's code changed since the profile was measured; expect larger errors (or --refit)",
               file=sys.stderr)  # fmt: skip
     kwargs = {k: getattr(args, k) for k in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
                                             "num_blocks") if getattr(args, k) is not None}  # fmt: skip
@@ -183,10 +209,14 @@ def main(argv: list[str] | None = None) -> int:
           f"max_num_batched_tokens {sched.max_num_batched_tokens}, {cache.num_blocks} blocks", file=sys.stderr)
 
     runner = load_runner(args, profile, sched, cache)
+    if args.refit:
+        profile = refit(runner, profile, args)
     trace_path = args.trace_prefix + ".real.jsonl" if args.trace_prefix else None
     for attempt in range(1, args.attempts + 1):
         wait_for_quiet(args.max_wait)
+        speed_before = probe(runner, profile)
         run = run_real(runner, requests, sched, cache, trace_path, args.seed)
+        speed_after = probe(runner, profile)
         others = run.others_cpu_share
         if others is None or others <= CONTAMINATED:
             break
@@ -208,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scheduler + bookkeeping outside execute_model: {overhead * 1e3:.2f} ms per step "
           f"(median step {statistics.median(step_times) * 1e3:.1f} ms)")  # fmt: skip
     print(f"real run {real.wall_seconds:.1f} s; simulation {sim.wall_seconds:.2f} s")
+    print(f"probe step (8 decodes, context 256) measured / modelled: {speed_before:.2f} before the real run, "
+          f"{speed_after:.2f} after")  # fmt: skip
     if others is not None:
         print(f"other processes used {others:.0%} of the CPUs during the real run"
               + (" — the real figures are contaminated; rerun on a quiet machine" if others > CONTAMINATED else ""))
@@ -223,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
                        for _, key in ROWS},  # fmt: skip
             "step_fit": vars(step_fit),
             "overhead_ms_per_step": overhead * 1e3,
+            "profile_fit": vars(profile.fit),
+            "requests": {r.id: {"real": [r.ttft_s, r.e2e_s], "sim": [q.ttft_s, q.e2e_s]}  # (TTFT, E2E) seconds
+                         for r, q in zip(real.records, sim.records)},  # fmt: skip
+            "probe_measured_over_modelled": [speed_before, speed_after],
+            # Every real step: its shape (as the simulator sees it), measured and predicted execute seconds.
+            "real_steps": [{**asdict(s.shape), "seconds": s.seconds, "predicted": profile.cost_model.predict(s.shape)}
+                           for s in run.recorder.samples],  # fmt: skip
         }
         Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
     return 0

@@ -173,11 +173,14 @@ def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dic
 
 
 def _idle_record(step: int, now: float, scheduler: Scheduler) -> dict[str, Any]:
+    """A step with nothing to run (before the next arrival), in the trace record's shape."""
     kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
     return {"step": step, "t_start": now - 1.0, "t_end": now, "scheduled": {}, "prefill": {}, "decode": {},
             "budget": scheduler.max_num_scheduled_tokens, "budget_used": 0,
             "budget_left": scheduler.max_num_scheduled_tokens, "num_running": 0, "num_waiting": 0,
-            "kv_blocks_used": 0, "kv_blocks_free": kv.block_pool.get_num_free_blocks(), "kv_blocks_cached": 0,
+            "kv_blocks_used": kv.num_blocks - pool.get_num_free_blocks(), "kv_blocks_free": pool.get_num_free_blocks(),
+            "kv_blocks_cached": pool.get_num_cached_free_blocks(),
             "num_blocks": kv.num_blocks, "preempted": [], "finished": [], "cached_tokens": {},
             "bound_by": "idle", "progress": {}}  # fmt: skip
 
