@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
-_DEFAULT_CPU_KV_BYTES = 2 << 30
+DEFAULT_CPU_KV_BYTES = 2 << 30
 # Upper bound on the default context: enough for chat, and keeps a small default pool useful.
 _DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -94,7 +94,7 @@ class LLMEngine:
                 free, _ = torch.cuda.mem_get_info(device)
                 budget = int(free * 0.9) - (1 << 30)  # leave room for activations
             else:
-                budget = _DEFAULT_CPU_KV_BYTES
+                budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ConfigError(

@@ -25,8 +25,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.llm_engine import _DEFAULT_CPU_KV_BYTES as DEFAULT_CPU_KV_BYTES
-from tokenloom.engine.llm_engine import engine_config_from_kwargs, sched_max_len_default
+from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.clock import VirtualClock
