@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attempts", type=int, default=3, help="real runs until one is not contaminated by other work")
     p.add_argument("--refit", action="store_true",
                    help="profile the engine's own runner in this process first (same code and pool) and use that")
-    p.add_argument("--refit-passes", type=int, default=2)
+    p.add_argument("--refit-passes", type=int, default=3)
     args = p.parse_args(argv)
 
     profile = load_profile(args.profile)

@@ -210,9 +210,9 @@ def test_fit_never_returns_negative_costs() -> None:
 
 
 def test_step_shape_follows_the_runner() -> None:
-    """One-token rows are decodes (padded attention: count x longest context); longer rows are chunks."""
+    """One-token rows are decodes (attention over each own context: the sum); longer rows are chunks."""
     shape = StepShape.of_rows([(9, 1, True), (99, 1, True), (0, 4, True), (10, 3, False)])
-    assert (shape.decode_tokens, shape.decode_max_context, shape.decode_attn) == (2, 100, 200)
+    assert (shape.decode_tokens, shape.decode_max_context, shape.decode_attn) == (2, 100, 110)
     assert shape.prefill_tokens == 7
     assert shape.prefill_attn == (1 + 2 + 3 + 4) + (11 + 12 + 13)
     assert (shape.num_seqs, shape.num_samples) == (4, 3)

@@ -41,7 +41,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
-    p.add_argument("--passes", type=int, default=2, help="passes over the grid; each shape keeps its fastest")
+    p.add_argument("--passes", type=int, default=3, help="passes over the grid; each shape keeps its median pass")
     p.add_argument("--max-wait", type=float, default=120.0,
                    help="seconds to wait, before each shape, for other processes to leave the CPU (0: never wait)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; for tests and tiny models)")

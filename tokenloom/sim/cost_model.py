@@ -9,8 +9,10 @@ The attention terms follow how that runner computes attention on this CPU:
 
 * a prefill chunk runs its own attention over its context: Σ_{i=1..n} (start + i) = n·start + n(n+1)/2
   query-key pairs; `num_seqs` carries the per-row cost (one attention call, its mask, its inputs);
-* all decodes share one attention call padded to the longest context in the batch, so the decode
-  attention work is num_decodes × the longest decode context, not the sum of the contexts;
+* each decode reads its own context, once per layer (the fused CPU kernel walks the block table; no
+  padding), so the decode attention work is the sum of the decodes' contexts. Attention there is bound
+  by memory traffic, which that sum measures. (The pure-torch path pads decodes in groups of 16–32
+  sorted by context, which the sum also approximates well.);
 * only rows that sample go through the LM head and the sampler (a chunk that stops short of its
   sequence's end samples nothing): `num_samples`.
 
@@ -35,6 +37,7 @@ class StepShape:
     decode_tokens: int = 0
     prefill_attn: int = 0
     decode_max_context: int = 0
+    decode_context_sum: int = 0
     num_seqs: int = 0
     num_samples: int = 0
 
@@ -43,6 +46,7 @@ class StepShape:
         self.num_samples += samples
         if n == 1:
             self.decode_tokens += 1
+            self.decode_context_sum += start + 1
             if start >= self.decode_max_context:
                 self.decode_max_context = start + 1
         else:
@@ -51,7 +55,7 @@ class StepShape:
 
     @property
     def decode_attn(self) -> int:
-        return self.decode_tokens * self.decode_max_context
+        return self.decode_context_sum
 
     def features(self) -> tuple[float, ...]:
         """Values in TERMS order (the overhead's feature is 1)."""

@@ -76,7 +76,7 @@ class Profile:
         if data.get("format") != FORMAT:
             raise ValueError(f"not a tokenloom profile (format {data.get('format')!r}, expected {FORMAT!r})")
         samples = [
-            Sample(StepShape(**{k: v for k, v in s.items() if k != "seconds"}), float(s["seconds"]))
+            Sample(_shape_of(s), float(s["seconds"]))
             for s in data.get("samples", [])
         ]
         return Profile(
@@ -135,3 +135,11 @@ def load_profile(path: str | Path | None = None) -> Profile:
     else:
         text = Path(path).read_text(encoding="utf-8")
     return Profile.from_dict(json.loads(text))
+
+
+def _shape_of(sample: dict[str, Any]) -> StepShape:
+    """A saved sample's shape. Profiles written before `decode_context_sum` existed profiled decodes
+    that all shared one context, so their sum is decode_tokens × decode_max_context."""
+    fields = {k: v for k, v in sample.items() if k != "seconds"}
+    fields.setdefault("decode_context_sum", fields.get("decode_tokens", 0) * fields.get("decode_max_context", 0))
+    return StepShape(**fields)

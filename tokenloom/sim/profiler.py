@@ -5,7 +5,7 @@ are persistent requests that go through the runner's cached path, as in a real d
 first, untimed call registers them); prefill rows are fresh requests every call, as a newly admitted
 prompt is. Block ids are fake but distinct, from a pool sized for the largest shape, so attention
 reads as much memory as it would for real. Each shape: warm-up calls, then the median of repeats; the
-grid is run in several passes and each shape keeps its fastest pass; before each shape the profiler
+grid is run in several passes and each shape keeps its median pass; before each shape the profiler
 waits for the machine to be quiet (quiet.py).
 """
 
@@ -256,11 +256,13 @@ def time_grid(
     timed while the machine stayed busy.
 
     A shape is timed once the machine is quiet (or after max_wait_s anyway, counted as noisy), in several
-    passes over the grid, each shape keeping its fastest: other work only ever slows a step down.
+    passes over the grid; each shape keeps its median pass. Not the fastest: on a shared VM the same
+    step drifts by ~10 % over minutes (memory bandwidth, neighbours), and a model of best cases was
+    10-17 % optimistic on the real engine's steps. The median is what a run of many steps sees.
     """
     driver = StepDriver(runner, runner.block_size, vocab_size)
     shapes = grid.shapes()
-    best: list[Sample | None] = [None] * len(shapes)
+    timed: list[list[Sample]] = [[] for _ in shapes]
     noisy = 0
     rng = np.random.default_rng(0)
     for p in range(passes):
@@ -270,15 +272,13 @@ def time_grid(
             quiet = wait_for_quiet(max_wait_s) if max_wait_s > 0 else True
             noisy += not quiet
             sample = driver.time_shape(shapes[i], warmup, repeats)
-            previous = best[i]
-            if previous is None or sample.seconds < previous.seconds:
-                best[i] = sample
+            timed[i].append(sample)
             if progress:
                 s = sample.shape
                 progress(f"pass {p + 1}/{passes} [{k + 1}/{len(shapes)}] prefill {s.prefill_tokens:4d} tok, "
                          f"{s.decode_tokens:3d} decodes (ctx {s.decode_max_context:4d}), {s.num_seqs:3d} seqs: "
                          f"{sample.seconds * 1e3:8.2f} ms" + ("" if quiet else "  (machine busy)"))  # fmt: skip
-    return [b for b in best if b is not None], noisy
+    return [sorted(samples, key=lambda x: x.seconds)[(len(samples) - 1) // 2] for samples in timed if samples], noisy
 
 
 def run_profile(
@@ -290,7 +290,7 @@ def run_profile(
     grid: Grid | None = None,
     warmup: int = 2,
     repeats: int = 5,
-    passes: int = 2,
+    passes: int = 3,
     max_wait_s: float = 120.0,
     progress: Callable[[str], None] | None = None,
 ) -> Profile:
