@@ -23,26 +23,12 @@ import torch.nn.functional as F
 
 from tokenloom.model.attention import AttentionMetadata, KVCache, paged_attention, paged_attention_fused
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.gemm_rows import packed_rows
 
 logger = logging.getLogger(__name__)
 
 # The rope table grows on demand up to max_position_embeddings; this is its first size.
 _INITIAL_ROPE_POSITIONS = 4096
-
-
-def packed_rows(m: int) -> int:
-    """The row count a pre-packed GEMM runs at for m rows: m itself up to 16, then the next of 8 steps
-    per octave (at most 12.5 % padding; 128, 256, 2048 ... are exact).
-
-    oneDNN builds and caches one primitive per input shape, each holding JIT code and a scratchpad
-    that grows with the rows (0.7-4 MiB here); with exact shapes a server that sees every row count
-    up to max_num_batched_tokens fills its 1,024-entry cache: RSS grew by ~850 MiB over 10,000 requests.
-    Buckets bound the shapes to ~90 per weight up to 8,192 rows.
-    """
-    if m <= 16:
-        return m
-    step = 1 << (m.bit_length() - 4)
-    return -(-m // step) * step
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Step-time cost model: seconds of one engine step as a linear function of the step's shape.
 
-    t = overhead + a·prefill_tokens + b·decode_tokens + c_p·prefill_attn + c_d·decode_attn
+    t = overhead + a·prefill_tokens + b·decode_tokens + g·gemm_rows + c_p·prefill_attn + c_d·decode_attn
         + d·num_seqs + e·num_samples
 
 A row of the step is one scheduled request: `n` tokens starting at position `start`. As in the real
@@ -13,6 +13,9 @@ The attention terms follow how that runner computes attention on this CPU:
   padding), so the decode attention work is the sum of the decodes' contexts. Attention there is bound
   by memory traffic, which that sum measures. (The pure-torch path pads decodes in groups of 16–32
   sorted by context, which the sum also approximates well.);
+* `gemm_rows`: the runner's pre-packed bf16 GEMMs run at bucketed row counts (tokenloom/model/gemm_rows.py,
+  up to 12.5 % padding), so a 260-token step costs what a 288-token one does; the plain token counts stay
+  as terms for runners that do not pad (fp32, CUDA);
 * only rows that sample go through the LM head and the sampler (a chunk that stops short of its
   sequence's end samples nothing): `num_samples`.
 
@@ -28,7 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TERMS = ("overhead", "prefill_tokens", "decode_tokens", "prefill_attn", "decode_attn", "num_seqs", "num_samples")
+from tokenloom.model.gemm_rows import packed_rows
+
+TERMS = ("overhead", "prefill_tokens", "decode_tokens", "gemm_rows", "prefill_attn", "decode_attn", "num_seqs",
+         "num_samples")
 
 
 @dataclass
@@ -57,10 +63,15 @@ class StepShape:
     def decode_attn(self) -> int:
         return self.decode_context_sum
 
+    @property
+    def gemm_rows(self) -> int:
+        """Rows the step's GEMMs really compute: all its tokens, padded as the runner pads them."""
+        return packed_rows(self.prefill_tokens + self.decode_tokens)
+
     def features(self) -> tuple[float, ...]:
         """Values in TERMS order (the overhead's feature is 1)."""
-        return (1.0, self.prefill_tokens, self.decode_tokens, self.prefill_attn, self.decode_attn, self.num_seqs,
-                self.num_samples)  # fmt: skip
+        return (1.0, self.prefill_tokens, self.decode_tokens, self.gemm_rows, self.prefill_attn, self.decode_attn,
+                self.num_seqs, self.num_samples)  # fmt: skip
 
     @staticmethod
     def of_rows(rows: Iterable[tuple[int, int, bool]]) -> StepShape:
@@ -91,16 +102,7 @@ class CostModel:
         self._coef = tuple(float(self.coefficients.get(t, 0.0)) for t in TERMS)
 
     def predict(self, shape: StepShape) -> float:
-        c = self._coef
-        return (
-            c[0]
-            + c[1] * shape.prefill_tokens
-            + c[2] * shape.decode_tokens
-            + c[3] * shape.prefill_attn
-            + c[4] * shape.decode_attn
-            + c[5] * shape.num_seqs
-            + c[6] * shape.num_samples
-        )
+        return sum(c * f for c, f in zip(self._coef, shape.features(), strict=True))
 
 
 @dataclass
