@@ -326,10 +326,6 @@ class LlamaModel:
         logits = self.lm_head(hidden)
         return logits.float() if fp32 else logits
 
-    @staticmethod
-    def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
-        return lin(x)
-
 
 class _WeightReader:
     """Fetches HF-named weights, cast to the run dtype and moved to the device."""
