@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import sys
 import time
@@ -48,12 +47,8 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
     # die instead, the inbox reaches EOF and this process exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Before torch loads OpenMP: idle OpenMP threads spin ~10k iterations, then sleep (unless the user chose).
-    # This process shares the cores with the API process (and whatever else runs); libgomp's default long
-    # spin starves the one thread a parallel region waits for, which made steps several times slower on a
-    # loaded 2-core machine, while a short spin keeps nearly all of the spin's speed on a quiet one.
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "10000"
+    # The short OpenMP spin (GOMP_SPINCOUNT) was set when this process imported the tokenloom package,
+    # before torch: see tokenloom/__init__.py.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     try:
         engine, ready = _load(config)
