@@ -7,7 +7,8 @@ dtype and moved to the device. bf16 GEMMs on CPU go to oneDNN through plain F.li
 With the compiled CPU kernels (`kernels`, see tokenloom/model/kernels.py) a layer is four GEMMs
 plus five fused calls: rotary + KV-cache write, paged attention over the whole step, residual add +
 RMSNorm (twice) and SiLU-and-mul. Without them (CUDA, or no compiler) the same arithmetic runs as
-plain torch ops.
+plain torch ops. With `quantization="int8"` the four GEMMs take int8 operands (tokenloom/model/quant.py)
+and the fused calls around them quantize their outputs and scale the GEMMs' int32 results back.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from tokenloom.model.attention import AttentionMetadata, KVCache, paged_attention, paged_attention_fused
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gemm_rows import packed_rows
+from tokenloom.model.quant import Int8Linear, check_quantization, smoothing_scales
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +57,70 @@ class Linear:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: Linear  # [(Hq + 2 Hkv) * D, H]
-    o: Linear
+    qkv: Linear | Int8Linear  # [(Hq + 2 Hkv) * D, H]
+    o: Linear | Int8Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 I, H]
-    down: Linear
+    gate_up: Linear | Int8Linear  # [2 I, H]
+    down: Linear | Int8Linear
+
+    _LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def quantize_int8(self, act_absmax: dict[str, torch.Tensor] | None, num_kv_heads: int, head_dim: int) -> None:
+        """Replace the four linears by Int8Linear; with `act_absmax` (each linear's input channel
+        maxima from a calibration run) SmoothQuant-smooth them first (see tokenloom/model/quant.py)."""
+        dtype = self.input_norm.dtype
+        w, b = self._float_weights()
+        if act_absmax is not None:
+            self._smooth(w, b, act_absmax, num_kv_heads, head_dim)
+        for name in self._LINEARS:
+            setattr(self, name, Int8Linear.from_weight(w[name], b[name], dtype))
+
+    def smooth(self, act_absmax: dict[str, torch.Tensor], num_kv_heads: int, head_dim: int) -> None:
+        """SmoothQuant's rescaling alone, the layers staying floating point (the network computes the
+        same function up to rounding: what the tests check)."""
+        dtype = self.input_norm.dtype
+        w, b = self._float_weights()
+        self._smooth(w, b, act_absmax, num_kv_heads, head_dim)
+        for name in self._LINEARS:
+            bias = None if b[name] is None else b[name].to(dtype)
+            setattr(self, name, Linear(w[name].to(dtype).contiguous(), bias))
+
+    def _float_weights(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+        lins = {name: getattr(self, name) for name in self._LINEARS}
+        if not all(isinstance(lin, Linear) and lin.weight is not None for lin in lins.values()):
+            raise RuntimeError("the layer's linears are already quantized or pre-packed")
+        w = {name: lin.weight.float() for name, lin in lins.items()}  # type: ignore[union-attr]
+        b = {name: None if lin.bias is None else lin.bias.float() for name, lin in lins.items()}
+        return w, b
+
+    def _smooth(self, w: dict[str, torch.Tensor], b: dict[str, torch.Tensor | None],
+                act_absmax: dict[str, torch.Tensor], num_kv_heads: int, head_dim: int) -> None:
+        """Rescale fp32 copies `w`, `b` (in place) and the norm weights; see quantize_int8."""
+        dtype = self.input_norm.dtype
+        # qkv and gate/up read RMSNorm outputs: the norm weight takes the division.
+        s = smoothing_scales(act_absmax["qkv"], [w["qkv"]])
+        self.input_norm = (self.input_norm.float() / s).to(dtype)
+        w["qkv"] = w["qkv"] * s
+        s = smoothing_scales(act_absmax["gate_up"], [w["gate_up"]])
+        self.post_norm = (self.post_norm.float() / s).to(dtype)
+        w["gate_up"] = w["gate_up"] * s
+        # down reads silu(gate) * up: the up rows take it.
+        s = smoothing_scales(act_absmax["down"], [w["down"]])
+        inter = s.numel()
+        w["gate_up"][inter:] /= s[:, None]
+        if b["gate_up"] is not None:
+            b["gate_up"][inter:] /= s
+        w["down"] = w["down"] * s
+        # o reads attention outputs, weighted sums of v: the v rows take it. The q heads of a
+        # GQA group share their v head, so they share one factor (the group's largest).
+        s = smoothing_scales(act_absmax["o"], [w["o"]])
+        group = s.numel() // (num_kv_heads * head_dim)
+        s_kv = s.view(num_kv_heads, group, head_dim).amax(dim=1)
+        v_rows = slice(w["qkv"].shape[0] - num_kv_heads * head_dim, None)
+        w["qkv"][v_rows] /= s_kv.reshape(-1, 1)
+        if b["qkv"] is not None:
+            b["qkv"][v_rows] /= s_kv.reshape(-1)
+        w["o"] = w["o"] * s_kv[:, None, :].expand(-1, group, -1).reshape(-1)
 
 
 def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
@@ -173,8 +234,15 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         kernels: Any = None,
+        quantization: str | None = None,
+        calibration_token_ids: list[int] | None = None,
+        calibration_threads: int | None = None,
     ) -> None:
-        """`kernels`: the compiled CPU kernels module (tokenloom.model.kernels.cpu_kernels()), or None."""
+        """`kernels`: the compiled CPU kernels module (tokenloom.model.kernels.cpu_kernels()), or None.
+        `quantization`: None, or "int8" for W8A8 layers (tokenloom/model/quant.py; the LM head stays
+        in `dtype`). `calibration_token_ids`: text whose activations set int8's smoothing factors
+        (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
+        forward (compute-bound, unlike the rest of loading; default: the current setting)."""
         self.config = config
         self.kernels = kernels if torch.device(device).type == "cpu" else None
         # The KV cache holds the kernels' packed bf16 layout (set by the runner, which allocates it).
@@ -194,12 +262,25 @@ class LlamaModel:
             self.lm_head = Linear(self.embed_tokens)
         self.layers = [self._load_layer(get, i) for i in range(config.num_hidden_layers)]
         self.rope = RotaryEmbedding(config, self.device, dtype)
+        check_quantization(quantization, self.device)
+        self.quantization = quantization
+        if quantization == "int8":
+            stats = None
+            if calibration_token_ids:
+                previous = torch.get_num_threads()
+                torch.set_num_threads(calibration_threads or previous)
+                try:
+                    stats = self._activation_absmax(calibration_token_ids)
+                finally:
+                    torch.set_num_threads(previous)
+            for i, layer in enumerate(self.layers):
+                layer.quantize_int8(stats[i] if stats else None, self.num_kv_heads, self.head_dim)
         self.packed_linear = packing_enabled(self.device, dtype) and self._pack_all()
 
     def linears(self) -> list[Linear]:
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [
-            self.lm_head
-        ]
+        """The floating-point linears (all of them, or with int8 layers just the LM head)."""
+        lins = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [lin for lin in lins if isinstance(lin, Linear)] + [self.lm_head]
 
     def _pack_all(self) -> bool:
         """Pre-pack every linear weight, or none (a partial failure leaves all on F.linear)."""
@@ -213,6 +294,36 @@ class LlamaModel:
             lin.packed = None
         logger.warning("oneDNN weight pre-packing is unavailable here; using F.linear")
         return False
+
+    def _activation_absmax(self, token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Per layer, each linear's largest |input| per channel (fp32 [K]) over a dense causal
+        forward of `token_ids` (no KV cache: calibration runs before there is one)."""
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        t = ids.numel()
+        cos, sin = self.rope.tables(torch.arange(t, device=self.device), t - 1)
+        stats: list[dict[str, torch.Tensor]] = []
+        with torch.inference_mode():
+            h = F.embedding(ids, self.embed_tokens)
+            for layer in self.layers:
+                seen: dict[str, torch.Tensor] = {}
+
+                def linear(name: str, x: torch.Tensor, layer: _Layer = layer,
+                           seen: dict[str, torch.Tensor] = seen) -> torch.Tensor:
+                    seen[name] = x.float().abs().amax(dim=0)
+                    return getattr(layer, name)(x)
+
+                qkv = linear("qkv", rms_norm(h, layer.input_norm, self.eps))
+                qk = RotaryEmbedding.apply(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+                # 4-D [1, heads, T, D]: with 3-D inputs torch's CPU SDPA takes its slow math path.
+                q, k = qk[:, :hq].transpose(0, 1)[None], qk[:, hq:].transpose(0, 1)[None]
+                v = qkv[:, (hq + hkv) * d :].view(t, hkv, d).transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                h = h + linear("o", o[0].transpose(0, 1).reshape(t, hq * d))
+                gate, up = linear("gate_up", rms_norm(h, layer.post_norm, self.eps)).chunk(2, dim=-1)
+                h = h + linear("down", F.silu(gate) * up)
+                stats.append(seen)
+        return stats
 
     @staticmethod
     def _load_layer(get: _WeightReader, i: int) -> _Layer:
@@ -249,6 +360,8 @@ class LlamaModel:
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
         if self.kernels is not None and attn_metadata.kernel is not None:
+            if self.quantization == "int8":
+                return self._forward_fused_int8(input_ids, positions, attn_metadata, kv_caches, max_position)
             return self._forward_fused(input_ids, positions, attn_metadata, kv_caches, max_position)
         cos, sin = self.rope.tables(positions, max_position)
         h = F.embedding(input_ids, self.embed_tokens)  # a fresh tensor: the residual adds go in place
@@ -298,6 +411,63 @@ class LlamaModel:
             k.fused_add_rms_norm(x, h, next_norm, eps)  # h += mlp; x = next layer's input (or final) norm
         return x
 
+    def _forward_fused_int8(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+        max_position: int,
+    ) -> torch.Tensor:
+        """`_forward_fused` with int8 GEMMs: each GEMM's input arrives quantized from the kernel
+        before it (norm or SiLU-and-mul) and its int32 output is scaled back inside the kernel after
+        it, so activations cross memory as int8 rows."""
+        k = self.kernels
+        assert meta.kernel is not None
+        cos, sin = self.rope.full_tables(max_position)
+        hq, eps, dt = self.num_q_heads, self.eps, self.dtype
+        h = F.embedding(input_ids, self.embed_tokens)  # the residual stream, updated in place
+        t = h.shape[0]
+        xq, xs = _quant_buffers(t, h.shape[1])
+        k.rms_norm_quant(xq, xs, h, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            qkv_lin, o_lin, gu_lin, down_lin = layer.qkv, layer.o, layer.gate_up, layer.down
+            assert isinstance(qkv_lin, Int8Linear) and isinstance(o_lin, Int8Linear)
+            assert isinstance(gu_lin, Int8Linear) and isinstance(down_lin, Int8Linear)
+            acc = qkv_lin.int_mm(xq)
+            qkv = torch.empty(acc.shape, dtype=dt)
+            k.dequant(qkv, acc, xs, qkv_lin.scale, qkv_lin.bias)
+            k.rotary_and_cache(qkv, positions, cos, sin, hq, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                               self.kv_packed)
+            attn_meta = meta.kernel
+            if i == last and meta.output_rows is not None:
+                assert meta.output_kernel is not None
+                if meta.output_rows.numel() == 0:
+                    return h[:0]
+                qkv, h = qkv.index_select(0, meta.output_rows), h.index_select(0, meta.output_rows)
+                attn_meta = meta.output_kernel
+                t = h.shape[0]
+            o = paged_attention_fused(k, qkv, hq, kv_cache, attn_meta, self.kv_packed)
+            oq, os_ = _quant_buffers(t, o.shape[1])
+            k.quantize_rows(oq, os_, o)
+            xq, xs = _quant_buffers(t, h.shape[1])
+            k.dequant_add_rms_norm_quant(xq, xs, o_lin.int_mm(oq), os_, o_lin.scale, o_lin.bias, h,
+                                         layer.post_norm, eps)  # h += attention; x = quant(norm(h))
+            acc = gu_lin.int_mm(xq)
+            aq, as_ = _quant_buffers(t, acc.shape[1] // 2)
+            k.dequant_silu_mul_quant(aq, as_, acc, xs, gu_lin.scale, gu_lin.bias)
+            acc = down_lin.int_mm(aq)
+            if i < last:
+                xq, xs = _quant_buffers(t, h.shape[1])
+                k.dequant_add_rms_norm_quant(xq, xs, acc, as_, down_lin.scale, down_lin.bias, h,
+                                             self.layers[i + 1].input_norm, eps)
+            else:
+                x = torch.empty_like(h)
+                k.dequant(x, acc, as_, down_lin.scale, down_lin.bias)
+                k.fused_add_rms_norm(x, h, self.final_norm, eps)  # h += mlp; x = final norm(h)
+        return x
+
     def _attention(
         self,
         layer: _Layer,
@@ -325,6 +495,11 @@ class LlamaModel:
         """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
         logits = self.lm_head(hidden)
         return logits.float() if fp32 else logits
+
+
+def _quant_buffers(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised int8 rows and their fp32 scales, for a kernel to fill."""
+    return torch.empty((rows, cols), dtype=torch.int8), torch.empty(rows, dtype=torch.float32)
 
 
 class _WeightReader:

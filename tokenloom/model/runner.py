@@ -195,13 +195,19 @@ class ModelRunner:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         cpu_kernels: bool | None = None,
+        quantization: str | None = None,
+        calibration_token_ids: list[int] | None = None,
     ) -> None:
         """`model`: a LoadedModel (anything with .config and .weights), or a path / None for the
         loader (None: the default SmolLM2-135M-Instruct GGUF).
 
         `cpu_kernels`: run the compiled CPU kernels (tokenloom/model/kernels.py). None (default):
         on CPU when they build/load, else the pure-torch path; False: always the torch path; True:
-        require them (raises if they are unavailable)."""
+        require them (raises if they are unavailable).
+
+        `quantization`: None, or "int8" for W8A8 decoder layers (tokenloom/model/quant.py), smoothed
+        with the activations of `calibration_token_ids` when given (the engine passes
+        tokenloom/data/calibration.txt)."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
@@ -219,8 +225,11 @@ class ModelRunner:
             kernels = load_cpu_kernels()
         if cpu_kernels and kernels is None:
             raise RuntimeError("cpu_kernels=True but the compiled CPU kernels are unavailable (see the log)")
+        threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
-            self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels)
+            self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
+                                    quantization=quantization, calibration_token_ids=calibration_token_ids,
+                                    calibration_threads=threads)
         self.use_kernels = kernels is not None
         # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
         self.model.kv_packed = bool(

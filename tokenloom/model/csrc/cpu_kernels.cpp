@@ -8,6 +8,7 @@
 //   rotary_and_cache     neox rotary on the q and k heads of the fused qkv rows (in place), then
 //                        k and v written to their KV-cache slots
 //   argmax_rows          greedy sampling: row-wise argmax of the logits (fp32 or bf16)
+//   quantize_rows, rms_norm_quant, dequant*   the int8 (W8A8) GEMMs' prologues and epilogues
 //
 // KV layouts: "plain" [Hkv, num_blocks, block_size, D] (the torch path's), and for bf16 with
 // AVX512-BF16 the "packed" one (same tensor shape, elements reordered within each block; see
@@ -624,8 +625,8 @@ float sum_squares(const T* x, int64_t n) {
 #endif
 }
 
-template <typename T>
-void scale_row(const T* x, const T* w, T* out, int64_t n, float inv) {
+template <typename T, typename W>
+void scale_row(const T* x, const W* w, T* out, int64_t n, float inv) {
 #if TL_AVX512
   const __m512 s = _mm512_set1_ps(inv);
   for (int64_t i = 0; i < n; i += 16) {
@@ -908,6 +909,241 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// ------------------------------------------------------------------------------ int8 W8A8
+
+// The int8 path (tokenloom/model/quant.py): weights int8 per output channel, activations int8 per
+// row, both symmetric (scale = max|v| / 127, q = round-half-even(v * 127 / max|v|)); the GEMM is
+// torch._int_mm (oneDNN, AVX512-VNNI) into int32, and these kernels are its prologues/epilogues:
+//   quantize_rows                 x -> (q, s)
+//   rms_norm_quant                (q, s) = quantize(x / rms(x) * w)            (first layer)
+//   dequant                       out = acc * sx * sw (+ bias), rounded to out's dtype
+//   dequant_add_rms_norm_quant    residual += dequant(acc); (q, s) = quantize(norm(residual) * w)
+//   dequant_silu_mul_quant        (q, s) = quantize(silu(g) * u), [g | u] = dequant(acc)
+// Normalized and activated rows are quantized from fp32 (never rounded to bf16 in between).
+
+// float and bfloat16 (the run dtypes); scalar_t names the type inside.
+#define TL_DISPATCH_F32_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+float absmax_row(const float* x, int64_t n) {
+#if TL_AVX512
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + i, tail_mask(n - i))));
+  return _mm512_reduce_max_ps(m);
+#else
+  float m = 0.f;
+  for (int64_t i = 0; i < n; i++) m = std::max(m, std::fabs(x[i]));
+  return m;
+#endif
+}
+
+// q = round(x * 127 / max|x|), s = max|x| / 127 (an all-zero row: q = 0, s = 0).
+void quantize_row(const float* x, int64_t n, int8_t* q, float* s) {
+  const float amax = absmax_row(x, n);
+  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+  *s = amax / 127.0f;
+#if TL_AVX512
+  const __m512 vi = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i, m), vi));  // MXCSR: nearest even
+    r = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+    _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(r));
+  }
+#else
+  for (int64_t i = 0; i < n; i++) {
+    const float r = std::nearbyint(x[i] * inv);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+#endif
+}
+
+// out[c] = float(acc[c]) * sx * sw[c] (+ bias[c]), fp32.
+void dequant_row(const int32_t* acc, float sx, const float* sw, const float* bias, float* out, int64_t n) {
+#if TL_AVX512
+  const __m512 vs = _mm512_set1_ps(sx);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + i)), vs),
+                             _mm512_maskz_loadu_ps(m, sw + i));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + i));
+    _mm512_mask_storeu_ps(out + i, m, v);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) out[i] = static_cast<float>(acc[i]) * sx * sw[i] + (bias ? bias[i] : 0.f);
+#endif
+}
+
+template <typename T>
+void load_row_f32(const T* x, float* out, int64_t n) {
+#if TL_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(out + i, m, load16(x + i, m));
+  }
+#else
+  for (int64_t i = 0; i < n; i++) out[i] = to_f(x[i]);
+#endif
+}
+
+template <typename T>
+void store_row(const float* x, T* out, int64_t n) {
+#if TL_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    store16(out + i, _mm512_maskz_loadu_ps(m, x + i), m);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) out[i] = from_f<T>(x[i]);
+#endif
+}
+
+// A per-thread fp32 row buffer for the fused epilogues.
+float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+void check_quant_out(const at::Tensor& q, const at::Tensor& s, int64_t T, int64_t K) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(0) == T && q.size(1) == K && q.stride(1) == 1,
+              "expected q int8 [", T, ", ", K, "]");
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == T, "expected s float32 [", T, "]");
+}
+
+void check_acc(const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.stride(1) == 1, "expected acc int32 [T, N]");
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == acc.size(0), "expected sx float32 [T]");
+  TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == acc.size(1), "expected sw float32 [N]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == acc.size(1),
+                        "expected bias float32 [N]");
+}
+
+void quantize_rows(at::Tensor q, at::Tensor s, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "expected rows [T, K]");
+  const int64_t T = x.size(0), K = x.size(1);
+  check_quant_out(q, s, T, K);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "quantize_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++)
+          quantize_row(x.data_ptr<float>() + r * x.stride(0), K, q.data_ptr<int8_t>() + r * q.stride(0),
+                       s.data_ptr<float>() + r);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+        float* buf = scratch(K);
+        for (int64_t r = b; r < e; r++) {
+          load_row_f32(x.data_ptr<bf16>() + r * x.stride(0), buf, K);
+          quantize_row(buf, K, q.data_ptr<int8_t>() + r * q.stride(0), s.data_ptr<float>() + r);
+        }
+      });
+    }));
+}
+
+template <typename T>
+void norm_quant_row(const T* x, const T* w, int64_t H, double eps, float* buf, int8_t* q, float* s) {
+  load_row_f32(x, buf, H);
+  const float inv = 1.0f / std::sqrt(sum_squares(buf, H) / H + static_cast<float>(eps));
+  scale_row(buf, w, buf, H, inv);
+  quantize_row(buf, H, q, s);
+}
+
+// residual = round(residual + round(d)), rounding to T (a no-op for float).
+template <typename T>
+void add_rounded(T* residual, const float* d, int64_t n) {
+#if TL_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = load16(d + i, m);
+    if constexpr (std::is_same_v<T, bf16>)
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+    store16(residual + i, _mm512_add_ps(load16(residual + i, m), v), m);
+  }
+#else
+  for (int64_t i = 0; i < n; i++) residual[i] = from_f<T>(to_f(residual[i]) + to_f(from_f<T>(d[i])));
+#endif
+}
+
+void rms_norm_quant(at::Tensor q, at::Tensor s, const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w);
+  const int64_t T = x.size(0), H = x.size(1);
+  check_quant_out(q, s, T, H);
+  TL_DISPATCH_F32_BF16(x.scalar_type(), "rms_norm_quant", [&] {
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      float* buf = scratch(H);
+      for (int64_t r = b; r < e; r++)
+        norm_quant_row(x.data_ptr<scalar_t>() + r * x.stride(0), w.data_ptr<scalar_t>(), H, eps, buf,
+                       q.data_ptr<int8_t>() + r * q.stride(0), s.data_ptr<float>() + r);
+    });
+  });
+}
+
+void dequant(at::Tensor out, const at::Tensor& acc, const at::Tensor& sx, const at::Tensor& sw,
+             const c10::optional<at::Tensor>& bias) {
+  check_acc(acc, sx, sw, bias);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.sizes() == acc.sizes(), "expected out [T, N]");
+  const int64_t T = acc.size(0), N = acc.size(1);
+  const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
+  TL_DISPATCH_F32_BF16(out.scalar_type(), "dequant", [&] {
+    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+      float* buf = scratch(N);
+      for (int64_t r = b; r < e; r++) {
+        dequant_row(acc.data_ptr<int32_t>() + r * acc.stride(0), sx.data_ptr<float>()[r], sw.data_ptr<float>(),
+                    b_ptr, buf, N);
+        store_row(buf, out.data_ptr<scalar_t>() + r * out.stride(0), N);
+      }
+    });
+  });
+}
+
+// residual += dequant(acc) (rounded to the residual's dtype first, as the bf16 path's o/down
+// output is); then (q, s) = quantize(rms_norm(residual) * w).
+void dequant_add_rms_norm_quant(at::Tensor q, at::Tensor s, const at::Tensor& acc, const at::Tensor& sx,
+                                const at::Tensor& sw, const c10::optional<at::Tensor>& bias, at::Tensor residual,
+                                const at::Tensor& w, double eps) {
+  check_acc(acc, sx, sw, bias);
+  check_rows(residual, w);
+  const int64_t T = acc.size(0), H = acc.size(1);
+  TORCH_CHECK(residual.size(0) == T && residual.size(1) == H, "residual must be [T, H] like acc");
+  check_quant_out(q, s, T, H);
+  const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
+  TL_DISPATCH_F32_BF16(residual.scalar_type(), "dequant_add_rms_norm_quant", [&] {
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      float* buf = scratch(H);
+      for (int64_t r = b; r < e; r++) {
+        scalar_t* rr = residual.data_ptr<scalar_t>() + r * residual.stride(0);
+        dequant_row(acc.data_ptr<int32_t>() + r * acc.stride(0), sx.data_ptr<float>()[r], sw.data_ptr<float>(),
+                    b_ptr, buf, H);
+        add_rounded(rr, buf, H);
+        norm_quant_row(rr, w.data_ptr<scalar_t>(), H, eps, buf, q.data_ptr<int8_t>() + r * q.stride(0),
+                       s.data_ptr<float>() + r);
+      }
+    });
+  });
+}
+
+// (q, s) = quantize(silu(g) * u), [g | u] = dequant(acc) in fp32.
+void dequant_silu_mul_quant(at::Tensor q, at::Tensor s, const at::Tensor& acc, const at::Tensor& sx,
+                            const at::Tensor& sw, const c10::optional<at::Tensor>& bias) {
+  check_acc(acc, sx, sw, bias);
+  TORCH_CHECK(acc.size(1) % 2 == 0, "acc must be [T, 2I]");
+  const int64_t T = acc.size(0), I = acc.size(1) / 2;
+  check_quant_out(q, s, T, I);
+  const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    float* buf = scratch(3 * I);
+    for (int64_t r = b; r < e; r++) {
+      dequant_row(acc.data_ptr<int32_t>() + r * acc.stride(0), sx.data_ptr<float>()[r], sw.data_ptr<float>(),
+                  b_ptr, buf, 2 * I);
+      silu_mul_row(buf, buf + I, buf + 2 * I, I);
+      quantize_row(buf + 2 * I, I, q.data_ptr<int8_t>() + r * q.stride(0), s.data_ptr<float>() + r);
+    }
+  });
+}
+
 bool has_avx512() { return TL_AVX512; }
 void set_force_scalar(bool on) { g_force_scalar = on; }
 void set_prefetch_blocks(int64_t n) { g_prefetch_blocks = static_cast<int>(n); }
@@ -921,6 +1157,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_and_cache", &rotary_and_cache);
   m.def("argmax_rows", &argmax_rows);
+  m.def("quantize_rows", &quantize_rows);
+  m.def("rms_norm_quant", &rms_norm_quant);
+  m.def("dequant", &dequant);
+  m.def("dequant_add_rms_norm_quant", &dequant_add_rms_norm_quant);
+  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant);
   m.def("has_avx512", &has_avx512);
   m.def("packed_layout_supported", &packed_layout_supported);
   m.def("set_force_scalar", &set_force_scalar);
