@@ -108,6 +108,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     trace_steps: str | None = None  # write a JSON line per step here
+    # None, or "int8": W8A8 decoder layers (per-channel int8 weights, per-token int8 activations).
+    quantization: str | None = None
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
 
@@ -116,5 +118,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization not in (None, "int8"):
+            raise ConfigError(f"quantization must be int8 or None, got {self.quantization!r}")
+        if self.quantization is not None and self.device == "cuda":
+            raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)

@@ -79,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     print(format_throughput_table(summary, engine))
     if args.result_file:
         info = {"model": engine.model_name, "dtype": str(engine.dtype).replace("torch.", ""),
+                "quantization": engine.config.quantization,
                 "num_requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
                 "output_tokens": sum(r.max_tokens for r in requests), "repeats": args.repeats}  # fmt: skip
         with open(args.result_file, "w") as f:
@@ -95,5 +96,6 @@ def format_throughput_table(summary: dict[str, dict[str, float]], engine: Any) -
             for mode, s in summary.items()]  # fmt: skip
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))
-    title = f"{engine.model_name}, {str(engine.dtype).replace('torch.', '')} on {engine.device}"
+    quant = f" + {engine.config.quantization} layers" if getattr(engine.config, "quantization", None) else ""
+    title = f"{engine.model_name}, {str(engine.dtype).replace('torch.', '')}{quant} on {engine.device}"
     return "\n".join([title, fmt(head), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])

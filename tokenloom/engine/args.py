@@ -30,6 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                   help="int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; "
+                        "oneDNN VNNI GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90%% of free memory on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -53,7 +56,8 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     keys = [
-        "dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps", "max_num_batched_tokens",
+        "dtype", "device", "quantization", "kv_cache_memory", "max_model_len", "seed", "trace_steps",
+        "max_num_batched_tokens",
         "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "watermark",
         "scheduler_reserve_full_isl", "batching", "block_size", "num_blocks", "enable_prefix_caching",
     ]

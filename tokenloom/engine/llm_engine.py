@@ -63,8 +63,16 @@ class LLMEngine:
         cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
+        if config.quantization is not None and device.type != "cpu":
+            raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
+        calibration = None
+        if config.quantization is not None:
+            from tokenloom.model.quant import CALIBRATION_TEXT
+
+            calibration = self.tokenizer.encode(CALIBRATION_TEXT.read_text())[: sched_cfg.max_model_len]
         self.runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=num_blocks,
-                                  dtype=dtype, device=device)
+                                  dtype=dtype, device=device, quantization=config.quantization,
+                                  calibration_token_ids=calibration)
         del loaded
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
@@ -73,9 +81,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
-            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s, %d KV blocks of %d tokens (%.0f MiB), "
+            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, %d KV blocks of %d tokens (%.0f MiB), "
             "max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
-            self.device, str(self.dtype).replace("torch.", ""), num_blocks, cache_cfg.block_size,
+            self.device, str(self.dtype).replace("torch.", ""),
+            f" + {config.quantization} layers" if config.quantization else "", num_blocks, cache_cfg.block_size,
             num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
         )
 
@@ -237,7 +246,7 @@ _SCHED_KEYS = {
     "policy", "watermark", "scheduler_reserve_full_isl", "batching",
 }
 _CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
-_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps"}
+_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps", "quantization"}
 
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:

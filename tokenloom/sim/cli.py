@@ -38,6 +38,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default=None, choices=["int8"], help="profile the int8 (W8A8) layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
@@ -53,7 +54,8 @@ def _profile(args: argparse.Namespace) -> int:
     from tokenloom.sim.profiler import QUICK_GRID, Grid, run_profile
 
     profile = run_profile(
-        args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        block_size=args.block_size,
         grid=QUICK_GRID if args.quick else Grid(), warmup=args.warmup, repeats=args.repeats, passes=args.passes,
         max_wait_s=args.max_wait,
         progress=lambda line: print(line, flush=True),

@@ -38,6 +38,7 @@ class Profile:
     max_model_len: int = 2048
     kv_bytes_per_token: int = 0
     runner_fingerprint: str = ""  # runner_fingerprint() when profiled
+    quantization: str | None = None  # the runner's --quantization when profiled
     created: str = ""
     tokenloom_version: str = ""
 
@@ -58,6 +59,7 @@ class Profile:
             "format": FORMAT,
             "model": self.model,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "block_size": self.block_size,
             "hardware": self.hardware,
             "max_model_len": self.max_model_len,
@@ -82,6 +84,7 @@ class Profile:
         return Profile(
             model=data["model"],
             dtype=data["dtype"],
+            quantization=data.get("quantization"),
             block_size=int(data["block_size"]),
             hardware=dict(data.get("hardware", {})),
             cost_model=CostModel(dict(data["coefficients_s"])),

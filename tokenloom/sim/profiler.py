@@ -286,6 +286,7 @@ def run_profile(
     *,
     dtype: str = "auto",
     device: str = "auto",
+    quantization: str | None = None,
     block_size: int = 16,
     grid: Grid | None = None,
     warmup: int = 2,
@@ -308,7 +309,9 @@ def run_profile(
     loaded = load_model(path, torch_dtype)
     config = loaded.config
     num_blocks = blocks_needed(grid, block_size, warmup + repeats + 1)
-    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev)
+    # int8 layers run at the same speed smoothed or not: no calibration needed to time them.
+    runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev,
+                         quantization=quantization)
     t0 = time.perf_counter()
     samples, noisy = time_grid(runner, config.vocab_size, grid, warmup, repeats, passes, max_wait_s, progress)
     cost_model, error = fit(samples)
@@ -325,6 +328,7 @@ def run_profile(
     return Profile(
         model=name,
         dtype=dtype_name,
+        quantization=quantization,
         block_size=block_size,
         hardware=hardware,
         cost_model=cost_model,
