@@ -5,7 +5,10 @@ scenarios of perf_step.py (a batch-128 decode at W1-like contexts, a 2048-token 
 prompts, a mixed step), then times the whole `execute_model` to get the runner's own overhead
 (input preparation, sampling, bookkeeping) as the remainder.
 
-    .venv/bin/python benchmarks/perf_breakdown.py [--dtype bfloat16] [--iters 5] [--json out.json]
+    .venv/bin/python benchmarks/perf_breakdown.py [--dtype bfloat16] [--quantization int8] [--iters 5] [--json out.json]
+
+With --quantization int8 the GEMM rows time torch._int_mm on the int8 operands (GOP/s) and the
+quantize / scale-back kernels appear under their own names.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ class _TimedKernels:
     """Proxy of the kernels module that times every call by kernel name."""
 
     NAMES = {"rms_norm": "embed+norm", "fused_add_rms_norm": "add+rmsnorm", "silu_and_mul": "silu*mul",
-             "rotary_and_cache": "rotary+kv write", "paged_attention": "attention"}  # fmt: skip
+             "rotary_and_cache": "rotary+kv write", "paged_attention": "attention",
+             "rms_norm_quant": "embed+norm+quant", "quantize_rows": "quantize attention output",
+             "dequant": "dequant qkv (+ last down)", "dequant_add_rms_norm_quant": "dequant+add+rmsnorm+quant",
+             "dequant_silu_mul_quant": "dequant+silu*mul+quant"}  # fmt: skip
 
     def __init__(self, module, timers: dict[str, float]) -> None:
         self._m, self._t = module, timers
@@ -51,7 +57,7 @@ class _TimedKernels:
 def timed_forward(runner, inputs, timers: dict[str, float], gemm_shapes: dict[str, tuple[int, int, int]]) -> None:
     """The real fused forward + logits, with the kernels and the linears timed (everything else,
     e.g. the embedding and the last layer's row selection, lands in the runner's remainder)."""
-    from tokenloom.model import llama
+    from tokenloom.model import llama, quant
 
     m = runner.model
     names = {}
@@ -70,9 +76,20 @@ def timed_forward(runner, inputs, timers: dict[str, float], gemm_shapes: dict[st
         calls[label].append(x.shape[0])
         return y
 
+    original_int_mm = quant.Int8Linear.int_mm
+
+    def timed_int_mm(lin, q):
+        t0 = time.perf_counter()
+        y = original_int_mm(lin, q)
+        label = names[id(lin)] + " (int8)"
+        timers[label] += time.perf_counter() - t0
+        calls[label].append(q.shape[0])
+        return y
+
     real_kernels = m.kernels
     m.kernels = _TimedKernels(real_kernels, timers)
     llama.Linear.__call__ = timed_call
+    quant.Int8Linear.int_mm = timed_int_mm
     try:
         hidden = m.forward(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches, inputs.max_position)
         if hidden.shape[0] != len(inputs.sample_reqs):
@@ -80,6 +97,7 @@ def timed_forward(runner, inputs, timers: dict[str, float], gemm_shapes: dict[st
         m.compute_logits(hidden, fp32=False)
     finally:
         llama.Linear.__call__ = original_call
+        quant.Int8Linear.int_mm = original_int_mm
         m.kernels = real_kernels
     cfg = m.config
     hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -87,7 +105,7 @@ def timed_forward(runner, inputs, timers: dict[str, float], gemm_shapes: dict[st
           "gemm o": (cfg.num_attention_heads * d, hid), "gemm gate_up": (hid, 2 * inter), "gemm down": (inter, hid),
           "gemm lm_head": (hid, m.vocab_size)}  # fmt: skip
     for label, ms in calls.items():
-        gemm_shapes[label] = (ms, *kn[label])
+        gemm_shapes[label] = (ms, *kn[label.removesuffix(" (int8)")])
 
 
 def plain_gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, min_time: float = 0.3) -> float:
@@ -104,15 +122,16 @@ def plain_gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, min_time: flo
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["int8"])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--scenarios", default="decode,prefill,mixed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    runner = make_runner(a.dtype, 8192, kernels=True)
+    runner = make_runner(a.dtype, 8192, kernels=True, quantization=a.quantization)
     rng = np.random.default_rng(1)
     scn = Scenario(runner)
-    report = {"dtype": a.dtype, "threads": torch.get_num_threads(), "scenarios": {}}
+    report = {"dtype": a.dtype, "quantization": a.quantization, "threads": torch.get_num_threads(), "scenarios": {}}
     print(f"dtype {runner.dtype}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     for name in a.scenarios.split(","):
         if name == "decode":

@@ -1,4 +1,7 @@
-"""GEMM rates of SmolLM2-135M's linear shapes: F.linear vs oneDNN pre-packed weights.
+"""GEMM rates of SmolLM2-135M's linear shapes: F.linear vs oneDNN pre-packed weights vs int8.
+
+The int8 column is torch._int_mm (oneDNN, AVX512-VNNI) on int8 operands, what `--quantization int8`
+runs (its per-row quantization and the scaling back are fused into the neighbouring kernels).
 
     .venv/bin/python benchmarks/perf_gemm.py [--threads 2] [--dtype bfloat16] [--m 128,2048]
 """
@@ -40,6 +43,10 @@ def row(m: int, name: str, k: int, n: int, dt: torch.dtype) -> str:
             out += f"  packed {flops / t_pk / 1e9:7.1f} GF/s ({t_pk * 1e3:7.3f} ms)"
         except RuntimeError as e:
             out += f"  packed: {str(e)[:80]}"
+        xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        wq = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+        t_i8 = bench(lambda: torch._int_mm(xq, wq))
+        out += f"  int8 {flops / t_i8 / 1e9:7.1f} GOP/s ({t_i8 * 1e3:7.3f} ms)"
     return out
 
 

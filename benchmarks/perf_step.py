@@ -102,13 +102,14 @@ def split_budget(rng: np.random.Generator, budget: int, lo: int = 64, hi: int = 
     return out
 
 
-def make_runner(dtype: str, num_blocks: int, block_size: int = 16, kernels: bool | None = None):
+def make_runner(dtype: str, num_blocks: int, block_size: int = 16, kernels: bool | None = None,
+                quantization: str | None = None):
     from tokenloom.model.loader import load_model
     from tokenloom.model.runner import ModelRunner, resolve_dtype
 
     dt = resolve_dtype(dtype, torch.device("cpu"))
     runner = ModelRunner(load_model(MODEL, dt), block_size=block_size, num_blocks=num_blocks, dtype=dt, device="cpu",
-                         cpu_kernels=kernels)
+                         cpu_kernels=kernels, quantization=quantization)
     with torch.no_grad():
         for k, v in runner.kv_caches:  # random KV: realistic values for the softmax
             k.normal_()

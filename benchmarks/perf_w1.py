@@ -11,6 +11,7 @@ over the clean runs (and over all runs).
 
 Engines:
   tokenloom           `tokenloom bench throughput <model> --dataset-path W1 --modes continuous`
+  tokenloom-int8      the same with `--quantization int8` (W8A8 layers, SmoothQuant-calibrated)
   tokenloom-generate  W1 through `LLM.generate` (token-id prompts, detokenized outputs)
   vllm                ../shared/anchors/vllm_offline.py in the anchors' vllm-venv
 """
@@ -77,9 +78,10 @@ def wait_quiet(max_load: float, max_wait: float) -> float:
 
 
 def command(engine: str, model: str, dtype: str, out: str) -> list[str]:
-    if engine == "tokenloom":
+    if engine in ("tokenloom", "tokenloom-int8"):
+        quant = ["--quantization", "int8"] if engine == "tokenloom-int8" else []
         return [str(REPO / ".venv/bin/tokenloom"), "bench", "throughput", model, "--dataset-path", str(W1),
-                "--modes", "continuous", "--dtype", dtype, "--result-file", out]  # fmt: skip
+                "--modes", "continuous", "--dtype", dtype, "--result-file", out, *quant]  # fmt: skip
     if engine == "tokenloom-generate":
         return [str(REPO / ".venv/bin/python"), "-c", GENERATE_SCRIPT, model, dtype, str(W1), out]
     if engine == "vllm":
@@ -91,7 +93,7 @@ def command(engine: str, model: str, dtype: str, out: str) -> list[str]:
 
 def parse(engine: str, out: str) -> dict:
     data = json.loads(Path(out).read_text())
-    if engine == "tokenloom":
+    if engine in ("tokenloom", "tokenloom-int8"):
         m = data["median"]["continuous"]
         return {"wall_s": m["duration_s"], "output_tok_s": m["output_tok_s"]}
     if engine == "vllm":
