@@ -100,8 +100,10 @@ def load_runner(args: argparse.Namespace, profile: Any, sched: Any, cache: Any) 
     from tokenloom.model.runner import ModelRunner
 
     loaded = load_model(resolve_model_path(args.model), _torch_dtype(profile.dtype))
+    # The profile's layers: int8 ones when it was measured with --quantization int8 (unsmoothed here:
+    # smoothing changes no step time).
     runner = ModelRunner(loaded, block_size=cache.block_size, num_blocks=cache.num_blocks, dtype=profile.dtype,
-                         device="cpu")  # fmt: skip
+                         device="cpu", quantization=profile.quantization)  # fmt: skip
     warm_up(runner, sched, cache, args)
     return runner
 

@@ -346,3 +346,24 @@ def test_profile_command_on_a_tiny_model(tmp_path: Path) -> None:
     assert prof.fit.num_samples == len(prof.samples) > 5
     assert prof.kv_bytes_per_token > 0 and prof.scheduler_overhead["num_seqs"] > 0
     assert all(c >= 0 for c in prof.cost_model.coefficients.values())
+
+
+def test_shipped_profiles_are_current_and_say_what_they_measured() -> None:
+    """A runner change must come with re-measured (or, if it changes no step time, re-stamped)
+    shipped profiles: a stale one silently simulates the old code."""
+    default, int8 = load_profile("default"), load_profile("int8")
+    assert (default.quantization, int8.quantization) == (None, "int8")
+    assert default.dtype == int8.dtype == "bfloat16"
+    assert not default.is_stale() and not int8.is_stale()
+    # int8 layers make prefill cheaper per token: the profiles must differ where the GEMMs are.
+    prefill = StepShape.of_rows([(0, 512, True)])
+    assert int8.step_model.predict(prefill) < 0.8 * default.step_model.predict(prefill)
+
+
+def test_profile_command_records_quantization(tmp_path: Path) -> None:
+    tiny_models = pytest.importorskip("tests.tiny_models")
+    model_dir = tiny_models.make_tiny_hf_model(tmp_path, "llama")
+    out = tmp_path / "tiny-int8.json"
+    assert cli_main(["profile", str(model_dir), "--quick", "--dtype", "float32", "--quantization", "int8",
+                     "--repeats", "1", "--warmup", "1", "--passes", "1", "--max-wait", "0", "-o", str(out)]) == 0
+    assert load_profile(out).quantization == "int8"

@@ -83,7 +83,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "files as `bench serve` and the engine, so `tokenloom plot bench|timeline` read them.",
     )
     p.add_argument("--profile", default="default",
-                   help="profile JSON from `tokenloom profile` (default: the one shipped for the default model)")
+                   help="profile JSON from `tokenloom profile`, or a shipped one: default (the default model, "
+                        "bf16) or int8 (the same with --quantization int8)")
 
     w = p.add_argument_group("workload (the names of `tokenloom bench serve`)")
     w.add_argument("--workload", default=None, metavar="W",

@@ -18,6 +18,8 @@ from tokenloom.sim.cost_model import CostModel, FitError, Sample, StepShape
 
 FORMAT = "tokenloom-sim-profile/1"
 DEFAULT_PROFILE = "smollm2-135m-instruct-cpu.json"
+# Profiles shipped with tokenloom, by the name `--profile` accepts.
+SHIPPED_PROFILES = {"default": DEFAULT_PROFILE, "int8": "smollm2-135m-instruct-cpu-int8.json"}
 _SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu")
 
 
@@ -132,9 +134,11 @@ def _sources(folder: Traversable, prefix: str) -> list[tuple[str, bytes]]:
 
 
 def load_profile(path: str | Path | None = None) -> Profile:
-    """A profile file, or the one shipped for the default model when `path` is None or "default"."""
-    if path is None or str(path) == "default":
-        text = resources.files("tokenloom.sim").joinpath("profiles").joinpath(DEFAULT_PROFILE).read_text("utf-8")
+    """A profile file, or a shipped one by name: "default" (or None; the default model's bf16 runner)
+    or "int8" (the same with --quantization int8)."""
+    name = "default" if path is None else str(path)
+    if name in SHIPPED_PROFILES:
+        text = resources.files("tokenloom.sim").joinpath("profiles").joinpath(SHIPPED_PROFILES[name]).read_text("utf-8")
     else:
         text = Path(path).read_text(encoding="utf-8")
     return Profile.from_dict(json.loads(text))
