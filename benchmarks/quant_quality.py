@@ -25,7 +25,7 @@ import torch
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.engine.llm import LLM
 from tokenloom.model.loader import load_model, resolve_model_path
-from tokenloom.model.quant import CALIBRATION_TEXT
+from tokenloom.model.quant import calibration_token_ids
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.sampling_params import SamplingParams
@@ -92,8 +92,8 @@ def main() -> None:
 
     tok = load_tokenizer(None)
     texts = {p.name: tok.encode(p.read_text())[: args.tokens] for p in args.text}
-    calibration = tok.encode(CALIBRATION_TEXT.read_text())
     loaded = load_model(resolve_model_path(None), torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    calibration = calibration_token_ids(tok, loaded.config.max_position_embeddings)
     configs = {"none": (None, None), "int8 (no smoothing)": ("int8", None), "int8": ("int8", calibration)}
     result: dict = {"texts": [str(p) for p in args.text], "tokens": {n: len(t) for n, t in texts.items()},
                     "dtype": args.dtype, "perplexity": {}, "change_pct": {}}

@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--every", type=int, default=250)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["int8"])
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: the engine's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -41,7 +42,8 @@ def main() -> None:
     from tokenloom.sampling_params import SamplingParams
 
     rss0 = rss_mib()
-    engine = LLMEngine.from_args(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory)
+    engine = LLMEngine.from_args(model=a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
+                                 quantization=a.quantization)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     submitted = finished = steps = tokens = 0

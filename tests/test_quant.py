@@ -122,6 +122,26 @@ def test_fused_norm_and_activation_kernels(dtype: torch.dtype, rows: int) -> Non
 
 
 @needs_kernels
+@pytest.mark.parametrize("col", [3, 37])  # in a full 16-lane chunk, and in the masked tail
+def test_quantize_kernel_propagates_nan_like_torch(col: int) -> None:
+    x = torch.randn(2, 40)
+    x[0, col] = float("nan")
+    q, s = _q_out(2, 40)
+    K.quantize_rows(q, s, x)
+    assert torch.isnan(s[0]) and not torch.isnan(s[1])
+    assert torch.isnan(quant.quantize_rows(x)[1][0])
+
+
+def test_calibration_tokens_ignore_scheduling_knobs() -> None:
+    """Capped by the model's positions only: max_model_len must not change the int8 model."""
+    from tokenloom.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    ids = quant.calibration_token_ids(tok, 8192)
+    assert 300 < len(ids) < 8192 and quant.calibration_token_ids(tok, 100) == ids[:100]
+
+
+@needs_kernels
 def test_kernels_reject_wrong_shapes() -> None:
     x = torch.randn(4, 32)
     with pytest.raises(RuntimeError, match="int8"):
@@ -265,7 +285,7 @@ def test_default_model_int8_perplexity_and_generation() -> None:
     tokens = tok.encode(text * 3)[:160]
     loaded = load_model(resolve_model_path(None), torch.bfloat16)
     base = _perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu"), tokens)
-    calib = tok.encode(quant.CALIBRATION_TEXT.read_text())
+    calib = quant.calibration_token_ids(tok, loaded.config.max_position_embeddings)
     q8 = _perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu",
                                  quantization="int8", calibration_token_ids=calib), tokens)
     assert q8 < base * 1.10, (base, q8)

@@ -48,6 +48,7 @@ class EngineReady:
     dtype: str
     device: str
     load_time_s: float
+    quantization: str | None = None
 
 
 @dataclass

@@ -83,6 +83,7 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         dtype=str(engine.dtype).replace("torch.", ""),
         device=str(engine.device),
         load_time_s=time.perf_counter() - t0,
+        quantization=engine.config.quantization,
     )
     return engine, ready
 

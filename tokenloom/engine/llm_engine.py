@@ -44,6 +44,8 @@ class LLMEngine:
         self.clock = clock
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
+        if config.quantization is not None and device.type != "cpu":  # before minutes of loading
+            raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
@@ -63,13 +65,11 @@ class LLMEngine:
         cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
-        if config.quantization is not None and device.type != "cpu":
-            raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
         calibration = None
         if config.quantization is not None:
-            from tokenloom.model.quant import CALIBRATION_TEXT
+            from tokenloom.model.quant import calibration_token_ids
 
-            calibration = self.tokenizer.encode(CALIBRATION_TEXT.read_text())[: sched_cfg.max_model_len]
+            calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=num_blocks,
                                   dtype=dtype, device=device, quantization=config.quantization,
                                   calibration_token_ids=calibration)

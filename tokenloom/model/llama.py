@@ -243,6 +243,7 @@ class LlamaModel:
         in `dtype`). `calibration_token_ids`: text whose activations set int8's smoothing factors
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting)."""
+        check_quantization(quantization, torch.device(device))
         self.config = config
         self.kernels = kernels if torch.device(device).type == "cpu" else None
         # The KV cache holds the kernels' packed bf16 layout (set by the runner, which allocates it).
@@ -262,7 +263,6 @@ class LlamaModel:
             self.lm_head = Linear(self.embed_tokens)
         self.layers = [self._load_layer(get, i) for i in range(config.num_hidden_layers)]
         self.rope = RotaryEmbedding(config, self.device, dtype)
-        check_quantization(quantization, self.device)
         self.quantization = quantization
         if quantization == "int8":
             stats = None

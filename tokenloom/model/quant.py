@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,6 +41,12 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
                          f"got {quantization!r}")
     if device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU only (oneDNN int8 GEMMs); got device {device}")
+
+
+def calibration_token_ids(tokenizer: Any, max_positions: int) -> list[int]:
+    """tokenloom/data/calibration.txt as the model's tokens, capped by its positions (not by
+    max_model_len: a scheduling knob must not change the smoothing factors, and so the outputs)."""
+    return tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))[:max_positions]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

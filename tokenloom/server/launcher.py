@@ -44,7 +44,9 @@ class GracefulServer(uvicorn.Server):
             info = self.engine.info
             logger.info("tokenloom serve ready in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
                         "max_model_len %d, %d KV blocks of %d tokens", time.perf_counter() - self.t_launch,
-                        info.load_time_s, info.model_name, info.dtype, info.device, info.max_model_len,
+                        info.load_time_s, info.model_name,
+                        info.dtype + (f" + {info.quantization} layers" if info.quantization else ""),
+                        info.device, info.max_model_len,
                         info.num_blocks, info.block_size)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

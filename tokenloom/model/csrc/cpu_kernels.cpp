@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -925,14 +926,25 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 #define TL_DISPATCH_F32_BF16(TYPE, NAME, ...) \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
+// max |x|, or NaN if x holds one (as torch's amax): the NaN then reaches the row's scale and the
+// logits, where the runner's NaN handling sees it, instead of vanishing into a finite scale.
 float absmax_row(const float* x, int64_t n) {
 #if TL_AVX512
   __m512 m = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + i, tail_mask(n - i))));
-  return _mm512_reduce_max_ps(m);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 t = tail_mask(n - i);
+    const __m512 v = load16(x + i, t);
+    nan |= _mm512_mask_cmp_ps_mask(t, v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(m);
 #else
   float m = 0.f;
-  for (int64_t i = 0; i < n; i++) m = std::max(m, std::fabs(x[i]));
+  for (int64_t i = 0; i < n; i++) {
+    if (std::isnan(x[i])) return std::numeric_limits<float>::quiet_NaN();
+    m = std::max(m, std::fabs(x[i]));
+  }
   return m;
 #endif
 }
