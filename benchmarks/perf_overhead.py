@@ -19,7 +19,7 @@ import time
 
 
 def run(engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
-    from tokenloom.sampling_params import SamplingParams
+    from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
     model = engine.runner.model
     model_time = [0.0]
@@ -42,7 +42,9 @@ def run(engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict
     model.forward, model.compute_logits = forward, compute_logits
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # FINAL_ONLY, as LLM.generate sets it (the server's engine process does no output processing at all).
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
         prompt = [rng.randrange(17, vocab) for _ in range(prompt_len)]
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
@@ -75,11 +77,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["int8"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tokenloom.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(model=a.model, dtype=a.dtype)
+    engine = LLMEngine.from_args(model=a.model, dtype=a.dtype, quantization=a.quantization)
     results = []
     for b in [int(x) for x in a.batch.split(",")]:
         res = run(engine, b, a.prompt_len, a.output_len, seed=b)

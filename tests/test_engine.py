@@ -39,6 +39,34 @@ def test_generate_returns_vllm_shaped_outputs(tiny) -> None:
     assert tiny.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
 
 
+def test_final_only_outputs_come_once_and_equal_cumulative_ones(tiny) -> None:
+    """LLM.generate asks for FINAL_ONLY (as vLLM's LLM does): the engine hands out one output per
+    request, the same as the last of a CUMULATIVE run."""
+    from dataclasses import replace
+
+    from tokenloom.sampling_params import RequestOutputKind
+
+    engine = tiny.llm_engine
+    seen: dict[str, dict[str, list]] = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        params = replace(GREEDY, output_kind=kind)
+        ids = [engine.add_request(None, p, params) for p in _prompts(3)]
+        outs: dict[str, list] = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id].append(out)
+        seen[kind.name] = outs
+    for outs in seen["FINAL_ONLY"].values():
+        assert len(outs) == 1 and outs[0].finished
+    finals = [o[-1].outputs[0] for o in seen["CUMULATIVE"].values()]
+    assert all(len(o) > 1 for o in seen["CUMULATIVE"].values())
+    assert [(c.token_ids, c.text) for c in finals] == [
+        (o[0].outputs[0].token_ids, o[0].outputs[0].text) for o in seen["FINAL_ONLY"].values()
+    ]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="final")
+
+
 def test_same_tokens_alone_and_in_a_busy_batch_with_chunking_and_preemption(tiny_dir) -> None:
     target = {"prompt_token_ids": [11 + (j * 5) % 200 for j in range(37)]}
     alone = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4)

@@ -391,6 +391,21 @@ def test_incremental_detokenizer_equals_full_decode(default_tokenizer: Tokenizer
         assert detok.token_ids == ids
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_fast_path_equals_transformers_decode(default_tokenizer: Tokenizer, skip_special_tokens: bool):
+    """Tokenizer.decode calls the Rust backend directly (the streaming hot path); it must say exactly
+    what transformers' decode without space clean-up says."""
+    tok = default_tokenizer
+    assert tok._backend_decode is not None  # the default model's tokenizer takes the fast path
+    rng = random.Random(1)
+    id_lists = [tok.encode(t) for t in [*TEXTS, "<|im_start|>user\nHi<|im_end|>"]] + [
+        [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 30))] for _ in range(300)
+    ]
+    for ids in id_lists:
+        want = tok.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        assert tok.decode(ids, skip_special_tokens=skip_special_tokens) == want, ids
+
+
 def test_incremental_detokenizer_with_prompt_context(default_tokenizer: Tokenizer) -> None:
     tok = default_tokenizer
     prompt = tok.encode("The answer is")

@@ -5,10 +5,18 @@ Pure Python: the scheduler core reads the stop conditions, the model's sampler r
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
 _UNLIMITED = 1 << 30
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine hands out a RequestOutput for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # after every step that advanced it: the text and tokens so far (+ this step's delta_*)
+    FINAL_ONLY = 2  # once, when it finishes (LLM.generate: nothing reads the partial ones)
 
 
 @dataclass
@@ -30,6 +38,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token (0: only the sampled one)
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
     eos_token_id: int | None = field(default=None, repr=False)
 
@@ -76,6 +85,8 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tokenloom.engine.llm_engine import LLMEngine, PromptType
 from tokenloom.engine.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -40,6 +41,8 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
+        params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         engine = self.llm_engine
         ids = []
         try:
