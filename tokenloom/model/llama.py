@@ -394,12 +394,9 @@ class LlamaModel:
                                self.kv_packed)
             attn_meta = meta.kernel
             if i == last and meta.output_rows is not None:
-                # Every row's K/V is written; only the output rows go on (see AttentionMetadata).
-                assert meta.output_kernel is not None
                 if meta.output_rows.numel() == 0:
                     return h[:0]
-                qkv, h = qkv.index_select(0, meta.output_rows), h.index_select(0, meta.output_rows)
-                attn_meta = meta.output_kernel
+                qkv, h, attn_meta = _output_rows(meta, qkv, h)
             o = paged_attention_fused(k, qkv, hq, kv_cache, attn_meta, self.kv_packed)
             x = layer.o(o)
             k.fused_add_rms_norm(x, h, layer.post_norm, eps)  # h += attention; x = norm(h)
@@ -442,11 +439,9 @@ class LlamaModel:
                                self.kv_packed)
             attn_meta = meta.kernel
             if i == last and meta.output_rows is not None:
-                assert meta.output_kernel is not None
                 if meta.output_rows.numel() == 0:
                     return h[:0]
-                qkv, h = qkv.index_select(0, meta.output_rows), h.index_select(0, meta.output_rows)
-                attn_meta = meta.output_kernel
+                qkv, h, attn_meta = _output_rows(meta, qkv, h)
                 t = h.shape[0]
             o = paged_attention_fused(k, qkv, hq, kv_cache, attn_meta, self.kv_packed)
             oq, os_ = _quant_buffers(t, o.shape[1])
@@ -495,6 +490,13 @@ class LlamaModel:
         """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
         logits = self.lm_head(hidden)
         return logits.float() if fp32 else logits
+
+
+def _output_rows(meta: AttentionMetadata, qkv: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The last layer: every row's K/V is written, then only the output rows go on (see
+    AttentionMetadata): their qkv and residual rows, and the kernel metadata for them alone."""
+    assert meta.output_rows is not None and meta.output_kernel is not None
+    return qkv.index_select(0, meta.output_rows), h.index_select(0, meta.output_rows), meta.output_kernel
 
 
 def _quant_buffers(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
