@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 Policy = Literal["fcfs", "priority"]
+# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
+QUANTIZATION_METHODS = ("int8",)
 BatchingMode = Literal["continuous", "static", "request"]
 
 
@@ -118,8 +120,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.quantization not in (None, "int8"):
-            raise ConfigError(f"quantization must be int8 or None, got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                              f"got {self.quantization!r}")
         if self.quantization is not None and self.device == "cuda":
             raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
         if self.kv_cache_memory is not None:

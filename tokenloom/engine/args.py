@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from tokenloom.config import QUANTIZATION_METHODS
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -30,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", "-q", default=None, choices=["int8"],
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                    help="int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; "
                         "oneDNN VNNI GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,

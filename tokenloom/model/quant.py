@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-QUANTIZATION_METHODS = ("int8",)
+from tokenloom.config import QUANTIZATION_METHODS
+
 SMOOTHING_ALPHA = 0.6  # of 0.5 / 0.6 / 0.7 the best on the quality benchmark (docs/performance.md)
 CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 

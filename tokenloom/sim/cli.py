@@ -12,6 +12,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.config import QUANTIZATION_METHODS
 from tokenloom.engine.args import parse_bytes
 
 if TYPE_CHECKING:
@@ -38,7 +39,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default=None, choices=["int8"], help="profile the int8 (W8A8) layers")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="profile the int8 (W8A8) layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
