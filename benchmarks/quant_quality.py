@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import textwrap
 import time
 from pathlib import Path
 
 import torch
 
-from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenloom.bench.quality import perplexity
 from tokenloom.engine.llm import LLM
 from tokenloom.model.loader import load_model, resolve_model_path
 from tokenloom.model.quant import calibration_token_ids
@@ -43,26 +42,6 @@ CHATS = [
 DEFAULT_TEXTS = [Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/common-licenses/Artistic"),
                  Path(textwrap.__file__)]
 BLOCK = 16
-
-
-def perplexity(runner: ModelRunner, tokens: list[int]) -> float:
-    greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    blocks = list(range(-(-len(tokens) // BLOCK)))
-    nll = 0.0
-    prev: str | None = None
-    for i in range(len(tokens) - 1):
-        rid = f"r{i}"
-        new = NewRequestData(rid, tokens[: i + 1], tokens[: i + 1], greedy, blocks, i)
-        so = SchedulerOutput(
-            scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData([], [], []),
-            num_scheduled_tokens={rid: 1}, total_num_scheduled_tokens=1,
-            finished_req_ids={prev} if prev else set(), preempted_req_ids=set(),
-        )
-        runner.execute_model(so, return_logits=True)
-        assert runner.last_logits is not None
-        nll -= torch.log_softmax(runner.last_logits[0].float(), dim=-1)[tokens[i + 1]].item()
-        prev = rid
-    return math.exp(nll / (len(tokens) - 1))
 
 
 def greedy_chats(quantization: str | None, dtype: str) -> list[list[int]]:

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.test_model_runner import _CASES, new_req, prompt, step
 from tests.tiny_models import make_tiny_hf_model
+from tokenloom.bench.quality import perplexity
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.model import kernels as kernels_mod
 from tokenloom.model import quant
@@ -248,27 +249,6 @@ def test_config_rejects_unknown_or_cuda_quantization() -> None:
         quant.check_quantization("int8", torch.device("cuda"))
 
 
-def _perplexity(runner: ModelRunner, tokens: list[int]) -> float:
-    """Teacher-forced, one position per step through the runner (as benchmarks/quant_quality.py)."""
-    from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-    from tokenloom.sampling_params import SamplingParams
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=1)
-    blocks = list(range(-(-len(tokens) // runner.block_size)))
-    nll, prev = 0.0, None
-    for i in range(len(tokens) - 1):
-        rid = f"r{i}"
-        so = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData(rid, tokens[: i + 1], tokens[: i + 1], greedy, blocks, i)],
-            scheduled_cached_reqs=CachedRequestData([], [], []), num_scheduled_tokens={rid: 1},
-            total_num_scheduled_tokens=1, finished_req_ids={prev} if prev else set(), preempted_req_ids=set(),
-        )
-        runner.execute_model(so, return_logits=True)
-        nll -= torch.log_softmax(runner.last_logits[0].float(), dim=-1)[tokens[i + 1]].item()
-        prev = rid
-    return float(torch.tensor(nll / (len(tokens) - 1)).exp())
-
-
 def test_default_model_int8_perplexity_and_generation() -> None:
     """On the default model: perplexity of a text within a few % of bf16 (measured: +0.9 % mean over
     three 1,024-token texts; one short text moves by several %, hence the margin, which a broken
@@ -284,9 +264,9 @@ def test_default_model_int8_perplexity_and_generation() -> None:
             "had published its own forecast. The chair thanked everyone and closed the meeting at nine.")
     tokens = tok.encode(text * 3)[:160]
     loaded = load_model(resolve_model_path(None), torch.bfloat16)
-    base = _perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu"), tokens)
+    base = perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu"), tokens)
     calib = quant.calibration_token_ids(tok, loaded.config.max_position_embeddings)
-    q8 = _perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu",
+    q8 = perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu",
                                  quantization="int8", calibration_token_ids=calib), tokens)
     assert q8 < base * 1.10, (base, q8)
 
