@@ -69,7 +69,8 @@ class KVCacheManager:
         At most num_tokens - 1 tokens may hit: the last token must be computed to get logits,
         so a full hit recomputes its last block.
         """
-        if not self.enable_caching:
+        # vLLM: a request that wants prompt_logprobs computes its whole prompt (a hit would skip rows).
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []

@@ -380,6 +380,7 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -412,7 +413,8 @@ class Scheduler:
             if is_stopped:
                 self._free_request(request)
                 stopped.add(id(request))
-            if generated or is_stopped:
+            prompt_lps = prompt_logprobs.get(req_id)
+            if generated or is_stopped or prompt_lps:
                 req_logprobs = logprobs.get(req_id) if logprobs else None
                 outputs.append(
                     EngineCoreOutput(
@@ -422,6 +424,7 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        new_prompt_logprobs=prompt_lps,
                     )
                 )
         if stopped:
