@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -48,8 +48,9 @@ class SchedulerStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions_total: int
-    prefix_cache_queries: int
+    prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
+    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
 
 
 class Scheduler:
@@ -474,6 +475,20 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            prefix_cache_queries=kv.prefix_cache_totals.queries,
+            prefix_cache_hits=kv.prefix_cache_totals.hits,
+            prefix_cache_stats=kv.make_prefix_cache_stats(),
         )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
+        first (last first, so they resume in order), which frees every block; otherwise the reset
+        only succeeds when no request holds blocks."""
+        if reset_running_requests:
+            now = self.clock()
+            while self.running:
+                self._preempt_request(self.running.pop(), now)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        return ok
