@@ -52,9 +52,11 @@ def create_scheduler(
     block_size: int = 16,
     max_model_len: int | None = None,
     num_speculative_tokens: int | None = None,
+    policy: str = "fcfs",
     **unused: Any,
 ) -> _Scheduler:
-    sched = SchedulerConfig(
+    sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
+
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
@@ -153,3 +155,35 @@ class FreeKVCacheBlockQueue(_TLQueue):
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
+
+
+def create_scheduler_with_priority(enable_prefix_caching: bool = False, **kwargs: Any) -> _Scheduler:
+    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked."""
+    return create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
+
+
+def create_requests_with_priority(
+    num_requests: int,
+    priorities: list[int],
+    arrival_times: list[float] | None = None,
+    num_tokens: int = 10,
+    max_tokens: int = 16,
+    stop_token_ids: list[int] | None = None,
+    prompt_logprobs: int | None = None,
+    starting_idx: int = 0,
+    same_prompt: bool = False,
+    block_size: int = 16,
+    req_ids: list[str] | None = None,
+    **unused: Any,
+) -> list[_TLRequest]:
+    """vLLM's helper of the same name (same prompts, ids and arrival times)."""
+    arrival_times = arrival_times or [float(i) for i in range(num_requests)]
+    req_ids = req_ids or [f"{i + starting_idx}" for i in range(num_requests)]
+    params = SamplingParams(ignore_eos=False, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                            prompt_logprobs=prompt_logprobs)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return [
+        Request(req_ids[i], [starting_idx] * num_tokens if same_prompt else [i + starting_idx] * num_tokens,
+                params, arrival_time=arrival_times[i], priority=priorities[i], block_size=block_size)
+        for i in range(num_requests)
+    ]
