@@ -29,14 +29,14 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
         # OpenAI and vLLM: stream_options only make sense on a stream.
         raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
     if req.logit_bias:
-        for key in req.logit_bias:
-            try:
-                tid = int(key)
-            except ValueError:
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-            if not 0 <= tid < vocab_size:
-                raise APIError(400, f"logit_bias has token id {tid}, out of vocabulary (size {vocab_size})",
-                               "logit_bias")
+        bad_keys = [k for k in req.logit_bias if not k.strip().lstrip("-").isdigit()]
+        if bad_keys:  # every bad key, not just the first (vLLM)
+            raise APIError(400, f"logit_bias keys must be token ids, got {', '.join(map(repr, bad_keys))}",
+                           "logit_bias")
+        out = [int(k) for k in req.logit_bias if not 0 <= int(k) < vocab_size]
+        if out:
+            raise APIError(400, f"logit_bias has token id {out[0]}, out of vocabulary (size {vocab_size})",
+                           "logit_bias")
     for name in ("allowed_token_ids", "logprob_token_ids", "stop_token_ids"):
         ids = getattr(req, name) or []
         bad = next((t for t in ids if t >= vocab_size), None)

@@ -1,9 +1,9 @@
 """Request bodies: OpenAI's fields plus vLLM's extensions, with vLLM's names and defaults.
 
 Types are strict: a wrong JSON type is a 400 naming the field, never coerced ("yes" is not a
-boolean, "3" is not an integer). One leniency of vLLM's is kept because clients rely on it: an
-integral float (16.0) is accepted for an integer field. Infinite and NaN numbers are refused here;
-the sampling ranges are checked by SamplingParams.
+boolean, "3" is not an integer). Two leniencies of vLLM's are kept because clients rely on them: an
+integral float (16.0) for an integer field, and the strings "true"/"false" for a boolean. Infinite and
+NaN numbers are refused here; the sampling ranges are checked by SamplingParams.
 
 Unknown fields are ignored (as vLLM does), so clients that send newer OpenAI fields still work. Fields
 vLLM knows but tokenloom does not implement are not unknown: `unsupported.py` answers them with a 400.
@@ -26,7 +26,16 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _bool_string(value: Any) -> Any:
+    # vLLM's tests and some clients send booleans as the strings "true"/"false" (JSON's own spelling);
+    # keep that, and nothing looser: "yes", "on", 1 stay 400s.
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
+Bool = Annotated[bool, BeforeValidator(_bool_string)]
 Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
 # The roles vLLM's chat API takes ("function" is OpenAI's deprecated name for "tool").
@@ -35,8 +44,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 class StreamOptions(BaseModel):
     model_config = _CONFIG
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # vLLM: usage on every chunk (only with include_usage)
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk (only with include_usage)
 
 
 class SamplingRequest(BaseModel):
@@ -49,7 +58,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -59,14 +68,14 @@ class SamplingRequest(BaseModel):
     top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     min_tokens: Int = 0
     priority: Int64 = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
     stop_token_ids: list[TokenId] | None = None
-    return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: Bool | None = None
+    return_tokens_as_token_ids: Bool | None = None
     allowed_token_ids: list[TokenId] | None = None
     logprob_token_ids: list[TokenId] | None = None
     prompt_logprobs: Int | None = None
@@ -81,10 +90,10 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None
-    echo: bool | None = False
+    echo: Bool | None = False
     best_of: Int | None = None
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
 
 class ContentPart(BaseModel):
@@ -107,39 +116,39 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Int | None = None
-    logprobs: bool | None = False
+    logprobs: Bool | None = False
     top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's extensions
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: Bool = False
 
 
 class TokenizeCompletionRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
 
 
 class TokenizeChatRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
     messages: list[ChatMessage]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
 
 
 class DetokenizeRequest(BaseModel):
