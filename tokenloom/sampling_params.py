@@ -48,6 +48,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
     eos_token_id: int | None = field(default=None, repr=False)
+    # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
+    max_logprobs: int = field(default=20, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,14 +88,15 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        cap = self.max_logprobs if self.max_logprobs >= 0 else 1 << 62
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= cap):
+            bad(f"logprobs must be an integer in [0, {cap}], got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             bad(f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= cap
         ):
-            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+            bad(f"prompt_logprobs must be an integer in [0, {cap}], got {self.prompt_logprobs!r}")
         for name in ("allowed_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
             if ids is not None and (not ids or any(not isinstance(t, int) or t < 0 for t in ids)):

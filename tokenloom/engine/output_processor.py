@@ -59,6 +59,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._by_core_id: dict[str, tuple[_Parent, _Completion]] = {}
+        self._token_texts: dict[int, str] = {}
 
     def add_request(
         self,
@@ -191,7 +192,14 @@ class OutputProcessor:
         return d
 
     def _token_text(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+        if self.tokenizer is None:
+            return None
+        # One decode per vocabulary entry at most: top-n lists repeat tokens, and whole-vocabulary
+        # logprobs (--max-logprobs -1) would otherwise decode the vocabulary at every position.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = [self._completion_output(c) for c in parent.completions]

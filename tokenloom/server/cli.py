@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="accepted for vLLM compatibility: GET /load is always served")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="accepted for vLLM compatibility: X-Request-Id is always echoed")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); "
+                        "-1 (or at least the vocabulary) also allows -1, every token")
     g.add_argument("--metrics-prefix", choices=["both", "vllm", "tokenloom"], default="both",
                    help="Prometheus names: vLLM's (vllm:...), tokenloom's (tokenloom:...), or both (default)")
     p.set_defaults(func=_serve)
@@ -58,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
+        max_logprobs=args.max_logprobs,
     )
     try:
         return run_server(engine_config_from_args(args), config)

@@ -21,3 +21,4 @@ class ServerConfig:
     enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
+    max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)

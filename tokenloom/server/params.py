@@ -15,8 +15,23 @@ if TYPE_CHECKING:
 # Guards against one request fanning out into an unbounded amount of work.
 MAX_N = 128
 MAX_STOP_STRINGS = 32
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+
+
+def resolve_logprobs(value: int | None, name: str, vocab_size: int, max_logprobs: int) -> int | None:
+    """vLLM's rule: -1 means every token of the vocabulary, allowed only when --max-logprobs allows it
+    (-1, or at least the vocabulary); otherwise 0..max_logprobs."""
+    if value is None:
+        return None
+    whole = max_logprobs < 0 or max_logprobs >= vocab_size
+    if value == -1 and whole:
+        return vocab_size
+    cap = vocab_size if whole else max_logprobs
+    if not 0 <= value <= cap:
+        raise APIError(400, f"{name} must be an integer in [0, {cap}]"
+                            f"{' or -1 (all tokens)' if whole else ' (-1, all tokens, needs --max-logprobs -1)'},"
+                            f" got {value}", name)
+    return value
 
 
 def _check_common(req: SamplingRequest, vocab_size: int) -> None:
@@ -44,10 +59,6 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
             raise APIError(400, f"{name} has token id {bad}, out of vocabulary (size {vocab_size})", name)
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise APIError(400, "allowed_token_ids must not be empty", "allowed_token_ids")
-    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] "
-                            f"(-1, all tokens, needs --max-logprobs -1, which tokenloom lacks), "
-                            f"got {req.prompt_logprobs}", "prompt_logprobs")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
     if req.truncation_side is not None and req.truncate_prompt_tokens is None:
@@ -55,7 +66,7 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
 
 
 def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None) -> SamplingParams:
+                     prompt_logprobs: int | None, max_logprobs: int = 20) -> SamplingParams:
     try:
         return SamplingParams(
             n=req.n,
@@ -79,6 +90,7 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
             allowed_token_ids=req.allowed_token_ids,
             skip_special_tokens=req.skip_special_tokens,
+            max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
@@ -120,13 +132,15 @@ def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
         raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
 
 
-def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
+                      max_logprobs: int) -> SamplingParams:
+    logprobs = resolve_logprobs(req.logprobs, "logprobs", vocab_size, max_logprobs)
+    prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
     # echo with logprobs also scores the prompt (vLLM: prompt_logprobs defaults to logprobs under echo).
-    prompt_logprobs = req.prompt_logprobs
-    if prompt_logprobs is None and req.echo and req.logprobs is not None:
-        prompt_logprobs = req.logprobs
+    if prompt_logprobs is None and req.echo and logprobs is not None:
+        prompt_logprobs = logprobs
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
-    return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len), req.logprobs, prompt_logprobs)
+    return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len), logprobs, prompt_logprobs)
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
@@ -168,9 +182,6 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
         raise APIError(400, "tools: tool calling is not supported yet (only with tool_choice \"none\")", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                       "top_logprobs")
     if req.logprob_token_ids and not req.logprobs:
         raise APIError(400, "when using logprob_token_ids, logprobs must be set to true", "logprob_token_ids")
     if req.add_generation_prompt and req.continue_final_message:
@@ -178,10 +189,13 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
                        "continue_final_message")
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
+                max_logprobs: int) -> SamplingParams:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len), logprobs, req.prompt_logprobs)
+    top = resolve_logprobs(req.top_logprobs, "top_logprobs", vocab_size, max_logprobs)
+    logprobs = (top or 0) if req.logprobs else None
+    prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
+    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len), logprobs, prompt_logprobs)
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:

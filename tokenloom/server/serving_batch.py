@@ -44,8 +44,11 @@ async def create_batch_chat_completion(raw: Request) -> Response:
     stream = engine.open_stream()
     try:
         for rid, (req, prompt_ids) in zip(ids, parsed):
-            engine.add_request(rid, prompt_ids, chat_params(req, len(prompt_ids), state.max_model_len), stream,
-                               priority=req.priority)
+            params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size,
+                                 state.config.max_logprobs)
+            if req.logprobs:  # -1 resolved to the whole vocabulary
+                req.top_logprobs = params.logprobs
+            engine.add_request(rid, prompt_ids, params, stream, priority=req.priority)
     except BaseException:
         stream.close()
         raise

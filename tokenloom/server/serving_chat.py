@@ -74,7 +74,9 @@ async def create_chat_completion(raw: Request) -> Response:
     state = get_state(raw)
     req, prompt_ids = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
     model = state.model_name(req.model)
-    params = chat_params(req, len(prompt_ids), state.max_model_len)
+    params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs)
+    if req.logprobs:  # -1 resolved to the whole vocabulary
+        req.top_logprobs = params.logprobs
     base_id = base_request_id(raw, req.request_id)
     request_id = f"chatcmpl-{base_id}"
     engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
