@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenloom.config import engine_args
 from tokenloom.engine.args import add_engine_args, engine_config_from_args
 
 # Knobs a fresh scheduler can change without reloading the model.
-SWEEPABLE = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
-             "scheduling_policy", "watermark", "batching", "num_blocks", "enable_prefix_caching")  # fmt: skip
+SWEEPABLE = tuple(a.name for a in engine_args() if not a.reload)
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:

@@ -12,8 +12,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.config import QUANTIZATION_METHODS
-from tokenloom.engine.args import parse_bytes
+from tokenloom.config import engine_args
+from tokenloom.engine.args import add_engine_args
 
 if TYPE_CHECKING:
     from tokenloom.bench.workloads import BenchRequest
@@ -37,11 +37,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the real model runner on a grid of step shapes and fit the cost model")
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="profile the int8 (W8A8) layers")
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_args(p, with_model=False, only=("dtype", "device", "quantization", "block_size"), field_defaults=True)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
     p.add_argument("--passes", type=int, default=3, help="passes over the grid; each shape keeps its median pass")
@@ -106,21 +102,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
                    help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
 
-    s = p.add_argument_group("scheduler (vLLM's names, defaults as `tokenloom serve`)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
-    s.add_argument("--watermark", type=float, default=None)
-    s.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--batching", choices=["continuous", "static", "request"], default=None)
-    s.add_argument("--max-model-len", type=int, default=None)
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=None)
-    c.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: --kv-cache-memory / block bytes)")
-    c.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="as the engine's (default 2GiB on CPU)")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    # The engine's knobs the simulator models (vLLM's names, defaults as `tokenloom serve`).
+    add_engine_args(p, with_model=False, simulated=True)
 
     o = p.add_argument_group("output")
     o.add_argument("--sweep", default=None, metavar="KNOB=v1,v2,...", help="one run per value; prints a table")
@@ -131,11 +114,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_simulate)
 
 
-_ENGINE_KEYS = (
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "scheduling_policy", "watermark", "scheduler_reserve_full_isl", "batching", "max_model_len", "block_size",
-    "num_blocks", "kv_cache_memory", "enable_prefix_caching",
-)  # fmt: skip
+# The engine keyword arguments a simulation takes: every knob the simulator models.
+_ENGINE_KEYS = tuple(a.name for a in engine_args() if a.simulated)
 
 
 def _workload_args(args: argparse.Namespace) -> None:
