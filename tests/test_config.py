@@ -50,7 +50,7 @@ def test_float16_is_refused_up_front_with_the_reason() -> None:
 
 def test_sweepable_knobs_exclude_those_that_reload_the_model() -> None:
     from tokenloom.bench.sweep import SWEEPABLE
-    from tokenloom.sim.sweep import KNOBS
+    from tokenloom.workload.sweep import KNOBS
 
     assert "scheduling_policy" in SWEEPABLE and "block_size" not in SWEEPABLE and "dtype" not in SWEEPABLE
     assert KNOBS["enable_prefix_caching"]("off") is False and KNOBS["kv_cache_memory"]("2KiB") == 2048

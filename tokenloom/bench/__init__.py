@@ -14,19 +14,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BenchRequest": "workloads",
-    "random_requests": "workloads",
-    "load_sharegpt": "workloads",
-    "load_jsonl": "workloads",
-    "write_jsonl": "workloads",
-    "arrival_times": "workloads",
-    "assign_arrivals": "workloads",
-    "RequestRecord": "metrics",
-    "compute_metrics": "metrics",
-    "format_summary": "metrics",
-    "parse_goodput": "metrics",
-    "percentile": "metrics",
-    "BenchResult": "client",
+    "BenchRequest": "tokenloom.workload.datasets",
+    "random_requests": "tokenloom.workload.datasets",
+    "load_sharegpt": "tokenloom.workload.datasets",
+    "load_jsonl": "tokenloom.workload.datasets",
+    "write_jsonl": "tokenloom.workload.datasets",
+    "arrival_times": "tokenloom.workload.datasets",
+    "assign_arrivals": "tokenloom.workload.datasets",
+    "RequestRecord": "tokenloom.workload.metrics",
+    "compute_metrics": "tokenloom.workload.metrics",
+    "format_summary": "tokenloom.workload.metrics",
+    "parse_goodput": "tokenloom.workload.metrics",
+    "percentile": "tokenloom.workload.metrics",
+    "BenchResult": "tokenloom.workload.result",
     "run_benchmark": "client",
     "arun_benchmark": "client",
     "plot_timeline": "plots",
@@ -39,5 +39,6 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    target = _EXPORTS[name]
+    module = importlib.import_module(target if "." in target else f"{__name__}.{target}")
     return getattr(module, name)

@@ -13,10 +13,7 @@ import json
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # numpy, aiohttp and matplotlib load only when a bench/plot command runs
-    from tokenloom.bench.workloads import BenchRequest, Tokenize
+from typing import Any
 
 BENCH_EXTENSIONS = ["tokenloom.bench.throughput", "tokenloom.bench.sweep"]
 # literal copies of client.py's constants: importing client would pull aiohttp into every `tokenloom` run
@@ -122,55 +119,6 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _vocab_range(spec: str) -> tuple[int, int]:
-    lo, sep, hi = spec.partition(":")
-    if not sep:
-        raise ValueError(f"--random-vocab-range {spec!r}: expected LO:HI")
-    return int(lo), int(hi)
-
-
-def _load_tokenizer(path: str | None) -> Tokenize | None:
-    if not path:
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("--tokenizer needs the `tokenizers` package") from None
-    tok = Tokenizer.from_file(path)
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
-
-
-def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    from tokenloom.bench import workloads
-
-    num = args.num_prompts
-    if args.dataset_name == "jsonl":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name jsonl needs --dataset-path")
-        return workloads.load_jsonl(args.dataset_path, num)
-    if args.dataset_name == "sharegpt":
-        tokenize = _load_tokenizer(args.tokenizer)
-        return workloads.load_sharegpt(
-            args.dataset_path,
-            num or 100,
-            seed=args.seed,
-            output_len=args.sharegpt_output_len,
-            tokenize=tokenize,
-            ignore_eos=args.ignore_eos,
-        )
-    return workloads.random_requests(
-        num or 100,
-        args.random_input_len,
-        args.random_output_len,
-        args.random_range_ratio,
-        prefix_len=args.random_prefix_len,
-        seed=args.seed,
-        vocab_range=_vocab_range(args.random_vocab_range),
-        as_text=args.random_prompt_format == "text",
-        ignore_eos=True,  # random prompts make no sense to the model; EOS would stop them arbitrarily
-    )
-
-
 def discover_model(base_url: str, api_key: str | None) -> str:
     """The first model id the server lists, so `--model` can be omitted against a one-model server."""
     import httpx
@@ -187,11 +135,12 @@ def discover_model(base_url: str, api_key: str | None) -> str:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tokenloom.bench import workloads
     from tokenloom.bench.client import run_benchmark
-    from tokenloom.bench.metrics import format_summary, parse_goodput
+    from tokenloom.workload import datasets as workloads
+    from tokenloom.workload.build import workload_from_args
+    from tokenloom.workload.metrics import format_summary, parse_goodput
 
-    requests = build_workload(args)
+    requests = workload_from_args(args)
     rate = args.request_rate
     if rate is None and args.dataset_name != "jsonl":
         rate = math.inf

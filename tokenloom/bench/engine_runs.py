@@ -12,16 +12,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.bench.workloads import BenchRequest
 from tokenloom.config import SchedulerConfig, engine_arg, split_engine_kwargs
+from tokenloom.workload.datasets import BenchRequest
 
 
 def run_on_engine(engine: Any, requests: Sequence[BenchRequest], overrides: dict[str, Any] | None = None,
                   trace: str | None = None, seed: int = 0) -> Any:  # fmt: skip
-    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a SimResult."""
+    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a WorkloadResult."""
     from tokenloom.engine.trace import StepTracer
-    from tokenloom.sim.clock import WallClock
-    from tokenloom.sim.simulate import run_workload
+    from tokenloom.workload.clock import WallClock
+    from tokenloom.workload.driver import run_workload
 
     overrides = dict(overrides or {})
     reload = sorted(k for k in overrides if engine_arg(k).reload)

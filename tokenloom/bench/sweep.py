@@ -40,30 +40,19 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _workload(args: argparse.Namespace) -> list:
-    from tokenloom.bench.workloads import assign_arrivals, load_jsonl, random_requests
-
-    if args.dataset_path:
-        reqs = load_jsonl(args.dataset_path)
-    else:
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               seed=args.workload_seed)
-        reqs = assign_arrivals(reqs, args.request_rate, 1.0, args.workload_seed)
-    for r in reqs:
-        r.ignore_eos = True
-    return reqs
-
-
 def _run(args: argparse.Namespace) -> int:
     from tokenloom.bench.engine_runs import run_on_engine
     from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.sim.sweep import format_table, parse_sweep
+    from tokenloom.workload.build import engine_workload
+    from tokenloom.workload.sweep import format_table, parse_sweep
 
     sweep = parse_sweep(args.sweep)
     if sweep.knob not in SWEEPABLE:
         raise ValueError(f"bench sweep cannot vary {sweep.knob} without reloading the model; "
                          f"one of: {', '.join(SWEEPABLE)}")
-    requests = _workload(args)
+    requests = engine_workload(args.dataset_path, num_prompts=args.num_prompts, input_len=args.input_len,
+                               output_len=args.output_len, range_ratio=args.range_ratio, seed=args.workload_seed,
+                               request_rate=args.request_rate)
     engine = LLMEngine(engine_config_from_args(args))
     per_point: dict[str, list[Any]] = {label: [] for label in sweep.labels}
     for rep in range(args.repeats):

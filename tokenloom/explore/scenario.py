@@ -24,9 +24,9 @@ from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.workload.clock import VirtualClock
 
 # Keep one request from tying up the server: the page is for small, readable cases.
 LIMITS = {"D": 256, "P": 32768, "C": 4096, "steps": 400, "requests": 64, "num_blocks": 65536}

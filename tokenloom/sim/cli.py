@@ -1,4 +1,4 @@
-"""`tokenloom profile`, `tokenloom simulate` and `tokenloom explore`.
+"""`tokenloom profile` and `tokenloom simulate`.
 
 Imports stay inside the commands: `tokenloom --help` never pays for torch (profile) or the bench client.
 """
@@ -16,18 +16,15 @@ from tokenloom.config import engine_args
 from tokenloom.engine.args import add_engine_args
 
 if TYPE_CHECKING:
-    from tokenloom.bench.workloads import BenchRequest
     from tokenloom.config import CacheConfig, SchedulerConfig
     from tokenloom.sim.profile import Profile
-    from tokenloom.sim.simulate import SimResult
+    from tokenloom.workload.datasets import BenchRequest
+    from tokenloom.workload.driver import WorkloadResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_simulate(sub)
-    e = sub.add_parser("explore", help="a local web page: move scheduler knobs, watch the real scheduler step by step")
-    e.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port)")
-    e.set_defaults(func=_explore)
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -118,34 +115,33 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 _ENGINE_KEYS = tuple(a.name for a in engine_args() if a.simulated)
 
 
-def _workload_args(args: argparse.Namespace) -> None:
-    """--workload W -> the bench's --dataset-name / --dataset-path."""
+def _dataset(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--workload W -> the bench's (--dataset-name, --dataset-path)."""
     if args.workload is None:
-        return
+        return args.dataset_name, args.dataset_path
     if args.workload in ("random", "sharegpt", "jsonl"):
-        args.dataset_name = args.workload
-    else:
-        args.dataset_name, args.dataset_path = "jsonl", args.workload
+        return args.workload, args.dataset_path
+    return "jsonl", args.workload
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from tokenloom.bench.cli import build_workload
-    from tokenloom.bench.metrics import format_summary
-    from tokenloom.bench.workloads import assign_arrivals
     from tokenloom.sim.profile import load_profile
-    from tokenloom.sim.sweep import format_table, parse_sweep, suffixed
+    from tokenloom.workload.build import workload_from_args
+    from tokenloom.workload.datasets import assign_arrivals
+    from tokenloom.workload.metrics import format_summary
+    from tokenloom.workload.sweep import format_table, parse_sweep, suffixed
 
-    _workload_args(args)
-    args.ignore_eos, args.random_prompt_format = True, "token-ids"  # what build_workload also reads
+    dataset_name, dataset_path = _dataset(args)
     profile = load_profile(args.profile)
     if profile.is_stale():
         print(f"warning: the model runner's code changed since this profile was measured ({profile.created}); "
               "its step times may be off: run `tokenloom profile` again", file=sys.stderr)
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
-    base_requests = build_workload(args)
+    base_requests = workload_from_args(args, dataset_name=dataset_name, dataset_path=dataset_path,
+                                       ignore_eos=True, random_prompt_format="token-ids")
     engine_kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
     rate = args.request_rate
-    if rate is None and args.dataset_name != "jsonl":
+    if rate is None and dataset_name != "jsonl":
         rate = math.inf
 
     def one(kwargs: dict[str, Any], rate: float | None, trace: str | None, result_file: str | None) -> _Run:
@@ -154,7 +150,7 @@ def _simulate(args: argparse.Namespace) -> int:
             requests = assign_arrivals(base_requests, rate, args.burstiness, args.seed)
         run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed)
         if result_file:
-            _save_result(result_file, run, args, profile, rate, percentiles)
+            _save_result(result_file, run, args, profile, rate, percentiles, (dataset_name, dataset_path))
         return run
 
     if not args.sweep:
@@ -181,7 +177,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 @dataclass
 class _Run:
-    result: SimResult
+    result: WorkloadResult
     sched: SchedulerConfig
     cache: CacheConfig
 
@@ -208,8 +204,8 @@ def _print_sim_line(run: _Run) -> None:
 
 
 def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profile, rate: float | None,
-                 percentiles: list[float]) -> None:  # fmt: skip
-    from tokenloom.bench.client import BenchResult
+                 percentiles: list[float], dataset: tuple[str, str | None]) -> None:  # fmt: skip
+    from tokenloom.workload.result import BenchResult
 
     config = {
         "model_id": profile.model,
@@ -219,8 +215,8 @@ def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profil
         "burstiness": args.burstiness,
         "seed": args.seed,
         "percentiles": percentiles,
-        "dataset_name": args.dataset_name,
-        "dataset_path": args.dataset_path,
+        "dataset_name": dataset[0],
+        "dataset_path": dataset[1],
         "simulator": {
             "profile": args.profile,
             "profile_hardware": profile.hardware,
@@ -237,13 +233,3 @@ def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profil
         json.dump(data, f, indent=1)
         f.write("\n")
     print(f"wrote {path}")
-
-
-# ---------------------------------------------------------------------------------------------- explore
-
-
-def _explore(args: argparse.Namespace) -> int:
-    from tokenloom.explore.server import serve
-
-    serve(args.port)
-    return 0

@@ -29,11 +29,11 @@ from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerO
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel, Sample, StepShape, fit
 from tokenloom.sim.profile import Profile, runner_fingerprint, tokenloom_version
 from tokenloom.sim.quiet import wait_for_quiet
 from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.workload.clock import VirtualClock
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`--sweep KNOB=v1,v2,...`: one simulation per value of one knob, summarised in a table."""
+"""`--sweep KNOB=v1,v2,...`: one run per value of one knob (`simulate`, `bench sweep`), summarised in a table."""
 
 from __future__ import annotations
 
