@@ -37,7 +37,8 @@ class LLMEngine:
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
         from tokenloom.model.loader import load_model, resolve_model_path
-        from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+        from tokenloom.model.platform import resolve_device, resolve_dtype
+        from tokenloom.model.runner import ModelRunner
         from tokenloom.model.tokenizer import load_tokenizer
 
         self.config = config

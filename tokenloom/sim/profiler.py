@@ -298,7 +298,8 @@ def run_profile(
     """Load the model, time every shape of the grid, fit, and return the profile."""
     from tokenloom.model.attention import kv_cache_bytes_per_block
     from tokenloom.model.loader import load_model, resolve_model_path
-    from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+    from tokenloom.model.platform import resolve_device, resolve_dtype
+    from tokenloom.model.runner import ModelRunner
 
     grid = grid or Grid()
     # Taken before anything is timed: if the runner's code changes meanwhile, the profile reads as stale.
