@@ -1,8 +1,9 @@
 """`tokenloom bench sweep`: one workload, one knob varied, everything else fixed, on the real engine.
 
-The seeds' advice (001 §6): change one knob at a time and record queue time, TTFT, ITL/TPOT, E2E
-percentiles, throughput and preemptions. The model is loaded once; every point gets a fresh
-scheduler, and repeats cycle through the points so slow drifts of the machine hit all of them.
+Tuning advice (as in vLLM's "Optimization and Tuning" docs): change one knob at a time and record
+queue time, TTFT, ITL/TPOT, E2E percentiles, throughput and preemptions. The model is loaded once;
+every point gets a fresh scheduler, and repeats cycle through the points so slow drifts of the
+machine hit all of them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", required=True, metavar="KNOB=v1,v2,...",
                    help=f"one of: {', '.join(k.replace('_', '-') for k in SWEEPABLE)}")
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-path", default=None, help="JSONL workload (anchors' format) with arrival times")
+    w.add_argument("--dataset-path", default=None, help="JSONL workload (id, arrival_s, prompt_token_ids, max_tokens)")
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=64)
@@ -86,7 +87,7 @@ def _median_metrics(all_metrics: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot_tradeoff(knob: str, rows: list[tuple[str, dict[str, Any], int, int]], path: Path) -> None:
-    """TTFT, ITL, throughput and preemptions against the knob: the trade-off the seeds describe."""
+    """TTFT, ITL, throughput and preemptions against the knob: the latency/throughput trade-off of one knob."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -26,7 +26,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     w.add_argument("--input-len", type=int, default=288, help="mean prompt length in tokens")
     w.add_argument("--range-ratio", type=float, default=0.78, help="prompt lengths uniform in len*(1±r): 64..512")
     w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--dataset-path", default=None, help="a JSONL workload in the anchors' format instead")
+    w.add_argument("--dataset-path", default=None, help="a JSONL workload (id, prompt_token_ids, max_tokens) instead")
     w.add_argument("--workload-seed", type=int, default=20251129)
     p.add_argument("--modes", default="continuous,static,request", help="batching modes to compare")
     p.add_argument("--repeats", type=int, default=1)

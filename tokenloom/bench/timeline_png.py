@@ -88,7 +88,7 @@ _CHAR_PX, _LINE_PX, _PANEL_PX = 4.6, 11.0, 420.0
 
 
 def _label_blocks(ax: Any, steps: Sequence[dict]) -> None:
-    """Write "req:tokens" inside blocks large enough to hold it, like the seeds' step tables;
+    """Write "req:tokens" inside blocks large enough to hold it, like a hand-drawn step table;
     across the block when the column is wide enough, else along it."""
     if len(steps) > 60:
         return
