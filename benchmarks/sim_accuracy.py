@@ -2,7 +2,7 @@
 
 The real side is EngineCore + ModelRunner with a wall clock; the simulated side is EngineCore +
 SimulatedRunner with a virtual clock and the profile's cost model. Both are driven by the same loop
-(tokenloom.sim.simulate.run_workload): same arrivals, same scheduler and KV pool, same output lengths
+(tokenloom.workload.driver.run_workload): same arrivals, same scheduler and KV pool, same output lengths
 (ignore_eos). Prints TTFT / TPOT / ITL / E2E at p50 and p99 and output throughput, real vs simulated,
 and how well the cost model predicts each real step's execute time.
 

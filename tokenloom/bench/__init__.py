@@ -1,11 +1,17 @@
-"""Benchmarking: workloads, a streaming serving client, metrics, and plots.
+"""Benchmarking: the streaming serving client, engine benchmarks (throughput, sweep), plots.
 
     from tokenloom.bench import random_requests, run_benchmark
     result = run_benchmark("http://127.0.0.1:8000", "smollm2", random_requests(32, 256, 64), request_rate=4)
     print(result.metrics["p99_ttft_ms"]); result.save("run.json")
 
-Names resolve lazily: `tokenloom` loads this package for every command, and aiohttp/matplotlib
-should only be imported by the commands that use them.
+client.py (`bench serve`: a workload streamed at an OpenAI endpoint), throughput.py and sweep.py
+(`bench throughput | sweep` on the engine in this process, via engine_runs.py), quality.py
+(perplexity), plots.py (`plot timeline | bench`; drawing in plot_common.py, timeline_png.py,
+timeline_svg.py, bench_plots.py), cli.py. Workloads and metrics live in tokenloom/workload and are
+re-exported here. Names resolve lazily: `tokenloom` loads this package for every command, and
+aiohttp/matplotlib should only be imported by the commands that use them.
+
+May import: everything below it (config, core, model, engine, workload). Never sim or explore.
 """
 
 from __future__ import annotations

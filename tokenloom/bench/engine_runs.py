@@ -1,6 +1,6 @@
 """Run a workload through the real engine in this process (no HTTP), one configuration at a time.
 
-The driver is the simulator's (`tokenloom.sim.simulate.run_workload`): requests enter at their
+The driver is the one the simulator uses (`tokenloom.workload.driver.run_workload`): requests enter at their
 arrival times, per-token times give TTFT/ITL/E2E, and the metrics are the bench's. Only the runner
 and the clock differ — the real ModelRunner on wall time here, the cost model on virtual time there —
 which is what makes the simulator's accuracy measurable.
