@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from tokenloom.workload.options import add_arrival_args, add_dataset_args
+
 BENCH_EXTENSIONS = ["tokenloom.bench.throughput", "tokenloom.bench.sweep"]
 # literal copies of client.py's constants: importing client would pull aiohttp into every `tokenloom` run
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
@@ -72,36 +74,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
     g = p.add_argument_group("workload")
-    g.add_argument(
-        "--dataset-name", choices=["random", "sharegpt", "jsonl"], default="random", help="workload"
-    )
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: shipped sample) or jsonl")
-    g.add_argument("--num-prompts", type=int, default=None, help="default: 100, or every line of a jsonl")
-    g.add_argument("--seed", type=int, default=0, help="for lengths, token ids, sampling and arrivals")
+    add_dataset_args(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (random: always)")
-    g.add_argument("--random-input-len", type=int, default=1024, help="mean prompt tokens")
-    g.add_argument("--random-output-len", type=int, default=128, help="mean max_tokens")
-    g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)")
-    g.add_argument("--random-prefix-len", type=int, default=0, help="tokens shared by every prompt")
-    g.add_argument("--random-vocab-range", default="17:49151", help="LO:HI token ids for random prompts")
     g.add_argument(
         "--random-prompt-format",
         choices=["token-ids", "text"],
         default="token-ids",
         help="text: common words, lengths estimated",
     )
-    g.add_argument("--sharegpt-output-len", type=int, default=None, help="override the answers' lengths")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
     g.add_argument("--save-workload", default=None, help="write the workload (with arrivals) as jsonl")
 
     g = p.add_argument_group("load")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)",
-    )
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    add_arrival_args(g)
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     g.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
 

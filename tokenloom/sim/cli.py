@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import engine_args
 from tokenloom.engine.args import add_engine_args
+from tokenloom.workload.options import add_arrival_args, add_dataset_args
 
 if TYPE_CHECKING:
     from tokenloom.config import CacheConfig, SchedulerConfig
@@ -84,20 +85,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload (the names of `tokenloom bench serve`)")
     w.add_argument("--workload", default=None, metavar="W",
                    help="random | sharegpt | FILE.jsonl (shorthand for --dataset-name/--dataset-path)")
-    w.add_argument("--dataset-name", choices=["random", "sharegpt", "jsonl"], default="random")
-    w.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the shipped sample) or jsonl")
-    w.add_argument("--num-prompts", type=int, default=None, help="default: 100, or every line of a jsonl")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--random-input-len", type=int, default=1024)
-    w.add_argument("--random-output-len", type=int, default=128)
-    w.add_argument("--random-range-ratio", type=float, default=0.0)
-    w.add_argument("--random-prefix-len", type=int, default=0)
-    w.add_argument("--random-vocab-range", default="17:49151")
-    w.add_argument("--sharegpt-output-len", type=int, default=None)
-    w.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
-    w.add_argument("--request-rate", type=float, default=None,
-                   help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    add_dataset_args(w)
+    add_arrival_args(w)
 
     # The engine's knobs the simulator models (vLLM's names, defaults as `tokenloom serve`).
     add_engine_args(p, with_model=False, simulated=True)

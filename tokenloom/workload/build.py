@@ -18,8 +18,7 @@ from tokenloom.workload.datasets import (
     load_sharegpt,
     random_requests,
 )
-
-DATASET_NAMES = ("random", "sharegpt", "jsonl")
+from tokenloom.workload.options import DATASET_NAMES
 
 
 def parse_vocab_range(spec: str) -> tuple[int, int]:
