@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.test_server_harness import ServerProcess
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import TINY_VOCAB, make_tiny_hf_model
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -22,7 +22,8 @@ PROMPT_IDS = [5, 17, 42, 9, 101, 33, 7, 250, 64, 12]
 def server(tmp_path_factory):
     model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
     args = [str(model_dir), "--dtype", "float32", "--num-blocks", "1024", "--block-size", "4",
-            "--served-model-name", MODEL, "--root-path", "/llm", "--enable-tokenizer-info-endpoint"]
+            "--served-model-name", MODEL, "--root-path", "/llm", "--enable-tokenizer-info-endpoint",
+            "--max-logprobs", "-1"]
     with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 
@@ -70,6 +71,15 @@ def test_completion_echo_with_logprobs_and_prompt_logprobs(http) -> None:
     plp = scored["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(PROMPT_IDS)
     assert all(str(t) in e for t, e in zip(PROMPT_IDS[1:], plp[1:]))
+
+
+def test_minus_one_logprobs_mean_the_whole_vocabulary_with_max_logprobs_minus_one(http) -> None:
+    chat = _post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1})
+    top = chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == TINY_VOCAB and len({e["logprob"] for e in top}) > 1
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(e) == TINY_VOCAB for e in chat["prompt_logprobs"][1:])
 
 
 def test_chat_echo_continues_the_final_message(http) -> None:
