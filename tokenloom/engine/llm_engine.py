@@ -1,4 +1,4 @@
-"""LLMEngine: a model, its tokenizer, the scheduler and the runner, stepped in this process.
+"""LLMEngine: a model, its tokenizer, the scheduler and the executor, stepped in this process.
 
     add_request(text or token ids) → tokenize → Request(s) → EngineCore.step() → OutputProcessor →
     RequestOutputs (text, tokens, finish reasons, per-request metrics)
@@ -17,6 +17,7 @@ from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerCo
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
+from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.trace import StepTracer
@@ -37,7 +38,7 @@ class LLMEngine:
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
         from tokenloom.model.loader import load_model, resolve_model_path
-        from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+        from tokenloom.model.runner import resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -70,14 +71,15 @@ class LLMEngine:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=num_blocks,
-                                  dtype=dtype, device=device, quantization=config.quantization,
-                                  calibration_token_ids=calibration)
+        self.executor = UniProcExecutor.from_config(config, loaded, block_size=cache_cfg.block_size,
+                                                    num_blocks=num_blocks, dtype=dtype, device=device,
+                                                    calibration_token_ids=calibration)
         del loaded
+        self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
@@ -220,14 +222,15 @@ class LLMEngine:
         self.scheduler_config = scheduler_config or self.scheduler_config
         self.cache_config = cache_config
         self.clock = clock or self.clock
-        self.runner.requests.clear()
+        self.executor.reset()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
 
     def close(self) -> None:
+        self.executor.shutdown()
         if self.tracer is not None:
             self.tracer.close()
 

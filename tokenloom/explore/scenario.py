@@ -26,7 +26,7 @@ from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel
-from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.sim.executor import SimulatedExecutor
 
 # Keep one request from tying up the server: the page is for small, readable cases.
 LIMITS = {"D": 256, "P": 32768, "C": 4096, "steps": 400, "requests": 64, "num_blocks": 65536}
@@ -146,7 +146,7 @@ def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dic
     scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
     requests: dict[str, Request] = {}
     collector = _Collector(requests)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
     rejected: dict[str, str] = {}
     by_step: dict[int, list[tuple[int, RequestSpec]]] = {}
     for i, spec in enumerate(specs):
@@ -195,7 +195,7 @@ def _setup_steps(k: Knobs, decode_max_tokens: int) -> int:
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
     scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock))
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock))
     for i in range(k.D):
         params = SamplingParams(max_tokens=decode_max_tokens, temperature=0.0, ignore_eos=True)
         try:

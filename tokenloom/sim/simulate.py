@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a workload: the real scheduler and EngineCore over a SimulatedRunner.
+"""Discrete-event simulation of a workload: the real scheduler and EngineCore over a SimulatedExecutor.
 
 `run_workload` is the driver, shared with the real engine (benchmarks/sim_accuracy.py runs it over
 EngineCore + ModelRunner with a wall clock): before each step every request whose arrival time has
@@ -30,8 +30,8 @@ from tokenloom.engine.trace import StepTracer
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel
+from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
-from tokenloom.sim.runner import SimulatedRunner
 
 # Consecutive empty steps with work left and no arrival to wait for: the scheduler is stuck.
 _MAX_EMPTY_STEPS = 1000
@@ -86,7 +86,7 @@ def simulate(
     clock = VirtualClock()
     scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
     tracer = StepTracer(trace) if trace is not None else None
-    core = EngineCore(scheduler, SimulatedRunner(cost_model, clock), tracer)
+    core = EngineCore(scheduler, SimulatedExecutor(cost_model, clock), tracer)
     try:
         return run_workload(requests, core, clock, percentiles=percentiles, seed=seed)
     finally:
