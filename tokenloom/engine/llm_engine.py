@@ -14,12 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from tokenloom.core.request import Request
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sampling_params import SamplingParams
 
@@ -77,7 +77,7 @@ class LLMEngine:
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -167,12 +167,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
-        cores = []
-        for i in range(params.n):
-            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            child.eos_token_id = self.eos_token_id
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            cores.append(Request(core_id, token_ids, child, arrival_time=arrival, priority=priority))
+        cores = fan_out(request_id, token_ids, params, self.eos_token_id, arrival, priority)
         added = []
         try:
             for core in cores:
@@ -223,7 +218,7 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:

@@ -21,6 +21,7 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
@@ -143,7 +144,7 @@ def _distinct_prompt(index: int, length: int) -> list[int]:
 def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
     requests: dict[str, Request] = {}
     collector = _Collector(requests)
     core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
@@ -194,7 +195,7 @@ def _setup_steps(k: Knobs, decode_max_tokens: int) -> int:
         return 0
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
     core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock))
     for i in range(k.D):
         params = SamplingParams(max_tokens=decode_max_tokens, temperature=0.0, ignore_eos=True)

@@ -23,7 +23,8 @@ from tokenloom.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, compute_
 from tokenloom.bench.workloads import DEFAULT_VOCAB_RANGE, BenchRequest
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.request import Request
-from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
@@ -84,7 +85,7 @@ def simulate(
     seed: int = 0,
 ) -> SimResult:
     clock = VirtualClock()
-    scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
+    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock)
     tracer = StepTracer(trace) if trace is not None else None
     core = EngineCore(scheduler, SimulatedExecutor(cost_model, clock), tracer)
     try:
