@@ -401,3 +401,33 @@ def test_prefix_cache_stats_are_per_interval_and_count_resumed_requests_apart() 
     s = third.prefix_cache_stats
     assert s.reset and (s.requests, s.preempted_requests) == (0, 2) and s.preempted_queries > 0
     assert third.prefix_cache_queries == 66  # resumed lookups stay out of the new-request totals
+
+
+def test_the_configuration_picks_the_scheduler_class() -> None:
+    from tokenloom.config import CacheConfig, SchedulerConfig
+    from tokenloom.core.batch_scheduler import BatchScheduler
+    from tokenloom.core.scheduler import Scheduler
+    from tokenloom.core.schedulers import make_scheduler
+
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    assert type(make_scheduler(SchedulerConfig(max_model_len=64), cache)) is Scheduler
+    for mode in ("static", "request"):
+        sched_cfg = SchedulerConfig(max_model_len=64, batching=mode)
+        assert type(make_scheduler(sched_cfg, cache)) is BatchScheduler
+        # The continuous scheduler refuses a mode it does not run, rather than silently ignoring it.
+        with pytest.raises(ValueError, match=f"batching={mode!r}"):
+            Scheduler(sched_cfg, cache)
+    with pytest.raises(ValueError, match="batching='continuous'"):
+        BatchScheduler(SchedulerConfig(max_model_len=64), cache)
+
+
+def test_preempted_req_ids_are_this_steps_preemptions() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=4, block_size=4)
+    for r in create_requests(2, num_tokens=7, max_tokens=10):
+        sched.add_request(r)
+    preempted = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        preempted.append(out.preempted_req_ids)
+    assert any(preempted) and all(len(p) <= 1 for p in preempted)
+    assert all(not p or next(iter(p)) == "1" for p in preempted)  # FCFS: the last of running
