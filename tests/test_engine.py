@@ -182,15 +182,25 @@ def test_abort_frees_blocks_at_once(tiny) -> None:
 
 
 def test_a_failing_step_finishes_its_requests_with_an_error(tiny, monkeypatch) -> None:
+    """The forward raises (as a failing kernel would) after the runner took in the step's bookkeeping;
+    only the step's requests end, with the error, and the runner keeps no state for them."""
     engine = tiny.llm_engine
+    bystander = engine.add_request(None, "waits its turn", GREEDY)
+    engine.step()  # the bystander is decoding; the next step is its and the new request's
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
     rid = engine.add_request(None, "fail", GREEDY)
-    monkeypatch.setattr(engine.runner, "execute_model", boom)
+    monkeypatch.setattr(engine.runner.model, "forward", boom)
     outs = engine.step()
     monkeypatch.undo()
-    (out,) = [o for o in outs if o.request_id == rid]
-    assert out.finished and out.outputs[0].finish_reason == "error" and "simulated" in out.error
-    assert len(tiny.generate(["after the failure"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+    assert {o.request_id for o in outs} == {rid, bystander}  # the step's two requests, and only them
+    for out in outs:
+        assert out.finished and out.outputs[0].finish_reason == "error" and "simulated" in out.error
+    later = engine.add_request(None, "after the failure", GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done[later].outputs[0].token_ids) == 24 and done[later].outputs[0].finish_reason == "length"
+    assert set(engine.runner.requests) <= {later}  # told about the failed two at the next step
