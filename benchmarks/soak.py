@@ -94,6 +94,7 @@ class Report:
     unexpected: list[str] = field(default_factory=list)
     token_mismatches: list[str] = field(default_factory=list)
     tokens_checked: int = 0
+    requests_checked_alone: int = 0
     leaked_blocks: float = -1
     idle_after_s: float = -1
     rss: list[dict[str, float]] = field(default_factory=list)
@@ -265,6 +266,9 @@ class Soak:
         self._completed(job, tokens, None)
 
     def _completed(self, job: Job, tokens: list[int], prompt_ids: list[int] | None) -> None:
+        if len(tokens) != job.max_tokens:  # ignore_eos: exactly max_tokens, none lost or doubled
+            self.report.token_mismatches.append(f"job {job.index}: {len(tokens)} tokens for max_tokens "
+                                                f"{job.max_tokens} (stream={job.stream})")
         self.report.completed += 1
         self.results[job.index] = tokens
         if prompt_ids is not None:
@@ -285,9 +289,11 @@ def wait_idle(server: ServerProcess, timeout_s: float) -> tuple[float, float]:
             return time.monotonic() - t0, used + busy
 
 
-def check_tokens(report: Report, soak: Soak, jobs: list[Job], model: str | None, engine_kwargs: dict) -> None:
-    """Each completed job, run alone in-process (max_num_seqs=1: one request at a time), must give the
-    same token ids."""
+def check_tokens(report: Report, soak: Soak, jobs: list[Job], model: str | None, engine_kwargs: dict,
+                 sample: int | None = None, seed: int = 0) -> None:
+    """Each completed job (or a random `sample` of them), run alone in-process (max_num_seqs=1: one
+    request at a time), must give the same token ids. Every completed job's token count was already
+    checked against max_tokens and the usage figure as it came in."""
     from tokenloom.engine.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
@@ -295,6 +301,9 @@ def check_tokens(report: Report, soak: Soak, jobs: list[Job], model: str | None,
               **engine_kwargs)
     tok = llm.get_tokenizer()
     done = sorted(soak.results)
+    if sample is not None and sample < len(done):
+        done = sorted(random.Random(seed).sample(done, sample))
+    report.requests_checked_alone = len(done)
     prompts = []
     for i in done:
         job = jobs[i]
@@ -321,7 +330,7 @@ def check_tokens(report: Report, soak: Soak, jobs: list[Job], model: str | None,
 def run_soak(model: str | None, server_args: list[str], engine_kwargs: dict, requests: int, concurrency: int,
              seed: int = 0, max_prompt: int = 48, max_tokens: int = 32, disconnect_frac: float = 0.1,
              malformed_frac: float = 0.05, rss_every: int = 100, log_path: Path | None = None,
-             vocab: int | None = None) -> Report:
+             vocab: int | None = None, check_sample: int | None = None) -> Report:
     t0 = time.monotonic()
     server = ServerProcess(*([model] if model else []), *server_args, log_path=log_path)
     server.start()
@@ -347,7 +356,7 @@ def run_soak(model: str | None, server_args: list[str], engine_kwargs: dict, req
     finally:
         server.stop()
     t1 = time.monotonic()
-    check_tokens(report, soak, jobs, model, engine_kwargs)
+    check_tokens(report, soak, jobs, model, engine_kwargs, check_sample, seed)
     report.reference_wall_s = time.monotonic() - t1
     report.wall_s = time.monotonic() - t0
     return report
@@ -365,6 +374,8 @@ def main() -> int:
     ap.add_argument("--disconnect-frac", type=float, default=0.1)
     ap.add_argument("--malformed-frac", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-sample", type=int, default=None,
+                    help="run only this many random completed requests alone (default: all of them)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dtype = "float32"
@@ -385,7 +396,7 @@ def main() -> int:
           f"{a.num_blocks} KV blocks of {a.block_size}", flush=True)
     report = run_soak(model, server_args, engine_kwargs, a.requests, a.concurrency, a.seed, a.max_prompt,
                       a.max_tokens, a.disconnect_frac, a.malformed_frac, rss_every=max(50, a.requests // 50),
-                      vocab=vocab)
+                      vocab=vocab, check_sample=a.check_sample)
     d = report.as_dict()
     print(json.dumps({k: v for k, v in d.items() if k != "rss"}, indent=1))
     print("rss (done, api MiB, engine MiB):", [(s["done"], s["api_mib"], s["engine_mib"]) for s in report.rss])

@@ -8,10 +8,12 @@
 - a live `tokenloom serve` (tests/test_server_harness.py) whose /metrics still shows running or
   waiting requests or used KV blocks (polled briefly: a client's abort travels through two processes).
 
-Engines are found by wrapping EngineCore.__init__ and LLMEngine.__init__ for the session (weak
-references, so nothing is kept alive). The check costs a few attribute reads per live engine; the
-server check one GET per live server. An engine reported once is dropped from the registry, so one
-leak fails one test, not every test after it.
+Engines are found by wrapping EngineCore.__init__ and LLMEngine.__init__ for the session. Those built
+during the current test are held (strongly) until its check, so an engine local to the test body is
+checked too, not garbage-collected first; after that only weak references remain (a module fixture's
+engine is checked after every test that follows, nothing is kept alive). The check costs a few
+attribute reads per live engine; the server check one GET per live server. An engine reported once is
+dropped from the registry, so one leak fails one test, not every test after it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 _engine_cores: weakref.WeakSet = weakref.WeakSet()
 _llm_engines: weakref.WeakSet = weakref.WeakSet()
+_built_this_test: list[Any] = []  # strong references until the next check
 _installed = False
 
 
@@ -39,6 +42,7 @@ def install() -> None:
         def wrapped(self: Any, *args: Any, __original=original, __registry=registry, **kwargs: Any) -> None:
             __original(self, *args, **kwargs)
             __registry.add(self)
+            _built_this_test.append(self)
 
         cls.__init__ = wrapped
     _installed = True
@@ -101,6 +105,8 @@ def collect_leaks() -> list[str]:
     from tests.test_server_harness import live_servers
 
     problems = []
+    held = list(_built_this_test)  # alive until this function returns; then only weakly referenced
+    _built_this_test.clear()
     for core in list(_engine_cores):
         if found := core_leaks(core):
             problems += [f"EngineCore {id(core):#x}: {p}" for p in found]
@@ -111,4 +117,5 @@ def collect_leaks() -> list[str]:
             _llm_engines.discard(engine)
     for server in live_servers():
         problems += server_leaks(server)
+    del held
     return problems

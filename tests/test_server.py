@@ -173,3 +173,17 @@ def test_client_error_classes(client) -> None:
     bad_key = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_prompt_of_max_model_len_minus_one_with_the_default_max_tokens(server) -> None:
+    """No max_tokens: the server's default leaves room for exactly one token, finish_reason "length"."""
+    max_len = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=server.headers,
+                         timeout=10).json()["max_model_len"]
+    body = {"model": MODEL, "prompt": [(7 * j) % 300 + 3 for j in range(max_len - 1)], "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": max_len - 1, "completion_tokens": 1, "total_tokens": max_len}
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    too_long = httpx.post(server.url + "/v1/completions", json={**body, "prompt": body["prompt"] + [5]},
+                          headers=server.headers, timeout=60)
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
