@@ -2,7 +2,7 @@
 
 The real side is EngineCore + ModelRunner with a wall clock; the simulated side is EngineCore +
 SimulatedRunner with a virtual clock and the profile's cost model. Both are driven by the same loop
-(tokenloom.sim.simulate.run_workload): same arrivals, same scheduler and KV pool, same output lengths
+(tokenloom.workload.driver.run_workload): same arrivals, same scheduler and KV pool, same output lengths
 (ignore_eos). Prints TTFT / TPOT / ITL / E2E at p50 and p99 and output throughput, real vs simulated,
 and how well the cost model predicts each real step's execute time.
 
@@ -28,18 +28,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenloom.bench.workloads import BenchRequest, assign_arrivals, random_requests  # noqa: E402
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
-from tokenloom.core.scheduler import Scheduler  # noqa: E402
+from tokenloom.core.schedulers import make_scheduler  # noqa: E402
 from tokenloom.engine.core import EngineCore  # noqa: E402
+from tokenloom.engine.executor import UniProcExecutor  # noqa: E402
 from tokenloom.engine.trace import StepTracer  # noqa: E402
-from tokenloom.sim.clock import WallClock  # noqa: E402
 from tokenloom.sim.cost_model import Sample, fit, fit_error  # noqa: E402
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint  # noqa: E402
 from tokenloom.sim.profiler import Grid, Row, StepDriver, scheduler_overhead, time_grid  # noqa: E402
 from tokenloom.sim.quiet import cpu_times, wait_for_quiet  # noqa: E402
 from tokenloom.sim.runner import SequenceTracker  # noqa: E402
-from tokenloom.sim.simulate import SimResult, engine_configs, run_workload, simulate  # noqa: E402
+from tokenloom.sim.simulate import engine_configs, simulate  # noqa: E402
+from tokenloom.workload.clock import WallClock  # noqa: E402
+from tokenloom.workload.datasets import BenchRequest, assign_arrivals, random_requests  # noqa: E402
+from tokenloom.workload.driver import WorkloadResult, run_workload  # noqa: E402
 
 CONTAMINATED = 0.1  # other processes' share of the CPUs above which the real figures mean little
 ROWS = [
@@ -90,7 +92,7 @@ def warm_up(runner: Any, sched: Any, cache: Any, args: argparse.Namespace) -> No
     """Requests like the measured ones (another seed), all at once, before measuring: a fresh runner
     pays one-off costs (oneDNN sets up a GEMM the first time it sees a batch size), which a server that
     has been up for a while has paid already, and which the profile's warm-up calls leave out too."""
-    core = EngineCore(Scheduler(sched, cache), runner)
+    core = EngineCore(make_scheduler(sched, cache), UniProcExecutor(runner))
     reqs = random_requests(args.warmup_prompts, args.input_len, args.output_len, args.range_ratio, seed=args.seed + 1)
     run_workload(reqs, core, WallClock())
 
@@ -110,7 +112,7 @@ def load_runner(args: argparse.Namespace, profile: Any, sched: Any, cache: Any) 
 
 @dataclass
 class RealRun:
-    result: SimResult
+    result: WorkloadResult
     recorder: ShapeRecorder
     step_seconds: list[float]
     others_cpu_share: float | None  # of all CPUs, by other processes, during the run
@@ -121,7 +123,7 @@ def run_real(runner: Any, requests: list[BenchRequest], sched: Any, cache: Any, 
     recorder = ShapeRecorder(runner)
     clock = WallClock()
     times = StepTimes(StepTracer(trace_path) if trace_path else None)
-    core = EngineCore(Scheduler(sched, cache, clock=clock), recorder, times)  # type: ignore[arg-type]
+    core = EngineCore(make_scheduler(sched, cache, clock=clock), UniProcExecutor(recorder), times)  # type: ignore[arg-type]
     cpu0, own0 = cpu_times(), time.process_time()
     try:
         result = run_workload(requests, core, clock, seed=seed)

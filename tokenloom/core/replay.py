@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +19,14 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 REPLAY_TOKEN_ID = 7
 
-_SCHEDULER_KEYS = {
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "policy", "max_model_len", "watermark", "scheduler_reserve_full_isl", "batching",
-}
-_CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
+# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names.
+_SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
 
 
 @dataclass
@@ -105,7 +104,7 @@ class StepRecord:
 
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
     """Drive the scheduler over the trace, yielding each step (and each rejection as it happens)."""
-    scheduler = Scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
+    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
     runner = ReplayRunner(scheduler)
     by_step: dict[int, list[TraceRequest]] = {}
     for r in trace.requests:

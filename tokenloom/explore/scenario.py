@@ -2,10 +2,11 @@
 
 Two kinds of scenario:
 
-* "decodes+prefill" (the seeds' Table 3 and groups A/B): D requests with C-token prompts arrive at
-  step 0 and are brought into decode by the scheduler itself (the setup steps); then one prompt of P
-  tokens arrives, and we watch, step by step, how the running decodes and that prefill share the budget.
-* "requests" (the three-request timeline of seed 001 §4): any list of (id, arrival step, prompt
+* "decodes+prefill" (running decodes and one prompt sharing the token budget): D requests with
+  C-token prompts arrive at step 0 and are brought into decode by the scheduler itself (the setup
+  steps); then one prompt of P tokens arrives, and we watch, step by step, how the running decodes
+  and that prefill share the budget.
+* "requests" (e.g. the three-request timeline preset): any list of (id, arrival step, prompt
   length, output length).
 
 The steps run through EngineCore with the simulator's runner, each step lasting one time unit, and
@@ -21,12 +22,13 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel
-from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.sim.executor import SimulatedExecutor
+from tokenloom.workload.clock import VirtualClock
 
 # Keep one request from tying up the server: the page is for small, readable cases.
 LIMITS = {"D": 256, "P": 32768, "C": 4096, "steps": 400, "requests": 64, "num_blocks": 65536}
@@ -143,10 +145,10 @@ def _distinct_prompt(index: int, length: int) -> list[int]:
 def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
     requests: dict[str, Request] = {}
     collector = _Collector(requests)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
     rejected: dict[str, str] = {}
     by_step: dict[int, list[tuple[int, RequestSpec]]] = {}
     for i, spec in enumerate(specs):
@@ -194,8 +196,8 @@ def _setup_steps(k: Knobs, decode_max_tokens: int) -> int:
         return 0
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock))
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock))
     for i in range(k.D):
         params = SamplingParams(max_tokens=decode_max_tokens, temperature=0.0, ignore_eos=True)
         try:
