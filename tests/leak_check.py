@@ -59,7 +59,8 @@ def core_leaks(core: Any) -> list[str]:
     if pool.get_num_free_blocks() != pool.num_blocks:
         problems.append(f"{pool.num_blocks - pool.get_num_free_blocks()} of {pool.num_blocks} KV blocks "
                         "are still allocated")
-    runner_requests = getattr(getattr(core, "runner", None), "requests", None)
+    runner = getattr(getattr(core, "executor", None), "runner", None) or getattr(core, "runner", None)
+    runner_requests = getattr(runner, "requests", None)
     if isinstance(runner_requests, dict):
         stale = set(runner_requests) - set(sched.requests) - set(sched.finished_req_ids)
         if stale:

@@ -9,11 +9,12 @@ INNER_TESTS = '''
 from tests.sched_utils import create_requests, create_scheduler
 from tokenloom.core.replay import ReplayRunner
 from tokenloom.engine.core import EngineCore
+from tokenloom.engine.executor import UniProcExecutor
 
 
 def _core():
     sched = create_scheduler(num_blocks=64, block_size=4)
-    return EngineCore(sched, ReplayRunner(sched))
+    return EngineCore(sched, UniProcExecutor(ReplayRunner(sched)))
 
 
 def _drain(core):
@@ -41,7 +42,7 @@ def test_blocks_held_outside_any_request():
 
 def test_runner_state_for_a_dropped_request():
     core = _core()
-    core.runner.requests = {"ghost": object()}
+    core.executor.runner.requests = {"ghost": object()}
 
 
 def test_aborted_request_is_clean():
