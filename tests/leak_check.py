@@ -91,11 +91,13 @@ def server_leaks(server: Any, wait_s: float = 3.0) -> list[str]:
             return []
         running = metric(m, "tokenloom:num_requests_running")
         waiting = metric(m, "tokenloom:num_requests_waiting")
-        free = metric(m, "tokenloom:kv_cache_free_blocks")
-        total = metric(m, "tokenloom:kv_cache_total_blocks")
-        if running == waiting == 0 and free == total:
+        # usage is 1 - free/total once the engine has reported (free counts cached-but-unused blocks),
+        # and 0 before its first step (when the free-blocks gauge still reads 0)
+        usage = metric(m, "tokenloom:kv_cache_usage_perc")
+        if running == waiting == usage == 0:
             return []
         if time.monotonic() > deadline:
+            free, total = metric(m, "tokenloom:kv_cache_free_blocks"), metric(m, "tokenloom:kv_cache_total_blocks")
             return [f"server {server.url}: {running:g} running / {waiting:g} waiting requests and "
                     f"{total - free:g} of {total:g} KV blocks in use {wait_s:g} s after the test"]
         time.sleep(0.05)
