@@ -264,3 +264,14 @@ def test_default_knobs_replay_unchanged_and_actions_recorded() -> None:
     first_token = lambda steps: sum(s["scheduled"].get("long", 0) >= 1 for s in steps[:12])  # noqa: E731
     done = lambda steps: next(s["step"] for s in steps if "long" in s["finished"])  # noqa: E731
     assert first_token(bounded["steps"]) and done(bounded["steps"]) < done(default["steps"])
+
+
+def test_explorer_presets_show_the_bounded_wait() -> None:
+    from tokenloom.explore.presets import PRESETS
+    from tokenloom.explore.scenario import run_scenario
+
+    by_id = {p["id"]: p for p in PRESETS}
+    default = run_scenario(by_id["decodes-leave-one-token"]["knobs"])
+    bounded = run_scenario(by_id["bounded-prefill-wait"]["knobs"])
+    assert default["prefill_done"] == {"p": 24} and bounded["prefill_done"] == {"p": 9}
+    assert [s["scheduled"].get("p", 0) for s in bounded["steps"][:10]] == [0, 1, 1, 1, 4, 4, 4, 4, 4, 1]
