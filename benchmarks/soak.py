@@ -363,6 +363,11 @@ def run_soak(model: str | None, server_args: list[str], engine_kwargs: dict, req
         exit_code = server.stop()
         if exit_code not in (0, None):
             report.unexpected.append(f"the server exited with {exit_code}")
+        # An exception in a handler whose client already left answers nobody: only the log shows it.
+        log = server.log_path.read_text(errors="replace")
+        for marker in ("unhandled error in", "Exception in ASGI application"):
+            if count := log.count(marker):
+                report.unexpected.append(f"server log: {count} x {marker!r}")
     finally:
         server.stop()
     t1 = time.monotonic()
