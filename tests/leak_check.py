@@ -8,23 +8,23 @@
 - a live `tokenloom serve` (tests/test_server_harness.py) whose /metrics still shows running or
   waiting requests or used KV blocks (polled briefly: a client's abort travels through two processes).
 
-Engines are found by wrapping EngineCore.__init__ and LLMEngine.__init__ for the session. Those built
-during the current test are held (strongly) until its check, so an engine local to the test body is
-checked too, not garbage-collected first; after that only weak references remain (a module fixture's
-engine is checked after every test that follows, nothing is kept alive). The check costs a few
-attribute reads per live engine; the server check one GET per live server. An engine reported once is
-dropped from the registry, so one leak fails one test, not every test after it.
+Engines are found by wrapping EngineCore.__init__ and LLMEngine.__init__ for the session, through weak
+references: what is checked is every engine still alive after the test — a fixture's, or one kept in
+module state — which is the state a later test (or a long-running server) would inherit. An engine the
+test dropped is garbage, not a leak (the explorer's scenarios stop simulations mid-run on purpose). The
+check costs a few attribute reads per live engine; the server check one GET per live server. An engine
+reported once is dropped from the registry, so one leak fails one test, not every test after it.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from typing import Any
 
 _engine_cores: weakref.WeakSet = weakref.WeakSet()
 _llm_engines: weakref.WeakSet = weakref.WeakSet()
-_built_this_test: list[Any] = []  # strong references until the next check
 _installed = False
 
 
@@ -42,7 +42,6 @@ def install() -> None:
         def wrapped(self: Any, *args: Any, __original=original, __registry=registry, **kwargs: Any) -> None:
             __original(self, *args, **kwargs)
             __registry.add(self)
-            _built_this_test.append(self)
 
         cls.__init__ = wrapped
     _installed = True
@@ -103,22 +102,30 @@ def server_leaks(server: Any, wait_s: float = 3.0) -> list[str]:
         time.sleep(0.05)
 
 
+def _dirty_engines() -> list[tuple[Any, list[str]]]:
+    found = []
+    for core in list(_engine_cores):
+        if problems := core_leaks(core):
+            found.append((core, [f"EngineCore {id(core):#x}: {p}" for p in problems]))
+    for engine in list(_llm_engines):
+        if problems := engine_leaks(engine):
+            found.append((engine, [f"LLMEngine {engine.model_name}: {p}" for p in problems]))
+    return found
+
+
 def collect_leaks() -> list[str]:
     """Check every live engine and server; report each dirty one once."""
     from tests.test_server_harness import live_servers
 
+    if _dirty_engines():
+        # Only then pay for a full collection: a dropped engine caught in a reference cycle (say, through
+        # a traceback) is garbage, not a leak, and must not be reported just because gc has not run yet.
+        gc.collect()
     problems = []
-    held = list(_built_this_test)  # alive until this function returns; then only weakly referenced
-    _built_this_test.clear()
-    for core in list(_engine_cores):
-        if found := core_leaks(core):
-            problems += [f"EngineCore {id(core):#x}: {p}" for p in found]
-            _engine_cores.discard(core)
-    for engine in list(_llm_engines):
-        if found := engine_leaks(engine):
-            problems += [f"LLMEngine {engine.model_name}: {p}" for p in found]
-            _llm_engines.discard(engine)
+    for engine, found in _dirty_engines():
+        problems += found
+        _engine_cores.discard(engine)
+        _llm_engines.discard(engine)
     for server in live_servers():
         problems += server_leaks(server)
-    del held
     return problems

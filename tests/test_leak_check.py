@@ -1,5 +1,6 @@
 """The leak check of tests/conftest.py catches what it claims to: a planted leak of each kind fails its test,
-a clean test passes. Run through pytester with the real fixture, over EngineCores with the replay runner."""
+a clean test passes. Run through pytester with the real fixture, over EngineCores with the replay runner
+kept alive in module state (as a fixture keeps its engine)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 
 
+KEPT = []  # module state outliving each test, as a module-scoped fixture's engine does
+
+
 def _core():
     sched = create_scheduler(num_blocks=64, block_size=4)
-    return EngineCore(sched, UniProcExecutor(ReplayRunner(sched)))
+    core = EngineCore(sched, UniProcExecutor(ReplayRunner(sched)))
+    KEPT.append(core)
+    return core
 
 
 def _drain(core):
@@ -45,6 +51,13 @@ def test_runner_state_for_a_dropped_request():
     core.executor.runner.requests = {"ghost": object()}
 
 
+def test_a_dropped_engine_is_garbage_not_a_leak():
+    sched = create_scheduler(num_blocks=64, block_size=4)
+    core = EngineCore(sched, UniProcExecutor(ReplayRunner(sched)))
+    core.add_request(create_requests(1, num_tokens=9, max_tokens=50)[0])
+    core.step()
+
+
 def test_aborted_request_is_clean():
     core = _core()
     (r,) = create_requests(1, num_tokens=9, max_tokens=50)
@@ -59,7 +72,7 @@ def test_planted_leaks_fail_their_tests(pytester) -> None:
     pytester.makepyfile(test_inner=INNER_TESTS)
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-p", "no:randomly")
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 5 and outcomes.get("errors") == 3, result.stdout.str()
+    assert outcomes.get("passed") == 6 and outcomes.get("errors") == 3, result.stdout.str()
     text = result.stdout.str()
     assert "ERROR at teardown of test_unfinished_request" in text
     assert "were never finished or aborted" in text
