@@ -76,7 +76,7 @@ def select_steps(trace: Sequence[dict], window: tuple[int | None, int | None]) -
 @dataclass
 class Block:
     req_id: str
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "draft"
     tokens: int
     bottom: int
 
@@ -84,16 +84,19 @@ class Block:
 def step_blocks(step: dict) -> list[Block]:
     """The stacked blocks of one column, in the scheduler's order (the `scheduled` dict order).
 
-    Tokens scheduled but listed under neither prefill nor decode (e.g. draft tokens) are drawn as
-    decode: they extend a request that is already generating.
+    Tokens scheduled but listed under neither prefill nor decode are drawn as decode: they extend a
+    request that is already generating. Draft tokens under verification (the step's `spec`:
+    {request: [drafts, accepted]}) get their own dotted block on top of the request's decode.
     """
     prefill, decode = step.get("prefill") or {}, step.get("decode") or {}
+    spec = step.get("spec") or {}
     blocks: list[Block] = []
     bottom = 0
     for rid, n in (step.get("scheduled") or {}).items():
         p = int(prefill.get(rid, 0))
         d = max(int(n) - p, int(decode.get(rid, 0)))
-        for kind, k in (("prefill", p), ("decode", d)):
+        drafts = min(int(spec[rid][0]), d) if rid in spec else 0
+        for kind, k in (("prefill", p), ("decode", d - drafts), ("draft", drafts)):
             if k > 0:
                 blocks.append(Block(str(rid), kind, k, bottom))
                 bottom += k
@@ -185,7 +188,7 @@ def _side_legend(ax: Any, **kwargs: Any) -> None:
 
 
 def _draw_columns_requests(ax: Any, steps: Sequence[dict], colors: dict[str, str]) -> None:
-    for kind in ("prefill", "decode"):
+    for kind in ("prefill", "decode", "draft"):
         xs, heights, bottoms, fills, edges = [], [], [], [], []
         for s in steps:
             for b in step_blocks(s):
@@ -195,9 +198,9 @@ def _draw_columns_requests(ax: Any, steps: Sequence[dict], colors: dict[str, str
                     bottoms.append(b.bottom)
                     color = colors[b.req_id]
                     # prefill: light tint hatched in the request's own colour (hatches follow the edge)
-                    fills.append(_lighten(color) if kind == "prefill" else color)
-                    edges.append(color if kind == "prefill" else "white")
-        hatch = "///" if kind == "prefill" else None
+                    fills.append(color if kind == "decode" else _lighten(color))
+                    edges.append("white" if kind == "decode" else color)
+        hatch = {"prefill": "///", "draft": "..."}.get(kind)
         _bars(ax, xs, heights, bottoms, facecolors=fills, edgecolors=edges, linewidths=0.6, hatch=hatch)
     _label_blocks(ax, steps)
 
@@ -295,6 +298,8 @@ def _draw_token_panel(ax: Any, steps: Sequence[dict], mode: str, colors: dict[st
         Patch(facecolor="#dddddd", hatch="///", edgecolor="#666666", label="prefill (light, hatched)"),
         Patch(facecolor="#555555", label="decode (solid)"),
     ]
+    if mode != "aggregate" and any(s.get("spec") for s in steps):
+        handles.append(Patch(facecolor="#dddddd", hatch="...", edgecolor="#666666", label="draft tokens (dotted)"))
     if mode == "aggregate":
         handles[1:3] = [
             Patch(

@@ -84,6 +84,8 @@ class Scheduler:
         self.num_sampled_tokens_per_step = 1
         # This step's acceptance figures (None when no output carried drafts) and the totals.
         self.spec_decoding_stats: SpecDecodingStats | None = None
+        # This step's drafts per request: [scheduled, accepted] (for the step trace).
+        self.spec_decoding_per_request: dict[str, list[int]] = {}
         self.spec_decoding_totals = SpecDecodingStats.new(self.num_spec_tokens) if speculative_config else None
 
         self.kv_cache_manager = KVCacheManager(
@@ -433,6 +435,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
         spec_stats: SpecDecodingStats | None = None
+        if self.spec_decoding_per_request:
+            self.spec_decoding_per_request = {}
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -499,6 +503,7 @@ class Scheduler:
         if stats is None:
             stats = SpecDecodingStats.new(self.num_spec_tokens)
         stats.observe_draft(len(spec), num_accepted)
+        self.spec_decoding_per_request[request.request_id] = [len(spec), num_accepted]
         request.num_drafts += 1
         request.num_draft_tokens += len(spec)
         request.num_accepted_tokens += num_accepted
@@ -564,5 +569,5 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
-            spec_decoding=self.spec_decoding_totals,
+            spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )

@@ -29,6 +29,10 @@ class SpecDecodingStats:
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
 
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
+
     def add(self, other: SpecDecodingStats) -> None:
         """Accumulate another step's stats (totals over a run)."""
         self.num_drafts += other.num_drafts
