@@ -114,8 +114,14 @@ class EngineConfig:
     quantization: str | None = None
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    # Speculative decoding, vLLM's --speculative-config (a dict or its JSON text; None: off).
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        from tokenloom.spec_decode.config import SpeculativeConfig  # it imports ConfigError from here
+
+        # Checked (and defaults filled in) now, before any model loads.
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -39,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--trace-steps", default=None, metavar="FILE", help="write one JSON line per engine step")
+    g.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s option: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (docs/speculative.md)')
     s = parser.add_argument_group("scheduler")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (2048)")
     s.add_argument("--max-num-seqs", type=int, default=None, help="most running requests (128)")
@@ -58,6 +61,7 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     keys = [
         "dtype", "device", "quantization", "kv_cache_memory", "max_model_len", "seed", "trace_steps",
+        "speculative_config",
         "max_num_batched_tokens",
         "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "watermark",
         "scheduler_reserve_full_isl", "batching", "block_size", "num_blocks", "enable_prefix_caching",

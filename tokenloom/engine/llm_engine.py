@@ -75,7 +75,10 @@ class LLMEngine:
                                   calibration_token_ids=calibration)
         del loaded
         self.dtype, self.device = self.runner.dtype, self.runner.device
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.speculative_config = config.speculative_config
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
+        if self.speculative_config is not None:
+            self.runner.enable_speculative_decoding(self.speculative_config, sched_cfg.max_model_len)
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -221,7 +224,8 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.runner.requests.clear()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
+                                   speculative_config=self.speculative_config)
         self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
@@ -246,7 +250,8 @@ _SCHED_KEYS = {
     "policy", "watermark", "scheduler_reserve_full_isl", "batching",
 }
 _CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
-_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps", "quantization"}
+_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps", "quantization",
+                "speculative_config"}
 
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:

@@ -59,6 +59,7 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.llama import LlamaModel
 from tokenloom.model.loader import single_threaded
 from tokenloom.model.sampler import Sampler, SamplerOutput, SamplingRow, all_plain_greedy, make_generator
+from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, output_rows, verification_input_ids
 from tokenloom.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -143,6 +144,7 @@ class _Scheduled:
     state: _RequestState
     start: int  # num_computed_tokens before this step
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)  # draft tokens to verify (the last scheduled rows)
 
     @property
     def end(self) -> int:
@@ -150,7 +152,13 @@ class _Scheduled:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.state.token_ids)
+        return self.end == len(self.state.token_ids) + len(self.drafts)
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self.drafts:
+            return verification_input_ids(self.state.token_ids, self.start, self.num_tokens, self.drafts)
+        return self.state.token_ids[self.start : self.end]
 
 
 @dataclass
@@ -161,6 +169,8 @@ class _StepInputs:
     attn: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
     sample_reqs: list[_RequestState] = field(default_factory=list)
+    # Speculative decoding: the drafts each sampling request verifies (its 1 + d output rows).
+    sample_drafts: list[list[int]] | None = None
 
 
 def group_decodes(decodes: list[_Scheduled], min_group: int = 16, max_group: int = 32) -> list[list[_Scheduled]]:
@@ -247,9 +257,21 @@ class ModelRunner:
         # Bounds on the decodes sharing one padded attention call (see group_decodes).
         self.decode_group_min, self.decode_group_max = 16, 32
         self.requests: dict[str, _RequestState] = {}
+        # Speculative decoding (enable_speculative_decoding): proposer + rejection sampler.
+        self.spec_decode: SpecDecodeRunner | None = None
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
         self.last_logits_index: dict[str, int] = {}
+
+    def enable_speculative_decoding(self, config, max_model_len: int) -> None:
+        """Verify drafts in the flattened batch and propose n-gram drafts after each step."""
+        self.spec_decode = SpecDecodeRunner(config, max_model_len)
+        for rid, state in self.requests.items():
+            self.spec_decode.add_request(rid, state.token_ids)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (vLLM's post_step hands them to the scheduler)."""
+        return self.spec_decode.take_draft_token_ids() if self.spec_decode is not None else None
 
     # ----------------------------------------------------------------------- the step
 
@@ -262,6 +284,8 @@ class ModelRunner:
         if scheduled:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits)
+        if self.spec_decode is not None:
+            self.spec_decode.propose(sampled)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -285,9 +309,12 @@ class ModelRunner:
             )
             if not inputs.sample_reqs:
                 return
-            if hidden.shape[0] != len(inputs.sample_reqs):  # else: exactly the sampling rows, in order
+            if hidden.shape[0] != inputs.sample_indices.shape[0]:  # else: exactly the sampling rows, in order
                 hidden = hidden.index_select(0, inputs.sample_indices)
             rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in inputs.sample_reqs]
+            if inputs.sample_drafts is not None:
+                self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits)
+                return
             if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
                 # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
                 # argmax of fp32 logits, without the fp32 copy (torch's bf16 argmax is ~10x slower).
@@ -309,12 +336,32 @@ class ModelRunner:
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
 
+    def _run_verification(self, inputs: _StepInputs, hidden: torch.Tensor, rows: list[SamplingRow],
+                          sampled: dict[str, list[int]], logprobs: dict[str, list[SampleLogprobs]],
+                          return_logits: bool) -> None:
+        """A batch with drafts: each sampling request has 1 + d output rows; the rejection sampler
+        turns them into its accepted drafts plus one token."""
+        assert self.spec_decode is not None and inputs.sample_drafts is not None
+        token_ids, lps, logits = self.spec_decode.sample(
+            lambda fp32: self.model.compute_logits(hidden, fp32=fp32), rows, inputs.sample_drafts,
+            self.model.kernels, return_logits)
+        if return_logits:
+            self.last_logits = logits
+            self.last_logits_index = {}
+        for i, (state, tokens) in enumerate(zip(inputs.sample_reqs, token_ids)):
+            state.token_ids.extend(tokens)
+            sampled[state.req_id] = tokens
+            if lps is not None and lps[i] is not None:
+                logprobs[state.req_id] = lps[i]
+
     # ----------------------------------------------------------------------- state updates
 
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Apply the scheduler's bookkeeping; returns requests that failed validation."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.spec_decode is not None:
+                self.spec_decode.remove_request(req_id)
         failed: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
             error = self._add_request(new)
@@ -354,6 +401,8 @@ class ModelRunner:
             params=params,
             generator=generator,
         )
+        if self.spec_decode is not None:
+            self.spec_decode.add_request(new.req_id, tokens)
         return None
 
     def _check_block_ids(self, block_ids: list[int]) -> str | None:
@@ -374,17 +423,23 @@ class ModelRunner:
                 failed[req_id] = error
                 self.requests.pop(req_id, None)
                 continue
-            out.append(_Scheduled(self.requests[req_id], starts[req_id], n))
+            drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
+            out.append(_Scheduled(self.requests[req_id], starts[req_id], n, list(drafts)))
         return out
 
     def _check_scheduled(self, req_id: str, start: int | None, n: int, so: SchedulerOutput) -> str | None:
         state = self.requests.get(req_id)
         if state is None or start is None:
             return f"request {req_id!r} is scheduled but neither new nor cached in this step"
-        if so.scheduled_spec_decode_tokens.get(req_id):
-            return "speculative decoding is not supported by ModelRunner"
-        if n < 1 or start < 0 or start + n > len(state.token_ids):
+        drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
+        if drafts and self.spec_decode is None:
+            return "drafts were scheduled but speculative decoding is not enabled in the ModelRunner"
+        if n < 1 or start < 0 or start + n > len(state.token_ids) + len(drafts):
             return f"cannot compute tokens [{start}, {start + n}) of a {len(state.token_ids)}-token sequence"
+        if drafts and start + n != len(state.token_ids) + len(drafts):
+            return f"drafts of request {req_id!r} must end its scheduled tokens"
+        if any(t >= self.vocab_size for t in drafts):
+            return f"draft token id out of range [0, {self.vocab_size}) in request {req_id!r}"
         if -(-(start + n) // self.block_size) > len(state.block_ids):
             return f"{len(state.block_ids)} blocks cannot hold {start + n} tokens"
         return None
@@ -397,7 +452,7 @@ class ModelRunner:
         groups = group_decodes(
             [s for s in scheduled if s.num_tokens == 1], self.decode_group_min, self.decode_group_max
         )
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]  # drafts: verified like a chunk
         ordered = [s for g in groups for s in g] + prefills
         ids_parts: list[np.ndarray] = []
         pos_parts: list[np.ndarray] = []
@@ -416,14 +471,17 @@ class ModelRunner:
         for s in prefills:
             pos = np.arange(s.start, s.end, dtype=np.int64)
             table = np.asarray(s.state.block_ids[: -(-s.end // bs)], dtype=np.int64)
-            ids_parts.append(np.asarray(s.state.token_ids[s.start : s.end], dtype=np.int64))
+            ids_parts.append(np.asarray(s.input_ids, dtype=np.int64))
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
             prefill_meta.append(self._prefill_meta(s, offset, table))
             offset += s.num_tokens
-        # Each request's last token sits at (its offset + n - 1) in the flat batch.
-        ends = np.cumsum([s.num_tokens for s in ordered]) - 1
-        sample_rows = [int(e) for s, e in zip(ordered, ends) if s.samples]
+        # Each request's last token sits at (its offset + n - 1) in the flat batch; a request that
+        # verifies d drafts samples from its last 1 + d rows.
+        q_start = np.concatenate(([0], np.cumsum([s.num_tokens for s in ordered]))).astype(np.int64)
+        samples = np.fromiter((s.samples for s in ordered), dtype=bool, count=len(ordered))
+        num_drafts = np.fromiter((len(s.drafts) for s in ordered), dtype=np.int64, count=len(ordered))
+        sample_rows = output_rows(q_start, samples, num_drafts)
         return _StepInputs(
             input_ids=self._to_device(np.concatenate(ids_parts)),
             positions=self._to_device(np.concatenate(pos_parts)),
@@ -433,8 +491,9 @@ class ModelRunner:
                 decodes=decode_meta,
                 prefills=prefill_meta,
             ),
-            sample_indices=self._to_device(np.asarray(sample_rows, dtype=np.int64)),
+            sample_indices=self._to_device(sample_rows),
             sample_reqs=[s.state for s in ordered if s.samples],
+            sample_drafts=[s.drafts for s in ordered if s.samples] if num_drafts.any() else None,
         )
 
     def _prepare_inputs_fused(self, scheduled: list[_Scheduled]) -> _StepInputs:
@@ -454,13 +513,15 @@ class ModelRunner:
             if s.num_tokens == 1:
                 ids.append(s.state.token_ids[s.start])
             else:
-                ids.extend(s.state.token_ids[s.start : s.end])
+                ids.extend(s.input_ids)
         total = int(q_start[-1])
         seq = np.repeat(np.arange(n), counts)
         pos = np.arange(total, dtype=np.int64) + np.repeat(starts - q_start[:-1], counts)
         slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
         samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n)
-        sample_rows = (q_start[1:] - 1)[samples]
+        num_drafts = np.fromiter((len(s.drafts) for s in scheduled), dtype=np.int64, count=n)
+        has_drafts = bool(num_drafts.any())
+        sample_rows = output_rows(q_start, samples, num_drafts) if has_drafts else (q_start[1:] - 1)[samples]
         kernel = KernelMetadata(
             block_tables=torch.from_numpy(tables),
             q_start=torch.from_numpy(q_start.astype(np.int32)),
@@ -471,11 +532,13 @@ class ModelRunner:
         if len(sample_rows) < total:
             # Only the sampling rows' last-layer outputs are needed: the last layer writes every
             # row's K/V, then runs attention, o-proj and MLP on those rows alone.
+            # Each output row is a one-token query at its own position (a verification row sees
+            # the drafts before it, whose K/V this layer has just written).
             attn.output_rows = sample_idx
             attn.output_kernel = KernelMetadata(
-                block_tables=torch.from_numpy(np.ascontiguousarray(tables[samples])),
+                block_tables=torch.from_numpy(np.ascontiguousarray(tables[seq[sample_rows]])),
                 q_start=torch.arange(len(sample_rows) + 1, dtype=torch.int32),
-                pos_start=torch.from_numpy((ends[samples] - 1).astype(np.int32)),
+                pos_start=torch.from_numpy(pos[sample_rows].astype(np.int32)),
             )
         return _StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -484,6 +547,7 @@ class ModelRunner:
             attn=attn,
             sample_indices=sample_idx,
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
+            sample_drafts=[s.drafts for s, smp in zip(scheduled, samples.tolist()) if smp] if has_drafts else None,
         )
 
     def _decode_inputs(
