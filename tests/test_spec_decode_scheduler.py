@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.sched_utils import EOS_TOKEN_ID, create_requests
-from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.outputs import ModelRunnerOutput
 from tokenloom.core.replay import replay
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.spec_decode.config import SpeculativeConfig
 
 
 def spec_scheduler(k: int = 3, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,

@@ -18,26 +18,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.spec_decode.config import SpeculativeConfig
-from tokenloom.spec_decode.metrics import SpecDecodingStats
 
 REPLAY_TOKEN_ID = 7
 DRAFT_TOKEN_ID = 9
 
-_SCHEDULER_KEYS = {
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "policy", "max_model_len", "watermark", "scheduler_reserve_full_isl", "batching",
-}
-_CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
+# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names, plus the
+# speculative-decoding extension's keys (shared/reference replay format).
+_SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
 _SPEC_KEYS = {"num_speculative_tokens", "async_scheduling"}
 
 

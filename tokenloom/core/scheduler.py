@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
 from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
@@ -35,8 +35,7 @@ from tokenloom.core.outputs import (
 )
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
-from tokenloom.spec_decode.config import SpeculativeConfig, check_long_prefill_threshold
-from tokenloom.spec_decode.metrics import SpecDecodingStats
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 
 class RequestRejected(ValueError):

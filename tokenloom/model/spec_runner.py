@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenloom.config import SpeculativeConfig
 from tokenloom.core.outputs import SampleLogprobs
 from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
 from tokenloom.model.sampler import SamplingRow, all_plain_greedy
-from tokenloom.spec_decode.config import SpeculativeConfig
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenloom.spec_decode.config import SpeculativeConfig
+from tokenloom.config import SpeculativeConfig
 
 _PRIOR = 0.5  # acceptance assumed for a request never verified
 _ALPHA = 0.3  # weight of the newest verification in the running estimate
