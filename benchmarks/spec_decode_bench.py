@@ -19,8 +19,8 @@ import statistics
 import time
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.bench.grounded import grounded_messages
-from tokenloom.bench.workloads import random_requests
+from tokenloom.workload.datasets import random_requests
+from tokenloom.workload.grounded import grounded_messages
 
 
 def _spec(k: int, lookup_max: int, lookup_min: int, adaptive: bool = False) -> dict:

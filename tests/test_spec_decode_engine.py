@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import make_tiny_hf_model
-from tokenloom.bench.grounded import grounded_messages
 from tokenloom.config import ConfigError
 from tokenloom.engine.llm import LLM
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.workload.grounded import grounded_messages
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
