@@ -41,11 +41,11 @@ def _busy_prompts() -> list[dict]:
     return [{"prompt_token_ids": [(i + j % (3 + i % 4)) % 200 + 3 for j in range(18 + 5 * i)]} for i in range(10)]
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])
-def test_busy_batch_greedy_identical(tiny_dir, monkeypatch, kernels):
+@pytest.mark.parametrize("kernels,quantization", [("1", None), ("0", None), ("1", "int8")])
+def test_busy_batch_greedy_identical(tiny_dir, monkeypatch, kernels, quantization):
     monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", kernels)
     knobs = dict(dtype="float32", num_blocks=48, block_size=4, max_num_batched_tokens=40, max_num_seqs=8,
-                 enable_prefix_caching=True)
+                 enable_prefix_caching=True, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     plain = LLM(str(tiny_dir), **knobs)
     spec = LLM(str(tiny_dir), speculative_config=NGRAM, **knobs)
