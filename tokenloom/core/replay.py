@@ -26,6 +26,7 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, Speculat
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.sampling_params import SamplingParams
 
@@ -172,8 +173,8 @@ class StepRecord:
 
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
     """Drive the scheduler over the trace, yielding each step (and each rejection as it happens)."""
-    scheduler = Scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
-                          speculative_config=trace.speculative_config)
+    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
+                               speculative_config=trace.speculative_config)
     k = trace.num_speculative_tokens
     drafts = {r.id: _Cycle(r.drafts, k) for r in trace.requests}
     runner = ReplayRunner(scheduler, accept={r.id: _Cycle(r.accept, 0) for r in trace.requests})

@@ -1,31 +1,34 @@
 """EngineCore: the one loop everything hangs on — schedule, execute, update.
 
-The runner is anything with `execute_model(SchedulerOutput) -> ModelRunnerOutput`: the torch
-ModelRunner, or the simulator's cost-model runner. The engine core knows nothing of text.
+The model runs behind an Executor (tokenloom/engine/executor.py): the in-process torch runner, or
+the simulator's cost model. The engine core knows nothing of text, nor where the model runs.
+
+`step()` is vLLM's EngineCore.step: schedule, hand the SchedulerOutput to the executor, wait for
+its ModelRunnerOutput, update. An executor with `max_concurrent_batches > 1` would be driven by a
+second variant (vLLM's `step_with_batch_queue`: schedule step N+1 while step N runs), built from
+the same three parts: `scheduler.schedule()`, `executor.execute_model(..., non_block=True)` and
+`_finish_step()`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from concurrent.futures import Future
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.engine.executor import Executor
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
 
 logger = logging.getLogger(__name__)
 
 
-class Runner(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, tracer: StepTracer | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tracer: StepTracer | None = None) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.tracer = tracer
         self.clock = scheduler.clock
         spec = scheduler.speculative_config
@@ -51,7 +54,14 @@ class EngineCore:
             return []
         t_start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        model_output = self._execute(scheduler_output)
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        return self._finish_step(t_start, scheduler_output, future)
+
+    def _finish_step(
+        self, t_start: float, scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]
+    ) -> list[EngineCoreOutput]:
+        """Wait for a step's model output, update the scheduler from it, and record the step."""
+        model_output = self._result(scheduler_output, future)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.scheduler.num_spec_tokens:
             self._post_step(outputs)
@@ -70,8 +80,7 @@ class EngineCore:
         if policy is not None:
             policy.observe(self.scheduler.spec_decoding_per_request)
             policy.forget(o.request_id for o in outputs if o.finished)
-        take = getattr(self.runner, "take_draft_token_ids", None)
-        drafts = take() if take is not None else None
+        drafts = self.executor.take_draft_token_ids()
         if drafts is None:
             return
         lists = drafts.draft_token_ids
@@ -79,9 +88,10 @@ class EngineCore:
             lists = policy.trim(drafts.req_ids, lists, num_decoding=len(self.scheduler.running))
         self.scheduler.update_draft_token_ids(drafts.req_ids, lists)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @staticmethod
+    def _result(scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         try:
-            return self.runner.execute_model(scheduler_output)
+            return future.result()
         except Exception as exc:  # the step failed as a whole: its requests end with an error
             logger.exception("model execution failed; finishing the step's requests with an error")
             req_ids = list(scheduler_output.num_scheduled_tokens)

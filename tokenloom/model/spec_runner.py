@@ -65,6 +65,11 @@ class SpecDecodeRunner:
     def remove_request(self, req_id: str) -> None:
         self.proposer.remove_request(req_id)
 
+    def reset(self) -> None:
+        for req_id in list(self.proposer.row_of):
+            self.proposer.remove_request(req_id)
+        self._drafts = None
+
     # Sampling ---------------------------------------------------------------------------------
     def sample(self, logits_fn, rows: list[SamplingRow], drafts: list[list[int]], kernels, return_logits: bool
                ) -> tuple[list[list[int]], list[list[SampleLogprobs] | None] | None, torch.Tensor]:
