@@ -206,7 +206,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     adaptive: bool = False
     adaptive_min_acceptance: float = 0.2
-    adaptive_max_batch_tokens: int = 256
+    adaptive_max_batch_tokens: int = 128
 
     def __post_init__(self) -> None:
         # vLLM: method None + model "ngram" selects ngram; method None otherwise means draft_model.

@@ -25,7 +25,7 @@ from tokenloom.config import SpeculativeConfig
 
 _PRIOR = 0.5  # acceptance assumed for a request never verified
 _ALPHA = 0.3  # weight of the newest verification in the running estimate
-_RECOVERY = 0.05  # per step without drafts, this share of the gap to the prior comes back
+_RECOVERY = 0.01  # per step without drafts, this share of the gap to the prior comes back
 
 
 class AdaptiveDraftPolicy:
