@@ -334,3 +334,29 @@ def test_speculative_config_validation():
     ]:
         with pytest.raises(ConfigError, match=field):
             SpeculativeConfig.from_any(bad)
+
+
+def test_replay_padding_after_prefix_hit_is_always_rejected():
+    prompt = list(range(100, 109))  # 9 tokens: two full blocks of 4 can hit
+    trace = {"config": _trace(max_num_batched_tokens=32, enable_prefix_caching=True, num_speculative_tokens=2),
+             "requests": [{"id": "A", "arrival_step": 0, "prompt_token_ids": prompt, "max_tokens": 6,
+                           "drafts": [2], "accept": [2]},
+                          {"id": "B", "arrival_step": 2, "prompt_token_ids": prompt, "max_tokens": 3,
+                           "drafts": [0], "accept": [2]}]}
+    steps = replay(trace)["steps"]
+    b_first = next(s for s in steps if "B" in s["scheduled"])
+    assert b_first["cached_tokens"]["B"] == 8
+    assert b_first["scheduled"]["B"] == 3 and b_first["spec"]["B"] == [2, 0]  # padded, never accepted
+
+
+def test_replay_max_model_len_one_draft_short():
+    trace = {"config": _trace(max_num_batched_tokens=32, max_model_len=12, num_speculative_tokens=3),
+             "requests": [{"id": "A", "arrival_step": 0, "prompt_token_ids": list(range(100, 108)),
+                           "max_tokens": 10, "drafts": [3], "accept": [3]}]}
+    out = replay(trace)
+    steps = out["steps"]
+    # 8 prompt tokens -> 9; the proposer offers min(3, 12 - 9) = 3 drafts, the clamp allows 12 - 8 - 1 = 3
+    # tokens: 2 drafts; all accepted -> 12 tokens = max_model_len: finished by length.
+    assert steps[1]["scheduled"] == {"A": 3} and steps[1]["spec"] == {"A": [2, 2]}
+    assert steps[1]["finished"] == ["A"]
+    assert out["summary"]["spec_decoding"]["num_draft_tokens"] == 2
