@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tokenloom.config import SpeculativeConfig
@@ -30,17 +29,6 @@ def verification_input_ids(token_ids: Sequence[int], start: int, num_tokens: int
     draft, -1, is fed as token 0: its row's output is never used)."""
     known = token_ids[start : start + num_tokens - len(drafts)]
     return [*known, *(t if t >= 0 else 0 for t in drafts)]
-
-
-def output_rows(q_start: np.ndarray, samples: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """Flat-batch rows whose logits are needed: the last 1 + d rows of each sequence that samples."""
-    ends = q_start[1:][samples]
-    counts = 1 + num_drafts[samples]
-    firsts = ends - counts
-    if counts.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(firsts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-    return (np.arange(int(counts.sum()), dtype=np.int64) + offsets).astype(np.int64)
 
 
 @dataclass
