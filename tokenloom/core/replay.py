@@ -257,6 +257,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 counts["num_drafts"] += 1
                 counts["num_draft_tokens"] += d
                 counts["num_accepted_tokens"] += a
+        if out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
+            steps[-1]["policy"] = out.policy_actions
     total_tokens = sum(sum(s["scheduled"].values()) for s in steps)
     summary: dict[str, Any] = {
         "rejected": rejected,
