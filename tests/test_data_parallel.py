@@ -94,48 +94,38 @@ def test_greedy_tokens_dp2_equal_dp1(tiny_dir):
 
 
 @pytest.mark.slow
-def test_abort_reaches_the_owning_engine(tiny_dir):
+def test_aborts_reach_the_owner_and_a_killed_engine_fails_only_its_requests(tiny_dir):
+    """One DP=2 deployment: an abort frees the request in the engine that owns it (the other keeps
+    running its own); then engine 0 is killed mid-run: its requests fail with its error, engine 1's
+    finish, health names engine 0, and new requests go to engine 1."""
     engine = _engine(tiny_dir, 2)
 
     async def run():
         engine.attach()
+        router = engine.client.router
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         streams = {}
         for rid in ("a", "b"):
             streams[rid] = engine.open_stream()
             engine.add_request(rid, PROMPTS[0], long, streams[rid])
-        owner = engine.client.router.owner
-        ea, eb = owner["a"], owner["b"]
+        ea, eb = router.owner["a"], router.owner["b"]
         assert {ea, eb} == {0, 1}
-        # Wait until both run, then abort "a": its engine must drop it while "b" keeps running.
-        await _until(lambda: all(engine._engine_stats.get(e) and engine._engine_stats[e].num_running_reqs == 1
-                                 for e in (ea, eb)))
+        stats = engine._engine_stats
+        await _until(lambda: all(stats.get(e) and stats[e].num_running_reqs == 1 for e in (ea, eb)))
         streams["a"].close()
-        assert "a" not in owner
-        await _until(lambda: engine._engine_stats[ea].num_running_reqs == 0)
-        assert engine._engine_stats[eb].num_running_reqs == 1
-        assert engine._engine_stats[ea].num_free_blocks == 256  # its blocks are back in the pool
+        assert "a" not in router.owner
+        await _until(lambda: stats[ea].num_running_reqs == 0)
+        assert stats[eb].num_running_reqs == 1
+        assert stats[ea].num_free_blocks == 256  # its blocks are back in the pool
         streams["b"].close()
-        await _until(lambda: engine._engine_stats[eb].num_running_reqs == 0)
+        await _until(lambda: stats[eb].num_running_reqs == 0)
 
-    try:
-        asyncio.run(run())
-    finally:
-        engine.shutdown()
-
-
-@pytest.mark.slow
-def test_killed_engine_fails_only_its_requests(tiny_dir):
-    engine = _engine(tiny_dir, 2)
-
-    async def run():
-        engine.attach()
-        slow = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        # Kill engine 0 mid-run.
         outcomes: dict[str, object] = {}
 
         async def one(rid: str):
             stream = engine.open_stream()
-            engine.add_request(rid, PROMPTS[1], slow, stream)
+            engine.add_request(rid, PROMPTS[1], long, stream)
             try:
                 async for out in stream:
                     outcomes[rid] = out
@@ -144,25 +134,24 @@ def test_killed_engine_fails_only_its_requests(tiny_dir):
 
         tasks = [asyncio.ensure_future(one(f"r{i}")) for i in range(4)]
         await asyncio.sleep(0)
-        owner = dict(engine.client.router.owner)
-        victim = engine.client.clients[0]
-        await _until(lambda: engine._engine_stats.get(0) is not None and engine._engine_stats[0].num_running_reqs)
-        os.kill(victim.process.pid, signal.SIGKILL)
-        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        owner = {rid: router.owner[rid] for rid in outcomes.keys() | {f"r{i}" for i in range(4)}}
+        await _until(lambda: stats[0].num_running_reqs > 0)
+        os.kill(engine.client.clients[0].process.pid, signal.SIGKILL)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert sorted(owner.values()) == [0, 0, 1, 1]
         for rid, e in owner.items():
             if e == 0:
                 assert isinstance(outcomes[rid], EngineDeadError), rid
                 assert "data-parallel engine 0 failed" in str(outcomes[rid])
             else:
                 assert outcomes[rid].finished and len(outcomes[rid].outputs[0].token_ids) == 200, rid
-        # The server side: still serving on engine 1, and health names engine 0.
+        # Still serving on engine 1, and health names engine 0.
         assert engine.dead_reason is None and engine.accepting
         health = engine.engine_health()
         assert [h["alive"] for h in health] == [False, True] and "died" in health[0]["error"]
-        # New requests go to the survivor.
-        got = await _generate_more(engine)
-        assert len(got) == 4
-        assert engine.client.router.num_routed[1] == 2 + 1
+        before = router.num_routed[1]
+        assert len(await _generate_more(engine)) == 4
+        assert router.num_routed[1] == before + 1
 
     try:
         asyncio.run(run())
