@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 
-from tokenloom.bench.shared_prefix import shared_prefix_requests
-from tokenloom.bench.workloads import assign_arrivals
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 from tokenloom.router import RouterConfig
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.workload.datasets import assign_arrivals
+from tokenloom.workload.shared_prefix import shared_prefix_requests
 
 
 async def _replay(engine: AsyncLLM, requests) -> list[float]:

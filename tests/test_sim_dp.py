@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from tokenloom.bench.shared_prefix import group_of, shared_prefix_requests
-from tokenloom.bench.workloads import assign_arrivals
 from tokenloom.router import RouterConfig
 from tokenloom.sim.dp_simulate import simulate_dp
 from tokenloom.sim.profile import load_profile
 from tokenloom.sim.simulate import engine_configs, simulate
+from tokenloom.workload.datasets import assign_arrivals
+from tokenloom.workload.shared_prefix import group_of, shared_prefix_requests
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenloom.bench.workloads import DEFAULT_VOCAB_RANGE, BenchRequest
+from tokenloom.workload.datasets import DEFAULT_VOCAB_RANGE, BenchRequest
 
 
 def shared_prefix_requests(
