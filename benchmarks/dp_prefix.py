@@ -20,7 +20,6 @@ import numpy as np
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
-from tokenloom.router import RouterConfig
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.workload.datasets import assign_arrivals
 from tokenloom.workload.shared_prefix import shared_prefix_requests
@@ -48,8 +47,10 @@ async def _replay(engine: AsyncLLM, requests) -> list[float]:
 
 
 def run(policy: str, args: argparse.Namespace, requests) -> dict:
-    config = engine_config_from_kwargs(model=args.model, num_blocks=args.num_blocks, block_size=16)
-    client = make_engine_client(config, args.data_parallel_size, args.backend, RouterConfig(policy=policy), "warning")
+    config = engine_config_from_kwargs(model=args.model, num_blocks=args.num_blocks, block_size=16,
+                                       data_parallel_size=args.data_parallel_size,
+                                       distributed_executor_backend=args.backend, routing_policy=policy)
+    client = make_engine_client(config, "warning")
     engine = AsyncLLM.from_client(client, args.model)
     try:
         t = time.monotonic()

@@ -17,7 +17,6 @@ from tests.test_data_parallel import PROMPTS, _config, _generate  # noqa: E402
 from tests.tiny_models import make_tiny_hf_model  # noqa: E402
 from tokenloom.engine.async_llm import AsyncLLM  # noqa: E402
 from tokenloom.engine.dp_client import DPEngineCoreClient, make_engine_client  # noqa: E402
-from tokenloom.router import RouterConfig  # noqa: E402
 from tokenloom.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -45,7 +44,8 @@ def test_ray_backend_serves_the_same_tokens(tiny_dir, local_ray):
     reference = {f"r{i}": list(o.outputs[0].token_ids)
                  for i, o in enumerate(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                     use_tqdm=False))}
-    client = make_engine_client(_config(tiny_dir), 2, "ray", RouterConfig(policy="round_robin"), "warning")
+    config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray", routing_policy="round_robin")
+    client = make_engine_client(config, "warning")
     assert isinstance(client, DPEngineCoreClient)
     engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
     try:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, ParallelConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
 from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
@@ -175,23 +175,17 @@ class DPEngineCoreClient:
             on_close()
 
 
-def make_engine_client(
-    config: EngineConfig,
-    data_parallel_size: int = 1,
-    distributed_executor_backend: str = "mp",
-    router_config: RouterConfig | None = None,
-    log_level: str = "info",
-) -> EngineCoreClient | DPEngineCoreClient:
-    """The engine cores for the API process: one spawned process (the default), N spawned processes
-    behind the router, or N Ray actors behind the router."""
-    if distributed_executor_backend == "ray":
+def make_engine_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient | DPEngineCoreClient:
+    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
+    default), N spawned processes behind the router, or N Ray actors behind the router."""
+    parallel = config.parallel or ParallelConfig()
+    router_config = RouterConfig.from_parallel(parallel)
+    dp = parallel.data_parallel_size
+    if parallel.distributed_executor_backend == "ray":
         from tokenloom.engine.ray_engine import start_ray_engines
 
-        clients, placement = start_ray_engines(config, data_parallel_size, log_level)
-        return DPEngineCoreClient(config, data_parallel_size, router_config, log_level, clients=clients,
-                                  on_close=placement.close)
-    if distributed_executor_backend != "mp":
-        raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {distributed_executor_backend!r}")
-    if data_parallel_size == 1:
+        clients, placement = start_ray_engines(config, dp, log_level)
+        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
+    if dp == 1:
         return EngineCoreClient(config, log_level)
-    return DPEngineCoreClient(config, data_parallel_size, router_config, log_level)
+    return DPEngineCoreClient(config, dp, router_config, log_level)

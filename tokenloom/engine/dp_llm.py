@@ -16,21 +16,12 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.engine.outputs import RequestOutput
-from tokenloom.router import RouterConfig
 from tokenloom.sampling_params import SamplingParams
 
 
 class DataParallelLLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        data_parallel_size: int,
-        distributed_executor_backend: str = "mp",
-        router_config: RouterConfig | None = None,
-        log_level: str = "warning",
-    ) -> None:
-        client = make_engine_client(config, data_parallel_size, distributed_executor_backend, router_config,
-                                    log_level)
+    def __init__(self, config: EngineConfig, log_level: str = "warning") -> None:
+        client = make_engine_client(config, log_level)
         self.engine = AsyncLLM.from_client(client, config.model)
         self.tokenizer = self.engine.tokenizer
         self.model_name = self.engine.info.model_name

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.engine.llm_engine import LLMEngine, PromptType
+from tokenloom.engine.llm_engine import LLMEngine, PromptType, engine_config_from_kwargs
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,20 +23,16 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
         (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray)."""
-        dp = kwargs.pop("data_parallel_size", 1)
-        backend = kwargs.pop("distributed_executor_backend", "mp")
-        routing = kwargs.pop("routing_policy", None)
+        config = engine_config_from_kwargs(model=model, **kwargs)
+        parallel = config.parallel
         self._dp: DataParallelLLMEngine | None = None
-        if dp > 1 or backend == "ray":
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
             from tokenloom.engine.dp_llm import DataParallelLLMEngine
-            from tokenloom.engine.llm_engine import engine_config_from_kwargs
-            from tokenloom.router import RouterConfig
 
-            router = RouterConfig(policy=routing) if routing else None
-            self._dp = DataParallelLLMEngine(engine_config_from_kwargs(model=model, **kwargs), dp, backend, router)
+            self._dp = DataParallelLLMEngine(config)
             self.llm_engine = None
         else:
-            self.llm_engine = LLMEngine.from_args(model=model, **kwargs)
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
         return self._dp.tokenizer if self._dp is not None else self.llm_engine.tokenizer

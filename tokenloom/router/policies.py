@@ -23,9 +23,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenloom.config import ROUTING_POLICIES
 from tokenloom.router.prefix_index import EngineBlockLRU
 
-ROUTING_POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
+__all__ = ["ROUTING_POLICIES", "CacheAware", "EngineLoad", "LeastLoad", "NoEngineAvailable", "PowerOfTwo",
+           "RoundRobin", "RoutingPolicy", "lb_score"]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenloom.config import ParallelConfig
 from tokenloom.router.policies import (
     ROUTING_POLICIES,
     CacheAware,
@@ -30,12 +31,21 @@ class RouterConfig:
     cache_threshold: float = 0.3
     # cache_aware: engines count as imbalanced when max - min requests in flight > abs and max > min * rel.
     # SGLang's defaults (64, 1.5) suit many GPUs with hundreds of requests each; 4 keeps a 75 % hot
-    # prefix group from piling onto one of a few CPU engines (docs/data_parallel.md).
+    # prefix group from piling onto one of a few CPU engines (docs/data_parallel.md). The defaults here
+    # are ParallelConfig's (tokenloom/config.py), where the CLI reads them.
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     # cache_aware: blocks remembered per engine. None: the engine's KV pool (it cannot hold more).
     lru_blocks: int | None = None
     seed: int = 0  # power_of_two's draws
+
+    @classmethod
+    def from_parallel(cls, parallel: ParallelConfig | None) -> RouterConfig:
+        """The router's options as the engine's knobs give them (--routing-policy, --router-*)."""
+        p = parallel or ParallelConfig()
+        return cls(policy=p.routing_policy, cache_threshold=p.router_cache_threshold,
+                   balance_abs_threshold=p.router_balance_abs_threshold,
+                   balance_rel_threshold=p.router_balance_rel_threshold, lru_blocks=p.router_lru_blocks)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
