@@ -1,5 +1,5 @@
-"""Data-parallel simulation: N simulated engines (each the real Scheduler + EngineCore over a
-SimulatedRunner with its own VirtualClock) behind the Router, driven by the DP workload driver
+"""Data-parallel simulation: N simulated engines (each the real scheduler + EngineCore over a
+SimulatedExecutor with its own VirtualClock) behind the Router, driven by the DP workload driver
 (tokenloom/workload/dp_driver.py) on one virtual timeline."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.router import Router, RouterConfig
 from tokenloom.sim.cost_model import CostModel
-from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 from tokenloom.workload.datasets import BenchRequest
 from tokenloom.workload.dp_driver import DPWorkloadResult, run_dp_workload
@@ -31,7 +31,7 @@ def simulate_dp(
 ) -> DPWorkloadResult:
     assert cache_config.num_blocks is not None
     clocks = [VirtualClock() for _ in range(data_parallel_size)]
-    cores = [EngineCore(Scheduler(scheduler_config, cache_config, clock=c), SimulatedRunner(cost_model, c))
+    cores = [EngineCore(make_scheduler(scheduler_config, cache_config, clock=c), SimulatedExecutor(cost_model, c))
              for c in clocks]  # fmt: skip
     router = Router(router_config or RouterConfig(), data_parallel_size, cache_config.block_size,
                     cache_config.num_blocks)
