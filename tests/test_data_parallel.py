@@ -40,7 +40,8 @@ def _engine(tiny_dir, dp: int, policy: str = "round_robin") -> AsyncLLM:
         client = EngineCoreClient(config, "warning")
     else:
         client = DPEngineCoreClient(config, dp, RouterConfig(policy=policy), "warning")
-    return AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=120)
+    # 300 s: a first build of the CPU kernels on a loaded machine is slow.
+    return AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=300)
 
 
 PROMPTS = [[1 + (7 * i + 3 * j) % 300 for j in range(5 + 3 * i)] for i in range(8)]
