@@ -91,6 +91,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     # The engine's knobs the simulator models (vLLM's names, defaults as `tokenloom serve`).
     add_engine_args(p, with_model=False, simulated=True)
 
+    p.add_argument("--spec-acceptance", type=float, default=0.5, metavar="P",
+                   help="with --speculative-config: the chance that each draft token is accepted, in order "
+                        "until the first rejection (default 0.5; docs/speculative.md)")
     o = p.add_argument_group("output")
     o.add_argument("--sweep", default=None, metavar="KNOB=v1,v2,...", help="one run per value; prints a table")
     o.add_argument("--trace-steps", default=None, metavar="FILE", help="the engine's step trace (JSONL)")
@@ -139,7 +142,7 @@ def _simulate(args: argparse.Namespace) -> int:
         requests = base_requests
         if rate is not None:
             requests = assign_arrivals(base_requests, rate, args.burstiness, args.seed)
-        run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed)
+        run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed, args.spec_acceptance)
         if result_file:
             _save_result(result_file, run, args, profile, rate, percentiles, (dataset_name, dataset_path))
         return run
@@ -180,19 +183,23 @@ class _Run:
 
 
 def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, Any], trace: str | None,
-             percentiles: list[float], seed: int) -> _Run:  # fmt: skip
+             percentiles: list[float], seed: int, spec_acceptance: float = 0.5) -> _Run:  # fmt: skip
     from tokenloom.config import ParallelConfig, split_engine_kwargs
     from tokenloom.router import RouterConfig
     from tokenloom.sim.dp_simulate import simulate_dp
-    from tokenloom.sim.simulate import engine_configs, simulate
+    from tokenloom.sim.simulate import engine_configs, simulate, speculative_config_of
 
     sched, cache = engine_configs(profile, kwargs)
+    spec = speculative_config_of(kwargs)
     parallel = ParallelConfig(**split_engine_kwargs(kwargs)["parallel"])
     if parallel.data_parallel_size == 1:
-        result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed)
+        result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
+                          speculative_config=spec, spec_acceptance=spec_acceptance)
         return _Run(result, sched, cache)
     if trace:
         raise ValueError("--trace-steps traces one engine; it is not available with --data-parallel-size > 1")
+    if spec is not None:
+        raise ValueError("the data-parallel simulation does not model --speculative-config yet")
     result = simulate_dp(requests, sched, cache, profile.step_model, parallel.data_parallel_size,
                          RouterConfig.from_parallel(parallel), percentiles=percentiles, seed=seed)
     return _Run(result, sched, cache)
