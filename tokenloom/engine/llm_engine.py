@@ -41,6 +41,10 @@ class LLMEngine:
         from tokenloom.model.platform import resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
+        parallel = config.parallel
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+            raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
+                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         self.config = config
         self.clock = clock
         path = resolve_model_path(config.model)
