@@ -103,3 +103,24 @@ def test_bad_input_is_rejected() -> None:
         kernels.gguf_linear(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.F16), None)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.gguf_embedding(torch.empty(1, 64), raw, int(Q.Q4_1), torch.tensor([4]))
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
+    """The 8-row interleaved layout (gguf_repack8 + gguf_linear_packed) computes what the row kernel does."""
+    kernels.set_force_scalar(scalar)
+    try:
+        n, k = 24, 96
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
+        packed = kernels.gguf_repack8(raw, int(qtype), k)
+        assert packed.numel() == raw.numel()  # same bytes, reordered
+        bias = torch.randn(n)
+        for m in (1, 3, 6):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            want, got = torch.empty(m, n), torch.empty(m, n)
+            kernels.gguf_linear(want, x, raw, int(qtype), bias)
+            kernels.gguf_linear_packed(got, x, packed, int(qtype), bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.set_force_scalar(False)

@@ -26,7 +26,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -34,6 +36,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -58,7 +62,11 @@ bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
 inline float h2f(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if TLQ_AVX2
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion is ~10 per scale
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 // --------------------------------------------------------------------------- scalar block decoding
@@ -422,38 +430,45 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One weight row against MT activation rows: out[m] = sum over the row's groups.
-template <int T, int MT>
-inline void dot_row(const uint8_t* w, int64_t nblocks, int64_t bb, const int8_t* const* xq, const float* const* xd,
-                    const float* const* xs, float* out) {
-  __m256 acc[MT];
-  float sacc[MT];
-  for (int m = 0; m < MT; m++) {
-    acc[m] = _mm256_setzero_ps();
-    sacc[m] = 0.0f;
-  }
+// NR weight rows against MT activation rows: out[r * MT + m]. NR * MT independent accumulators keep
+// the float adds of consecutive groups from waiting on each other (a batch-1 GEMV takes 4 rows at
+// once: one dependency chain per group would cost the fmadd latency, ~4 cycles, every group).
+template <int T, int NR, int MT>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t bb, const int8_t* const* xq,
+                     const float* const* xd, const float* const* xs, float* out) {
+  __m256 acc[NR][MT];
+  float sacc[NR][MT];
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MT; m++) {
+      acc[r][m] = _mm256_setzero_ps();
+      sacc[r][m] = 0.0f;
+    }
   const __m256i one = _mm256_set1_epi16(1);
-  int64_t g = 0;  // activation group index
+  constexpr int kGroups = (T == kQ2_K || T == kQ3_K || T == kQ4_K || T == kQ5_K || T == kQ6_K) ? 8 : 1;
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    groups<T>(w + blk * bb, [&](const Group& G) {
-      const __m256i wa = is_signed(T) ? _mm256_sign_epi8(G.w, G.w) : G.w;
-      for (int m = 0; m < MT; m++) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * g));
-        const __m256i xs8 = is_signed(T) ? _mm256_sign_epi8(x, G.w) : x;
-        const __m256i p16 = _mm256_maddubs_epi16(wa, xs8);
-        const __m256i p32 = _mm256_madd_epi16(p16, has_mul(T) ? G.mul : one);
-        const float dx = xd[m][g];
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(G.a * dx), acc[m]);
-        if constexpr (has_b(T)) sacc[m] += G.b * xs[m][g];
-        if constexpr (T == kQ2_K) {
-          const __m256i pm = _mm256_madd_epi16(_mm256_maddubs_epi16(G.mn, x), one);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(-G.amin * dx), acc[m]);
+    for (int r = 0; r < NR; r++) {
+      int64_t g = blk * kGroups;  // activation group index
+      groups<T>(w + r * row_bytes + blk * bb, [&](const Group& G) {
+        const __m256i wa = is_signed(T) ? _mm256_sign_epi8(G.w, G.w) : G.w;
+        for (int m = 0; m < MT; m++) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * g));
+          const __m256i xs8 = is_signed(T) ? _mm256_sign_epi8(x, G.w) : x;
+          const __m256i p16 = _mm256_maddubs_epi16(wa, xs8);
+          const __m256i p32 = _mm256_madd_epi16(p16, has_mul(T) ? G.mul : one);
+          const float dx = xd[m][g];
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(G.a * dx), acc[r][m]);
+          if constexpr (has_b(T)) sacc[r][m] += G.b * xs[m][g];
+          if constexpr (T == kQ2_K) {
+            const __m256i pm = _mm256_madd_epi16(_mm256_maddubs_epi16(G.mn, x), one);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(-G.amin * dx), acc[r][m]);
+          }
         }
-      }
-      g++;
-    });
+        g++;
+      });
+    }
   }
-  for (int m = 0; m < MT; m++) out[m] = hsum(acc[m]) + sacc[m];
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MT; m++) out[r * MT + m] = hsum(acc[r][m]) + sacc[r][m];
 }
 #endif  // TLQ_AVX2
 
@@ -491,7 +506,7 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 #if TLQ_AVX2
 template <int T>
 void linear_avx2(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* w,
-                 int64_t N, int64_t row_bytes, const float* bias, float* out) {
+                 int64_t N, int64_t row_bytes, const float* bias, float* out, int64_t ldo) {
   const TypeInfo ti = type_info(T);
   const int64_t nblocks = K / ti.block_elems, bb = ti.block_bytes;
   const int64_t G = K / 32;
@@ -508,32 +523,322 @@ void linear_avx2(const int8_t* q, const float* d, const float* s, int64_t M, int
         xd[i] = d + (m0 + i) * G;
         xs[i] = s + (m0 + i) * G;
       }
-      for (int64_t n = n0; n < n1; n++) {
-        const uint8_t* wr = w + n * row_bytes;
-        float r[4];
-        switch (mt) {
-          case 1: dot_row<T, 1>(wr, nblocks, bb, xq, xd, xs, r); break;
-          case 2: dot_row<T, 2>(wr, nblocks, bb, xq, xd, xs, r); break;
-          case 3: dot_row<T, 3>(wr, nblocks, bb, xq, xd, xs, r); break;
-          default: dot_row<T, 4>(wr, nblocks, bb, xq, xd, xs, r); break;
+      int64_t n = n0;
+      float r[16];
+      auto put = [&](int nr) {
+        for (int j = 0; j < nr; j++) {
+          const float bv = bias ? bias[n + j] : 0.0f;
+          for (int i = 0; i < mt; i++) out[(m0 + i) * ldo + n + j] = r[j * mt + i] + bv;
         }
-        const float bv = bias ? bias[n] : 0.0f;
-        for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = r[i] + bv;
+      };
+      if (mt == 1) {
+        for (; n + 4 <= n1; n += 4) {
+          dot_rows<T, 4, 1>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(4);
+        }
+      } else if (mt == 2) {
+        for (; n + 2 <= n1; n += 2) {
+          dot_rows<T, 2, 2>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(2);
+        }
+      } else if (mt == 4) {
+        for (; n + 2 <= n1; n += 2) {
+          dot_rows<T, 2, 4>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(2);
+        }
+      }
+      for (; n < n1; n++) {
+        const uint8_t* wr = w + n * row_bytes;
+        switch (mt) {
+          case 1: dot_rows<T, 1, 1>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          case 2: dot_rows<T, 1, 2>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          case 3: dot_rows<T, 1, 3>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          default: dot_rows<T, 1, 4>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+        }
+        put(1);
       }
     }
   });
 }
 #endif
 
-// out [M, N] (float or bf16) = x [M, K] @ W.T + bias.
+// Activations quantized for the kernels: rows of int8 with per-32 d and s (see quantize_act).
+struct QAct {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t M = 0, K = 0;
+
+  template <typename T>
+  void set(const T* x, int64_t M_, int64_t K_, int64_t ldx) {
+    M = M_;
+    K = K_;
+    const int64_t G = K / 32;
+    q.resize(M * K);
+    d.resize(M * G);
+    s.resize(M * G);
+    int8_t* qp = q.data();
+    float* dp = d.data();
+    float* sp = s.data();
+    if (M == 1) {
+      quantize_act(x, K, qp, dp, sp);
+      return;
+    }
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) quantize_act(x + r * ldx, K, qp + r * K, dp + r * G, sp + r * G);
+    });
+  }
+};
+
+// ------------------------------------------------------------------- 8-row interleaved layouts
+// Q4_0, Q4_1 and Q8_0 weights repacked at load, eight rows at a time (the idea of ggml's "repack"
+// CPU buffers, in our own layout). Per tile of 8 rows and group g of 32 columns:
+//   Q4_0 / Q4_1:  d[8] f16 (Q4_1: then m[8] f16), then 4 x 32 bytes: vector j, byte 4r + i holds
+//                 w[r][8j + i] (low nibble) and w[r][8j + 4 + i] (high nibble)
+//   Q8_0:         d[8] f16, then 8 x 32 bytes: vector j, byte 4r + i = w[r][4j + i]
+// Same bytes as the file. The kernel then gets row r's partial dot product in lane r of the
+// accumulator: four activation bytes are broadcast to every lane, one vpmaddubsw + add per 4
+// columns for all eight rows, and the eight scales load as one vector (vcvtph2ps). About a third of
+// the instructions of the row-at-a-time kernel.
+
+constexpr int packed_tile_bytes(int t) { return t == kQ4_1 ? 160 : t == kQ4_0 ? 144 : t == kQ8_0 ? 272 : 0; }
+
+bool packable(int64_t qtype) { return packed_tile_bytes(static_cast<int>(qtype)) > 0; }
+
+// w [N, row_bytes] (N % 8 == 0) -> [N / 8, G * tile_bytes].
+at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(packable(t), "GGML type ", t, " has no 8-row layout");
+  const int64_t N = w.size(0), G = K / 32, rb = w.size(1), TB = packed_tile_bytes(t);
+  TORCH_CHECK(N % 8 == 0, "repacking needs a multiple of 8 rows");
+  at::Tensor out = at::empty({N / 8, G * TB}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int bb = type_info(t).block_bytes;
+  at::parallel_for(0, N / 8, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; tile++)
+      for (int64_t g = 0; g < G; g++) {
+        uint8_t* o = dst + (tile * G + g) * TB;
+        for (int r = 0; r < 8; r++) {
+          const uint8_t* blk = src + (tile * 8 + r) * rb + g * bb;
+          std::memcpy(o + 2 * r, blk, 2);                          // d
+          if (t == kQ4_1) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
+          if (t == kQ8_0) {
+            for (int j = 0; j < 8; j++)
+              for (int i = 0; i < 4; i++) o[16 + 32 * j + 4 * r + i] = blk[2 + 4 * j + i];
+          } else {
+            int q[32];
+            nibbles32(blk + (t == kQ4_1 ? 4 : 2), q);
+            uint8_t* v = o + (t == kQ4_1 ? 32 : 16);
+            for (int j = 0; j < 4; j++)
+              for (int i = 0; i < 4; i++)
+                v[32 * j + 4 * r + i] = static_cast<uint8_t>(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+#if TLQ_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T, int MT>
+inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq, const float* const* xd,
+                        const float* const* xs, __m256* res) {
+  constexpr int TB = packed_tile_bytes(T);
+  __m256 acc[MT], accb[MT];
+  for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = tile + g * TB;
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (T == kQ8_0) {
+      __m256i w[8], wa[8];
+      for (int j = 0; j < 8; j++) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
+        wa[j] = _mm256_sign_epi8(w[j], w[j]);
+      }
+      for (int m = 0; m < MT; m++) {
+        const int8_t* x = xq[m] + 32 * g;
+        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[0], _mm256_sign_epi8(bcast4(x), w[0])), one);
+        for (int j = 1; j < 8; j++)
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(bcast4(x + 4 * j), w[j])), one));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
+      }
+    } else {
+      constexpr int off = T == kQ4_1 ? 32 : 16;
+      __m256i w[8];
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 32 * j));
+        w[2 * j] = _mm256_and_si256(v, lo4);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+      // Q4_1: + m * s_x; Q4_0: the nibbles are offset by 8, - 8 d * s_x.
+      const __m256 bv = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+      for (int m = 0; m < MT; m++) {
+        const int8_t* x = xq[m] + 32 * g;
+        // int16 sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
+        __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+        for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+        const __m256i sum = _mm256_madd_epi16(s16, one);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
+        accb[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m][g]), accb[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
+}
+
+// Q4_0 / Q4_1 / Q8_0 over the 8-row layout: out rows tile * 8 .. tile * 8 + 7.
+template <int T>
+void linear_packed(const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+  const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T);
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+      const int8_t* xq[4];
+      const float* xd[4];
+      const float* xs[4];
+      for (int i = 0; i < mt; i++) {
+        xq[i] = a.q.data() + (m0 + i) * K;
+        xd[i] = a.d.data() + (m0 + i) * G;
+        xs[i] = a.s.data() + (m0 + i) * G;
+      }
+      for (int64_t tile = t0; tile < t1; tile++) {
+        __m256 r[4];
+        const uint8_t* tp = pw + tile * G * TB;
+        switch (mt) {
+          case 1: packed_tile<T, 1>(tp, G, xq, xd, xs, r); break;
+          case 2: packed_tile<T, 2>(tp, G, xq, xd, xs, r); break;
+          case 3: packed_tile<T, 3>(tp, G, xq, xd, xs, r); break;
+          default: packed_tile<T, 4>(tp, G, xq, xd, xs, r); break;
+        }
+        for (int i = 0; i < mt; i++) {
+          float* o = out + (m0 + i) * ldo + tile * 8;
+          __m256 v = r[i];
+          if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + tile * 8));
+          _mm256_storeu_ps(o, v);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks, row_bytes per row).
+void run_quantized(int t, const QAct& a, const uint8_t* w, int64_t N, int64_t row_bytes, const float* bias,
+                   float* out, int64_t ldo) {
+  const int64_t M = a.M, K = a.K, G = K / 32;
+#if TLQ_AVX2
+  if (!g_force_scalar) {
+    switch (t) {
+      case kQ8_0: return linear_avx2<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_0: return linear_avx2<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_1: return linear_avx2<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_0: return linear_avx2<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_1: return linear_avx2<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ2_K: return linear_avx2<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ3_K: return linear_avx2<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_K: return linear_avx2<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_K: return linear_avx2<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ6_K: return linear_avx2<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      default: break;
+    }
+  }
+#endif
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(256);
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) {
+        float* o = out + m * ldo + n;
+        dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+        if (bias) *o += bias[n];
+      }
+  });
+}
+
+// The 8-row layout's GEMM (tiles * 8 rows); the plain C++ path reads the layout back row by row.
+void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+#if TLQ_AVX2
+  if (!g_force_scalar) {
+    switch (t) {
+      case kQ8_0: return linear_packed<kQ8_0>(a, pw, tiles, bias, out, ldo);
+      case kQ4_0: return linear_packed<kQ4_0>(a, pw, tiles, bias, out, ldo);
+      case kQ4_1: return linear_packed<kQ4_1>(a, pw, tiles, bias, out, ldo);
+      default: break;
+    }
+  }
+#endif
+  // Unpack each tile into 8 rows of ordinary blocks, then the row kernel.
+  const int64_t K = a.K, G = K / 32, TB = packed_tile_bytes(t);
+  const int bb = type_info(t).block_bytes;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> rows(8 * G * bb);
+    for (int64_t tile = t0; tile < t1; tile++) {
+      for (int64_t g = 0; g < G; g++) {
+        const uint8_t* p = pw + (tile * G + g) * TB;
+        for (int r = 0; r < 8; r++) {
+          uint8_t* blk = rows.data() + (r * G + g) * bb;
+          std::memcpy(blk, p + 2 * r, 2);
+          if (t == kQ8_0) {
+            for (int j = 0; j < 8; j++)
+              for (int i = 0; i < 4; i++) blk[2 + 4 * j + i] = p[16 + 32 * j + 4 * r + i];
+          } else {
+            if (t == kQ4_1) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
+            const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+            int q[32];
+            for (int j = 0; j < 4; j++)
+              for (int i = 0; i < 4; i++) {
+                const uint8_t b = v[32 * j + 4 * r + i];
+                q[8 * j + i] = b & 0x0F;
+                q[8 * j + 4 + i] = b >> 4;
+              }
+            uint8_t* qs = blk + (t == kQ4_1 ? 4 : 2);
+            for (int e = 0; e < 16; e++) qs[e] = static_cast<uint8_t>(q[e] | (q[e + 16] << 4));
+          }
+        }
+      }
+      std::vector<float> buf(256);
+      for (int r = 0; r < 8; r++)
+        for (int64_t m = 0; m < a.M; m++) {
+          float* o = out + m * ldo + tile * 8 + r;
+          dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+          if (bias) *o += bias[tile * 8 + r];
+        }
+    }
+  });
+}
+
+// out [M, 8 * tiles] = x @ W.T + bias, W in the 8-row layout (gguf_repack8).
+void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw, int64_t qtype,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = pw.size(0);
+  TORCH_CHECK(packable(qtype) && K % 32 == 0 && pw.scalar_type() == at::kByte && pw.is_contiguous() &&
+                  pw.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(qtype)), "bad packed weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M &&
+                  out.size(1) == 8 * tiles, "out must be float [M, 8 * tiles]");
+  const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
+  thread_local QAct act;
+  act.set(x.data_ptr<float>(), M, K, x.stride(0));
+  run_packed(static_cast<int>(qtype), act, pw.data_ptr<uint8_t>(), tiles, b_ptr, out.data_ptr<float>(), out.stride(0));
+}
+
+// out [M, N] (float or bf16, rows may be strided) = x [M, K] @ W.T + bias.
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                  const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   check_weight(w, qtype, K);
-  TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == M && out.size(1) == N,
-              "out must be a contiguous [M, N] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M && out.size(1) == N,
+              "out must be an [M, N] tensor with contiguous rows");
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
   const float* b_ptr = nullptr;
   if (bias) {
@@ -542,74 +847,26 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
     b_ptr = bias->data_ptr<float>();
   }
   if (M == 0) return;
-  const int64_t G = K / 32;
-  // Quantized activations (thread-local scratch: no allocation per call at batch 1).
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> ds, f32out;
-  q.resize(M * K);
-  ds.resize(2 * M * G);
-  // Raw pointers: inside the parallel regions a thread_local name would mean the worker's own copy.
-  int8_t* qp = q.data();
-  float* d = ds.data();
-  float* s = ds.data() + M * G;
-  AT_DISPATCH_SWITCH(x.scalar_type(), "gguf_linear",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; r++)
-          quantize_act(x.data_ptr<float>() + r * x.stride(0), K, qp + r * K, d + r * G, s + r * G);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; r++)
-          quantize_act(x.data_ptr<bf16>() + r * x.stride(0), K, qp + r * K, d + r * G, s + r * G);
-      });
-    }));
-  float* o;
+  thread_local QAct act;
+  thread_local std::vector<float> f32out;
+  if (x.scalar_type() == at::kFloat)
+    act.set(x.data_ptr<float>(), M, K, x.stride(0));
+  else if (x.scalar_type() == at::kBFloat16)
+    act.set(x.data_ptr<bf16>(), M, K, x.stride(0));
+  else
+    TORCH_CHECK(false, "x must be float or bf16");
   if (out.scalar_type() == at::kFloat) {
-    o = out.data_ptr<float>();
-  } else {
-    f32out.resize(M * N);
-    o = f32out.data();
+    run_quantized(static_cast<int>(qtype), act, w.data_ptr<uint8_t>(), N, w.size(1), b_ptr, out.data_ptr<float>(),
+                  out.stride(0));
+    return;
   }
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t rb = w.size(1);
-  const int t = static_cast<int>(qtype);
-  bool done = false;
-#if TLQ_AVX2
-  if (!g_force_scalar) {
-    done = true;
-    switch (t) {
-      case kQ8_0: linear_avx2<kQ8_0>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ4_0: linear_avx2<kQ4_0>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ4_1: linear_avx2<kQ4_1>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ5_0: linear_avx2<kQ5_0>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ5_1: linear_avx2<kQ5_1>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ2_K: linear_avx2<kQ2_K>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ3_K: linear_avx2<kQ3_K>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ4_K: linear_avx2<kQ4_K>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ5_K: linear_avx2<kQ5_K>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      case kQ6_K: linear_avx2<kQ6_K>(qp, d, s, M, K, wp, N, rb, b_ptr, o); break;
-      default: done = false;
-    }
-  }
-#endif
-  if (!done) {
-    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-      std::vector<float> buf(256);
-      for (int64_t n = n0; n < n1; n++)
-        for (int64_t m = 0; m < M; m++) {
-          dot_row_scalar(t, wp + n * rb, K, qp + m * K, d + m * G, o + m * N + n, buf.data());
-          if (b_ptr) o[m * N + n] += b_ptr[n];
-        }
-    });
-  }
-  if (out.scalar_type() == at::kBFloat16) {
-    bf16* ob = out.data_ptr<bf16>();
-    at::parallel_for(0, M * N, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; i++) store(ob + i, o[i]);
-    });
-  }
+  f32out.resize(M * N);
+  float* o = f32out.data();
+  run_quantized(static_cast<int>(qtype), act, w.data_ptr<uint8_t>(), N, w.size(1), b_ptr, o, N);
+  bf16* ob = out.data_ptr<bf16>();
+  const int64_t ldo = out.stride(0);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) store(ob + m * ldo + n, o[m * N + n]);
 }
 
 template <typename T>
@@ -659,6 +916,337 @@ void gguf_embedding(at::Tensor out, const at::Tensor& w, int64_t qtype, const at
     TORCH_CHECK(false, "out must be float or bf16");
 }
 
+// ------------------------------------------------------------------------------ the decode stack
+// GGUFDecoder runs a whole decode step (every layer, one call from Python) for a few sequences of
+// one new token each: embedding row, and per layer RMSNorm -> qkv -> neox rotary + KV-cache write ->
+// paged attention -> o-proj + residual -> RMSNorm -> gate/up -> SiLU*mul -> down + residual; then the
+// final norm. Activations stay fp32 in reused buffers; the weights are the GGUF blocks (or fp32
+// matrices, type 0, for tensors a file stores unquantized). KV caches: the plain head-major layout
+// [Hkv, num_blocks, block_size, D] in float or bf16, shared with the rest of the runner.
+
+constexpr int kDense = 0;  // part type: a float32 [N, K] matrix
+
+struct Part {
+  at::Tensor w;
+  int t;
+  c10::optional<at::Tensor> bias;
+};
+
+struct QLin {
+  std::vector<Part> parts;
+  int64_t N = 0, K = 0;
+};
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if TLQ_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void run_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out,
+               int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) out[m * ldo + n] = dot_f32(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+  });
+}
+
+QLin make_qlin(const std::vector<std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>>>& parts, int64_t K) {
+  QLin L;
+  L.K = K;
+  for (const auto& [w, t, bias] : parts) {
+    if (t == kDense) {
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
+                  "a dense part must be a contiguous float [N, ", K, "] tensor");
+    } else {
+      check_weight(w, t, K);
+    }
+    if (bias) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
+                  "a part's bias must be a contiguous float [N] tensor");
+    }
+    L.parts.push_back(Part{w, static_cast<int>(t), bias});
+    L.N += w.size(0);
+  }
+  return L;
+}
+
+void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
+  bool quantized = false;
+  for (const auto& p : L.parts) quantized |= p.t != kDense;
+  if (quantized) act.set(x, M, L.K, L.K);
+  int64_t col = 0;
+  for (const auto& p : L.parts) {
+    const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
+    if (p.t == kDense)
+      run_dense(x, M, L.K, p.w.data_ptr<float>(), p.w.size(0), bias, out + col, L.N);
+    else
+      run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(0), p.w.size(1), bias, out + col, L.N);
+    col += p.w.size(0);
+  }
+}
+
+inline void rms_norm_f32(const float* x, const float* w, int64_t n, float eps, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; i++) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+template <typename T>
+inline float dot_cache(const float* q, const T* k, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dot_f32(q, k, D);
+  } else {
+    int64_t i = 0;
+    float s = 0.0f;
+#if TLQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), acc);
+    }
+    s = hsum(acc);
+#endif
+    for (; i < D; i++) s += q[i] * static_cast<float>(k[i]);
+    return s;
+  }
+}
+
+template <typename T>
+inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
+  for (int64_t i = 0; i < D; i++) o[i] += a * static_cast<float>(v[i]);
+}
+
+class GGUFDecoder {
+ public:
+  GGUFDecoder(int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm)
+      : H_(hidden), Hq_(num_q_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
+        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)), final_norm_(final_norm) {
+    TORCH_CHECK(Hq_ % Hkv_ == 0 && D_ % 2 == 0, "bad head configuration");
+    if (embed_t_ == kDense) {
+      TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H_,
+                  "a dense embedding must be a contiguous float [V, H] tensor");
+    } else {
+      check_weight(embed, embed_t_, H_);
+    }
+    check_vec(final_norm, H_, "final_norm");
+  }
+
+  using Parts = std::vector<std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>>>;
+
+  void add_layer(at::Tensor attn_norm, const Parts& qkv, const Parts& o, at::Tensor ffn_norm, const Parts& gate_up,
+                 const Parts& down) {
+    check_vec(attn_norm, H_, "attn_norm");
+    check_vec(ffn_norm, H_, "ffn_norm");
+    Layer L{attn_norm, ffn_norm, make_qlin(qkv, H_), make_qlin(o, Hq_ * D_), make_qlin(gate_up, H_),
+            make_qlin(down, I_), {}, {}};
+    TORCH_CHECK(L.qkv.N == (Hq_ + 2 * Hkv_) * D_ && L.o.N == H_ && L.gate_up.N == 2 * I_ && L.down.N == H_,
+                "layer ", layers_.size(), ": linear shapes do not match the configuration");
+    layers_.push_back(std::move(L));
+  }
+
+  void set_kv_caches(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V cache per layer");
+    for (size_t i = 0; i < k.size(); i++) {
+      for (const at::Tensor* c : {&k[i], &v[i]}) {
+        TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(0) == Hkv_ && c->size(3) == D_,
+                    "KV caches must be contiguous [Hkv, num_blocks, block_size, D]");
+        TORCH_CHECK(c->scalar_type() == k[0].scalar_type() &&
+                        (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16),
+                    "KV caches must all be float or all bf16");
+      }
+      layers_[i].k_cache = k[i];
+      layers_[i].v_cache = v[i];
+    }
+  }
+
+  // out [B, H] (float or bf16) = final-norm hidden states after the step's tokens ids [B] at positions
+  // [B] (int64), their K/V written at slots [B] (int64); block_tables [B, max_blocks] int32;
+  // cos/sin [P, D/2] float or bf16 (P > every position).
+  void step(at::Tensor out, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+            const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t B = ids.numel();
+    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "GGUFDecoder: layers and KV caches not set");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    slots.scalar_type() == at::kLong && ids.is_contiguous() && positions.is_contiguous() &&
+                    slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
+                "ids, positions, slots must be contiguous int64 [B]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    block_tables.stride(1) == 1, "block_tables must be int32 [B, max_blocks]");
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == B && out.size(1) == H_,
+                "out must be contiguous [B, H]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D_ / 2 && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                    sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(), "cos/sin must be [P, D/2]");
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t vocab = embed_.size(0);
+    const int64_t nb = layers_[0].k_cache.size(1), bs = layers_[0].k_cache.size(2);
+    for (int64_t b = 0; b < B; b++) {
+      TORCH_CHECK(idp[b] >= 0 && idp[b] < vocab, "token id ", idp[b], " out of range");
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " outside the rotary table");
+      TORCH_CHECK((pos[b] + bs) / bs <= block_tables.size(1), "block table too short for position ", pos[b]);
+      const int64_t sl = slots.data_ptr<int64_t>()[b];
+      TORCH_CHECK(sl >= 0 && sl < nb * bs, "slot ", sl, " out of range");
+    }
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
+    h_.resize(B * H_);
+    x_.resize(B * H_);
+    qkv_.resize(B * QKV);
+    att_.resize(B * Hq_ * D_);
+    gu_.resize(B * 2 * I_);
+    act_.resize(B * I_);
+    for (int64_t b = 0; b < B; b++) embed_row(idp[b], h_.data() + b * H_);
+    for (size_t l = 0; l < layers_.size(); l++) {
+      const Layer& L = layers_[l];
+      for (int64_t b = 0; b < B; b++)
+        rms_norm_f32(h_.data() + b * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
+      qlin_run(L.qkv, x_.data(), B, qact_, qkv_.data());
+      if (cos.scalar_type() == at::kFloat)
+        rotary(B, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+      else
+        rotary(B, pos, cos.data_ptr<bf16>(), sin.data_ptr<bf16>());
+      if (L.k_cache.scalar_type() == at::kFloat)
+        attention<float>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
+      else
+        attention<bf16>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
+      qlin_run(L.o, att_.data(), B, qact_, x_.data());
+      for (int64_t b = 0; b < B; b++) {
+        float* hb = h_.data() + b * H_;
+        float* xb = x_.data() + b * H_;
+        for (int64_t i = 0; i < H_; i++) hb[i] += xb[i];
+        rms_norm_f32(hb, L.ffn_norm.data_ptr<float>(), H_, eps_, xb);
+      }
+      qlin_run(L.gate_up, x_.data(), B, qact_, gu_.data());
+      for (int64_t b = 0; b < B; b++) {
+        const float* g = gu_.data() + b * 2 * I_;
+        float* a = act_.data() + b * I_;
+        for (int64_t i = 0; i < I_; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I_ + i];
+      }
+      qlin_run(L.down, act_.data(), B, qact_, x_.data());
+      for (int64_t i = 0; i < B * H_; i++) h_[i] += x_[i];
+    }
+    for (int64_t b = 0; b < B; b++) {
+      rms_norm_f32(h_.data() + b * H_, final_norm_.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
+      if (out.scalar_type() == at::kFloat)
+        std::memcpy(out.data_ptr<float>() + b * H_, x_.data() + b * H_, H_ * sizeof(float));
+      else
+        for (int64_t i = 0; i < H_; i++) out.data_ptr<bf16>()[b * H_ + i] = bf16(x_[b * H_ + i]);
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor attn_norm, ffn_norm;
+    QLin qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;
+  };
+
+  static void check_vec(const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what,
+                " must be a contiguous float [", n, "] tensor");
+  }
+
+  void embed_row(int64_t id, float* out) const {
+    if (embed_t_ == kDense) {
+      std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
+      return;
+    }
+    const TypeInfo ti = type_info(embed_t_);
+    const uint8_t* row = embed_.data_ptr<uint8_t>() + id * embed_.size(1);
+    for (int64_t b = 0; b < H_ / ti.block_elems; b++) dequant_block(embed_t_, row + b * ti.block_bytes, out + b * ti.block_elems);
+  }
+
+  // Neox rotary (rotate_half) on the q and k heads of the qkv rows, in place.
+  template <typename T>
+  void rotary(int64_t B, const int64_t* pos, const T* cos, const T* sin) {
+    const int64_t half = D_ / 2, QKV = (Hq_ + 2 * Hkv_) * D_;
+    for (int64_t b = 0; b < B; b++) {
+      const T* c = cos + pos[b] * half;
+      const T* s = sin + pos[b] * half;
+      for (int64_t hd = 0; hd < Hq_ + Hkv_; hd++) {
+        float* x = qkv_.data() + b * QKV + hd * D_;
+        for (int64_t i = 0; i < half; i++) {
+          const float x1 = x[i], x2 = x[i + half], ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+          x[i] = x1 * ci - x2 * si;
+          x[i + half] = x2 * ci + x1 * si;
+        }
+      }
+    }
+  }
+
+  template <typename T>
+  void attention(const Layer& L, int64_t B, const int64_t* pos, const int64_t* slots, const at::Tensor& tables) {
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
+    const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
+    T* kc = L.k_cache.data_ptr<T>();
+    T* vc = L.v_cache.data_ptr<T>();
+    // This step's K/V first: each sequence then reads its whole context from the cache.
+    for (int64_t b = 0; b < B; b++) {
+      const float* row = qkv_.data() + b * QKV;
+      for (int64_t h = 0; h < Hkv_; h++) {
+        T* kd = kc + (h * nb * bs + slots[b]) * D_;
+        T* vd = vc + (h * nb * bs + slots[b]) * D_;
+        for (int64_t i = 0; i < D_; i++) {
+          kd[i] = static_cast<T>(row[(Hq_ + h) * D_ + i]);
+          vd[i] = static_cast<T>(row[(Hq_ + Hkv_ + h) * D_ + i]);
+        }
+      }
+    }
+    const int64_t G = Hq_ / Hkv_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    const int64_t ld = tables.stride(0);
+    const int32_t* tb = tables.data_ptr<int32_t>();
+    at::parallel_for(0, B * Hq_, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores;
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t b = i / Hq_, hq = i % Hq_, h = hq / G, n = pos[b] + 1;
+        const float* q = qkv_.data() + b * QKV + hq * D_;
+        const int32_t* table = tb + b * ld;
+        scores.resize(n);
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+          const T* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D_;
+          scores[t] = dot_cache(q, k, D_) * scale;
+          mx = std::max(mx, scores[t]);
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+          scores[t] = std::exp(scores[t] - mx);
+          sum += scores[t];
+        }
+        float* o = att_.data() + b * Hq_ * D_ + hq * D_;
+        std::fill(o, o + D_, 0.0f);
+        for (int64_t t = 0; t < n; t++)
+          axpy_cache(scores[t], vc + ((h * nb + table[t / bs]) * bs + t % bs) * D_, o, D_);
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D_; d++) o[d] *= inv;
+      }
+    });
+  }
+
+  int64_t H_, Hq_, Hkv_, D_, I_;
+  float eps_;
+  at::Tensor embed_;
+  int embed_t_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> h_, x_, qkv_, att_, gu_, act_;
+  QAct qact_;
+};
+
 bool gguf_type_supported(int64_t qtype) {
   switch (static_cast<int>(qtype)) {
     case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1:
@@ -677,8 +1265,17 @@ void set_force_scalar(bool on) { g_force_scalar = on; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear);
   m.def("gguf_dequantize", &gguf_dequantize);
+  m.def("gguf_repack8", &gguf_repack8);
+  m.def("gguf_linear_packed", &gguf_linear_packed);
+  m.def("gguf_packable", &packable);
   m.def("gguf_embedding", &gguf_embedding);
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
   m.def("set_force_scalar", &set_force_scalar);
+  pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor>())
+      .def("add_layer", &GGUFDecoder::add_layer)
+      .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
+      .def("step", &GGUFDecoder::step)
+      .def("num_layers", &GGUFDecoder::num_layers);
 }
