@@ -45,11 +45,13 @@ def dequant_min_rows() -> int:
 
 @dataclass
 class GGUFWeight:
-    """One GGUF tensor's raw blocks: `data` uint8 [N, row_bytes] for a logical [N, K] matrix."""
+    """One GGUF tensor's blocks for a logical [N, K] matrix: `data` uint8 [N, row_bytes] as in the
+    file, or with `packed8` the kernels' 8-row interleaved layout [N / 8, ...] (same bytes)."""
 
     data: torch.Tensor
     qtype: int
     shape: tuple[int, int]
+    packed8: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -60,12 +62,23 @@ class GGUFWeight:
 
         k = gguf_kernels()
         if k is None:
+            assert not self.packed8
             from gguf.quants import dequantize as gguf_dequantize
 
             return torch.from_numpy(gguf_dequantize(self.data.numpy(), Q(self.qtype))).to(dtype)
         out = torch.empty(self.shape, dtype=dtype)
-        k.gguf_dequantize(out, self.data, self.qtype)
+        if self.packed8:
+            k.gguf_dequantize_packed(out, self.data, self.qtype)
+        else:
+            k.gguf_dequantize(out, self.data, self.qtype)
         return out
+
+    def repacked(self, kernels: object) -> GGUFWeight:
+        """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q8_0), else self."""
+        if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
+            return self
+        data = kernels.gguf_repack8(self.data, self.qtype, self.shape[1])  # type: ignore[attr-defined]
+        return GGUFWeight(data, self.qtype, self.shape, packed8=True)
 
 
 def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
@@ -132,6 +145,8 @@ class GGUFLinear:
                 merged[-1] = GGUFWeight(torch.cat([last.data, p.data]), p.qtype, (last.shape[0] + p.shape[0], p.shape[1]))
             else:
                 merged.append(p)
+        if kernels is not None:
+            merged = [p.repacked(kernels) for p in merged]
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.float() if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)])
@@ -143,12 +158,16 @@ class GGUFLinear:
             w = torch.cat([p.dequantize(x.dtype) for p in self.parts]) if len(self.parts) > 1 else self.parts[0].dequantize(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, w, bias)
-        x = x.contiguous()
-        out = torch.empty(m, self.out_features, dtype=x.dtype)
+        k = self.kernels
+        xf = x.float().contiguous()  # a no-op for fp32 rows
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
         col = 0
         for p in self.parts:
             n = p.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            self.kernels.gguf_linear(out[:, col : col + n], x, p.data, p.qtype, bias)  # type: ignore[attr-defined]
+            if p.packed8:
+                k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
+            else:
+                k.gguf_linear(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             col += n
-        return out
+        return out if x.dtype == torch.float32 else out.to(x.dtype)

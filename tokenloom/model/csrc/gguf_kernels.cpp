@@ -764,6 +764,62 @@ void run_quantized(int t, const QAct& a, const uint8_t* w, int64_t N, int64_t ro
   });
 }
 
+// Tile `tile` of the 8-row layout back to 8 rows of ordinary blocks: rows [8, G * block_bytes].
+void unpack_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, uint8_t* rows) {
+  const int64_t TB = packed_tile_bytes(t);
+  const int bb = type_info(t).block_bytes;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = pw + (tile * G + g) * TB;
+    for (int r = 0; r < 8; r++) {
+      uint8_t* blk = rows + (r * G + g) * bb;
+      std::memcpy(blk, p + 2 * r, 2);
+      if (t == kQ8_0) {
+        for (int j = 0; j < 8; j++)
+          for (int i = 0; i < 4; i++) blk[2 + 4 * j + i] = p[16 + 32 * j + 4 * r + i];
+      } else {
+        if (t == kQ4_1) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
+        const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+        int q[32];
+        for (int j = 0; j < 4; j++)
+          for (int i = 0; i < 4; i++) {
+            const uint8_t b = v[32 * j + 4 * r + i];
+            q[8 * j + i] = b & 0x0F;
+            q[8 * j + 4 + i] = b >> 4;
+          }
+        uint8_t* qs = blk + (t == kQ4_1 ? 4 : 2);
+        for (int e = 0; e < 16; e++) qs[e] = static_cast<uint8_t>(q[e] | (q[e + 16] << 4));
+      }
+    }
+  }
+}
+
+// out [8 * tiles, K] (float / bf16) = the weight in the 8-row layout, dequantized.
+void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype) {
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(packable(t) && pw.scalar_type() == at::kByte && pw.dim() == 2 && pw.is_contiguous(), "bad packed weight");
+  const int64_t K = out.size(1), G = K / 32, tiles = pw.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == 8 * tiles && K % 32 == 0 &&
+                  pw.size(1) == G * packed_tile_bytes(t), "out must be contiguous [8 * tiles, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
+  const int bb = type_info(t).block_bytes;
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> rows(8 * G * bb);
+    float buf[32];
+    for (int64_t tile = t0; tile < t1; tile++) {
+      unpack_tile(t, pw.data_ptr<uint8_t>(), tile, G, rows.data());
+      for (int r = 0; r < 8; r++)
+        for (int64_t g = 0; g < G; g++) {
+          dequant_block(t, rows.data() + (r * G + g) * bb, buf);
+          const int64_t o = (tile * 8 + r) * K + g * 32;
+          if (out.scalar_type() == at::kFloat)
+            std::memcpy(out.data_ptr<float>() + o, buf, sizeof(buf));
+          else
+            for (int e = 0; e < 32; e++) out.data_ptr<bf16>()[o + e] = bf16(buf[e]);
+        }
+    }
+  });
+}
+
 // The 8-row layout's GEMM (tiles * 8 rows); the plain C++ path reads the layout back row by row.
 void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
 #if TLQ_AVX2
@@ -777,34 +833,12 @@ void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const fl
   }
 #endif
   // Unpack each tile into 8 rows of ordinary blocks, then the row kernel.
-  const int64_t K = a.K, G = K / 32, TB = packed_tile_bytes(t);
+  const int64_t K = a.K, G = K / 32;
   const int bb = type_info(t).block_bytes;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> rows(8 * G * bb);
     for (int64_t tile = t0; tile < t1; tile++) {
-      for (int64_t g = 0; g < G; g++) {
-        const uint8_t* p = pw + (tile * G + g) * TB;
-        for (int r = 0; r < 8; r++) {
-          uint8_t* blk = rows.data() + (r * G + g) * bb;
-          std::memcpy(blk, p + 2 * r, 2);
-          if (t == kQ8_0) {
-            for (int j = 0; j < 8; j++)
-              for (int i = 0; i < 4; i++) blk[2 + 4 * j + i] = p[16 + 32 * j + 4 * r + i];
-          } else {
-            if (t == kQ4_1) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
-            const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
-            int q[32];
-            for (int j = 0; j < 4; j++)
-              for (int i = 0; i < 4; i++) {
-                const uint8_t b = v[32 * j + 4 * r + i];
-                q[8 * j + i] = b & 0x0F;
-                q[8 * j + 4 + i] = b >> 4;
-              }
-            uint8_t* qs = blk + (t == kQ4_1 ? 4 : 2);
-            for (int e = 0; e < 16; e++) qs[e] = static_cast<uint8_t>(q[e] | (q[e + 16] << 4));
-          }
-        }
-      }
+      unpack_tile(t, pw, tile, G, rows.data());
       std::vector<float> buf(256);
       for (int r = 0; r < 8; r++)
         for (int64_t m = 0; m < a.M; m++) {
@@ -927,9 +961,10 @@ void gguf_embedding(at::Tensor out, const at::Tensor& w, int64_t qtype, const at
 constexpr int kDense = 0;  // part type: a float32 [N, K] matrix
 
 struct Part {
-  at::Tensor w;
+  at::Tensor w;       // [N, row_bytes] blocks, or float [N, K] (kDense)
   int t;
   c10::optional<at::Tensor> bias;
+  at::Tensor packed;  // the 8-row layout of w, when its type has one and N % 8 == 0
 };
 
 struct QLin {
@@ -974,7 +1009,9 @@ QLin make_qlin(const std::vector<std::tuple<at::Tensor, int64_t, c10::optional<a
       TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
                   "a part's bias must be a contiguous float [N] tensor");
     }
-    L.parts.push_back(Part{w, static_cast<int>(t), bias});
+    at::Tensor packed;
+    if (t != kDense && packable(t) && w.size(0) % 8 == 0) packed = gguf_repack8(w, t, K);
+    L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
     L.N += w.size(0);
   }
   return L;
@@ -989,6 +1026,8 @@ void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
     const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
     if (p.t == kDense)
       run_dense(x, M, L.K, p.w.data_ptr<float>(), p.w.size(0), bias, out + col, L.N);
+    else if (p.packed.defined())
+      run_packed(p.t, act, p.packed.data_ptr<uint8_t>(), p.packed.size(0), bias, out + col, L.N);
     else
       run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(0), p.w.size(1), bias, out + col, L.N);
     col += p.w.size(0);
@@ -1267,6 +1306,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize);
   m.def("gguf_repack8", &gguf_repack8);
   m.def("gguf_linear_packed", &gguf_linear_packed);
+  m.def("gguf_dequantize_packed", &gguf_dequantize_packed);
   m.def("gguf_packable", &packable);
   m.def("gguf_embedding", &gguf_embedding);
   m.def("gguf_type_supported", &gguf_type_supported);
