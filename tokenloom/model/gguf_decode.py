@@ -25,9 +25,12 @@ def max_decode_rows() -> int:
     return int(os.environ.get("TOKENLOOM_GGUF_FUSED_ROWS", "8"))
 
 
-def _parts(weights: dict[str, Any], names: list[str], biases: list[str]) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+Part = tuple[torch.Tensor, int, "torch.Tensor | None"]
+
+
+def _parts(weights: dict[str, Any], names: list[str], biases: list[str]) -> list[Part]:
     """[(data, type, bias)] for the row blocks `names`; consecutive parts of one GGML type merged."""
-    out: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+    out: list[Part] = []
     for name, bias_name in zip(names, biases):
         w = weights[name]
         bias = weights.get(bias_name)
@@ -48,7 +51,10 @@ def build_decoder(kernels: Any, config: ModelConfig, weights: dict[str, Any]) ->
     """A GGUFDecoder over `weights` (HF names; GGUFWeight or float tensors). KV caches come later
     (`set_kv_caches`), once the runner has allocated them."""
     embed = weights["model.embed_tokens.weight"]
-    embed_data, embed_type = (embed.data, embed.qtype) if isinstance(embed, GGUFWeight) else (embed.float().contiguous(), DENSE)
+    if isinstance(embed, GGUFWeight):
+        embed_data, embed_type = embed.data, embed.qtype
+    else:
+        embed_data, embed_type = embed.float().contiguous(), DENSE
     dec = kernels.GGUFDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size, config.rms_norm_eps, embed_data, embed_type,
                               weights["model.norm.weight"].float().contiguous())

@@ -136,13 +136,15 @@ class GGUFLinear:
         return self.parts[0].shape[1]
 
     @classmethod
-    def from_weights(cls, parts: list[GGUFWeight], biases: list[torch.Tensor | None], kernels: object | None) -> GGUFLinear:
+    def from_weights(cls, parts: list[GGUFWeight], biases: list[torch.Tensor | None],
+                     kernels: object | None) -> GGUFLinear:
         """Parts of one GGML type are concatenated into one (one kernel call, one thread split)."""
         merged: list[GGUFWeight] = []
         for p in parts:
             if merged and merged[-1].qtype == p.qtype:
                 last = merged[-1]
-                merged[-1] = GGUFWeight(torch.cat([last.data, p.data]), p.qtype, (last.shape[0] + p.shape[0], p.shape[1]))
+                rows = last.shape[0] + p.shape[0]
+                merged[-1] = GGUFWeight(torch.cat([last.data, p.data]), p.qtype, (rows, p.shape[1]))
             else:
                 merged.append(p)
         if kernels is not None:
@@ -155,7 +157,7 @@ class GGUFLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
         if self.kernels is None or m >= dequant_min_rows():
-            w = torch.cat([p.dequantize(x.dtype) for p in self.parts]) if len(self.parts) > 1 else self.parts[0].dequantize(x.dtype)
+            w = torch.cat([p.dequantize(x.dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, w, bias)
         k = self.kernels
