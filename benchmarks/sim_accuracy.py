@@ -2,7 +2,7 @@
 
 The real side is EngineCore + ModelRunner with a wall clock; the simulated side is EngineCore +
 SimulatedRunner with a virtual clock and the profile's cost model. Both are driven by the same loop
-(tokenloom.sim.simulate.run_workload): same arrivals, same scheduler and KV pool, same output lengths
+(tokenloom.workload.driver.run_workload): same arrivals, same scheduler and KV pool, same output lengths
 (ignore_eos). Prints TTFT / TPOT / ITL / E2E at p50 and p99 and output throughput, real vs simulated,
 and how well the cost model predicts each real step's execute time.
 
@@ -28,18 +28,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenloom.bench.workloads import BenchRequest, assign_arrivals, random_requests  # noqa: E402
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from tokenloom.core.scheduler import Scheduler  # noqa: E402
 from tokenloom.engine.core import EngineCore  # noqa: E402
 from tokenloom.engine.trace import StepTracer  # noqa: E402
-from tokenloom.sim.clock import WallClock  # noqa: E402
 from tokenloom.sim.cost_model import Sample, fit, fit_error  # noqa: E402
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint  # noqa: E402
 from tokenloom.sim.profiler import Grid, Row, StepDriver, scheduler_overhead, time_grid  # noqa: E402
 from tokenloom.sim.quiet import cpu_times, wait_for_quiet  # noqa: E402
 from tokenloom.sim.runner import SequenceTracker  # noqa: E402
-from tokenloom.sim.simulate import SimResult, engine_configs, run_workload, simulate  # noqa: E402
+from tokenloom.sim.simulate import engine_configs, simulate  # noqa: E402
+from tokenloom.workload.clock import WallClock  # noqa: E402
+from tokenloom.workload.datasets import BenchRequest, assign_arrivals, random_requests  # noqa: E402
+from tokenloom.workload.driver import WorkloadResult, run_workload  # noqa: E402
 
 CONTAMINATED = 0.1  # other processes' share of the CPUs above which the real figures mean little
 ROWS = [
@@ -110,7 +111,7 @@ def load_runner(args: argparse.Namespace, profile: Any, sched: Any, cache: Any) 
 
 @dataclass
 class RealRun:
-    result: SimResult
+    result: WorkloadResult
     recorder: ShapeRecorder
     step_seconds: list[float]
     others_cpu_share: float | None  # of all CPUs, by other processes, during the run

@@ -27,7 +27,16 @@ from tokenloom.bench.client import (
     split_sse,
     tokens_in_chunk,
 )
-from tokenloom.bench.metrics import (
+from tokenloom.workload.datasets import (
+    BenchRequest,
+    arrival_times,
+    load_jsonl,
+    load_sharegpt,
+    random_requests,
+    read_sharegpt,
+    write_jsonl,
+)
+from tokenloom.workload.metrics import (
     RequestRecord,
     compute_metrics,
     format_summary,
@@ -36,15 +45,6 @@ from tokenloom.bench.metrics import (
     peak_concurrency,
     percentile,
     tpot,
-)
-from tokenloom.bench.workloads import (
-    BenchRequest,
-    arrival_times,
-    load_jsonl,
-    load_sharegpt,
-    random_requests,
-    read_sharegpt,
-    write_jsonl,
 )
 
 try:

@@ -47,7 +47,7 @@ def _preset(preset_id: str) -> dict:
 
 @pytest.mark.parametrize("budget, first_chunk", [(16, 6), (32, 22)])
 def test_table3_step1_comes_from_the_scheduler(base_url: str, budget: int, first_chunk: int) -> None:
-    status, body = _post(base_url, {**_preset("table3-b16"), "B": budget})
+    status, body = _post(base_url, {**_preset("budget-16"), "B": budget})
     assert status == 200
     assert body["setup_steps"] == 1
     assert body["steps"][1]["prefill"] == {"p": first_chunk}
@@ -55,7 +55,7 @@ def test_table3_step1_comes_from_the_scheduler(base_url: str, budget: int, first
 
 
 def test_invalid_config_answers_422_with_the_config_error(base_url: str) -> None:
-    status, body = _post(base_url, _preset("table3-b8-seed"))
+    status, body = _post(base_url, _preset("budget-8-invalid"))
     assert status == 422 and body["kind"] == "ConfigError"
     assert "max_num_batched_tokens (8) must be >= max_num_seqs (32)" in body["error"]
     status, body = _post(base_url, {"B": "lots"})
@@ -80,7 +80,7 @@ def test_presets_show_the_seeds_numbers() -> None:
     group_b = run_scenario(_preset("group-b"))
     assert group_b["prefill_done"] == {"p": None}
     assert all(s["bound_by"] == "budget" and "p" not in s["scheduled"] for s in group_b["steps"][1:])
-    timeline = run_scenario(_preset("timeline-001"))
+    timeline = run_scenario(_preset("three-requests"))
     assert [s["scheduled"] for s in timeline["steps"]] == [{"A": 4, "B": 2}, {"A": 1, "B": 4, "C": 1},
                                                           {"B": 2, "C": 2}, {"B": 1, "C": 1}, {"B": 1}]  # fmt: skip
     kv = run_scenario(_preset("kv-preemption"))
@@ -124,12 +124,12 @@ def test_page_opens_on_table3_and_follows_the_budget_knob(page, tmp_path: Path) 
 
 
 def test_page_shows_the_config_error_text(page) -> None:
-    page.locator('.presets button[data-id="table3-b8-seed"]').click()
+    page.locator('.presets button[data-id="budget-8-invalid"]').click()
     page.wait_for_selector("#error:not(.hidden)")
     text = page.locator("#error").inner_text()
     assert "Invalid configuration" in text and "max_num_batched_tokens (8) must be >= max_num_seqs (32)" in text
     assert page.locator("#result").is_hidden()
     # Back to a valid preset: the error goes, the steps come back.
-    page.locator('.presets button[data-id="timeline-001"]').click()
+    page.locator('.presets button[data-id="three-requests"]').click()
     page.wait_for_selector("#error.hidden", state="attached")
     assert page.locator('td[data-col="prefill"][data-step="0"]').inner_text() == "6"

@@ -22,18 +22,11 @@ from tests.tiny_models import (
     make_tiny_tokenizer,
     write_gguf_from_hf,
 )
+from tokenloom.model import gguf as gguf_file
 from tokenloom.model import loader
-from tokenloom.model.loader import (
-    config_from_hf,
-    default_model_path,
-    dequantize,
-    expected_weight_shapes,
-    load_model,
-    permute_rope_rows,
-    read_gguf,
-    resolve_model_path,
-    unpermute_rope_rows,
-)
+from tokenloom.model.gguf import dequantize, permute_rope_rows, read_gguf, unpermute_rope_rows
+from tokenloom.model.hf import config_from_hf
+from tokenloom.model.loader import default_model_path, expected_weight_shapes, load_model, resolve_model_path
 from tokenloom.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -344,7 +337,7 @@ def test_dequantizers_match_gguf_on_the_default_model() -> None:
 def test_q4_0_dequantizer_matches_gguf() -> None:
     data = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     raw = gguf.quants.quantize(data, Q.Q4_0)
-    tensor = loader.GGUFTensor("t", Q.Q4_0, data.shape, raw.reshape(-1))
+    tensor = gguf_file.GGUFTensor("t", Q.Q4_0, data.shape, raw.reshape(-1))
     assert torch.equal(dequantize(tensor), torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0)))
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenloom.bench.workloads import BenchRequest, load_sharegpt
 from tokenloom.cli import main as cli_main
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
@@ -19,11 +18,12 @@ from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import TERMS, CostModel, Sample, StepShape, fit
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint
 from tokenloom.sim.runner import SimulatedRunner
 from tokenloom.sim.simulate import simulate
+from tokenloom.workload.clock import VirtualClock
+from tokenloom.workload.datasets import BenchRequest, load_sharegpt
 
 UNIT = CostModel({"overhead": 1.0})  # every step lasts one second: arrival_s = step index
 

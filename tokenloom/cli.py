@@ -14,6 +14,7 @@ _COMMAND_GROUPS = [
     "tokenloom.server.cli",
     "tokenloom.bench.cli",
     "tokenloom.sim.cli",
+    "tokenloom.explore.cli",
 ]
 
 

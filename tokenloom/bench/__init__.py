@@ -1,11 +1,17 @@
-"""Benchmarking: workloads, a streaming serving client, metrics, and plots.
+"""Benchmarking: the streaming serving client, engine benchmarks (throughput, sweep), plots.
 
     from tokenloom.bench import random_requests, run_benchmark
     result = run_benchmark("http://127.0.0.1:8000", "smollm2", random_requests(32, 256, 64), request_rate=4)
     print(result.metrics["p99_ttft_ms"]); result.save("run.json")
 
-Names resolve lazily: `tokenloom` loads this package for every command, and aiohttp/matplotlib
-should only be imported by the commands that use them.
+client.py (`bench serve`: a workload streamed at an OpenAI endpoint), throughput.py and sweep.py
+(`bench throughput | sweep` on the engine in this process, via engine_runs.py), quality.py
+(perplexity), plots.py (`plot timeline | bench`; drawing in plot_common.py, timeline_png.py,
+timeline_svg.py, bench_plots.py), cli.py. Workloads and metrics live in tokenloom/workload and are
+re-exported here. Names resolve lazily: `tokenloom` loads this package for every command, and
+aiohttp/matplotlib should only be imported by the commands that use them.
+
+May import: everything below it (config, core, model, engine, workload). Never sim or explore.
 """
 
 from __future__ import annotations
@@ -14,19 +20,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "BenchRequest": "workloads",
-    "random_requests": "workloads",
-    "load_sharegpt": "workloads",
-    "load_jsonl": "workloads",
-    "write_jsonl": "workloads",
-    "arrival_times": "workloads",
-    "assign_arrivals": "workloads",
-    "RequestRecord": "metrics",
-    "compute_metrics": "metrics",
-    "format_summary": "metrics",
-    "parse_goodput": "metrics",
-    "percentile": "metrics",
-    "BenchResult": "client",
+    "BenchRequest": "tokenloom.workload.datasets",
+    "random_requests": "tokenloom.workload.datasets",
+    "load_sharegpt": "tokenloom.workload.datasets",
+    "load_jsonl": "tokenloom.workload.datasets",
+    "write_jsonl": "tokenloom.workload.datasets",
+    "arrival_times": "tokenloom.workload.datasets",
+    "assign_arrivals": "tokenloom.workload.datasets",
+    "RequestRecord": "tokenloom.workload.metrics",
+    "compute_metrics": "tokenloom.workload.metrics",
+    "format_summary": "tokenloom.workload.metrics",
+    "parse_goodput": "tokenloom.workload.metrics",
+    "percentile": "tokenloom.workload.metrics",
+    "BenchResult": "tokenloom.workload.result",
     "run_benchmark": "client",
     "arun_benchmark": "client",
     "plot_timeline": "plots",
@@ -39,5 +45,6 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+    target = _EXPORTS[name]
+    module = importlib.import_module(target if "." in target else f"{__name__}.{target}")
     return getattr(module, name)

@@ -13,10 +13,9 @@ import json
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # numpy, aiohttp and matplotlib load only when a bench/plot command runs
-    from tokenloom.bench.workloads import BenchRequest, Tokenize
+from tokenloom.workload.options import add_arrival_args, add_dataset_args
 
 BENCH_EXTENSIONS = ["tokenloom.bench.throughput", "tokenloom.bench.sweep"]
 # literal copies of client.py's constants: importing client would pull aiohttp into every `tokenloom` run
@@ -75,36 +74,18 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
     g = p.add_argument_group("workload")
-    g.add_argument(
-        "--dataset-name", choices=["random", "sharegpt", "jsonl"], default="random", help="workload"
-    )
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: shipped sample) or jsonl")
-    g.add_argument("--num-prompts", type=int, default=None, help="default: 100, or every line of a jsonl")
-    g.add_argument("--seed", type=int, default=0, help="for lengths, token ids, sampling and arrivals")
+    add_dataset_args(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (random: always)")
-    g.add_argument("--random-input-len", type=int, default=1024, help="mean prompt tokens")
-    g.add_argument("--random-output-len", type=int, default=128, help="mean max_tokens")
-    g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*(1±r)")
-    g.add_argument("--random-prefix-len", type=int, default=0, help="tokens shared by every prompt")
-    g.add_argument("--random-vocab-range", default="17:49151", help="LO:HI token ids for random prompts")
     g.add_argument(
         "--random-prompt-format",
         choices=["token-ids", "text"],
         default="token-ids",
         help="text: common words, lengths estimated",
     )
-    g.add_argument("--sharegpt-output-len", type=int, default=None, help="override the answers' lengths")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
     g.add_argument("--save-workload", default=None, help="write the workload (with arrivals) as jsonl")
 
     g = p.add_argument_group("load")
-    g.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)",
-    )
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    add_arrival_args(g)
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     g.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent first")
 
@@ -120,55 +101,6 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench_serve)
     return p
-
-
-def _vocab_range(spec: str) -> tuple[int, int]:
-    lo, sep, hi = spec.partition(":")
-    if not sep:
-        raise ValueError(f"--random-vocab-range {spec!r}: expected LO:HI")
-    return int(lo), int(hi)
-
-
-def _load_tokenizer(path: str | None) -> Tokenize | None:
-    if not path:
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("--tokenizer needs the `tokenizers` package") from None
-    tok = Tokenizer.from_file(path)
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
-
-
-def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    from tokenloom.bench import workloads
-
-    num = args.num_prompts
-    if args.dataset_name == "jsonl":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name jsonl needs --dataset-path")
-        return workloads.load_jsonl(args.dataset_path, num)
-    if args.dataset_name == "sharegpt":
-        tokenize = _load_tokenizer(args.tokenizer)
-        return workloads.load_sharegpt(
-            args.dataset_path,
-            num or 100,
-            seed=args.seed,
-            output_len=args.sharegpt_output_len,
-            tokenize=tokenize,
-            ignore_eos=args.ignore_eos,
-        )
-    return workloads.random_requests(
-        num or 100,
-        args.random_input_len,
-        args.random_output_len,
-        args.random_range_ratio,
-        prefix_len=args.random_prefix_len,
-        seed=args.seed,
-        vocab_range=_vocab_range(args.random_vocab_range),
-        as_text=args.random_prompt_format == "text",
-        ignore_eos=True,  # random prompts make no sense to the model; EOS would stop them arbitrarily
-    )
 
 
 def discover_model(base_url: str, api_key: str | None) -> str:
@@ -187,11 +119,12 @@ def discover_model(base_url: str, api_key: str | None) -> str:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tokenloom.bench import workloads
     from tokenloom.bench.client import run_benchmark
-    from tokenloom.bench.metrics import format_summary, parse_goodput
+    from tokenloom.workload import datasets as workloads
+    from tokenloom.workload.build import workload_from_args
+    from tokenloom.workload.metrics import format_summary, parse_goodput
 
-    requests = build_workload(args)
+    requests = workload_from_args(args)
     rate = args.request_rate
     if rate is None and args.dataset_name != "jsonl":
         rate = math.inf

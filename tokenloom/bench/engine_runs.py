@@ -1,6 +1,6 @@
 """Run a workload through the real engine in this process (no HTTP), one configuration at a time.
 
-The driver is the simulator's (`tokenloom.sim.simulate.run_workload`): requests enter at their
+The driver is the one the simulator uses (`tokenloom.workload.driver.run_workload`): requests enter at their
 arrival times, per-token times give TTFT/ITL/E2E, and the metrics are the bench's. Only the runner
 and the clock differ — the real ModelRunner on wall time here, the cost model on virtual time there —
 which is what makes the simulator's accuracy measurable.
@@ -12,32 +12,25 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.bench.workloads import BenchRequest
-from tokenloom.config import SchedulerConfig
-
-_SCHED_KNOBS = {
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "policy", "watermark", "scheduler_reserve_full_isl", "batching",
-}  # fmt: skip
-_CACHE_KNOBS = {"num_blocks", "enable_prefix_caching"}
+from tokenloom.config import SchedulerConfig, engine_arg, split_engine_kwargs
+from tokenloom.workload.datasets import BenchRequest
 
 
 def run_on_engine(engine: Any, requests: Sequence[BenchRequest], overrides: dict[str, Any] | None = None,
                   trace: str | None = None, seed: int = 0) -> Any:  # fmt: skip
-    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a SimResult."""
+    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a WorkloadResult."""
     from tokenloom.engine.trace import StepTracer
-    from tokenloom.sim.clock import WallClock
-    from tokenloom.sim.simulate import run_workload
+    from tokenloom.workload.clock import WallClock
+    from tokenloom.workload.driver import run_workload
 
     overrides = dict(overrides or {})
-    if "scheduling_policy" in overrides:
-        overrides["policy"] = overrides.pop("scheduling_policy")
-    unknown = set(overrides) - _SCHED_KNOBS - _CACHE_KNOBS
-    if unknown:
-        raise ValueError(f"cannot vary {', '.join(sorted(unknown))} without reloading the model")
+    reload = sorted(k for k in overrides if engine_arg(k).reload)
+    if reload:
+        raise ValueError(f"cannot vary {', '.join(reload)} without reloading the model")
+    parts = split_engine_kwargs(overrides)
     base: SchedulerConfig = engine.scheduler_config
-    sched = replace(base, **{k: v for k, v in overrides.items() if k in _SCHED_KNOBS})
-    cache = replace(engine.cache_config, **{k: v for k, v in overrides.items() if k in _CACHE_KNOBS})
+    sched = replace(base, **parts["scheduler"])
+    cache = replace(engine.cache_config, **parts["cache"])
     clock = WallClock()
     engine.reset_scheduler(sched, cache, clock)
     tracer = StepTracer(trace) if trace else None

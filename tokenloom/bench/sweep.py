@@ -1,8 +1,9 @@
 """`tokenloom bench sweep`: one workload, one knob varied, everything else fixed, on the real engine.
 
-The seeds' advice (001 §6): change one knob at a time and record queue time, TTFT, ITL/TPOT, E2E
-percentiles, throughput and preemptions. The model is loaded once; every point gets a fresh
-scheduler, and repeats cycle through the points so slow drifts of the machine hit all of them.
+Tuning advice (as in vLLM's "Optimization and Tuning" docs): change one knob at a time and record
+queue time, TTFT, ITL/TPOT, E2E percentiles, throughput and preemptions. The model is loaded once;
+every point gets a fresh scheduler, and repeats cycle through the points so slow drifts of the
+machine hit all of them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenloom.config import engine_args
 from tokenloom.engine.args import add_engine_args, engine_config_from_args
 
 # Knobs a fresh scheduler can change without reloading the model.
-SWEEPABLE = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
-             "scheduling_policy", "watermark", "batching", "num_blocks", "enable_prefix_caching")  # fmt: skip
+SWEEPABLE = tuple(a.name for a in engine_args() if not a.reload)
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:
@@ -27,7 +28,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", required=True, metavar="KNOB=v1,v2,...",
                    help=f"one of: {', '.join(k.replace('_', '-') for k in SWEEPABLE)}")
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-path", default=None, help="JSONL workload (anchors' format) with arrival times")
+    w.add_argument("--dataset-path", default=None, help="JSONL workload (id, arrival_s, prompt_token_ids, max_tokens)")
     w.add_argument("--num-prompts", type=int, default=64)
     w.add_argument("--input-len", type=int, default=256)
     w.add_argument("--output-len", type=int, default=64)
@@ -40,30 +41,19 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _workload(args: argparse.Namespace) -> list:
-    from tokenloom.bench.workloads import assign_arrivals, load_jsonl, random_requests
-
-    if args.dataset_path:
-        reqs = load_jsonl(args.dataset_path)
-    else:
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               seed=args.workload_seed)
-        reqs = assign_arrivals(reqs, args.request_rate, 1.0, args.workload_seed)
-    for r in reqs:
-        r.ignore_eos = True
-    return reqs
-
-
 def _run(args: argparse.Namespace) -> int:
     from tokenloom.bench.engine_runs import run_on_engine
     from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.sim.sweep import format_table, parse_sweep
+    from tokenloom.workload.build import engine_workload
+    from tokenloom.workload.sweep import format_table, parse_sweep
 
     sweep = parse_sweep(args.sweep)
     if sweep.knob not in SWEEPABLE:
         raise ValueError(f"bench sweep cannot vary {sweep.knob} without reloading the model; "
                          f"one of: {', '.join(SWEEPABLE)}")
-    requests = _workload(args)
+    requests = engine_workload(args.dataset_path, num_prompts=args.num_prompts, input_len=args.input_len,
+                               output_len=args.output_len, range_ratio=args.range_ratio, seed=args.workload_seed,
+                               request_rate=args.request_rate)
     engine = LLMEngine(engine_config_from_args(args))
     per_point: dict[str, list[Any]] = {label: [] for label in sweep.labels}
     for rep in range(args.repeats):
@@ -97,7 +87,7 @@ def _median_metrics(all_metrics: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot_tradeoff(knob: str, rows: list[tuple[str, dict[str, Any], int, int]], path: Path) -> None:
-    """TTFT, ITL, throughput and preemptions against the knob: the trade-off the seeds describe."""
+    """TTFT, ITL, throughput and preemptions against the knob: the latency/throughput trade-off of one knob."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -26,7 +26,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     w.add_argument("--input-len", type=int, default=288, help="mean prompt length in tokens")
     w.add_argument("--range-ratio", type=float, default=0.78, help="prompt lengths uniform in len*(1±r): 64..512")
     w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--dataset-path", default=None, help="a JSONL workload in the anchors' format instead")
+    w.add_argument("--dataset-path", default=None, help="a JSONL workload (id, prompt_token_ids, max_tokens) instead")
     w.add_argument("--workload-seed", type=int, default=20251129)
     p.add_argument("--modes", default="continuous,static,request", help="batching modes to compare")
     p.add_argument("--repeats", type=int, default=1)
@@ -35,19 +35,11 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def build_requests(args: argparse.Namespace) -> list:
-    from tokenloom.bench.workloads import load_jsonl, random_requests
+    from tokenloom.workload.build import engine_workload
 
-    if args.dataset_path:
-        reqs = load_jsonl(args.dataset_path)
-    else:
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                               seed=args.workload_seed)
-        for r in reqs:
-            r.max_tokens = args.output_len  # the output length is fixed, only prompts vary
-    for r in reqs:
-        r.arrival_s = 0.0
-        r.ignore_eos = True
-    return reqs
+    return engine_workload(args.dataset_path, num_prompts=args.num_prompts, input_len=args.input_len,
+                           output_len=args.output_len, range_ratio=args.range_ratio, seed=args.workload_seed,
+                           request_rate=None, fixed_output_len=True)
 
 
 def _run(args: argparse.Namespace) -> int:

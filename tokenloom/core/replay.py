@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,9 @@ from tokenloom.sampling_params import SamplingParams
 
 REPLAY_TOKEN_ID = 7
 
-_SCHEDULER_KEYS = {
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "policy", "max_model_len", "watermark", "scheduler_reserve_full_isl", "batching",
-}
-_CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
+# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names.
+_SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
 
 
 @dataclass

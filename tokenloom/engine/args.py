@@ -1,68 +1,79 @@
-"""Engine options for the command line, with vLLM's names, shared by generate, chat, serve and bench."""
+"""Engine options for the command line, derived from the config dataclasses (tokenloom/config.py).
+
+Shared by generate, chat, serve, bench and simulate. Flag names are vLLM's (`--scheduling-policy`),
+help text, choices and defaults come from each field's `knob(...)`: a new knob needs no edit here.
+"""
 
 from __future__ import annotations
 
 import argparse
-import re
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from tokenloom.config import QUANTIZATION_METHODS
-from tokenloom.engine.llm_engine import engine_config_from_kwargs
+from tokenloom.config import EngineArg, engine_args, engine_config_from_kwargs, parse_bytes
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+__all__ = ["add_engine_args", "engine_config_from_args", "engine_kwargs_from_args", "parse_bytes", "cli_type"]
 
-
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512MiB', '2G', '1073741824' → bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB or a number of bytes)")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"unknown size unit in {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit])
+_GROUPS = {"engine": "engine", "scheduler": "scheduler", "cache": "KV cache"}
 
 
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+def cli_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A parser whose ValueError argparse reports with its message (not just 'invalid value')."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def add_engine_arg(group: Any, a: EngineArg, *, field_default: bool = False) -> None:
+    """One knob as a flag. Engine-level knobs show their default; scheduler and cache knobs default to
+    None ("not given") so the config's own default applies, and their help says what it is."""
+    default = a.default if (field_default or a.section == "engine") else None
+    text = a.help.replace("%", "%%")
+    if default is None and a.default is not None and a.kind != "bool":
+        text += f" (default: {a.default})"
+    kwargs: dict[str, Any] = {"default": default, "help": text, "dest": a.name}
+    if a.kind == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction
+        kwargs["help"] += f" (default: {'on' if a.default else 'off'})"
+    elif a.choices is not None:
+        kwargs["choices"] = list(a.choices)
+    else:
+        kwargs["type"] = cli_type(a.parse)
+        if a.kind == "json":
+            kwargs["metavar"] = "JSON"
+    group.add_argument(a.flag, *a.flags, **kwargs)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True, *,
+                    only: Iterable[str] | None = None, simulated: bool = False,
+                    field_defaults: bool = False) -> None:  # fmt: skip
+    """Add the engine's flags, grouped as engine / scheduler / KV cache.
+
+    only: just these knobs (by name); simulated: just the knobs the simulator models;
+    field_defaults: every flag defaults to its config default (for commands without a config layer).
+    """
     if with_model:
         parser.add_argument("model", nargs="?", default=None,
                             help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; "
-                        "oneDNN VNNI GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90%% of free memory on CUDA)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--trace-steps", default=None, metavar="FILE", help="write one JSON line per engine step")
-    s = parser.add_argument_group("scheduler")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step (2048)")
-    s.add_argument("--max-num-seqs", type=int, default=None, help="most running requests (128)")
-    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
-    s.add_argument("--watermark", type=float, default=None)
-    s.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--batching", choices=["continuous", "static", "request"], default=None,
-                   help="batching granularity (continuous = iteration-level, vLLM's)")
-    c = parser.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=None)
-    c.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (overrides --kv-cache-memory)")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    wanted = set(only) if only is not None else None
+    groups: dict[str, Any] = {}
+    for a in engine_args():
+        if (wanted is not None and a.name not in wanted) or (simulated and not a.simulated):
+            continue
+        if a.section not in groups:
+            groups[a.section] = parser.add_argument_group(_GROUPS[a.section])
+        add_engine_arg(groups[a.section], a, field_default=field_defaults)
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    keys = [
-        "dtype", "device", "quantization", "kv_cache_memory", "max_model_len", "seed", "trace_steps",
-        "max_num_batched_tokens",
-        "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold", "scheduling_policy", "watermark",
-        "scheduler_reserve_full_isl", "batching", "block_size", "num_blocks", "enable_prefix_caching",
-    ]
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine keyword arguments the command line gave (None: not given)."""
+    return {a.name: getattr(args, a.name) for a in engine_args() if getattr(args, a.name, None) is not None}
 
 
 def engine_config_from_args(args: argparse.Namespace):

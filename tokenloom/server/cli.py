@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from tokenloom.engine.args import add_engine_args, engine_config_from_args, parse_bytes
+from tokenloom.engine.args import add_engine_args, cli_type, engine_config_from_args, parse_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="name(s) clients use in 'model' (default: the model's name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="answer 429 while this many requests wait to be scheduled (0: no limit)")
-    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20,
+    g.add_argument("--max-request-body-bytes", type=cli_type(parse_bytes), default=4 << 20,
                    help="answer 413 to larger request bodies, e.g. 4MiB")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cut")

@@ -1,7 +1,10 @@
 """The simulator: tokenloom's own scheduler and EngineCore with a cost model in place of the model.
 
-runner.py (SimulatedRunner), clock.py (virtual and wall clocks), cost_model.py (step time from the
-step's shape, least-squares fit), profiler.py (timing the real ModelRunner), quiet.py (waiting for an
-idle CPU before timing), profile.py (profile JSON), simulate.py (the workload driver), sweep.py,
-cli.py (`tokenloom profile | simulate | explore`), profiles/ (the shipped profile).
+runner.py (SimulatedRunner), cost_model.py (step time from the step's shape, least-squares fit),
+profiler.py (timing the real ModelRunner), quiet.py (waiting for an idle CPU before timing),
+profile.py (profile JSON), simulate.py (a simulation: the workload driver over a SimulatedRunner on a
+virtual clock), cli.py (`tokenloom profile | simulate`), profiles/ (the shipped profiles). The
+driver, clocks, workloads, metrics and sweeps it shares with bench live in tokenloom/workload.
+
+May import: everything below it (config, core, model, engine, workload). Never bench or explore.
 """

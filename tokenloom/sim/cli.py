@@ -1,4 +1,4 @@
-"""`tokenloom profile`, `tokenloom simulate` and `tokenloom explore`.
+"""`tokenloom profile` and `tokenloom simulate`.
 
 Imports stay inside the commands: `tokenloom --help` never pays for torch (profile) or the bench client.
 """
@@ -12,22 +12,20 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.config import QUANTIZATION_METHODS
-from tokenloom.engine.args import parse_bytes
+from tokenloom.config import engine_args
+from tokenloom.engine.args import add_engine_args
+from tokenloom.workload.options import add_arrival_args, add_dataset_args
 
 if TYPE_CHECKING:
-    from tokenloom.bench.workloads import BenchRequest
     from tokenloom.config import CacheConfig, SchedulerConfig
     from tokenloom.sim.profile import Profile
-    from tokenloom.sim.simulate import SimResult
+    from tokenloom.workload.datasets import BenchRequest
+    from tokenloom.workload.driver import WorkloadResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     _add_profile(sub)
     _add_simulate(sub)
-    e = sub.add_parser("explore", help="a local web page: move scheduler knobs, watch the real scheduler step by step")
-    e.add_argument("--port", type=int, default=8765, help="port on 127.0.0.1 (0: any free port)")
-    e.set_defaults(func=_explore)
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -37,11 +35,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the real model runner on a grid of step shapes and fit the cost model")
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
-                   help="profile the int8 (W8A8) layers")
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_args(p, with_model=False, only=("dtype", "device", "quantization", "block_size"), field_defaults=True)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
     p.add_argument("--passes", type=int, default=3, help="passes over the grid; each shape keeps its median pass")
@@ -91,36 +85,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     w = p.add_argument_group("workload (the names of `tokenloom bench serve`)")
     w.add_argument("--workload", default=None, metavar="W",
                    help="random | sharegpt | FILE.jsonl (shorthand for --dataset-name/--dataset-path)")
-    w.add_argument("--dataset-name", choices=["random", "sharegpt", "jsonl"], default="random")
-    w.add_argument("--dataset-path", default=None, help="ShareGPT JSON (default: the shipped sample) or jsonl")
-    w.add_argument("--num-prompts", type=int, default=None, help="default: 100, or every line of a jsonl")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--random-input-len", type=int, default=1024)
-    w.add_argument("--random-output-len", type=int, default=128)
-    w.add_argument("--random-range-ratio", type=float, default=0.0)
-    w.add_argument("--random-prefix-len", type=int, default=0)
-    w.add_argument("--random-vocab-range", default="17:49151")
-    w.add_argument("--sharegpt-output-len", type=int, default=None)
-    w.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
-    w.add_argument("--request-rate", type=float, default=None,
-                   help="requests/s; inf = all at once (default; a jsonl keeps its arrival_s unless given)")
-    w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    add_dataset_args(w)
+    add_arrival_args(w)
 
-    s = p.add_argument_group("scheduler (vLLM's names, defaults as `tokenloom serve`)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None)
-    s.add_argument("--watermark", type=float, default=None)
-    s.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None)
-    s.add_argument("--batching", choices=["continuous", "static", "request"], default=None)
-    s.add_argument("--max-model-len", type=int, default=None)
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--block-size", type=int, default=None)
-    c.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: --kv-cache-memory / block bytes)")
-    c.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="as the engine's (default 2GiB on CPU)")
-    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    # The engine's knobs the simulator models (vLLM's names, defaults as `tokenloom serve`).
+    add_engine_args(p, with_model=False, simulated=True)
 
     o = p.add_argument_group("output")
     o.add_argument("--sweep", default=None, metavar="KNOB=v1,v2,...", help="one run per value; prints a table")
@@ -131,41 +100,37 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_simulate)
 
 
-_ENGINE_KEYS = (
-    "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",
-    "scheduling_policy", "watermark", "scheduler_reserve_full_isl", "batching", "max_model_len", "block_size",
-    "num_blocks", "kv_cache_memory", "enable_prefix_caching",
-)  # fmt: skip
+# The engine keyword arguments a simulation takes: every knob the simulator models.
+_ENGINE_KEYS = tuple(a.name for a in engine_args() if a.simulated)
 
 
-def _workload_args(args: argparse.Namespace) -> None:
-    """--workload W -> the bench's --dataset-name / --dataset-path."""
+def _dataset(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--workload W -> the bench's (--dataset-name, --dataset-path)."""
     if args.workload is None:
-        return
+        return args.dataset_name, args.dataset_path
     if args.workload in ("random", "sharegpt", "jsonl"):
-        args.dataset_name = args.workload
-    else:
-        args.dataset_name, args.dataset_path = "jsonl", args.workload
+        return args.workload, args.dataset_path
+    return "jsonl", args.workload
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from tokenloom.bench.cli import build_workload
-    from tokenloom.bench.metrics import format_summary
-    from tokenloom.bench.workloads import assign_arrivals
     from tokenloom.sim.profile import load_profile
-    from tokenloom.sim.sweep import format_table, parse_sweep, suffixed
+    from tokenloom.workload.build import workload_from_args
+    from tokenloom.workload.datasets import assign_arrivals
+    from tokenloom.workload.metrics import format_summary
+    from tokenloom.workload.sweep import format_table, parse_sweep, suffixed
 
-    _workload_args(args)
-    args.ignore_eos, args.random_prompt_format = True, "token-ids"  # what build_workload also reads
+    dataset_name, dataset_path = _dataset(args)
     profile = load_profile(args.profile)
     if profile.is_stale():
         print(f"warning: the model runner's code changed since this profile was measured ({profile.created}); "
               "its step times may be off: run `tokenloom profile` again", file=sys.stderr)
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
-    base_requests = build_workload(args)
+    base_requests = workload_from_args(args, dataset_name=dataset_name, dataset_path=dataset_path,
+                                       ignore_eos=True, random_prompt_format="token-ids")
     engine_kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
     rate = args.request_rate
-    if rate is None and args.dataset_name != "jsonl":
+    if rate is None and dataset_name != "jsonl":
         rate = math.inf
 
     def one(kwargs: dict[str, Any], rate: float | None, trace: str | None, result_file: str | None) -> _Run:
@@ -174,7 +139,7 @@ def _simulate(args: argparse.Namespace) -> int:
             requests = assign_arrivals(base_requests, rate, args.burstiness, args.seed)
         run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed)
         if result_file:
-            _save_result(result_file, run, args, profile, rate, percentiles)
+            _save_result(result_file, run, args, profile, rate, percentiles, (dataset_name, dataset_path))
         return run
 
     if not args.sweep:
@@ -201,7 +166,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 @dataclass
 class _Run:
-    result: SimResult
+    result: WorkloadResult
     sched: SchedulerConfig
     cache: CacheConfig
 
@@ -228,8 +193,8 @@ def _print_sim_line(run: _Run) -> None:
 
 
 def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profile, rate: float | None,
-                 percentiles: list[float]) -> None:  # fmt: skip
-    from tokenloom.bench.client import BenchResult
+                 percentiles: list[float], dataset: tuple[str, str | None]) -> None:  # fmt: skip
+    from tokenloom.workload.result import BenchResult
 
     config = {
         "model_id": profile.model,
@@ -239,8 +204,8 @@ def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profil
         "burstiness": args.burstiness,
         "seed": args.seed,
         "percentiles": percentiles,
-        "dataset_name": args.dataset_name,
-        "dataset_path": args.dataset_path,
+        "dataset_name": dataset[0],
+        "dataset_path": dataset[1],
         "simulator": {
             "profile": args.profile,
             "profile_hardware": profile.hardware,
@@ -257,13 +222,3 @@ def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profil
         json.dump(data, f, indent=1)
         f.write("\n")
     print(f"wrote {path}")
-
-
-# ---------------------------------------------------------------------------------------------- explore
-
-
-def _explore(args: argparse.Namespace) -> int:
-    from tokenloom.explore.server import serve
-
-    serve(args.port)
-    return 0

@@ -29,11 +29,11 @@ from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerO
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel, Sample, StepShape, fit
 from tokenloom.sim.profile import Profile, runner_fingerprint, tokenloom_version
 from tokenloom.sim.quiet import wait_for_quiet
 from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.workload.clock import VirtualClock
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,8 @@ def run_profile(
     """Load the model, time every shape of the grid, fit, and return the profile."""
     from tokenloom.model.attention import kv_cache_bytes_per_block
     from tokenloom.model.loader import load_model, resolve_model_path
-    from tokenloom.model.runner import ModelRunner, resolve_device, resolve_dtype
+    from tokenloom.model.platform import resolve_device, resolve_dtype
+    from tokenloom.model.runner import ModelRunner
 
     grid = grid or Grid()
     # Taken before anything is timed: if the runner's code changes meanwhile, the profile reads as stale.

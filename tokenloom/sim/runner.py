@@ -13,8 +13,8 @@ scheduler reads, so every timestamp (first_token_time, finished_time, the step t
 from __future__ import annotations
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.sim.clock import VirtualClock
 from tokenloom.sim.cost_model import CostModel, StepShape
+from tokenloom.workload.clock import VirtualClock
 
 # Not special in any vocabulary we run (SmolLM2's specials are 0..16); never an EOS.
 SIM_TOKEN_ID = 7

@@ -1,4 +1,4 @@
-"""`--sweep KNOB=v1,v2,...`: one simulation per value of one knob, summarised in a table."""
+"""`--sweep KNOB=v1,v2,...`: one run per value of one knob (`simulate`, `bench sweep`), summarised in a table."""
 
 from __future__ import annotations
 
@@ -7,35 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenloom.engine.args import parse_bytes
+from tokenloom.config import engine_args
 
-
-def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "on", "yes"):
-        return True
-    if low in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"not a boolean: {text!r} (use true/false)")
-
-
-# Engine keyword names (vLLM's, as in `tokenloom serve`), plus the workload's request rate.
-KNOBS: dict[str, Callable[[str], Any]] = {
-    "max_num_batched_tokens": int,
-    "max_num_seqs": int,
-    "enable_chunked_prefill": _bool,
-    "long_prefill_token_threshold": int,
-    "scheduling_policy": str,
-    "watermark": float,
-    "scheduler_reserve_full_isl": _bool,
-    "batching": str,
-    "block_size": int,
-    "num_blocks": int,
-    "enable_prefix_caching": _bool,
-    "max_model_len": int,
-    "kv_cache_memory": parse_bytes,
-    "request_rate": float,
-}
+# Engine keyword names (vLLM's, as in `tokenloom serve`) of every knob the simulator models, plus the
+# workload's request rate; `bench sweep` checks its own subset (no model reload).
+KNOBS: dict[str, Callable[[str], Any]] = {a.name: a.parse for a in engine_args() if a.simulated}
+KNOBS["request_rate"] = float
 
 
 @dataclass

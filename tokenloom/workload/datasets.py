@@ -6,8 +6,9 @@ A workload is a list of `BenchRequest`. Three sources:
   prompts as random token ids from an ordinary-vocab range (exact lengths) or as words (lengths
   estimated).
 - `load_sharegpt`: first human turn as the prompt, first assistant turn's length as max_tokens.
-- `load_jsonl`: the anchors' format (`id, arrival_s, prompt_token_ids, max_tokens, ignore_eos`), so a
-  file written by `shared/anchors/workloads.py` is replayed exactly, arrival times included.
+- `load_jsonl`: one request per line (`id, arrival_s, prompt_token_ids, max_tokens, ignore_eos`), so a
+  frozen workload (`--save-workload`, benchmarks/mixed_workload.py) is replayed exactly, arrival times
+  included.
 
 Arrival times are a separate step (`assign_arrivals`), so any workload can be replayed at any rate.
 Everything is deterministic for a given seed (numpy's PCG64 via `default_rng`).
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 # SmolLM2's ids 0..16 are special tokens (<|endoftext|>, <|im_start|>, ...); keep random prompts out of
-# them so a random prompt never contains an accidental end-of-text. Same range as the anchors.
+# them so a random prompt never contains an accidental end-of-text. Same range as the JSONL workloads of benchmarks/.
 DEFAULT_VOCAB_RANGE = (17, 49151)
 # Rough English BPE ratio, used only when no tokenizer is given and the server does not report usage.
 CHARS_PER_TOKEN = 4.0
@@ -265,7 +266,7 @@ def load_sharegpt(
 
 
 def load_jsonl(path: str | Path, num: int | None = None) -> list[BenchRequest]:
-    """The anchors' workload format, one request per line; `prompt` (text) is accepted too."""
+    """The JSONL workload format, one request per line; `prompt` (text) is accepted too."""
     out: list[BenchRequest] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -296,7 +297,7 @@ def load_jsonl(path: str | Path, num: int | None = None) -> list[BenchRequest]:
 
 
 def write_jsonl(requests: Iterable[BenchRequest], path: str | Path) -> None:
-    """Inverse of `load_jsonl` (token-id prompts in the anchors' keys), to freeze a workload."""
+    """Inverse of `load_jsonl` (token-id prompts, the same keys), to freeze a workload."""
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
             obj: dict = {"id": r.id, "arrival_s": round(r.arrival_s, 6)}

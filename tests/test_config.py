@@ -1,0 +1,80 @@
+"""The config dataclasses are the one source of the engine's knobs: CLI, LLM(**kwargs), sweeps, simulator."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import pytest
+
+from tokenloom import config as cfg
+from tokenloom.config import ConfigError, EngineConfig, engine_args, engine_config_from_kwargs
+from tokenloom.engine.args import add_engine_arg, add_engine_args, engine_config_from_args
+
+
+def test_vllm_names_and_field_names_both_reach_the_config() -> None:
+    for name in ("scheduling_policy", "policy"):
+        config = engine_config_from_kwargs(**{name: "priority"}, max_num_seqs=8, num_blocks=64, dtype="float32")
+        assert config.scheduler.policy == "priority" and config.scheduler.max_num_seqs == 8
+        assert config.cache.num_blocks == 64 and config.dtype == "float32"
+    with pytest.raises(ConfigError, match="unknown engine argument.*max_num_seq\\b"):
+        engine_config_from_kwargs(max_num_seq=8)
+
+
+def test_cli_flags_parse_into_the_same_config_as_kwargs() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["m.gguf", "--scheduling-policy", "priority", "--no-enable-prefix-caching",
+                              "--kv-cache-memory", "1GiB", "-q", "int8", "--watermark", "0.1"])
+    assert engine_config_from_args(args) == engine_config_from_kwargs(
+        model="m.gguf", scheduling_policy="priority", enable_prefix_caching=False, kv_cache_memory=1 << 30,
+        quantization="int8", watermark=0.1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-memory", "lots"])
+
+
+def test_every_knob_has_help_and_a_flag() -> None:
+    flags = [a.flag for a in engine_args()]
+    assert len(flags) == len(set(flags))
+    assert "--scheduling-policy" in flags and "--policy" not in flags
+    assert all(a.help for a in engine_args())
+
+
+def test_float16_is_refused_up_front_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match="dtype.*float16 is not supported"):
+        EngineConfig(dtype="float16")
+    with pytest.raises(ConfigError, match="dtype"):
+        engine_config_from_kwargs(dtype="float16")
+    assert cfg.engine_arg("dtype").choices == ("auto", "float32", "bfloat16")
+
+
+def test_sweepable_knobs_exclude_those_that_reload_the_model() -> None:
+    from tokenloom.bench.sweep import SWEEPABLE
+    from tokenloom.workload.sweep import KNOBS
+
+    assert "scheduling_policy" in SWEEPABLE and "block_size" not in SWEEPABLE and "dtype" not in SWEEPABLE
+    assert KNOBS["enable_prefix_caching"]("off") is False and KNOBS["kv_cache_memory"]("2KiB") == 2048
+    assert "dtype" not in KNOBS and "request_rate" in KNOBS
+
+
+def test_a_json_and_a_bool_knob_get_their_cli_kinds() -> None:
+    """A later knob typed dict (speculative_config) reads JSON; a bool becomes --x/--no-x."""
+
+    @dataclass
+    class Extra:
+        speculative_config: dict | None = cfg.knob(None, "speculative decoding, as JSON")
+        async_scheduling: bool = cfg.knob(False, "overlap scheduling with the forward")
+
+    extra = {a.name: a for a in cfg.knobs_of(Extra, "engine")}
+    assert extra["speculative_config"].kind == "json" and extra["async_scheduling"].kind == "bool"
+    parser = argparse.ArgumentParser()
+    for a in extra.values():
+        add_engine_arg(parser, a)
+    args = parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 3}', "--async-scheduling"])
+    assert args.speculative_config == {"num_speculative_tokens": 3} and args.async_scheduling is True
+    assert parser.parse_args([]).async_scheduling is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{3"])
+    with pytest.raises(ValueError, match="not JSON"):
+        cfg.parse_json("{3")
+    assert Extra().speculative_config is None

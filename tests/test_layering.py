@@ -1,0 +1,104 @@
+"""Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
+
+    config, sampling_params  <  core  <  model  <  engine  <  server, workload  <  bench, sim  <  explore
+
+Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
+as vLLM's benchmarks share datasets.py). tokenloom/cli.py collects every room's commands by name
+and sits above them all. tokenloom/core (and config, sampling_params) never import torch: the
+scheduler must run, be replayed and be tested without it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
+
+LEVELS = {
+    "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
+    "tokenloom.core": 1,
+    "tokenloom.model": 2,
+    "tokenloom.engine": 3,
+    "tokenloom.server": 4, "tokenloom.workload": 4,
+    "tokenloom.bench": 5, "tokenloom.sim": 5,
+    "tokenloom.explore": 6,
+    "tokenloom.cli": 7,
+}  # fmt: skip
+NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.core")
+
+
+def room(module: str) -> str:
+    """tokenloom.core.scheduler -> tokenloom.core; tokenloom.config -> tokenloom.config."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
+
+
+def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, imported module) for every import statement, in functions and TYPE_CHECKING blocks too."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names if target == "tokenloom"]
+    return out
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """What is wrong with one module's imports, as 'module:line imports X (why)'."""
+    here = room(module)
+    found = []
+    for line, target in imports(source, module, is_package):
+        top = target.split(".")[0]
+        if top == "torch" and here in NO_TORCH:
+            found.append(f"{module}:{line} imports torch ({here} must run without it)")
+        if top != "tokenloom" or target == "tokenloom":
+            continue
+        there = room(target)
+        if there == here or there not in LEVELS:
+            continue
+        if LEVELS[there] >= LEVELS[here]:
+            kind = "a higher" if LEVELS[there] > LEVELS[here] else "a same-level"
+            found.append(f"{module}:{line} imports {target} ({kind} room: {here} may only import below it)")
+    return found
+
+
+def package_modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append((".".join(parts), path))
+    return out
+
+
+def test_every_room_is_known() -> None:
+    rooms = {room(module) for module, _ in package_modules()}
+    assert rooms <= set(LEVELS), f"give these rooms a level in LEVELS: {sorted(rooms - set(LEVELS))}"
+
+
+def test_no_module_imports_a_higher_or_sibling_room() -> None:
+    found = []
+    for module, path in package_modules():
+        found += violations(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+    assert not found, "upward imports:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_upward_sibling_relative_and_torch_imports() -> None:
+    assert violations("from tokenloom.engine.llm_engine import LLMEngine\n", "tokenloom.core.scheduler")
+    assert violations("def f():\n    from tokenloom.sim import simulate\n", "tokenloom.bench.sweep")
+    assert violations("from ..explore import server\n", "tokenloom.sim.cli")
+    assert violations("from tokenloom import server\n", "tokenloom.model.runner")
+    assert violations("import torch\n", "tokenloom.core.block_pool")
+    assert not violations("from tokenloom.core.request import Request\nimport torch\n", "tokenloom.model.runner")
+    assert not violations("from . import datasets\n", "tokenloom.workload", is_package=True)

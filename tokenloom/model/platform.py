@@ -1,0 +1,91 @@
+"""Where the model runs: device and dtype resolution, CPU threads, the allocator, loading on one thread.
+
+Threads (CPU): torch intra-op threads = usable cores (oneDNN GEMMs scale with them), inter-op
+threads = 1 (nothing runs concurrently); OMP_NUM_THREADS overrides. On an oversubscribed machine
+2 OpenMP threads can be much slower than 1 (every op waits at a barrier for a descheduled thread):
+give the engine its cores, or set OMP_NUM_THREADS=1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when bf16 GEMMs have hardware support (AVX512-BF16 or AMX), i.e. oneDNN runs them fast."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX"):
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or auto")
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def configure_cpu_threads() -> None:
+    """One intra-op thread per usable core (oneDNN GEMMs scale with it); a single inter-op thread,
+    since the forward never runs two ops concurrently. OMP_NUM_THREADS, when set, wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    # Raises once the process has done parallel work; whatever was fixed then stays.
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def keep_freed_memory_in_process() -> None:
+    """Stop glibc from handing multi-MB activations back to the kernel after every op.
+
+    By default glibc serves large allocations with fresh mmaps (and trims the heap on free), so
+    each step's big temporaries (gathered K/V, MLP activations) page-fault again on every layer:
+    on this VM that cost up to 3x on an fp32 decode step. Pinning the mmap threshold at its
+    maximum (32 MiB) and disabling trimming keeps them in the heap. vLLM's CPU docs recommend
+    preloading tcmalloc for the same reason; this needs no preload. No-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Run torch on one thread. Dequantizing and casting are memory-bound elementwise ops: a second thread
+    saves little on an idle machine, while on a busy one OpenMP's spin-waiting made loading 5-10x slower
+    (SmolLM2: 0.8-1.7 s on one thread vs 5-14 s on two, with other jobs running)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
