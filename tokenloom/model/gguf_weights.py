@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import (
+from tokenloom.model.gguf import (
     config_from_gguf,
     dequantize,
     hf_name_from_gguf,
