@@ -124,3 +124,14 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         kernels.set_force_scalar(False)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
+    """Loading a GGUF dequantized (the default) handles the K-quants too, for every model family."""
+    from tokenloom.model.gguf import GGUFTensor, dequantize
+
+    n, k = shapes(qtype)[1]
+    raw = random_blocks(qtype, n, k, seed=5)
+    got = dequantize(GGUFTensor(name="w", qtype=qtype, shape=(n, k), raw=raw.reshape(-1)))
+    torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32)), rtol=0, atol=0)
