@@ -115,6 +115,10 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
         raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
         packed = kernels.gguf_repack8(raw, int(qtype), k)
         assert packed.numel() == raw.numel()  # same bytes, reordered
+        want_w, got_w = torch.empty(n, k), torch.empty(n, k)
+        kernels.gguf_dequantize(want_w, raw, int(qtype))
+        kernels.gguf_dequantize_packed(got_w, packed, int(qtype))
+        torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
         bias = torch.randn(n)
         for m in (1, 3, 6):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

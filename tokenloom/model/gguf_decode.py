@@ -71,3 +71,33 @@ def build_decoder(kernels: Any, config: ModelConfig, weights: dict[str, Any]) ->
             _parts(weights, [m + "down_proj.weight"], [m + "down_proj.bias"]),
         )
     return dec
+
+
+class GGUFDecodeStep:
+    """The model's fast path for small all-decode steps: binds the runner's KV caches to the
+    decoder once and runs `step()` when the step qualifies (see `run`)."""
+
+    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        self.decoder = decoder
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.max_rows = max_decode_rows()
+        self._bound: int | None = None  # data_ptr of the first K cache bound to the decoder
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            slot_mapping: torch.Tensor, kv_caches: list, rope: Any, max_position: int) -> torch.Tensor | None:
+        """Final-norm hidden states [B, H] of B single-token sequences (row b of `block_tables` is
+        sequence b), or None when the step does not qualify (more rows than `max_rows`, a prefill row,
+        caches in another layout): the caller then runs the per-op path."""
+        b = input_ids.shape[0]
+        if b == 0 or b > self.max_rows or block_tables.shape[0] != b or kv_caches[0] is None:
+            return None
+        k0 = kv_caches[0][0]
+        if self._bound != k0.data_ptr():
+            self.decoder.set_kv_caches([kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches])
+            self._bound = k0.data_ptr()
+        cos, sin = rope.full_tables(max_position)
+        out = torch.empty(b, self.hidden_size, dtype=self.dtype)
+        self.decoder.step(out, input_ids, positions, slot_mapping, block_tables, cos, sin)
+        return out
+

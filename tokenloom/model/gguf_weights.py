@@ -40,7 +40,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 def dequant_min_rows() -> int:
     """Batches of at least this many rows dequantize the weight and run a float GEMM instead of the
     quantized kernel (TOKENLOOM_GGUF_DEQUANT_ROWS overrides; measured crossover on the dev box)."""
-    return int(os.environ.get("TOKENLOOM_GGUF_DEQUANT_ROWS", "48"))
+    return int(os.environ.get("TOKENLOOM_GGUF_DEQUANT_ROWS", "32"))
 
 
 @dataclass

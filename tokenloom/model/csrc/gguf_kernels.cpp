@@ -793,6 +793,32 @@ void unpack_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, uint8_t* row
   }
 }
 
+// Rows of one tile of the 8-row layout, dequantized straight from it: out[r * ldo + k] (fp32).
+void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out, int64_t ldo) {
+  const int64_t TB = packed_tile_bytes(t);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = pw + (tile * G + g) * TB;
+    for (int r = 0; r < 8; r++) {
+      const float d = h2f(p + 2 * r);
+      float* o = out + r * ldo + 32 * g;
+      if (t == kQ8_0) {
+        for (int j = 0; j < 8; j++)
+          for (int i = 0; i < 4; i++) o[4 * j + i] = d * static_cast<int8_t>(p[16 + 32 * j + 4 * r + i]);
+        continue;
+      }
+      const float m = t == kQ4_1 ? h2f(p + 16 + 2 * r) : 0.0f;
+      const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+      const int off = t == kQ4_1 ? 0 : 8;
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) {
+          const uint8_t b = v[32 * j + 4 * r + i];
+          o[8 * j + i] = d * static_cast<float>((b & 0x0F) - off) + m;
+          o[8 * j + 4 + i] = d * static_cast<float>((b >> 4) - off) + m;
+        }
+    }
+  }
+}
+
 // out [8 * tiles, K] (float / bf16) = the weight in the 8-row layout, dequantized.
 void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype) {
   const int t = static_cast<int>(qtype);
@@ -801,21 +827,20 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == 8 * tiles && K % 32 == 0 &&
                   pw.size(1) == G * packed_tile_bytes(t), "out must be contiguous [8 * tiles, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
-  const int bb = type_info(t).block_bytes;
+  const uint8_t* src = pw.data_ptr<uint8_t>();
+  const bool f32 = out.scalar_type() == at::kFloat;
+  float* of = f32 ? out.data_ptr<float>() : nullptr;
+  bf16* ob = f32 ? nullptr : out.data_ptr<bf16>();
   at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> rows(8 * G * bb);
-    float buf[32];
+    std::vector<float> buf(f32 ? 0 : 8 * K);
     for (int64_t tile = t0; tile < t1; tile++) {
-      unpack_tile(t, pw.data_ptr<uint8_t>(), tile, G, rows.data());
-      for (int r = 0; r < 8; r++)
-        for (int64_t g = 0; g < G; g++) {
-          dequant_block(t, rows.data() + (r * G + g) * bb, buf);
-          const int64_t o = (tile * 8 + r) * K + g * 32;
-          if (out.scalar_type() == at::kFloat)
-            std::memcpy(out.data_ptr<float>() + o, buf, sizeof(buf));
-          else
-            for (int e = 0; e < 32; e++) out.data_ptr<bf16>()[o + e] = bf16(buf[e]);
-        }
+      if (f32) {
+        dequant_tile(t, src, tile, G, of + tile * 8 * K, K);
+      } else {
+        dequant_tile(t, src, tile, G, buf.data(), K);
+        bf16* o = ob + tile * 8 * K;
+        for (int64_t i = 0; i < 8 * K; i++) o[i] = bf16(buf[i]);
+      }
     }
   });
 }
@@ -913,8 +938,12 @@ void dequant_rows(const uint8_t* w, int t, int64_t row_bytes, int64_t K, const i
       const uint8_t* src = w + (rows ? rows[r] : r) * row_bytes;
       T* dst = out + r * K;
       for (int64_t b = 0; b < nb; b++) {
-        dequant_block(t, src + b * ti.block_bytes, buf);
-        for (int e = 0; e < ti.block_elems; e++) store(dst + b * ti.block_elems + e, buf[e]);
+        if constexpr (std::is_same_v<T, float>) {
+          dequant_block(t, src + b * ti.block_bytes, dst + b * ti.block_elems);
+        } else {
+          dequant_block(t, src + b * ti.block_bytes, buf);
+          for (int e = 0; e < ti.block_elems; e++) store(dst + b * ti.block_elems + e, buf[e]);
+        }
       }
     }
   });
