@@ -29,8 +29,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
-from tokenloom.core.scheduler import Scheduler  # noqa: E402
+from tokenloom.core.schedulers import make_scheduler  # noqa: E402
 from tokenloom.engine.core import EngineCore  # noqa: E402
+from tokenloom.engine.executor import UniProcExecutor  # noqa: E402
 from tokenloom.engine.trace import StepTracer  # noqa: E402
 from tokenloom.sim.cost_model import Sample, fit, fit_error  # noqa: E402
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint  # noqa: E402
@@ -91,7 +92,7 @@ def warm_up(runner: Any, sched: Any, cache: Any, args: argparse.Namespace) -> No
     """Requests like the measured ones (another seed), all at once, before measuring: a fresh runner
     pays one-off costs (oneDNN sets up a GEMM the first time it sees a batch size), which a server that
     has been up for a while has paid already, and which the profile's warm-up calls leave out too."""
-    core = EngineCore(Scheduler(sched, cache), runner)
+    core = EngineCore(make_scheduler(sched, cache), UniProcExecutor(runner))
     reqs = random_requests(args.warmup_prompts, args.input_len, args.output_len, args.range_ratio, seed=args.seed + 1)
     run_workload(reqs, core, WallClock())
 
@@ -122,7 +123,7 @@ def run_real(runner: Any, requests: list[BenchRequest], sched: Any, cache: Any, 
     recorder = ShapeRecorder(runner)
     clock = WallClock()
     times = StepTimes(StepTracer(trace_path) if trace_path else None)
-    core = EngineCore(Scheduler(sched, cache, clock=clock), recorder, times)  # type: ignore[arg-type]
+    core = EngineCore(make_scheduler(sched, cache, clock=clock), UniProcExecutor(recorder), times)  # type: ignore[arg-type]
     cpu0, own0 = cpu_times(), time.process_time()
     try:
         result = run_workload(requests, core, clock, seed=seed)

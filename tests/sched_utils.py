@@ -6,6 +6,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 EOS_TOKEN_ID = 50256
@@ -33,7 +34,7 @@ def create_scheduler(
         **kwargs,
     )
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(sched, cache, clock=lambda: 0.0)
+    return make_scheduler(sched, cache, clock=lambda: 0.0)
 
 
 def create_requests(

@@ -377,3 +377,33 @@ def test_static_batching_prefills_before_decoding() -> None:
     assert out.num_scheduled_tokens == {"0": 10, "1": 6}
     out, _ = step(sched)  # no decode for 0 until every member has its first token
     assert "0" not in out.num_scheduled_tokens
+
+
+def test_the_configuration_picks_the_scheduler_class() -> None:
+    from tokenloom.config import CacheConfig, SchedulerConfig
+    from tokenloom.core.batch_scheduler import BatchScheduler
+    from tokenloom.core.scheduler import Scheduler
+    from tokenloom.core.schedulers import make_scheduler
+
+    cache = CacheConfig(block_size=16, num_blocks=64)
+    assert type(make_scheduler(SchedulerConfig(max_model_len=64), cache)) is Scheduler
+    for mode in ("static", "request"):
+        sched_cfg = SchedulerConfig(max_model_len=64, batching=mode)
+        assert type(make_scheduler(sched_cfg, cache)) is BatchScheduler
+        # The continuous scheduler refuses a mode it does not run, rather than silently ignoring it.
+        with pytest.raises(ValueError, match=f"batching={mode!r}"):
+            Scheduler(sched_cfg, cache)
+    with pytest.raises(ValueError, match="batching='continuous'"):
+        BatchScheduler(SchedulerConfig(max_model_len=64), cache)
+
+
+def test_preempted_req_ids_are_this_steps_preemptions() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=4, num_blocks=4, block_size=4)
+    for r in create_requests(2, num_tokens=7, max_tokens=10):
+        sched.add_request(r)
+    preempted = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        preempted.append(out.preempted_req_ids)
+    assert any(preempted) and all(len(p) <= 1 for p in preempted)
+    assert all(not p or next(iter(p)) == "1" for p in preempted)  # FCFS: the last of running

@@ -11,6 +11,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.replay import ReplayRunner, replay
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -72,7 +73,7 @@ def test_invariants_hold_on_random_traces(case) -> None:
     from tokenloom.core.replay import parse_trace
 
     t = parse_trace(trace)
-    sched = Scheduler(t.scheduler_config, t.cache_config, clock=lambda: 0.0)
+    sched = make_scheduler(t.scheduler_config, t.cache_config, clock=lambda: 0.0)
     runner = ReplayRunner(sched)
     cfg: SchedulerConfig = t.scheduler_config
     pending = sorted(t.requests, key=lambda r: r.arrival_step)
@@ -129,13 +130,12 @@ def test_allocate_slots_is_all_or_nothing_under_random_calls() -> None:
     import random
 
     rng = random.Random(0)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
+    sched = make_scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
                       CacheConfig(block_size=4, num_blocks=12), clock=lambda: 0.0)
     kv = sched.kv_cache_manager
     for i in range(300):
         req = Request(f"x{i}", [rng.randrange(3) for _ in range(rng.randrange(1, 40))], SamplingParams())
-        req.block_size = 4
-        req._update_block_hashes()
+        req.set_block_size(4)
         blocks, hit = kv.get_computed_blocks(req)
         snapshot = ([(b.ref_cnt, b.block_hash) for b in kv.block_pool.blocks],
                     [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()])

@@ -17,8 +17,10 @@ from tokenloom.core.replay import replay
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
+from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.cost_model import TERMS, CostModel, Sample, StepShape, fit
+from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint
 from tokenloom.sim.runner import SimulatedRunner
 from tokenloom.sim.simulate import simulate
@@ -90,7 +92,7 @@ def _drive_by_step(core: EngineCore, trace_reqs: list[dict], max_steps: int = 50
         if not core.scheduler.has_requests() and step > max(r["arrival_step"] for r in trace_reqs):
             return decisions
         out = core.scheduler.schedule()
-        runner_out = core.runner.execute_model(out)
+        runner_out = core.executor.execute_model(out)
         finished = [o.request_id for o in core.scheduler.update_from_output(out, runner_out) if o.finished]
         if out.num_scheduled_tokens:
             decisions.append((dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids), sorted(finished)))
@@ -109,9 +111,9 @@ def test_simulated_runner_schedules_like_the_real_runner(tmp_path: Path) -> None
     sched_cfg, cache_cfg = _configs(CONFIG)
     real_runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=cache_cfg.num_blocks,
                               dtype="float32", device="cpu")  # fmt: skip
-    real = _drive_by_step(EngineCore(Scheduler(sched_cfg, cache_cfg), real_runner), trace_reqs)
+    real = _drive_by_step(EngineCore(Scheduler(sched_cfg, cache_cfg), UniProcExecutor(real_runner)), trace_reqs)
     clock = VirtualClock()
-    sim_core = EngineCore(Scheduler(sched_cfg, cache_cfg, clock=clock), SimulatedRunner(UNIT, clock))
+    sim_core = EngineCore(Scheduler(sched_cfg, cache_cfg, clock=clock), SimulatedExecutor(UNIT, clock))
     sim = _drive_by_step(sim_core, trace_reqs)
     assert any(pre for _, pre, _ in real)
     assert sim == real

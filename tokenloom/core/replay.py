@@ -19,6 +19,7 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 REPLAY_TOKEN_ID = 7
@@ -103,7 +104,7 @@ class StepRecord:
 
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
     """Drive the scheduler over the trace, yielding each step (and each rejection as it happens)."""
-    scheduler = Scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
+    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
     runner = ReplayRunner(scheduler)
     by_step: dict[int, list[TraceRequest]] = {}
     for r in trace.requests:

@@ -8,7 +8,6 @@ behind is this request".
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from typing import Any
 
 from tokenloom.sampling_params import SamplingParams
@@ -39,9 +38,6 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
-
-BlockHasher = Callable[["Request"], list[int]]
-
 
 def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...]) -> int:
     """Hash of one full block, chained to its parent so equal blocks at different depths differ.
@@ -125,6 +121,13 @@ class Request:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
         self._update_block_hashes()
+
+    def set_block_size(self, block_size: int) -> None:
+        """Hash the full blocks at the scheduler's block size (a request may be built without one)."""
+        if block_size != self.block_size:
+            self.block_size = block_size
+            self.block_hashes = []
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         if not self.block_size:

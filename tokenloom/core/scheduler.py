@@ -16,6 +16,10 @@ the first catches up with the second:
 
 The line-by-line reference is `vllm/v1/core/sched/scheduler.py` (vLLM 0.32); differences are listed
 in docs/scheduler.md.
+
+This class is the continuous scheduler only. Variants subclass it, as vLLM's AsyncScheduler does:
+the comparison batching modes (static, request-level) in core/batch_scheduler.py override the two
+hooks `_hold_decodes` and `_admission_open`; core/schedulers.py picks the class for a configuration.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -33,6 +37,7 @@ from tokenloom.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 
@@ -53,6 +58,9 @@ class SchedulerStats:
 
 
 class Scheduler:
+    # The `batching` values this class runs; a subclass that adds modes widens it.
+    batching_modes: tuple[str, ...] = ("continuous",)
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -61,6 +69,11 @@ class Scheduler:
     ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
+        if scheduler_config.batching not in self.batching_modes:
+            raise ValueError(
+                f"batching={scheduler_config.batching!r} is not run by {type(self).__name__}; "
+                "build the scheduler with tokenloom.core.schedulers.make_scheduler"
+            )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
@@ -82,19 +95,13 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
-        self.reset_preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
-        # static / request-level batching: the members of the batch in flight.
-        self._batch_ids: set[str] = set()
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run."""
         self._validate(request)
-        if request.block_size != self.block_size:
-            request.block_size = self.block_size
-            request.block_hashes = []
-            request._update_block_hashes()
+        request.set_block_size(self.block_size)
         request.status = RequestStatus.WAITING
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
@@ -103,21 +110,19 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
-        prompt_len = request.num_prompt_tokens
-        if prompt_len == 0:
+        fit = prompt_fit(request.num_prompt_tokens, request.max_tokens, self.max_model_len, self.block_size,
+                         self.kv_cache_manager.num_blocks)  # fmt: skip
+        if fit.empty:
             raise RequestRejected(f"request {rid!r}: the prompt is empty")
-        if prompt_len >= self.max_model_len:
+        if fit.no_room_to_generate:
             raise RequestRejected(
-                f"request {rid!r}: prompt of {prompt_len} tokens leaves no room to generate within "
+                f"request {rid!r}: prompt of {fit.num_prompt_tokens} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        # The last sampled token is never fed back, so the KV holds at most final_len - 1 tokens.
-        final_len = min(prompt_len + request.max_tokens, self.max_model_len)
-        blocks_needed = cdiv(final_len - 1, self.block_size)
-        if blocks_needed > self.kv_cache_manager.num_blocks:
+        if fit.exceeds_pool:
             raise RequestRejected(
-                f"request {rid!r} needs {blocks_needed} KV blocks at its longest "
-                f"({final_len - 1} tokens) but the pool has only {self.kv_cache_manager.num_blocks}; "
+                f"request {rid!r} needs {fit.blocks_needed} KV blocks at its longest "
+                f"({fit.final_len - 1} tokens) but the pool has only {fit.num_blocks}; "
                 "it could never finish (lower max_tokens, or give the KV cache more memory)"
             )
 
@@ -145,7 +150,6 @@ class Scheduler:
         request.finished_time = self.clock()
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
-        self._batch_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
     # The step --------------------------------------------------------------------------------
@@ -167,7 +171,7 @@ class Scheduler:
         # The threshold exists to stop one long prefill starving others; alone, it may take all.
         num_eligible = len(self.running) + len(self.waiting)
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
-        hold_decodes = self._static_batch_still_prefilling()
+        hold_decodes = self._hold_decodes()
 
         # 1. RUNNING first.
         req_index = 0
@@ -286,7 +290,7 @@ class Scheduler:
         assert total <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
         if bound_by is None:
-            bound_by = "budget" if token_budget == 0 and self._has_unscheduled_work(num_scheduled_tokens) else "nothing"
+            bound_by = self._bound_by_at_end(token_budget, num_scheduled_tokens)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[
@@ -309,7 +313,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=self.reset_preempted_req_ids,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
             resumed_req_ids={r.request_id for r in scheduled_resumed_reqs},
             cached_tokens=cached_tokens,
             num_prefill_tokens={
@@ -327,9 +331,8 @@ class Scheduler:
         # needs the old start positions, and the next schedule() must not hand out these tokens again.
         for req_id, n in output.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
-        # New sets, not clear(): the output just built holds the old ones.
+        # A new set, not clear(): the output just built holds the old one.
         self.finished_req_ids = set()
-        self.reset_preempted_req_ids = set()
 
     def _preempt_request(self, request: Request, now: float) -> None:
         """Recompute-style preemption: free the blocks, reset progress, back to waiting."""
@@ -342,7 +345,10 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
-        self.reset_preempted_req_ids.add(request.request_id)
+
+    def _bound_by_at_end(self, token_budget: int, num_scheduled_tokens: dict[str, int]) -> str:
+        """For the step trace, when no loop said what stopped it: the budget, or nothing left to do."""
+        return "budget" if token_budget == 0 and self._has_unscheduled_work(num_scheduled_tokens) else "nothing"
 
     def _has_unscheduled_work(self, num_scheduled_tokens: dict[str, int]) -> bool:
         if self.waiting:
@@ -352,23 +358,14 @@ class Scheduler:
             for r in self.running
         )
 
-    # Static and request-level batching (for comparison; vLLM only has "continuous") -------
-    def _admission_open(self, request: Request) -> bool:
-        if self.scheduler_config.batching == "continuous":
-            return True
-        if not self._batch_ids:
-            if self.running:
-                return False
-            # Form the next batch from the head of the waiting queue, in policy order.
-            members = [r.request_id for r, _ in zip(self.waiting, range(self.max_num_running_reqs))]
-            self._batch_ids = set(members)
-        return request.request_id in self._batch_ids
+    # Hooks for the comparison batching modes (core/batch_scheduler.py) -------------------------
+    def _hold_decodes(self) -> bool:
+        """Whether this step schedules prefills only. Continuous batching never holds decodes back."""
+        return False
 
-    def _static_batch_still_prefilling(self) -> bool:
-        """Static batching runs the batch in lockstep: every prompt first, then the decodes."""
-        if self.scheduler_config.batching != "static" or not self._batch_ids:
-            return False
-        return any(self.requests[rid].num_output_tokens == 0 for rid in self._batch_ids)
+    def _admission_open(self, request: Request) -> bool:
+        """Whether the head of the waiting queue may be admitted now (budget and slots aside)."""
+        return True
 
     # Results back in -------------------------------------------------------------------------
     def update_from_output(

@@ -18,10 +18,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tokenloom.core.kv_cache_manager import cdiv
+from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import EngineCoreClient
@@ -29,6 +28,7 @@ from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, Eng
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads it only with the tokenizer
@@ -193,12 +193,7 @@ class AsyncLLM:
                 f"(limit {self.max_waiting_requests}); retry later"
             )
         arrival = time.monotonic()
-        cores = []
-        for i in range(params.n):
-            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            child.eos_token_id = self.info.eos_token_id
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            cores.append(Request(core_id, prompt_token_ids, child, arrival_time=arrival, priority=priority))
+        cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)
         stream.pending.add(request_id)
@@ -211,13 +206,14 @@ class AsyncLLM:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """What the scheduler would reject, said up front with vLLM's wording (HTTP 400)."""
         n_prompt, max_len = len(prompt_token_ids), self.info.max_model_len
-        if n_prompt == 0:
+        fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, self.info.block_size, self.info.num_blocks)
+        if fit.empty:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.info.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
-        if n_prompt >= max_len:
+        if fit.no_room_to_generate:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, your request has "
                 f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length of the input.",
@@ -230,11 +226,9 @@ class AsyncLLM:
                 f"({params.max_tokens} > {max_len} - {n_prompt}).",
                 "max_tokens",
             )
-        final_len = min(n_prompt + params.effective_max_tokens, max_len)
-        blocks = cdiv(final_len - 1, self.info.block_size)
-        if blocks > self.info.num_blocks:
+        if fit.exceeds_pool:
             raise InvalidRequestError(
-                f"the request needs {blocks} KV-cache blocks at its longest but the pool has only "
+                f"the request needs {fit.blocks_needed} KV-cache blocks at its longest but the pool has only "
                 f"{self.info.num_blocks}; lower max_tokens or the prompt length",
                 "max_tokens",
             )

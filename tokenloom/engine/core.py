@@ -1,30 +1,33 @@
 """EngineCore: the one loop everything hangs on — schedule, execute, update.
 
-The runner is anything with `execute_model(SchedulerOutput) -> ModelRunnerOutput`: the torch
-ModelRunner, or the simulator's cost-model runner. The engine core knows nothing of text.
+The model runs behind an Executor (tokenloom/engine/executor.py): the in-process torch runner, or
+the simulator's cost model. The engine core knows nothing of text, nor where the model runs.
+
+`step()` is vLLM's EngineCore.step: schedule, hand the SchedulerOutput to the executor, wait for
+its ModelRunnerOutput, update. An executor with `max_concurrent_batches > 1` would be driven by a
+second variant (vLLM's `step_with_batch_queue`: schedule step N+1 while step N runs), built from
+the same three parts: `scheduler.schedule()`, `executor.execute_model(..., non_block=True)` and
+`_finish_step()`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from concurrent.futures import Future
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.engine.executor import Executor
 from tokenloom.engine.trace import StepTracer
 
 logger = logging.getLogger(__name__)
 
 
-class Runner(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: Runner, tracer: StepTracer | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, tracer: StepTracer | None = None) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.tracer = tracer
         self.clock = scheduler.clock
         self.num_steps = 0
@@ -47,7 +50,14 @@ class EngineCore:
             return []
         t_start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        model_output = self._execute(scheduler_output)
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        return self._finish_step(t_start, scheduler_output, future)
+
+    def _finish_step(
+        self, t_start: float, scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]
+    ) -> list[EngineCoreOutput]:
+        """Wait for a step's model output, update the scheduler from it, and record the step."""
+        model_output = self._result(scheduler_output, future)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         t_end = self.clock()
         self.num_steps += 1
@@ -57,9 +67,10 @@ class EngineCore:
             self.tracer.record(t_start, t_end, self.scheduler, scheduler_output, outputs)
         return outputs
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @staticmethod
+    def _result(scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         try:
-            return self.runner.execute_model(scheduler_output)
+            return future.result()
         except Exception as exc:  # the step failed as a whole: its requests end with an error
             logger.exception("model execution failed; finishing the step's requests with an error")
             req_ids = list(scheduler_output.num_scheduled_tokens)

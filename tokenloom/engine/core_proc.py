@@ -1,4 +1,4 @@
-"""The engine-core process: model, scheduler and runner, stepping as fast as there is work.
+"""The engine-core process: model, scheduler and executor (LLMEngine builds them), stepping as fast as there is work.
 
     loop: handle every message waiting in the inbox (add / abort / shutdown; block when idle)
           → one EngineCore.step() if any request is unfinished

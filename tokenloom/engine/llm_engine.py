@@ -1,4 +1,4 @@
-"""LLMEngine: a model, its tokenizer, the scheduler and the runner, stepped in this process.
+"""LLMEngine: a model, its tokenizer, the scheduler and the executor, stepped in this process.
 
     add_request(text or token ids) → tokenize → Request(s) → EngineCore.step() → OutputProcessor →
     RequestOutputs (text, tokens, finish reasons, per-request metrics)
@@ -14,11 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
-from tokenloom.core.request import Request
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
+from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sampling_params import SamplingParams
 
@@ -38,7 +39,6 @@ class LLMEngine:
         from tokenloom.model.attention import kv_cache_bytes_per_block
         from tokenloom.model.loader import load_model, resolve_model_path
         from tokenloom.model.platform import resolve_device, resolve_dtype
-        from tokenloom.model.runner import ModelRunner
         from tokenloom.model.tokenizer import load_tokenizer
 
         self.config = config
@@ -71,14 +71,15 @@ class LLMEngine:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded, block_size=cache_cfg.block_size, num_blocks=num_blocks,
-                                  dtype=dtype, device=device, quantization=config.quantization,
-                                  calibration_token_ids=calibration)
+        self.executor = UniProcExecutor.from_config(config, loaded, block_size=cache_cfg.block_size,
+                                                    num_blocks=num_blocks, dtype=dtype, device=device,
+                                                    calibration_token_ids=calibration)
         del loaded
+        self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         logger.info(
@@ -166,12 +167,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
-        cores = []
-        for i in range(params.n):
-            child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            child.eos_token_id = self.eos_token_id
-            core_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            cores.append(Request(core_id, token_ids, child, arrival_time=arrival, priority=priority))
+        cores = fan_out(request_id, token_ids, params, self.eos_token_id, arrival, priority)
         added = []
         try:
             for core in cores:
@@ -221,14 +217,15 @@ class LLMEngine:
         self.scheduler_config = scheduler_config or self.scheduler_config
         self.cache_config = cache_config
         self.clock = clock or self.clock
-        self.runner.requests.clear()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
-        self.engine_core = EngineCore(self.scheduler, self.runner, self.tracer)
+        self.executor.reset()
+        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
 
     def close(self) -> None:
+        self.executor.shutdown()
         if self.tracer is not None:
             self.tracer.close()
 

@@ -22,11 +22,12 @@ from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.cost_model import CostModel
-from tokenloom.sim.runner import SimulatedRunner
+from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 
 # Keep one request from tying up the server: the page is for small, readable cases.
@@ -144,10 +145,10 @@ def _distinct_prompt(index: int, length: int) -> list[int]:
 def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
     requests: dict[str, Request] = {}
     collector = _Collector(requests)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
     rejected: dict[str, str] = {}
     by_step: dict[int, list[tuple[int, RequestSpec]]] = {}
     for i, spec in enumerate(specs):
@@ -195,8 +196,8 @@ def _setup_steps(k: Knobs, decode_max_tokens: int) -> int:
         return 0
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = Scheduler(sched_cfg, cache_cfg, clock=clock)
-    core = EngineCore(scheduler, SimulatedRunner(ONE_UNIT_PER_STEP, clock))
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+    core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock))
     for i in range(k.D):
         params = SamplingParams(max_tokens=decode_max_tokens, temperature=0.0, ignore_eos=True)
         try:

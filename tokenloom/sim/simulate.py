@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a workload: the real scheduler and EngineCore over a SimulatedRunner.
+"""Discrete-event simulation of a workload: the real scheduler and EngineCore over a SimulatedExecutor.
 
 The driver (`tokenloom.workload.driver.run_workload`) is shared with the real engine
 (benchmarks/sim_accuracy.py and `bench throughput|sweep` run it over EngineCore + ModelRunner with a
@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sim.cost_model import CostModel
+from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
-from tokenloom.sim.runner import SimulatedRunner
 from tokenloom.workload.clock import VirtualClock
 from tokenloom.workload.datasets import BenchRequest
 from tokenloom.workload.driver import WorkloadResult, run_workload
@@ -38,9 +38,9 @@ def simulate(
     seed: int = 0,
 ) -> WorkloadResult:
     clock = VirtualClock()
-    scheduler = Scheduler(scheduler_config, cache_config, clock=clock)
+    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock)
     tracer = StepTracer(trace) if trace is not None else None
-    core = EngineCore(scheduler, SimulatedRunner(cost_model, clock), tracer)
+    core = EngineCore(scheduler, SimulatedExecutor(cost_model, clock), tracer)
     try:
         return run_workload(requests, core, clock, percentiles=percentiles, seed=seed)
     finally:
