@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.gguf_decode import build_decoder
+from tokenloom.model.gguf_decode import decoder_from_weights
 from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
 from tokenloom.model.llama import rope_inv_freq
@@ -59,7 +59,7 @@ def reference_hidden(config, weights, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decoder_matches_dense_forward(model, kv_dtype: torch.dtype) -> None:
     config, weights = model
-    dec = build_decoder(kernels, config, weights)
+    dec = decoder_from_weights(kernels, config, weights)
     layers, hkv, d, bs = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4
     kv = torch.zeros(layers, 2, hkv, 8, bs, d, dtype=kv_dtype)
     dec.set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
@@ -94,7 +94,7 @@ def test_decoder_matches_dense_forward(model, kv_dtype: torch.dtype) -> None:
 
 def test_decoder_rejects_bad_input(model) -> None:
     config, weights = model
-    dec = build_decoder(kernels, config, weights)
+    dec = decoder_from_weights(kernels, config, weights)
     with pytest.raises(RuntimeError, match="KV caches not set"):
         dec.step(torch.empty(1, config.hidden_size), torch.tensor([1]), torch.tensor([0]), torch.tensor([0]),
                  torch.zeros(1, 1, dtype=torch.int32), torch.zeros(4, 32), torch.zeros(4, 32))

@@ -50,7 +50,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype)
+        loaded = load_model(path, dtype, quantized=config.quantization == "gguf")
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.model)
@@ -67,7 +67,7 @@ class LLMEngine:
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
-        if config.quantization is not None:
+        if config.quantization == "int8":
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)

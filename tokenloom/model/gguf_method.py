@@ -8,12 +8,23 @@ GEMV / small GEMM, or dequantize-then-GEMM for large batches (GGUFLinear decides
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from tokenloom.model.linear import LinearBase, LinearMethodBase
 
 
 class GGUFLinearMethod(LinearMethodBase):
+    """`kernels`: the CPU kernels (norms, SiLU-and-mul); `gguf_kernels`: the GGUF GEMMs (None: the
+    layers dequantize on every call, slow but correct)."""
+
+    def __init__(self, kernels: ModuleType | None = None) -> None:
+        super().__init__(kernels)
+        from tokenloom.model.gguf_kernels import gguf_kernels
+
+        self.gguf_kernels = gguf_kernels()
+
     def apply_input(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         out = layer.gguf(x)  # type: ignore[attr-defined]
         return out if layer.out_dtype is None or out.dtype == layer.out_dtype else out.to(layer.out_dtype)

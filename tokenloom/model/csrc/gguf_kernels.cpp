@@ -1024,10 +1024,24 @@ void run_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t N, 
   });
 }
 
-QLin make_qlin(const std::vector<std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>>>& parts, int64_t K) {
+// parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
+using PartSpec = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
+
+QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
   QLin L;
   L.K = K;
-  for (const auto& [w, t, bias] : parts) {
+  for (const auto& [w, t, bias, is_packed] : parts) {
+    if (is_packed) {
+      TORCH_CHECK(packable(t) && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                      w.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(t)), "bad packed part");
+      if (bias) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 8 * w.size(0),
+                    "a part's bias must be a contiguous float [N] tensor");
+      }
+      L.parts.push_back(Part{at::Tensor(), static_cast<int>(t), bias, w});
+      L.N += 8 * w.size(0);
+      continue;
+    }
     if (t == kDense) {
       TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
                   "a dense part must be a contiguous float [N, ", K, "] tensor");
@@ -1053,13 +1067,18 @@ void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
   int64_t col = 0;
   for (const auto& p : L.parts) {
     const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
-    if (p.t == kDense)
-      run_dense(x, M, L.K, p.w.data_ptr<float>(), p.w.size(0), bias, out + col, L.N);
-    else if (p.packed.defined())
+    int64_t n;
+    if (p.packed.defined()) {
+      n = 8 * p.packed.size(0);
       run_packed(p.t, act, p.packed.data_ptr<uint8_t>(), p.packed.size(0), bias, out + col, L.N);
-    else
-      run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(0), p.w.size(1), bias, out + col, L.N);
-    col += p.w.size(0);
+    } else if (p.t == kDense) {
+      n = p.w.size(0);
+      run_dense(x, M, L.K, p.w.data_ptr<float>(), n, bias, out + col, L.N);
+    } else {
+      n = p.w.size(0);
+      run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), n, p.w.size(1), bias, out + col, L.N);
+    }
+    col += n;
   }
 }
 
@@ -1111,7 +1130,7 @@ class GGUFDecoder {
     check_vec(final_norm, H_, "final_norm");
   }
 
-  using Parts = std::vector<std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>>>;
+  using Parts = std::vector<PartSpec>;
 
   void add_layer(at::Tensor attn_norm, const Parts& qkv, const Parts& o, at::Tensor ffn_norm, const Parts& gate_up,
                  const Parts& down) {
