@@ -46,16 +46,16 @@ def main() -> None:
     for m in [int(r) for r in a.rows.split(",")]:
         xs = [torch.randn(m, lin.in_features).to(dtype) for lin in lins]
 
-        def kernel() -> None:
+        def kernel(xs: list[torch.Tensor] = xs) -> None:
             for lin, x in zip(lins, xs):
-                lin_out = torch.empty(m, lin.out_features, dtype=torch.float32)
+                lin_out = torch.empty(x.shape[0], lin.out_features, dtype=torch.float32)
                 col = 0
                 for part in lin.parts:
                     n = part.shape[0]
                     k.gguf_linear_packed(lin_out[:, col:col + n], x.float(), part.data, part.qtype, None)
                     col += n
 
-        def dequant() -> None:
+        def dequant(xs: list[torch.Tensor] = xs) -> None:
             for lin, x in zip(lins, xs):
                 F.linear(x, torch.cat([part.dequantize(dtype) for part in lin.parts]))
 

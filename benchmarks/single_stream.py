@@ -53,7 +53,8 @@ def main() -> None:
     for r in range(a.rounds):
         res = run(engine, 1, a.prompt_len, a.output_len, seed=r)
         ours.append(1000.0 / res["step_ms_median"])
-        line = f"round {r}: tokenloom {ours[-1]:7.1f} tok/s (host work outside the model {res['overhead_ms_median']} ms)"
+        line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s "
+                f"(host work outside the model {res['overhead_ms_median']} ms)")
         if a.llama_bench:
             theirs.append(llama_bench(a.llama_bench, model, a.threads, a.output_len))
             line += f", llama.cpp {theirs[-1]:7.1f} tok/s"

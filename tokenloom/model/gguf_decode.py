@@ -4,8 +4,10 @@
 linears (q/k/v and gate/up each one matrix where their GGML types agree; the same tensors the
 model's GGUFLinear layers hold, not copies) and the KV caches; a decode step is one `step()` call,
 so no Python runs per op or per layer. `build_decoder` assembles it (the model does, from its
-layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly. Rows it handles: decodes only (one new token per sequence), up to
-`MAX_DECODE_ROWS`; anything else (prefill chunks, mixed steps, bigger batches) runs the per-op path.
+layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly.
+
+Steps it takes: decodes only (one new token per sequence), up to `max_decode_rows()` sequences,
+plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) runs the per-op path.
 """
 
 from __future__ import annotations

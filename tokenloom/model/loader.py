@@ -81,7 +81,8 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, quantized: bool = False) -> LoadedModel:
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+               quantized: bool = False) -> LoadedModel:
     """Load config and weights (converted to `dtype`) from a resolved path; see `resolve_model_path`.
     `quantized` (`--quantization gguf`): a GGUF's quantized matrices stay GGUF blocks (GGUFWeight,
     tokenloom/model/gguf_weights.py); the other tensors come as float32."""
