@@ -82,12 +82,13 @@ class LLMEngine:
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
-            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, %d KV blocks of %d tokens (%.0f MiB), "
-            "max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
+            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
+            "(%.0f MiB), max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
-            f" + {config.quantization} layers" if config.quantization else "", num_blocks, cache_cfg.block_size,
-            num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
+            cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
         )
 
     @classmethod

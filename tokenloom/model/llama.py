@@ -246,8 +246,10 @@ class LlamaModel:
             if gguf is not None:
                 tensors += [p.data for p in gguf.parts]
         for t in tensors:
-            if t.device.type != "meta":
+            try:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # opaque (oneDNN pre-packed) tensors have no storage
+                seen[id(t)] = t.numel() * t.element_size()
         return sum(seen.values())
 
     def forward(
