@@ -201,12 +201,13 @@ class LlamaModel:
                        for i in range(config.num_hidden_layers)]
         self.rope = RotaryEmbedding(config, self.device, dtype)
         self.quantization = quantization
+        self.gguf_step: Any = None  # set below for gguf; int8 calibration runs forward before that
         if quantization == "int8":
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
-        # --quantization gguf: small all-decode steps run the whole stack in one compiled call.
-        self.gguf_step = _gguf_decode_step(self) if quantization == "gguf" else None
+        if quantization == "gguf":  # small all-decode steps run the whole stack in one compiled call
+            self.gguf_step = _gguf_decode_step(self)
         self.packed_linear = packing_enabled(self.device, dtype) and prepack_linears(self.dense_linears())
 
     @property
