@@ -134,3 +134,13 @@ def test_engine_gguf_matches_dequantized_greedy() -> None:
     want = [o.outputs[0].token_ids for o in LLM().generate(prompts, params)]
     for g, w in zip(got, want):
         assert g[:3] == w[:3], (g, w)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tmp_path) -> None:
+    from tokenloom.config import ConfigError, EngineConfig
+    from tokenloom.model.loader import load_model
+
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        load_model(tmp_path, quantized=True)
+    with pytest.raises(ConfigError, match="CPU only"):
+        EngineConfig(quantization="gguf", device="cuda")
