@@ -26,8 +26,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
-Quantization = Literal["int8"]
+# --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
+# quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
+Quantization = Literal["int8", "gguf"]
 QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
 
 
@@ -388,7 +389,9 @@ class EngineConfig:
     device: Device = knob("auto", "where the model runs", simulated=False)
     quantization: Quantization | None = knob(
         None, "int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; oneDNN VNNI "
-        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)", flags=("-q",), simulated=False)
+        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype). gguf: keep a quantized GGUF's "
+        "weights quantized (Q4_0..Q8_0, K-quants; memory ~ the file size) and run single-stream decode "
+        "in one compiled call per step", flags=("-q",), simulated=False)
     # None: 2 GiB on CPU, 90% of free memory on CUDA.
     kv_cache_memory: int | None = knob(
         None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
@@ -416,7 +419,7 @@ class EngineConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":
-            raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
+            raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
 
