@@ -25,14 +25,14 @@ MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECOD
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.attention import AttentionMetadata, KVCache
-from tokenloom.model.attention_backends import AttentionBackend, select_attention_backend
+from tokenloom.model.attention import AttentionLayerSpec, AttentionMetadata, KVCache
+from tokenloom.model.attention_backends import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.linear import (
     LinearBase,
@@ -58,6 +58,7 @@ class StepContext:
     rope_tables: Any  # the attention backend's (see AttentionBackend.rope_tables)
     attn_metadata: AttentionMetadata
     attn_backend: AttentionBackend
+    local_rope_tables: Any = None  # Gemma 3's sliding layers' rope (their own base), else None
 
 
 class RMSNorm:
@@ -76,7 +77,12 @@ class RMSNorm:
 
 
 class LlamaAttention:
-    """qkv projection -> attention backend (rotary, KV write, paged attention) -> o projection."""
+    """qkv projection -> attention backend (rotary, KV write, paged attention) -> o projection.
+    `spec`: this layer's scale / sliding window / soft-capping; `local_rope`: the layer rotates with
+    the model's local rope tables (Gemma 3's sliding layers)."""
+
+    spec = AttentionLayerSpec()
+    local_rope = False
 
     def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
         names = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
@@ -91,12 +97,17 @@ class LlamaAttention:
         """x in qkv_proj's input format -> (o_proj's output, rows: see AttentionBackend.forward);
         output None when no row goes on."""
         qkv = self.qkv_proj.apply_input(x)
-        qkv = qkv if isinstance(qkv, torch.Tensor) else qkv.dense()
-        o, rows = ctx.attn_backend.forward(qkv, ctx.positions, ctx.rope_tables, kv_cache, ctx.attn_metadata,
-                                           last_layer)
+        qkv = self.qk_norm(qkv if isinstance(qkv, torch.Tensor) else qkv.dense())
+        rope = ctx.local_rope_tables if self.local_rope and ctx.local_rope_tables is not None else ctx.rope_tables
+        o, rows = ctx.attn_backend.forward(qkv, ctx.positions, rope, kv_cache, ctx.attn_metadata, last_layer,
+                                           self.spec)
         if rows is not None and rows.numel() == 0:
             return None, rows
         return self.o_proj.apply_input(self.o_proj.quant_method.quantize_input(o)), rows
+
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Hook for families that normalise q and k per head before rotary (Qwen3, Gemma 3)."""
+        return qkv
 
 
 class LlamaMLP:
@@ -120,11 +131,27 @@ class LlamaDecoderLayer:
     """Pre-norm attention and MLP blocks around one residual stream (Llama, Qwen2: Qwen2 differs
     only by the q/k/v biases, which the weights carry)."""
 
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
+    norm_weight_offset = 0.0  # added to the final norm's weight (Gemma's (1 + w) convention)
+
+    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+                 layer_idx: int = 0) -> None:
         self.input_layernorm = RMSNorm(get(prefix + "input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = LlamaAttention(get, prefix + "self_attn.", method)
+        self.self_attn = self.make_attention(config, get, prefix + "self_attn.", method)
         self.post_attention_layernorm = RMSNorm(get(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
-        self.mlp = LlamaMLP(get, prefix + "mlp.", method)
+        self.mlp = self.make_mlp(config, get, prefix + "mlp.", method, layer_idx)
+        self.self_attn.spec = self.attention_spec(config, layer_idx)
+
+    # Family hooks: a subclass replaces the attention, the MLP or the attention's spec.
+    def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
+                       method: LinearMethodBase) -> LlamaAttention:
+        return LlamaAttention(get, prefix, method)
+
+    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+                 layer_idx: int) -> Any:
+        return LlamaMLP(get, prefix, method)
+
+    def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
+        return AttentionLayerSpec(window=config.layer_window(layer_idx))
 
     @property
     def first_linear(self) -> LinearBase:
@@ -152,8 +179,16 @@ class LlamaDecoderLayer:
         return self.mlp(x), residual
 
 
-# Decoder-layer class per ModelConfig.architecture.
+# Decoder-layer class per ModelConfig.architecture; the other families register theirs from
+# tokenloom/model/models/ (imported on first use: they subclass the classes above).
 DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {"llama": LlamaDecoderLayer, "qwen2": LlamaDecoderLayer}
+
+
+def decoder_layer_class(architecture: str) -> type[LlamaDecoderLayer]:
+    if architecture not in DECODER_LAYERS:
+        import tokenloom.model.models  # noqa: F401 - registers the families
+
+    return DECODER_LAYERS[architecture]
 
 
 class LlamaModel:
@@ -191,21 +226,39 @@ class LlamaModel:
         # The final norm and the LM head stay here: the forward returns run-dtype hidden states.
         self.dense_method = UnquantizedLinearMethod(self.kernels)
         get = _WeightReader(weights, self.device, dtype)
+        layer_cls = decoder_layer_class(config.architecture)
         self.embed_tokens = get("model.embed_tokens.weight")
-        self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
+        self.norm = RMSNorm(get("model.norm.weight") + layer_cls.norm_weight_offset, config.rms_norm_eps)
         lm_head = get("lm_head.weight") if "lm_head.weight" in weights and not config.tie_word_embeddings \
             else self.embed_tokens
         self.lm_head = LinearBase(lm_head, None, self.dense_method, "lm_head", dtype)
-        layer_cls = DECODER_LAYERS[config.architecture]
-        self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method)
+        self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
+        self._fall_back_for_unsupported_attention()
         self.rope = RotaryEmbedding(config, self.device, dtype)
+        # Gemma 3: the sliding layers rotate with their own base (rope_local_base_freq), unscaled.
+        self.local_rope = None if config.rope_local_base_freq is None else RotaryEmbedding(
+            replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None), self.device, dtype)
+        # Gemma: the embeddings are scaled by sqrt(hidden_size), rounded to the run dtype (as HF).
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
+                            if config.architecture.startswith("gemma") else None)
         self.quantization = quantization
         if quantization is not None:
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
         self.packed_linear = packing_enabled(self.device, dtype) and prepack_linears(self.dense_linears())
+
+    def _fall_back_for_unsupported_attention(self) -> None:
+        """The fused kernel has no sliding window or soft-capping yet: such models run the torch
+        attention backend (the linears keep the kernels), and the log says so."""
+        specs = {layer.self_attn.spec for layer in self.layers}
+        unsupported = [s for s in specs if not self.attn_backend.supports(s)]
+        if unsupported:
+            logger.warning("%s: the fused CPU attention kernel has no sliding window / soft-capping (%s); "
+                           "attention runs on the torch path", self.config.architecture, unsupported[0])
+            self.attn_backend = TorchAttentionBackend(self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                                      self.device)
 
     @property
     def kv_packed(self) -> bool:
@@ -238,7 +291,11 @@ class LlamaModel:
             max_position = int(positions.max()) if positions.numel() else 0
         backend = self.attn_backend
         ctx = StepContext(positions, backend.rope_tables(self.rope, positions, max_position), attn_metadata, backend)
+        if self.local_rope is not None:
+            ctx.local_rope_tables = backend.rope_tables(self.local_rope, positions, max_position)
         h = F.embedding(input_ids, self.embed_tokens)  # the residual stream, updated in place
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         hidden: Hidden | None = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -250,6 +307,9 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
         logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if fp32 else logits
 
 
