@@ -155,6 +155,9 @@ class CacheConfig:
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
+    # Set by the engine from the model (every layer windowed: blocks that fall out of the window are
+    # freed, tokenloom/core/sliding_window.py), so not a knob.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)

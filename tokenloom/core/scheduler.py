@@ -40,6 +40,7 @@ from tokenloom.core.outputs import (
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 
 
 class RequestRejected(ValueError):
@@ -87,6 +88,14 @@ class Scheduler:
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
             max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        ) if cache_config.sliding_window is None else SlidingWindowKVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            sliding_window=cache_config.sliding_window,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
         )

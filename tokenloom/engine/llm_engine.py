@@ -63,7 +63,7 @@ class LLMEngine:
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
                                            num_blocks * cache_cfg.block_size)
-        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks, sliding_window=self._uniform_window(loaded.config))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
@@ -93,6 +93,19 @@ class LLMEngine:
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
+
+    @staticmethod
+    def _uniform_window(model_config: Any) -> int | None:
+        """The sliding window when every layer has one (the KV manager then frees blocks that fall
+        out of it); None otherwise. Models mixing sliding and full layers keep every block: one
+        block id spans all layers here (vLLM's per-group block tables are not built)."""
+        windows = model_config.sliding_windows
+        if windows and all(w is not None for w in windows):
+            return windows[0] if len(set(windows)) == 1 else None
+        if any(w is not None for w in windows):
+            logger.info("%s mixes sliding-window and full-attention layers: the KV cache keeps every block "
+                        "(sliding layers are masked, not freed)", model_config.architecture)
+        return None
 
     # Sizing ---------------------------------------------------------------------------------
     @staticmethod
