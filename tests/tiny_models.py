@@ -90,6 +90,21 @@ def make_tiny_tokenizer() -> Any:
     )
 
 
+# What each family's tiny model sets beyond the shared sizes: a sliding window of 8 tokens (two
+# blocks of 4) where the family has one, Gemma's alternating sliding/global layers, 4 experts top-2.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": dict(sliding_window=8, head_dim=16),
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(),
+}
+
+
 def make_tiny_hf_model(
     tmp_path: str | Path, arch: str = "llama", tie: bool = False, seed: int = 0, **config_overrides: Any
 ) -> Path:
@@ -98,10 +113,15 @@ def make_tiny_hf_model(
     Every parameter (norms and biases included) is random, so a tensor loaded into the wrong slot shows.
     `config_overrides` go to the transformers config (e.g. `rope_scaling`, `num_hidden_layers`).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+               "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = classes[arch]
+    config_overrides = {**FAMILY_DEFAULTS.get(arch, {}), **config_overrides}
     config = config_cls(
         vocab_size=TINY_VOCAB,
         hidden_size=TINY_HIDDEN,
@@ -121,8 +141,8 @@ def make_tiny_hf_model(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1, generator=gen)
+            if "norm" in name:  # Gemma's norms scale by (1 + w): centre those at 0
+                param.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.1, generator=gen)
             else:
                 param.normal_(0.0, 0.05, generator=gen)
     out = Path(tmp_path) / f"tiny-{arch}{'-tied' if tie else ''}-s{seed}"
