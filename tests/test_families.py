@@ -11,19 +11,25 @@ from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import tests.test_model_runner as tmr
 from tests.test_model_runner import BLOCK, Tiny, prompt
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.model.loader import load_model
 from tokenloom.model.models.qwen3_moe import grouped_experts, route
+from tokenloom.model.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 
 FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "mistral"]
@@ -98,3 +104,62 @@ def test_moe_routing_ties_and_idle_expert() -> None:
             gate, up = (w_gate_up[e] @ x[t]).chunk(2)
             ref[t] += weights[t, k] * (w_down[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"])
+def test_gguf_matches_hf_dir(arch: str, tmp_path: Path) -> None:
+    """A GGUF written with gguf's writer under llama.cpp's names and conventions (stacked experts,
+    Gemma's 1 + w norms, Phi-3's fused tensors) loads to the same weights and config, so the same
+    logits, as its HF directory. (llama.cpp writes Mistral as a plain "llama" GGUF, without its
+    window: covered by test_loader's Llama GGUF tests.)"""
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4)
+    from_hf = load_model(hf_dir, torch.float32)
+    from_gguf = load_model(write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf"), torch.float32)
+    for field in ("architecture", "sliding_windows", "hidden_act", "attn_logit_softcapping",
+                  "final_logit_softcapping", "rope_local_base_freq", "num_experts", "num_experts_per_tok",
+                  "norm_topk_prob", "rope_theta", "head_dim"):
+        assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
+    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    for name, w in from_hf.weights.items():
+        torch.testing.assert_close(from_gguf.weights[name], w, atol=1e-6, rtol=0, msg=name)
+    logits = []
+    for loaded in (from_hf, from_gguf):
+        runner = ModelRunner(loaded, block_size=BLOCK, num_blocks=16, dtype="float32", device="cpu")
+        tokens = prompt(7, 14)
+        runner.execute_model(tmr.step({"r": 14}, new=[tmr.new_req("r", tokens, [1, 2, 3, 4])]), return_logits=True)
+        logits.append(runner.last_logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+def test_gguf_tensors_not_matching_architecture(tmp_path: Path) -> None:
+    """A qwen3 GGUF without its q/k norms fails at load (before any KV cache), naming the tensors."""
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch="qwen3", seed=5)
+    path = write_gguf_from_hf(hf_dir, tmp_path / "q.gguf")
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "broken.gguf"), "qwen3")
+    for field in reader.fields.values():
+        if field.name.startswith("qwen3.") and field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if "attn_k_norm" not in t.name:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"qwen3 model.*missing.*k_norm"):
+        load_model(tmp_path / "broken.gguf", torch.float32)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"query_pre_attn_scalar": None}, r"no 'query_pre_attn_scalar', which a gemma2 model needs"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, r"rope_scaling type 'yarn'"),
+    ({"hidden_activation": "relu"}, r"hidden_act 'relu' for gemma2"),
+])
+def test_bad_config_fields_named(change: dict, message: str, tmp_path: Path) -> None:
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch="gemma2", seed=6)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(change)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_model(hf_dir, torch.float32)

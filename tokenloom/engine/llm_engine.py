@@ -17,6 +17,7 @@ from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerCo
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
+from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -57,6 +58,8 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id
+        self.generation_defaults = load_generation_defaults(path if path.is_dir() else path.parent / "_none",
+                                                            config.generation_config, self.eos_token_id)
 
         cache_cfg = config.cache or CacheConfig()
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype)
@@ -174,7 +177,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
-        params = params or SamplingParams()
+        params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")

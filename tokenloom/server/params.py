@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -28,17 +29,20 @@ def _reject_unsupported(req: SamplingRequest) -> None:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
 
 
-def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the model's generation_config defaults, for the fields the request leaves unset."""
+    d = defaults or {}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
+            temperature=server_default(d, "temperature", req.temperature, 1.0),
+            top_p=server_default(d, "top_p", req.top_p, 1.0),
+            top_k=server_default(d, "top_k", req.top_k, 0),
+            min_p=server_default(d, "min_p", req.min_p, 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=server_default(d, "repetition_penalty", req.repetition_penalty, 1.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -55,9 +59,15 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
         raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
 
 
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int | None:
-    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null).
-    return max(max_model_len - prompt_len, 1) if requested is None else requested
+def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                defaults: dict[str, Any] | None = None) -> int | None:
+    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null), or the
+    # model's max_new_tokens when smaller (vLLM's get_max_tokens).
+    if requested is not None:
+        return requested
+    room = max(max_model_len - prompt_len, 1)
+    default = (defaults or {}).get("max_tokens")
+    return room if default is None else min(room, default)
 
 
 # Completions --------------------------------------------------------------------------------------
@@ -71,8 +81,10 @@ def check_completion_request(req: CompletionRequest) -> None:
         raise APIError(400, "best_of is not supported (other than equal to n)", "best_of")
 
 
-def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
-    return _sampling_params(req, _max_tokens(req.max_tokens, prompt_len, max_model_len), req.logprobs)
+def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int,
+                      defaults: dict[str, Any] | None = None) -> SamplingParams:
+    return _sampling_params(req, _max_tokens(req.max_tokens, prompt_len, max_model_len, defaults), req.logprobs,
+                            defaults)
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -108,10 +120,11 @@ def check_chat_request(req: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int,
+                defaults: dict[str, Any] | None = None) -> SamplingParams:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len), logprobs)
+    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len, defaults), logprobs, defaults)
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:

@@ -28,7 +28,7 @@ async def create_chat_completion(raw: Request) -> Response:
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template_kwargs, req.add_special_tokens,
     )
-    params = chat_params(req, len(prompt_ids), state.max_model_len)
+    params = chat_params(req, len(prompt_ids), state.max_model_len, state.sampling_defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = state.engine
     stream = engine.open_stream()

@@ -25,7 +25,7 @@ async def create_completion(raw: Request) -> Response:
     model = state.model_name(req.model)
     check_completion_request(req)
     prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer)
-    params = [completion_params(req, len(ids), state.max_model_len) for _, ids in prompts]
+    params = [completion_params(req, len(ids), state.max_model_len, state.sampling_defaults) for _, ids in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     engine = state.engine

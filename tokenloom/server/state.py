@@ -25,6 +25,8 @@ class ServerState:
         self.model_names = list(config.served_model_names or [engine.info.model_name])
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
+        # The model's generation_config.json defaults (empty with --generation-config vllm).
+        self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
         # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
         # tokenizer is never entered from two threads at once.
