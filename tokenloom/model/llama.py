@@ -179,6 +179,9 @@ class LlamaDecoderLayer:
         return self.mlp(x), residual
 
 
+# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into Llama's norm layout).
+INT8_UNSUPPORTED = ("gemma2", "gemma3", "qwen3_moe")
+
 # Decoder-layer class per ModelConfig.architecture; the other families register theirs from
 # tokenloom/model/models/ (imported on first use: they subclass the classes above).
 DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {"llama": LlamaDecoderLayer, "qwen2": LlamaDecoderLayer}
@@ -212,6 +215,9 @@ class LlamaModel:
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting)."""
         check_quantization(quantization, torch.device(device))
+        if quantization is not None and config.architecture in INT8_UNSUPPORTED:
+            raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
+                             "(Gemma's post-norms and the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None
