@@ -187,6 +187,11 @@ def _hf_sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, list
             raise ValueError(f"config.json layer_types has unknown entries {sorted(unknown)}")
         if SLIDING not in layer_types:
             return None, None
+    elif arch in ("qwen2", "qwen3", "qwen3_moe"):  # v4 configs: layers from max_window_layers on slide
+        first = int(cfg.get("max_window_layers") or 0)
+        layer_types = [SLIDING if i >= first else FULL for i in range(cfg["num_hidden_layers"])]
+        if SLIDING not in layer_types:
+            return None, None
     elif arch == "gemma2":  # v4 configs: every other layer, starting with a sliding one
         layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(cfg["num_hidden_layers"])]
     elif arch == "gemma3":
