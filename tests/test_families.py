@@ -65,17 +65,19 @@ def test_greedy_32_tokens_match_generate(family: Tiny) -> None:
     for rid, p in prompts.items():
         sched.add_request(Request(rid, p, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)))
     generated: dict[str, list[int]] = {rid: [] for rid in prompts}
-    most_held = 0
+    most_held = prefix_hits = 0
     for _ in range(300):
         if not sched.has_requests():
             break
         so = sched.schedule()
+        prefix_hits += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
         for out in sched.update_from_output(so, runner.execute_model(so)):
             assert out.error is None
             generated[out.request_id] += out.new_token_ids
         if uniform is not None:
             kv = sched.kv_cache_manager
             most_held = max([most_held] + [kv.num_blocks_held(r) for r in kv.req_to_blocks])
+    assert prefix_hits == 1  # "b" reuses "a"'s cached prefix blocks (through the window for Mistral)
     if uniform is not None:  # 19 + 32 tokens = 13 blocks without freeing; the window keeps <= 5
         assert 0 < most_held <= -(-(uniform - 1 + 8) // BLOCK) + 1, most_held
     for rid, p in prompts.items():
