@@ -19,11 +19,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
+# Stamped only once chromium is there: a failed install (no root, no network) is tried again by the
+# next `make test` instead of being remembered as done.
 $(VENV)/.chromium: | $(STAMP)
-	@command -v chromium >/dev/null 2>&1 || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
-	  echo "warning: could not install chromium (not root?); the explorer's browser test will be skipped"
-	touch $@
+	@if command -v chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; then \
+	  touch $@; \
+	else \
+	  echo "warning: could not install chromium (not root?); the explorer's browser test will be skipped" \
+	       "(the next make test tries again)"; \
+	fi
 
 # Compile the CPU kernels once now, so the first `serve` does not pay it (optional: without a
 # compiler tokenloom runs its pure-torch path; see tokenloom/model/kernels.py).

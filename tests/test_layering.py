@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
-    "tokenloom.core": 1,
+    "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.model": 2,
     "tokenloom.engine": 3,
     "tokenloom.server": 4, "tokenloom.workload": 4,

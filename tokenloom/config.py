@@ -122,6 +122,21 @@ class SchedulerConfig:
     # "request" forms a batch when nothing runs and admits nobody until all of it has finished;
     # "static" runs that batch in lockstep (every prefill before any decode).
     batching: BatchingMode = knob("continuous", "batching granularity (continuous = iteration-level, vLLM's)")
+    # Opt-in policies beyond vLLM (tokenloom/core/policies.py, docs/scheduling_policies.md); off by default.
+    max_prefill_wait_ms: float = knob(
+        0.0, "bound on a prompt's wait for budget: past it, the prompt gets --min-prefill-chunk tokens per "
+        "step ahead of other running requests (0: off, vLLM's behaviour)")
+    max_prefill_wait_steps: int = knob(
+        0, "the same bound in scheduler steps (deterministic: replays, tests; 0: off)")
+    min_prefill_chunk: int = knob(
+        256, "tokens per step guaranteed to a prompt that waited past --max-prefill-wait-ms "
+        "(capped by the budget)")
+    enable_priority_preemption: bool = knob(
+        False, "with --scheduling-policy priority: preempt lower-priority running requests to admit a "
+        "higher-priority waiting one (vLLM preempts only when a running request cannot grow)")
+    priority_preemption_protection_steps: int = knob(
+        8, "steps after resuming during which a request preempted by --enable-priority-preemption "
+        "cannot be preempted by it again")
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -130,6 +145,21 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_choice("policy", self.policy, Policy)
         _check_choice("batching", self.batching, BatchingMode)
+        if isinstance(self.max_prefill_wait_ms, bool) or not isinstance(self.max_prefill_wait_ms, int | float) \
+                or not self.max_prefill_wait_ms >= 0:
+            raise ConfigError(f"max_prefill_wait_ms must be a number >= 0, got {self.max_prefill_wait_ms!r}")
+        _check_int("max_prefill_wait_steps", self.max_prefill_wait_steps, 0)
+        _check_int("min_prefill_chunk", self.min_prefill_chunk, 1)
+        wait_bound = self.max_prefill_wait_ms > 0 or self.max_prefill_wait_steps > 0
+        if wait_bound and self.min_prefill_chunk >= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"min_prefill_chunk ({self.min_prefill_chunk}) must be < max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) when a prefill wait bound is set, or a waiting prompt "
+                "could take the whole budget from the running requests")
+        _check_int("priority_preemption_protection_steps", self.priority_preemption_protection_steps, 0)
+        if self.enable_priority_preemption and self.policy != "priority":
+            raise ConfigError("enable_priority_preemption needs scheduling_policy='priority' "
+                              f"(got {self.policy!r}): it preempts by priority")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:
@@ -175,6 +205,139 @@ def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) 
     return cls(**{k: v for k, v in data.items() if k in names})
 
 
+# ------------------------------------------------------------------------------ speculative decoding
+# vLLM 0.32's SpeculativeConfig names, defaults and checks (vllm/config/speculative.py). Built from
+# --speculative-config JSON or LLM(speculative_config={...}), checked before the model loads. Only
+# the n-gram proposer ("prompt lookup") runs here; vLLM's other methods are named in the error so a
+# config written for vLLM fails clearly instead of silently doing nothing.
+
+SUPPORTED_METHODS = ("ngram",)
+# vLLM 0.32's other methods (SpeculativeMethod): recognised, refused with a clear message.
+_VLLM_ONLY_METHODS = (
+    "ngram_gpu", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
+    "extract_hidden_states", "mtp", "dflash", "dspark",
+)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding with n-gram drafts.
+
+    `num_speculative_tokens` (K > 0): drafts proposed per request per step. `prompt_lookup_min/max`:
+    the n-gram lengths matched against the request's own context; neither set -> both 5, one set ->
+    the other copies it (vLLM's rule; its docstring's "min defaults to 1" is not what it does).
+
+    tokenloom's own, off by default (then every decision is vLLM's):
+    `adaptive`: stop drafting while the batch is compute-bound or acceptance is low
+    (tokenloom/spec_decode/adaptive.py); `adaptive_min_acceptance` and `adaptive_max_batch_tokens`
+    are its thresholds.
+    """
+
+    num_speculative_tokens: int | None = None
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    adaptive: bool = False
+    adaptive_min_acceptance: float = 0.2
+    adaptive_max_batch_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        # vLLM: method None + model "ngram" selects ngram; method None otherwise means draft_model.
+        if self.method is None:
+            self.method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if not isinstance(self.method, str) or self.method not in SUPPORTED_METHODS:
+            if self.method in _VLLM_ONLY_METHODS:
+                hint = "a draft model" if self.method == "draft_model" else f"method {self.method!r}"
+                raise ConfigError(
+                    f"speculative_config.method: {hint} is not supported by tokenloom; use "
+                    '{"method": "ngram", "num_speculative_tokens": K}'
+                )
+            raise ConfigError(
+                f"speculative_config.method must be one of {', '.join(SUPPORTED_METHODS)}, got {self.method!r}"
+            )
+        if self.num_speculative_tokens is None:
+            raise ConfigError("speculative_config.num_speculative_tokens must be provided (an integer > 0)")
+        _check_spec_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_spec_int(name, value, 1)
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
+            raise ConfigError(
+                f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if self.model is None:
+            self.model = "ngram"
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if not 0.0 <= float(self.adaptive_min_acceptance) <= 1.0:
+            raise ConfigError(
+                f"speculative_config.adaptive_min_acceptance must be in [0, 1], got {self.adaptive_min_acceptance}"
+            )
+        _check_spec_int("adaptive_max_batch_tokens", self.adaptive_max_batch_tokens, 1)
+
+    # vLLM's sizing (config/speculative.py:1888, config/vllm.py:615): n-gram drafts need no
+    # lookahead KV slots and no extra drafting slots in the input budget.
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return 0
+
+    @property
+    def max_num_new_slots_for_drafting(self) -> int:
+        return 0
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A config from a SpeculativeConfig, a dict, a JSON string, or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})"
+            )
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_spec_int(name: str, value: Any, minimum: int) -> None:
+    _check_int(f"speculative_config.{name}", value, minimum)
+
+
+def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None) -> None:
+    """vLLM fails an assertion (scheduler.py:1155, 1371) when a padded first decode (1 + K tokens)
+    meets a long_prefill_token_threshold below 1 + K; refuse that configuration at start-up."""
+    if spec is None or threshold <= 0:
+        return
+    k = spec.num_speculative_tokens
+    if threshold < 1 + k:  # type: ignore[operator]
+        raise ConfigError(
+            f"long_prefill_token_threshold={threshold} is below 1 + num_speculative_tokens = {1 + k} "
+            "(a decode with its drafts must fit one chunk; vLLM's scheduler fails an assertion here); "
+            f"raise it to >= {1 + k} or set it to 0"
+        )
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
@@ -200,8 +363,14 @@ class EngineConfig:
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
+    speculative_config: dict | None = knob(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (docs/speculative.md)', flags=("-sc",))
 
     def __post_init__(self) -> None:
+        # Checked (and defaults filled in) now, before any model loads.
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         _check_choice("dtype", self.dtype, DType,
                       " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
                       if self.dtype == "float16" else "")  # fmt: skip

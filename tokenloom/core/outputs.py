@@ -7,6 +7,7 @@ answers with a ModelRunnerOutput; the scheduler turns that into per-request Engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.sampling_params import SamplingParams
 
@@ -60,6 +61,8 @@ class SchedulerOutput:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: dict[str, int] = field(default_factory=dict)
     bound_by: str = "nothing"
+    # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
+    policy_actions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -113,6 +113,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers: list[StatLogger] = []
+        # Called once the engine process is found dead, after every request in flight was failed
+        # (the server uses it to exit, as vLLM's does).
+        self.failure_listeners: list[Callable[[str], None]] = []
         self.accepting = True
         self.scheduler_stats: SchedulerStats | None = None
         self._requests: dict[str, _Tracked] = {}
@@ -319,6 +322,8 @@ class AsyncLLM:
                 self._record_finished(out, tracked, stats)
             tracked.stream._put(EngineDeadError(message))
         self._log(stats)
+        for listener in self.failure_listeners:
+            listener(message)
 
     # Figures --------------------------------------------------------------------------------------
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, stats: IterationStats) -> None:

@@ -69,10 +69,12 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
 
 
 def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
+    from tokenloom.engine.fault_injection import install_from_env
     from tokenloom.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
+    install_from_env(engine.runner)  # chaos tests only: off unless TOKENLOOM_FAULT_INJECT is set
     ready = EngineReady(
         model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,

@@ -80,7 +80,10 @@ class LLMEngine:
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
-        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.speculative_config = config.speculative_config
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
+        if self.speculative_config is not None:
+            self.runner.enable_speculative_decoding(self.speculative_config, sched_cfg.max_model_len)
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -234,7 +237,8 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
+                                        speculative_config=self.speculative_config)
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:

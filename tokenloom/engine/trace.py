@@ -30,7 +30,7 @@ def step_record(
     prefill = dict(output.num_prefill_tokens)
     decode = {rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in prefill}
     num_free = pool.get_num_free_blocks()
-    return {
+    record = {
         "step": step,
         "t_start": t_start,
         "t_end": t_end,
@@ -50,7 +50,12 @@ def step_record(
         "finished": finished,
         "cached_tokens": dict(output.cached_tokens),
         "bound_by": output.bound_by,
+        # Speculative decoding: {request: [drafts scheduled, drafts accepted]} (empty without).
+        "spec": dict(scheduler.spec_decoding_per_request),
     }
+    if output.policy_actions:  # only when an opt-in policy acted: default traces stay as they were
+        record["policy"] = output.policy_actions
+    return record
 
 
 class StepTracer:

@@ -17,3 +17,5 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     access_log: bool = True
     engine_ready_timeout_s: float = 600.0
+    # Exit (code 1) when the engine process dies, as vLLM does; True keeps answering 503 instead.
+    keep_alive_on_engine_death: bool = False

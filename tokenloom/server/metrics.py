@@ -66,6 +66,8 @@ class ServerMetrics:
         self.ipc_latency = histogram("engine_ipc_latency_seconds",
                                      "A step's outputs: built in the engine process → received by the API", _IPC)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._labels = labels
+        self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
 
     def record(self, stats: IterationStats) -> None:
         sched = stats.scheduler
@@ -79,6 +81,10 @@ class ServerMetrics:
             self._add_total(self.prefix_hits, "hits", sched.prefix_cache_hits)
             if sched.prefix_cache_queries:
                 self.hit_rate.set(sched.prefix_cache_hits / sched.prefix_cache_queries)
+            if sched.spec_decoding is not None:
+                if self.spec_decode is None:
+                    self.spec_decode = SpecDecodeMetrics(self.registry, self._labels)
+                self.spec_decode.record(sched.spec_decoding)
         if stats.step is not None and stats.step.num_tokens > 0:
             self.iteration_tokens.observe(stats.step.num_tokens)
             self.step_time.observe(stats.step.duration_s)
@@ -107,3 +113,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecDecodeMetrics:
+    """vLLM's SpecDecodingProm counters (vllm/v1/spec_decode/metrics.py), fed with running totals."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenloom:{name}", doc, list(labels), registry=registry).labels(**labels)
+
+        self.drafts = counter("spec_decode_num_drafts", "Verified drafts (requests x steps with drafts)")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.per_pos = Counter("tokenloom:spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft", [*labels, "position"],
+                               registry=registry)
+        self._labels = labels
+        self._seen = [0, 0, 0]
+        self._seen_pos: list[int] = []
+
+    def record(self, totals) -> None:
+        for i, (counter, total) in enumerate(((self.drafts, totals.num_drafts),
+                                              (self.draft_tokens, totals.num_draft_tokens),
+                                              (self.accepted, totals.num_accepted_tokens))):
+            if total > self._seen[i]:
+                counter.inc(total - self._seen[i])
+                self._seen[i] = total
+        for pos, total in enumerate(totals.num_accepted_tokens_per_pos):
+            if pos == len(self._seen_pos):
+                self._seen_pos.append(0)
+                self.per_pos.labels(**self._labels, position=str(pos))  # exported from 0 on
+            if total > self._seen_pos[pos]:
+                self.per_pos.labels(**self._labels, position=str(pos)).inc(total - self._seen_pos[pos])
+                self._seen_pos[pos] = total

@@ -112,4 +112,7 @@ async def collect(request: Request, stream: RequestStream) -> dict[str, RequestO
         if not work.done():
             work.cancel()
         stream.close()
-    return work.result() if not work.cancelled() else None
+    # Not `work.cancelled()`: cancel() only asks, and the task is not cancelled until it next runs, so a
+    # client that left first would make result() raise InvalidStateError (a 500 nobody reads; the soak
+    # found it in the server log).
+    return work.result() if work.done() and not work.cancelled() else None

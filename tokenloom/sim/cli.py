@@ -91,6 +91,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     # The engine's knobs the simulator models (vLLM's names, defaults as `tokenloom serve`).
     add_engine_args(p, with_model=False, simulated=True)
 
+    p.add_argument("--spec-acceptance", type=float, default=0.5, metavar="P",
+                   help="with --speculative-config: the chance that each draft token is accepted, in order "
+                        "until the first rejection (default 0.5; docs/speculative.md)")
     o = p.add_argument_group("output")
     o.add_argument("--sweep", default=None, metavar="KNOB=v1,v2,...", help="one run per value; prints a table")
     o.add_argument("--trace-steps", default=None, metavar="FILE", help="the engine's step trace (JSONL)")
@@ -137,7 +140,7 @@ def _simulate(args: argparse.Namespace) -> int:
         requests = base_requests
         if rate is not None:
             requests = assign_arrivals(base_requests, rate, args.burstiness, args.seed)
-        run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed)
+        run = _run_one(profile, requests, kwargs, trace, percentiles, args.seed, args.spec_acceptance)
         if result_file:
             _save_result(result_file, run, args, profile, rate, percentiles, (dataset_name, dataset_path))
         return run
@@ -172,11 +175,13 @@ class _Run:
 
 
 def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, Any], trace: str | None,
-             percentiles: list[float], seed: int) -> _Run:  # fmt: skip
-    from tokenloom.sim.simulate import engine_configs, simulate
+             percentiles: list[float], seed: int, spec_acceptance: float = 0.5) -> _Run:  # fmt: skip
+    from tokenloom.sim.simulate import engine_configs, simulate, speculative_config_of
 
     sched, cache = engine_configs(profile, kwargs)
-    result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed)
+    spec = speculative_config_of(kwargs)
+    result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
+                      speculative_config=spec, spec_acceptance=spec_acceptance)
     return _Run(result, sched, cache)
 
 
