@@ -42,8 +42,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return Tiny(hf=hf, loaded=load_model(path, torch.float32))
 
 
-def test_mixed_step_matches_transformers(family: Tiny) -> None:
-    tmr.test_mixed_step_matches_transformers(family)
+@tmr.PATHS
+def test_mixed_step_matches_transformers(family: Tiny, path: str) -> None:
+    """Both paths: "kernels" runs the compiled kernels' linears, with the torch attention backend
+    for the families whose windows / soft-capping the fused kernel lacks."""
+    tmr.test_mixed_step_matches_transformers(family, path)
 
 
 def test_greedy_32_tokens_match_generate(family: Tiny) -> None:
