@@ -438,7 +438,7 @@ class Scheduler:
             return None
         if len(self.running) < self.max_num_running_reqs:
             # Blocked by KV alone: preempt only if the victims' blocks can make it fit.
-            reclaimable = sum(len(kv.get_block_ids(v.request_id)) for v in victims)
+            reclaimable = sum(kv.num_blocks_held(v.request_id) for v in victims)
             if kv.block_pool.get_num_free_blocks() + reclaimable < need:
                 return None
         preempted: list[str] = []
