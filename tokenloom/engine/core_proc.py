@@ -113,6 +113,8 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         device=str(engine.device),
         load_time_s=time.perf_counter() - t0,
         quantization=engine.config.quantization,
+        sampling_defaults=dict(engine.generation_defaults.params),
+        extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
     )
     return engine, ready
 
