@@ -133,15 +133,25 @@ def test_preempted_request_resumes_with_its_outputs() -> None:
 
 
 def test_victim_is_the_request_itself() -> None:
-    """A lone request that outgrows the pool preempts itself; with reserve-full-ISL it is rejected
-    up front instead, so here the pool is big enough only for a victim dance between two requests."""
-    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4, max_model_len=64)
-    a, b = create_requests(2, num_tokens=6, max_tokens=10)
+    """FCFS picks the last running request as the victim; when that is the request asking for a block,
+    it preempts itself (vLLM: `if preempted_req == request: break`) and the one before it goes on.
+    Pool 4 blocks x 4: a (5-token prompt) and b (6) take two blocks each; b reaches position 8 first."""
+    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4, max_model_len=64,
+                             enable_prefix_caching=False)
+    params = create_requests(1, max_tokens=10)[0].sampling_params
+    a, b = Request("0", [0] * 5, params, arrival_time=0.0), Request("1", [1] * 6, params, arrival_time=1.0)
     sched.add_request(a)
     sched.add_request(b)
+    for _ in range(10):
+        out, _ = step(sched)
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == {"1"}, "b should have been its own victim"
+    assert out.num_scheduled_tokens == {"0": 1}  # a decodes in the very step b gave up its blocks
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    assert sched.running == [a] and list(sched.waiting) == [b] and b.num_computed_tokens == 0
     drain(sched)
     assert a.num_output_tokens == b.num_output_tokens == 10
-    assert a.num_preemptions + b.num_preemptions > 0
     assert_scheduler_empty(sched)
 
 
@@ -377,6 +387,30 @@ def test_static_batching_prefills_before_decoding() -> None:
     assert out.num_scheduled_tokens == {"0": 10, "1": 6}
     out, _ = step(sched)  # no decode for 0 until every member has its first token
     assert "0" not in out.num_scheduled_tokens
+
+
+def test_prefix_cache_stats_are_per_interval_and_count_resumed_requests_apart() -> None:
+    """vLLM semantics: make_stats() hands over this interval's lookups and starts a new interval; a
+    request resumed after preemption is counted in preempted_*; the Prometheus totals keep growing."""
+    sched = create_scheduler(max_num_batched_tokens=64, block_size=16)
+    a, b = create_requests(2, num_tokens=33, same_prompt=True, max_tokens=3)
+    sched.add_request(a)
+    step(sched)
+    first = sched.make_stats()
+    assert (first.prefix_cache_stats.requests, first.prefix_cache_stats.queries) == (1, 33)
+    sched.add_request(b)
+    step(sched)
+    second = sched.make_stats()
+    assert (second.prefix_cache_stats.requests, second.prefix_cache_stats.hits) == (1, 32)  # only b
+    assert (second.prefix_cache_queries, second.prefix_cache_hits) == (66, 32)  # totals since start
+    assert sched.reset_prefix_cache(reset_running_requests=True)  # both back to waiting, blocks freed
+    assert [r.request_id for r in sched.waiting] == ["0", "1"] and not sched.running
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.kv_cache_manager.num_blocks
+    step(sched)
+    third = sched.make_stats()
+    s = third.prefix_cache_stats
+    assert s.reset and (s.requests, s.preempted_requests) == (0, 2) and s.preempted_queries > 0
+    assert third.prefix_cache_queries == 66  # resumed lookups stay out of the new-request totals
 
 
 def test_the_configuration_picks_the_scheduler_class() -> None:

@@ -26,8 +26,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
-Quantization = Literal["int8"]
+# --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
+# quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
+Quantization = Literal["int8", "gguf"]
 QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
 
 
@@ -192,6 +193,50 @@ class CacheConfig:
             _check_int("num_blocks", self.num_blocks, 1)
 
 
+# Data parallelism (docs/data_parallel.md): tokenloom/router's policies and the engine-core backends.
+RoutingPolicy = Literal["round_robin", "least_load", "power_of_two", "cache_aware"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
+ExecutorBackend = Literal["mp", "ray"]
+
+
+@dataclass
+class ParallelConfig:
+    """N independent engine cores under one API process, and the router in front of them (vLLM's
+    --data-parallel-size; the routing policies follow vLLM's DP balancer and SGLang's router)."""
+
+    data_parallel_size: int = knob(
+        1, "engine cores (each its own scheduler, KV cache and runner) under one API server; the machine's "
+        "cores are split between them and KV options apply per engine", reload=True)
+    distributed_executor_backend: ExecutorBackend = knob(
+        "mp", "how engine cores are started: mp = local processes, ray = Ray actors in a placement group "
+        "(pip install 'tokenloom[ray]'; joins RAY_ADDRESS or a local cluster)", simulated=False, reload=True)
+    routing_policy: RoutingPolicy = knob(
+        "cache_aware", "which engine gets a request: round_robin, least_load (vLLM's DP balancer), "
+        "power_of_two, cache_aware (SGLang's: longest cached prefix unless the engines are imbalanced)",
+        reload=True)
+    router_cache_threshold: float = knob(
+        0.3, "cache_aware: send to the longest-prefix engine when its match covers more than this fraction "
+        "of the prompt's blocks, else to the engine with the most room", reload=True)
+    router_balance_abs_threshold: int = knob(
+        4, "cache_aware: engines are imbalanced when max - min requests in flight exceeds this ...", reload=True)
+    router_balance_rel_threshold: float = knob(
+        1.5, "... and max > min * this; then the least loaded engine wins", reload=True)
+    router_lru_blocks: int | None = knob(
+        None, "cache_aware: block hashes remembered per engine (default: the engine's KV pool)", reload=True)
+
+    def __post_init__(self) -> None:
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_choice("distributed_executor_backend", self.distributed_executor_backend, ExecutorBackend)
+        _check_choice("routing_policy", self.routing_policy, RoutingPolicy)
+        if not 0.0 <= self.router_cache_threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold must be in [0, 1], got {self.router_cache_threshold}")
+        _check_int("router_balance_abs_threshold", self.router_balance_abs_threshold, 0)
+        if self.router_balance_rel_threshold < 1.0:
+            raise ConfigError(f"router_balance_rel_threshold must be >= 1, got {self.router_balance_rel_threshold}")
+        if self.router_lru_blocks is not None:
+            _check_int("router_lru_blocks", self.router_lru_blocks, 1)
+
+
 def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) -> Any:
     """Build a config dataclass from a dict, rejecting unknown keys with their names."""
     names = {f.name for f in fields(cls)}
@@ -344,7 +389,9 @@ class EngineConfig:
     device: Device = knob("auto", "where the model runs", simulated=False)
     quantization: Quantization | None = knob(
         None, "int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; oneDNN VNNI "
-        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)", flags=("-q",), simulated=False)
+        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype). gguf: keep a quantized GGUF's "
+        "weights quantized (Q4_0..Q8_0, K-quants; memory ~ the file size) and run single-stream decode "
+        "in one compiled call per step", flags=("-q",), simulated=False)
     # None: 2 GiB on CPU, 90% of free memory on CUDA.
     kv_cache_memory: int | None = knob(
         None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
@@ -356,6 +403,7 @@ class EngineConfig:
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    parallel: ParallelConfig | None = None  # None: one engine core
     # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
     speculative_config: dict | None = knob(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -371,7 +419,7 @@ class EngineConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":
-            raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
+            raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
 
@@ -418,7 +466,8 @@ def _kind(hint: Any) -> tuple[str, tuple[Any, ...] | None]:
     return kinds[hint], None
 
 
-_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig"}
+_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig",
+             "parallel": "ParallelConfig"}
 
 
 def knobs_of(cls: type, section: str) -> list[EngineArg]:
@@ -477,4 +526,5 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> Engine
     # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
     sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
     cache = CacheConfig(**parts["cache"])
-    return EngineConfig(model=model, scheduler=sched, cache=cache, **parts["engine"])
+    parallel = ParallelConfig(**parts["parallel"]) if parts["parallel"] else None
+    return EngineConfig(model=model, scheduler=sched, cache=cache, parallel=parallel, **parts["engine"])
