@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -42,6 +42,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 
 class RequestRejected(ValueError):
@@ -55,8 +56,11 @@ class SchedulerStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions_total: int
-    prefix_cache_queries: int
+    prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
+    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
+    # Totals since start-up; None without speculative decoding.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class Scheduler:
@@ -68,6 +72,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
@@ -84,6 +89,19 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.policy
+        # Speculative decoding (n-gram drafts): K drafts per request per step, no lookahead KV
+        # slots and no drafting slots in the budget (vLLM's sizing for method "ngram").
+        check_long_prefill_threshold(scheduler_config.long_prefill_token_threshold, speculative_config)
+        self.speculative_config = speculative_config
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        # Every step that completes a sequence samples one token (plus accepted drafts).
+        self.num_sampled_tokens_per_step = 1
+        # This step's acceptance figures (None when no output carried drafts) and the totals.
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        # This step's drafts per request: [scheduled, accepted] (for the step trace).
+        self.spec_decoding_per_request: dict[str, list[int]] = {}
+        self.spec_decoding_totals = SpecDecodingStats.new(self.num_spec_tokens) if speculative_config else None
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -201,6 +219,8 @@ class Scheduler:
             reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
 
         # 1. RUNNING first.
+        # A running prefill chunk in this step stops first-decode padding (below).
+        prefill_scheduled = False
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -210,8 +230,11 @@ class Scheduler:
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, token_budget - (0 if request.request_id in starved else reserve))
-            # Never compute a position at or past max_model_len.
-            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            # Never compute a position at or past max_model_len (with drafts: one draft short of
+            # the proposer's cap, as vLLM).
+            num_new_tokens = min(
+                num_new_tokens, self.max_model_len - self.num_sampled_tokens_per_step - request.num_computed_tokens
+            )
             if hold_decodes and not request.is_prefill:
                 num_new_tokens = 0
             if num_new_tokens <= 0:
@@ -220,7 +243,7 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                new_blocks = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 if self.policy == "priority":
@@ -246,6 +269,7 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
+            prefill_scheduled |= request.is_prefill_chunk
             req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -253,11 +277,7 @@ class Scheduler:
             if request.request_id in starved:
                 starved.discard(request.request_id)
                 reserve = max(0, reserve - num_new_tokens) if starved else 0
-            if request.spec_token_ids:
-                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-                if num_spec > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-                request.spec_token_ids = []
+            self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
 
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
         if preempted_reqs:
@@ -279,6 +299,23 @@ class Scheduler:
                 num_computed_tokens = request.num_computed_tokens + num_new_local_computed
                 # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
                 num_new_tokens = request.num_tokens - num_computed_tokens
+                pad_spec_decode = False
+                if (
+                    self.num_spec_tokens > 0
+                    and num_new_tokens == 1
+                    and not prefill_scheduled
+                    and (scheduled_running_reqs or num_computed_tokens > 0)
+                ):
+                    # vLLM pads a first decode to 1 + K tokens with K placeholder drafts (always
+                    # rejected) to keep decode shapes uniform, and prefers admitting nothing more
+                    # to admitting it unpadded (scheduler.py:1131-1153).
+                    padded = 1 + self.num_spec_tokens
+                    if num_computed_tokens + padded + self.num_sampled_tokens_per_step <= self.max_model_len:
+                        if padded > token_budget:
+                            bound_by = "budget"
+                            break
+                        num_new_tokens = padded
+                        pad_spec_decode = True
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
                 if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -291,6 +328,7 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed,
                     new_computed_blocks=new_computed_blocks,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                     full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                     has_scheduled_reqs=bool(self.running),
                 )
@@ -317,6 +355,8 @@ class Scheduler:
                 if self.priority_preemption is not None:
                     self.priority_preemption.admitted(request.request_id, self.num_schedule_calls)
                 cached_tokens[request.request_id] = num_new_local_computed
+                if pad_spec_decode:
+                    scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
@@ -359,6 +399,18 @@ class Scheduler:
         self._update_after_schedule(output)
         self.num_schedule_calls += 1
         return output
+
+    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int, scheduled: dict[str, list[int]]) -> None:
+        """The drafts that fit in `num_new_tokens` go out; scheduling a request always clears its
+        drafts, so those cut by the budget are lost (vLLM, scheduler.py:858-876)."""
+        if not request.spec_token_ids:
+            return
+        num_spec = (
+            num_new_tokens + request.num_computed_tokens - request.num_tokens - request.num_output_placeholders
+        )
+        if num_spec > 0:
+            scheduled[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
 
     # Opt-in policies (tokenloom/core/policies.py) -------------------------------------------
     def _preempt_for_waiting(self, now: float, preempted_reqs: list[Request], actions: dict[str, Any]) -> str | None:
@@ -408,8 +460,13 @@ class Scheduler:
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner
         # needs the old start positions, and the next schedule() must not hand out these tokens again.
+        # Drafts count as computed too; update_from_output takes back the rejected ones.
         for req_id, n in output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = (
+                request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
+            )
         # A new set, not clear(): the output just built holds the old one.
         self.finished_req_ids = set()
 
@@ -453,9 +510,13 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        spec_stats: SpecDecodingStats | None = None
+        if self.spec_decoding_per_request:
+            self.spec_decoding_per_request = {}
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -475,20 +536,19 @@ class Scheduler:
 
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if spec and generated:
-                # Rejected draft tokens were counted as computed: take them back.
-                num_rejected = len(spec) + 1 - len(generated)
-                request.num_computed_tokens -= max(num_rejected, 0)
+                spec_stats = self._rollback_rejected(request, spec, generated, spec_stats)
 
             is_stopped = False
             if generated:
-                generated, is_stopped = self._append_and_check_stop(request, generated)
+                generated, is_stopped = self._update_request_with_output(request, generated)
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
             if is_stopped:
                 self._free_request(request)
                 stopped.add(id(request))
-            if generated or is_stopped:
+            prompt_lps = prompt_logprobs.get(req_id)
+            if generated or is_stopped or prompt_lps:
                 req_logprobs = logprobs.get(req_id) if logprobs else None
                 outputs.append(
                     EngineCoreOutput(
@@ -498,11 +558,50 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        new_prompt_logprobs=prompt_lps,
                     )
                 )
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        self.spec_decoding_stats = spec_stats
+        if spec_stats is not None and self.spec_decoding_totals is not None:
+            self.spec_decoding_totals.add(spec_stats)
         return outputs
+
+    def _rollback_rejected(
+        self, request: Request, spec: list[int], generated: list[int], stats: SpecDecodingStats | None
+    ) -> SpecDecodingStats:
+        """Rejected drafts were counted as computed at schedule time: take them back (their KV
+        slots stay allocated and are overwritten). Counted from the untrimmed output, as vLLM."""
+        num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
+        num_rejected = len(spec) - num_accepted
+        if request.num_computed_tokens > 0:
+            request.num_computed_tokens -= num_rejected
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_rejected
+        if stats is None:
+            stats = SpecDecodingStats.new(self.num_spec_tokens)
+        stats.observe_draft(len(spec), num_accepted)
+        self.spec_decoding_per_request[request.request_id] = [len(spec), num_accepted]
+        request.num_drafts += 1
+        request.num_draft_tokens += len(spec)
+        request.num_accepted_tokens += num_accepted
+        return stats
+
+    def update_draft_token_ids(self, req_ids: Iterable[str], draft_token_ids: Iterable[list[int]]) -> None:
+        """The proposer's drafts after a step (vLLM's post_step): ignored for finished requests,
+        dropped for a request whose last chunk was a partial prefill, else the pending drafts."""
+        for req_id, drafts in zip(req_ids, draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.is_prefill_chunk:
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = list(drafts)
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        return self._append_and_check_stop(request, new_token_ids)
 
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         for n, token_id in enumerate(new_token_ids, 1):
@@ -547,6 +646,21 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            prefix_cache_queries=kv.prefix_cache_totals.queries,
+            prefix_cache_hits=kv.prefix_cache_totals.hits,
+            prefix_cache_stats=kv.make_prefix_cache_stats(),
+            spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
+        first (last first, so they resume in order), which frees every block; otherwise the reset
+        only succeeds when no request holds blocks."""
+        if reset_running_requests:
+            now = self.clock()
+            while self.running:
+                self._preempt_request(self.running.pop(), now)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        return ok
