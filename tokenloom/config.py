@@ -121,6 +121,11 @@ class SchedulerConfig:
     # "request" forms a batch when nothing runs and admits nobody until all of it has finished;
     # "static" runs that batch in lockstep (every prefill before any decode).
     batching: BatchingMode = knob("continuous", "batching granularity (continuous = iteration-level, vLLM's)")
+    # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
+    # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
+    async_scheduling: bool = knob(
+        False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)",
+        simulated=False)
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -129,6 +134,12 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_choice("policy", self.policy, Policy)
         _check_choice("batching", self.batching, BatchingMode)
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.batching != "continuous":
+            raise ConfigError(
+                f"async_scheduling needs batching='continuous' (vLLM's scheduler), got batching={self.batching!r}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:

@@ -5,6 +5,9 @@ Trace:  {"config": {...scheduler and cache knobs...},
 Before step k every request with arrival_step == k is added, in list order. Every request that
 samples in a step samples token id 7; requests stop by max_tokens (or max_model_len).
 Output: one entry per step from step 0 until the last request finishes, idle steps included.
+
+With `"async_scheduling": true` in the config the AsyncScheduler is driven in the call order of
+vLLM's batch queue (core/replay_async.py); each step also records `events` and `placeholders`.
 """
 
 from __future__ import annotations
@@ -139,23 +142,32 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
     rejected: list[str] = []
     reasons: dict[str, str] = {}
     num_preempted = 0
-    for item in run_steps(trace):
+    if trace.scheduler_config.async_scheduling:
+        from tokenloom.core.replay_async import run_steps_async
+
+        items: Iterator[Any] = run_steps_async(trace, REPLAY_TOKEN_ID)
+    else:
+        items = run_steps(trace)
+    for item in items:
         if isinstance(item, RequestRejected):
             rejected.append(item.request_id)  # type: ignore[attr-defined]
             reasons[item.request_id] = str(item)  # type: ignore[attr-defined]
             continue
         out = item.scheduler_output
-        num_preempted += len(out.preempted_req_ids)
+        num_preempted += len(out.preempted_req_ids) if out is not None else 0
         steps.append(
             {
                 "step": item.step,
-                "scheduled": dict(out.num_scheduled_tokens),
-                "preempted": sorted(out.preempted_req_ids),
+                "scheduled": dict(out.num_scheduled_tokens) if out is not None else {},
+                "preempted": sorted(out.preempted_req_ids) if out is not None else [],
                 "finished": item.finished,
                 "num_free_blocks": item.num_free_blocks,
-                "cached_tokens": dict(out.cached_tokens),
+                "cached_tokens": dict(out.cached_tokens) if out is not None else {},
             }
         )
+        if hasattr(item, "events"):  # async: the batch queue's calls and the in-flight placeholders
+            steps[-1]["events"] = item.events
+            steps[-1]["placeholders"] = item.placeholders
     total_tokens = sum(sum(s["scheduled"].values()) for s in steps)
     return {
         "steps": steps,

@@ -74,6 +74,14 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Tokens whose sampling is in flight under async scheduling (see docs/scheduler.md).
         self.num_output_placeholders = 0
+        # True while the last scheduled chunk stopped short of the sequence (vLLM's flag, set at
+        # schedule time): such a step samples nothing and its drafts are dropped.
+        self.is_prefill_chunk = False
+        # Async scheduling: tokens scheduled whose step output has not been processed yet, and how
+        # many of them belong to steps scheduled before a preemption (their output is stale: it is
+        # appended but must not touch the counters the preemption reset). vLLM's names.
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
 
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).
