@@ -290,3 +290,31 @@ def test_replay_async_matches_sync_outputs_and_frees_everything() -> None:
         assert a["summary"]["total_scheduled_tokens"] == sum(
             len(r["prompt_token_ids"]) + r["max_tokens"] - 1 for r in reqs
         )
+
+
+def test_random_traces_finish_everything_and_free_every_block() -> None:
+    """Property: under async replay (chunking, preemption, priority, prefix caching) every accepted
+    request finishes, no placeholder is left and the whole pool is free again; some requests are
+    finished by stale output right after being preempted."""
+    import random
+
+    finished_after_preemption = 0
+    for seed in range(120):
+        rng = random.Random(seed)
+        reqs = [{"id": f"r{i}", "arrival_step": rng.randrange(0, 6),
+                 "prompt_token_ids": [rng.randrange(100, 104) for _ in range(rng.randrange(1, 14))],
+                 "max_tokens": rng.randrange(1, 12), "priority": rng.randrange(0, 3)}
+                for i in range(rng.randrange(2, 7))]  # fmt: skip
+        nb = rng.randrange(8, 30)
+        result = replay(_trace(reqs, max_num_batched_tokens=rng.choice([8, 16, 32]),
+                               max_num_seqs=rng.choice([2, 4, 8]), block_size=rng.choice([2, 4]), num_blocks=nb,
+                               max_model_len=48, enable_prefix_caching=rng.random() < 0.5,
+                               policy=rng.choice(["fcfs", "priority"])))  # fmt: skip
+        steps = result["steps"]
+        accepted = sorted(r["id"] for r in reqs if r["id"] not in result["summary"]["rejected"])
+        assert sorted(f for s in steps for f in s["finished"]) == accepted, seed
+        assert steps[-1]["num_free_blocks"] == nb and steps[-1]["placeholders"] == {}, seed
+        finished_after_preemption += sum(
+            1 for i, s in enumerate(steps) for f in s["finished"] if f in steps[i]["preempted"]
+        )
+    assert finished_after_preemption > 0
