@@ -22,10 +22,8 @@ CHATS = [
     "What is 12 times 7? Answer with the number only.",
     "Write a haiku about the sea.",
     "Explain what a KV cache is in one sentence.",
-    "Say hi.",
-    "List three prime numbers.",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,6 @@ def _both(llm: LLM, prompts, params, **knobs):
         engine.engine_core.drain()
         kv = engine.scheduler.kv_cache_manager
         assert kv.block_pool.get_num_free_blocks() == kv.num_blocks, "KV blocks leaked"
-        assert engine.runner.requests == {} or all(r in engine.scheduler.requests for r in engine.runner.requests)
         results.append(outs)
     return results
 
@@ -81,7 +78,7 @@ def test_stop_string_with_the_next_step_in_flight_returns_the_sync_text(llm) -> 
     prompts = _chats(llm, CHATS[:3])
     base = llm.generate(prompts, GREEDY, use_tqdm=False)
     stops = [o.outputs[0].text[8:11] for o in base]
-    params = [SamplingParams(temperature=0.0, max_tokens=32, stop=[s]) for s in stops]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[s]) for s in stops]
     sync, asy = _both(llm, prompts, params)
     assert _key(asy) == _key(sync)
     assert all(o.outputs[0].finish_reason == "stop" for o in asy)
@@ -98,11 +95,12 @@ def test_n_greater_than_one_and_max_tokens_one(llm) -> None:
 
 
 def test_busy_batch_with_chunking_and_preemption(llm) -> None:
-    prompts = _chats(llm) + [{"prompt_token_ids": list(range(1000, 1000 + 40 + 7 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    knobs = {"max_num_batched_tokens": 64, "max_num_seqs": 8}
+    prompts = _chats(llm) + [{"prompt_token_ids": list(range(1000, 1000 + 40 + 7 * i))} for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    knobs = {"max_num_batched_tokens": 48, "max_num_seqs": 8}
     engine = llm.llm_engine
-    small = replace(engine.cache_config, num_blocks=40)
+    # 14 blocks of 16 tokens: four requests are admitted, then their growth forces preemptions.
+    small = replace(engine.cache_config, num_blocks=14)
     engine.reset_scheduler(cache_config=small)
     try:
         sync, asy = _both(llm, prompts, params, **knobs)
