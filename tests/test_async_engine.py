@@ -183,6 +183,13 @@ def test_step_trace_shows_scheduling_overlapping_execution(llm) -> None:
     # Step N+1 was scheduled while step N executed: its schedule ends before N's execution does.
     overlapped = sum(1 for a, b in zip(records, records[1:]) if b["t_scheduled"] < a["t_exec_end"])
     assert overlapped >= len(decodes) // 2
+    # The timeline draws each step's execute and host time, with the overlapped share hatched.
+    from tokenloom.bench.plot_common import step_intervals
+    from tokenloom.bench.timeline_svg import timeline_html
+
+    rows = step_intervals(records)
+    assert rows is not None and sum(hidden for _, _, hidden in rows) > 0
+    assert "exec / host (ms)" in timeline_html(records)
     _mode(llm, False)
 
 
