@@ -138,6 +138,11 @@ class SchedulerConfig:
     priority_preemption_protection_steps: int = knob(
         8, "steps after resuming during which a request preempted by --enable-priority-preemption "
         "cannot be preempted by it again")
+    # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
+    # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
+    async_scheduling: bool = knob(
+        False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)",
+        simulated=False)
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -161,6 +166,12 @@ class SchedulerConfig:
         if self.enable_priority_preemption and self.policy != "priority":
             raise ConfigError("enable_priority_preemption needs scheduling_policy='priority' "
                               f"(got {self.policy!r}): it preempts by priority")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.batching != "continuous":
+            raise ConfigError(
+                f"async_scheduling needs batching='continuous' (vLLM's scheduler), got batching={self.batching!r}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:

@@ -171,6 +171,12 @@ class KVCacheManager:
             self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Commit the full blocks of the first `num_computed_tokens` tokens to the prefix cache (the
+        async scheduler calls it once a step's tokens are known; allocate_slots does it otherwise)."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)

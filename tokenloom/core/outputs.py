@@ -93,6 +93,10 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # Wall (or simulated) seconds the step took to execute, when the runner knows it.
     execute_time: float | None = None
+    # When the executor ran the step (time.monotonic seconds), for the step trace's timeline: under
+    # async scheduling it overlaps the scheduling of the next step.
+    execute_start: float | None = None
+    execute_end: float | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -233,6 +233,16 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if (
+                request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling (vLLM's guard, scheduler.py:663-678): the step in flight already
+                # yields the last token even if all its drafts are rejected; schedule nothing more.
+                # (computed + 1) - (placeholders - 1): placeholders count in computed, drafts aside.
+                req_index += 1
+                continue
             num_new_tokens = (
                 request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
             )
@@ -473,6 +483,7 @@ class Scheduler:
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
             request.is_prefill_chunk = (
                 request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
             )
@@ -486,6 +497,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # Output of a step still in flight (async scheduling) is stale: appended when it comes
+        # back, but without touching the counters reset here (vLLM 0.27+).
+        request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -519,6 +533,7 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        stopped_preempted: list[Request] = []
         spec_stats: SpecDecodingStats | None = None
         if self.spec_decoding_per_request:
             self.spec_decoding_per_request = {}
@@ -526,15 +541,25 @@ class Scheduler:
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs or {}
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
+            output_is_stale = False
+            if request is not None:
+                request.num_in_flight_tokens -= num_tokens_scheduled
+                if request.num_stale_output_tokens > 0:  # scheduled before a preemption
+                    output_is_stale = True
+                    request.num_stale_output_tokens -= num_tokens_scheduled
             if request is None or request.is_finished():
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran: its late tokens are dropped
+            status_before = request.status
             if req_id in model_runner_output.failed:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = model_runner_output.failed[req_id]
                 self._free_request(request)
-                stopped.add(id(request))
+                if status_before == RequestStatus.RUNNING:
+                    stopped.add(id(request))
+                else:
+                    stopped_preempted.append(request)
                 outputs.append(
                     EngineCoreOutput(req_id, [], finish_reason="error", error=request.error,
                                      num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -544,18 +569,21 @@ class Scheduler:
             generated = list(sampled[i]) if i is not None and sampled else []
 
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if spec and generated:
+            if spec and generated and not output_is_stale:
                 spec_stats = self._rollback_rejected(request, spec, generated, spec_stats)
 
             is_stopped = False
             if generated:
-                generated, is_stopped = self._update_request_with_output(request, generated)
+                generated, is_stopped = self._update_request_with_output(request, generated, output_is_stale)
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
             if is_stopped:
                 self._free_request(request)
-                stopped.add(id(request))
+                if status_before == RequestStatus.RUNNING:
+                    stopped.add(id(request))
+                else:  # a preempted request finished by its stale output (async scheduling)
+                    stopped_preempted.append(request)
             prompt_lps = prompt_logprobs.get(req_id)
             if generated or is_stopped or prompt_lps:
                 req_logprobs = logprobs.get(req_id) if logprobs else None
@@ -572,6 +600,8 @@ class Scheduler:
                 )
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
         self.spec_decoding_stats = spec_stats
         if spec_stats is not None and self.spec_decoding_totals is not None:
             self.spec_decoding_totals.add(spec_stats)
@@ -609,7 +639,10 @@ class Scheduler:
                 continue
             request.spec_token_ids = list(drafts)
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int], is_stale: bool = False
+    ) -> tuple[list[int], bool]:
+        """Append a step's tokens with the stop check after each (the AsyncScheduler extends it)."""
         return self._append_and_check_stop(request, new_token_ids)
 
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:

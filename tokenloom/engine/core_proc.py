@@ -148,15 +148,17 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.stopping:
-            busy = self.scheduler.has_requests()
+            busy = self.core.has_work()
             handled = self._handle_inbox(block=not busy)
             if self.stopping:
                 break
             step: StepInfo | None = None
             outputs: list[EngineCoreOutput] = []
-            if self.scheduler.has_requests():
+            if self.core.has_work():
+                num_steps = self.core.num_steps
                 outputs = self.core.step()
-                step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
+                if self.core.num_steps != num_steps:  # async scheduling: a call may only launch a step
+                    step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
             if step is not None or handled:
                 self.outbox.send(self._batch(outputs, step))
 

@@ -48,6 +48,7 @@ class LLMEngine:
                               "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         self.config = config
         self.clock = clock
+        check_async_scheduling(config)
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
         if config.quantization is not None and device.type != "cpu":  # before minutes of loading
@@ -78,7 +79,9 @@ class LLMEngine:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
-        self.executor = UniProcExecutor.from_config(config, loaded, block_size=cache_cfg.block_size,
+        # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
+        self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
+                                                    block_size=cache_cfg.block_size,
                                                     num_blocks=num_blocks, dtype=dtype, device=device,
                                                     calibration_token_ids=calibration)
         del loaded
@@ -95,10 +98,11 @@ class LLMEngine:
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
             "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
-            "(%.0f MiB), max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
+            "(%.0f MiB), max_model_len %d%s", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
             f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
             cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            ", async scheduling" if sched_cfg.async_scheduling else "",
         )
 
     @classmethod
@@ -230,6 +234,8 @@ class LLMEngine:
     ) -> None:
         """A fresh scheduler (new knobs, empty prefix cache) over the same loaded model, for
         benchmarks that compare configurations side by side without reloading weights."""
+        if self.output_processor.num_unfinished() == 0 and not self.scheduler.has_unfinished_requests():
+            self.engine_core.drain()  # async scheduling: a trailing step may still be in flight
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         cache_config = cache_config or self.cache_config
@@ -242,6 +248,10 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
+        if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+            # Sync <-> async on the same loaded model: the runner moves into (or out of) a worker thread.
+            self.executor.shutdown()
+            self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling)
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
                                         speculative_config=self.speculative_config)
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
@@ -250,9 +260,25 @@ class LLMEngine:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
 
     def close(self) -> None:
+        self.engine_core.drain()
         self.executor.shutdown()
         if self.tracer is not None:
             self.tracer.close()
+
+
+def check_async_scheduling(config: EngineConfig) -> None:
+    """Refuse what async scheduling does not run with, before minutes of loading."""
+    sched = config.scheduler
+    if sched is None or not sched.async_scheduling:
+        return
+    spec = getattr(config, "speculative_config", None)
+    if spec:
+        # vLLM 0.32 refuses an explicit --async-scheduling with its CPU n-gram proposer too
+        # (config/vllm.py:1553-1644); docs/async.md says why tokenloom does as well.
+        raise ConfigError(
+            "--async-scheduling cannot be combined with --speculative-config (n-gram drafts): the drafts for "
+            "step N+1 would have to be proposed before step N's tokens are known; drop one of the two flags"
+        )
 
 
 def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
