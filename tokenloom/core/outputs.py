@@ -7,6 +7,7 @@ answers with a ModelRunnerOutput; the scheduler turns that into per-request Engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.sampling_params import SamplingParams
 
@@ -60,6 +61,10 @@ class SchedulerOutput:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: dict[str, int] = field(default_factory=dict)
     bound_by: str = "nothing"
+    # Structured outputs: the constrained requests that sample this step, and their grammar bitmask
+    # (one row each, in this order; int32 words, one bit per vocabulary entry, 1 = allowed).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

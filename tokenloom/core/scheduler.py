@@ -40,6 +40,7 @@ from tokenloom.core.outputs import (
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.structured_output import StructuredOutputManager
 
 
 class RequestRejected(ValueError):
@@ -96,6 +97,10 @@ class Scheduler:
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Grammars of constrained requests (set by the engine, which knows the tokenizer); None:
+        # constrained requests are rejected. Requests whose grammar failed to compile, with why.
+        self.structured_output_manager: StructuredOutputManager | None = None
+        self.grammar_compile_errors: dict[str, str] = {}
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,6 +108,13 @@ class Scheduler:
         self._validate(request)
         request.set_block_size(self.block_size)
         request.status = RequestStatus.WAITING
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "
+                                      "backend, and this engine has none")
+            # Compiles in the manager's thread pool; admission skips the request until it is done.
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -149,6 +161,8 @@ class Scheduler:
         assert request.is_finished()
         request.finished_time = self.clock()
         self.kv_cache_manager.free(request)
+        if request.use_structured_output and self.structured_output_manager is not None:
+            self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -230,6 +244,7 @@ class Scheduler:
                 request.spec_token_ids = []
 
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
+        skipped_waiting: list[Request] = []
         if preempted_reqs:
             bound_by = "kv_blocks"
         else:
@@ -238,6 +253,10 @@ class Scheduler:
                     bound_by = "max_num_seqs"
                     break
                 request = self.waiting.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    # Still compiling (or failed): step over it, the others are not held up.
+                    skipped_waiting.append(self.waiting.pop_request())
+                    continue
                 if not self._admission_open(request):
                     bound_by = bound_by or "batch"
                     break
@@ -285,6 +304,8 @@ class Scheduler:
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
                 cached_tokens[request.request_id] = num_new_local_computed
+        if skipped_waiting:
+            self.waiting.prepend_requests(skipped_waiting)
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
@@ -323,8 +344,34 @@ class Scheduler:
             },
             bound_by=bound_by,
         )
+        if self.structured_output_manager is not None:
+            self._add_grammar_bitmask(output)
         self._update_after_schedule(output)
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update."""
+        assert self.structured_output_manager is not None
+        try:
+            ready = self.structured_output_manager.is_ready(request)
+        except Exception as exc:
+            self.grammar_compile_errors[request.request_id] = f"grammar compilation failed: {exc}"
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Bitmask rows for exactly the constrained requests that sample this step (before the
+        frontier advances: a chunk that stops short of the sequence's end samples nothing)."""
+        sampling = [
+            r for rid, n in output.num_scheduled_tokens.items()
+            if (r := self.requests[rid]).use_structured_output and r.num_computed_tokens + n >= r.num_tokens
+        ]
+        if sampling:
+            assert self.structured_output_manager is not None
+            output.structured_output_request_ids = [r.request_id for r in sampling]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner
@@ -403,6 +450,8 @@ class Scheduler:
             is_stopped = False
             if generated:
                 generated, is_stopped = self._append_and_check_stop(request, generated)
+                if request.use_structured_output:
+                    is_stopped = self._advance_grammar(request, generated) or is_stopped
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
@@ -419,10 +468,34 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        error=request.error,
                     )
                 )
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        if self.grammar_compile_errors:
+            outputs.extend(self._finish_grammar_errors())
+        return outputs
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
+        """Feed the step's tokens to the request's matcher; True if that ends the request."""
+        manager = self.structured_output_manager
+        assert manager is not None
+        if not manager.accept_tokens(request, token_ids):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"the grammar rejected the sampled tokens {token_ids}"
+            return True
+        if not request.is_finished() and manager.is_terminated(request):
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (ignore_eos)
+            return True
+        return False
+
+    def _finish_grammar_errors(self) -> list[EngineCoreOutput]:
+        errors, self.grammar_compile_errors = self.grammar_compile_errors, {}
+        outputs = []
+        for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+            request.error = errors[request.request_id]
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=request.error))
         return outputs
 
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:

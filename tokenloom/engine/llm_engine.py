@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.engine.output_processor import OutputProcessor
@@ -78,6 +79,8 @@ class LLMEngine:
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.structured_output_manager = self._structured_output_manager()
+        self.scheduler.structured_output_manager = self.structured_output_manager
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -89,6 +92,18 @@ class LLMEngine:
             f" + {config.quantization} layers" if config.quantization else "", num_blocks, cache_cfg.block_size,
             num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
         )
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        """Grammars for structured outputs; the xgrammar backend is built on the first constrained
+        request, in a compile thread (it reads the whole vocabulary: about 2 s)."""
+        tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
+
+        def backend() -> Any:
+            from tokenloom.model.grammar import make_xgrammar_backend
+
+            return make_xgrammar_backend(tokenizer, vocab_size)
+
+        return StructuredOutputManager(backend)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
@@ -162,6 +177,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
         params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            from tokenloom.model.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -219,6 +238,7 @@ class LLMEngine:
         self.clock = clock or self.clock
         self.executor.reset()
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.scheduler.structured_output_manager = self.structured_output_manager
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
@@ -226,6 +246,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()
         if self.tracer is not None:
             self.tracer.close()
 
