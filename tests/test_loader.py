@@ -246,7 +246,8 @@ def test_tiny_tokenizer_same_from_hf_dir_and_gguf(tiny_dirs, tmp_path: Path) -> 
     messages = [{"role": "user", "content": "hi there"}]
     for tok in (from_dir, from_gguf):
         assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, TINY_VOCAB)
-        assert tok.apply_chat_template(messages) == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+            "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     for text in [*TEXTS, "<|im_start|>user\nspecial tokens stay whole<|im_end|>"]:
         assert from_gguf.encode(text) == from_dir.encode(text)
         assert from_dir.decode(from_dir.encode(text), skip_special_tokens=False) == text
@@ -360,9 +361,10 @@ def test_default_tokenizer_round_trip_and_template(default_tokenizer: Tokenizer)
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
-    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                                       tokenize=False)
     assert rendered.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
     assert ids == tok.encode(rendered, add_special_tokens=False)
     assert ids[0] == tok.bos_token_id  # the template opens with <|im_start|>
 

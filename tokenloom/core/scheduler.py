@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -54,8 +54,9 @@ class SchedulerStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions_total: int
-    prefix_cache_queries: int
+    prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
+    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
 
 
 class Scheduler:
@@ -424,6 +425,7 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -458,7 +460,8 @@ class Scheduler:
             if is_stopped:
                 self._free_request(request)
                 stopped.add(id(request))
-            if generated or is_stopped:
+            prompt_lps = prompt_logprobs.get(req_id)
+            if generated or is_stopped or prompt_lps:
                 req_logprobs = logprobs.get(req_id) if logprobs else None
                 outputs.append(
                     EngineCoreOutput(
@@ -469,6 +472,7 @@ class Scheduler:
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
                         error=request.error,
+                        new_prompt_logprobs=prompt_lps,
                     )
                 )
         if stopped:
@@ -541,6 +545,20 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            prefix_cache_queries=kv.prefix_cache_totals.queries,
+            prefix_cache_hits=kv.prefix_cache_totals.hits,
+            prefix_cache_stats=kv.make_prefix_cache_stats(),
         )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
+        first (last first, so they resume in order), which frees every block; otherwise the reset
+        only succeeds when no request holds blocks."""
+        if reset_running_requests:
+            now = self.clock()
+            while self.running:
+                self._preempt_request(self.running.pop(), now)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        return ok

@@ -329,6 +329,12 @@ class AsyncLLM:
                 queue_time=None if queued is None else queued - core.arrival_time,
                 num_prompt_tokens=core.num_prompt_tokens,
                 num_generation_tokens=len(comp.token_ids),
+                inference_time=None if queued is None else end - queued,
+                prefill_time=None if queued is None or core.first_token_time is None
+                else core.first_token_time - queued,
+                decode_time=None if core.first_token_time is None else end - core.first_token_time,
+                max_tokens_param=core.sampling_params.max_tokens,
+                n_param=len(tracked.cores) if comp.index == 0 else None,
             ))
 
     def _log(self, stats: IterationStats) -> None:
