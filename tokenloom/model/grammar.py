@@ -51,13 +51,11 @@ class XgrammarMatcher:
 
 
 class XgrammarBackend:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int = 8,
-                 max_rollback_tokens: int = 0) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int = 8) -> None:
         # vocab_size is the model's (its logits' width), which may pad past the tokenizer's.
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
-        self.max_rollback_tokens = max_rollback_tokens
 
     def compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
         if kind in ("json", "json_object"):
@@ -79,10 +77,8 @@ class XgrammarBackend:
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int]) -> XgrammarMatcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(
-            compiled, override_stop_tokens=list(stop_token_ids) or None,
-            max_rollback_tokens=self.max_rollback_tokens,
-        ))
+        # Rollback (for rejected drafts) is unlimited in this xgrammar: no max_rollback_tokens.
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None))
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
