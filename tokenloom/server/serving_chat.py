@@ -47,7 +47,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     req = parse_model(ChatCompletionRequest, obj)
     state.model_name(req.model)
     check_chat_request(req, state.vocab_size)
-    tools = tool_setup(req.tools, req.tool_choice)
+    tools = tool_setup(req.tools, req.tool_choice, obj.get("parallel_tool_calls"))
     extras = ChatExtras(tools, structured_outputs_of(obj, tools))
     template_tools = render_tools(tools)
     tools_prompt = None

@@ -28,6 +28,7 @@ class ToolSetup:
     mode: str  # "none" | "auto" | "required" | "named"
     tools: dict[str, dict[str, Any]]  # name -> the tool's "function" object
     named: str | None = None
+    parallel_tool_calls: bool = True  # False: at most one call (vLLM: maxItems 1 under "required")
 
     @property
     def parses_calls(self) -> bool:
@@ -104,7 +105,8 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None) -
 
 
 # Tools -----------------------------------------------------------------------------------------------
-def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolSetup | None:
+def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
+               parallel_tool_calls: bool | None = None) -> ToolSetup | None:
     if tools is None:
         if tool_choice not in (None, "none"):
             raise APIError(400, "when using tool_choice, tools must be set", "tool_choice")
@@ -127,7 +129,7 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolSetu
         if tool_choice not in ("none", "auto", "required"):
             raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, "
                                 f"got {tool_choice!r}", "tool_choice")
-        return ToolSetup(tool_choice, by_name)
+        return ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel_tool_calls is not False)
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -135,7 +137,7 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolSetu
     if name not in by_name:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
                             f"({', '.join(by_name) or 'none'})", "tool_choice")
-    return ToolSetup("named", by_name, name)
+    return ToolSetup("named", by_name, name, parallel_tool_calls=parallel_tool_calls is not False)
 
 
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +150,7 @@ def tool_call_schema(tools: ToolSetup) -> dict[str, Any]:
     if tools.mode == "named":
         assert tools.named is not None
         return _parameters(tools.tools[tools.named])
-    return {
+    schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {
@@ -160,6 +162,9 @@ def tool_call_schema(tools: ToolSetup) -> dict[str, Any]:
             ],
         },
     }
+    if not tools.parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
 
 
 def render_tools(tools: ToolSetup | None) -> list[dict[str, Any]] | None:
