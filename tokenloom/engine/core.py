@@ -13,6 +13,7 @@ the same three parts: `scheduler.schedule()`, `executor.execute_model(..., non_b
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -51,7 +52,15 @@ class EngineCore:
         t_start = self.clock()
         scheduler_output = self.scheduler.schedule()
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        return self._finish_step(t_start, scheduler_output, future)
+        outputs = self._finish_step(t_start, scheduler_output, future)
+        if scheduler_output.is_empty and not outputs and self._waiting_for_grammar():
+            # Nothing can run until a grammar compiles: yield the CPU to the compile threads
+            # instead of spinning through empty steps.
+            time.sleep(0.001)
+        return outputs
+
+    def _waiting_for_grammar(self) -> bool:
+        return any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting)
 
     def _finish_step(
         self, t_start: float, scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]

@@ -117,7 +117,8 @@ class EngineCoreProc:
             outputs: list[EngineCoreOutput] = []
             if self.scheduler.has_requests():
                 outputs = self.core.step()
-                step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
+                if self.core.last_step_tokens or outputs:  # an empty step (grammars compiling) says nothing
+                    step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
             if step is not None or handled:
                 self.outbox.send(self._batch(outputs, step))
 
