@@ -1,9 +1,9 @@
 """Where one runner step's time goes, op by op, and the GEMMs' achieved FLOP/s vs plain torch GEMMs.
 
-Runs the real fused forward (`LlamaModel._forward_fused`) with a timer around every kernel and GEMM, on the
-scenarios of perf_step.py (a batch-128 decode at W1-like contexts, a 2048-token prefill of W1-like
-prompts, a mixed step), then times the whole `execute_model` to get the runner's own overhead
-(input preparation, sampling, bookkeeping) as the remainder.
+Runs the real fused forward (`LlamaModel.forward` on the CPU kernel backend) with a timer around
+every kernel and GEMM, on the scenarios of perf_step.py (a batch-128 decode at W1-like contexts,
+a 2048-token prefill of W1-like prompts, a mixed step), then times the whole `execute_model` to
+get the runner's own overhead (input preparation, sampling, bookkeeping) as the remainder.
 
     .venv/bin/python benchmarks/perf_breakdown.py [--dtype bfloat16] [--quantization int8] [--iters 5] [--json out.json]
 
@@ -57,48 +57,51 @@ class _TimedKernels:
 def timed_forward(runner, inputs, timers: dict[str, float], gemm_shapes: dict[str, tuple[int, int, int]]) -> None:
     """The real fused forward + logits, with the kernels and the linears timed (everything else,
     e.g. the embedding and the last layer's row selection, lands in the runner's remainder)."""
-    from tokenloom.model import llama, quant
+    from tokenloom.model import linear, quant
 
     m = runner.model
     names = {}
     for layer in m.layers:
-        names |= {id(layer.qkv): "gemm qkv", id(layer.o): "gemm o", id(layer.gate_up): "gemm gate_up",
-                  id(layer.down): "gemm down"}  # fmt: skip
+        lins = layer.linears()
+        names |= {id(lins["qkv_proj"]): "gemm qkv", id(lins["o_proj"]): "gemm o",
+                  id(lins["gate_up_proj"]): "gemm gate_up", id(lins["down_proj"]): "gemm down"}  # fmt: skip
     names[id(m.lm_head)] = "gemm lm_head"
     calls: dict[str, list[int]] = collections.defaultdict(list)
-    original_call = llama.Linear.__call__
+    # Every GEMM goes through its linear method's apply_input (int8: the int32 GEMM alone; the
+    # scale-back runs in the next kernel).
+    originals = {cls: cls.apply_input for cls in (linear.UnquantizedLinearMethod, quant.Int8LinearMethod)}
 
-    def timed_call(lin, x):
-        t0 = time.perf_counter()
-        y = original_call(lin, x)
-        label = names[id(lin)]
-        timers[label] += time.perf_counter() - t0
-        calls[label].append(x.shape[0])
-        return y
+    def timed(cls, suffix):
+        original = originals[cls]
 
-    original_int_mm = quant.Int8Linear.int_mm
+        def apply_input(method, lin, x):
+            t0 = time.perf_counter()
+            y = original(method, lin, x)
+            label = names[id(lin)] + suffix
+            timers[label] += time.perf_counter() - t0
+            calls[label].append((x if isinstance(x, torch.Tensor) else x.q).shape[0])
+            return y
 
-    def timed_int_mm(lin, q):
-        t0 = time.perf_counter()
-        y = original_int_mm(lin, q)
-        label = names[id(lin)] + " (int8)"
-        timers[label] += time.perf_counter() - t0
-        calls[label].append(q.shape[0])
-        return y
+        return apply_input
 
+    # The kernels are held by the linear methods and the attention backend: time them all.
+    holders = [m, m.attn_backend] + list({id(lin.quant_method): lin.quant_method for lin in m.linears()}.values())
     real_kernels = m.kernels
-    m.kernels = _TimedKernels(real_kernels, timers)
-    llama.Linear.__call__ = timed_call
-    quant.Int8Linear.int_mm = timed_int_mm
+    proxy = _TimedKernels(real_kernels, timers)
+    for holder in holders:
+        holder.kernels = proxy
+    linear.UnquantizedLinearMethod.apply_input = timed(linear.UnquantizedLinearMethod, "")
+    quant.Int8LinearMethod.apply_input = timed(quant.Int8LinearMethod, " (int8)")
     try:
         hidden = m.forward(inputs.input_ids, inputs.positions, inputs.attn, runner.kv_caches, inputs.max_position)
         if hidden.shape[0] != len(inputs.sample_reqs):
             hidden = hidden.index_select(0, inputs.sample_indices)
         m.compute_logits(hidden, fp32=False)
     finally:
-        llama.Linear.__call__ = original_call
-        quant.Int8Linear.int_mm = original_int_mm
-        m.kernels = real_kernels
+        for cls, original in originals.items():
+            cls.apply_input = original
+        for holder in holders:
+            holder.kernels = real_kernels
     cfg = m.config
     hid, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     kn = {"gemm qkv": (hid, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d),

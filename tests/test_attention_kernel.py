@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from tokenloom.model import kernels as kernels_mod
 from tokenloom.model.attention import (
-    AttentionMetadata,
     DecodeMetadata,
     KernelMetadata,
     PrefillMetadata,
+    TorchAttentionMetadata,
     causal_offset_mask,
     pack_kv_layout,
     paged_attention,
@@ -99,7 +99,7 @@ def _torch_meta(tables, seqs, block_size, slots):
         mask = causal_offset_mask(s, n, "cpu") if s > 0 else None
         prefills.append(PrefillMetadata(offset, n, s + n, torch.tensor(tables[i][:nb]), mask))
         offset += n
-    return AttentionMetadata(slot_mapping=slots, decodes=decodes, prefills=prefills)
+    return TorchAttentionMetadata(slot_mapping=slots, decodes=decodes, prefills=prefills)
 
 
 def _dense_reference(qkv, k_cache, v_cache, tables, seqs, hq, hkv, d):

@@ -14,7 +14,8 @@ from tests.tiny_models import make_tiny_hf_model
 from tokenloom.bench.quality import perplexity
 from tokenloom.config import ConfigError, EngineConfig
 from tokenloom.model import kernels as kernels_mod
-from tokenloom.model import quant
+from tokenloom.model import quant, smoothquant
+from tokenloom.model.linear import LinearBase, UnquantizedLinearMethod
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.runner import ModelRunner
 
@@ -60,7 +61,9 @@ def test_int8_linear_close_to_float(bias: bool) -> None:
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(200, 96, generator=g) * 0.1, torch.randn(33, 96, generator=g)
     b = torch.randn(200, generator=g) if bias else None
-    lin = quant.Int8Linear.from_weight(w, b, torch.float32)
+    lin = LinearBase(w, b, UnquantizedLinearMethod(), "probe")
+    lin.set_quant_method(quant.Int8LinearMethod(kernels=None))
+    assert lin.weight is None and lin.qweight.dtype == torch.int8
     ref = F.linear(x, w, b)
     rel = (lin(x) - ref).norm() / ref.norm()
     assert rel < 0.02, rel
@@ -204,10 +207,11 @@ def test_smoothing_preserves_the_function(tiny: LoadedModel) -> None:
     runner = _runner(tiny, cpu_kernels=False)
     ref = _logits(runner, SEQS)
     model = runner.model
-    stats = model._activation_absmax(prompt(9, 40))
+    stats = smoothquant.activation_absmax(model, prompt(9, 40))
     for layer, layer_stats in zip(model.layers, stats, strict=True):
         # Exaggerated factors, so a fold on the wrong rows or columns could not hide in rounding.
-        layer.smooth({k: v * 50 + 1 for k, v in layer_stats.items()}, model.num_kv_heads, model.head_dim)
+        smoothquant.smooth_layer(layer, {k: v * 50 + 1 for k, v in layer_stats.items()}, model.num_kv_heads,
+                                 model.head_dim)
     runner2 = _runner(tiny, cpu_kernels=False)
     runner2.model = model
     torch.testing.assert_close(_logits(runner2, SEQS), ref, atol=1e-4, rtol=1e-4)

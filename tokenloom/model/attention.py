@@ -27,10 +27,10 @@ chunks:
   a bottom-right-aligned causal bool mask (query i at position start + i sees keys 0..start + i),
   which the flash kernel runs ~2x slower than is_causal.
 
-Everything the layers share (block tables, masks) is built once per step in `AttentionMetadata`.
+Everything the layers share (block tables, masks) is built once per step in `TorchAttentionMetadata`.
 
 On CPU, when the compiled kernels are available (tokenloom/model/kernels.py), one fused call per
-layer serves the whole step instead (`paged_attention_fused`, metadata in `KernelMetadata`): every
+layer serves the whole step instead (`paged_attention_fused`, metadata in `KernelAttentionMetadata`): every
 query row (a decode, or a row of a prefill chunk; a chunk's rows go four at a time) reads its keys
 and values straight from the blocks through its sequence's block table, with no gather copy, no
 padding and no masks (a chunk continuing a cached prefix is just rows whose keys start earlier);
@@ -42,6 +42,9 @@ the kernels read it. Decode attention per step (batch 128, contexts 64..512, Smo
 one thread): 230 ms with the gather path, 75 ms fused (plain layout), ~60 ms packed; it is then
 bound by memory bandwidth (each step reads every context once). The pure-torch path above stays
 as the reference and the fallback (CUDA, or no compiler).
+
+Which of the two a model runs, and the metadata each builds, is an `AttentionBackend`
+(tokenloom/model/attention_backends.py); this module holds the arithmetic and the metadata types.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -98,14 +102,47 @@ class KernelMetadata:
 
 @dataclass
 class AttentionMetadata:
+    """What every backend's metadata has; each backend subclasses it with its own fields and builds
+    it itself (tokenloom/model/attention_backends.py)."""
+
     slot_mapping: torch.Tensor  # [T] long: where each token's K/V is written
+    # When set, the last layer writes every row's K/V, then continues with these rows alone (in
+    # this order): the forward returns the final hidden states of the sampling rows only.
+    output_rows: torch.Tensor | None = None
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The pure-torch backend's step: padded decode groups, then prefill chunks."""
+
     decodes: list[DecodeMetadata] = field(default_factory=list)
     prefills: list[PrefillMetadata] = field(default_factory=list)
-    kernel: KernelMetadata | None = None  # set when the step runs the fused CPU kernels
-    # Fused path only: when set, the forward returns the final hidden states of these rows alone
-    # (in this order), and the last layer's attention reads `output_kernel` (one row per output).
-    output_rows: torch.Tensor | None = None
+
+
+@dataclass
+class KernelAttentionMetadata(AttentionMetadata):
+    """The fused CPU kernel backend's step. `output_kernel`: with output_rows, the last layer's
+    attention metadata for those rows (one query row each)."""
+
+    kernel: KernelMetadata | None = None
     output_kernel: KernelMetadata | None = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The step's sequences in flat-batch order, as numpy arrays (vLLM's name): what the runner
+    hands every backend's `build_metadata`."""
+
+    query_start_loc: np.ndarray  # [S + 1] int64: sequence s owns flat rows q[s] .. q[s + 1] - 1
+    num_computed_tokens: np.ndarray  # [S] int64: position of each sequence's first row
+    block_table: np.ndarray  # [S, max_blocks] int32, each row padded with block 0
+    slot_mapping: np.ndarray  # [T] int64
+    samples: np.ndarray  # [S] bool: the sequence's last row samples a token
+    block_size: int
+
+    @property
+    def seq_ends(self) -> np.ndarray:
+        return self.num_computed_tokens + np.diff(self.query_start_loc)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -144,7 +181,7 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq * D].
 

@@ -16,20 +16,23 @@ SmolLM2-135M (docs/performance.md, mean of three texts vs bf16): perplexity +3.0
 +1.4 % smoothed.
 
 The functions here are the reference arithmetic (and the path without the compiled kernels); the
-kernels in csrc/cpu_kernels.cpp fuse the same steps into the neighbouring norm / activation.
+kernels in csrc/cpu_kernels.cpp fuse the same steps into the neighbouring norm / activation, which
+`Int8LinearMethod` chooses (the linear-method seam: tokenloom/model/linear.py). Calibration and
+the smoothing folds live in tokenloom/model/smoothquant.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from tokenloom.config import QUANTIZATION_METHODS
+from tokenloom.model.linear import LinearBase, LinearMethodBase, PendingOutput, UnquantizedLinearMethod
 
-SMOOTHING_ALPHA = 0.6  # of 0.5 / 0.6 / 0.7 the best on the quality benchmark (docs/performance.md)
 CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 
 
@@ -73,37 +76,91 @@ def dequant(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
     return out + bias if bias is not None else out
 
 
-def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
-                     alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
-    """SmoothQuant factors per input channel, fp32 [K]: s = max|X|^alpha / max|W|^(1 - alpha), the
-    weights' max taken over every matrix that reads X (e.g. q, k and v)."""
-    wmax = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
-    s = act_absmax.float().clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)
-    return s.clamp(min=1e-5)
+@dataclass
+class Int8Rows:
+    """An int8 method's input: int8 rows [T, K] and their fp32 scales [T]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def _quant_buffers(rows: int, cols: int) -> Int8Rows:
+    """Uninitialised int8 rows and their fp32 scales, for a kernel to fill."""
+    return Int8Rows(torch.empty((rows, cols), dtype=torch.int8), torch.empty(rows, dtype=torch.float32))
 
 
 @dataclass
-class Int8Linear:
-    """y = x @ W.T + b with W int8 per output channel and x quantized per row on the fly."""
+class Int8Accumulator(PendingOutput):
+    """An int8 GEMM's int32 result [T, N] with its input's row scales: not yet scaled back, so the
+    next fused kernel can do it in its own pass."""
 
-    qweight: torch.Tensor  # int8 [in, out]
-    scale: torch.Tensor  # fp32 [out]
-    bias: torch.Tensor | None  # fp32 [out]
-    out_dtype: torch.dtype
+    acc: torch.Tensor
+    row_scale: torch.Tensor
+    layer: LinearBase  # its qweight's channel scales and fp32 bias finish the result
+    kernels: ModuleType | None
 
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> Int8Linear:
-        qweight, scale = quantize_weight(weight)
-        return cls(qweight, scale, None if bias is None else bias.float().contiguous(), out_dtype)
+    def dense(self) -> torch.Tensor:
+        lin = self.layer
+        if self.kernels is None:
+            return dequant(self.acc, self.row_scale, lin.scale, lin.bias).to(lin.out_dtype)
+        out = torch.empty(self.acc.shape, dtype=lin.out_dtype)
+        self.kernels.dequant(out, self.acc, self.row_scale, lin.scale, lin.bias)
+        return out
 
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[1]
 
-    def int_mm(self, q: torch.Tensor) -> torch.Tensor:
-        """The int32 GEMM of already quantized rows [T, K] -> [T, N]."""
-        return torch._int_mm(q, self.qweight)
+class Int8LinearMethod(LinearMethodBase):
+    """W8A8: y = x @ W.T + b with W int8 per output channel (`layer.qweight` [in, out],
+    `layer.scale` fp32 [out], `layer.bias` fp32) and x quantized per row. With the kernels every
+    producer of its input (norm, SiLU-and-mul, a previous int8 GEMM's scale-back) is one fused
+    kernel that writes int8 rows (see LinearMethodBase)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = quantize_rows(x)
-        return dequant(self.int_mm(q), s, self.scale, self.bias).to(self.out_dtype)
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        assert layer.weight is not None, f"{layer.prefix}: no float weight to quantize"
+        layer.qweight, layer.scale = quantize_weight(layer.weight)
+        layer.bias = None if layer.bias is None else layer.bias.float().contiguous()
+        layer.weight = None
+
+    def apply_input(self, layer: LinearBase, x: Int8Rows) -> Int8Accumulator:
+        return Int8Accumulator(torch._int_mm(x.q, layer.qweight), x.scale, layer, self.kernels)
+
+    def quantize_input(self, x: torch.Tensor) -> Int8Rows:
+        if self.kernels is None:
+            return Int8Rows(*quantize_rows(x))
+        out = _quant_buffers(x.shape[0], x.shape[1])
+        self.kernels.quantize_rows(out.q, out.scale, x)
+        return out
+
+    def rms_norm_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Int8Rows:
+        if self.kernels is None:
+            return super().rms_norm_input(x, weight, eps)
+        out = _quant_buffers(x.shape[0], x.shape[1])
+        self.kernels.rms_norm_quant(out.q, out.scale, x, weight, eps)
+        return out
+
+    def add_rms_norm_input(self, out: torch.Tensor | PendingOutput, residual: torch.Tensor,
+                           weight: torch.Tensor, eps: float) -> Int8Rows:
+        if self.kernels is None or not isinstance(out, Int8Accumulator):
+            return super().add_rms_norm_input(out, residual, weight, eps)
+        x = _quant_buffers(residual.shape[0], residual.shape[1])
+        lin = out.layer
+        # residual += scale-back(acc); x = quant(norm(residual)), in one pass.
+        self.kernels.dequant_add_rms_norm_quant(x.q, x.scale, out.acc, out.row_scale, lin.scale, lin.bias,
+                                                residual, weight, eps)
+        return x
+
+    def silu_and_mul_input(self, gate_up: torch.Tensor | PendingOutput) -> Int8Rows:
+        if self.kernels is None or not isinstance(gate_up, Int8Accumulator):
+            return super().silu_and_mul_input(gate_up)
+        x = _quant_buffers(gate_up.acc.shape[0], gate_up.acc.shape[1] // 2)
+        lin = gate_up.layer
+        self.kernels.dequant_silu_mul_quant(x.q, x.scale, gate_up.acc, gate_up.row_scale, lin.scale, lin.bias)
+        return x
+
+
+def get_linear_method(quantization: str | None, kernels: ModuleType | None) -> LinearMethodBase:
+    """The linear method of a decoder layer for `--quantization` (None: the run dtype)."""
+    if quantization is None:
+        return UnquantizedLinearMethod(kernels)
+    if quantization == "int8":
+        return Int8LinearMethod(kernels)
+    raise ValueError(f"no linear method for quantization={quantization!r}")

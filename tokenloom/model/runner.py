@@ -5,9 +5,11 @@ it sampled itself), block table, sampling params and generator. Each step:
 
   1. drop state of finished / preempted requests, add (or replace) the new and resumed ones,
      extend block tables of the cached ones;
-  2. lay out the scheduled tokens as one flat batch (decodes first, grouped by context length,
-     then prefill chunks) and build input ids, positions, KV slots and attention metadata with
-     numpy in bulk;
+  2. lay out the scheduled tokens as one flat batch in the order the model's attention backend
+     asks for (tokenloom/model/attention_backends.py: the torch backend puts decodes first,
+     grouped by context length, then prefill chunks; the kernel backend keeps scheduler order),
+     build input ids, positions, KV slots and block tables with numpy in bulk, and let the backend
+     build its attention metadata from them;
   3. run the model, project only the rows that sample (a chunk that stops short of its sequence's
      end samples nothing), sample, append the sampled tokens to each request's state.
 
@@ -44,14 +46,8 @@ import numpy as np
 import torch
 
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
-from tokenloom.model.attention import (
-    AttentionMetadata,
-    DecodeMetadata,
-    KernelMetadata,
-    PrefillMetadata,
-    allocate_kv_cache,
-    causal_offset_mask,
-)
+from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
+from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.llama import LlamaModel
 from tokenloom.model.platform import (
@@ -118,28 +114,6 @@ class _StepInputs:
     prompt_rows: list[tuple[_RequestState, int, np.ndarray]] = field(default_factory=list)
 
 
-def group_decodes(decodes: list[_Scheduled], min_group: int = 16, max_group: int = 32) -> list[list[_Scheduled]]:
-    """Split decodes into groups of similar context length, longest first.
-
-    Each group costs one padded attention call per layer, padded to its longest context. A group
-    closes once the next context is under half its longest and it has `min_group` members (smaller
-    calls cost more in launch overhead than the padding they save), or at `max_group` members: the
-    gathered K/V of a group that size stays in cache for the two GEMMs that read it (~15% faster
-    decode attention than one call over 128 requests on this CPU).
-    """
-    if not decodes:
-        return []
-    ordered = sorted(decodes, key=lambda s: s.start, reverse=True)
-    groups = [[ordered[0]]]
-    for s in ordered[1:]:
-        group = groups[-1]
-        if len(group) >= max_group or (len(group) >= min_group and 2 * (s.start + 1) < group[0].start + 1):
-            groups.append([s])
-        else:
-            group.append(s)
-    return groups
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -186,21 +160,21 @@ class ModelRunner:
                                     quantization=quantization, calibration_token_ids=calibration_token_ids,
                                     calibration_threads=threads)
         self.use_kernels = kernels is not None
-        # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
-        self.model.kv_packed = bool(
-            kernels is not None
-            and self.dtype == torch.bfloat16
-            and kernels.packed_layout_supported(block_size, model.config.head_dim)
-            and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
-        )
+        # The attention backend the model runs; it builds each step's metadata.
+        self.attn_backend = self.model.attn_backend
+        if isinstance(self.attn_backend, CpuKernelAttentionBackend):
+            # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
+            self.attn_backend.kv_packed = bool(
+                self.dtype == torch.bfloat16
+                and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
+                and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
+            )
         self.vocab_size = self.model.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device,
-                                           zeroed=not self.use_kernels)
+                                           zeroed=self.attn_backend.zeroed_kv_cache)
         self.sampler = Sampler()
-        # Bounds on the decodes sharing one padded attention call (see group_decodes).
-        self.decode_group_min, self.decode_group_max = 16, 32
         self.requests: dict[str, _RequestState] = {}
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
@@ -386,57 +360,8 @@ class ModelRunner:
     # ----------------------------------------------------------------------- input preparation
 
     def _prepare_inputs(self, scheduled: list[_Scheduled]) -> _StepInputs:
-        if self.use_kernels:
-            return self._prepare_inputs_fused(scheduled)
-        groups = group_decodes(
-            [s for s in scheduled if s.num_tokens == 1], self.decode_group_min, self.decode_group_max
-        )
-        prefills = [s for s in scheduled if s.num_tokens > 1]
-        ordered = [s for g in groups for s in g] + prefills
-        ids_parts: list[np.ndarray] = []
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
-        decode_meta: list[DecodeMetadata] = []
-        offset = 0
-        for group in groups:
-            ids, pos, slots, meta = self._decode_inputs(group, offset)
-            ids_parts.append(ids)
-            pos_parts.append(pos)
-            slot_parts.append(slots)
-            decode_meta.append(meta)
-            offset += len(group)
-        bs = self.block_size
-        prefill_meta: list[PrefillMetadata] = []
-        prompt_rows = []
-        for s in prefills:
-            if (pr := self._prompt_rows(s, offset)) is not None:
-                prompt_rows.append(pr)
-            pos = np.arange(s.start, s.end, dtype=np.int64)
-            table = np.asarray(s.state.block_ids[: -(-s.end // bs)], dtype=np.int64)
-            ids_parts.append(np.asarray(s.state.token_ids[s.start : s.end], dtype=np.int64))
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            prefill_meta.append(self._prefill_meta(s, offset, table))
-            offset += s.num_tokens
-        # Each request's last token sits at (its offset + n - 1) in the flat batch.
-        ends = np.cumsum([s.num_tokens for s in ordered]) - 1
-        sample_rows = [int(e) for s, e in zip(ordered, ends) if s.samples]
-        return _StepInputs(
-            input_ids=self._to_device(np.concatenate(ids_parts)),
-            positions=self._to_device(np.concatenate(pos_parts)),
-            max_position=max(s.end for s in ordered) - 1,
-            attn=AttentionMetadata(
-                slot_mapping=self._to_device(np.concatenate(slot_parts)),
-                decodes=decode_meta,
-                prefills=prefill_meta,
-            ),
-            sample_indices=self._to_device(np.asarray(sample_rows, dtype=np.int64)),
-            sample_reqs=[s.state for s in ordered if s.samples],
-            prompt_rows=prompt_rows,
-        )
-
-    def _prepare_inputs_fused(self, scheduled: list[_Scheduled]) -> _StepInputs:
-        """Flat inputs for the fused kernels: sequences in scheduler order, one block-table row each."""
+        """Flat inputs in the attention backend's order; the backend builds its own metadata."""
+        scheduled = self.attn_backend.reorder_batch(scheduled)
         bs = self.block_size
         n = len(scheduled)
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
@@ -458,27 +383,25 @@ class ModelRunner:
         pos = np.arange(total, dtype=np.int64) + np.repeat(starts - q_start[:-1], counts)
         slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
         samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n)
+        attn = self.attn_backend.build_metadata(CommonAttentionMetadata(
+            query_start_loc=q_start, num_computed_tokens=starts, block_table=tables, slot_mapping=slots,
+            samples=samples, block_size=bs,
+        ))
+        # Each sequence's last row samples (when the sequence reaches its end this step).
         sample_rows = (q_start[1:] - 1)[samples]
-        kernel = KernelMetadata(
-            block_tables=torch.from_numpy(tables),
-            q_start=torch.from_numpy(q_start.astype(np.int32)),
-            pos_start=torch.from_numpy(starts.astype(np.int32)),
-        )
-        attn = AttentionMetadata(slot_mapping=torch.from_numpy(slots), kernel=kernel)
-        sample_idx = torch.from_numpy(np.ascontiguousarray(sample_rows))
         prompt_rows = [pr for i, s in enumerate(scheduled) if (pr := self._prompt_rows(s, int(q_start[i])))]
-        if len(sample_rows) < total and not prompt_rows:  # prompt_logprobs need every row's output
-            # Only the sampling rows' last-layer outputs are needed: the last layer writes every
-            # row's K/V, then runs attention, o-proj and MLP on those rows alone.
-            attn.output_rows = sample_idx
-            attn.output_kernel = KernelMetadata(
-                block_tables=torch.from_numpy(np.ascontiguousarray(tables[samples])),
-                q_start=torch.arange(len(sample_rows) + 1, dtype=torch.int32),
-                pos_start=torch.from_numpy((ends[samples] - 1).astype(np.int32)),
-            )
+        if prompt_rows and getattr(attn, "output_rows", None) is not None:
+            # prompt_logprobs need every row's last-layer output, not only the sampling rows'.
+            attn.output_rows = None
+            attn.output_kernel = None
+        if getattr(attn, "output_rows", None) is not None:
+            sample_idx = attn.output_rows  # the same rows (the backend built them from `samples`)
+        else:
+            sample_idx = self._to_device(sample_rows)
+        input_ids = torch.tensor(ids, dtype=torch.int64)
         return _StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.from_numpy(pos),
+            input_ids=input_ids if self.device.type == "cpu" else input_ids.to(self.device),
+            positions=self._to_device(pos),
             max_position=int(ends.max()) - 1,
             attn=attn,
             sample_indices=sample_idx,
@@ -486,39 +409,25 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def _decode_inputs(
-        self, decodes: list[_Scheduled], offset: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, DecodeMetadata]:
-        bs = self.block_size
-        n = len(decodes)
-        pos = np.fromiter((s.start for s in decodes), dtype=np.int64, count=n)
-        ids = np.fromiter((s.state.token_ids[s.start] for s in decodes), dtype=np.int64, count=n)
-        num_blocks = pos // bs + 1
-        max_blocks = int(num_blocks.max())
-        # Padding points at block 0: a valid block whose contents the key bias hides.
-        tables = np.zeros((n, max_blocks), dtype=np.int64)
-        for i, (s, nb) in enumerate(zip(decodes, num_blocks.tolist())):
-            tables[i, :nb] = s.state.block_ids[:nb]
-        slots = tables[np.arange(n), pos // bs] * bs + pos % bs
-        key_bias = np.where(np.arange(max_blocks * bs)[None, :] <= pos[:, None], 0.0, -np.inf)
-        meta = DecodeMetadata(
-            token_start=offset,
-            num_seqs=n,
-            block_tables=self._to_device(tables.reshape(-1)),
-            max_blocks=max_blocks,
-            key_bias=torch.from_numpy(key_bias.astype(np.float32)).view(1, n, 1, -1).to(self.device),
-        )
-        return ids, pos, slots, meta
+    # Bounds on the decodes sharing one padded attention call: the torch backend's (see
+    # TorchAttentionBackend.split_decode_groups); the kernel backend has no decode groups.
+    @property
+    def decode_group_min(self) -> int | None:
+        return getattr(self.attn_backend, "decode_group_min", None)
 
-    def _prefill_meta(self, s: _Scheduled, offset: int, table: np.ndarray) -> PrefillMetadata:
-        mask = causal_offset_mask(s.start, s.num_tokens, self.device) if s.start > 0 else None
-        return PrefillMetadata(
-            token_start=offset,
-            num_tokens=s.num_tokens,
-            context_len=s.end,
-            block_ids=self._to_device(table),
-            mask=mask,
-        )
+    @decode_group_min.setter
+    def decode_group_min(self, value: int) -> None:
+        if isinstance(self.attn_backend, TorchAttentionBackend):
+            self.attn_backend.decode_group_min = value
+
+    @property
+    def decode_group_max(self) -> int | None:
+        return getattr(self.attn_backend, "decode_group_max", None)
+
+    @decode_group_max.setter
+    def decode_group_max(self, value: int) -> None:
+        if isinstance(self.attn_backend, TorchAttentionBackend):
+            self.attn_backend.decode_group_max = value
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
