@@ -121,6 +121,21 @@ class SchedulerConfig:
     # "request" forms a batch when nothing runs and admits nobody until all of it has finished;
     # "static" runs that batch in lockstep (every prefill before any decode).
     batching: BatchingMode = knob("continuous", "batching granularity (continuous = iteration-level, vLLM's)")
+    # Opt-in policies beyond vLLM (tokenloom/core/policies.py, docs/scheduling_policies.md); off by default.
+    max_prefill_wait_ms: float = knob(
+        0.0, "bound on a prompt's wait for budget: past it, the prompt gets --min-prefill-chunk tokens per "
+        "step ahead of other running requests (0: off, vLLM's behaviour)")
+    max_prefill_wait_steps: int = knob(
+        0, "the same bound in scheduler steps (deterministic: replays, tests; 0: off)")
+    min_prefill_chunk: int = knob(
+        256, "tokens per step guaranteed to a prompt that waited past --max-prefill-wait-ms "
+        "(capped by the budget)")
+    enable_priority_preemption: bool = knob(
+        False, "with --scheduling-policy priority: preempt lower-priority running requests to admit a "
+        "higher-priority waiting one (vLLM preempts only when a running request cannot grow)")
+    priority_preemption_protection_steps: int = knob(
+        8, "steps after resuming during which a request preempted by --enable-priority-preemption "
+        "cannot be preempted by it again")
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -129,6 +144,21 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_choice("policy", self.policy, Policy)
         _check_choice("batching", self.batching, BatchingMode)
+        if isinstance(self.max_prefill_wait_ms, bool) or not isinstance(self.max_prefill_wait_ms, int | float) \
+                or not self.max_prefill_wait_ms >= 0:
+            raise ConfigError(f"max_prefill_wait_ms must be a number >= 0, got {self.max_prefill_wait_ms!r}")
+        _check_int("max_prefill_wait_steps", self.max_prefill_wait_steps, 0)
+        _check_int("min_prefill_chunk", self.min_prefill_chunk, 1)
+        wait_bound = self.max_prefill_wait_ms > 0 or self.max_prefill_wait_steps > 0
+        if wait_bound and self.min_prefill_chunk >= self.max_num_batched_tokens:
+            raise ConfigError(
+                f"min_prefill_chunk ({self.min_prefill_chunk}) must be < max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) when a prefill wait bound is set, or a waiting prompt "
+                "could take the whole budget from the running requests")
+        _check_int("priority_preemption_protection_steps", self.priority_preemption_protection_steps, 0)
+        if self.enable_priority_preemption and self.policy != "priority":
+            raise ConfigError("enable_priority_preemption needs scheduling_policy='priority' "
+                              f"(got {self.policy!r}): it preempts by priority")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:

@@ -65,6 +65,8 @@ class SchedulerOutput:
     # (one row each, in this order; int32 words, one bit per vocabulary entry, 1 = allowed).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
+    policy_actions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

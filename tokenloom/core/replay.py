@@ -156,6 +156,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 "cached_tokens": dict(out.cached_tokens),
             }
         )
+        if out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
+            steps[-1]["policy"] = out.policy_actions
     total_tokens = sum(sum(s["scheduled"].values()) for s in steps)
     return {
         "steps": steps,

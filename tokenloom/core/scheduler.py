@@ -27,9 +27,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -37,6 +38,7 @@ from tokenloom.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
@@ -93,6 +95,17 @@ class Scheduler:
             watermark=scheduler_config.watermark,
         )
         self.requests: dict[str, Request] = {}
+        # Opt-in policies beyond vLLM (core/policies.py). None, the default, keeps vLLM's decisions.
+        self.prefill_wait_bound = (
+            PrefillWaitBound(scheduler_config.max_prefill_wait_ms / 1000.0, scheduler_config.max_prefill_wait_steps,
+                             scheduler_config.min_prefill_chunk)
+            if scheduler_config.max_prefill_wait_ms > 0 or scheduler_config.max_prefill_wait_steps > 0 else None
+        )
+        self.priority_preemption = (
+            PriorityPreemption(scheduler_config.priority_preemption_protection_steps)
+            if scheduler_config.enable_priority_preemption else None
+        )
+        self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         # Finished between the previous schedule() and the next: the runner drops their state.
@@ -118,6 +131,8 @@ class Scheduler:
             self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        if self.prefill_wait_bound is not None:
+            self.prefill_wait_bound.arrived(request.request_id, self.num_schedule_calls)
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id
@@ -166,6 +181,10 @@ class Scheduler:
             self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.priority_preemption is not None:
+            self.priority_preemption.forget(request.request_id)
+        if self.prefill_wait_bound is not None:
+            self.prefill_wait_bound.forget(request.request_id)
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -188,6 +207,14 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
         hold_decodes = self._hold_decodes()
 
+        # Opt-in policies (off by default): why they act goes into the step's policy_actions.
+        policy_actions: dict[str, Any] = {}
+        if self.priority_preemption is not None and self.waiting and self.running:
+            bound_by = self._preempt_for_waiting(now, preempted_reqs, policy_actions)
+        reserve, starved = 0, set()
+        if self.prefill_wait_bound is not None:
+            reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
+
         # 1. RUNNING first.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
@@ -197,7 +224,7 @@ class Scheduler:
             )
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            num_new_tokens = min(num_new_tokens, token_budget - (0 if request.request_id in starved else reserve))
             # Never compute a position at or past max_model_len.
             num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
             if hold_decodes and not request.is_prefill:
@@ -238,6 +265,9 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+            if request.request_id in starved:
+                starved.discard(request.request_id)
+                reserve = max(0, reserve - num_new_tokens) if starved else 0
             if request.spec_token_ids:
                 num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
                 if num_spec > 0:
@@ -247,7 +277,7 @@ class Scheduler:
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
         skipped_waiting: list[Request] = []
         if preempted_reqs:
-            bound_by = "kv_blocks"
+            bound_by = bound_by or "kv_blocks"
         else:
             while token_budget > 0 and self.waiting:
                 if len(self.running) >= self.max_num_running_reqs:
@@ -304,6 +334,8 @@ class Scheduler:
                     request.num_cached_tokens = num_computed_tokens
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
+                if self.priority_preemption is not None:
+                    self.priority_preemption.admitted(request.request_id, self.num_schedule_calls)
                 cached_tokens[request.request_id] = num_new_local_computed
         if skipped_waiting:
             self.waiting.prepend_requests(skipped_waiting)
@@ -344,10 +376,12 @@ class Scheduler:
                 if self.requests[rid].num_computed_tokens < self.requests[rid].num_tokens - 1
             },
             bound_by=bound_by,
+            policy_actions=policy_actions,
         )
         if self.structured_output_manager is not None:
             self._add_grammar_bitmask(output)
         self._update_after_schedule(output)
+        self.num_schedule_calls += 1
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -373,6 +407,51 @@ class Scheduler:
             assert self.structured_output_manager is not None
             output.structured_output_request_ids = [r.request_id for r in sampling]
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+
+    # Opt-in policies (tokenloom/core/policies.py) -------------------------------------------
+    def _preempt_for_waiting(self, now: float, preempted_reqs: list[Request], actions: dict[str, Any]) -> str | None:
+        """--enable-priority-preemption: free a slot / blocks for the highest-priority waiting request
+        by preempting strictly lower-priority running ones. It is admitted in the next step: a step
+        that preempted admits nobody (the same rule as preemption for a running request)."""
+        assert self.priority_preemption is not None
+        head = self.waiting.peek_request()
+        kv = self.kv_cache_manager
+        victims = self.priority_preemption.victims_for(head, self.running, self.num_schedule_calls)
+        need = cdiv(head.num_tokens, self.block_size) + (kv.watermark_blocks if self.running else 0)
+
+        def short_of_blocks() -> bool:
+            return kv.block_pool.get_num_free_blocks() < need
+
+        if not victims or not (len(self.running) >= self.max_num_running_reqs or short_of_blocks()):
+            return None
+        if len(self.running) < self.max_num_running_reqs:
+            # Blocked by KV alone: preempt only if the victims' blocks can make it fit.
+            reclaimable = sum(len(kv.get_block_ids(v.request_id)) for v in victims)
+            if kv.block_pool.get_num_free_blocks() + reclaimable < need:
+                return None
+        preempted: list[str] = []
+        while victims and (len(self.running) >= self.max_num_running_reqs or short_of_blocks()):
+            victim = victims.pop()
+            self.running.remove(victim)
+            self._preempt_request(victim, now)
+            self.priority_preemption.preempted(victim)
+            preempted_reqs.append(victim)
+            preempted.append(victim.request_id)
+        actions["priority_preemption"] = {"for": head.request_id, "preempted": preempted}
+        return "priority_preemption"
+
+    def _prefill_reserve(
+        self, now: float, token_budget: int, preempted_reqs: list[Request], actions: dict[str, Any]
+    ) -> tuple[int, set[str]]:
+        """--max-prefill-wait-ms: tokens held back from the running requests for starved prompts."""
+        assert self.prefill_wait_bound is not None
+        head = self.waiting.peek_request() if self.waiting else None
+        can_admit = not preempted_reqs and len(self.running) < self.max_num_running_reqs
+        reserve, ids = self.prefill_wait_bound.reserve(now, self.num_schedule_calls, self.running, head, can_admit,
+                                                       token_budget)
+        if reserve:
+            actions["prefill_reserve"] = {"tokens": reserve, "requests": ids}
+        return reserve, set(ids)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner

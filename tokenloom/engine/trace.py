@@ -30,7 +30,7 @@ def step_record(
     prefill = dict(output.num_prefill_tokens)
     decode = {rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in prefill}
     num_free = pool.get_num_free_blocks()
-    return {
+    record = {
         "step": step,
         "t_start": t_start,
         "t_end": t_end,
@@ -51,6 +51,9 @@ def step_record(
         "cached_tokens": dict(output.cached_tokens),
         "bound_by": output.bound_by,
     }
+    if output.policy_actions:  # only when an opt-in policy acted: default traces stay as they were
+        record["policy"] = output.policy_actions
+    return record
 
 
 class StepTracer:

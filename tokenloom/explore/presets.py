@@ -50,6 +50,23 @@ PRESETS: list[dict[str, Any]] = [
         "knobs": {"D": 10, "P": 24, "B": 10, "M": 10},
     },
     {
+        "id": "decodes-leave-one-token",
+        "title": "Decodes leave the prompt 1 token a step (B=11, M=11)",
+        "note": "D=10 decodes and B=11: under vLLM's rules the 24-token prompt gets the one token they leave, "
+        "so its first token comes after 24 steps; behind hundreds of decodes an 8k-token document waits "
+        "hundreds of steps the same way (vLLM issues #14003, #57413). The next preset bounds that wait.",
+        "knobs": {"D": 10, "P": 24, "B": 11, "M": 11, "steps": 28},
+    },
+    {
+        "id": "bounded-prefill-wait",
+        "title": "The same with a bounded wait (wait bound 2 steps, chunk 4)",
+        "note": "tokenloom's opt-in --max-prefill-wait-steps 2 --min-prefill-chunk 4: once the prompt has waited "
+        "more than 2 steps it gets 4 tokens a step ahead of the decodes, so its prefill is done after 9 steps "
+        "instead of 24. The cost is visible in the decode column: 3 of the 10 decodes skip each of those 5 steps "
+        "(policy_actions in the step trace says why).",
+        "knobs": {"D": 10, "P": 24, "B": 11, "M": 11, "steps": 28, "wait_steps": 2, "min_chunk": 4},
+    },
+    {
         "id": "budget-16-m32-invalid",
         "title": "B=16 with M=32 (invalid)",
         "note": "The B=16 example with M=32, as it is often written. " + _B_GE_M,

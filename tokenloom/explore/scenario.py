@@ -54,6 +54,8 @@ class Knobs:
     M: int = 16  # max_num_seqs
     chunked: bool = True
     threshold: int = 0  # long_prefill_token_threshold
+    wait_steps: int = 0  # max_prefill_wait_steps (0: off, vLLM's behaviour)
+    min_chunk: int = 4  # min_prefill_chunk, used once a prompt has waited past wait_steps
     policy: str = "fcfs"
     num_blocks: int = 1024
     block_size: int = 16
@@ -84,6 +86,8 @@ class Knobs:
             enable_chunked_prefill=self.chunked,
             long_prefill_token_threshold=self.threshold,
             policy=self.policy,  # type: ignore[arg-type]
+            max_prefill_wait_steps=self.wait_steps,
+            min_prefill_chunk=self.min_chunk,
         )
         cache = CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                             enable_prefix_caching=self.prefix_caching)  # fmt: skip

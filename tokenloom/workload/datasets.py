@@ -43,6 +43,7 @@ class BenchRequest:
     max_tokens: int
     ignore_eos: bool = False
     arrival_s: float = 0.0  # offset from the benchmark start
+    priority: int = 0  # for --scheduling-policy priority (lower first, as vLLM)
 
 
 def estimate_tokens(text: str) -> int:

@@ -66,7 +66,7 @@ def to_request(r: BenchRequest, ids: list[int]) -> Request:
     """The target output length is max_tokens, made exact by ignore_eos (the simulated token is no
     EOS anyway, and a real model must generate the same lengths for a comparison to mean anything)."""
     params = SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-    return Request(r.id, ids, params, arrival_time=r.arrival_s)
+    return Request(r.id, ids, params, arrival_time=r.arrival_s, priority=r.priority)
 
 
 def run_workload(

@@ -1,0 +1,277 @@
+"""The opt-in scheduling policies beyond vLLM (tokenloom/core/policies.py): each one's guarantee,
+that it stays off by default, and the design's invariants with it on."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.sched_utils import assert_scheduler_empty, create_requests, create_scheduler, step
+from tests.test_scheduler_properties import _block_accounting
+from tokenloom.config import ConfigError, SchedulerConfig
+from tokenloom.core.replay import ReplayRunner, parse_trace, replay
+from tokenloom.core.request import Request
+from tokenloom.core.schedulers import make_scheduler
+from tokenloom.sampling_params import SamplingParams
+
+
+def _decodes_eat_the_budget(**knobs):
+    """15 running decodes with a budget of 16 tokens (max_num_seqs 16): a 64-token prompt that
+    arrives once they run gets the 1 token per step they leave, under vLLM's rules, for as long as
+    they decode (a 64-step TTFT here; an 8k prompt behind 500 decodes at budget 512 is 680 steps)."""
+    sched = create_scheduler(max_num_batched_tokens=16, max_num_seqs=16, max_model_len=512, **knobs)
+    for r in create_requests(15, num_tokens=1, max_tokens=200, ignore_eos=True, prefix="d"):
+        sched.add_request(r)
+    step(sched)  # the 16 one-token prompts: each samples its first token
+    prompt = create_requests(1, num_tokens=64, max_tokens=4, ignore_eos=True, prefix="long")[0]
+    prompt.request_id = "long"
+    sched.add_request(prompt)
+    return sched
+
+
+def _prompt_tokens_per_step(sched, steps: int) -> list[int]:
+    got = []
+    for _ in range(steps):
+        out, _ = step(sched)
+        got.append(out.num_scheduled_tokens.get("long", 0))
+    return got
+
+
+def test_without_the_bound_the_long_prompt_trickles() -> None:
+    sched = _decodes_eat_the_budget()
+    assert _prompt_tokens_per_step(sched, 30) == [1] * 30
+
+
+def test_bound_in_steps_gives_the_starved_prompt_its_chunk() -> None:
+    sched = _decodes_eat_the_budget(max_prefill_wait_steps=5, min_prefill_chunk=4)
+    got = _prompt_tokens_per_step(sched, 30)
+    # It trickles while its wait is within the bound (1 token a step for 6 steps: waited 0..5), then
+    # gets 4 tokens a step until the 64 prompt tokens are in (TTFT 21 steps instead of 64).
+    assert got[:6] == [1] * 6
+    assert got[6:6 + 14] == [4] * 14 and got[20] == 64 - 6 - 14 * 4
+    out, _ = step(sched)
+    assert "prefill_reserve" not in out.policy_actions  # it has its first token: not starved any more
+
+
+def test_bound_costs_the_decodes_exactly_the_reserve() -> None:
+    sched = _decodes_eat_the_budget(max_prefill_wait_steps=1, min_prefill_chunk=4)
+    for _ in range(2):
+        step(sched)
+    out, _ = step(sched)
+    decodes = {r: n for r, n in out.num_scheduled_tokens.items() if r != "long"}
+    assert out.num_scheduled_tokens["long"] == 4 and len(decodes) == 12  # 3 of the 15 decodes wait a step
+    assert out.policy_actions["prefill_reserve"] == {"tokens": 4, "requests": ["long"]}
+
+
+def test_bound_in_wall_time_uses_the_clock() -> None:
+    now = [0.0]
+    sched_cfg = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=16, max_model_len=512,
+                                max_prefill_wait_ms=250, min_prefill_chunk=8)
+    from tokenloom.config import CacheConfig
+
+    sched = make_scheduler(sched_cfg, CacheConfig(block_size=16, num_blocks=1000), clock=lambda: now[0])
+    for r in create_requests(15, num_tokens=1, max_tokens=200, ignore_eos=True, prefix="d"):
+        r.arrival_time = 0.0
+        sched.add_request(r)
+    step(sched)
+    long = Request("long", [7] * 64, SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+    sched.add_request(long)
+    now[0] = 0.2
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["long"] == 1
+    now[0] = 0.3
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["long"] == 8
+
+
+def test_policies_off_by_default_and_validated() -> None:
+    cfg = SchedulerConfig()
+    assert cfg.max_prefill_wait_ms == 0 and cfg.max_prefill_wait_steps == 0 and not cfg.enable_priority_preemption
+    sched = create_scheduler()
+    assert sched.prefill_wait_bound is None and sched.priority_preemption is None
+    with pytest.raises(ConfigError, match="scheduling_policy='priority'"):
+        SchedulerConfig(enable_priority_preemption=True)
+    with pytest.raises(ConfigError, match="min_prefill_chunk"):
+        SchedulerConfig(max_num_batched_tokens=256, max_prefill_wait_ms=100, min_prefill_chunk=256)
+    with pytest.raises(ConfigError, match="max_prefill_wait_ms"):
+        SchedulerConfig(max_prefill_wait_ms=-1)
+
+
+def _full_batch(**knobs):
+    """Two low-priority requests fill max_num_seqs=2; a high-priority one arrives."""
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=512, policy="priority",
+                             **knobs)
+    for r in create_requests(2, num_tokens=8, max_tokens=100, ignore_eos=True, priorities=[5, 5], prefix="low"):
+        sched.add_request(r)
+    step(sched)
+    high = create_requests(1, num_tokens=8, max_tokens=3, ignore_eos=True, priorities=[0],
+                           arrival_times=[10.0], prefix="high")[0]
+    sched.add_request(high)
+    return sched
+
+
+def test_without_priority_preemption_the_high_priority_request_waits() -> None:
+    sched = _full_batch()
+    for _ in range(20):
+        out, _ = step(sched)
+        assert "high0" not in out.num_scheduled_tokens
+
+
+def test_priority_preemption_admits_the_high_priority_request_next_step() -> None:
+    sched = _full_batch(enable_priority_preemption=True)
+    out, _ = step(sched)
+    # The later-arriving of the two equal-priority requests goes (vLLM's victim order), and the
+    # step that preempted admits nobody.
+    assert out.preempted_req_ids == {"low1"} and "high0" not in out.num_scheduled_tokens
+    assert out.policy_actions["priority_preemption"] == {"for": "high0", "preempted": ["low1"]}
+    assert out.bound_by == "priority_preemption"
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens["high0"] == 8
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_priority_preemption_never_for_equal_priority_and_protects_the_resumed() -> None:
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=1, max_model_len=512, policy="priority",
+                             enable_priority_preemption=True, priority_preemption_protection_steps=5)
+    low = create_requests(1, num_tokens=4, max_tokens=200, ignore_eos=True, priorities=[5], prefix="low")[0]
+    sched.add_request(low)
+    step(sched)
+    same = create_requests(1, num_tokens=4, max_tokens=5, ignore_eos=True, priorities=[5], arrival_times=[1.0],
+                           prefix="same")[0]
+    sched.add_request(same)
+    out, _ = step(sched)
+    assert not out.preempted_req_ids  # equal priority: never
+    sched.finish_requests("same0", __import__("tokenloom.core.request", fromlist=["RequestStatus"])
+                          .RequestStatus.FINISHED_ABORTED)
+    # A high-priority one preempts low0; once it finishes low0 resumes and is protected for 5 steps
+    # from a second high-priority arrival.
+    sched.add_request(create_requests(1, num_tokens=4, max_tokens=2, ignore_eos=True, priorities=[0],
+                                      arrival_times=[2.0], prefix="hi")[0])
+    out, _ = step(sched)
+    assert out.preempted_req_ids == {"low0"}
+    for _ in range(3):
+        step(sched)
+    assert sched.running and sched.running[0].request_id == "low0"
+    resumed_at = sched.num_schedule_calls
+    sched.add_request(create_requests(1, num_tokens=4, max_tokens=2, ignore_eos=True, priorities=[0],
+                                      arrival_times=[3.0], prefix="hj")[0])
+    waited = 0
+    while True:
+        out, _ = step(sched)
+        if out.preempted_req_ids:
+            break
+        waited += 1
+    assert out.preempted_req_ids == {"low0"}
+    assert sched.num_schedule_calls - 1 >= resumed_at + 5 - 1 and waited >= 3
+
+
+@st.composite
+def _policy_traces(draw):
+    budget = draw(st.integers(8, 48))
+    config = {
+        "max_num_batched_tokens": budget,
+        "max_num_seqs": draw(st.integers(1, 8)),
+        "block_size": draw(st.sampled_from([2, 4, 8])),
+        "num_blocks": draw(st.integers(16, 80)),
+        "max_model_len": 128,
+        "policy": "priority",
+        "enable_prefix_caching": draw(st.booleans()),
+        "max_prefill_wait_steps": draw(st.integers(1, 6)),
+        "min_prefill_chunk": draw(st.integers(1, budget - 1)),
+        "enable_priority_preemption": draw(st.booleans()),
+        "priority_preemption_protection_steps": draw(st.integers(0, 6)),
+    }
+    requests = [
+        {"id": f"r{i}", "arrival_step": draw(st.integers(0, 15)),
+         "prompt_token_ids": draw(st.lists(st.integers(0, 3), min_size=1, max_size=60)),
+         "max_tokens": draw(st.integers(1, 25)), "priority": draw(st.integers(0, 3))}
+        for i in range(draw(st.integers(1, 10)))
+    ]
+    return {"config": config, "requests": requests}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_policy_traces())
+def test_policies_keep_the_invariants_and_their_guarantees(trace) -> None:
+    t = parse_trace(trace)
+    cfg = t.scheduler_config
+    sched = make_scheduler(cfg, t.cache_config, clock=lambda: 0.0)
+    runner = ReplayRunner(sched)
+    pending = sorted(t.requests, key=lambda r: (r.arrival_step, r.id))
+    arrival: dict[str, int] = {}
+    protected_from: dict[str, int] = {}  # request → step from which the policy may preempt it again
+    for step_no in range(3000):
+        while pending and pending[0].arrival_step <= step_no:
+            tr = pending.pop(0)
+            try:
+                sched.add_request(Request(tr.id, tr.prompt_token_ids, SamplingParams(max_tokens=tr.max_tokens),
+                                          float(step_no) + len(arrival) * 1e-3, tr.priority))
+                arrival[tr.id] = step_no
+            except ValueError:
+                pass
+        if not pending and not sched.has_unfinished_requests():
+            break
+        # Independently of the scheduler: which requests are starved going into this step?
+        starved_running = [r for r in sched.running
+                           if r.first_token_time is None and r.num_tokens > r.num_computed_tokens
+                           and step_no - arrival[r.request_id] > cfg.max_prefill_wait_steps]
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(sched.running) <= cfg.max_num_seqs
+        if out.preempted_req_ids:
+            assert not out.scheduled_new_reqs, "a step that preempted admitted someone"
+        # Guarantee 1: a starved running prompt is never left with 0 tokens unless the step preempted
+        # (KV pressure) or an earlier starved prompt took the reserve.
+        if starved_running and not out.preempted_req_ids:
+            got = sum(out.num_scheduled_tokens.get(r.request_id, 0) for r in starved_running)
+            need = min(cfg.min_prefill_chunk, starved_running[0].num_tokens - starved_running[0].num_computed_tokens
+                       + out.num_scheduled_tokens.get(starved_running[0].request_id, 0))
+            assert got >= min(need, 1)
+        # Guarantee 2: the policy preempts only strictly lower priorities, and not a protected request.
+        action = out.policy_actions.get("priority_preemption")
+        if action:
+            head_priority = sched.requests[action["for"]].priority
+            for rid in action["preempted"]:
+                assert sched.requests[rid].priority > head_priority
+                assert protected_from.get(rid, -1) <= step_no
+        for new in out.scheduled_new_reqs:
+            if action is None and new.req_id in protected_from:
+                pass
+        if sched.priority_preemption is not None:
+            protected_from = dict(sched.priority_preemption.protected_until)
+        _block_accounting(sched)
+        sched.update_from_output(out, runner.execute_model(out))
+        _block_accounting(sched)
+    else:
+        raise AssertionError("trace did not drain: some request never finished")
+    assert_scheduler_empty(sched)
+
+
+def test_default_knobs_replay_unchanged_and_actions_recorded() -> None:
+    base = {"config": {"max_num_batched_tokens": 16, "max_num_seqs": 16, "max_model_len": 256, "block_size": 4,
+                       "num_blocks": 400},
+            "requests": [{"id": f"d{i}", "arrival_step": 0, "prompt_token_ids": [i], "max_tokens": 40}
+                         for i in range(15)]
+            + [{"id": "long", "arrival_step": 2, "prompt_token_ids": [99] * 40, "max_tokens": 2}]}
+    default = replay(base)
+    assert all("policy" not in s for s in default["steps"])
+    bounded = replay({**base, "config": {**base["config"], "max_prefill_wait_steps": 3, "min_prefill_chunk": 5}})
+    acted = [s for s in bounded["steps"] if "policy" in s]
+    assert acted and acted[0]["policy"]["prefill_reserve"]["requests"] == ["long"]
+    first_token = lambda steps: sum(s["scheduled"].get("long", 0) >= 1 for s in steps[:12])  # noqa: E731
+    done = lambda steps: next(s["step"] for s in steps if "long" in s["finished"])  # noqa: E731
+    assert first_token(bounded["steps"]) and done(bounded["steps"]) < done(default["steps"])
+
+
+def test_explorer_presets_show_the_bounded_wait() -> None:
+    from tokenloom.explore.presets import PRESETS
+    from tokenloom.explore.scenario import run_scenario
+
+    by_id = {p["id"]: p for p in PRESETS}
+    default = run_scenario(by_id["decodes-leave-one-token"]["knobs"])
+    bounded = run_scenario(by_id["bounded-prefill-wait"]["knobs"])
+    assert default["prefill_done"] == {"p": 24} and bounded["prefill_done"] == {"p": 9}
+    assert [s["scheduled"].get("p", 0) for s in bounded["steps"][:10]] == [0, 1, 1, 1, 4, 4, 4, 4, 4, 1]
