@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "gguf"])
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tokenloom.engine.llm_engine import LLMEngine

@@ -1,6 +1,11 @@
-"""What int8 (W8A8) costs in quality: perplexity and greedy agreement against the run dtype.
+"""What int8 (W8A8) and gguf cost in quality: perplexity and greedy agreement against the run dtype.
 
     .venv/bin/python benchmarks/quant_quality.py [--tokens 1024] [--text FILE ...] [--out result.json]
+        [--methods none,int8-nosmooth,int8,gguf] [--model FILE.gguf] [--greedy-method int8]
+
+`gguf` (`--quantization gguf`) keeps the GGUF's quantized weights and quantizes activations to int8
+per 32 on the fly; "none" is the same file dequantized to --dtype, so the difference is what the
+quantized kernels cost (the weights' own quantization is in both).
 
 Perplexity: each text is fed through tokenloom's own runner one token per step, each step a new
 request that reuses the blocks its predecessor wrote (a prefix-cache hit in the scheduler's terms),
@@ -44,8 +49,8 @@ DEFAULT_TEXTS = [Path("/usr/share/common-licenses/GPL-3"), Path("/usr/share/comm
 BLOCK = 16
 
 
-def greedy_chats(quantization: str | None, dtype: str) -> list[list[int]]:
-    llm = LLM(dtype=dtype, quantization=quantization)
+def greedy_chats(quantization: str | None, dtype: str, model: str | None = None) -> list[list[int]]:
+    llm = LLM(model, dtype=dtype, quantization=quantization)
     outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS],
                     SamplingParams(temperature=0.0, max_tokens=64), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -67,19 +72,27 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--skip-chats", action="store_true")
+    ap.add_argument("--methods", default="none,int8-nosmooth,int8")
+    ap.add_argument("--model", default=None, help="a .gguf or HF directory (default: the shipped SmolLM2 Q4_1)")
+    ap.add_argument("--greedy-method", default="int8", help="the method the greedy chats compare with none")
     args = ap.parse_args()
 
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(args.model)
     texts = {p.name: tok.encode(p.read_text())[: args.tokens] for p in args.text}
-    loaded = load_model(resolve_model_path(None), torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    path = resolve_model_path(args.model)
+    loaded = load_model(path, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
     calibration = calibration_token_ids(tok, loaded.config.max_position_embeddings)
-    configs = {"none": (None, None), "int8 (no smoothing)": ("int8", None), "int8": ("int8", calibration)}
+    all_configs = {"none": (None, None), "int8 (no smoothing)": ("int8", None), "int8": ("int8", calibration),
+                   "gguf": ("gguf", None)}
+    names = {"int8-nosmooth": "int8 (no smoothing)"}
+    configs = {names.get(m, m): all_configs[names.get(m, m)] for m in args.methods.split(",")}
     result: dict = {"texts": [str(p) for p in args.text], "tokens": {n: len(t) for n, t in texts.items()},
                     "dtype": args.dtype, "perplexity": {}, "change_pct": {}}
     longest = max(len(t) for t in texts.values())
     for name, (quant, calib) in configs.items():
         t0 = time.perf_counter()
-        runner = ModelRunner(loaded, block_size=BLOCK, num_blocks=-(-longest // BLOCK) + 1, dtype=args.dtype,
+        model = load_model(path, quantized=True) if quant == "gguf" else loaded
+        runner = ModelRunner(model, block_size=BLOCK, num_blocks=-(-longest // BLOCK) + 1, dtype=args.dtype,
                              device="cpu", quantization=quant, calibration_token_ids=calib)
         result["perplexity"][name] = {n: perplexity(runner, t) for n, t in texts.items()}
         shown = "  ".join(f"{n} {p:7.3f}" for n, p in result["perplexity"][name].items())
@@ -92,8 +105,8 @@ def main() -> None:
         print(f"  {name:20s} " + "  ".join(f"{n} {c:+6.2f} %" for n, c in change.items()))
 
     if not args.skip_chats:
-        ref = greedy_chats(None, args.dtype)
-        got = greedy_chats("int8", args.dtype)
+        ref = greedy_chats(None, args.dtype, args.model)
+        got = greedy_chats(args.greedy_method, args.dtype, args.model)
         prefixes = [common_prefix(a, b) for a, b in zip(ref, got)]
         same = sum(a == b for a, b in zip(ref, got))
         result["greedy"] = {"identical": same, "prompts": len(CHATS), "common_prefix": prefixes,
@@ -101,7 +114,7 @@ def main() -> None:
         print(f"greedy chats: {same}/{len(CHATS)} identical, common prefix {prefixes} of {[len(a) for a in ref]}")
         for chat, a, b in zip(CHATS, ref, got):
             if a != b:
-                print(f"  {chat}\n    {args.dtype}: {tok.decode(a)!r}\n    int8: {tok.decode(b)!r}")
+                print(f"  {chat}\n    {args.dtype}: {tok.decode(a)!r}\n    {args.greedy_method}: {tok.decode(b)!r}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

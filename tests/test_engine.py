@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import make_tiny_hf_model, reference_logprobs
 from tokenloom.config import ConfigError
 from tokenloom.core.scheduler import RequestRejected
 from tokenloom.engine.llm import LLM
@@ -137,13 +138,21 @@ def test_streaming_deltas_never_show_a_stop_string(tiny) -> None:
     assert streamed == base[: base.find(stop)]
 
 
-def test_logprobs(tiny) -> None:
+def test_logprobs(tiny, tiny_dir) -> None:
+    """Ranks, lengths and values: each reported logprob is the log-softmax of transformers' logits."""
     out = tiny.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == len(comp.token_ids)
-    for tok, lp in zip(comp.token_ids, comp.logprobs):
+    ref = reference_logprobs(tiny_dir, out.prompt_token_ids + comp.token_ids[:-1])
+    n_prompt = len(out.prompt_token_ids)
+    for i, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        want = ref[n_prompt - 1 + i]
         assert tok in lp and lp[tok].rank == 1  # greedy: the chosen token is the most likely
-        assert len(lp) == 3
+        top = torch.topk(want, 3)
+        assert sorted(lp) == sorted(top.indices.tolist())
+        for t, entry in lp.items():
+            assert entry.logprob == pytest.approx(want[t].item(), abs=1e-4), (i, t)
+            assert entry.rank == 1 + int((want > want[t]).sum())
     assert comp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(comp.token_ids,
                                                                                            comp.logprobs)))
 
@@ -182,15 +191,25 @@ def test_abort_frees_blocks_at_once(tiny) -> None:
 
 
 def test_a_failing_step_finishes_its_requests_with_an_error(tiny, monkeypatch) -> None:
+    """The forward raises (as a failing kernel would) after the runner took in the step's bookkeeping;
+    only the step's requests end, with the error, and the runner keeps no state for them."""
     engine = tiny.llm_engine
+    bystander = engine.add_request(None, "waits its turn", GREEDY)
+    engine.step()  # the bystander is decoding; the next step is its and the new request's
 
     def boom(*args, **kwargs):
         raise RuntimeError("simulated kernel failure")
 
     rid = engine.add_request(None, "fail", GREEDY)
-    monkeypatch.setattr(engine.runner, "execute_model", boom)
+    monkeypatch.setattr(engine.runner.model, "forward", boom)
     outs = engine.step()
     monkeypatch.undo()
-    (out,) = [o for o in outs if o.request_id == rid]
-    assert out.finished and out.outputs[0].finish_reason == "error" and "simulated" in out.error
-    assert len(tiny.generate(["after the failure"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+    assert {o.request_id for o in outs} == {rid, bystander}  # the step's two requests, and only them
+    for out in outs:
+        assert out.finished and out.outputs[0].finish_reason == "error" and "simulated" in out.error
+    later = engine.add_request(None, "after the failure", GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done[later].outputs[0].token_ids) == 24 and done[later].outputs[0].finish_reason == "length"
+    assert set(engine.runner.requests) <= {later}  # told about the failed two at the next step

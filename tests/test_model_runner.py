@@ -39,8 +39,20 @@ class Tiny:
     hf: torch.nn.Module
     loaded: LoadedModel
 
-    def runner(self, dtype: str = "float32", num_blocks: int = NUM_BLOCKS) -> ModelRunner:
-        return ModelRunner(self.loaded, block_size=BLOCK, num_blocks=num_blocks, dtype=dtype, device="cpu")
+    def runner(self, dtype: str = "float32", num_blocks: int = NUM_BLOCKS, path: str | None = None) -> ModelRunner:
+        """`path`: None (the default choice), "torch" (the pure-torch path, also the CUDA one) or "kernels"
+        (the compiled CPU kernels; the test is skipped when they do not build)."""
+        kernels = {None: None, "torch": False, "kernels": True}[path]
+        if path == "kernels":
+            from tokenloom.model.kernels import cpu_kernels
+
+            if cpu_kernels() is None:
+                pytest.skip("the compiled CPU kernels are unavailable (no C++ compiler?)")
+        runner = ModelRunner(self.loaded, block_size=BLOCK, num_blocks=num_blocks, dtype=dtype, device="cpu",
+                             cpu_kernels=kernels)
+        if path is not None:
+            assert runner.use_kernels == (path == "kernels")  # the path under test is the one that runs
+        return runner
 
     def last_logits(self, tokens: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -115,8 +127,14 @@ def assert_logits_match(runner: ModelRunner, tiny: Tiny, seqs: dict[str, list[in
 # --------------------------------------------------------------------------- tests
 
 
-def test_mixed_step_matches_transformers(tiny: Tiny) -> None:
-    runner = tiny.runner()
+# Both forward paths against transformers: the fused kernels run by default on CPU, so without this the
+# torch path (the CUDA path and the fallback) would never be compared when the kernels build.
+PATHS = pytest.mark.parametrize("path", ["torch", "kernels"])
+
+
+@PATHS
+def test_mixed_step_matches_transformers(tiny: Tiny, path: str) -> None:
+    runner = tiny.runner(path=path)
     pa, pb, pc, pe = prompt(1, 13), prompt(2, 10), prompt(3, 6), prompt(4, 1)
     # Step 1: A's first chunk (no sample), full prefills of B and C, E's one-token prompt.
     out1 = runner.execute_model(
@@ -161,9 +179,11 @@ def test_mixed_step_matches_transformers(tiny: Tiny) -> None:
     assert_logits_match(runner, tiny, {r: s + [tok[r]] for r, s in seqs.items()})
 
 
-def test_decode_groups_match_transformers(llama: Tiny) -> None:
-    """Decodes of very different context lengths split into several padded attention calls."""
-    runner = llama.runner()
+@PATHS
+def test_decode_groups_match_transformers(llama: Tiny, path: str) -> None:
+    """Decodes of very different context lengths: on the torch path split into several padded attention
+    calls (the group bounds are its knobs); the kernels attend over each block table as it is."""
+    runner = llama.runner(path=path)
     runner.decode_group_min, runner.decode_group_max = 1, 2
     lengths = [3, 30, 7, 17, 12, 25]
     prompts = {f"r{i}": prompt(40 + i, n) for i, n in enumerate(lengths)}

@@ -238,6 +238,59 @@ def test_timeline_png_seeds_example(tmp_path: Path) -> None:
     _check_png(out)
 
 
+# The seeds example drawn by hand: (step, request, kind, bottom, tokens) of every block in the token panel.
+SEEDS_BLOCKS = [
+    (0, "A", "prefill", 0, 4), (0, "B", "prefill", 4, 2),
+    (1, "A", "decode", 0, 1), (1, "B", "prefill", 1, 4), (1, "C", "prefill", 5, 1),
+    (2, "B", "prefill", 0, 2), (2, "C", "prefill", 2, 2),
+    (3, "B", "decode", 0, 1), (3, "C", "decode", 1, 1),
+    (4, "B", "decode", 0, 1),
+]
+
+
+def test_timeline_png_draws_each_block_where_the_trace_says() -> None:
+    """The PNG's token panel, read back from the figure: one bar per (step, request, kind), at the
+    step's column, stacked in scheduler order, as tall as its tokens; under each column the budget."""
+    from matplotlib.collections import PolyCollection
+
+    from tokenloom.bench.timeline_png import timeline_figure
+
+    ax = timeline_figure(seeds_example_trace()).axes[0]
+    drawn = {"budget": [], "prefill": [], "decode": []}
+    for coll in ax.collections:
+        if not isinstance(coll, PolyCollection):
+            continue
+        kind = "prefill" if coll.get_hatch() == "///" else ("decode" if coll.get_zorder() == 2 else "budget")
+        for path in coll.get_paths():
+            x, y = path.vertices[:, 0], path.vertices[:, 1]
+            drawn[kind].append((round(float(x.mean())), round(float(y.min()), 3), round(float(y.max() - y.min()), 3)))
+    for kind in ("prefill", "decode"):
+        want = sorted((step, float(bottom), float(tokens)) for step, _, k, bottom, tokens in SEEDS_BLOCKS if k == kind)
+        assert sorted(drawn[kind]) == want, kind
+    assert sorted(drawn["budget"]) == [(step, 0.0, 6.0) for step in range(5)]
+
+
+def test_timeline_svg_draws_each_block_where_the_trace_says(tmp_path: Path) -> None:
+    """The HTML's SVG, read back: rect positions per request, in pixels, against the hand-drawn blocks."""
+    html = plot_timeline(seeds_example_trace(), tmp_path / "seeds.html").read_text()
+    svg = ET.fromstring(html[html.index("<svg") : html.index("</svg>") + len("</svg>")])
+    rects = [r for r in svg.iter() if r.tag.endswith("rect")]
+    budgets = sorted((r for r in rects if r.get("stroke") == "#ccc"), key=lambda r: float(r.get("x")))
+    assert len(budgets) == 5
+    unit = float(budgets[0].get("height")) / 6  # pixels per token
+    floor = float(budgets[0].get("y")) + float(budgets[0].get("height"))  # y of token 0
+    blocks = [r for r in rects if r.get("class") == "blk" and r.get("data-req")]
+    columns = [float(b.get("x")) for b in budgets]
+    got = []
+    for r in blocks:
+        step = columns.index(float(r.get("x")))
+        height = float(r.get("height")) / unit
+        bottom = (floor - float(r.get("y")) - float(r.get("height"))) / unit
+        got.append((step, r.get("data-req"), round(bottom, 1), round(height, 1)))
+    assert sorted(got) == sorted((st, req, float(b), float(t)) for st, req, _, b, t in SEEDS_BLOCKS)
+    assert columns == sorted(columns) and len(set(columns)) == 5  # one column per step, left to right
+
+
 def test_timeline_with_preemption_png_and_html(tmp_path: Path) -> None:
     trace = simulated_trace(12, num_blocks=20, seed=1)
     assert any(s["preempted"] for s in trace), "the synthetic trace should preempt"

@@ -274,7 +274,9 @@ def test_default_model_int8_perplexity_and_generation() -> None:
                                  quantization="int8", calibration_token_ids=calib), tokens)
     assert q8 < base * 1.10, (base, q8)
 
+    # Generation, end to end: the answer must still be right, not merely non-empty (bf16 says "The capital
+    # of France is Paris.", int8 "The capital of France is Paris, France.": docs/performance.md).
     llm = LLM(quantization="int8", max_model_len=512)
     out = llm.chat([{"role": "user", "content": "Which city is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) > 3 and out.text.strip()
+    assert "Paris" in out.text, out.text

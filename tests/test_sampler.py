@@ -104,11 +104,25 @@ def test_seeded_sampling_reproducible_and_batch_independent(sampler: Sampler) ->
 
 
 def test_seeded_draw_depends_on_output_index_not_history(sampler: Sampler) -> None:
-    """After preemption the runner rebuilds the generator; the next draw must not change."""
-    logits = torch.zeros(1, 64)
-    a = sampler(logits, [row(prompt=[5, 6], output=[1, 2, 3], temperature=1.0, seed=5)]).token_ids
-    b = sampler(logits, [row(prompt=[5, 6], output=[1, 2, 3], temperature=1.0, seed=5)]).token_ids
-    assert a == b
+    """After preemption the runner rebuilds the generator and recomputes the request: the draw of output
+    token k must depend on (seed, k) alone — not on the tokens before it (prompt or outputs), nor on
+    what the generator drew before."""
+    logits = torch.zeros(1, 4096)  # uniform: the draw is the generator's alone
+
+    def draw(prompt: list[int], output: list[int], generator: torch.Generator | None = None) -> int:
+        r = row(prompt=prompt, output=output, temperature=1.0, seed=5)
+        if generator is not None:
+            r = SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, generator)
+        return sampler(logits, [r]).token_ids[0]
+
+    base = draw([5, 6], [1, 2, 3])
+    assert draw([5, 6], [1, 2, 3]) == base
+    assert draw([9, 9, 9, 9, 9], [7, 8, 40]) == base  # another history, same output index 3
+    used = make_generator("cpu")
+    torch.rand(1000, generator=used)  # a generator with a past
+    assert draw([5, 6], [1, 2, 3], used) == base
+    by_index = [draw([5, 6], [1] * k) for k in range(8)]
+    assert by_index[3] == base and len(set(by_index)) >= 7  # the index does move the draw
 
 
 def test_top_p_keeps_smallest_set_reaching_p() -> None:

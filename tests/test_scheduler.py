@@ -133,15 +133,25 @@ def test_preempted_request_resumes_with_its_outputs() -> None:
 
 
 def test_victim_is_the_request_itself() -> None:
-    """A lone request that outgrows the pool preempts itself; with reserve-full-ISL it is rejected
-    up front instead, so here the pool is big enough only for a victim dance between two requests."""
-    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4, max_model_len=64)
-    a, b = create_requests(2, num_tokens=6, max_tokens=10)
+    """FCFS picks the last running request as the victim; when that is the request asking for a block,
+    it preempts itself (vLLM: `if preempted_req == request: break`) and the one before it goes on.
+    Pool 4 blocks x 4: a (5-token prompt) and b (6) take two blocks each; b reaches position 8 first."""
+    sched = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4, max_model_len=64,
+                             enable_prefix_caching=False)
+    params = create_requests(1, max_tokens=10)[0].sampling_params
+    a, b = Request("0", [0] * 5, params, arrival_time=0.0), Request("1", [1] * 6, params, arrival_time=1.0)
     sched.add_request(a)
     sched.add_request(b)
+    for _ in range(10):
+        out, _ = step(sched)
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == {"1"}, "b should have been its own victim"
+    assert out.num_scheduled_tokens == {"0": 1}  # a decodes in the very step b gave up its blocks
+    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    assert sched.running == [a] and list(sched.waiting) == [b] and b.num_computed_tokens == 0
     drain(sched)
     assert a.num_output_tokens == b.num_output_tokens == 10
-    assert a.num_preemptions + b.num_preemptions > 0
     assert_scheduler_empty(sched)
 
 

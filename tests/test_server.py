@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from tests.test_server_harness import ServerProcess
-from tests.tiny_models import make_tiny_hf_model
+from tests.tiny_models import make_tiny_hf_model, reference_logprobs
 
 pytestmark = pytest.mark.slow
 KEY = "test-key"
@@ -15,8 +15,12 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
     args = [str(model_dir), "--dtype", "float32", "--num-blocks", "4096", "--block-size", "4",
             "--served-model-name", MODEL, "--max-request-body-bytes", "64KiB"]
     with ServerProcess(*args, api_key=KEY, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
@@ -26,6 +30,12 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _detokenize(server, tokens: list[int]) -> str:
+    r = httpx.post(server.url + "/detokenize", json={"tokens": tokens}, headers=server.headers, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
 
 
 def _tokenize(server, text: str) -> list[int]:
@@ -121,22 +131,34 @@ def test_batch_of_prompts(client) -> None:
     assert ids.usage.prompt_tokens == 5 and len(ids.choices) == 2
 
 
-def test_logprobs(client) -> None:
+def test_logprobs(server, client, model_dir) -> None:
+    prompt_ids = _tokenize(server, "abc")
     out = client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0.0, logprobs=3,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    # The values: greedy tokens and their logprobs from transformers' own logits, step by step.
+    ids = list(prompt_ids)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        want = reference_logprobs(model_dir, ids)[-1]
+        best = want.topk(3)
+        assert chosen == pytest.approx(best.values[0].item(), abs=1e-4)
         # top-3 plus the sampled token; tokens that decode alike (partial UTF-8: U+FFFD) share a key
-        assert 1 <= len(top) <= 4 and chosen <= 0
-        assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the top token
+        assert 1 <= len(top) <= 4
+        for value in top.values():
+            assert min(abs(value - v) for v in best.values.tolist()) < 1e-4, (value, best.values)
+        ids.append(int(best.indices[0]))
+    assert _detokenize(server, ids[len(prompt_ids):]) == out.choices[0].text
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True,
-                                          top_logprobs=2, max_completion_tokens=4, extra_body={"ignore_eos": True})
+                                          top_logprobs=2, max_completion_tokens=4, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-6) for t in content)
     streamed = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=6, temperature=0.0, logprobs=1,
                                               stream=True, extra_body={"ignore_eos": True}))
-    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices[0].logprobs) == 6
+    values = [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_client_error_classes(client) -> None:
@@ -151,3 +173,17 @@ def test_client_error_classes(client) -> None:
     bad_key = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_prompt_of_max_model_len_minus_one_with_the_default_max_tokens(server) -> None:
+    """No max_tokens: the server's default leaves room for exactly one token, finish_reason "length"."""
+    max_len = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=server.headers,
+                         timeout=10).json()["max_model_len"]
+    body = {"model": MODEL, "prompt": [(7 * j) % 300 + 3 for j in range(max_len - 1)], "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": max_len - 1, "completion_tokens": 1, "total_tokens": max_len}
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    too_long = httpx.post(server.url + "/v1/completions", json={**body, "prompt": body["prompt"] + [5]},
+                          headers=server.headers, timeout=60)
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]

@@ -14,11 +14,19 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import httpx
 
 STARTUP_TIMEOUT_S = 180.0
+
+# Servers started and not yet stopped, for the leak check after every test (tests/leak_check.py).
+_live: weakref.WeakSet[ServerProcess] = weakref.WeakSet()
+
+
+def live_servers() -> list[ServerProcess]:
+    return [s for s in list(_live) if s.proc is not None and s.proc.poll() is None]
 
 
 def free_port() -> int:
@@ -44,7 +52,9 @@ def is_running(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, log_path: Path | None = None) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, log_path: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.env = env  # extra environment variables for the server (and its engine process)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -72,6 +82,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenloom.cli", "serve", *self.args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **self.env} if self.env else None,
         )
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -80,6 +91,7 @@ class ServerProcess:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.monotonic() - t0
+                    _live.add(self)
                     return
             except httpx.TransportError:
                 pass
@@ -99,6 +111,7 @@ class ServerProcess:
         """Signal the server, wait for it, and make sure nothing of its session survives."""
         if self.proc is None:
             return None
+        _live.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -109,6 +122,9 @@ class ServerProcess:
         with contextlib.suppress(ProcessLookupError):  # stragglers of the session (there should be none)
             os.killpg(self.proc.pid, signal.SIGKILL)
         return self.proc.returncode
+
+    def health_status(self) -> int:
+        return httpx.get(self.url + "/health", timeout=5).status_code
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

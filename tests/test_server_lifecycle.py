@@ -32,7 +32,9 @@ def _events(lines: list[str]) -> list[dict | str]:
 
 
 def test_engine_death_fails_fast_with_503(tiny_dir, tmp_path) -> None:
-    with ServerProcess(*_args(tiny_dir), log_path=tmp_path / "server.log") as server:
+    """With --keep-alive-on-engine-death the server stays up answering 503 (without it the server exits
+    with code 1: tests/test_chaos.py)."""
+    with ServerProcess(*_args(tiny_dir, "--keep-alive-on-engine-death"), log_path=tmp_path / "server.log") as server:
         engine = server.engine_pid()
         body = {"prompt": [5, 6, 7], "max_tokens": 240, "n": 16, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=server.url, timeout=30) as http:

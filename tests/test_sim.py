@@ -369,3 +369,36 @@ def test_profile_command_records_quantization(tmp_path: Path) -> None:
     assert cli_main(["profile", str(model_dir), "--quick", "--dtype", "float32", "--quantization", "int8",
                      "--repeats", "1", "--warmup", "1", "--passes", "1", "--max-wait", "0", "-o", str(out)]) == 0
     assert load_profile(out).quantization == "int8"
+
+
+def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None:
+    """`is_stale` compares a source hash only, so re-stamping without re-measuring passes it. This times
+    three step shapes (a prefill, a decode batch, a mixed step) of the default model on the real runner
+    and holds the profile to them, within its own fit error: max APE + 3 x MAPE over its samples.
+    Skipped on other hardware than the profile's, and when the CPUs stay busy with other work (on a
+    2-core machine a neighbour slows every op several times over: the times would be the neighbour's)."""
+    import torch
+
+    from tokenloom.model.loader import load_model, resolve_model_path
+    from tokenloom.model.runner import ModelRunner
+    from tokenloom.sim.profiler import Row, StepDriver, hardware_info
+    from tokenloom.sim.quiet import wait_for_quiet
+
+    prof = load_profile("default")
+    here = hardware_info("cpu")
+    if (here["cpu"], here["cores"]) != (prof.hardware["cpu"], prof.hardware["cores"]):
+        pytest.skip(f"profiled on {prof.hardware['cpu']} x{prof.hardware['cores']}; this is {here['cpu']} "
+                    f"x{here['cores']}")
+    if not wait_for_quiet(10.0):  # before loading the model: a busy machine skips at little cost
+        pytest.skip("the CPUs stayed busy with other work: step times would describe the neighbours")
+    runner = ModelRunner(load_model(resolve_model_path(None), torch.bfloat16), block_size=prof.block_size,
+                         num_blocks=512, dtype=prof.dtype, device="cpu")
+    driver = StepDriver(runner, prof.block_size, runner.vocab_size)
+    tolerance = prof.fit.max_ape + 3 * prof.fit.mape
+    shapes = [[Row(0, 192)], [Row(64, 1)] * 16, [Row(256, 1)] * 16 + [Row(0, 256, False)]]
+    for rows in shapes:
+        if not wait_for_quiet(10.0):
+            pytest.skip("the CPUs stayed busy with other work: step times would describe the neighbours")
+        sample = driver.time_shape(rows, warmup=2, repeats=5)
+        predicted = prof.cost_model.predict(sample.shape)
+        assert abs(sample.seconds / predicted - 1) <= tolerance, (rows[0], len(rows), sample.seconds, predicted)

@@ -9,6 +9,7 @@ tokenloom's loader, so tests can hold the loader against an independent writer.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -244,3 +245,19 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: str
         writer.add_tensor(name, data.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(data, ggml_type), raw_dtype=ggml_type)
+
+
+def reference_logprobs(hf_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' own fp32 logits for `token_ids`: row i is the distribution of token
+    i + 1 (the reference for the logprobs tokenloom reports)."""
+    model = _reference_model(str(hf_dir))
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@functools.lru_cache(maxsize=2)
+def _reference_model(hf_dir: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()

@@ -26,8 +26,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
-# --quantization values (tokenloom/model/quant.py): int8 = W8A8 decoder layers.
-Quantization = Literal["int8"]
+# --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
+# quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
+Quantization = Literal["int8", "gguf"]
 QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
 
 
@@ -192,6 +193,50 @@ class CacheConfig:
             _check_int("num_blocks", self.num_blocks, 1)
 
 
+# Data parallelism (docs/data_parallel.md): tokenloom/router's policies and the engine-core backends.
+RoutingPolicy = Literal["round_robin", "least_load", "power_of_two", "cache_aware"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
+ExecutorBackend = Literal["mp", "ray"]
+
+
+@dataclass
+class ParallelConfig:
+    """N independent engine cores under one API process, and the router in front of them (vLLM's
+    --data-parallel-size; the routing policies follow vLLM's DP balancer and SGLang's router)."""
+
+    data_parallel_size: int = knob(
+        1, "engine cores (each its own scheduler, KV cache and runner) under one API server; the machine's "
+        "cores are split between them and KV options apply per engine", reload=True)
+    distributed_executor_backend: ExecutorBackend = knob(
+        "mp", "how engine cores are started: mp = local processes, ray = Ray actors in a placement group "
+        "(pip install 'tokenloom[ray]'; joins RAY_ADDRESS or a local cluster)", simulated=False, reload=True)
+    routing_policy: RoutingPolicy = knob(
+        "cache_aware", "which engine gets a request: round_robin, least_load (vLLM's DP balancer), "
+        "power_of_two, cache_aware (SGLang's: longest cached prefix unless the engines are imbalanced)",
+        reload=True)
+    router_cache_threshold: float = knob(
+        0.3, "cache_aware: send to the longest-prefix engine when its match covers more than this fraction "
+        "of the prompt's blocks, else to the engine with the most room", reload=True)
+    router_balance_abs_threshold: int = knob(
+        4, "cache_aware: engines are imbalanced when max - min requests in flight exceeds this ...", reload=True)
+    router_balance_rel_threshold: float = knob(
+        1.5, "... and max > min * this; then the least loaded engine wins", reload=True)
+    router_lru_blocks: int | None = knob(
+        None, "cache_aware: block hashes remembered per engine (default: the engine's KV pool)", reload=True)
+
+    def __post_init__(self) -> None:
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_choice("distributed_executor_backend", self.distributed_executor_backend, ExecutorBackend)
+        _check_choice("routing_policy", self.routing_policy, RoutingPolicy)
+        if not 0.0 <= self.router_cache_threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold must be in [0, 1], got {self.router_cache_threshold}")
+        _check_int("router_balance_abs_threshold", self.router_balance_abs_threshold, 0)
+        if self.router_balance_rel_threshold < 1.0:
+            raise ConfigError(f"router_balance_rel_threshold must be >= 1, got {self.router_balance_rel_threshold}")
+        if self.router_lru_blocks is not None:
+            _check_int("router_lru_blocks", self.router_lru_blocks, 1)
+
+
 def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) -> Any:
     """Build a config dataclass from a dict, rejecting unknown keys with their names."""
     names = {f.name for f in fields(cls)}
@@ -199,6 +244,139 @@ def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) 
     if unknown and not ignore_unknown:
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# ------------------------------------------------------------------------------ speculative decoding
+# vLLM 0.32's SpeculativeConfig names, defaults and checks (vllm/config/speculative.py). Built from
+# --speculative-config JSON or LLM(speculative_config={...}), checked before the model loads. Only
+# the n-gram proposer ("prompt lookup") runs here; vLLM's other methods are named in the error so a
+# config written for vLLM fails clearly instead of silently doing nothing.
+
+SUPPORTED_METHODS = ("ngram",)
+# vLLM 0.32's other methods (SpeculativeMethod): recognised, refused with a clear message.
+_VLLM_ONLY_METHODS = (
+    "ngram_gpu", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
+    "extract_hidden_states", "mtp", "dflash", "dspark",
+)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding with n-gram drafts.
+
+    `num_speculative_tokens` (K > 0): drafts proposed per request per step. `prompt_lookup_min/max`:
+    the n-gram lengths matched against the request's own context; neither set -> both 5, one set ->
+    the other copies it (vLLM's rule; its docstring's "min defaults to 1" is not what it does).
+
+    tokenloom's own, off by default (then every decision is vLLM's):
+    `adaptive`: stop drafting while the batch is compute-bound or acceptance is low
+    (tokenloom/spec_decode/adaptive.py); `adaptive_min_acceptance` and `adaptive_max_batch_tokens`
+    are its thresholds.
+    """
+
+    num_speculative_tokens: int | None = None
+    method: str | None = None
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    adaptive: bool = False
+    adaptive_min_acceptance: float = 0.2
+    adaptive_max_batch_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        # vLLM: method None + model "ngram" selects ngram; method None otherwise means draft_model.
+        if self.method is None:
+            self.method = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if not isinstance(self.method, str) or self.method not in SUPPORTED_METHODS:
+            if self.method in _VLLM_ONLY_METHODS:
+                hint = "a draft model" if self.method == "draft_model" else f"method {self.method!r}"
+                raise ConfigError(
+                    f"speculative_config.method: {hint} is not supported by tokenloom; use "
+                    '{"method": "ngram", "num_speculative_tokens": K}'
+                )
+            raise ConfigError(
+                f"speculative_config.method must be one of {', '.join(SUPPORTED_METHODS)}, got {self.method!r}"
+            )
+        if self.num_speculative_tokens is None:
+            raise ConfigError("speculative_config.num_speculative_tokens must be provided (an integer > 0)")
+        _check_spec_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_spec_int(name, value, 1)
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:  # type: ignore[operator]
+            raise ConfigError(
+                f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if self.model is None:
+            self.model = "ngram"
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if not 0.0 <= float(self.adaptive_min_acceptance) <= 1.0:
+            raise ConfigError(
+                f"speculative_config.adaptive_min_acceptance must be in [0, 1], got {self.adaptive_min_acceptance}"
+            )
+        _check_spec_int("adaptive_max_batch_tokens", self.adaptive_max_batch_tokens, 1)
+
+    # vLLM's sizing (config/speculative.py:1888, config/vllm.py:615): n-gram drafts need no
+    # lookahead KV slots and no extra drafting slots in the input budget.
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return 0
+
+    @property
+    def max_num_new_slots_for_drafting(self) -> int:
+        return 0
+
+    @classmethod
+    def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A config from a SpeculativeConfig, a dict, a JSON string, or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})"
+            )
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_spec_int(name: str, value: Any, minimum: int) -> None:
+    _check_int(f"speculative_config.{name}", value, minimum)
+
+
+def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None) -> None:
+    """vLLM fails an assertion (scheduler.py:1155, 1371) when a padded first decode (1 + K tokens)
+    meets a long_prefill_token_threshold below 1 + K; refuse that configuration at start-up."""
+    if spec is None or threshold <= 0:
+        return
+    k = spec.num_speculative_tokens
+    if threshold < 1 + k:  # type: ignore[operator]
+        raise ConfigError(
+            f"long_prefill_token_threshold={threshold} is below 1 + num_speculative_tokens = {1 + k} "
+            "(a decode with its drafts must fit one chunk; vLLM's scheduler fails an assertion here); "
+            f"raise it to >= {1 + k} or set it to 0"
+        )
 
 
 @dataclass
@@ -211,7 +389,9 @@ class EngineConfig:
     device: Device = knob("auto", "where the model runs", simulated=False)
     quantization: Quantization | None = knob(
         None, "int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; oneDNN VNNI "
-        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype)", flags=("-q",), simulated=False)
+        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype). gguf: keep a quantized GGUF's "
+        "weights quantized (Q4_0..Q8_0, K-quants; memory ~ the file size) and run single-stream decode "
+        "in one compiled call per step", flags=("-q",), simulated=False)
     # None: 2 GiB on CPU, 90% of free memory on CUDA.
     kv_cache_memory: int | None = knob(
         None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
@@ -223,8 +403,15 @@ class EngineConfig:
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    parallel: ParallelConfig | None = None  # None: one engine core
+    # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
+    speculative_config: dict | None = knob(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (docs/speculative.md)', flags=("-sc",))
 
     def __post_init__(self) -> None:
+        # Checked (and defaults filled in) now, before any model loads.
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         _check_choice("dtype", self.dtype, DType,
                       " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
                       if self.dtype == "float16" else "")  # fmt: skip
@@ -232,7 +419,7 @@ class EngineConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":
-            raise ConfigError("quantization='int8' runs on CPU only (oneDNN int8 GEMMs); use --device cpu")
+            raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
 
@@ -279,7 +466,8 @@ def _kind(hint: Any) -> tuple[str, tuple[Any, ...] | None]:
     return kinds[hint], None
 
 
-_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig"}
+_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig",
+             "parallel": "ParallelConfig"}
 
 
 def knobs_of(cls: type, section: str) -> list[EngineArg]:
@@ -338,4 +526,5 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> Engine
     # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
     sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
     cache = CacheConfig(**parts["cache"])
-    return EngineConfig(model=model, scheduler=sched, cache=cache, **parts["engine"])
+    parallel = ParallelConfig(**parts["parallel"]) if parts["parallel"] else None
+    return EngineConfig(model=model, scheduler=sched, cache=cache, parallel=parallel, **parts["engine"])

@@ -58,7 +58,7 @@ def select_steps(trace: Sequence[dict], window: tuple[int | None, int | None]) -
 @dataclass
 class Block:
     req_id: str
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "draft"
     tokens: int
     bottom: int
 
@@ -66,16 +66,19 @@ class Block:
 def step_blocks(step: dict) -> list[Block]:
     """The stacked blocks of one column, in the scheduler's order (the `scheduled` dict order).
 
-    Tokens scheduled but listed under neither prefill nor decode (e.g. draft tokens) are drawn as
-    decode: they extend a request that is already generating.
+    Tokens scheduled but listed under neither prefill nor decode are drawn as decode: they extend a
+    request that is already generating. Draft tokens under verification (the step's `spec`:
+    {request: [drafts, accepted]}) get their own dotted block on top of the request's decode.
     """
     prefill, decode = step.get("prefill") or {}, step.get("decode") or {}
+    spec = step.get("spec") or {}
     blocks: list[Block] = []
     bottom = 0
     for rid, n in (step.get("scheduled") or {}).items():
         p = int(prefill.get(rid, 0))
         d = max(int(n) - p, int(decode.get(rid, 0)))
-        for kind, k in (("prefill", p), ("decode", d)):
+        drafts = min(int(spec[rid][0]), d) if rid in spec else 0
+        for kind, k in (("prefill", p), ("decode", d - drafts), ("draft", drafts)):
             if k > 0:
                 blocks.append(Block(str(rid), kind, k, bottom))
                 bottom += k

@@ -66,7 +66,7 @@ def _side_legend(ax: Any, **kwargs: Any) -> None:
 
 
 def _draw_columns_requests(ax: Any, steps: Sequence[dict], colors: dict[str, str]) -> None:
-    for kind in ("prefill", "decode"):
+    for kind in ("prefill", "decode", "draft"):
         xs, heights, bottoms, fills, edges = [], [], [], [], []
         for s in steps:
             for b in step_blocks(s):
@@ -76,9 +76,10 @@ def _draw_columns_requests(ax: Any, steps: Sequence[dict], colors: dict[str, str
                     bottoms.append(b.bottom)
                     color = colors[b.req_id]
                     # prefill: light tint hatched in the request's own colour (hatches follow the edge)
-                    fills.append(lighten(color) if kind == "prefill" else color)
-                    edges.append(color if kind == "prefill" else "white")
-        hatch = "///" if kind == "prefill" else None
+                    # drafts under verification: light tint, dotted
+                    fills.append(color if kind == "decode" else lighten(color))
+                    edges.append("white" if kind == "decode" else color)
+        hatch = {"prefill": "///", "draft": "..."}.get(kind)
         _bars(ax, xs, heights, bottoms, facecolors=fills, edgecolors=edges, linewidths=0.6, hatch=hatch)
     _label_blocks(ax, steps)
 
@@ -176,6 +177,8 @@ def _draw_token_panel(ax: Any, steps: Sequence[dict], mode: str, colors: dict[st
         Patch(facecolor="#dddddd", hatch="///", edgecolor="#666666", label="prefill (light, hatched)"),
         Patch(facecolor="#555555", label="decode (solid)"),
     ]
+    if mode != "aggregate" and any(s.get("spec") for s in steps):
+        handles.append(Patch(facecolor="#dddddd", hatch="...", edgecolor="#666666", label="draft tokens (dotted)"))
     if mode == "aggregate":
         handles[1:3] = [
             Patch(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 
@@ -26,8 +26,9 @@ class BatchScheduler(Scheduler):
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
-        super().__init__(scheduler_config, cache_config, clock)
+        super().__init__(scheduler_config, cache_config, clock, speculative_config)
         # The members of the batch in flight.
         self._batch_ids: set[str] = set()
 

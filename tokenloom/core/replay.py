@@ -5,6 +5,13 @@ Trace:  {"config": {...scheduler and cache knobs...},
 Before step k every request with arrival_step == k is added, in list order. Every request that
 samples in a step samples token id 7; requests stop by max_tokens (or max_model_len).
 Output: one entry per step from step 0 until the last request finishes, idle steps included.
+
+Speculative decoding (shared/reference/replay-spec-async.md): config `num_speculative_tokens` = K
+(n-gram-style: no lookahead slots); per request a `drafts` script (drafts offered after each step
+the request was in, capped at K and max_model_len - num_tokens; default [K]) and an `accept` script
+(drafts accepted at each verification of real drafts; default [0]), both cycled. Draft tokens are
+id 9, sampled ones 7; first-decode padding drafts are always rejected. Each step then records
+`spec` {id: [scheduled drafts, accepted]} and `pending_drafts`; the summary `spec_decoding`.
 """
 
 from __future__ import annotations
@@ -15,18 +22,22 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.sampling_params import SamplingParams
 
 REPLAY_TOKEN_ID = 7
+DRAFT_TOKEN_ID = 9
 
-# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names.
+# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names, plus the
+# speculative-decoding extension's keys (shared/reference replay format).
 _SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
 _CACHE_KEYS = {f.name for f in fields(CacheConfig)}
+_SPEC_KEYS = {"num_speculative_tokens", "async_scheduling"}
 
 
 @dataclass
@@ -36,6 +47,8 @@ class TraceRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     priority: int = 0
+    drafts: list[int] = field(default_factory=list)  # empty: [K]
+    accept: list[int] = field(default_factory=list)  # empty: [0]
 
 
 @dataclass
@@ -43,19 +56,41 @@ class Trace:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     requests: list[TraceRequest] = field(default_factory=list)
+    num_speculative_tokens: int = 0
+    async_scheduling: bool = False
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        k = self.num_speculative_tokens
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=k) if k > 0 else None
+
+
+def _script(r: dict[str, Any], key: str, rid: str) -> list[int]:
+    value = r.get(key) or []
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise ConfigError(f"trace request {rid!r}: {key} must be a list of integers >= 0, got {value!r}")
+    return list(value)
 
 
 def parse_trace(data: dict[str, Any]) -> Trace:
     if not isinstance(data, dict) or "config" not in data or "requests" not in data:
         raise ConfigError('a trace is a JSON object with "config" and "requests"')
     config = dict(data["config"])
-    unknown = sorted(set(config) - _SCHEDULER_KEYS - _CACHE_KEYS)
+    unknown = sorted(set(config) - _SCHEDULER_KEYS - _CACHE_KEYS - _SPEC_KEYS)
     if unknown:
         raise ConfigError(f"unknown config key(s) in trace: {', '.join(unknown)}")
     if "num_blocks" not in config:
         raise ConfigError("trace config needs num_blocks (usable KV blocks in the pool)")
     sched = SchedulerConfig(**{k: v for k, v in config.items() if k in _SCHEDULER_KEYS})
     cache = CacheConfig(**{k: v for k, v in config.items() if k in _CACHE_KEYS})
+    k = config.get("num_speculative_tokens", 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ConfigError(f"trace config num_speculative_tokens must be an integer >= 0, got {k!r}")
+    async_scheduling = config.get("async_scheduling", False)
+    if not isinstance(async_scheduling, bool):
+        raise ConfigError(f"trace config async_scheduling must be true or false, got {async_scheduling!r}")
+    if async_scheduling:
+        raise ConfigError("trace config async_scheduling=true: async scheduling is not implemented yet")
     requests = []
     for i, r in enumerate(data["requests"]):
         try:
@@ -66,29 +101,61 @@ def parse_trace(data: dict[str, Any]) -> Trace:
                     prompt_token_ids=[int(t) for t in r["prompt_token_ids"]],
                     max_tokens=int(r["max_tokens"]),
                     priority=int(r.get("priority", 0)),
+                    drafts=_script(r, "drafts", str(r.get("id"))),
+                    accept=_script(r, "accept", str(r.get("id"))),
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"trace request #{i} is malformed: {exc!r}") from exc
         if requests[-1].arrival_step < 0:
             raise ConfigError(f"trace request {requests[-1].id!r}: arrival_step must be >= 0")
-    return Trace(sched, cache, requests)
+    return Trace(sched, cache, requests, num_speculative_tokens=k, async_scheduling=async_scheduling)
+
+
+class _Cycle:
+    """A per-request script, cycled; each use advances its cursor."""
+
+    def __init__(self, values: list[int], default: int) -> None:
+        self.values = values or [default]
+        self.cursor = 0
+
+    def next(self) -> int:
+        value = self.values[self.cursor % len(self.values)]
+        self.cursor += 1
+        return value
 
 
 class ReplayRunner:
     """A runner with no model: a request samples REPLAY_TOKEN_ID when its computed tokens reach
-    its full length (the same rule the real runner follows)."""
+    its full length (the same rule the real runner follows). With drafts scheduled, a running
+    request accepts the next value of its `accept` script (9s, then the bonus 7); a request admitted
+    in this batch carries first-decode padding, always rejected. `spec` records [drafts, accepted]."""
 
-    def __init__(self, scheduler: Scheduler, token_id: int = REPLAY_TOKEN_ID) -> None:
+    def __init__(self, scheduler: Scheduler, token_id: int = REPLAY_TOKEN_ID,
+                 accept: dict[str, _Cycle] | None = None) -> None:
         self.scheduler = scheduler
         self.token_id = token_id
+        self.accept = accept or {}
+        self.spec: dict[str, list[int]] = {}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        admitted = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        self.spec = {}
         sampled = []
         for rid in req_ids:
             request = self.scheduler.requests[rid]
-            sampled.append([self.token_id] if request.num_computed_tokens >= request.num_tokens else [])
+            if request.num_computed_tokens < request.num_tokens:  # a partial prefill samples nothing
+                sampled.append([])
+                continue
+            d = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+            a = 0
+            if d and rid not in admitted:
+                script = self.accept.setdefault(rid, _Cycle([], 0))
+                a = min(script.next(), d)
+            if d:
+                self.spec[rid] = [d, a]
+            sampled.append([DRAFT_TOKEN_ID] * a + [self.token_id])
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
@@ -100,12 +167,17 @@ class StepRecord:
     scheduler_output: SchedulerOutput
     finished: list[str]
     num_free_blocks: int
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    pending_drafts: dict[str, int] = field(default_factory=dict)
 
 
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
     """Drive the scheduler over the trace, yielding each step (and each rejection as it happens)."""
-    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
-    runner = ReplayRunner(scheduler)
+    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
+                               speculative_config=trace.speculative_config)
+    k = trace.num_speculative_tokens
+    drafts = {r.id: _Cycle(r.drafts, k) for r in trace.requests}
+    runner = ReplayRunner(scheduler, accept={r.id: _Cycle(r.accept, 0) for r in trace.requests})
     by_step: dict[int, list[TraceRequest]] = {}
     for r in trace.requests:
         by_step.setdefault(r.arrival_step, []).append(r)
@@ -127,9 +199,25 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
         output = scheduler.schedule()
         runner_output = runner.execute_model(output)
         engine_outputs = scheduler.update_from_output(output, runner_output)
+        if k > 0 and not output.is_empty:
+            _propose(scheduler, output, drafts, k)
         finished = [o.request_id for o in engine_outputs if o.finished]
-        yield StepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+        pending = {r.request_id: len(r.spec_token_ids) for r in scheduler.requests.values() if r.spec_token_ids}
+        yield StepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                         spec=runner.spec, pending_drafts=pending)
         step += 1
+
+
+def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, _Cycle], k: int) -> None:
+    """The scripted proposer (vLLM's post_step): every request of the batch takes its next value."""
+    req_ids = list(output.num_scheduled_tokens)
+    lists = []
+    for rid in req_ids:
+        offered = drafts[rid].next()
+        request = scheduler.requests.get(rid)
+        room = scheduler.max_model_len - request.num_tokens if request is not None else 0
+        lists.append([DRAFT_TOKEN_ID] * max(min(offered, k, room), 0))
+    scheduler.update_draft_token_ids(req_ids, lists)
 
 
 def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +227,9 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
     rejected: list[str] = []
     reasons: dict[str, str] = {}
     num_preempted = 0
+    k = trace.num_speculative_tokens
+    totals = SpecDecodingStats.new(k)
+    per_request: dict[str, dict[str, int]] = {}
     for item in run_steps(trace):
         if isinstance(item, RequestRejected):
             rejected.append(item.request_id)  # type: ignore[attr-defined]
@@ -156,19 +247,35 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 "cached_tokens": dict(out.cached_tokens),
             }
         )
+        if k > 0:
+            steps[-1]["spec"] = item.spec
+            steps[-1]["pending_drafts"] = item.pending_drafts
+            for rid, (d, a) in item.spec.items():
+                totals.observe_draft(d, a)
+                counts = per_request.setdefault(rid, {"num_drafts": 0, "num_draft_tokens": 0,
+                                                      "num_accepted_tokens": 0})
+                counts["num_drafts"] += 1
+                counts["num_draft_tokens"] += d
+                counts["num_accepted_tokens"] += a
         if out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
             steps[-1]["policy"] = out.policy_actions
     total_tokens = sum(sum(s["scheduled"].values()) for s in steps)
-    return {
-        "steps": steps,
-        "summary": {
-            "rejected": rejected,
-            "rejection_reasons": reasons,
-            "num_steps": len(steps),
-            "total_scheduled_tokens": total_tokens,
-            "num_preemptions": num_preempted,
-        },
+    summary: dict[str, Any] = {
+        "rejected": rejected,
+        "rejection_reasons": reasons,
+        "num_steps": len(steps),
+        "total_scheduled_tokens": total_tokens,
+        "num_preemptions": num_preempted,
     }
+    if k > 0:
+        summary.update(
+            spec_decoding=totals.to_dict(),
+            spec_decoding_requests=per_request,
+            num_speculative_tokens=k,
+            async_scheduling=trace.async_scheduling,
+            vllm_error=None,
+        )
+    return {"steps": steps, "summary": summary}
 
 
 def replay_file(trace_path: str | Path, out_path: str | Path | None = None) -> dict[str, Any]:

@@ -77,6 +77,13 @@ class Request:
         self.spec_token_ids: list[int] = []
         # Tokens whose sampling is in flight under async scheduling (see docs/scheduler.md).
         self.num_output_placeholders = 0
+        # True while the last scheduled chunk stopped short of the sequence (vLLM's flag, set at
+        # schedule time): such a step samples nothing and its drafts are dropped.
+        self.is_prefill_chunk = False
+        # Speculative decoding figures: verified drafts, draft tokens, accepted tokens.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
 from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
@@ -42,6 +42,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.core.structured_output import StructuredOutputManager
 
 
@@ -59,6 +60,8 @@ class SchedulerStats:
     prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
     prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
+    # Totals since start-up; None without speculative decoding.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class Scheduler:
@@ -70,6 +73,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
@@ -86,6 +90,19 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.policy
+        # Speculative decoding (n-gram drafts): K drafts per request per step, no lookahead KV
+        # slots and no drafting slots in the budget (vLLM's sizing for method "ngram").
+        check_long_prefill_threshold(scheduler_config.long_prefill_token_threshold, speculative_config)
+        self.speculative_config = speculative_config
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
+        # Every step that completes a sequence samples one token (plus accepted drafts).
+        self.num_sampled_tokens_per_step = 1
+        # This step's acceptance figures (None when no output carried drafts) and the totals.
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        # This step's drafts per request: [scheduled, accepted] (for the step trace).
+        self.spec_decoding_per_request: dict[str, list[int]] = {}
+        self.spec_decoding_totals = SpecDecodingStats.new(self.num_spec_tokens) if speculative_config else None
 
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -216,6 +233,8 @@ class Scheduler:
             reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
 
         # 1. RUNNING first.
+        # A running prefill chunk in this step stops first-decode padding (below).
+        prefill_scheduled = False
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -225,8 +244,11 @@ class Scheduler:
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             num_new_tokens = min(num_new_tokens, token_budget - (0 if request.request_id in starved else reserve))
-            # Never compute a position at or past max_model_len.
-            num_new_tokens = min(num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens)
+            # Never compute a position at or past max_model_len (with drafts: one draft short of
+            # the proposer's cap, as vLLM).
+            num_new_tokens = min(
+                num_new_tokens, self.max_model_len - self.num_sampled_tokens_per_step - request.num_computed_tokens
+            )
             if hold_decodes and not request.is_prefill:
                 num_new_tokens = 0
             if num_new_tokens <= 0:
@@ -235,7 +257,7 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = kv.allocate_slots(request, num_new_tokens)
+                new_blocks = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 if self.policy == "priority":
@@ -261,6 +283,7 @@ class Scheduler:
                 break
 
             scheduled_running_reqs.append(request)
+            prefill_scheduled |= request.is_prefill_chunk
             req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -268,11 +291,7 @@ class Scheduler:
             if request.request_id in starved:
                 starved.discard(request.request_id)
                 reserve = max(0, reserve - num_new_tokens) if starved else 0
-            if request.spec_token_ids:
-                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-                if num_spec > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-                request.spec_token_ids = []
+            self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
 
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
         skipped_waiting: list[Request] = []
@@ -299,6 +318,23 @@ class Scheduler:
                 num_computed_tokens = request.num_computed_tokens + num_new_local_computed
                 # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
                 num_new_tokens = request.num_tokens - num_computed_tokens
+                pad_spec_decode = False
+                if (
+                    self.num_spec_tokens > 0
+                    and num_new_tokens == 1
+                    and not prefill_scheduled
+                    and (scheduled_running_reqs or num_computed_tokens > 0)
+                ):
+                    # vLLM pads a first decode to 1 + K tokens with K placeholder drafts (always
+                    # rejected) to keep decode shapes uniform, and prefers admitting nothing more
+                    # to admitting it unpadded (scheduler.py:1131-1153).
+                    padded = 1 + self.num_spec_tokens
+                    if num_computed_tokens + padded + self.num_sampled_tokens_per_step <= self.max_model_len:
+                        if padded > token_budget:
+                            bound_by = "budget"
+                            break
+                        num_new_tokens = padded
+                        pad_spec_decode = True
                 if 0 < threshold < num_new_tokens:
                     num_new_tokens = threshold
                 if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -311,6 +347,7 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed,
                     new_computed_blocks=new_computed_blocks,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                     full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                     has_scheduled_reqs=bool(self.running),
                 )
@@ -337,6 +374,8 @@ class Scheduler:
                 if self.priority_preemption is not None:
                     self.priority_preemption.admitted(request.request_id, self.num_schedule_calls)
                 cached_tokens[request.request_id] = num_new_local_computed
+                if pad_spec_decode:
+                    scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
             self.waiting.prepend_requests(skipped_waiting)
 
@@ -408,6 +447,18 @@ class Scheduler:
             output.structured_output_request_ids = [r.request_id for r in sampling]
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
+    def _schedule_spec_tokens(self, request: Request, num_new_tokens: int, scheduled: dict[str, list[int]]) -> None:
+        """The drafts that fit in `num_new_tokens` go out; scheduling a request always clears its
+        drafts, so those cut by the budget are lost (vLLM, scheduler.py:858-876)."""
+        if not request.spec_token_ids:
+            return
+        num_spec = (
+            num_new_tokens + request.num_computed_tokens - request.num_tokens - request.num_output_placeholders
+        )
+        if num_spec > 0:
+            scheduled[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
+
     # Opt-in policies (tokenloom/core/policies.py) -------------------------------------------
     def _preempt_for_waiting(self, now: float, preempted_reqs: list[Request], actions: dict[str, Any]) -> str | None:
         """--enable-priority-preemption: free a slot / blocks for the highest-priority waiting request
@@ -456,8 +507,13 @@ class Scheduler:
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner
         # needs the old start positions, and the next schedule() must not hand out these tokens again.
+        # Drafts count as computed too; update_from_output takes back the rejected ones.
         for req_id, n in output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.is_prefill_chunk = (
+                request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
+            )
         # A new set, not clear(): the output just built holds the old one.
         self.finished_req_ids = set()
 
@@ -501,6 +557,9 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        spec_stats: SpecDecodingStats | None = None
+        if self.spec_decoding_per_request:
+            self.spec_decoding_per_request = {}
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
@@ -524,13 +583,11 @@ class Scheduler:
 
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if spec and generated:
-                # Rejected draft tokens were counted as computed: take them back.
-                num_rejected = len(spec) + 1 - len(generated)
-                request.num_computed_tokens -= max(num_rejected, 0)
+                spec_stats = self._rollback_rejected(request, spec, generated, spec_stats)
 
             is_stopped = False
             if generated:
-                generated, is_stopped = self._append_and_check_stop(request, generated)
+                generated, is_stopped = self._update_request_with_output(request, generated)
                 if request.use_structured_output:
                     is_stopped = self._advance_grammar(request, generated) or is_stopped
                 if request.first_token_time is None:
@@ -556,6 +613,9 @@ class Scheduler:
                 )
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        self.spec_decoding_stats = spec_stats
+        if spec_stats is not None and self.spec_decoding_totals is not None:
+            self.spec_decoding_totals.add(spec_stats)
         if self.grammar_compile_errors:
             outputs.extend(self._finish_grammar_errors())
         return outputs
@@ -580,6 +640,41 @@ class Scheduler:
             request.error = errors[request.request_id]
             outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=request.error))
         return outputs
+
+    def _rollback_rejected(
+        self, request: Request, spec: list[int], generated: list[int], stats: SpecDecodingStats | None
+    ) -> SpecDecodingStats:
+        """Rejected drafts were counted as computed at schedule time: take them back (their KV
+        slots stay allocated and are overwritten). Counted from the untrimmed output, as vLLM."""
+        num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
+        num_rejected = len(spec) - num_accepted
+        if request.num_computed_tokens > 0:
+            request.num_computed_tokens -= num_rejected
+        if request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_rejected
+        if stats is None:
+            stats = SpecDecodingStats.new(self.num_spec_tokens)
+        stats.observe_draft(len(spec), num_accepted)
+        self.spec_decoding_per_request[request.request_id] = [len(spec), num_accepted]
+        request.num_drafts += 1
+        request.num_draft_tokens += len(spec)
+        request.num_accepted_tokens += num_accepted
+        return stats
+
+    def update_draft_token_ids(self, req_ids: Iterable[str], draft_token_ids: Iterable[list[int]]) -> None:
+        """The proposer's drafts after a step (vLLM's post_step): ignored for finished requests,
+        dropped for a request whose last chunk was a partial prefill, else the pending drafts."""
+        for req_id, drafts in zip(req_ids, draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.is_prefill_chunk:
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = list(drafts)
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        return self._append_and_check_stop(request, new_token_ids)
 
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         for n, token_id in enumerate(new_token_ids, 1):
@@ -627,6 +722,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_totals.queries,
             prefix_cache_hits=kv.prefix_cache_totals.hits,
             prefix_cache_stats=kv.make_prefix_cache_stats(),
+            spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.batch_scheduler import BatchScheduler
 from tokenloom.core.scheduler import Scheduler
 
@@ -24,5 +24,7 @@ def make_scheduler(
     scheduler_config: SchedulerConfig,
     cache_config: CacheConfig,
     clock: Callable[[], float] = time.monotonic,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
-    return scheduler_class(scheduler_config)(scheduler_config, cache_config, clock=clock)
+    return scheduler_class(scheduler_config)(scheduler_config, cache_config, clock=clock,
+                                             speculative_config=speculative_config)

@@ -21,6 +21,7 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.executor import Executor
 from tokenloom.engine.trace import StepTracer
+from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class EngineCore:
         self.executor = executor
         self.tracer = tracer
         self.clock = scheduler.clock
+        spec = scheduler.speculative_config
+        # tokenloom's opt-in adaptive drafting (tokenloom/spec_decode/adaptive.py); None: vLLM's.
+        self.draft_policy = AdaptiveDraftPolicy(spec) if spec is not None and spec.adaptive else None
         self.num_steps = 0
         # Figures for metrics: what the last step did.
         self.last_step_tokens = 0
@@ -68,6 +72,8 @@ class EngineCore:
         """Wait for a step's model output, update the scheduler from it, and record the step."""
         model_output = self._result(scheduler_output, future)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if self.scheduler.num_spec_tokens:
+            self._post_step(outputs)
         t_end = self.clock()
         self.num_steps += 1
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
@@ -75,6 +81,21 @@ class EngineCore:
         if self.tracer is not None:
             self.tracer.record(t_start, t_end, self.scheduler, scheduler_output, outputs)
         return outputs
+
+    def _post_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """vLLM's EngineCore.post_step: the drafts the runner proposed after this step go to the
+        scheduler (through the opt-in adaptive policy, which may trim them)."""
+        policy = self.draft_policy
+        if policy is not None:
+            policy.observe(self.scheduler.spec_decoding_per_request)
+            policy.forget(o.request_id for o in outputs if o.finished)
+        drafts = self.executor.take_draft_token_ids()
+        if drafts is None:
+            return
+        lists = drafts.draft_token_ids
+        if policy is not None:
+            lists = policy.trim(drafts.req_ids, lists, num_decoding=len(self.scheduler.running))
+        self.scheduler.update_draft_token_ids(drafts.req_ids, lists)
 
     @staticmethod
     def _result(scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:

@@ -75,3 +75,4 @@ class EngineCoreOutputs:
     first_scheduled: dict[str, float] = field(default_factory=dict)
     # request id -> times it was preempted, for requests finished in this batch that ever were.
     num_preemptions: dict[str, int] = field(default_factory=dict)
+    engine_index: int = 0  # the data-parallel rank of the engine that sent it

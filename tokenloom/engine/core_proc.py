@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -40,24 +42,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str = "INFO") -> None:
-    """Entry point of the spawned process."""
+def run_engine_core(
+    config: EngineConfig,
+    inbox: Connection,
+    outbox: Connection,
+    log_level: str = "INFO",
+    engine_index: int = 0,
+    cpus: list[int] | None = None,
+) -> None:
+    """Entry point of the spawned process (or of a Ray actor's thread, tokenloom/engine/ray_engine.py).
+
+    `engine_index` is the data-parallel rank, stamped on every batch; `cpus`, when given, are the
+    cores this engine may use (data-parallel engines split the machine's cores between them, so N
+    engines never run more torch threads than there are cores)."""
     # Ctrl-C (and a SIGTERM sent to the process group) reach this process too, but the API process
     # decides when it stops: it drains requests first, then sends Shutdown. Should the API process
     # die instead, the inbox reaches EOF and this process exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run this elsewhere
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The short OpenMP spin (GOMP_SPINCOUNT) was set when this process imported the tokenloom package,
     # before torch: see tokenloom/__init__.py.
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    tag = "engine" if engine_index == 0 and cpus is None else f"engine {engine_index}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     try:
+        if cpus:
+            pin_cpus(cpus)
         engine, ready = _load(config)
     except Exception as exc:  # report any start-up failure to the API process, which prints it
         _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
     try:
         outbox.send(ready)
-        EngineCoreProc(engine.engine_core, inbox, outbox).run()
+        EngineCoreProc(engine.engine_core, inbox, outbox, engine_index).run()
     except (EOFError, OSError):
         logger.info("the API process is gone; engine core exiting")
     except Exception as exc:
@@ -68,11 +85,23 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection,
         engine.close()
 
 
+def pin_cpus(cpus: list[int]) -> None:
+    """Run on `cpus` only, with one torch thread per core (the runner sizes its pool from the affinity,
+    tokenloom/model/runner.py configure_cpu_threads; OMP_NUM_THREADS, when the user set it, still wins)."""
+    os.sched_setaffinity(0, cpus)
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(len(cpus))
+
+
 def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
+    from tokenloom.engine.fault_injection import install_from_env
     from tokenloom.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
+    install_from_env(engine.runner)  # chaos tests only: off unless TOKENLOOM_FAULT_INJECT is set
     ready = EngineReady(
         model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,
@@ -94,8 +123,9 @@ def _send_quietly(outbox: Connection, msg: object) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+    def __init__(self, core: EngineCore, inbox: Connection, outbox: Connection, engine_index: int = 0) -> None:
         self.core = core
+        self.engine_index = engine_index
         self.scheduler = core.scheduler
         self.inbox = inbox
         self.outbox = outbox
@@ -177,6 +207,7 @@ class EngineCoreProc:
             step=step,
             first_scheduled=first_scheduled,
             num_preemptions=num_preemptions,
+            engine_index=self.engine_index,
         )
 
     def _forget(self, request_id: str) -> None:

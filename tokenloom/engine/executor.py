@@ -45,6 +45,11 @@ class Executor(ABC):
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Run one step. With non_block, return a Future whose result (or exception) is the step's."""
 
+    def take_draft_token_ids(self) -> Any:
+        """Speculative decoding: the drafts proposed after the last step (an object with `req_ids`
+        and `draft_token_ids`), or None. vLLM's EngineCore.post_step hands them to the scheduler."""
+        return None
+
     def reset(self) -> None:  # noqa: B027 - optional hook, a no-op unless the runner keeps state
         """Drop all per-request state (a fresh scheduler is taking over an idle executor)."""
 
@@ -79,7 +84,14 @@ class UniProcExecutor(Executor):
             future.set_exception(exc)
         return future
 
+    def take_draft_token_ids(self) -> Any:
+        take = getattr(self.runner, "take_draft_token_ids", None)
+        return take() if take is not None else None
+
     def reset(self) -> None:
         requests = getattr(self.runner, "requests", None)  # the torch ModelRunner's per-request state
         if requests is not None:
             requests.clear()
+        spec_decode = getattr(self.runner, "spec_decode", None)  # its proposer's token rows
+        if spec_decode is not None:
+            spec_decode.reset()

@@ -40,3 +40,6 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # With data parallelism: the engine whose batch this is, and its own report (`scheduler` is the sum).
+    engine_index: int | None = None
+    engine_scheduler: SchedulerStats | None = None

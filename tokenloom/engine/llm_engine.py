@@ -42,6 +42,10 @@ class LLMEngine:
         from tokenloom.model.platform import resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
+        parallel = config.parallel
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+            raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
+                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         self.config = config
         self.clock = clock
         path = resolve_model_path(config.model)
@@ -51,7 +55,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype)
+        loaded = load_model(path, dtype, quantized=config.quantization == "gguf")
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.model)
@@ -68,7 +72,7 @@ class LLMEngine:
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
-        if config.quantization is not None:
+        if config.quantization == "int8":
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
@@ -78,19 +82,23 @@ class LLMEngine:
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
-        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.speculative_config = config.speculative_config
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
+        if self.speculative_config is not None:
+            self.runner.enable_speculative_decoding(self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler.structured_output_manager = self.structured_output_manager
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
-            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, %d KV blocks of %d tokens (%.0f MiB), "
-            "max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
+            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
+            "(%.0f MiB), max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
-            f" + {config.quantization} layers" if config.quantization else "", num_blocks, cache_cfg.block_size,
-            num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
+            cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
         )
 
     def _structured_output_manager(self) -> StructuredOutputManager:
@@ -237,7 +245,8 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock)
+        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
+                                        speculative_config=self.speculative_config)
         self.scheduler.structured_output_manager = self.structured_output_manager
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 

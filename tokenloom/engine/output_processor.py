@@ -7,7 +7,7 @@ completions into one RequestOutput.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from tokenloom.core.outputs import EngineCoreOutput, SampleLogprobs
@@ -145,6 +145,23 @@ class OutputProcessor:
     # --------------------------------------------------------------------------------------
     def _apply(self, comp: _Completion, out: EngineCoreOutput) -> bool:
         """Fold one core output into a completion; True if a stop string ended it early."""
+        n = len(out.new_token_ids)
+        if n > 1 and comp.params.stop and comp.detokenizer is not None:
+            # Several tokens in one step (accepted drafts): fold them one by one, so that a stop
+            # string ends the output at the token completing it, as without speculation.
+            for i in range(n):
+                last = i == n - 1
+                piece = replace(out, new_token_ids=out.new_token_ids[i : i + 1],
+                                new_logprobs=out.new_logprobs[i : i + 1] if out.new_logprobs else None,
+                                finish_reason=out.finish_reason if last else None,
+                                stop_reason=out.stop_reason if last else None, error=out.error if last else None)
+                ended = self._apply_one(comp, piece)
+                if comp.finished:
+                    return ended
+            return False
+        return self._apply_one(comp, out)
+
+    def _apply_one(self, comp: _Completion, out: EngineCoreOutput) -> bool:
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:

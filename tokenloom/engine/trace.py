@@ -50,6 +50,8 @@ def step_record(
         "finished": finished,
         "cached_tokens": dict(output.cached_tokens),
         "bound_by": output.bound_by,
+        # Speculative decoding: {request: [drafts scheduled, drafts accepted]} (empty without).
+        "spec": dict(scheduler.spec_decoding_per_request),
     }
     if output.policy_actions:  # only when an opt-in policy acted: default traces stay as they were
         record["policy"] = output.policy_actions

@@ -139,10 +139,36 @@ class CommonAttentionMetadata:
     slot_mapping: np.ndarray  # [T] int64
     samples: np.ndarray  # [S] bool: the sequence's last row samples a token
     block_size: int
+    # Speculative decoding: drafts each sequence verifies ([S] int64; None: none). A sampling
+    # sequence with d drafts needs the outputs of its last 1 + d rows.
+    num_drafts: np.ndarray | None = None
 
     @property
     def seq_ends(self) -> np.ndarray:
         return self.num_computed_tokens + np.diff(self.query_start_loc)
+
+    @property
+    def output_rows(self) -> np.ndarray:
+        """Flat rows whose outputs are needed, in order: each sampling sequence's last 1 + d rows."""
+        ends = self.query_start_loc[1:][self.samples]
+        if self.num_drafts is None:
+            return ends - 1
+        counts = 1 + self.num_drafts[self.samples]
+        starts = np.repeat(ends - counts, counts)
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return starts + within
+
+    @property
+    def output_positions(self) -> np.ndarray:
+        """Token position of each output row (a one-token query at its own position)."""
+        rows = self.output_rows
+        seq = np.searchsorted(self.query_start_loc, rows, side="right") - 1
+        return self.num_computed_tokens[seq] + rows - self.query_start_loc[seq]
+
+    @property
+    def output_seqs(self) -> np.ndarray:
+        """The sequence of each output row."""
+        return np.searchsorted(self.query_start_loc, self.output_rows, side="right") - 1
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -186,8 +186,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         self.kv_packed = False
 
     def build_metadata(self, common: CommonAttentionMetadata) -> KernelAttentionMetadata:
-        q_start, starts, tables, samples = (common.query_start_loc, common.num_computed_tokens, common.block_table,
-                                            common.samples)
+        q_start, starts, tables = common.query_start_loc, common.num_computed_tokens, common.block_table
         meta = KernelAttentionMetadata(
             slot_mapping=torch.from_numpy(common.slot_mapping),
             kernel=KernelMetadata(
@@ -196,15 +195,17 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 pos_start=torch.from_numpy(starts.astype(np.int32)),
             ),
         )
-        sample_rows = (q_start[1:] - 1)[samples]
+        sample_rows = common.output_rows
         if len(sample_rows) < int(q_start[-1]):
             # Only the sampling rows' last-layer outputs are needed: the last layer writes every
-            # row's K/V, then runs attention, o-proj and MLP on those rows alone.
+            # row's K/V, then runs attention, o-proj and MLP on those rows alone, each a one-token
+            # query at its own position (a draft-verification row sees the drafts before it, whose
+            # K/V this layer has just written).
             meta.output_rows = torch.from_numpy(np.ascontiguousarray(sample_rows))
             meta.output_kernel = KernelMetadata(
-                block_tables=torch.from_numpy(np.ascontiguousarray(tables[samples])),
+                block_tables=torch.from_numpy(np.ascontiguousarray(tables[common.output_seqs])),
                 q_start=torch.arange(len(sample_rows) + 1, dtype=torch.int32),
-                pos_start=torch.from_numpy((common.seq_ends[samples] - 1).astype(np.int32)),
+                pos_start=torch.from_numpy(common.output_positions.astype(np.int32)),
             )
         return meta
 

@@ -24,7 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from tokenloom.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 Q = GGMLQuantizationType
-SUPPORTED_GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+SUPPORTED_GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                        Q.Q6_K)
 
 
 @dataclass
@@ -169,8 +170,26 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         return torch.from_numpy(raw.view(np.float16)).reshape(tensor.shape)
     if tensor.qtype == Q.BF16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(tensor.shape)
+    if tensor.qtype not in _BLOCK_DEQUANTIZERS:
+        return _dequantize_k(tensor)
     blocks = torch.from_numpy(raw).reshape(-1, GGML_QUANT_SIZES[tensor.qtype][1])
     return _BLOCK_DEQUANTIZERS[tensor.qtype](blocks).reshape(tensor.shape)
+
+
+def _dequantize_k(tensor: GGUFTensor) -> torch.Tensor:
+    """Q5_0, Q5_1 and the K-quants: the compiled GGUF kernels' dequantizer (tokenloom/model/
+    gguf_kernels.py), else gguf's numpy reference (slower, same values)."""
+    from tokenloom.model.gguf_kernels import gguf_kernels
+
+    kernels = gguf_kernels()
+    if kernels is None:
+        from gguf.quants import dequantize as gguf_dequantize
+
+        return torch.from_numpy(gguf_dequantize(tensor.raw, tensor.qtype)).float().reshape(tensor.shape)
+    rows = int(np.prod(tensor.shape[:-1], dtype=np.int64)) if len(tensor.shape) > 1 else 1
+    out = torch.empty(rows, tensor.shape[-1])
+    kernels.gguf_dequantize(out, torch.from_numpy(tensor.raw).view(rows, -1), int(tensor.qtype))
+    return out.reshape(tensor.shape)
 
 
 def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from tokenloom.model.linear import (
     packing_enabled,
     prepack_linears,
 )
-from tokenloom.model.quant import check_quantization
+from tokenloom.model.quant import check_quantization, get_linear_method
 from tokenloom.model.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq re-exported
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,8 @@ class LlamaAttention:
 
     def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
         names = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
-        self.qkv_proj = LinearBase(get.cat([n + ".weight" for n in names]),
-                                   get.cat_optional([n + ".bias" for n in names]), method, prefix + "qkv_proj",
-                                   get.dtype)  # [(Hq + 2 Hkv) * D, H]
-        self.o_proj = LinearBase(get(prefix + "o_proj.weight"), get.optional(prefix + "o_proj.bias"), method,
-                                 prefix + "o_proj", get.dtype)
+        self.qkv_proj = get.linear(names, method, prefix + "qkv_proj")  # [(Hq + 2 Hkv) * D, H]
+        self.o_proj = get.linear([prefix + "o_proj"], method, prefix + "o_proj")
 
     def __call__(self, x: Any, ctx: StepContext, kv_cache: KVCache | None,
                  last_layer: bool) -> tuple[Hidden | None, torch.Tensor | None]:
@@ -104,11 +101,8 @@ class LlamaMLP:
 
     def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
         names = [prefix + n for n in ("gate_proj", "up_proj")]
-        self.gate_up_proj = LinearBase(get.cat([n + ".weight" for n in names]),
-                                       get.cat_optional([n + ".bias" for n in names]), method,
-                                       prefix + "gate_up_proj", get.dtype)  # [2 I, H]
-        self.down_proj = LinearBase(get(prefix + "down_proj.weight"), get.optional(prefix + "down_proj.bias"),
-                                    method, prefix + "down_proj", get.dtype)
+        self.gate_up_proj = get.linear(names, method, prefix + "gate_up_proj")  # [2 I, H]
+        self.down_proj = get.linear([prefix + "down_proj"], method, prefix + "down_proj")
 
     def __call__(self, x: Any) -> Hidden:
         """x in gate_up_proj's input format -> down_proj's output."""
@@ -190,21 +184,30 @@ class LlamaModel:
         # Everything loads in the run dtype; quantization converts the decoder layers' linears after.
         # The final norm and the LM head stay here: the forward returns run-dtype hidden states.
         self.dense_method = UnquantizedLinearMethod(self.kernels)
-        get = _WeightReader(weights, self.device, dtype)
-        self.embed_tokens = get("model.embed_tokens.weight")
+        # --quantization gguf: the loader left the GGUF's quantized matrices as GGUFWeight blocks; the
+        # reader turns them into linears of the GGUF method (tokenloom/model/gguf_method.py).
+        gguf_method = get_linear_method("gguf", self.kernels) if quantization == "gguf" else None
+        get = _WeightReader(weights, self.device, dtype, gguf_method)
+        self.embed_tokens = get.raw_or_converted("model.embed_tokens.weight")
         self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
-        lm_head = get("lm_head.weight") if "lm_head.weight" in weights and not config.tie_word_embeddings \
-            else self.embed_tokens
-        self.lm_head = LinearBase(lm_head, None, self.dense_method, "lm_head", dtype)
+        if "lm_head.weight" in weights and not config.tie_word_embeddings:
+            self.lm_head = get.linear(["lm_head"], self.dense_method, "lm_head", bias=False)
+        elif isinstance(self.embed_tokens, torch.Tensor):  # tied: the same tensor
+            self.lm_head = LinearBase(self.embed_tokens, None, self.dense_method, "lm_head", dtype)
+        else:  # tied GGUF blocks: the embedding reads the file's rows, the head a kernel layout of them
+            self.lm_head = get.linear(["model.embed_tokens"], self.dense_method, "lm_head", bias=False)
         layer_cls = DECODER_LAYERS[config.architecture]
         self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method)
                        for i in range(config.num_hidden_layers)]
         self.rope = RotaryEmbedding(config, self.device, dtype)
         self.quantization = quantization
-        if quantization is not None:
+        self.gguf_step: Any = None  # set below for gguf; int8 calibration runs forward before that
+        if quantization == "int8":
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
+        if quantization == "gguf":  # small all-decode steps run the whole stack in one compiled call
+            self.gguf_step = _gguf_decode_step(self)
         self.packed_linear = packing_enabled(self.device, dtype) and prepack_linears(self.dense_linears())
 
     @property
@@ -224,6 +227,32 @@ class LlamaModel:
     def vocab_size(self) -> int:
         return self.embed_tokens.shape[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows in the run dtype (a fresh tensor)."""
+        if isinstance(self.embed_tokens, torch.Tensor):
+            return F.embedding(input_ids, self.embed_tokens)
+        return gguf_embedding(self.embed_tokens, input_ids, self.dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take (GGUF blocks counted as stored)."""
+        seen: dict[int, int] = {}
+        tensors: list[torch.Tensor] = [self.embed_tokens] if isinstance(self.embed_tokens, torch.Tensor) \
+            else [self.embed_tokens.data]
+        tensors.append(self.norm.weight)
+        for layer in self.layers:
+            tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for lin in self.linears():
+            tensors += [t for t in (lin.weight, lin.bias, lin.packed, getattr(lin, "qweight", None)) if t is not None]
+            gguf = getattr(lin, "gguf", None)
+            if gguf is not None:
+                tensors += [p.data for p in gguf.parts]
+        for t in tensors:
+            try:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except (RuntimeError, NotImplementedError):  # opaque (oneDNN pre-packed) tensors have no storage
+                seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -236,9 +265,13 @@ class LlamaModel:
         of those rows only). Writes this step's K/V."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
+        if self.gguf_step is not None and not self.kv_packed:
+            h = self.gguf_step.run_step(input_ids, positions, attn_metadata, kv_caches, self.rope, max_position)
+            if h is not None:
+                return h
         backend = self.attn_backend
         ctx = StepContext(positions, backend.rope_tables(self.rope, positions, max_position), attn_metadata, backend)
-        h = F.embedding(input_ids, self.embed_tokens)  # the residual stream, updated in place
+        h = self.embed(input_ids)  # the residual stream, updated in place
         hidden: Hidden | None = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -254,10 +287,34 @@ class LlamaModel:
 
 
 class _WeightReader:
-    """Fetches HF-named weights, cast to the run dtype and moved to the device."""
+    """Fetches HF-named weights, cast to the run dtype and moved to the device. With `gguf_method`,
+    weights the loader kept as GGUF blocks (GGUFWeight) become linears of that method instead."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, weights: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                 gguf_method: LinearMethodBase | None = None) -> None:
         self.weights, self.device, self.dtype = weights, device, dtype
+        self.gguf_method = gguf_method
+
+    def linear(self, prefixes: list[str], method: LinearMethodBase, name: str, bias: bool = True) -> LinearBase:
+        """One linear over the row-concatenated weights `<prefix>.weight` (and biases, when present)."""
+        weights = [p + ".weight" for p in prefixes]
+        biases = [p + ".bias" for p in prefixes] if bias else []
+        if self.gguf_method is not None and all(_is_gguf(self.weights.get(n)) for n in weights):
+            from tokenloom.model.gguf_weights import GGUFLinear
+
+            lin = LinearBase(None, None, self.gguf_method, name, self.dtype)
+            lin.gguf = GGUFLinear.from_weights([self.weights[n] for n in weights],  # type: ignore[attr-defined]
+                                               [self.weights.get(b) for b in biases] or [None] * len(weights),
+                                               self.gguf_method.gguf_kernels)  # type: ignore[attr-defined]
+            return lin
+        weight = self(weights[0]) if len(weights) == 1 else self.cat(weights)
+        b = (self.optional(biases[0]) if len(biases) == 1 else self.cat_optional(biases)) if biases else None
+        return LinearBase(weight, b, method, name, self.dtype)
+
+    def raw_or_converted(self, name: str) -> Any:
+        """A GGUFWeight as it is (with the GGUF method), else the converted tensor."""
+        value = self.weights.get(name)
+        return value if self.gguf_method is not None and _is_gguf(value) else self(name)
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.weights:
@@ -292,5 +349,46 @@ class _WeightReader:
             raise KeyError(f"weight {name!r} missing from the checkpoint")
         return self.weights[name]
 
-    def _convert(self, t: torch.Tensor) -> torch.Tensor:
+    def _convert(self, t: Any) -> torch.Tensor:
+        if _is_gguf(t):  # a GGUFWeight where a float tensor is needed (no GGUF method, or a mixed linear)
+            t = t.dequantize()
         return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def _is_gguf(value: Any) -> bool:
+    from tokenloom.model.gguf_weights import GGUFWeight
+
+    return isinstance(value, GGUFWeight)
+
+
+def gguf_embedding(weight: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a GGUF embedding table, dequantized to `dtype`."""
+    from tokenloom.model.gguf_kernels import gguf_kernels
+
+    kernels = gguf_kernels()
+    if kernels is None:
+        return F.embedding(input_ids, weight.dequantize(dtype))
+    out = torch.empty(input_ids.shape[0], weight.shape[1], dtype=dtype)
+    kernels.gguf_embedding(out, weight.data, weight.qtype, input_ids.long().contiguous())
+    return out
+
+
+def _gguf_decode_step(model: LlamaModel) -> Any:
+    """The fused decode step over the model's own GGUF linears (None when the kernels are missing
+    or TOKENLOOM_GGUF_FUSED_ROWS=0)."""
+    from tokenloom.model.gguf_decode import DecoderLayerSpec, GGUFDecodeStep, build_decoder, linear_parts
+    from tokenloom.model.gguf_kernels import gguf_kernels
+
+    kernels = gguf_kernels()
+    step = GGUFDecodeStep(None, model.config.hidden_size, model.dtype)
+    if kernels is None or model.kernels is None or step.max_rows <= 0:
+        return None
+
+    def parts(lin: LinearBase) -> list:
+        return linear_parts(getattr(lin, "gguf", None), lin.weight, lin.bias)
+
+    specs = [DecoderLayerSpec(layer.input_layernorm.weight, parts(layer.self_attn.qkv_proj),
+                              parts(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+                              parts(layer.mlp.gate_up_proj), parts(layer.mlp.down_proj)) for layer in model.layers]
+    step.decoder = build_decoder(kernels, model.config, model.embed_tokens, model.norm.weight, specs)
+    return step

@@ -81,11 +81,21 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load config and weights (converted to `dtype`) from a resolved path; see `resolve_model_path`."""
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+               quantized: bool = False) -> LoadedModel:
+    """Load config and weights (converted to `dtype`) from a resolved path; see `resolve_model_path`.
+    `quantized` (`--quantization gguf`): a GGUF's quantized matrices stay GGUF blocks (GGUFWeight,
+    tokenloom/model/gguf_weights.py); the other tensors come as float32."""
     path = Path(path)
+    if quantized and not path.is_file():
+        raise ValueError(f"quantization='gguf' needs a .gguf model file; {path} is a Hugging Face directory")
     with single_threaded():
-        if path.is_file():
+        if quantized:
+            from tokenloom.model.gguf_weights import load_gguf_quantized
+
+            config, weights = load_gguf_quantized(path)
+            source = "gguf"
+        elif path.is_file():
             config, weights = load_gguf(path, dtype)
             source = "gguf"
         else:

@@ -44,7 +44,7 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or none), "
                          f"got {quantization!r}")
     if device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only (oneDNN int8 GEMMs); got device {device}")
+        raise ValueError(f"quantization={quantization!r} runs on CPU only; got device {device}")
 
 
 def calibration_token_ids(tokenizer: Any, max_positions: int) -> list[int]:
@@ -163,4 +163,8 @@ def get_linear_method(quantization: str | None, kernels: ModuleType | None) -> L
         return UnquantizedLinearMethod(kernels)
     if quantization == "int8":
         return Int8LinearMethod(kernels)
+    if quantization == "gguf":
+        from tokenloom.model.gguf_method import GGUFLinearMethod
+
+        return GGUFLinearMethod(kernels)
     raise ValueError(f"no linear method for quantization={quantization!r}")

@@ -67,6 +67,7 @@ from tokenloom.model.sampler import (
     apply_grammar_bitmask,
     make_generator,
 )
+from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, verification_input_ids
 from tokenloom.sampling_params import SamplingParams
 
 # Moved to platform.py; re-exported here for callers that import them from the runner.
@@ -92,6 +93,7 @@ class _Scheduled:
     state: _RequestState
     start: int  # num_computed_tokens before this step
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)  # draft tokens to verify (the last scheduled rows)
 
     @property
     def end(self) -> int:
@@ -99,7 +101,13 @@ class _Scheduled:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.state.token_ids)
+        return self.end == len(self.state.token_ids) + len(self.drafts)
+
+    @property
+    def input_ids(self) -> list[int]:
+        if self.drafts:
+            return verification_input_ids(self.state.token_ids, self.start, self.num_tokens, self.drafts)
+        return self.state.token_ids[self.start : self.end]
 
 
 @dataclass
@@ -112,6 +120,8 @@ class _StepInputs:
     sample_reqs: list[_RequestState] = field(default_factory=list)
     # prompt_logprobs: (request, first prompt token scored, flat-batch rows whose logits score it and on).
     prompt_rows: list[tuple[_RequestState, int, np.ndarray]] = field(default_factory=list)
+    # Speculative decoding: the drafts each sampling request verifies (its 1 + d output rows).
+    sample_drafts: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -164,8 +174,10 @@ class ModelRunner:
         self.attn_backend = self.model.attn_backend
         if isinstance(self.attn_backend, CpuKernelAttentionBackend):
             # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
+            # Not with --quantization gguf: its fused decode step reads the plain layout.
             self.attn_backend.kv_packed = bool(
                 self.dtype == torch.bfloat16
+                and quantization != "gguf"
                 and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
                 and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
             )
@@ -176,9 +188,21 @@ class ModelRunner:
                                            zeroed=self.attn_backend.zeroed_kv_cache)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        # Speculative decoding (enable_speculative_decoding): proposer + rejection sampler.
+        self.spec_decode: SpecDecodeRunner | None = None
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
         self.last_logits_index: dict[str, int] = {}
+
+    def enable_speculative_decoding(self, config, max_model_len: int) -> None:
+        """Verify drafts in the flattened batch and propose n-gram drafts after each step."""
+        self.spec_decode = SpecDecodeRunner(config, max_model_len)
+        for rid, state in self.requests.items():
+            self.spec_decode.add_request(rid, state.token_ids)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (vLLM's post_step hands them to the scheduler)."""
+        return self.spec_decode.take_draft_token_ids() if self.spec_decode is not None else None
 
     # ----------------------------------------------------------------------- the step
 
@@ -193,6 +217,8 @@ class ModelRunner:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs))
+        if self.spec_decode is not None:
+            self.spec_decode.propose(sampled)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -221,9 +247,12 @@ class ModelRunner:
                 prompt_logprobs.update(self._prompt_logprobs(hidden, inputs.prompt_rows))
             if not inputs.sample_reqs:
                 return
-            if hidden.shape[0] != len(inputs.sample_reqs):  # else: exactly the sampling rows, in order
+            if hidden.shape[0] != inputs.sample_indices.shape[0]:  # else: exactly the sampling rows, in order
                 hidden = hidden.index_select(0, inputs.sample_indices)
             rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in inputs.sample_reqs]
+            if inputs.sample_drafts is not None:
+                self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits)
+                return
             if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
                 # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
                 # argmax of fp32 logits, without the fp32 copy (torch's bf16 argmax is ~10x slower).
@@ -277,12 +306,32 @@ class ModelRunner:
             return None
         return s.state, s.start + 1, np.arange(offset, offset + last - s.start, dtype=np.int64)
 
+    def _run_verification(self, inputs: _StepInputs, hidden: torch.Tensor, rows: list[SamplingRow],
+                          sampled: dict[str, list[int]], logprobs: dict[str, list[SampleLogprobs]],
+                          return_logits: bool) -> None:
+        """A batch with drafts: each sampling request has 1 + d output rows; the rejection sampler
+        turns them into its accepted drafts plus one token."""
+        assert self.spec_decode is not None and inputs.sample_drafts is not None
+        token_ids, lps, logits = self.spec_decode.sample(
+            lambda fp32: self.model.compute_logits(hidden, fp32=fp32), rows, inputs.sample_drafts,
+            self.model.kernels, return_logits)
+        if return_logits:
+            self.last_logits = logits
+            self.last_logits_index = {}
+        for i, (state, tokens) in enumerate(zip(inputs.sample_reqs, token_ids)):
+            state.token_ids.extend(tokens)
+            sampled[state.req_id] = tokens
+            if lps is not None and lps[i] is not None:
+                logprobs[state.req_id] = lps[i]
+
     # ----------------------------------------------------------------------- state updates
 
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Apply the scheduler's bookkeeping; returns requests that failed validation."""
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            if self.spec_decode is not None:
+                self.spec_decode.remove_request(req_id)
         failed: dict[str, str] = {}
         for new in so.scheduled_new_reqs:
             error = self._add_request(new)
@@ -322,6 +371,8 @@ class ModelRunner:
             params=params,
             generator=generator,
         )
+        if self.spec_decode is not None:
+            self.spec_decode.add_request(new.req_id, tokens)
         return None
 
     def _check_block_ids(self, block_ids: list[int]) -> str | None:
@@ -342,17 +393,23 @@ class ModelRunner:
                 failed[req_id] = error
                 self.requests.pop(req_id, None)
                 continue
-            out.append(_Scheduled(self.requests[req_id], starts[req_id], n))
+            drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
+            out.append(_Scheduled(self.requests[req_id], starts[req_id], n, list(drafts)))
         return out
 
     def _check_scheduled(self, req_id: str, start: int | None, n: int, so: SchedulerOutput) -> str | None:
         state = self.requests.get(req_id)
         if state is None or start is None:
             return f"request {req_id!r} is scheduled but neither new nor cached in this step"
-        if so.scheduled_spec_decode_tokens.get(req_id):
-            return "speculative decoding is not supported by ModelRunner"
-        if n < 1 or start < 0 or start + n > len(state.token_ids):
+        drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
+        if drafts and self.spec_decode is None:
+            return "drafts were scheduled but speculative decoding is not enabled in the ModelRunner"
+        if n < 1 or start < 0 or start + n > len(state.token_ids) + len(drafts):
             return f"cannot compute tokens [{start}, {start + n}) of a {len(state.token_ids)}-token sequence"
+        if drafts and start + n != len(state.token_ids) + len(drafts):
+            return f"drafts of request {req_id!r} must end its scheduled tokens"
+        if any(t >= self.vocab_size for t in drafts):
+            return f"draft token id out of range [0, {self.vocab_size}) in request {req_id!r}"
         if -(-(start + n) // self.block_size) > len(state.block_ids):
             return f"{len(state.block_ids)} blocks cannot hold {start + n} tokens"
         return None
@@ -377,24 +434,28 @@ class ModelRunner:
             if s.num_tokens == 1:
                 ids.append(s.state.token_ids[s.start])
             else:
-                ids.extend(s.state.token_ids[s.start : s.end])
+                ids.extend(s.input_ids)  # a verification chunk ends with its drafts
         total = int(q_start[-1])
         seq = np.repeat(np.arange(n), counts)
         pos = np.arange(total, dtype=np.int64) + np.repeat(starts - q_start[:-1], counts)
         slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
         samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n)
-        attn = self.attn_backend.build_metadata(CommonAttentionMetadata(
+        num_drafts = np.fromiter((len(s.drafts) for s in scheduled), dtype=np.int64, count=n)
+        has_drafts = bool(num_drafts.any())
+        common = CommonAttentionMetadata(
             query_start_loc=q_start, num_computed_tokens=starts, block_table=tables, slot_mapping=slots,
-            samples=samples, block_size=bs,
-        ))
-        # Each sequence's last row samples (when the sequence reaches its end this step).
-        sample_rows = (q_start[1:] - 1)[samples]
+            samples=samples, block_size=bs, num_drafts=num_drafts if has_drafts else None,
+        )
+        attn = self.attn_backend.build_metadata(common)
+        # Each sequence's last row samples (when the sequence reaches its end this step); one that
+        # verifies d drafts samples from its last 1 + d rows.
+        sample_rows = common.output_rows
         prompt_rows = [pr for i, s in enumerate(scheduled) if (pr := self._prompt_rows(s, int(q_start[i])))]
-        if prompt_rows and getattr(attn, "output_rows", None) is not None:
+        if prompt_rows and attn.output_rows is not None:
             # prompt_logprobs need every row's last-layer output, not only the sampling rows'.
             attn.output_rows = None
             attn.output_kernel = None
-        if getattr(attn, "output_rows", None) is not None:
+        if attn.output_rows is not None:
             sample_idx = attn.output_rows  # the same rows (the backend built them from `samples`)
         else:
             sample_idx = self._to_device(sample_rows)
@@ -407,6 +468,7 @@ class ModelRunner:
             sample_indices=sample_idx,
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
             prompt_rows=prompt_rows,
+            sample_drafts=[s.drafts for s, smp in zip(scheduled, samples.tolist()) if smp] if has_drafts else None,
         )
 
     # Bounds on the decodes sharing one padded attention call: the torch backend's (see

@@ -110,6 +110,10 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse(error_body(503, f"the engine is not running: {reason}"), status_code=503)
         if not engine.accepting:
             return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
+        if (engines := engine.engine_health()) is not None:
+            # Data parallelism: still serving while any engine lives; the body names the dead ones.
+            status = "ok" if all(e["alive"] for e in engines) else "degraded"
+            return JSONResponse({"status": status, "data_parallel_size": len(engines), "engines": engines})
         return Response(status_code=200)
 
     @app.get("/metrics")

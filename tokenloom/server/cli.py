@@ -29,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer 413 to larger request bodies, e.g. 4MiB")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cut")
+    g.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   default=os.environ.get("TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   help="when the engine process dies, keep answering 503 instead of exiting with code 1 "
+                        "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH); default $TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -62,6 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
         max_logprobs=args.max_logprobs,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
     )
     try:
         return run_server(engine_config_from_args(args), config)

@@ -22,3 +22,5 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
     max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
+    # Exit (code 1) when the engine process dies, as vLLM does; True keeps answering 503 instead.
+    keep_alive_on_engine_death: bool = False

@@ -4,6 +4,12 @@ Shutdown, in order: stop accepting (uvicorn closes the socket, new requests on o
 503), let requests in flight finish for `shutdown_grace_s`, then cut the rest (finish_reason "abort"
 and an SSE error event), and once every response is out stop the engine process (lifespan exit).
 The engine process also exits by itself when this process dies (EOF on its pipe), so none is orphaned.
+
+Should the engine process die instead, every request in flight fails at once (503, or an SSE error
+event), /health answers 503, and ENGINE_DEATH_LINGER_S later the server exits with code 1, as vLLM's
+does: a supervisor (systemd, Kubernetes) restarts the whole server, which is the only way to get
+back a consistent KV cache and a model that loaded cleanly. `--keep-alive-on-engine-death` keeps
+answering 503 instead (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), for whoever watches /health.
 """
 
 from __future__ import annotations
@@ -19,20 +25,28 @@ import uvicorn
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core_client import EngineCoreClient
+from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.server.app import build_app
 from tokenloom.server.config import ServerConfig
 
 logger = logging.getLogger("tokenloom.server")
 
+# Between the engine's death and the exit: long enough for the in-flight requests' 503s to be written
+# and for a probe to read /health's 503, short enough that a supervisor restarts the server promptly.
+ENGINE_DEATH_LINGER_S = 1.0
+
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float, t_launch: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float, t_launch: float,
+                 keep_alive_on_engine_death: bool = False) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
         self.t_launch = t_launch
+        self.keep_alive_on_engine_death = keep_alive_on_engine_death
+        self.engine_died = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        engine.failure_listeners.append(self._on_engine_death)
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -53,6 +67,18 @@ class GracefulServer(uvicorn.Server):
         if not self.should_exit and self._loop is not None:
             self._loop.call_soon_threadsafe(self._begin_drain)
         super().handle_exit(sig, frame)
+
+    def _on_engine_death(self, message: str) -> None:
+        """On the event loop, after AsyncLLM failed every request in flight."""
+        if self.keep_alive_on_engine_death:
+            logger.critical("the engine process died; answering 503 until stopped (--keep-alive-on-engine-death)")
+            return
+        self.engine_died = True
+        logger.critical("the engine process died; the server exits with code 1 in %.0f s", ENGINE_DEATH_LINGER_S)
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_LINGER_S, self._exit_after_engine_death)
+
+    def _exit_after_engine_death(self) -> None:
+        self.should_exit = True
 
     def _begin_drain(self) -> None:
         self.engine.stop_accepting()
@@ -84,8 +110,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
                        "" if config.api_key else " and has no --api-key")
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, so the engine process is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
-    # Spawn the engine first: it loads the model while this process loads torch and the tokenizer.
-    client = EngineCoreClient(engine_config, log_level)
+    # Spawn the engine(s) first: they load the model while this process loads torch and the tokenizer.
+    client = make_engine_client(engine_config, log_level)
     try:
         engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
                                       config.engine_ready_timeout_s)
@@ -96,12 +122,13 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             # A backstop: the drain cuts requests at the grace period, uvicorn only if that fails.
             timeout_graceful_shutdown=config.shutdown_grace_s + 5,
         )
-        server = GracefulServer(uv_config, engine, config.shutdown_grace_s, t_launch)
+        server = GracefulServer(uv_config, engine, config.shutdown_grace_s, t_launch,
+                                config.keep_alive_on_engine_death)
         # uvicorn re-raises the signal that stopped it once it is done; by then the drain has happened.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: None)
         asyncio.run(server.serve())
-        return 0 if server.started else 1
+        return 0 if server.started and not server.engine_died else 1
     finally:
         client.shutdown()
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.iteration_stats import IterationStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
@@ -54,7 +55,8 @@ class _Fanout:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_blocks: int, prefix: str = "both", info: Any = None) -> None:
+    def __init__(self, model_name: str, num_blocks: int, prefix: str = "both", info: Any = None,
+                 data_parallel_size: int = 1) -> None:
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
         prefixes = PREFIXES[prefix]
@@ -116,6 +118,13 @@ class ServerMetrics:
         self.ipc_latency = histogram("engine_ipc_latency_seconds",
                                      "A step's outputs: built in the engine process → received by the API", _IPC)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._labels = labels
+        self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
+        # Data parallelism: the families above are the sum over engines; these carry engine="i".
+        self.engines: _EngineMetrics | None = None
+        if data_parallel_size > 1:
+            self.total_blocks.set(num_blocks * data_parallel_size)
+            self.engines = _EngineMetrics(r, model_name, data_parallel_size)
 
     def record(self, stats: IterationStats) -> None:
         sched = stats.scheduler
@@ -131,6 +140,12 @@ class ServerMetrics:
             self._add_total(self.prefix_hits, "hits", sched.prefix_cache_hits)
             if sched.prefix_cache_queries:
                 self.hit_rate.set(sched.prefix_cache_hits / sched.prefix_cache_queries)
+            if sched.spec_decoding is not None:
+                if self.spec_decode is None:
+                    self.spec_decode = SpecDecodeMetrics(self.registry, self._labels)
+                self.spec_decode.record(sched.spec_decoding)
+        if self.engines is not None and stats.engine_index is not None and stats.engine_scheduler is not None:
+            self.engines.record(stats.engine_index, stats.engine_scheduler)
         if stats.step is not None and stats.step.num_tokens > 0:
             self.iteration_tokens.observe(stats.step.num_tokens)
             self.step_time.observe(stats.step.duration_s)
@@ -164,3 +179,67 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineMetrics:
+    """Per data-parallel engine (label engine="i"): its scheduler's gauges and prefix-cache totals."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str, num_engines: int) -> None:
+        names = ["model_name", "engine"]
+
+        def family(kind: type, name: str, doc: str) -> list:
+            metric = kind(f"tokenloom:engine_{name}", doc, names, registry=r)
+            return [metric.labels(model_name=model_name, engine=str(i)) for i in range(num_engines)]
+
+        self.running = family(Gauge, "num_requests_running", "Requests in this engine's running batch")
+        self.waiting = family(Gauge, "num_requests_waiting", "Requests waiting in this engine")
+        self.kv_usage = family(Gauge, "kv_cache_usage_perc", "This engine's KV-cache usage (1 = full)")
+        self.prefix_queries = family(Counter, "prefix_cache_queries", "This engine's prefix-cache queries, tokens")
+        self.prefix_hits = family(Counter, "prefix_cache_hits", "This engine's prefix-cache hits, tokens")
+        self.preemptions = family(Counter, "num_preemptions", "This engine's preemptions")
+        self._totals = [{"queries": 0, "hits": 0, "preemptions": 0} for _ in range(num_engines)]
+
+    def record(self, i: int, sched: SchedulerStats) -> None:
+        self.running[i].set(sched.num_running_reqs)
+        self.waiting[i].set(sched.num_waiting_reqs)
+        self.kv_usage[i].set(sched.kv_cache_usage)
+        totals = self._totals[i]
+        for key, counter, total in (("queries", self.prefix_queries[i], sched.prefix_cache_queries),
+                                    ("hits", self.prefix_hits[i], sched.prefix_cache_hits),
+                                    ("preemptions", self.preemptions[i], sched.num_preemptions_total)):
+            if total > totals[key]:
+                counter.inc(total - totals[key])
+                totals[key] = total
+
+
+class SpecDecodeMetrics:
+    """vLLM's SpecDecodingProm counters (vllm/v1/spec_decode/metrics.py), fed with running totals."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenloom:{name}", doc, list(labels), registry=registry).labels(**labels)
+
+        self.drafts = counter("spec_decode_num_drafts", "Verified drafts (requests x steps with drafts)")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.per_pos = Counter("tokenloom:spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft", [*labels, "position"],
+                               registry=registry)
+        self._labels = labels
+        self._seen = [0, 0, 0]
+        self._seen_pos: list[int] = []
+
+    def record(self, totals) -> None:
+        for i, (counter, total) in enumerate(((self.drafts, totals.num_drafts),
+                                              (self.draft_tokens, totals.num_draft_tokens),
+                                              (self.accepted, totals.num_accepted_tokens))):
+            if total > self._seen[i]:
+                counter.inc(total - self._seen[i])
+                self._seen[i] = total
+        for pos, total in enumerate(totals.num_accepted_tokens_per_pos):
+            if pos == len(self._seen_pos):
+                self._seen_pos.append(0)
+                self.per_pos.labels(**self._labels, position=str(pos))  # exported from 0 on
+            if total > self._seen_pos[pos]:
+                self.per_pos.labels(**self._labels, position=str(pos)).inc(total - self._seen_pos[pos])
+                self._seen_pos[pos] = total

@@ -32,7 +32,7 @@ class ServerState:
         # tokenizer is never entered from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks, config.metrics_prefix,
-                                     engine.info)
+                                     engine.info, engine.data_parallel_size)
         engine.stat_loggers.append(self.metrics.record)
 
     def model_name(self, requested: str | None) -> str:

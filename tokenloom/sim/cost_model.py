@@ -17,7 +17,8 @@ The attention terms follow how that runner computes attention on this CPU:
   up to 12.5 % padding), so a 260-token step costs what a 288-token one does; the plain token counts stay
   as terms for runners that do not pad (fp32, CUDA);
 * only rows that sample go through the LM head and the sampler (a chunk that stops short of its
-  sequence's end samples nothing): `num_samples`.
+  sequence's end samples nothing): `num_samples`. A request verifying d draft tokens is a (1 + d)-token
+  chunk, as the runner computes it, with 1 + d output rows.
 
 Fitted by least squares on relative error (weights 1/t), so a 5 ms decode step counts as much as a
 500 ms prefill step, and with non-negative coefficients (a negative cost per token is an artefact of
@@ -47,9 +48,11 @@ class StepShape:
     num_seqs: int = 0
     num_samples: int = 0
 
-    def add_row(self, start: int, n: int, samples: bool) -> None:
+    def add_row(self, start: int, n: int, samples: bool, num_drafts: int = 0) -> None:
+        """A row of `n` tokens from `start`; with `num_drafts` drafts to verify it is a chunk whose
+        last 1 + num_drafts rows go through the LM head (the runner's verification rows)."""
         self.num_seqs += 1
-        self.num_samples += samples
+        self.num_samples += (1 + num_drafts) if samples else 0
         if n == 1:
             self.decode_tokens += 1
             self.decode_context_sum += start + 1

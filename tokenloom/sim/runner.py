@@ -12,6 +12,10 @@ scheduler reads, so every timestamp (first_token_time, finished_time, the step t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.sim.cost_model import CostModel, StepShape
 from tokenloom.workload.clock import VirtualClock
@@ -31,7 +35,9 @@ class SequenceTracker:
         self.lengths: dict[str, int] = {}
 
     def step(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, list[bool]]:
-        """The step's shape and, in num_scheduled_tokens order, whether each request samples."""
+        """The step's shape and, in num_scheduled_tokens order, whether each request samples.
+
+        A sampling request's length grows by one here; `accept` adds its accepted drafts."""
         lengths = self.lengths
         # Finished and preempted requests lose their state; a preempted one comes back as new.
         for rid in scheduler_output.finished_req_ids:
@@ -46,23 +52,47 @@ class SequenceTracker:
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         shape = StepShape()
         samples: list[bool] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             start = starts[rid]
             length = lengths[rid]
-            sample = start + n == length
-            shape.add_row(start, n, sample)
+            num_drafts = len(spec.get(rid, ()))
+            sample = start + n == length + num_drafts
+            shape.add_row(start, n, sample, num_drafts)
             if sample:
                 lengths[rid] = length + 1
             samples.append(sample)
         return shape, samples
 
 
+@dataclass
+class SimulatedDrafts:
+    """The simulated proposer's output (the shape of the real runner's DraftTokenIds)."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+
+
 class SimulatedRunner:
-    def __init__(self, cost_model: CostModel, clock: VirtualClock, token_id: int = SIM_TOKEN_ID) -> None:
+    """With speculative decoding (`num_spec_tokens` K > 0): after each step every request that
+    sampled is offered K drafts (capped at max_model_len - its length, as the n-gram proposer), and
+    each verified draft is accepted with probability `spec_acceptance`, in order until the first
+    rejection (placeholder drafts, -1, are always rejected)."""
+
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, token_id: int = SIM_TOKEN_ID, *,
+                 num_spec_tokens: int = 0, spec_acceptance: float = 0.0, max_model_len: int | None = None,
+                 seed: int = 0) -> None:  # fmt: skip
+        if not 0.0 <= spec_acceptance <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {spec_acceptance}")
         self.cost_model = cost_model
         self.clock = clock
         self.token_id = token_id
         self.tracker = SequenceTracker()
+        self.num_spec_tokens = num_spec_tokens
+        self.spec_acceptance = spec_acceptance
+        self.max_model_len = max_model_len
+        self.rng = np.random.default_rng(seed)
+        self._drafts: SimulatedDrafts | None = None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         shape, samples = self.tracker.step(scheduler_output)
@@ -70,9 +100,33 @@ class SimulatedRunner:
         # An empty step runs no model (the real runner returns at once): it costs no time.
         seconds = self.cost_model.predict(shape) if req_ids else 0.0
         self.clock.advance(seconds)
+        sampled = [[self.token_id] if sample else [] for sample in samples]
+        if self.num_spec_tokens:
+            self._verify_and_propose(scheduler_output, req_ids, sampled)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[self.token_id] if sample else [] for sample in samples],
+            sampled_token_ids=sampled,
             execute_time=seconds,
         )
+
+    def _verify_and_propose(self, so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> None:
+        lengths = self.tracker.lengths
+        proposed: list[str] = []
+        for rid, out in zip(req_ids, sampled):
+            if not out:
+                continue
+            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] >= 0 and self.rng.random() < self.spec_acceptance:
+                accepted += 1
+            out[:0] = [self.token_id] * accepted
+            lengths[rid] += accepted
+            proposed.append(rid)
+        k, cap = self.num_spec_tokens, self.max_model_len
+        lists = [[self.token_id] * max(0, min(k, cap - lengths[r]) if cap else k) for r in proposed]
+        self._drafts = SimulatedDrafts(proposed, lists) if proposed else None
+
+    def take_draft_token_ids(self) -> SimulatedDrafts | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts

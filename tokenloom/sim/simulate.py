@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
@@ -36,16 +36,27 @@ def simulate(
     trace: str | Path | IO[str] | None = None,
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
     seed: int = 0,
+    speculative_config: SpeculativeConfig | None = None,
+    spec_acceptance: float = 0.5,
 ) -> WorkloadResult:
+    """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`."""
     clock = VirtualClock()
-    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock)
+    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config)
     tracer = StepTracer(trace) if trace is not None else None
-    core = EngineCore(scheduler, SimulatedExecutor(cost_model, clock), tracer)
+    k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
+    executor = SimulatedExecutor(cost_model, clock, num_spec_tokens=k or 0, spec_acceptance=spec_acceptance,
+                                 max_model_len=scheduler_config.max_model_len, seed=seed)
+    core = EngineCore(scheduler, executor, tracer)
     try:
         return run_workload(requests, core, clock, percentiles=percentiles, seed=seed)
     finally:
         if tracer is not None:
             tracer.close()
+
+
+def speculative_config_of(engine_kwargs: dict[str, Any]) -> SpeculativeConfig | None:
+    """The --speculative-config of a simulation's engine arguments (None: off)."""
+    return SpeculativeConfig.from_any(engine_kwargs.get("speculative_config"))
 
 
 def engine_configs(profile: Profile, engine_kwargs: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
@@ -56,6 +67,7 @@ def engine_configs(profile: Profile, engine_kwargs: dict[str, Any]) -> tuple[Sch
     default max_model_len is the engine's rule applied to the model's context length.
     """
     kwargs = dict(engine_kwargs)
+    kwargs.pop("speculative_config", None)  # speculative_config_of
     kv_memory = kwargs.pop("kv_cache_memory", None) or DEFAULT_CPU_KV_BYTES
     config = engine_config_from_kwargs(**kwargs)
     cache = config.cache or CacheConfig()

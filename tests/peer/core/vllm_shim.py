@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core import outputs as tl_outputs
 from tokenloom.core.block_pool import FreeKVCacheBlockQueue as _TLQueue
 from tokenloom.core.block_pool import KVCacheBlock as _TLBlock
@@ -63,7 +63,10 @@ def create_scheduler(
     )
     # vLLM's pool counts block 0, its null block, which no request ever gets.
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
-    return _Scheduler(sched, cache, clock=lambda: 0.0)
+    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
+    spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
+        if num_speculative_tokens else None
+    return _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
 
 
 def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802

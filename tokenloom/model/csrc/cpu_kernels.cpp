@@ -8,6 +8,7 @@
 //   rotary_and_cache     neox rotary on the q and k heads of the fused qkv rows (in place), then
 //                        k and v written to their KV-cache slots
 //   argmax_rows          greedy sampling: row-wise argmax of the logits (fp32 or bf16)
+//   skinny_linear        fp32 x @ w.T for a few rows, each weight row read once (verification rows)
 //   quantize_rows, rms_norm_quant, dequant*   the int8 (W8A8) GEMMs' prologues and epilogues
 //
 // KV layouts: "plain" [Hkv, num_blocks, block_size, D] (the torch path's), and for bf16 with
@@ -41,6 +42,12 @@
 #define TL_AVX512 1
 #else
 #define TL_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TL_AVX2 1
+#else
+#define TL_AVX2 0
 #endif
 
 namespace {
@@ -1157,6 +1164,79 @@ void dequant_silu_mul_quant(at::Tensor q, at::Tensor s, const at::Tensor& acc, c
 }
 
 bool has_avx512() { return TL_AVX512; }
+// ------------------------------------------------------------------------------ skinny fp32 GEMM
+
+// skinny_linear: out[m, :] = x[m, :] @ w.T (+ bias) for a few rows, fp32 (tokenloom/model/linear.py
+// uses it for 2..16 rows: speculative decoding's verification rows, small decode batches). Each
+// weight row is read once for up to 8 input rows, so while the weights stream from memory a step
+// with a handful of rows costs about what one row does; the BLAS skinny-GEMM path costs ~m times
+// one row here (AVX2). The dot products run in the same order whatever the number of rows.
+template <int M>
+void skinny_rows(const float* x, const float* w, const float* bias, float* out, int64_t K, int64_t N,
+                 int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n++) {
+    const float* wr = w + n * K;
+    float sums[M];
+    int64_t k = 0;
+#if TL_AVX2
+    __m256 acc[M];
+    for (int r = 0; r < M; r++) acc[r] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+      const __m256 wv = _mm256_loadu_ps(wr + k);
+      for (int r = 0; r < M; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[r]);
+    }
+    for (int r = 0; r < M; r++) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      s = _mm_hadd_ps(s, s);
+      s = _mm_hadd_ps(s, s);
+      sums[r] = _mm_cvtss_f32(s);
+    }
+#else
+    for (int r = 0; r < M; r++) sums[r] = 0.f;
+#endif
+    for (; k < K; k++)
+      for (int r = 0; r < M; r++) sums[r] += x[r * K + k] * wr[k];
+    for (int r = 0; r < M; r++) out[r * N + n] = sums[r] + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <int M>
+void skinny_block(const float* x, const float* w, const float* bias, float* out, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) { skinny_rows<M>(x, w, bias, out, K, N, b, e); });
+}
+
+void skinny_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "skinny_linear: fp32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous() &&
+              out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == w.size(0), "skinny_linear: shapes");
+  const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "skinny_linear: bias");
+    bp = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t m = std::min<int64_t>(8, rows - r0);
+    // Row block r0 of the output is a [m, N] matrix with row stride N.
+    const float* xb = xp + r0 * K;
+    float* ob = op + r0 * N;
+    switch (m) {
+      case 1: skinny_block<1>(xb, wp, bp, ob, K, N); break;
+      case 2: skinny_block<2>(xb, wp, bp, ob, K, N); break;
+      case 3: skinny_block<3>(xb, wp, bp, ob, K, N); break;
+      case 4: skinny_block<4>(xb, wp, bp, ob, K, N); break;
+      case 5: skinny_block<5>(xb, wp, bp, ob, K, N); break;
+      case 6: skinny_block<6>(xb, wp, bp, ob, K, N); break;
+      case 7: skinny_block<7>(xb, wp, bp, ob, K, N); break;
+      default: skinny_block<8>(xb, wp, bp, ob, K, N); break;
+    }
+  }
+}
+
 void set_force_scalar(bool on) { g_force_scalar = on; }
 void set_prefetch_blocks(int64_t n) { g_prefetch_blocks = static_cast<int>(n); }
 
@@ -1169,6 +1249,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_and_cache", &rotary_and_cache);
   m.def("argmax_rows", &argmax_rows);
+  m.def("skinny_linear", &skinny_linear);
   m.def("quantize_rows", &quantize_rows);
   m.def("rms_norm_quant", &rms_norm_quant);
   m.def("dequant", &dequant);

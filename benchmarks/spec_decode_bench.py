@@ -1,0 +1,137 @@
+"""Speculative decoding, side by side in one process: plain decoding vs n-gram drafts.
+
+    # single-stream TPOT on the input-grounded workload (texts the output copies), alternating;
+    # --clock cpu times with the process's CPU time (one thread), for a machine shared with others
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/spec_decode_bench.py tpot --prompts 6 --max-tokens 128 --clock cpu
+    # W1-style random prompts (nothing to copy), all at t=0: off vs vLLM's policy vs adaptive
+    .venv/bin/python benchmarks/spec_decode_bench.py random --num-prompts 32 --input-len 256 --output-len 64
+
+`tpot` runs each prompt on the plain engine and on the speculative one, swapping which goes first
+from prompt to prompt (the machine is shared: alternating spreads any load over both), and reports
+the median time per output token after the first, the speedup, acceptance, and whether the greedy
+outputs are token-identical. `random` runs the batch on each engine in turn, rounds alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.config import engine_config_from_kwargs
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.workload.datasets import random_requests
+from tokenloom.workload.grounded import grounded_messages
+
+
+def _spec(k: int, lookup_max: int, lookup_min: int, adaptive: bool = False) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+            "prompt_lookup_min": lookup_min, "adaptive": adaptive}
+
+
+def _llm(clock: str, **kwargs) -> LLM:
+    """An LLM whose request timestamps come from `clock`: "wall", or "cpu" (this process's CPU time:
+    with OMP_NUM_THREADS=1, the work done, whatever else runs on a shared machine)."""
+    if clock == "wall":
+        return LLM(**kwargs)
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = LLMEngine(engine_config_from_kwargs(**kwargs), clock=time.process_time)
+    return llm
+
+
+def _tpot(out) -> float:
+    m, n = out.metrics, len(out.outputs[0].token_ids)
+    return (m.last_token_time - m.first_token_time) / max(n - 1, 1)
+
+
+def run_tpot(args: argparse.Namespace) -> dict:
+    knobs = {"kv_cache_memory": 512 << 20, "quantization": args.quantization}
+    engines = {"off": _llm(args.clock, **knobs),
+               "ngram": _llm(args.clock, **knobs, speculative_config=_spec(args.k, args.lookup_max, args.lookup_min))}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    warm = [[{"role": "user", "content": "Say hello."}]]
+    for llm in engines.values():
+        llm.chat(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    tpots: dict[str, list[float]] = {k: [] for k in engines}
+    identical = True
+    n_tokens = 0
+    for i, conv in enumerate(grounded_messages(args.prompts)):
+        order = list(engines) if i % 2 == 0 else list(reversed(engines))
+        toks = {}
+        for name in order:
+            out = engines[name].chat([conv], params, use_tqdm=False)[0]
+            tpots[name].append(_tpot(out))
+            toks[name] = out.outputs[0].token_ids
+        identical &= toks["off"] == toks["ngram"]
+        n_tokens += len(toks["off"])
+        print(f"prompt {i}: {len(toks['off'])} tokens, TPOT off {tpots['off'][-1] * 1e3:.1f} ms, "
+              f"ngram {tpots['ngram'][-1] * 1e3:.1f} ms", flush=True)
+    stats = engines["ngram"].llm_engine.scheduler.spec_decoding_totals
+    med = {k: statistics.median(v) for k, v in tpots.items()}
+    return {"workload": "grounded", "clock": args.clock, "prompts": args.prompts, "output_tokens": n_tokens,
+            "tpot_ms_median": {k: v * 1e3 for k, v in med.items()}, "speedup": med["off"] / med["ngram"],
+            "identical_greedy_outputs": identical, "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": stats.mean_acceptance_length, "spec": stats.to_dict()}
+
+
+def run_random(args: argparse.Namespace) -> dict:
+    knobs = {"kv_cache_memory": 1 << 30, "quantization": args.quantization}
+    configs = {"off": None, "ngram": _spec(args.k, args.lookup_max, args.lookup_min),
+               "ngram-adaptive": _spec(args.k, args.lookup_max, args.lookup_min, adaptive=True)}
+    engines = {name: _llm(args.clock, **knobs, speculative_config=c) for name, c in configs.items()}
+    reqs = random_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed)
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    walls: dict[str, list[float]] = {k: [] for k in engines}
+    for rnd in range(args.rounds):
+        order = list(engines) if rnd % 2 == 0 else list(reversed(engines))
+        for name in order:
+            llm = engines[name]
+            llm.llm_engine.reset_scheduler()  # empty prefix cache each run
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            t0 = clock()
+            llm.generate(prompts, params, use_tqdm=False)
+            walls[name].append(clock() - t0)
+            print(f"round {rnd} {name}: {walls[name][-1]:.1f} s", flush=True)
+    n_out = sum(r.max_tokens for r in reqs)
+    result = {"workload": "random", "clock": args.clock, "num_prompts": args.num_prompts, "input_len": args.input_len,
+              "output_len": args.output_len, "output_tokens": n_out, "wall_s_median": {}, "vs_off": {}}
+    for name, w in walls.items():
+        result["wall_s_median"][name] = statistics.median(w)
+        stats = engines[name].llm_engine.scheduler.spec_decoding_totals
+        if stats is not None:
+            result.setdefault("spec", {})[name] = stats.to_dict()
+    for name in engines:
+        result["vs_off"][name] = result["wall_s_median"][name] / result["wall_s_median"]["off"]
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=["tpot", "random"])
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: time with this process's CPU time (use OMP_NUM_THREADS=1) on a shared machine")
+    p.add_argument("--json", default=None, help="write the result here")
+    args = p.parse_args()
+    result = run_tpot(args) if args.part == "tpot" else run_random(args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

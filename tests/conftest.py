@@ -1,0 +1,22 @@
+"""Shared fixtures: every test ends with the leak check (tests/leak_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import leak_check
+
+pytest_plugins = ["pytester"]  # tests/test_leak_check.py runs a planted leak through the real fixture
+
+leak_check.install()
+
+
+@pytest.fixture(autouse=True)
+def engine_leak_check(request):
+    """Fail the test that leaves an engine or server with requests, KV blocks or runner state behind."""
+    yield
+    if request.node.get_closest_marker("allow_leaks"):
+        return
+    problems = leak_check.collect_leaks()
+    if problems:
+        pytest.fail("the test left the engine dirty:\n  " + "\n  ".join(problems), pytrace=False)

@@ -1,0 +1,199 @@
+"""Engine behaviours that had no test: aborts mid-prefill, priority preemption with prefix caching,
+multi-token stop strings and n > 1 children stopping apart, UTF-8 split across streamed tokens,
+n > 1 with a seed against separate requests, a prompt of max_model_len - 1 tokens, and chunked prefill
+on top of a prefix hit — all through the real runner (tiny random Llama, float32)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.engine.llm import LLM
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_dir):
+    """No chunking, a big pool, prefix caching: the reference."""
+    return LLM(str(tiny_dir), dtype="float32", num_blocks=512, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_dir):
+    """8-token budget: every prompt longer than that is prefilled in chunks."""
+    return LLM(str(tiny_dir), dtype="float32", num_blocks=512, block_size=4, max_num_batched_tokens=8,
+               max_num_seqs=8)
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + 7 * j) % 290 + 5 for j in range(n)]
+
+
+def _tokens(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _pool(llm: LLM):
+    return llm.llm_engine.scheduler.kv_cache_manager.block_pool
+
+
+def test_abort_mid_prefill_frees_everything(chunked, roomy) -> None:
+    engine = chunked.llm_engine
+    rid = engine.add_request(None, {"prompt_token_ids": _ids(1, 30)}, GREEDY)
+    engine.step()  # 8 of 30 prompt tokens computed
+    request = engine.scheduler.requests["0" if rid == "0" else rid]
+    assert 0 < request.num_computed_tokens < 30 and request.num_output_tokens == 0
+    assert rid in engine.runner.requests
+    (out,) = engine.abort_request(rid)
+    assert out.finished and out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert _pool(chunked).get_num_free_blocks() == _pool(chunked).num_blocks
+    assert not engine.has_unfinished_requests()
+    # the next request runs normally (and the runner forgets the aborted one on that step)
+    assert _tokens(chunked, _ids(2, 20)) == _tokens(roomy, _ids(2, 20))
+    assert rid not in engine.runner.requests
+
+
+def test_abort_mid_chunk_after_a_prefix_hit_keeps_the_cached_blocks_valid(chunked, roomy) -> None:
+    engine = chunked.llm_engine
+    shared = _ids(3, 24)
+    first = _tokens(chunked, shared + [7, 8, 9])  # caches the shared 24 tokens (6 full blocks)
+    rid = engine.add_request(None, {"prompt_token_ids": shared + _ids(4, 20)}, GREEDY)
+    engine.step()
+    request = engine.scheduler.requests[rid]
+    assert request.num_cached_tokens >= 24 - 4  # a prefix hit ...
+    assert request.num_computed_tokens < request.num_prompt_tokens  # ... and still mid-chunk
+    engine.abort_request(rid)
+    assert _pool(chunked).get_num_free_blocks() == _pool(chunked).num_blocks
+    again = chunked.generate([{"prompt_token_ids": shared + [7, 8, 9]}], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 24 and again.outputs[0].token_ids == first
+    assert first == _tokens(roomy, shared + [7, 8, 9])
+
+
+def test_chunked_prefill_on_top_of_a_prefix_hit(chunked, roomy) -> None:
+    shared = _ids(5, 20)
+    _tokens(chunked, shared + [1, 2])
+    engine = chunked.llm_engine
+    rid = engine.add_request(None, {"prompt_token_ids": shared + _ids(6, 30)}, GREEDY)
+    steps_in_prefill, out = 0, None
+    while engine.has_unfinished_requests():
+        req = engine.scheduler.requests.get(rid)
+        if req is not None and req.num_output_tokens == 0:
+            steps_in_prefill += 1
+        for o in engine.step():
+            if o.finished:
+                out = o
+    assert out.num_cached_tokens >= 20 - 4  # the hit covered the shared blocks ...
+    assert steps_in_prefill >= 4  # ... and the 30-token rest went in 8-token chunks
+    assert out.outputs[0].token_ids == _tokens(roomy, shared + _ids(6, 30))
+
+
+def test_priority_preemption_with_prefix_caching_keeps_tokens(tiny_dir, roomy) -> None:
+    """A low-priority request is preempted for high-priority arrivals sharing a prefix with it; after
+    recomputing (partly from the prefix cache) it finishes with the tokens it gets alone."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_blocks=24, block_size=4, scheduling_policy="priority",
+              max_num_batched_tokens=32, max_num_seqs=4)
+    engine = llm.llm_engine
+    shared = _ids(7, 16)
+    params = replace(GREEDY, max_tokens=30)
+    low = engine.add_request("low", {"prompt_token_ids": shared + [3, 4]}, params, priority=5)
+    for _ in range(3):
+        engine.step()
+    highs = [engine.add_request(f"high{i}", {"prompt_token_ids": shared + _ids(10 + i, 6)}, params, priority=0)
+             for i in range(2)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals[low].metrics.num_preemptions >= 1
+    assert engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert finals[low].outputs[0].token_ids == _tokens(roomy, shared + [3, 4], params)
+    for i, h in enumerate(highs):
+        assert finals[h].outputs[0].token_ids == _tokens(roomy, shared + _ids(10 + i, 6), params)
+
+
+def _multi_token_stop(llm: LLM, prompt: list[int]) -> tuple[str, str]:
+    """(full greedy text, a stop string spanning at least two of its tokens, not at the start)."""
+    out = llm.generate([{"prompt_token_ids": prompt}], replace(GREEDY, max_tokens=24), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    ids = out.outputs[0].token_ids
+    pieces = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+    for k in range(2, len(ids) - 2):
+        start, end = len(pieces[k]), len(pieces[k + 2])
+        text = pieces[-1]
+        stop = text[start - 1:end - 1] if start > 0 else ""
+        # spans the end of token k-1 and the whole of token k, and first occurs there
+        if len(stop) >= 2 and text.find(stop) == start - 1 and pieces[k].endswith(stop[:1]):
+            return text, stop
+    pytest.skip("no multi-token stop string in this generation")
+
+
+def test_stop_string_spanning_several_tokens(roomy) -> None:
+    prompt = _ids(8, 10)
+    text, stop = _multi_token_stop(roomy, prompt)
+    out = roomy.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    assert _pool(roomy).get_num_free_blocks() == _pool(roomy).num_blocks
+
+
+def test_one_child_of_n_stops_early_the_others_run_on(roomy) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=11, ignore_eos=True)
+    free = roomy.generate(["Once"], params, use_tqdm=False)[0].outputs
+    texts = [c.text for c in free]
+    # a stop string in child 0's text that the other two never produce
+    stop = next((texts[0][i:i + 2] for i in range(1, len(texts[0]) - 1)
+                 if all(texts[0][i:i + 2] not in t for t in texts[1:])), None)
+    if stop is None:
+        pytest.skip("the children's texts overlap everywhere")
+    outs = roomy.generate(["Once"], replace(params, stop=[stop]), use_tqdm=False)[0].outputs
+    assert outs[0].finish_reason == "stop" and outs[0].text == texts[0][: texts[0].find(stop)]
+    assert [(c.finish_reason, c.token_ids) for c in outs[1:]] == [("length", c.token_ids) for c in free[1:]]
+    assert _pool(roomy).get_num_free_blocks() == _pool(roomy).num_blocks
+
+
+def test_n_with_a_seed_equals_separate_requests_with_derived_seeds(roomy) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, n=3, seed=100, ignore_eos=True)
+    together = roomy.generate(["Hello"], params, use_tqdm=False)[0].outputs
+    apart = roomy.generate(["Hello"] * 3, [replace(params, n=1, seed=100 + i) for i in range(3)], use_tqdm=False)
+    assert [c.token_ids for c in together] == [o.outputs[0].token_ids for o in apart]
+    assert len({tuple(c.token_ids) for c in together}) > 1
+
+
+def test_prompt_of_max_model_len_minus_one(tiny_dir) -> None:
+    llm = LLM(str(tiny_dir), dtype="float32", num_blocks=64, block_size=4, max_model_len=32)
+    out = llm.generate([{"prompt_token_ids": _ids(9, 31)}], SamplingParams(temperature=0.0), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.token_ids) == 1 and comp.finish_reason == "length"  # room for exactly one token
+    assert comp.token_ids == _tokens(llm, _ids(9, 31), SamplingParams(temperature=0.0, max_tokens=1))
+
+
+def test_utf8_split_across_streamed_tokens_is_never_torn(roomy) -> None:
+    """A character whose bytes span several tokens appears in one delta, whole, never as U+FFFD."""
+    tok = roomy.get_tokenizer()
+    text = "a😀b日本é"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # byte-level: some characters take several tokens
+    proc = OutputProcessor(tok)
+    from tokenloom.core.request import Request
+
+    params = SamplingParams(max_tokens=len(ids), output_kind=RequestOutputKind.CUMULATIVE)
+    core = Request("u", [5], params)
+    proc.add_request("u", None, [5], [core], 0.0)
+    deltas = []
+    for k, t in enumerate(ids):
+        last = k == len(ids) - 1
+        outs, _ = proc.process_outputs([EngineCoreOutput("u", [t], finish_reason="length" if last else None)])
+        deltas += [o.outputs[0].delta_text for o in outs]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas), deltas

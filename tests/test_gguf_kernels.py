@@ -1,0 +1,141 @@
+"""The GGUF kernels (tokenloom/model/csrc/gguf_kernels.cpp) against gguf's reference dequantization.
+
+Random blocks of every type (random bytes, with the float16 scale fields set to sane values), odd
+row counts, token counts that exercise every tail of the four-token tiling, both activation dtypes,
+the SIMD and the plain C++ paths. The oracle for `gguf_linear` is gguf.quants.dequantize(W) times the
+activations after the kernel's own int8 quantization (groups of 32, d = max|x| / 127, round half to
+even), computed here in torch: they must agree to float summation error. A second, looser check
+against the unquantized activations bounds what that quantization costs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from tokenloom.model.gguf_kernels import gguf_kernels
+
+Q = GGMLQuantizationType
+# Byte offsets of each type's float16 fields (d, and m / dmin where there is one).
+F16_FIELDS = {
+    Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
+    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+}  # fmt: skip
+TYPES = list(F16_FIELDS)
+
+kernels = gguf_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="GGUF kernels unavailable (no compiler)")
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """[n, row_bytes] uint8 of random blocks whose float16 fields are small normal numbers."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = (rng.standard_normal((n, k // block)) * 0.02).astype(np.float16)
+        raw[:, :, off : off + 2] = scale.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: int8 per group of 32 with d = max|x| / 127, dequantized (fp32)."""
+    xf = x.float().reshape(x.shape[0], -1, 32)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def shapes(qtype: Q) -> list[tuple[int, int]]:
+    block = GGML_QUANT_SIZES[qtype][0]
+    return [(1, block), (7, 3 * block), (33, 2 * block)] if block == 256 else [(1, 32), (7, 96), (33, 608)]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(qtype: Q) -> None:
+    for i, (n, k) in enumerate(shapes(qtype)):
+        raw = random_blocks(qtype, n, k, seed=i)
+        want = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
+        got = torch.empty(n, k)
+        kernels.gguf_dequantize(got, torch.from_numpy(raw), int(qtype))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        ids = torch.tensor([n - 1, 0, n // 2], dtype=torch.int64)
+        rows = torch.empty(3, k, dtype=torch.bfloat16)
+        kernels.gguf_embedding(rows, torch.from_numpy(raw), int(qtype), ids)
+        torch.testing.assert_close(rows, want[ids].to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_matches_reference(qtype: Q, scalar: bool) -> None:
+    kernels.set_force_scalar(scalar)
+    try:
+        for i, (n, k) in enumerate(shapes(qtype)):
+            raw = random_blocks(qtype, n, k, seed=10 + i)
+            w = torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32))
+            bias = torch.randn(n, generator=torch.Generator().manual_seed(i))
+            for m in (1, 3, 6):  # tails of the four-token tiling: 1, 3, 4 + 2
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 * m + i)).to(dtype)
+                    out = torch.empty(m, n, dtype=dtype)
+                    kernels.gguf_linear(out, x, torch.from_numpy(raw), int(qtype), bias)
+                    want = quantized_activations(x).double() @ w.double().T + bias.double()
+                    scale = (x.float().abs() @ w.abs().T).double() + bias.abs().double() + 1e-3  # the sums' size
+                    err = ((out.double() - want).abs() / scale).max().item()
+                    limit = 1e-5 if dtype == torch.float32 else 4e-3  # bf16: the output's rounding
+                    assert err < limit, f"{qtype.name} n={n} k={k} m={m} {dtype}: error {err:.2e}"
+                    # Against the unquantized activations: the int8 rounding stays small.
+                    exact = x.double() @ w.double().T + bias.double()
+                    assert ((out.double() - exact).abs() / scale).max().item() < 2e-2
+    finally:
+        kernels.set_force_scalar(False)
+
+
+def test_bad_input_is_rejected() -> None:
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 4, 64, seed=0))
+    with pytest.raises(RuntimeError, match="row"):
+        kernels.gguf_linear(torch.empty(1, 4), torch.randn(1, 96), raw, int(Q.Q4_1), None)
+    with pytest.raises(RuntimeError, match="no tokenloom kernel"):
+        kernels.gguf_linear(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.F16), None)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gguf_embedding(torch.empty(1, 64), raw, int(Q.Q4_1), torch.tensor([4]))
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda t: t.name)
+def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
+    """The 8-row interleaved layout (gguf_repack8 + gguf_linear_packed) computes what the row kernel does."""
+    kernels.set_force_scalar(scalar)
+    try:
+        n, k = 24, 96
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
+        packed = kernels.gguf_repack8(raw, int(qtype), k)
+        assert packed.numel() == raw.numel()  # same bytes, reordered
+        want_w, got_w = torch.empty(n, k), torch.empty(n, k)
+        kernels.gguf_dequantize(want_w, raw, int(qtype))
+        kernels.gguf_dequantize_packed(got_w, packed, int(qtype))
+        torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
+        bias = torch.randn(n)
+        for m in (1, 3, 6):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            want, got = torch.empty(m, n), torch.empty(m, n)
+            kernels.gguf_linear(want, x, raw, int(qtype), bias)
+            kernels.gguf_linear_packed(got, x, packed, int(qtype), bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.set_force_scalar(False)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
+    """Loading a GGUF dequantized (the default) handles the K-quants too, for every model family."""
+    from tokenloom.model.gguf import GGUFTensor, dequantize
+
+    n, k = shapes(qtype)[1]
+    raw = random_blocks(qtype, n, k, seed=5)
+    got = dequantize(GGUFTensor(name="w", qtype=qtype, shape=(n, k), raw=raw.reshape(-1)))
+    torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32)), rtol=0, atol=0)

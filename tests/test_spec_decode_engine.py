@@ -1,0 +1,103 @@
+"""Speculative decoding end to end: greedy outputs token-identical to plain decoding (the default
+model on chat prompts; a busy batch with chunked prefill and preemption on a tiny model, fused
+kernels and torch path), stop strings / EOS inside accepted drafts, seeded sampling, no leaked
+blocks, and the config errors before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom.config import ConfigError
+from tokenloom.engine.llm import LLM
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.workload.grounded import grounded_messages
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _free_all(llm: LLM) -> bool:
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    return kv.block_pool.get_num_free_blocks() == kv.num_blocks
+
+
+def test_bad_speculative_config_fails_before_loading(tmp_path):
+    missing = str(tmp_path / "no-such-model")  # would fail later, at load, if the config passed
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        LLM(missing, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LLM(missing, speculative_config='{"method": ')
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold=2"):
+        LLM(None, long_prefill_token_threshold=2, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+def _busy_prompts() -> list[dict]:
+    # Repetitive prompts, so the n-gram proposer finds matches; lengths vary for chunking.
+    return [{"prompt_token_ids": [(i + j % (3 + i % 4)) % 200 + 3 for j in range(18 + 5 * i)]} for i in range(10)]
+
+
+@pytest.mark.parametrize("kernels,quantization", [("1", None), ("0", None), ("1", "int8")])
+def test_busy_batch_greedy_identical(tiny_dir, monkeypatch, kernels, quantization):
+    monkeypatch.setenv("TOKENLOOM_CPU_KERNELS", kernels)
+    knobs = dict(dtype="float32", num_blocks=48, block_size=4, max_num_batched_tokens=40, max_num_seqs=8,
+                 enable_prefix_caching=True, quantization=quantization)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_dir), **knobs)
+    spec = LLM(str(tiny_dir), speculative_config=NGRAM, **knobs)
+    want = [o.outputs[0].token_ids for o in plain.generate(_busy_prompts(), params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(_busy_prompts(), params, use_tqdm=False)]
+    assert got == want
+    sched = spec.llm_engine.scheduler
+    assert sched.num_preemptions_total > 0  # the batch was busy enough to preempt
+    assert sched.spec_decoding_totals.num_accepted_tokens > 0
+    assert _free_all(spec) and _free_all(plain)
+
+
+@pytest.fixture(scope="module")
+def llms():
+    return LLM(kv_cache_memory=256 << 20), LLM(kv_cache_memory=256 << 20, speculative_config=NGRAM)
+
+
+@pytest.mark.slow
+class TestDefaultModel:
+    def test_chat_greedy_identical(self, llms):
+        plain, spec = llms
+        convs = grounded_messages(4) + [
+            [{"role": "user", "content": q}]
+            for q in ("Which city is the capital of France?", "Write a haiku about the sea.",
+                      "List the days of the week.", "Explain what a hash map is in two sentences.")
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=128)
+        want = [o.outputs[0].token_ids for o in plain.chat(convs, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in spec.chat(convs, params, use_tqdm=False)]
+        assert got == want
+        stats = spec.llm_engine.scheduler.spec_decoding_totals
+        assert stats.num_accepted_tokens > stats.num_drafts  # copying prompts: > 1 accepted per draft
+        assert _free_all(spec)
+
+    def test_stop_string_and_eos_inside_accepted_drafts(self, llms):
+        plain, spec = llms
+        conv = grounded_messages(1, offset=1)
+        params = SamplingParams(temperature=0.0, max_tokens=96)
+        full = plain.chat(conv, params, use_tqdm=False)[0].outputs[0]
+        stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 6]
+        for kwargs in ({"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True},
+                       {"stop_token_ids": [full.token_ids[40]]}, {"max_tokens": 37}):
+            p = SamplingParams(temperature=0.0, **{"max_tokens": 96, **kwargs})
+            a = plain.chat(conv, p, use_tqdm=False)[0].outputs[0]
+            b = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
+            assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), kwargs
+        assert _free_all(spec)
+
+    def test_seeded_sampling_is_reproducible(self, llms):
+        _, spec = llms
+        conv = grounded_messages(1, offset=2)
+        p = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=48, logprobs=1)
+        a = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
+        b = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)

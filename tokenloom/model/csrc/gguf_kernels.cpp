@@ -1,0 +1,1369 @@
+// GGUF quantized weights, kept quantized: GEMV / small-batch GEMM and dequantization
+// (built on first use by tokenloom/model/gguf_kernels.py, separately from cpu_kernels.cpp).
+//
+//   gguf_linear      out[M, N] = x[M, K] @ W[N, K].T (+ bias), W a GGUF tensor's raw blocks [N, row_bytes]
+//   gguf_dequantize  W -> float / bf16 [N, K]   (the large-batch fallback and the loader)
+//   gguf_embedding   rows `ids` of W -> float / bf16 (the embedding lookup of a quantized token_embd)
+//
+// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks
+// of 256); block layouts as in ggml-common.h (see each `Type` below).
+//
+// The arithmetic is ggml's CPU backend's idea: the activations are quantized on the fly to int8 in
+// groups of 32 (scale d = max|x| / 127, and s = d * sum(q) for the types with an offset), and each
+// weight group of 32 meets its activation group in integer dot products (AVX2 vpmaddubsw: unsigned
+// weight bytes x signed activation bytes, pairs summed to int16, then vpmaddwd to int32), scaled to
+// float once per group. Every type is described as a sequence of 32-element groups, each with
+//   w       32 weight integers (unsigned 0..63, or signed for Q8_0 / Q3_K / Q6_K),
+//   mul     int16 multipliers for the two halves of the group (the K-quants' per-16 scales; else 1),
+//   a, b    floats: group value = a * sum(mul * w * q) * d_x + b * s_x
+// plus, for Q2_K alone, a per-16 integer "min" dot product. The kernel template then handles any
+// number of tokens, four at a time, each weight group unpacked once for all four.
+//
+// Without AVX2/FMA/F16C the same functions run plain C++ (dequantize a block, dot with the
+// dequantized activation groups): slower, same results up to float summation order.
+// Threads: at::parallel_for over output rows (torch's OpenMP pool).
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TLQ_AVX2 1
+#else
+#define TLQ_AVX2 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+};
+
+bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
+
+inline float h2f(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if TLQ_AVX2
+  return _cvtsh_ss(bits);  // one instruction; c10::Half's portable conversion is ~10 per scale
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// --------------------------------------------------------------------------- scalar block decoding
+// Each writes the block's float values (exactly gguf.quants.dequantize's arithmetic, fp32).
+
+inline void nibbles32(const uint8_t* qs, int* out) {  // element j: low nibble of qs[j], j + 16: high
+  for (int j = 0; j < 16; j++) {
+    out[j] = qs[j] & 0x0F;
+    out[j + 16] = qs[j] >> 4;
+  }
+}
+
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes.
+inline void k4_scales(const uint8_t* q, int* sc, int* mn) {
+  for (int j = 0; j < 8; j++) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+
+// Q3_K: 16 six-bit scales (minus 32) packed in 12 bytes.
+inline void k3_scales(const uint8_t* s, int* sc) {
+  for (int j = 0; j < 16; j++) {
+    const int lo = j < 8 ? (s[j] & 0x0F) : (s[j - 8] >> 4);
+    const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    sc[j] = (lo | (hi << 4)) - 32;
+  }
+}
+
+void dequant_block(int t, const uint8_t* b, float* y) {
+  int q[32];
+  switch (t) {
+    case kQ8_0: {
+      const float d = h2f(b);
+      for (int j = 0; j < 32; j++) y[j] = d * static_cast<int8_t>(b[2 + j]);
+      break;
+    }
+    case kQ4_0: {
+      const float d = h2f(b);
+      nibbles32(b + 2, q);
+      for (int j = 0; j < 32; j++) y[j] = d * (q[j] - 8);
+      break;
+    }
+    case kQ4_1: {
+      const float d = h2f(b), m = h2f(b + 2);
+      nibbles32(b + 4, q);
+      for (int j = 0; j < 32; j++) y[j] = d * q[j] + m;
+      break;
+    }
+    case kQ5_0: {
+      const float d = h2f(b);
+      const uint32_t qh = u32(b + 2);
+      nibbles32(b + 6, q);
+      for (int j = 0; j < 32; j++) y[j] = d * ((q[j] | static_cast<int>(((qh >> j) & 1) << 4)) - 16);
+      break;
+    }
+    case kQ5_1: {
+      const float d = h2f(b), m = h2f(b + 2);
+      const uint32_t qh = u32(b + 4);
+      nibbles32(b + 8, q);
+      for (int j = 0; j < 32; j++) y[j] = d * (q[j] | (((qh >> j) & 1) << 4)) + m;
+      break;
+    }
+    case kQ2_K: {
+      const uint8_t* sc = b;
+      const uint8_t* qs = b + 16;
+      const float d = h2f(b + 80), dmin = h2f(b + 82);
+      for (int e = 0; e < 256; e++) {
+        const int h = e / 128, s = (e % 128) / 32, l = e % 32;
+        const int v = (qs[32 * h + l] >> (2 * s)) & 3;
+        const uint8_t scm = sc[e / 16];
+        y[e] = d * static_cast<float>(scm & 0x0F) * v - dmin * static_cast<float>(scm >> 4);
+      }
+      break;
+    }
+    case kQ3_K: {
+      const uint8_t* hm = b;
+      const uint8_t* qs = b + 32;
+      int sc[16];
+      k3_scales(b + 96, sc);
+      const float d = h2f(b + 108);
+      for (int e = 0; e < 256; e++) {
+        const int g = e / 32, l = e % 32;
+        const int ql = (qs[32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+        const int v = ql - (((hm[l] >> g) & 1) ? 0 : 4);
+        y[e] = d * static_cast<float>(sc[e / 16]) * v;
+      }
+      break;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const float d = h2f(b), dmin = h2f(b + 2);
+      int sc[8], mn[8];
+      k4_scales(b + 4, sc, mn);
+      const bool five = t == kQ5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int g = 0; g < 8; g++) {
+        const float dl = d * sc[g], ml = dmin * mn[g];
+        for (int l = 0; l < 32; l++) {
+          int v = (g % 2 == 0) ? (qs[32 * (g / 2) + l] & 0x0F) : (qs[32 * (g / 2) + l] >> 4);
+          if (five) v |= ((qh[l] >> g) & 1) << 4;
+          y[32 * g + l] = dl * v - ml;
+        }
+      }
+      break;
+    }
+    case kQ6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = h2f(b + 208);
+      for (int h = 0; h < 2; h++) {
+        for (int l = 0; l < 32; l++) {
+          const uint8_t* L = ql + 64 * h;
+          const uint8_t H = qh[32 * h + l];
+          const int v0 = ((L[l] & 0x0F) | ((H & 3) << 4)) - 32;
+          const int v1 = ((L[l + 32] & 0x0F) | (((H >> 2) & 3) << 4)) - 32;
+          const int v2 = ((L[l] >> 4) | (((H >> 4) & 3) << 4)) - 32;
+          const int v3 = ((L[l + 32] >> 4) | (((H >> 6) & 3) << 4)) - 32;
+          const int is = 8 * h + l / 16;
+          float* o = y + 128 * h;
+          o[l] = d * static_cast<float>(sc[is]) * v0;
+          o[l + 32] = d * static_cast<float>(sc[is + 2]) * v1;
+          o[l + 64] = d * static_cast<float>(sc[is + 4]) * v2;
+          o[l + 96] = d * static_cast<float>(sc[is + 6]) * v3;
+        }
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "unsupported GGML type ", t);
+  }
+}
+
+struct TypeInfo {
+  int block_elems;
+  int block_bytes;
+};
+
+TypeInfo type_info(int t) {
+  switch (t) {
+    case kQ8_0: return {32, 34};
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ2_K: return {256, 84};
+    case kQ3_K: return {256, 110};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: TORCH_CHECK(false, "GGML type ", t, " has no tokenloom kernel");
+  }
+  return {0, 0};
+}
+
+// ------------------------------------------------------------------------ activation quantization
+// Groups of 32: q = round(x / d), d = max|x| / 127, s = d * sum(q).
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+
+template <typename T>
+void quantize_act(const T* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t g = 0; g < K / 32; g++) {
+    float v[32], amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+      v[j] = to_f(x[32 * g + j]);
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float dg = amax / 127.0f;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      const int qi = static_cast<int>(std::nearbyint(v[j] * id));
+      q[32 * g + j] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[g] = dg;
+    s[g] = dg * static_cast<float>(sum);
+  }
+}
+
+#if TLQ_AVX2
+// ------------------------------------------------------------------------------------ AVX2 groups
+
+inline __m256i nib_lo_hi(const uint8_t* qs) {  // 16 bytes -> 32 nibbles (low ones first)
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i bits_to_0x10(uint32_t x) {  // byte j = 0x10 if bit j of x is set, else 0
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+  const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit);
+  return _mm256_and_si256(on, _mm256_set1_epi8(0x10));
+}
+
+inline __m256i mask_bit(__m256i bytes, int bit) {  // 0xFF where (byte >> bit) & 1
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << bit));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, m), m);
+}
+
+inline __m256i pair16(int lo, int hi) {  // int16 multipliers: lo for elements 0..15, hi for 16..31
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(hi)), _mm_set1_epi16(static_cast<short>(lo)));
+}
+
+struct Group {
+  __m256i w;    // 32 weight bytes
+  __m256i mul;  // int16 multipliers per half (ones when the group has one scale)
+  float a, b;   // value = a * d_x * sum(mul * w * q) + b * s_x
+  __m256i mn;   // Q2_K only: per-16 mins as bytes ...
+  float amin;   // ... and their float factor (value -= amin * d_x * sum(mn * q))
+};
+
+template <typename F>
+inline void groups_q8_0(const uint8_t* b, F&& f) {
+  const __m256i one = _mm256_set1_epi16(1);
+  const float d = h2f(b);
+  f(Group{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), one, d, 0.0f, {}, 0.0f});
+}
+template <typename F>
+inline void groups_q4_0(const uint8_t* b, F&& f) {
+  const float d = h2f(b);
+  f(Group{nib_lo_hi(b + 2), _mm256_set1_epi16(1), d, -8.0f * d, {}, 0.0f});
+}
+template <typename F>
+inline void groups_q4_1(const uint8_t* b, F&& f) {
+  f(Group{nib_lo_hi(b + 4), _mm256_set1_epi16(1), h2f(b), h2f(b + 2), {}, 0.0f});
+}
+template <typename F>
+inline void groups_q5_0(const uint8_t* b, F&& f) {
+  const float d = h2f(b);
+  const __m256i w = _mm256_or_si256(nib_lo_hi(b + 6), bits_to_0x10(u32(b + 2)));
+  f(Group{w, _mm256_set1_epi16(1), d, -16.0f * d, {}, 0.0f});
+}
+template <typename F>
+inline void groups_q5_1(const uint8_t* b, F&& f) {
+  const __m256i w = _mm256_or_si256(nib_lo_hi(b + 8), bits_to_0x10(u32(b + 4)));
+  f(Group{w, _mm256_set1_epi16(1), h2f(b), h2f(b + 2), {}, 0.0f});
+}
+template <typename F>
+inline void groups_q4_k(const uint8_t* b, F&& f) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  int sc[8], mn[8];
+  k4_scales(b + 4, sc, mn);
+  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; j++) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
+    f(Group{_mm256_and_si256(q, lo4), one, d * sc[2 * j], -dmin * mn[2 * j], {}, 0.0f});
+    f(Group{_mm256_and_si256(_mm256_srli_epi16(q, 4), lo4), one, d * sc[2 * j + 1], -dmin * mn[2 * j + 1], {}, 0.0f});
+  }
+}
+template <typename F>
+inline void groups_q5_k(const uint8_t* b, F&& f) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  int sc[8], mn[8];
+  k4_scales(b + 4, sc, mn);
+  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F), x10 = _mm256_set1_epi8(0x10);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  for (int j = 0; j < 4; j++) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * j));
+    const __m256i w0 = _mm256_or_si256(_mm256_and_si256(q, lo4), _mm256_and_si256(mask_bit(qh, 2 * j), x10));
+    const __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), lo4),
+                                       _mm256_and_si256(mask_bit(qh, 2 * j + 1), x10));
+    f(Group{w0, one, d * sc[2 * j], -dmin * mn[2 * j], {}, 0.0f});
+    f(Group{w1, one, d * sc[2 * j + 1], -dmin * mn[2 * j + 1], {}, 0.0f});
+  }
+}
+template <typename F>
+inline void groups_q6_k(const uint8_t* b, F&& f) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+  for (int h = 0; h < 2; h++) {
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const int8_t* s = sc + 8 * h;
+    auto hi2 = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m3), 4); };
+    const __m256i w0 = _mm256_or_si256(_mm256_and_si256(l0, lo4), hi2(0));
+    const __m256i w1 = _mm256_or_si256(_mm256_and_si256(l1, lo4), hi2(2));
+    const __m256i w2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), lo4), hi2(4));
+    const __m256i w3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), lo4), hi2(6));
+    f(Group{_mm256_sub_epi8(w0, c32), pair16(s[0], s[1]), d, 0.0f, {}, 0.0f});
+    f(Group{_mm256_sub_epi8(w1, c32), pair16(s[2], s[3]), d, 0.0f, {}, 0.0f});
+    f(Group{_mm256_sub_epi8(w2, c32), pair16(s[4], s[5]), d, 0.0f, {}, 0.0f});
+    f(Group{_mm256_sub_epi8(w3, c32), pair16(s[6], s[7]), d, 0.0f, {}, 0.0f});
+  }
+}
+template <typename F>
+inline void groups_q3_k(const uint8_t* b, F&& f) {
+  int sc[16];
+  k3_scales(b + 96, sc);
+  const float d = h2f(b + 108);
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  const __m256i m3 = _mm256_set1_epi8(3), c4 = _mm256_set1_epi8(4);
+  for (int h = 0; h < 2; h++) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * h));
+    for (int s = 0; s < 4; s++) {
+      const int g = 4 * h + s;
+      const __m256i ql = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), m3);
+      const __m256i w = _mm256_sub_epi8(ql, _mm256_andnot_si256(mask_bit(hm, g), c4));
+      f(Group{w, pair16(sc[2 * g], sc[2 * g + 1]), d, 0.0f, {}, 0.0f});
+    }
+  }
+}
+template <typename F>
+inline void groups_q2_k(const uint8_t* b, F&& f) {
+  const uint8_t* sc = b;
+  const float d = h2f(b + 80), dmin = h2f(b + 82);
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int h = 0; h < 2; h++) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * h));
+    for (int s = 0; s < 4; s++) {
+      const int g = 4 * h + s;
+      const uint8_t s0 = sc[2 * g], s1 = sc[2 * g + 1];
+      const __m256i mn = _mm256_set_m128i(_mm_set1_epi8(static_cast<char>(s1 >> 4)),
+                                           _mm_set1_epi8(static_cast<char>(s0 >> 4)));
+      f(Group{_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), m3), pair16(s0 & 0x0F, s1 & 0x0F), d, 0.0f, mn, dmin});
+    }
+  }
+}
+
+// Calls f(group) for every 32-element group of one block, in element order.
+template <int T, typename F>
+inline void groups(const uint8_t* b, F&& f) {
+  if constexpr (T == kQ8_0) groups_q8_0(b, f);
+  else if constexpr (T == kQ4_0) groups_q4_0(b, f);
+  else if constexpr (T == kQ4_1) groups_q4_1(b, f);
+  else if constexpr (T == kQ5_0) groups_q5_0(b, f);
+  else if constexpr (T == kQ5_1) groups_q5_1(b, f);
+  else if constexpr (T == kQ2_K) groups_q2_k(b, f);
+  else if constexpr (T == kQ3_K) groups_q3_k(b, f);
+  else if constexpr (T == kQ4_K) groups_q4_k(b, f);
+  else if constexpr (T == kQ5_K) groups_q5_k(b, f);
+  else groups_q6_k(b, f);
+}
+
+constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K; }
+constexpr bool has_mul(int T) { return T == kQ2_K || T == kQ3_K || T == kQ6_K; }
+constexpr bool has_b(int T) { return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NR weight rows against MT activation rows: out[r * MT + m]. NR * MT independent accumulators keep
+// the float adds of consecutive groups from waiting on each other (a batch-1 GEMV takes 4 rows at
+// once: one dependency chain per group would cost the fmadd latency, ~4 cycles, every group).
+template <int T, int NR, int MT>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64_t bb, const int8_t* const* xq,
+                     const float* const* xd, const float* const* xs, float* out) {
+  __m256 acc[NR][MT];
+  float sacc[NR][MT];
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MT; m++) {
+      acc[r][m] = _mm256_setzero_ps();
+      sacc[r][m] = 0.0f;
+    }
+  const __m256i one = _mm256_set1_epi16(1);
+  constexpr int kGroups = (T == kQ2_K || T == kQ3_K || T == kQ4_K || T == kQ5_K || T == kQ6_K) ? 8 : 1;
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    for (int r = 0; r < NR; r++) {
+      int64_t g = blk * kGroups;  // activation group index
+      groups<T>(w + r * row_bytes + blk * bb, [&](const Group& G) {
+        const __m256i wa = is_signed(T) ? _mm256_sign_epi8(G.w, G.w) : G.w;
+        for (int m = 0; m < MT; m++) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + 32 * g));
+          const __m256i xs8 = is_signed(T) ? _mm256_sign_epi8(x, G.w) : x;
+          const __m256i p16 = _mm256_maddubs_epi16(wa, xs8);
+          const __m256i p32 = _mm256_madd_epi16(p16, has_mul(T) ? G.mul : one);
+          const float dx = xd[m][g];
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(G.a * dx), acc[r][m]);
+          if constexpr (has_b(T)) sacc[r][m] += G.b * xs[m][g];
+          if constexpr (T == kQ2_K) {
+            const __m256i pm = _mm256_madd_epi16(_mm256_maddubs_epi16(G.mn, x), one);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(-G.amin * dx), acc[r][m]);
+          }
+        }
+        g++;
+      });
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MT; m++) out[r * MT + m] = hsum(acc[r][m]) + sacc[r][m];
+}
+#endif  // TLQ_AVX2
+
+// Plain C++: dequantize the row's blocks and dot them with the dequantized activation groups.
+void dot_row_scalar(int t, const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, float* out,
+                    float* buf) {
+  const TypeInfo ti = type_info(t);
+  const int64_t nb = K / ti.block_elems;
+  double acc = 0.0;
+  for (int64_t b = 0; b < nb; b++) {
+    dequant_block(t, w + b * ti.block_bytes, buf);
+    for (int e = 0; e < ti.block_elems; e++) {
+      const int64_t k = b * ti.block_elems + e;
+      acc += static_cast<double>(buf[e]) * (xd[k / 32] * xq[k]);
+    }
+  }
+  *out = static_cast<float>(acc);
+}
+
+template <typename T>
+inline void store(T* p, float v) {
+  *p = static_cast<T>(v);
+}
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "weight must be a contiguous uint8 [N, row_bytes] tensor of GGUF blocks");
+  const TypeInfo ti = type_info(static_cast<int>(qtype));
+  TORCH_CHECK(K > 0 && K % ti.block_elems == 0, "in_features ", K, " is not a multiple of the block size ",
+              ti.block_elems);
+  TORCH_CHECK(w.size(1) == K / ti.block_elems * ti.block_bytes, "weight rows hold ", w.size(1),
+              " bytes, expected ", K / ti.block_elems * ti.block_bytes, " for K = ", K);
+}
+
+#if TLQ_AVX2
+template <int T>
+void linear_avx2(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* w,
+                 int64_t N, int64_t row_bytes, const float* bias, float* out, int64_t ldo) {
+  const TypeInfo ti = type_info(T);
+  const int64_t nblocks = K / ti.block_elems, bb = ti.block_bytes;
+  const int64_t G = K / 32;
+  // Rows in chunks that fit L1/L2 with all M activation rows; every chunk is reused by all tokens.
+  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads()) + 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+      const int8_t* xq[4];
+      const float* xd[4];
+      const float* xs[4];
+      for (int i = 0; i < mt; i++) {
+        xq[i] = q + (m0 + i) * K;
+        xd[i] = d + (m0 + i) * G;
+        xs[i] = s + (m0 + i) * G;
+      }
+      int64_t n = n0;
+      float r[16];
+      auto put = [&](int nr) {
+        for (int j = 0; j < nr; j++) {
+          const float bv = bias ? bias[n + j] : 0.0f;
+          for (int i = 0; i < mt; i++) out[(m0 + i) * ldo + n + j] = r[j * mt + i] + bv;
+        }
+      };
+      if (mt == 1) {
+        for (; n + 4 <= n1; n += 4) {
+          dot_rows<T, 4, 1>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(4);
+        }
+      } else if (mt == 2) {
+        for (; n + 2 <= n1; n += 2) {
+          dot_rows<T, 2, 2>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(2);
+        }
+      } else if (mt == 4) {
+        for (; n + 2 <= n1; n += 2) {
+          dot_rows<T, 2, 4>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+          put(2);
+        }
+      }
+      for (; n < n1; n++) {
+        const uint8_t* wr = w + n * row_bytes;
+        switch (mt) {
+          case 1: dot_rows<T, 1, 1>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          case 2: dot_rows<T, 1, 2>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          case 3: dot_rows<T, 1, 3>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+          default: dot_rows<T, 1, 4>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+        }
+        put(1);
+      }
+    }
+  });
+}
+#endif
+
+// Activations quantized for the kernels: rows of int8 with per-32 d and s (see quantize_act).
+struct QAct {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t M = 0, K = 0;
+
+  template <typename T>
+  void set(const T* x, int64_t M_, int64_t K_, int64_t ldx) {
+    M = M_;
+    K = K_;
+    const int64_t G = K / 32;
+    q.resize(M * K);
+    d.resize(M * G);
+    s.resize(M * G);
+    int8_t* qp = q.data();
+    float* dp = d.data();
+    float* sp = s.data();
+    if (M == 1) {
+      quantize_act(x, K, qp, dp, sp);
+      return;
+    }
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; r++) quantize_act(x + r * ldx, K, qp + r * K, dp + r * G, sp + r * G);
+    });
+  }
+};
+
+// ------------------------------------------------------------------- 8-row interleaved layouts
+// Q4_0, Q4_1 and Q8_0 weights repacked at load, eight rows at a time (the idea of ggml's "repack"
+// CPU buffers, in our own layout). Per tile of 8 rows and group g of 32 columns:
+//   Q4_0 / Q4_1:  d[8] f16 (Q4_1: then m[8] f16), then 4 x 32 bytes: vector j, byte 4r + i holds
+//                 w[r][8j + i] (low nibble) and w[r][8j + 4 + i] (high nibble)
+//   Q8_0:         d[8] f16, then 8 x 32 bytes: vector j, byte 4r + i = w[r][4j + i]
+// Same bytes as the file. The kernel then gets row r's partial dot product in lane r of the
+// accumulator: four activation bytes are broadcast to every lane, one vpmaddubsw + add per 4
+// columns for all eight rows, and the eight scales load as one vector (vcvtph2ps). About a third of
+// the instructions of the row-at-a-time kernel.
+
+constexpr int packed_tile_bytes(int t) { return t == kQ4_1 ? 160 : t == kQ4_0 ? 144 : t == kQ8_0 ? 272 : 0; }
+
+bool packable(int64_t qtype) { return packed_tile_bytes(static_cast<int>(qtype)) > 0; }
+
+// w [N, row_bytes] (N % 8 == 0) -> [N / 8, G * tile_bytes].
+at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K) {
+  check_weight(w, qtype, K);
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(packable(t), "GGML type ", t, " has no 8-row layout");
+  const int64_t N = w.size(0), G = K / 32, rb = w.size(1), TB = packed_tile_bytes(t);
+  TORCH_CHECK(N % 8 == 0, "repacking needs a multiple of 8 rows");
+  at::Tensor out = at::empty({N / 8, G * TB}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int bb = type_info(t).block_bytes;
+  at::parallel_for(0, N / 8, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; tile++)
+      for (int64_t g = 0; g < G; g++) {
+        uint8_t* o = dst + (tile * G + g) * TB;
+        for (int r = 0; r < 8; r++) {
+          const uint8_t* blk = src + (tile * 8 + r) * rb + g * bb;
+          std::memcpy(o + 2 * r, blk, 2);                          // d
+          if (t == kQ4_1) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
+          if (t == kQ8_0) {
+            for (int j = 0; j < 8; j++)
+              for (int i = 0; i < 4; i++) o[16 + 32 * j + 4 * r + i] = blk[2 + 4 * j + i];
+          } else {
+            int q[32];
+            nibbles32(blk + (t == kQ4_1 ? 4 : 2), q);
+            uint8_t* v = o + (t == kQ4_1 ? 32 : 16);
+            for (int j = 0; j < 4; j++)
+              for (int i = 0; i < 4; i++)
+                v[32 * j + 4 * r + i] = static_cast<uint8_t>(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+#if TLQ_AVX2
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T, int MT>
+inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq, const float* const* xd,
+                        const float* const* xs, __m256* res) {
+  constexpr int TB = packed_tile_bytes(T);
+  __m256 acc[MT], accb[MT];
+  for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = tile + g * TB;
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (T == kQ8_0) {
+      __m256i w[8], wa[8];
+      for (int j = 0; j < 8; j++) {
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
+        wa[j] = _mm256_sign_epi8(w[j], w[j]);
+      }
+      for (int m = 0; m < MT; m++) {
+        const int8_t* x = xq[m] + 32 * g;
+        __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[0], _mm256_sign_epi8(bcast4(x), w[0])), one);
+        for (int j = 1; j < 8; j++)
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(bcast4(x + 4 * j), w[j])), one));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
+      }
+    } else {
+      constexpr int off = T == kQ4_1 ? 32 : 16;
+      __m256i w[8];
+      for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 32 * j));
+        w[2 * j] = _mm256_and_si256(v, lo4);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+      // Q4_1: + m * s_x; Q4_0: the nibbles are offset by 8, - 8 d * s_x.
+      const __m256 bv = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+      for (int m = 0; m < MT; m++) {
+        const int8_t* x = xq[m] + 32 * g;
+        // int16 sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
+        __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+        for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+        const __m256i sum = _mm256_madd_epi16(s16, one);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
+        accb[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m][g]), accb[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
+}
+
+// Q4_0 / Q4_1 / Q8_0 over the 8-row layout: out rows tile * 8 .. tile * 8 + 7.
+template <int T>
+void linear_packed(const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+  const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T);
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+      const int8_t* xq[4];
+      const float* xd[4];
+      const float* xs[4];
+      for (int i = 0; i < mt; i++) {
+        xq[i] = a.q.data() + (m0 + i) * K;
+        xd[i] = a.d.data() + (m0 + i) * G;
+        xs[i] = a.s.data() + (m0 + i) * G;
+      }
+      for (int64_t tile = t0; tile < t1; tile++) {
+        __m256 r[4];
+        const uint8_t* tp = pw + tile * G * TB;
+        switch (mt) {
+          case 1: packed_tile<T, 1>(tp, G, xq, xd, xs, r); break;
+          case 2: packed_tile<T, 2>(tp, G, xq, xd, xs, r); break;
+          case 3: packed_tile<T, 3>(tp, G, xq, xd, xs, r); break;
+          default: packed_tile<T, 4>(tp, G, xq, xd, xs, r); break;
+        }
+        for (int i = 0; i < mt; i++) {
+          float* o = out + (m0 + i) * ldo + tile * 8;
+          __m256 v = r[i];
+          if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + tile * 8));
+          _mm256_storeu_ps(o, v);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks, row_bytes per row).
+void run_quantized(int t, const QAct& a, const uint8_t* w, int64_t N, int64_t row_bytes, const float* bias,
+                   float* out, int64_t ldo) {
+  const int64_t M = a.M, K = a.K, G = K / 32;
+#if TLQ_AVX2
+  if (!g_force_scalar) {
+    switch (t) {
+      case kQ8_0: return linear_avx2<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_0: return linear_avx2<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_1: return linear_avx2<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_0: return linear_avx2<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_1: return linear_avx2<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ2_K: return linear_avx2<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ3_K: return linear_avx2<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ4_K: return linear_avx2<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ5_K: return linear_avx2<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ6_K: return linear_avx2<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      default: break;
+    }
+  }
+#endif
+  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(256);
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) {
+        float* o = out + m * ldo + n;
+        dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+        if (bias) *o += bias[n];
+      }
+  });
+}
+
+// Tile `tile` of the 8-row layout back to 8 rows of ordinary blocks: rows [8, G * block_bytes].
+void unpack_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, uint8_t* rows) {
+  const int64_t TB = packed_tile_bytes(t);
+  const int bb = type_info(t).block_bytes;
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = pw + (tile * G + g) * TB;
+    for (int r = 0; r < 8; r++) {
+      uint8_t* blk = rows + (r * G + g) * bb;
+      std::memcpy(blk, p + 2 * r, 2);
+      if (t == kQ8_0) {
+        for (int j = 0; j < 8; j++)
+          for (int i = 0; i < 4; i++) blk[2 + 4 * j + i] = p[16 + 32 * j + 4 * r + i];
+      } else {
+        if (t == kQ4_1) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
+        const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+        int q[32];
+        for (int j = 0; j < 4; j++)
+          for (int i = 0; i < 4; i++) {
+            const uint8_t b = v[32 * j + 4 * r + i];
+            q[8 * j + i] = b & 0x0F;
+            q[8 * j + 4 + i] = b >> 4;
+          }
+        uint8_t* qs = blk + (t == kQ4_1 ? 4 : 2);
+        for (int e = 0; e < 16; e++) qs[e] = static_cast<uint8_t>(q[e] | (q[e + 16] << 4));
+      }
+    }
+  }
+}
+
+// Rows of one tile of the 8-row layout, dequantized straight from it: out[r * ldo + k] (fp32).
+void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out, int64_t ldo) {
+  const int64_t TB = packed_tile_bytes(t);
+  for (int64_t g = 0; g < G; g++) {
+    const uint8_t* p = pw + (tile * G + g) * TB;
+    for (int r = 0; r < 8; r++) {
+      const float d = h2f(p + 2 * r);
+      float* o = out + r * ldo + 32 * g;
+      if (t == kQ8_0) {
+        for (int j = 0; j < 8; j++)
+          for (int i = 0; i < 4; i++) o[4 * j + i] = d * static_cast<int8_t>(p[16 + 32 * j + 4 * r + i]);
+        continue;
+      }
+      const float m = t == kQ4_1 ? h2f(p + 16 + 2 * r) : 0.0f;
+      const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+      const int off = t == kQ4_1 ? 0 : 8;
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 4; i++) {
+          const uint8_t b = v[32 * j + 4 * r + i];
+          o[8 * j + i] = d * static_cast<float>((b & 0x0F) - off) + m;
+          o[8 * j + 4 + i] = d * static_cast<float>((b >> 4) - off) + m;
+        }
+    }
+  }
+}
+
+// out [8 * tiles, K] (float / bf16) = the weight in the 8-row layout, dequantized.
+void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype) {
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(packable(t) && pw.scalar_type() == at::kByte && pw.dim() == 2 && pw.is_contiguous(), "bad packed weight");
+  const int64_t K = out.size(1), G = K / 32, tiles = pw.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == 8 * tiles && K % 32 == 0 &&
+                  pw.size(1) == G * packed_tile_bytes(t), "out must be contiguous [8 * tiles, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
+  const uint8_t* src = pw.data_ptr<uint8_t>();
+  const bool f32 = out.scalar_type() == at::kFloat;
+  float* of = f32 ? out.data_ptr<float>() : nullptr;
+  bf16* ob = f32 ? nullptr : out.data_ptr<bf16>();
+  at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(f32 ? 0 : 8 * K);
+    for (int64_t tile = t0; tile < t1; tile++) {
+      if (f32) {
+        dequant_tile(t, src, tile, G, of + tile * 8 * K, K);
+      } else {
+        dequant_tile(t, src, tile, G, buf.data(), K);
+        bf16* o = ob + tile * 8 * K;
+        for (int64_t i = 0; i < 8 * K; i++) o[i] = bf16(buf[i]);
+      }
+    }
+  });
+}
+
+// The 8-row layout's GEMM (tiles * 8 rows); the plain C++ path reads the layout back row by row.
+void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+#if TLQ_AVX2
+  if (!g_force_scalar) {
+    switch (t) {
+      case kQ8_0: return linear_packed<kQ8_0>(a, pw, tiles, bias, out, ldo);
+      case kQ4_0: return linear_packed<kQ4_0>(a, pw, tiles, bias, out, ldo);
+      case kQ4_1: return linear_packed<kQ4_1>(a, pw, tiles, bias, out, ldo);
+      default: break;
+    }
+  }
+#endif
+  // Unpack each tile into 8 rows of ordinary blocks, then the row kernel.
+  const int64_t K = a.K, G = K / 32;
+  const int bb = type_info(t).block_bytes;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> rows(8 * G * bb);
+    for (int64_t tile = t0; tile < t1; tile++) {
+      unpack_tile(t, pw, tile, G, rows.data());
+      std::vector<float> buf(256);
+      for (int r = 0; r < 8; r++)
+        for (int64_t m = 0; m < a.M; m++) {
+          float* o = out + m * ldo + tile * 8 + r;
+          dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+          if (bias) *o += bias[tile * 8 + r];
+        }
+    }
+  });
+}
+
+// out [M, 8 * tiles] = x @ W.T + bias, W in the 8-row layout (gguf_repack8).
+void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw, int64_t qtype,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = pw.size(0);
+  TORCH_CHECK(packable(qtype) && K % 32 == 0 && pw.scalar_type() == at::kByte && pw.is_contiguous() &&
+                  pw.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(qtype)), "bad packed weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M &&
+                  out.size(1) == 8 * tiles, "out must be float [M, 8 * tiles]");
+  const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
+  thread_local QAct act;
+  act.set(x.data_ptr<float>(), M, K, x.stride(0));
+  run_packed(static_cast<int>(qtype), act, pw.data_ptr<uint8_t>(), tiles, b_ptr, out.data_ptr<float>(), out.stride(0));
+}
+
+// out [M, N] (float or bf16, rows may be strided) = x [M, K] @ W.T + bias.
+void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                 const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  check_weight(w, qtype, K);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M && out.size(1) == N,
+              "out must be an [M, N] tensor with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
+  const float* b_ptr = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float [N] tensor");
+    b_ptr = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  thread_local QAct act;
+  thread_local std::vector<float> f32out;
+  if (x.scalar_type() == at::kFloat)
+    act.set(x.data_ptr<float>(), M, K, x.stride(0));
+  else if (x.scalar_type() == at::kBFloat16)
+    act.set(x.data_ptr<bf16>(), M, K, x.stride(0));
+  else
+    TORCH_CHECK(false, "x must be float or bf16");
+  if (out.scalar_type() == at::kFloat) {
+    run_quantized(static_cast<int>(qtype), act, w.data_ptr<uint8_t>(), N, w.size(1), b_ptr, out.data_ptr<float>(),
+                  out.stride(0));
+    return;
+  }
+  f32out.resize(M * N);
+  float* o = f32out.data();
+  run_quantized(static_cast<int>(qtype), act, w.data_ptr<uint8_t>(), N, w.size(1), b_ptr, o, N);
+  bf16* ob = out.data_ptr<bf16>();
+  const int64_t ldo = out.stride(0);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t n = 0; n < N; n++) store(ob + m * ldo + n, o[m * N + n]);
+}
+
+template <typename T>
+void dequant_rows(const uint8_t* w, int t, int64_t row_bytes, int64_t K, const int64_t* rows, int64_t R, T* out) {
+  const TypeInfo ti = type_info(t);
+  const int64_t nb = K / ti.block_elems;
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    float buf[256];
+    for (int64_t r = r0; r < r1; r++) {
+      const uint8_t* src = w + (rows ? rows[r] : r) * row_bytes;
+      T* dst = out + r * K;
+      for (int64_t b = 0; b < nb; b++) {
+        if constexpr (std::is_same_v<T, float>) {
+          dequant_block(t, src + b * ti.block_bytes, dst + b * ti.block_elems);
+        } else {
+          dequant_block(t, src + b * ti.block_bytes, buf);
+          for (int e = 0; e < ti.block_elems; e++) store(dst + b * ti.block_elems + e, buf[e]);
+        }
+      }
+    }
+  });
+}
+
+// out [N, K] float / bf16 = the dequantized weight.
+void gguf_dequantize(at::Tensor out, const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0), "out must be contiguous [N, K]");
+  check_weight(w, qtype, out.size(1));
+  const int t = static_cast<int>(qtype);
+  if (out.scalar_type() == at::kFloat)
+    dequant_rows(w.data_ptr<uint8_t>(), t, w.size(1), out.size(1), nullptr, out.size(0), out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16)
+    dequant_rows(w.data_ptr<uint8_t>(), t, w.size(1), out.size(1), nullptr, out.size(0), out.data_ptr<bf16>());
+  else
+    TORCH_CHECK(false, "out must be float or bf16");
+}
+
+// out [R, K] = rows `ids` (int64 [R]) of the dequantized weight.
+void gguf_embedding(at::Tensor out, const at::Tensor& w, int64_t qtype, const at::Tensor& ids) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [R]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0), "out must be contiguous [R, K]");
+  check_weight(w, qtype, out.size(1));
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); i++)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < w.size(0), "token id ", idp[i], " out of range [0, ", w.size(0), ")");
+  const int t = static_cast<int>(qtype);
+  if (out.scalar_type() == at::kFloat)
+    dequant_rows(w.data_ptr<uint8_t>(), t, w.size(1), out.size(1), idp, ids.size(0), out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16)
+    dequant_rows(w.data_ptr<uint8_t>(), t, w.size(1), out.size(1), idp, ids.size(0), out.data_ptr<bf16>());
+  else
+    TORCH_CHECK(false, "out must be float or bf16");
+}
+
+// ------------------------------------------------------------------------------ the decode stack
+// GGUFDecoder runs a whole decode step (every layer, one call from Python) for a few sequences of
+// one new token each: embedding row, and per layer RMSNorm -> qkv -> neox rotary + KV-cache write ->
+// paged attention -> o-proj + residual -> RMSNorm -> gate/up -> SiLU*mul -> down + residual; then the
+// final norm. Activations stay fp32 in reused buffers; the weights are the GGUF blocks (or fp32
+// matrices, type 0, for tensors a file stores unquantized). KV caches: the plain head-major layout
+// [Hkv, num_blocks, block_size, D] in float or bf16, shared with the rest of the runner.
+
+constexpr int kDense = 0;  // part type: a float32 [N, K] matrix
+
+struct Part {
+  at::Tensor w;       // [N, row_bytes] blocks, or float [N, K] (kDense)
+  int t;
+  c10::optional<at::Tensor> bias;
+  at::Tensor packed;  // the 8-row layout of w, when its type has one and N % 8 == 0
+};
+
+struct QLin {
+  std::vector<Part> parts;
+  int64_t N = 0, K = 0;
+};
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if TLQ_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  s = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+void run_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out,
+               int64_t ldo) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++)
+      for (int64_t m = 0; m < M; m++) out[m * ldo + n] = dot_f32(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+  });
+}
+
+// parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
+using PartSpec = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
+
+QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
+  QLin L;
+  L.K = K;
+  for (const auto& [w, t, bias, is_packed] : parts) {
+    if (is_packed) {
+      TORCH_CHECK(packable(t) && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                      w.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(t)), "bad packed part");
+      if (bias) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 8 * w.size(0),
+                    "a part's bias must be a contiguous float [N] tensor");
+      }
+      L.parts.push_back(Part{at::Tensor(), static_cast<int>(t), bias, w});
+      L.N += 8 * w.size(0);
+      continue;
+    }
+    if (t == kDense) {
+      TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
+                  "a dense part must be a contiguous float [N, ", K, "] tensor");
+    } else {
+      check_weight(w, t, K);
+    }
+    if (bias) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
+                  "a part's bias must be a contiguous float [N] tensor");
+    }
+    at::Tensor packed;
+    if (t != kDense && packable(t) && w.size(0) % 8 == 0) packed = gguf_repack8(w, t, K);
+    L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
+    L.N += w.size(0);
+  }
+  return L;
+}
+
+void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
+  bool quantized = false;
+  for (const auto& p : L.parts) quantized |= p.t != kDense;
+  if (quantized) act.set(x, M, L.K, L.K);
+  int64_t col = 0;
+  for (const auto& p : L.parts) {
+    const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
+    int64_t n;
+    if (p.packed.defined()) {
+      n = 8 * p.packed.size(0);
+      run_packed(p.t, act, p.packed.data_ptr<uint8_t>(), p.packed.size(0), bias, out + col, L.N);
+    } else if (p.t == kDense) {
+      n = p.w.size(0);
+      run_dense(x, M, L.K, p.w.data_ptr<float>(), n, bias, out + col, L.N);
+    } else {
+      n = p.w.size(0);
+      run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), n, p.w.size(1), bias, out + col, L.N);
+    }
+    col += n;
+  }
+}
+
+inline void rms_norm_f32(const float* x, const float* w, int64_t n, float eps, float* out) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; i++) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+template <typename T>
+inline float dot_cache(const float* q, const T* k, int64_t D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dot_f32(q, k, D);
+  } else {
+    int64_t i = 0;
+    float s = 0.0f;
+#if TLQ_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), acc);
+    }
+    s = hsum(acc);
+#endif
+    for (; i < D; i++) s += q[i] * static_cast<float>(k[i]);
+    return s;
+  }
+}
+
+template <typename T>
+inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
+  for (int64_t i = 0; i < D; i++) o[i] += a * static_cast<float>(v[i]);
+}
+
+class GGUFDecoder {
+ public:
+  GGUFDecoder(int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm)
+      : H_(hidden), Hq_(num_q_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
+        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)), final_norm_(final_norm) {
+    TORCH_CHECK(Hq_ % Hkv_ == 0 && D_ % 2 == 0, "bad head configuration");
+    if (embed_t_ == kDense) {
+      TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H_,
+                  "a dense embedding must be a contiguous float [V, H] tensor");
+    } else {
+      check_weight(embed, embed_t_, H_);
+    }
+    check_vec(final_norm, H_, "final_norm");
+  }
+
+  using Parts = std::vector<PartSpec>;
+
+  void add_layer(at::Tensor attn_norm, const Parts& qkv, const Parts& o, at::Tensor ffn_norm, const Parts& gate_up,
+                 const Parts& down) {
+    check_vec(attn_norm, H_, "attn_norm");
+    check_vec(ffn_norm, H_, "ffn_norm");
+    Layer L{attn_norm, ffn_norm, make_qlin(qkv, H_), make_qlin(o, Hq_ * D_), make_qlin(gate_up, H_),
+            make_qlin(down, I_), {}, {}};
+    TORCH_CHECK(L.qkv.N == (Hq_ + 2 * Hkv_) * D_ && L.o.N == H_ && L.gate_up.N == 2 * I_ && L.down.N == H_,
+                "layer ", layers_.size(), ": linear shapes do not match the configuration");
+    layers_.push_back(std::move(L));
+  }
+
+  void set_kv_caches(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V cache per layer");
+    for (size_t i = 0; i < k.size(); i++) {
+      for (const at::Tensor* c : {&k[i], &v[i]}) {
+        TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(0) == Hkv_ && c->size(3) == D_,
+                    "KV caches must be contiguous [Hkv, num_blocks, block_size, D]");
+        TORCH_CHECK(c->scalar_type() == k[0].scalar_type() &&
+                        (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16),
+                    "KV caches must all be float or all bf16");
+      }
+      layers_[i].k_cache = k[i];
+      layers_[i].v_cache = v[i];
+    }
+  }
+
+  // out [B, H] (float or bf16) = final-norm hidden states after the step's tokens ids [B] at positions
+  // [B] (int64), their K/V written at slots [B] (int64); block_tables [B, max_blocks] int32;
+  // cos/sin [P, D/2] float or bf16 (P > every position).
+  void step(at::Tensor out, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+            const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t B = ids.numel();
+    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "GGUFDecoder: layers and KV caches not set");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                    slots.scalar_type() == at::kLong && ids.is_contiguous() && positions.is_contiguous() &&
+                    slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
+                "ids, positions, slots must be contiguous int64 [B]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    block_tables.stride(1) == 1, "block_tables must be int32 [B, max_blocks]");
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == B && out.size(1) == H_,
+                "out must be contiguous [B, H]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D_ / 2 && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                    sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(), "cos/sin must be [P, D/2]");
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t vocab = embed_.size(0);
+    const int64_t nb = layers_[0].k_cache.size(1), bs = layers_[0].k_cache.size(2);
+    for (int64_t b = 0; b < B; b++) {
+      TORCH_CHECK(idp[b] >= 0 && idp[b] < vocab, "token id ", idp[b], " out of range");
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " outside the rotary table");
+      TORCH_CHECK((pos[b] + bs) / bs <= block_tables.size(1), "block table too short for position ", pos[b]);
+      const int64_t sl = slots.data_ptr<int64_t>()[b];
+      TORCH_CHECK(sl >= 0 && sl < nb * bs, "slot ", sl, " out of range");
+    }
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
+    h_.resize(B * H_);
+    x_.resize(B * H_);
+    qkv_.resize(B * QKV);
+    att_.resize(B * Hq_ * D_);
+    gu_.resize(B * 2 * I_);
+    act_.resize(B * I_);
+    for (int64_t b = 0; b < B; b++) embed_row(idp[b], h_.data() + b * H_);
+    for (size_t l = 0; l < layers_.size(); l++) {
+      const Layer& L = layers_[l];
+      for (int64_t b = 0; b < B; b++)
+        rms_norm_f32(h_.data() + b * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
+      qlin_run(L.qkv, x_.data(), B, qact_, qkv_.data());
+      if (cos.scalar_type() == at::kFloat)
+        rotary(B, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
+      else
+        rotary(B, pos, cos.data_ptr<bf16>(), sin.data_ptr<bf16>());
+      if (L.k_cache.scalar_type() == at::kFloat)
+        attention<float>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
+      else
+        attention<bf16>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
+      qlin_run(L.o, att_.data(), B, qact_, x_.data());
+      for (int64_t b = 0; b < B; b++) {
+        float* hb = h_.data() + b * H_;
+        float* xb = x_.data() + b * H_;
+        for (int64_t i = 0; i < H_; i++) hb[i] += xb[i];
+        rms_norm_f32(hb, L.ffn_norm.data_ptr<float>(), H_, eps_, xb);
+      }
+      qlin_run(L.gate_up, x_.data(), B, qact_, gu_.data());
+      for (int64_t b = 0; b < B; b++) {
+        const float* g = gu_.data() + b * 2 * I_;
+        float* a = act_.data() + b * I_;
+        for (int64_t i = 0; i < I_; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I_ + i];
+      }
+      qlin_run(L.down, act_.data(), B, qact_, x_.data());
+      for (int64_t i = 0; i < B * H_; i++) h_[i] += x_[i];
+    }
+    for (int64_t b = 0; b < B; b++) {
+      rms_norm_f32(h_.data() + b * H_, final_norm_.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
+      if (out.scalar_type() == at::kFloat)
+        std::memcpy(out.data_ptr<float>() + b * H_, x_.data() + b * H_, H_ * sizeof(float));
+      else
+        for (int64_t i = 0; i < H_; i++) out.data_ptr<bf16>()[b * H_ + i] = bf16(x_[b * H_ + i]);
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor attn_norm, ffn_norm;
+    QLin qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;
+  };
+
+  static void check_vec(const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what,
+                " must be a contiguous float [", n, "] tensor");
+  }
+
+  void embed_row(int64_t id, float* out) const {
+    if (embed_t_ == kDense) {
+      std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
+      return;
+    }
+    const TypeInfo ti = type_info(embed_t_);
+    const uint8_t* row = embed_.data_ptr<uint8_t>() + id * embed_.size(1);
+    for (int64_t b = 0; b < H_ / ti.block_elems; b++) dequant_block(embed_t_, row + b * ti.block_bytes, out + b * ti.block_elems);
+  }
+
+  // Neox rotary (rotate_half) on the q and k heads of the qkv rows, in place.
+  template <typename T>
+  void rotary(int64_t B, const int64_t* pos, const T* cos, const T* sin) {
+    const int64_t half = D_ / 2, QKV = (Hq_ + 2 * Hkv_) * D_;
+    for (int64_t b = 0; b < B; b++) {
+      const T* c = cos + pos[b] * half;
+      const T* s = sin + pos[b] * half;
+      for (int64_t hd = 0; hd < Hq_ + Hkv_; hd++) {
+        float* x = qkv_.data() + b * QKV + hd * D_;
+        for (int64_t i = 0; i < half; i++) {
+          const float x1 = x[i], x2 = x[i + half], ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+          x[i] = x1 * ci - x2 * si;
+          x[i + half] = x2 * ci + x1 * si;
+        }
+      }
+    }
+  }
+
+  template <typename T>
+  void attention(const Layer& L, int64_t B, const int64_t* pos, const int64_t* slots, const at::Tensor& tables) {
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
+    const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
+    T* kc = L.k_cache.data_ptr<T>();
+    T* vc = L.v_cache.data_ptr<T>();
+    // This step's K/V first: each sequence then reads its whole context from the cache.
+    for (int64_t b = 0; b < B; b++) {
+      const float* row = qkv_.data() + b * QKV;
+      for (int64_t h = 0; h < Hkv_; h++) {
+        T* kd = kc + (h * nb * bs + slots[b]) * D_;
+        T* vd = vc + (h * nb * bs + slots[b]) * D_;
+        for (int64_t i = 0; i < D_; i++) {
+          kd[i] = static_cast<T>(row[(Hq_ + h) * D_ + i]);
+          vd[i] = static_cast<T>(row[(Hq_ + Hkv_ + h) * D_ + i]);
+        }
+      }
+    }
+    const int64_t G = Hq_ / Hkv_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    const int64_t ld = tables.stride(0);
+    const int32_t* tb = tables.data_ptr<int32_t>();
+    at::parallel_for(0, B * Hq_, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores;
+      for (int64_t i = i0; i < i1; i++) {
+        const int64_t b = i / Hq_, hq = i % Hq_, h = hq / G, n = pos[b] + 1;
+        const float* q = qkv_.data() + b * QKV + hq * D_;
+        const int32_t* table = tb + b * ld;
+        scores.resize(n);
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) {
+          const T* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D_;
+          scores[t] = dot_cache(q, k, D_) * scale;
+          mx = std::max(mx, scores[t]);
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+          scores[t] = std::exp(scores[t] - mx);
+          sum += scores[t];
+        }
+        float* o = att_.data() + b * Hq_ * D_ + hq * D_;
+        std::fill(o, o + D_, 0.0f);
+        for (int64_t t = 0; t < n; t++)
+          axpy_cache(scores[t], vc + ((h * nb + table[t / bs]) * bs + t % bs) * D_, o, D_);
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D_; d++) o[d] *= inv;
+      }
+    });
+  }
+
+  int64_t H_, Hq_, Hkv_, D_, I_;
+  float eps_;
+  at::Tensor embed_;
+  int embed_t_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> h_, x_, qkv_, att_, gu_, act_;
+  QAct qact_;
+};
+
+bool gguf_type_supported(int64_t qtype) {
+  switch (static_cast<int>(qtype)) {
+    case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool has_avx2() { return TLQ_AVX2; }
+void set_force_scalar(bool on) { g_force_scalar = on; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear);
+  m.def("gguf_dequantize", &gguf_dequantize);
+  m.def("gguf_repack8", &gguf_repack8);
+  m.def("gguf_linear_packed", &gguf_linear_packed);
+  m.def("gguf_dequantize_packed", &gguf_dequantize_packed);
+  m.def("gguf_packable", &packable);
+  m.def("gguf_embedding", &gguf_embedding);
+  m.def("gguf_type_supported", &gguf_type_supported);
+  m.def("has_avx2", &has_avx2);
+  m.def("set_force_scalar", &set_force_scalar);
+  pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor>())
+      .def("add_layer", &GGUFDecoder::add_layer)
+      .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
+      .def("step", &GGUFDecoder::step)
+      .def("num_layers", &GGUFDecoder::num_layers);
+}

@@ -1,0 +1,148 @@
+"""The batch-1 (and small-batch) decode step of a GGUF model in one compiled call.
+
+`GGUFDecoder` (csrc/gguf_kernels.cpp) holds the whole stack: every layer's norms and quantized
+linears (q/k/v and gate/up each one matrix where their GGML types agree; the same tensors the
+model's GGUFLinear layers hold, not copies) and the KV caches; a decode step is one `step()` call,
+so no Python runs per op or per layer. `build_decoder` assembles it (the model does, from its
+layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly.
+
+Steps it takes: decodes only (one new token per sequence), up to `max_decode_rows()` sequences,
+plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) runs the per-op path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight
+
+DENSE = 0  # part type of a float32 matrix
+
+PartSpec = tuple[torch.Tensor, int, "torch.Tensor | None", bool]
+
+
+def max_decode_rows() -> int:
+    """Decode batches up to this size take the fused step (TOKENLOOM_GGUF_FUSED_ROWS; 0 turns it off)."""
+    return int(os.environ.get("TOKENLOOM_GGUF_FUSED_ROWS", "8"))
+
+
+def linear_parts(gguf: GGUFLinear | None, weight: torch.Tensor | None, bias: torch.Tensor | None) -> list[PartSpec]:
+    """The decoder's (data, type, bias, packed) parts of one linear: a GGUFLinear's parts (shared,
+    not copied), or a float weight."""
+    if gguf is None:
+        assert weight is not None
+        return [(weight.float().contiguous(), DENSE, None if bias is None else bias.float().contiguous(), False)]
+    parts, col = [], 0
+    for p in gguf.parts:
+        n = p.shape[0]
+        b = None if gguf.bias is None else gguf.bias[col : col + n].contiguous()
+        parts.append((p.data, p.qtype, b, p.packed8))
+        col += n
+    return parts
+
+
+@dataclass
+class DecoderLayerSpec:
+    attn_norm: torch.Tensor
+    qkv: list[PartSpec]
+    o: list[PartSpec]
+    ffn_norm: torch.Tensor
+    gate_up: list[PartSpec]
+    down: list[PartSpec]
+
+
+def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.Tensor, final_norm: torch.Tensor,
+                  layers: list[DecoderLayerSpec]) -> Any:
+    """A GGUFDecoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
+    allocated them."""
+    if isinstance(embed, GGUFWeight) and not embed.packed8:
+        embed_data, embed_type = embed.data, embed.qtype
+    else:
+        embed_data, embed_type = (embed.dequantize() if isinstance(embed, GGUFWeight) else embed.float()), DENSE
+        embed_data = embed_data.contiguous()
+    dec = kernels.GGUFDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                              config.head_dim, config.intermediate_size, config.rms_norm_eps, embed_data, embed_type,
+                              final_norm.float().contiguous())
+    for spec in layers:
+        dec.add_layer(spec.attn_norm.float().contiguous(), spec.qkv, spec.o, spec.ffn_norm.float().contiguous(),
+                      spec.gate_up, spec.down)
+    return dec
+
+
+def decoder_from_weights(kernels: Any, config: ModelConfig, weights: dict[str, Any]) -> Any:
+    """build_decoder over `load_gguf_quantized`'s weights (HF names; GGUFWeight or float tensors)."""
+
+    def parts(names: list[str], biases: list[str]) -> list[PartSpec]:
+        ws = [weights[n] for n in names]
+        bs = [weights.get(b) for b in biases]
+        if all(isinstance(w, GGUFWeight) for w in ws):
+            return linear_parts(GGUFLinear.from_weights(ws, bs, kernels), None, None)
+        dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w.float() for w in ws])
+        bias = None
+        if any(b is not None for b in bs):
+            bias = torch.cat([b.float() if b is not None else torch.zeros(w.shape[0]) for w, b in zip(ws, bs)])
+        return linear_parts(None, dense, bias)
+
+    specs = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        specs.append(DecoderLayerSpec(
+            weights[p + "input_layernorm.weight"],
+            parts([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                  [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+            parts([a + "o_proj.weight"], [a + "o_proj.bias"]),
+            weights[p + "post_attention_layernorm.weight"],
+            parts([m + "gate_proj.weight", m + "up_proj.weight"], [m + "gate_proj.bias", m + "up_proj.bias"]),
+            parts([m + "down_proj.weight"], [m + "down_proj.bias"]),
+        ))
+    return build_decoder(kernels, config, weights["model.embed_tokens.weight"], weights["model.norm.weight"], specs)
+
+
+class GGUFDecodeStep:
+    """The model's fast path for small all-decode steps: binds the runner's KV caches to the
+    decoder once and runs `step()` when the step qualifies (see `run`)."""
+
+    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        self.decoder = decoder
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.max_rows = max_decode_rows()
+        self._bound: int | None = None  # data_ptr of the first K cache bound to the decoder
+
+    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list, rope: Any,
+                 max_position: int) -> torch.Tensor | None:
+        """`run` for the model's forward, from the kernel attention backend's metadata (None when the
+        step is not all decodes, or another backend built it). The caller checks the KV layout."""
+        kernel = getattr(meta, "kernel", None)
+        if kernel is None:
+            return None
+        rows = getattr(meta, "output_rows", None)
+        if rows is not None and rows.numel() != input_ids.shape[0]:
+            return None
+        if kernel.q_start.shape[0] != input_ids.shape[0] + 1:  # a sequence with more than one row
+            return None
+        return self.run(input_ids, positions, kernel.block_tables, meta.slot_mapping, kv_caches, rope, max_position)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+            slot_mapping: torch.Tensor, kv_caches: list, rope: Any, max_position: int) -> torch.Tensor | None:
+        """Final-norm hidden states [B, H] of B single-token sequences (row b of `block_tables` is
+        sequence b), or None when the step does not qualify (more rows than `max_rows`, a prefill row,
+        caches in another layout): the caller then runs the per-op path."""
+        b = input_ids.shape[0]
+        if b == 0 or b > self.max_rows or block_tables.shape[0] != b or kv_caches[0] is None:
+            return None
+        k0 = kv_caches[0][0]
+        if self._bound != k0.data_ptr():
+            self.decoder.set_kv_caches([kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches])
+            self._bound = k0.data_ptr()
+        cos, sin = rope.full_tables(max_position)
+        out = torch.empty(b, self.hidden_size, dtype=self.dtype)
+        self.decoder.step(out, input_ids.long(), positions.long(), slot_mapping.long(), block_tables, cos, sin)
+        return out
+

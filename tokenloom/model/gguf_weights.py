@@ -1,0 +1,175 @@
+"""GGUF weights kept quantized: `--quantization gguf`.
+
+`load_gguf_quantized` reads a GGUF file like the loader does (same names, same config), except that
+every 2-D tensor of a type the GGUF kernels run (tokenloom/model/csrc/gguf_kernels.cpp: Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K) stays as its raw blocks, a `GGUFWeight` viewing the memory-mapped file
+(q/k rows of llama files are un-permuted, a row permutation of whole blocks, so those two are
+copies). Norms, biases and unquantized (F32/F16/BF16) tensors come out as float32 tensors. Memory use
+is then about the file's size plus the KV cache, instead of 2-4 bytes per weight.
+
+`GGUFLinear` is the linear layer over such weights: the compiled GEMV / small-batch GEMM
+(activations quantized to int8 on the fly) for up to `DEQUANT_MIN_ROWS - 1` rows, and for larger
+batches (prefill) dequantize-then-GEMM, which is faster there (see docs/performance.md for the
+crossover measurement).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf import (
+    config_from_gguf,
+    dequantize,
+    hf_name_from_gguf,
+    read_gguf,
+    unpermute_rope_rows,
+)
+
+Q = GGMLQuantizationType
+KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+def dequant_min_rows() -> int:
+    """Batches of at least this many rows dequantize the weight and run a float GEMM instead of the
+    quantized kernel (TOKENLOOM_GGUF_DEQUANT_ROWS overrides; measured crossover on the dev box)."""
+    return int(os.environ.get("TOKENLOOM_GGUF_DEQUANT_ROWS", "32"))
+
+
+@dataclass
+class GGUFWeight:
+    """One GGUF tensor's blocks for a logical [N, K] matrix: `data` uint8 [N, row_bytes] as in the
+    file, or with `packed8` the kernels' 8-row interleaved layout [N / 8, ...] (same bytes)."""
+
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+    packed8: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from tokenloom.model.gguf_kernels import gguf_kernels
+
+        k = gguf_kernels()
+        if k is None:
+            assert not self.packed8
+            from gguf.quants import dequantize as gguf_dequantize
+
+            return torch.from_numpy(gguf_dequantize(self.data.numpy(), Q(self.qtype))).to(dtype)
+        out = torch.empty(self.shape, dtype=dtype)
+        if self.packed8:
+            k.gguf_dequantize_packed(out, self.data, self.qtype)
+        else:
+            k.gguf_dequantize(out, self.data, self.qtype)
+        return out
+
+    def repacked(self, kernels: object) -> GGUFWeight:
+        """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q8_0), else self."""
+        if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
+            return self
+        data = kernels.gguf_repack8(self.data, self.qtype, self.shape[1])  # type: ignore[attr-defined]
+        return GGUFWeight(data, self.qtype, self.shape, packed8=True)
+
+
+def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
+    """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32."""
+    path = Path(path)
+    gguf = read_gguf(path)
+    config = config_from_gguf(gguf, name=path.stem)
+    weights: dict[str, torch.Tensor | GGUFWeight] = {}
+    for name, tensor in gguf.tensors.items():
+        if name == _ROPE_FREQS:
+            config.extra["rope_freqs"] = dequantize(tensor).float().clone()
+            continue
+        hf_name = hf_name_from_gguf(name)
+        heads = None
+        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = config.num_attention_heads
+        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = config.num_key_value_heads
+        if tensor.qtype in KERNEL_TYPES and len(tensor.shape) == 2:
+            n, k = tensor.shape
+            data = torch.from_numpy(tensor.raw).view(n, -1)
+            if heads is not None:
+                data = unpermute_rope_rows(data, heads).contiguous()
+            weights[hf_name] = GGUFWeight(data, int(tensor.qtype), (n, k))
+        else:
+            value = _dequantize_any(tensor).float()
+            if heads is not None:
+                value = unpermute_rope_rows(value, heads)
+            weights[hf_name] = value.contiguous()
+    return config, weights
+
+
+def _dequantize_any(tensor) -> torch.Tensor:  # noqa: ANN001 - a loader GGUFTensor
+    if tensor.qtype in KERNEL_TYPES:
+        n = tensor.shape[0] if len(tensor.shape) > 1 else 1
+        w = GGUFWeight(torch.from_numpy(tensor.raw).view(n, -1), int(tensor.qtype), (n, tensor.shape[-1]))
+        return w.dequantize().reshape(tensor.shape)
+    return dequantize(tensor)
+
+
+@dataclass
+class GGUFLinear:
+    """y = x @ W.T + b over GGUF weights; W is the row-concatenation of `parts` (e.g. q, k, v)."""
+
+    parts: list[GGUFWeight]
+    bias: torch.Tensor | None  # float32 [N]
+    kernels: object | None  # the compiled GGUF kernels module (None: always dequantize)
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.shape[0] for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].shape[1]
+
+    @classmethod
+    def from_weights(cls, parts: list[GGUFWeight], biases: list[torch.Tensor | None],
+                     kernels: object | None) -> GGUFLinear:
+        """Parts of one GGML type are concatenated into one (one kernel call, one thread split)."""
+        merged: list[GGUFWeight] = []
+        for p in parts:
+            if merged and merged[-1].qtype == p.qtype:
+                last = merged[-1]
+                rows = last.shape[0] + p.shape[0]
+                merged[-1] = GGUFWeight(torch.cat([last.data, p.data]), p.qtype, (rows, p.shape[1]))
+            else:
+                merged.append(p)
+        if kernels is not None:
+            merged = [p.repacked(kernels) for p in merged]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.float() if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)])
+        return cls(merged, bias, kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if self.kernels is None or m >= dequant_min_rows():
+            w = torch.cat([p.dequantize(x.dtype) for p in self.parts])
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, w, bias)
+        k = self.kernels
+        xf = x.float().contiguous()  # a no-op for fp32 rows
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        col = 0
+        for p in self.parts:
+            n = p.shape[0]
+            bias = None if self.bias is None else self.bias[col : col + n]
+            if p.packed8:
+                k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
+            else:
+                k.gguf_linear(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
+            col += n
+        return out if x.dtype == torch.float32 else out.to(x.dtype)

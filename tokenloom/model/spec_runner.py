@@ -1,0 +1,88 @@
+"""The runner's side of speculative decoding: which rows of the flattened batch verify drafts, how
+their logits become tokens, and the n-gram proposer fed with each request's accepted tokens.
+
+A request scheduled with d drafts (SchedulerOutput.scheduled_spec_decode_tokens) contributes
+`num_scheduled_tokens` rows ending in its last accepted token followed by the d drafts; the KV of
+every row is written (a rejected draft's slot is simply overwritten by the next step), and its last
+1 + d rows are output rows: their logits verify the drafts (tokenloom/model/rejection_sampler.py).
+After sampling, vLLM's runner proposes the next drafts for every request that sampled
+(`propose_draft_token_ids`); the engine core collects them with `take_draft_token_ids()` and hands
+them to the scheduler (vLLM's EngineCore.post_step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.config import SpeculativeConfig
+from tokenloom.core.outputs import SampleLogprobs
+from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
+from tokenloom.model.sampler import SamplingRow, all_plain_greedy
+from tokenloom.spec_decode.ngram_proposer import NgramProposer
+
+
+def verification_input_ids(token_ids: Sequence[int], start: int, num_tokens: int, drafts: Sequence[int]) -> list[int]:
+    """The scheduled rows' input ids: known tokens from `start`, then the drafts (a placeholder
+    draft, -1, is fed as token 0: its row's output is never used)."""
+    known = token_ids[start : start + num_tokens - len(drafts)]
+    return [*known, *(t if t >= 0 else 0 for t in drafts)]
+
+
+@dataclass
+class DraftTokenIds:
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+
+
+class SpecDecodeRunner:
+    """Proposer + rejection sampler, owned by the ModelRunner when speculative decoding is on."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = NgramProposer.from_config(config, max_model_len)
+        self.rejection_sampler = RejectionSampler()
+        self._drafts: DraftTokenIds | None = None
+
+    # Request rows of the proposer --------------------------------------------------------------
+    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
+        self.proposer.add_request(req_id, token_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        self.proposer.remove_request(req_id)
+
+    def reset(self) -> None:
+        for req_id in list(self.proposer.row_of):
+            self.proposer.remove_request(req_id)
+        self._drafts = None
+
+    # Sampling ---------------------------------------------------------------------------------
+    def sample(self, logits_fn, rows: list[SamplingRow], drafts: list[list[int]], kernels, return_logits: bool
+               ) -> tuple[list[list[int]], list[list[SampleLogprobs] | None] | None, torch.Tensor]:
+        """Tokens per request from its 1 + d output rows. `logits_fn(fp32)` gives the logits."""
+        reqs = [VerifyRequest(row, d) for row, d in zip(rows, drafts)]
+        if not return_logits and kernels is not None and all_plain_greedy(rows):
+            logits = logits_fn(False)
+            target = kernels.argmax_rows(logits)
+            nan_rows = target < 0
+            if bool(nan_rows.any()):
+                target[nan_rows] = logits[nan_rows].float().argmax(dim=-1)
+            return greedy_accept(target.tolist(), reqs), None, logits
+        logits = logits_fn(True)
+        out = self.rejection_sampler(logits, reqs)
+        return out.token_ids, out.logprobs, logits
+
+    # Proposing --------------------------------------------------------------------------------
+    def propose(self, sampled: dict[str, list[int]]) -> None:
+        """Append each request's new tokens to its row and propose drafts for the requests that
+        sampled this step (vLLM proposes nothing for a request that sampled nothing)."""
+        req_ids = [rid for rid, toks in sampled.items() if toks]
+        for rid in req_ids:
+            self.proposer.append_tokens(rid, sampled[rid])
+        self._drafts = DraftTokenIds(req_ids, self.proposer.propose(req_ids)) if req_ids else None
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        drafts, self._drafts = self._drafts, None
+        return drafts
