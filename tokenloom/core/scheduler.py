@@ -668,7 +668,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request.is_prefill_chunk:
+            if request.is_prefill_chunk or request.use_structured_output:
+                # Constrained requests are not speculated on yet: their drafts would be verified
+                # without grammar bitmask rows (vLLM filters them with the grammar instead).
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = list(drafts)
