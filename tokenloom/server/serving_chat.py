@@ -109,7 +109,7 @@ async def create_chat_completion(raw: Request) -> Response:
     req, prompt_ids, extras = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
     model = state.model_name(req.model)
     params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs,
-                         extras.structured_outputs)
+                         state.sampling_defaults, extras.structured_outputs)
     if req.logprobs:  # -1 resolved to the whole vocabulary
         req.top_logprobs = params.logprobs
     base_id = base_request_id(raw, req.request_id)
