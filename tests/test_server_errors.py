@@ -81,9 +81,10 @@ BAD_COMPLETIONS = [
     ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs
     ({"truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),  # > max_model_len
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),  # does not compile
+    ({"guided_json": {"type": "strin"}}, "guided_json"),  # not a JSON schema
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
+    ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "guided_regex"),  # two constraints
 ]
 
 
@@ -104,10 +105,13 @@ BAD_CHATS = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),  # the message names the allowed roles
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # without tools
     ({"logprobs": "yes"}, "logprobs"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),  # no name
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice"),  # not among the tools
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ]
 
 

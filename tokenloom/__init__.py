@@ -31,6 +31,7 @@ _LAZY = {
     "LLM": "tokenloom.engine.llm",
     "LLMEngine": "tokenloom.engine.llm_engine",
     "SamplingParams": "tokenloom.sampling_params",
+    "StructuredOutputsParams": "tokenloom.sampling_params",
     "RequestOutput": "tokenloom.engine.outputs",
     "CompletionOutput": "tokenloom.engine.outputs",
 }

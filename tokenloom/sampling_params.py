@@ -6,6 +6,7 @@ Pure Python: the scheduler core reads the stop conditions, the model's sampler r
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
@@ -17,6 +18,62 @@ class RequestOutputKind(enum.Enum):
 
     CUMULATIVE = 0  # after every step that advanced it: the text and tokens so far (+ this step's delta_*)
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate: nothing reads the partial ones)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one constraint on what a request may generate.
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of
+    these strings; grammar: EBNF (GBNF) or Lark text; structural_tag: xgrammar's structural tag (JSON
+    text). Checked for shape here; the grammar library checks the content (tokenloom/structured).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON without optional whitespace (vLLM's option; the default allows any, as JSON does).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                f"structural_tag; got {kinds or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec as text): what a compiled grammar is cached under."""
+        ws = "compact|" if self.disable_any_whitespace else "any|"
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json", ws + spec
+        if self.json_object:
+            return "json_object", ws
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        assert self.structural_tag is not None
+        return "structural_tag", self.structural_tag
 
 
 @dataclass
@@ -46,6 +103,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding (JSON schema, regex, choice, grammar): vLLM's field of the same name.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
     eos_token_id: int | None = field(default=None, repr=False)
     # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
@@ -109,6 +168,8 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop strings must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -61,6 +61,10 @@ class SchedulerOutput:
     cached_tokens: dict[str, int] = field(default_factory=dict)
     num_prefill_tokens: dict[str, int] = field(default_factory=dict)
     bound_by: str = "nothing"
+    # Structured outputs: the constrained requests that sample this step, and their grammar bitmask
+    # (one row each, in this order; int32 words, one bit per vocabulary entry, 1 = allowed).
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
     # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
     policy_actions: dict[str, Any] = field(default_factory=dict)
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from tokenloom.core.structured_output import StructuredOutputRequest
 from tokenloom.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Waiting for its grammar to compile (vLLM's WAITING_FOR_FSM): skipped by admission until ready.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.
@@ -103,6 +106,9 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.error: str | None = None
+        # The grammar of a constrained request (structured outputs, forced tool calls); None otherwise.
+        so = self.sampling_params.structured_outputs
+        self.structured_output_request = StructuredOutputRequest(so.key) if so is not None else None
         # Free-form slot for the front end (e.g. the detokenizer state).
         self.extra: dict[str, Any] = {}
 
@@ -150,6 +156,10 @@ class Request:
         for i in range(len(self.block_hashes), n_full):
             parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]))
             self.block_hashes.append(parent)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
 
     # Status -------------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -44,6 +44,7 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
+from tokenloom.core.structured_output import StructuredOutputManager
 
 
 class RequestRejected(ValueError):
@@ -136,6 +137,10 @@ class Scheduler:
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Grammars of constrained requests (set by the engine, which knows the tokenizer); None:
+        # constrained requests are rejected. Requests whose grammar failed to compile, with why.
+        self.structured_output_manager: StructuredOutputManager | None = None
+        self.grammar_compile_errors: dict[str, str] = {}
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,6 +148,13 @@ class Scheduler:
         self._validate(request)
         request.set_block_size(self.block_size)
         request.status = RequestStatus.WAITING
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "
+                                      "backend, and this engine has none")
+            # Compiles in the manager's thread pool; admission skips the request until it is done.
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         if self.prefill_wait_bound is not None:
@@ -191,6 +203,8 @@ class Scheduler:
         assert request.is_finished()
         request.finished_time = self.clock()
         self.kv_cache_manager.free(request)
+        if request.use_structured_output and self.structured_output_manager is not None:
+            self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if self.priority_preemption is not None:
@@ -299,6 +313,7 @@ class Scheduler:
             self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
 
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
+        skipped_waiting: list[Request] = []
         if preempted_reqs:
             bound_by = bound_by or "kv_blocks"
         else:
@@ -307,6 +322,10 @@ class Scheduler:
                     bound_by = "max_num_seqs"
                     break
                 request = self.waiting.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                    # Still compiling (or failed): step over it, the others are not held up.
+                    skipped_waiting.append(self.waiting.pop_request())
+                    continue
                 if not self._admission_open(request):
                     bound_by = bound_by or "batch"
                     break
@@ -376,6 +395,8 @@ class Scheduler:
                 cached_tokens[request.request_id] = num_new_local_computed
                 if pad_spec_decode:
                     scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
+        if skipped_waiting:
+            self.waiting.prepend_requests(skipped_waiting)
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
@@ -415,9 +436,35 @@ class Scheduler:
             bound_by=bound_by,
             policy_actions=policy_actions,
         )
+        if self.structured_output_manager is not None:
+            self._add_grammar_bitmask(output)
         self._update_after_schedule(output)
         self.num_schedule_calls += 1
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update."""
+        assert self.structured_output_manager is not None
+        try:
+            ready = self.structured_output_manager.is_ready(request)
+        except Exception as exc:
+            self.grammar_compile_errors[request.request_id] = f"grammar compilation failed: {exc}"
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Bitmask rows for exactly the constrained requests that sample this step (before the
+        frontier advances: a chunk that stops short of the sequence's end samples nothing)."""
+        sampling = [
+            r for rid, n in output.num_scheduled_tokens.items()
+            if (r := self.requests[rid]).use_structured_output and r.num_computed_tokens + n >= r.num_tokens
+        ]
+        if sampling:
+            assert self.structured_output_manager is not None
+            output.structured_output_request_ids = [r.request_id for r in sampling]
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
 
     def _schedule_spec_tokens(self, request: Request, num_new_tokens: int, scheduled: dict[str, list[int]]) -> None:
         """The drafts that fit in `num_new_tokens` go out; scheduling a request always clears its
@@ -575,6 +622,8 @@ class Scheduler:
             is_stopped = False
             if generated:
                 generated, is_stopped = self._update_request_with_output(request, generated, output_is_stale)
+                if request.use_structured_output:
+                    is_stopped = self._advance_grammar(request, generated) or is_stopped
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
@@ -595,6 +644,7 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        error=request.error,
                         new_prompt_logprobs=prompt_lps,
                     )
                 )
@@ -605,6 +655,29 @@ class Scheduler:
         self.spec_decoding_stats = spec_stats
         if spec_stats is not None and self.spec_decoding_totals is not None:
             self.spec_decoding_totals.add(spec_stats)
+        if self.grammar_compile_errors:
+            outputs.extend(self._finish_grammar_errors())
+        return outputs
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
+        """Feed the step's tokens to the request's matcher; True if that ends the request."""
+        manager = self.structured_output_manager
+        assert manager is not None
+        if not manager.accept_tokens(request, token_ids):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = f"the grammar rejected the sampled tokens {token_ids}"
+            return True
+        if not request.is_finished() and manager.is_terminated(request):
+            request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (ignore_eos)
+            return True
+        return False
+
+    def _finish_grammar_errors(self) -> list[EngineCoreOutput]:
+        errors, self.grammar_compile_errors = self.grammar_compile_errors, {}
+        outputs = []
+        for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+            request.error = errors[request.request_id]
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=request.error))
         return outputs
 
     def _rollback_rejected(
@@ -634,7 +707,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request.is_prefill_chunk:
+            if request.is_prefill_chunk or request.use_structured_output:
+                # Constrained requests are not speculated on yet: their drafts would be verified
+                # without grammar bitmask rows (vLLM filters them with the grammar instead).
                 request.spec_token_ids = []
                 continue
             request.spec_token_ids = list(drafts)

@@ -14,6 +14,7 @@ overlaps N's execution. Outputs still come back in step order.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -80,7 +81,15 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t_scheduled = self.clock()
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        return self._finish_step(_InFlight(scheduler_output, future, t_start, t_scheduled))
+        outputs = self._finish_step(_InFlight(scheduler_output, future, t_start, t_scheduled))
+        if scheduler_output.is_empty and not outputs and self._waiting_for_grammar():
+            # Nothing can run until a grammar compiles: yield the CPU to the compile threads
+            # instead of spinning through empty steps.
+            time.sleep(0.001)
+        return outputs
+
+    def _waiting_for_grammar(self) -> bool:
+        return any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """vLLM's EngineCore.step_with_batch_queue (engine/core.py:698-812).

@@ -157,7 +157,9 @@ class EngineCoreProc:
             if self.core.has_work():
                 num_steps = self.core.num_steps
                 outputs = self.core.step()
-                if self.core.num_steps != num_steps:  # async scheduling: a call may only launch a step
+                # A step finished (async scheduling: a call may only launch one) and did something (an
+                # empty step while grammars compile says nothing).
+                if self.core.num_steps != num_steps and (self.core.last_step_tokens or outputs):
                     step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
             if step is not None or handled:
                 self.outbox.send(self._batch(outputs, step))

@@ -15,6 +15,7 @@ from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.engine.generation_config import load_generation_defaults
@@ -91,6 +92,8 @@ class LLMEngine:
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
         if self.speculative_config is not None:
             self.runner.enable_speculative_decoding(self.speculative_config, sched_cfg.max_model_len)
+        self.structured_output_manager = self._structured_output_manager()
+        self.scheduler.structured_output_manager = self.structured_output_manager
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -104,6 +107,18 @@ class LLMEngine:
             cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        """Grammars for structured outputs; the xgrammar backend is built on the first constrained
+        request, in a compile thread (it reads the whole vocabulary: about 2 s)."""
+        tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
+
+        def backend() -> Any:
+            from tokenloom.model.grammar import make_xgrammar_backend
+
+            return make_xgrammar_backend(tokenizer, vocab_size)
+
+        return StructuredOutputManager(backend)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
@@ -190,6 +205,10 @@ class LLMEngine:
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
         params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
+        if params.structured_outputs is not None:
+            from tokenloom.model.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -254,6 +273,7 @@ class LLMEngine:
             self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling)
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
                                         speculative_config=self.speculative_config)
+        self.scheduler.structured_output_manager = self.structured_output_manager
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
@@ -262,6 +282,7 @@ class LLMEngine:
     def close(self) -> None:
         self.engine_core.drain()
         self.executor.shutdown()
+        self.structured_output_manager.shutdown()
         if self.tracer is not None:
             self.tracer.close()
 

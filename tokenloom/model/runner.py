@@ -58,7 +58,15 @@ from tokenloom.model.platform import (
     resolve_dtype,
     single_threaded,
 )
-from tokenloom.model.sampler import Sampler, SamplerOutput, SamplingRow, all_plain_greedy, make_generator
+from tokenloom.model.sampler import (
+    GrammarRows,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    all_plain_greedy,
+    apply_grammar_bitmask,
+    make_generator,
+)
 from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, verification_input_ids
 from tokenloom.sampling_params import SamplingParams
 
@@ -207,7 +215,8 @@ class ModelRunner:
         prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = {}
         if scheduled:
             inputs = self._prepare_inputs(scheduled)
-            self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs)
+            self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
+                      grammar_rows(scheduler_output, inputs.sample_reqs))
         if self.spec_decode is not None:
             self.spec_decode.propose(sampled)
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -228,6 +237,7 @@ class ModelRunner:
         logprobs: dict[str, list[SampleLogprobs]],
         return_logits: bool,
         prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] | None = None,
+        grammar: GrammarRows | None = None,
     ) -> None:
         with torch.inference_mode():
             hidden = self.model.forward(
@@ -247,6 +257,8 @@ class ModelRunner:
                 # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
                 # argmax of fp32 logits, without the fp32 copy (torch's bf16 argmax is ~10x slower).
                 logits = self.model.compute_logits(hidden, fp32=False)
+                if grammar is not None:
+                    apply_grammar_bitmask(logits, grammar)
                 token_ids = self.model.kernels.argmax_rows(logits)
                 nan_rows = token_ids < 0
                 if bool(nan_rows.any()):
@@ -254,7 +266,7 @@ class ModelRunner:
                 out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
             else:
                 logits = self.model.compute_logits(hidden)
-                out = self.sampler(logits, rows)
+                out = self.sampler(logits, rows, grammar)
         if return_logits:
             self.last_logits = logits
             self.last_logits_index = {s.req_id: i for i, s in enumerate(inputs.sample_reqs)}
@@ -482,3 +494,17 @@ class ModelRunner:
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
+def grammar_rows(so: SchedulerOutput, sample_reqs: list[Any]) -> GrammarRows | None:
+    """The step's grammar bitmask, paired with the sampling rows it constrains (None: no constraint)."""
+    if so.grammar_bitmask is None:
+        return None
+    where = {state.req_id: i for i, state in enumerate(sample_reqs)}
+    keep = [(j, where[rid]) for j, rid in enumerate(so.structured_output_request_ids) if rid in where]
+    if not keep:
+        return None
+    bitmask = so.grammar_bitmask
+    if len(keep) != bitmask.shape[0]:  # a request that failed validation this step has no row
+        bitmask = bitmask[[j for j, _ in keep]]
+    return GrammarRows(bitmask=bitmask, rows=[i for _, i in keep])

@@ -77,11 +77,17 @@ def step_seed(seed: int, output_index: int) -> int:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar: GrammarRows | None = None
+    ) -> SamplerOutput:
         """logits [S, V] (fp32) for S rows -> one token per row (+ logprobs where asked).
 
-        `logits` is left untouched (callers may keep it for debugging).
+        `logits` is left untouched (callers may keep it for debugging), except that the grammar
+        bitmask of constrained rows is applied to it in place, first: everything after (logprobs,
+        penalties, temperature, top-k/top-p) sees only the tokens the grammar allows.
         """
+        if grammar is not None:
+            apply_grammar_bitmask(logits, grammar)
         if all_plain_greedy(rows):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
         raw_logprobs = _raw_logprobs(logits, rows)
@@ -94,6 +100,31 @@ class Sampler:
         token_ids = _sample(logits, rows)
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+@dataclass
+class GrammarRows:
+    """Structured outputs for one step: bitmask row j constrains logits row `rows[j]`."""
+
+    bitmask: torch.Tensor  # [len(rows), ceil(V / 32)] int32, bit set = token allowed
+    rows: list[int]
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarRows) -> None:
+    """Disallowed tokens to -inf, in place, for the constrained rows only (vLLM's
+    apply_grammar_bitmask): xgrammar's compiled CPU kernel, no Python loop over the vocabulary."""
+    import xgrammar as xgr
+
+    bitmask, rows = grammar.bitmask, grammar.rows
+    if rows != list(range(logits.shape[0])):
+        # The kernel pairs bitmask row i with logits row i: spread the rows out to their places
+        # (cheap: V/32 words a row), unconstrained rows all-allowed and skipped via `indices`.
+        aligned = bitmask.new_full((logits.shape[0], bitmask.shape[1]), -1)
+        aligned[rows] = bitmask
+        bitmask = aligned
+    if logits.device != bitmask.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 # --------------------------------------------------------------------------- row classification

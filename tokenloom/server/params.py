@@ -6,7 +6,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.generation_config import server_default
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
@@ -68,7 +68,8 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
 
 def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None, max_logprobs: int = 20,
-                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+                     defaults: dict[str, Any] | None = None,
+                     structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """`defaults`: the model's generation_config defaults, for the fields the request leaves unset."""
     d = defaults or {}
     try:
@@ -95,6 +96,7 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             allowed_token_ids=req.allowed_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
@@ -143,7 +145,8 @@ def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
 
 
 def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
-                      max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+                      max_logprobs: int, defaults: dict[str, Any] | None = None,
+                structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     logprobs = resolve_logprobs(req.logprobs, "logprobs", vocab_size, max_logprobs)
     prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
     # echo with logprobs also scores the prompt (vLLM: prompt_logprobs defaults to logprobs under echo).
@@ -151,7 +154,8 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
         prompt_logprobs = logprobs
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
     return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len, defaults), logprobs,
-                            prompt_logprobs, defaults=defaults)
+                            prompt_logprobs, defaults=defaults,
+                            structured_outputs=structured_outputs)
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
@@ -186,11 +190,6 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
     _check_common(req, vocab_size)
     if not req.messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    if req.tool_choice is not None and req.tool_choice != "none" and req.tools is None:
-        raise APIError(400, "when using tool_choice, tools must be set", "tool_choice")
-    if req.tools is not None and req.tool_choice != "none":
-        # Tool calling (parsing the model's calls) is its own issue; tools the model may only read are fine.
-        raise APIError(400, "tools: tool calling is not supported yet (only with tool_choice \"none\")", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
     if req.logprob_token_ids and not req.logprobs:
@@ -201,13 +200,15 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
-                max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+                max_logprobs: int, defaults: dict[str, Any] | None = None,
+                structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = resolve_logprobs(req.top_logprobs, "top_logprobs", vocab_size, max_logprobs)
     logprobs = (top or 0) if req.logprobs else None
     prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
     return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len, defaults), logprobs,
-                            prompt_logprobs, defaults=defaults)
+                            prompt_logprobs, defaults=defaults,
+                            structured_outputs=structured_outputs)
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
@@ -245,12 +246,18 @@ def render_chat(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, str]] | None = None,
+    tools_prompt: str | None = None,
 ) -> list[int]:
     """The model's own chat template (or the request's), as token ids. Runs in the tokenizer thread."""
     if add_generation_prompt and continue_final_message:
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
                        "continue_final_message")
     dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
+    if tools_prompt:  # a template that does not render tools: they go into the system message
+        if dicts and dicts[0]["role"] == "system":
+            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{tools_prompt}"}
+        else:
+            dicts.insert(0, {"role": "system", "content": tools_prompt})
     kwargs = dict(chat_template_kwargs or {})
     for key, value in (("continue_final_message", continue_final_message), ("chat_template", chat_template),
                        ("tools", tools), ("documents", documents)):

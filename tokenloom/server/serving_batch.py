@@ -33,6 +33,8 @@ async def create_batch_chat_completion(raw: Request) -> Response:
         raise APIError(400, "streaming is not supported by the batch endpoint", "stream")
     if obj.get("n", 1) != 1:
         raise APIError(400, "n must be 1 on the batch endpoint", "n")
+    if obj.get("tools"):
+        raise APIError(400, "tools are not supported by the batch endpoint", "tools")
     parsed = [await parse_chat(state, {**obj, "messages": conv}) for conv in conversations]
     req0 = parsed[0][0]
     model = state.model_name(req0.model)
@@ -43,9 +45,10 @@ async def create_batch_chat_completion(raw: Request) -> Response:
     engine = state.engine
     stream = engine.open_stream()
     try:
-        for rid, (req, prompt_ids) in zip(ids, parsed):
+        for rid, (req, prompt_ids, extras) in zip(ids, parsed):
             params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size,
-                                 state.config.max_logprobs, state.sampling_defaults)
+                                 state.config.max_logprobs, state.sampling_defaults,
+                                 extras.structured_outputs)
             if req.logprobs:  # -1 resolved to the whole vocabulary
                 req.top_logprobs = params.logprobs
             engine.add_request(rid, prompt_ids, params, stream, priority=req.priority)
@@ -57,7 +60,7 @@ async def create_batch_chat_completion(raw: Request) -> Response:
         return Response(status_code=499)
     usage = UsageCounter()
     choices = []
-    for i, (rid, (req, _)) in enumerate(zip(ids, parsed)):
+    for i, (rid, (req, _, _)) in enumerate(zip(ids, parsed)):
         out = finals[rid]
         usage.update(out)
         body = chat_choice(req, out.outputs[0], echo_text(req))

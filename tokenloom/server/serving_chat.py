@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
@@ -18,22 +20,45 @@ from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
+from tokenloom.server.structured import ToolSetup, render_tools, structured_outputs_of, tool_setup
+from tokenloom.server.tool_parser import (
+    StreamingToolParser,
+    parse_output,
+    template_renders_tools,
+    tools_system_prompt,
+)
+from tokenloom.server.tool_parser import finish_reason as tool_finish_reason
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 ROLE = "assistant"
 
 
-async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int]]:
+@dataclass
+class ChatExtras:
+    """What parse_chat worked out beyond the body: the tool setup and the request's constraint."""
+
+    tools: ToolSetup | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], ChatExtras]:
     """Validate one chat request and render its prompt (the batch endpoint shares this)."""
     reject_unsupported_chat(obj)
     req = parse_model(ChatCompletionRequest, obj)
     state.model_name(req.model)
     check_chat_request(req, state.vocab_size)
+    tools = tool_setup(req.tools, req.tool_choice, obj.get("parallel_tool_calls"))
+    extras = ChatExtras(tools, structured_outputs_of(obj, tools))
+    template_tools = render_tools(tools)
+    tools_prompt = None
+    if template_tools and not template_renders_tools(req.chat_template or state.tokenizer.chat_template):
+        tools_prompt = tools_system_prompt(template_tools)
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template_kwargs, req.add_special_tokens, req.chat_template, req.tools, req.documents,
+        req.chat_template_kwargs, req.add_special_tokens, req.chat_template,
+        template_tools if tools_prompt is None else None, req.documents, tools_prompt,
     )
-    return req, truncate_prompt(prompt_ids, req, state.max_model_len)
+    return req, truncate_prompt(prompt_ids, req, state.max_model_len), extras
 
 
 def echo_text(req: ChatCompletionRequest) -> str:
@@ -43,25 +68,34 @@ def echo_text(req: ChatCompletionRequest) -> str:
     return ""
 
 
-def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str) -> dict[str, Any]:
+def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
+                tools: ToolSetup | None = None) -> dict[str, Any]:
     if comp.finish_reason == "error":
         raise APIError(500, "generation failed")
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
-    body: dict[str, Any] = {"index": comp.index, "message": {"role": ROLE, "content": prefix + comp.text},
-                            "logprobs": None, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+    message: dict[str, Any] = {"role": ROLE, "content": prefix + comp.text}
+    calls: list[dict[str, Any]] = []
+    if tools is not None and tools.parses_calls:
+        content, calls = parse_output(comp.text, tools)
+        message = {"role": ROLE, "content": (prefix + content) if content is not None else (prefix or None),
+                   "tool_calls": calls}
+    body: dict[str, Any] = {"index": comp.index, "message": message, "logprobs": None,
+                            "finish_reason": tool_finish_reason(comp.finish_reason, tools, calls),
+                            "stop_reason": comp.stop_reason,
                             "token_ids": comp.token_ids if req.return_token_ids else None}
     if comp.logprobs is not None:
         body["logprobs"] = chat_logprobs(comp.token_ids, comp.logprobs, top_n, bool(req.return_tokens_as_token_ids))
     return body
 
 
-def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str) -> dict[str, Any]:
+def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str,
+                  tools: ToolSetup | None = None) -> dict[str, Any]:
     prefix = echo_text(req)
     choices = []
     for comp in out.outputs:
         if comp.finish_reason == "error":
             raise APIError(500, out.error or "generation failed")
-        choices.append(chat_choice(req, comp, prefix))
+        choices.append(chat_choice(req, comp, prefix, tools))
     usage = UsageCounter()
     usage.update(out)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -72,10 +106,10 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: st
 
 async def create_chat_completion(raw: Request) -> Response:
     state = get_state(raw)
-    req, prompt_ids = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
+    req, prompt_ids, extras = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
     model = state.model_name(req.model)
     params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs,
-                         state.sampling_defaults)
+                         state.sampling_defaults, extras.structured_outputs)
     if req.logprobs:  # -1 resolved to the whole vocabulary
         req.top_logprobs = params.logprobs
     base_id = base_request_id(raw, req.request_id)
@@ -89,17 +123,17 @@ async def create_chat_completion(raw: Request) -> Response:
         stream.close()
         raise
     if req.stream:
-        return _stream(state, req, stream, request_id, model, base_id)
+        return _stream(state, req, stream, request_id, model, base_id, extras.tools)
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its request was aborted
         return Response(status_code=499)
     out = finals[engine_id]
-    return JSONResponse(chat_response(req, out, request_id, model),
+    return JSONResponse(chat_response(req, out, request_id, model, extras.tools),
                         headers=response_headers(state, raw, base_id, out))
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request_id: str, model: str,
-            base_id: str) -> Response:
+            base_id: str, tools: ToolSetup | None = None) -> Response:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -118,12 +152,28 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
                                              "finish_reason": None}]} for i in range(req.n)]
         return chunks
 
+    parsers: dict[int, StreamingToolParser] = {}
+
+    def delta_of(index: int, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """The chunk's delta and finish reason: text as content, or (tools) content and complete calls."""
+        if tools is None or not tools.parses_calls:
+            return ({"content": comp.delta_text} if comp.delta_text else {}), comp.finish_reason
+        parser = parsers.setdefault(index, StreamingToolParser(tools))
+        content, calls = parser.feed(comp.delta_text, comp.finish_reason is not None)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, tool_finish_reason(comp.finish_reason, tools, parser.calls)
+
     def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
         wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids)
         if not (comp.delta_text or comp.finish_reason or wants_tokens):
             return None
-        body: dict[str, Any] = {"index": index, "delta": {"content": comp.delta_text} if comp.delta_text else {},
-                                "logprobs": None, "finish_reason": comp.finish_reason,
+        delta, finish = delta_of(index, comp)
+        if not (delta or finish or wants_tokens):
+            return None
+        body: dict[str, Any] = {"index": index, "delta": delta,
+                                "logprobs": None, "finish_reason": finish,
                                 "stop_reason": comp.stop_reason}
         if comp.delta_logprobs is not None:
             body["logprobs"] = chat_logprobs(comp.delta_token_ids, comp.delta_logprobs, top_n, as_ids)

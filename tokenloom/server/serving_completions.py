@@ -18,6 +18,7 @@ from tokenloom.server.protocol import CompletionRequest
 from tokenloom.server.responses import UsageCounter, completion_logprobs, prompt_logprobs_json
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
+from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.unsupported import reject_unsupported_completion
 
 
@@ -28,9 +29,10 @@ async def create_completion(raw: Request) -> Response:
     req = parse_model(CompletionRequest, obj)
     model = state.model_name(req.model)
     check_completion_request(req, state.vocab_size)
+    structured = structured_outputs_of(obj)
     prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer, state.max_model_len)
     params = [completion_params(req, len(ids), state.max_model_len, state.vocab_size,
-                                 state.config.max_logprobs, state.sampling_defaults) for _, ids in prompts]
+                                 state.config.max_logprobs, state.sampling_defaults, structured) for _, ids in prompts]
     base_id = base_request_id(raw, req.request_id)
     request_id = f"cmpl-{base_id}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.

@@ -20,19 +20,14 @@ class Unsupported:
     neutral: tuple[Any, ...] = ()  # values that ask for nothing (None always does)
 
 
-_STRUCTURED = "structured outputs are not supported yet"
-_TOOLS = "tool calling is not supported yet"
 
 COMMON: dict[str, Unsupported] = {
-    # Structured outputs (their own issue): until they land, a constrained request must not get free text.
-    "structured_outputs": Unsupported(_STRUCTURED, ({},)),
-    "guided_json": Unsupported(_STRUCTURED),
-    "guided_regex": Unsupported(_STRUCTURED),
-    "guided_choice": Unsupported(_STRUCTURED),
-    "guided_grammar": Unsupported(_STRUCTURED),
-    "guided_decoding_backend": Unsupported(_STRUCTURED),
-    "guided_whitespace_pattern": Unsupported(_STRUCTURED),
-    "response_format": Unsupported(_STRUCTURED, ({"type": "text"},)),
+    # Structured outputs run on xgrammar (server/structured.py); other backends and a custom
+    # whitespace pattern are not offered.
+    "guided_decoding_backend": Unsupported("only the xgrammar structured-output backend is available",
+                                           ("auto", "xgrammar")),
+    "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported (use "
+                                             "structured_outputs.disable_any_whitespace)"),
     # Beam search: vLLM runs it as a loop of one-token requests over the engine in the API process;
     # tokenloom refuses it rather than return n independent samples.
     "use_beam_search": Unsupported("beam search is not supported; use n with sampling", (False,)),
@@ -54,8 +49,7 @@ COMMON: dict[str, Unsupported] = {
 }
 
 CHAT: dict[str, Unsupported] = {
-    "tools": Unsupported(_TOOLS),
-    "functions": Unsupported(_TOOLS),
+    "functions": Unsupported("functions (deprecated by OpenAI) is not supported; use tools"),
     "reasoning_effort": Unsupported("reasoning_effort needs a reasoning parser, which tokenloom lacks"),
     "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
     "media_io_kwargs": Unsupported("multimodal inputs are not supported", ({},)),

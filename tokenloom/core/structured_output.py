@@ -1,0 +1,158 @@
+"""StructuredOutputManager: grammars for constrained requests, compiled off the step loop (vLLM's shape).
+
+vLLM: `vllm/v1/structured_output/__init__.py`. The scheduler drives it:
+
+- `grammar_init(request)` when a constrained request arrives: compilation is submitted to a thread
+  pool (cached by (kind, spec), so equal schemas compile once and share the result); the request
+  waits in WAITING_FOR_FSM and is skipped, not blocking the queue, until `is_ready` says so;
+- `grammar_bitmask(requests)` each step: one bitmask row per request that samples in this step
+  (the allowed next tokens, one bit per vocabulary entry), carried in the SchedulerOutput;
+- `accept_tokens(request, ids)` with the tokens the step produced: advances the matcher;
+- `free(request)` when the request ends (finished, aborted, errored), also while still compiling.
+
+Pure Python, no torch: the grammar library sits behind a `GrammarBackend` (tokenloom/model/grammar.py
+builds the xgrammar one from the tokenizer); bitmasks are opaque to this module.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tokenloom.core.request import Request
+
+
+class GrammarMatcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+    def fill_bitmask(self, bitmask: Any, index: int) -> None: ...
+    def is_terminated(self) -> bool: ...
+    def rollback(self, num_tokens: int) -> None: ...
+
+
+class GrammarBackend(Protocol):
+    def compile(self, kind: str, spec: str) -> Any: ...
+    def matcher(self, compiled: Any, stop_token_ids: Sequence[int]) -> GrammarMatcher: ...
+    def allocate_bitmask(self, num_rows: int) -> Any: ...
+    def fill_all_allowed(self, bitmask: Any, index: int) -> None: ...
+
+
+@dataclass
+class StructuredOutputRequest:
+    """The grammar side of one request (Request.structured_output_request)."""
+
+    key: tuple[str, str]
+    compiled: Future[Any] | None = None
+    matcher: GrammarMatcher | None = None
+    num_accepted: int = 0
+    # Seconds from grammar_init to the compiled grammar (0 for a cache hit): for the figures.
+    compile_wait_s: float = field(default=0.0, repr=False)
+
+
+class StructuredOutputManager:
+    # Compiled grammars kept by (kind, spec); xgrammar keeps its own cache behind this one as well.
+    cache_size = 256
+
+    def __init__(self, backend_factory: Callable[[], GrammarBackend], max_workers: int | None = None) -> None:
+        self._backend_factory = backend_factory
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        # Compilation runs here, never on the step loop (vLLM: half the cores).
+        workers = max_workers or max(1, ((os.cpu_count() or 2) + 1) // 2)
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        # Live constrained requests by id: what `free` must clear (the leak check reads it).
+        self.requests: dict[str, StructuredOutputRequest] = {}
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+
+    @property
+    def backend(self) -> GrammarBackend:
+        # Built on first use, in a compile thread: building the tokenizer's vocabulary table takes
+        # about a second and must not stall a step.
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    # Requests in and out ---------------------------------------------------------------------
+    def grammar_init(self, request: Request) -> None:
+        so = request.structured_output_request
+        assert so is not None
+        future = self._compiled.get(so.key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._compiled.move_to_end(so.key)
+            self.num_cache_hits += 1
+        else:
+            future = self.executor.submit(self._compile, so.key)
+            self._compiled[so.key] = future
+            self.num_compiles += 1
+            while len(self._compiled) > self.cache_size:
+                self._compiled.popitem(last=False)
+        so.compiled = future
+        so.compile_wait_s = -time.perf_counter()
+        self.requests[request.request_id] = so
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        return self.backend.compile(*key)
+
+    def is_ready(self, request: Request) -> bool:
+        """True once the grammar compiled (the matcher is then built); raises the compile error."""
+        so = request.structured_output_request
+        assert so is not None and so.compiled is not None
+        if so.matcher is not None:
+            return True
+        if not so.compiled.done():
+            return False
+        compiled = so.compiled.result()  # raises the compile error
+        so.matcher = self.backend.matcher(compiled, sorted(request.sampling_params.all_stop_token_ids))
+        so.compile_wait_s += time.perf_counter()
+        return True
+
+    def free(self, request: Request) -> None:
+        so = self.requests.pop(request.request_id, None)
+        if so is not None:
+            # The compiled grammar stays cached for the next request with this schema; only this
+            # request's matcher goes.
+            so.matcher = None
+
+    # The step ----------------------------------------------------------------------------------
+    def grammar_bitmask(self, requests: Sequence[Request]) -> Any:
+        """One row per request, in order: the tokens each may sample next (all, once terminated)."""
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(len(requests))
+        for i, request in enumerate(requests):
+            so = request.structured_output_request
+            assert so is not None and so.matcher is not None
+            if so.matcher.is_terminated():
+                backend.fill_all_allowed(bitmask, i)
+            else:
+                so.matcher.fill_bitmask(bitmask, i)
+        return bitmask
+
+    def accept_tokens(self, request: Request, token_ids: Sequence[int]) -> bool:
+        """Advance the request's matcher; False if the grammar rejects a token."""
+        so = request.structured_output_request
+        assert so is not None and so.matcher is not None
+        for token in token_ids:
+            if so.matcher.is_terminated():
+                return True  # tokens after the grammar's end (ignore_eos) are not constrained
+            if not so.matcher.accept_token(token):
+                return False
+            so.num_accepted += 1
+        return True
+
+    def is_terminated(self, request: Request) -> bool:
+        so = request.structured_output_request
+        return so is not None and so.matcher is not None and so.matcher.is_terminated()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

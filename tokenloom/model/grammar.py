@@ -1,0 +1,191 @@
+"""The grammar library behind structured outputs: xgrammar (vLLM's default backend).
+
+- `XgrammarBackend`: compiles a (kind, spec) against the tokenizer's vocabulary, builds per-request
+  matchers and bitmasks; the StructuredOutputManager (tokenloom/core/structured_output.py) drives it.
+- `validate_structured_outputs`: what the API process checks before a request is queued, without the
+  tokenizer (an invalid schema, an unsupported feature, a bad regex or grammar → ValueError, which
+  the server answers with 400). vLLM: `vllm/v1/structured_output/backend_xgrammar.py`.
+
+Why xgrammar and not llguidance: see docs/structured_outputs.md (per-step cost and coverage).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from tokenloom.sampling_params import StructuredOutputsParams
+
+# JSON Schema string formats xgrammar generates (vLLM's list); others are refused up front.
+_STRING_FORMATS = {
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+}
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF for exactly one of `choices` (vLLM turns `choice` into a grammar the same way)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XgrammarMatcher:
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, index)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+
+class XgrammarBackend:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int = 8) -> None:
+        # vocab_size is the model's (its logits' width), which may pad past the tokenizer's.
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
+
+    def compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
+        if kind in ("json", "json_object"):
+            # The key's spec carries the whitespace choice as a prefix (see grammar_key).
+            any_ws, _, schema = spec.partition("|")
+            schema = schema if kind == "json" else '{"type": "object"}'
+            compact = any_ws == "compact"
+            return self.compiler.compile_json_schema(
+                schema, any_whitespace=not compact, separators=(",", ":") if compact else None
+            )
+        if kind == "regex":
+            return self.compiler.compile_regex(spec)
+        if kind == "choice":
+            return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
+        if kind == "grammar":
+            return self.compiler.compile_grammar(spec)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(spec)
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int]) -> XgrammarMatcher:
+        # Rollback (for rejected drafts) is unlimited in this xgrammar: no max_rollback_tokens.
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None))
+
+    def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def fill_all_allowed(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].fill_(-1)
+
+
+def make_xgrammar_backend(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
+    """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`)."""
+    return XgrammarBackend(getattr(tokenizer, "hf", tokenizer), vocab_size)
+
+
+# Validation (API side, no tokenizer) -------------------------------------------------------------
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Raise ValueError saying what is wrong with the constraint; cheap (no vocabulary pass)."""
+    kind, spec = params.key
+    if kind == "json":
+        schema = json_schema_of(params)
+        _check_json_schema(schema)
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(schema))
+        except Exception as exc:
+            raise ValueError(f"the JSON schema cannot be turned into a grammar: {_short(exc)}") from None
+    elif kind == "regex":
+        try:
+            xgr.Grammar.from_regex(spec)
+        except Exception as exc:
+            raise ValueError(f"the regex does not compile: {_short(exc)}") from None
+    elif kind == "grammar":
+        if _looks_like_lark(spec):
+            raise ValueError("Lark grammars are not supported; give the grammar in EBNF (GBNF) with a root rule")
+        try:
+            xgr.Grammar.from_ebnf(spec)
+        except Exception as exc:
+            raise ValueError(f"the grammar does not parse as EBNF: {_short(exc)}") from None
+    elif kind == "structural_tag":
+        try:
+            xgr.Grammar.from_structural_tag(spec)
+        except Exception as exc:
+            raise ValueError(f"invalid structural_tag: {_short(exc)}") from None
+
+
+def json_schema_of(params: StructuredOutputsParams) -> Any:
+    if isinstance(params.json, str):
+        try:
+            return json.loads(params.json)
+        except ValueError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+    return params.json
+
+
+def _check_json_schema(schema: Any) -> None:
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"the JSON schema must be an object, not {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise ValueError(f"invalid JSON schema at {where}: {exc.message}") from None
+    feature = unsupported_json_feature(schema)
+    if feature:
+        raise ValueError(f"unsupported JSON schema feature: {feature}")
+
+
+def unsupported_json_feature(schema: Any, path: str = "") -> str | None:
+    """The first schema keyword xgrammar cannot enforce (vLLM's list), as 'path: keyword', or None."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            if found := unsupported_json_feature(item, f"{path}/{i}"):
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types or [])
+    where = path or "(root)"
+    if types & {"integer", "number"} and "multipleOf" in schema:
+        return f"{where}: multipleOf"
+    if "array" in types:
+        for key in ("uniqueItems", "contains", "minContains", "maxContains"):
+            if key in schema:
+                return f"{where}: {key}"
+    if "string" in types and "format" in schema and schema["format"] not in _STRING_FORMATS:
+        return f"{where}: format {schema['format']!r}"
+    if "string" in types and ("pattern" in schema or "format" in schema) and (
+        "minLength" in schema or "maxLength" in schema
+    ):
+        return f"{where}: pattern/format together with minLength/maxLength"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) >= 2:
+        return f"{where}: allOf with more than one schema"
+    for key, value in schema.items():
+        if (isinstance(value, (dict, list)) and key not in ("enum", "const", "examples", "default")
+                and (found := unsupported_json_feature(value, f"{path}/{key}"))):
+            return found
+    return None
+
+
+def _looks_like_lark(text: str) -> bool:
+    return "::=" not in text and any(line.strip().startswith(("start:", "?start:")) for line in text.splitlines())
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    # xgrammar prefixes its messages with "[time] /path/file.cc:line: ": the reason is what follows.
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:300]
