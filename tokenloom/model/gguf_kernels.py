@@ -62,7 +62,12 @@ def _load() -> ModuleType | None:
                 return _import(name, built)
             except ImportError as exc:
                 logger.warning("cached GGUF kernels at %s do not load (%s); rebuilding", built, exc)
-        return _build(name, build_dir)
+        from tokenloom.model.kernels import build_lock
+
+        with build_lock(build_dir):
+            if built.is_file():  # another process built it while this one waited
+                return _import(name, built)
+            return _build(name, build_dir)
     except Exception as exc:  # noqa: BLE001 - any failure means: dequantize instead
         lines = str(exc).strip().splitlines()
         detail = [ln for ln in lines if "error" in ln.lower()][:3] or lines[-1:]

@@ -14,6 +14,7 @@ and returns None: callers then run the pure-torch path, which computes the same 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -23,6 +24,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -94,13 +96,40 @@ def _load() -> ModuleType | None:
                 return _import(name, built)
             except ImportError as exc:  # a broken cache entry: rebuild it
                 logger.warning("cached CPU kernels at %s do not load (%s); rebuilding", built, exc)
-        return _build(name, build_dir)
+        with build_lock(build_dir):
+            if built.is_file():  # another process built it while this one waited
+                return _import(name, built)
+            return _build(name, build_dir)
     except Exception as exc:  # noqa: BLE001 - any failure means: run the torch path
         lines = str(exc).strip().splitlines()
         detail = [ln for ln in lines if "error" in ln.lower()][:3] or lines[-1:]
         logger.warning("tokenloom CPU kernels unavailable (%s: %s); using the slower pure-torch path",
                        type(exc).__name__, " | ".join(detail))
         return None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialise builds of one cache entry across processes, and clear a stale torch build lock.
+
+    torch's builder guards a build with a `lock` file in the build directory; a builder killed
+    midway (a test server stopped during its first start, a session ending) leaves it behind, and
+    every later build of the same source then waits on it forever. An flock is released by the
+    kernel when its holder dies, so whoever holds it knows that any `lock` file left is stale.
+    """
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _import(name: str, path: Path) -> ModuleType:
