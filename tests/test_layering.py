@@ -1,6 +1,6 @@
 """Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
 
-    config, sampling_params  <  core  <  model  <  engine  <  server, workload  <  bench, sim  <  explore
+    config, sampling_params  <  core  <  model, router  <  engine  <  server, workload  <  bench, sim  <  explore
 
 Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
 as vLLM's benchmarks share datasets.py). tokenloom/cli.py collects every room's commands by name
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 LEVELS = {
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
-    "tokenloom.model": 2,
+    "tokenloom.model": 2, "tokenloom.router": 2,
     "tokenloom.engine": 3,
     "tokenloom.server": 4, "tokenloom.workload": 4,
     "tokenloom.bench": 5, "tokenloom.sim": 5,

@@ -179,9 +179,9 @@ def test_unknown_architecture_in_config_json(tiny_dirs, tmp_path: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    cfg.update(model_type="falcon", architectures=["FalconForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'mistral'.*llama, qwen2"):
+    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2"):
         load_model(resolve_model_path(tmp_path))
 
 
@@ -247,7 +247,8 @@ def test_tiny_tokenizer_same_from_hf_dir_and_gguf(tiny_dirs, tmp_path: Path) -> 
     messages = [{"role": "user", "content": "hi there"}]
     for tok in (from_dir, from_gguf):
         assert (tok.bos_token_id, tok.eos_token_id, tok.vocab_size) == (1, 2, TINY_VOCAB)
-        assert tok.apply_chat_template(messages) == "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+            "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     for text in [*TEXTS, "<|im_start|>user\nspecial tokens stay whole<|im_end|>"]:
         assert from_gguf.encode(text) == from_dir.encode(text)
         assert from_dir.decode(from_dir.encode(text), skip_special_tokens=False) == text
@@ -361,9 +362,10 @@ def test_default_tokenizer_round_trip_and_template(default_tokenizer: Tokenizer)
     for text in TEXTS:
         assert tok.decode(tok.encode(text)) == text
     assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
-    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
+                                       tokenize=False)
     assert rendered.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
     assert ids == tok.encode(rendered, add_special_tokens=False)
     assert ids[0] == tok.bos_token_id  # the template opens with <|im_start|>
 

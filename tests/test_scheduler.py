@@ -389,6 +389,30 @@ def test_static_batching_prefills_before_decoding() -> None:
     assert "0" not in out.num_scheduled_tokens
 
 
+def test_prefix_cache_stats_are_per_interval_and_count_resumed_requests_apart() -> None:
+    """vLLM semantics: make_stats() hands over this interval's lookups and starts a new interval; a
+    request resumed after preemption is counted in preempted_*; the Prometheus totals keep growing."""
+    sched = create_scheduler(max_num_batched_tokens=64, block_size=16)
+    a, b = create_requests(2, num_tokens=33, same_prompt=True, max_tokens=3)
+    sched.add_request(a)
+    step(sched)
+    first = sched.make_stats()
+    assert (first.prefix_cache_stats.requests, first.prefix_cache_stats.queries) == (1, 33)
+    sched.add_request(b)
+    step(sched)
+    second = sched.make_stats()
+    assert (second.prefix_cache_stats.requests, second.prefix_cache_stats.hits) == (1, 32)  # only b
+    assert (second.prefix_cache_queries, second.prefix_cache_hits) == (66, 32)  # totals since start
+    assert sched.reset_prefix_cache(reset_running_requests=True)  # both back to waiting, blocks freed
+    assert [r.request_id for r in sched.waiting] == ["0", "1"] and not sched.running
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == sched.kv_cache_manager.num_blocks
+    step(sched)
+    third = sched.make_stats()
+    s = third.prefix_cache_stats
+    assert s.reset and (s.requests, s.preempted_requests) == (0, 2) and s.preempted_queries > 0
+    assert third.prefix_cache_queries == 66  # resumed lookups stay out of the new-request totals
+
+
 def test_the_configuration_picks_the_scheduler_class() -> None:
     from tokenloom.config import CacheConfig, SchedulerConfig
     from tokenloom.core.batch_scheduler import BatchScheduler

@@ -69,8 +69,21 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ({"stream": "maybe"}, "stream"),
-    ({"echo": True}, "echo"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"echo": "yes"}, "echo"),  # strict types: "yes" is not a boolean
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"n": "2"}, "n"),
+    ({"logit_bias": {"5000000": 1.0}}, "logit_bias"),  # out of vocabulary
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"seed": 2**64}, "seed"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs
+    ({"truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),  # > max_model_len
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 
@@ -87,7 +100,11 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"max_completion_tokens": -3}, "max_tokens"),
-    ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),  # the message names the allowed roles
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # without tools
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -128,6 +145,10 @@ def test_oversized_bodies_are_413(http) -> None:
         yield b'"}'
 
     _assert_error(http.post("/v1/completions", content=chunks()), 413)
+    # Far beyond the socket buffers: the 413 goes out before the body is read, and the rest is drained so
+    # the client (which writes everything before reading) reads it instead of a connection reset.
+    huge = b'{"prompt": "' + b"z" * (16 << 20) + b'"}'
+    _assert_error(http.post("/v1/completions", content=huge, headers={"Content-Type": "application/json"}), 413)
 
 
 def test_api_key(server) -> None:

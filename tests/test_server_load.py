@@ -16,11 +16,13 @@ pytestmark = pytest.mark.slow
 NUM_BLOCKS = 4096
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sync", "async"])
+def server(request, tmp_path_factory):
     model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
     args = [str(model_dir), "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--block-size", "4",
             "--served-model-name", "tiny"]
+    if request.param == "async":  # the engine core's batch queue with disconnects midway
+        args.append("--async-scheduling")
     with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 

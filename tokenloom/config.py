@@ -26,6 +26,7 @@ BatchingMode = Literal["continuous", "static", "request"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+GenerationConfigMode = Literal["auto", "vllm"]
 # --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
 # quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
 Quantization = Literal["int8", "gguf"]
@@ -137,6 +138,11 @@ class SchedulerConfig:
     priority_preemption_protection_steps: int = knob(
         8, "steps after resuming during which a request preempted by --enable-priority-preemption "
         "cannot be preempted by it again")
+    # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
+    # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
+    async_scheduling: bool = knob(
+        False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)",
+        simulated=False)
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -160,6 +166,12 @@ class SchedulerConfig:
         if self.enable_priority_preemption and self.policy != "priority":
             raise ConfigError("enable_priority_preemption needs scheduling_policy='priority' "
                               f"(got {self.policy!r}): it preempts by priority")
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.batching != "continuous":
+            raise ConfigError(
+                f"async_scheduling needs batching='continuous' (vLLM's scheduler), got batching={self.batching!r}"
+            )
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.long_prefill_token_threshold > self.max_model_len:
@@ -186,11 +198,58 @@ class CacheConfig:
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
+    # Set by the engine from the model (every layer windowed: blocks that fall out of the window are
+    # freed, tokenloom/core/sliding_window.py), so not a knob.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1)
+
+
+# Data parallelism (docs/data_parallel.md): tokenloom/router's policies and the engine-core backends.
+RoutingPolicy = Literal["round_robin", "least_load", "power_of_two", "cache_aware"]
+ROUTING_POLICIES: tuple[str, ...] = get_args(RoutingPolicy)
+ExecutorBackend = Literal["mp", "ray"]
+
+
+@dataclass
+class ParallelConfig:
+    """N independent engine cores under one API process, and the router in front of them (vLLM's
+    --data-parallel-size; the routing policies follow vLLM's DP balancer and SGLang's router)."""
+
+    data_parallel_size: int = knob(
+        1, "engine cores (each its own scheduler, KV cache and runner) under one API server; the machine's "
+        "cores are split between them and KV options apply per engine", reload=True)
+    distributed_executor_backend: ExecutorBackend = knob(
+        "mp", "how engine cores are started: mp = local processes, ray = Ray actors in a placement group "
+        "(pip install 'tokenloom[ray]'; joins RAY_ADDRESS or a local cluster)", simulated=False, reload=True)
+    routing_policy: RoutingPolicy = knob(
+        "cache_aware", "which engine gets a request: round_robin, least_load (vLLM's DP balancer), "
+        "power_of_two, cache_aware (SGLang's: longest cached prefix unless the engines are imbalanced)",
+        reload=True)
+    router_cache_threshold: float = knob(
+        0.3, "cache_aware: send to the longest-prefix engine when its match covers more than this fraction "
+        "of the prompt's blocks, else to the engine with the most room", reload=True)
+    router_balance_abs_threshold: int = knob(
+        4, "cache_aware: engines are imbalanced when max - min requests in flight exceeds this ...", reload=True)
+    router_balance_rel_threshold: float = knob(
+        1.5, "... and max > min * this; then the least loaded engine wins", reload=True)
+    router_lru_blocks: int | None = knob(
+        None, "cache_aware: block hashes remembered per engine (default: the engine's KV pool)", reload=True)
+
+    def __post_init__(self) -> None:
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_choice("distributed_executor_backend", self.distributed_executor_backend, ExecutorBackend)
+        _check_choice("routing_policy", self.routing_policy, RoutingPolicy)
+        if not 0.0 <= self.router_cache_threshold <= 1.0:
+            raise ConfigError(f"router_cache_threshold must be in [0, 1], got {self.router_cache_threshold}")
+        _check_int("router_balance_abs_threshold", self.router_balance_abs_threshold, 0)
+        if self.router_balance_rel_threshold < 1.0:
+            raise ConfigError(f"router_balance_rel_threshold must be >= 1, got {self.router_balance_rel_threshold}")
+        if self.router_lru_blocks is not None:
+            _check_int("router_lru_blocks", self.router_lru_blocks, 1)
 
 
 def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) -> Any:
@@ -355,10 +414,14 @@ class EngineConfig:
     # None: the model's context length, capped by what the KV cache can hold.
     max_model_len: int | None = knob(
         None, "longest prompt + output (default: the model's context, capped by the KV pool)")
+    generation_config: GenerationConfigMode = knob(
+        "auto", "auto: the model directory's generation_config.json gives the default sampling parameters "
+        "(vLLM's default); vllm: ignore it", simulated=False)
     seed: int = knob(0, "random seed of the engine (sampling without a per-request seed)", simulated=False)
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    parallel: ParallelConfig | None = None  # None: one engine core
     # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
     speculative_config: dict | None = knob(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -371,6 +434,7 @@ class EngineConfig:
                       " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
                       if self.dtype == "float16" else "")  # fmt: skip
         _check_choice("device", self.device, Device)
+        _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":
@@ -421,7 +485,8 @@ def _kind(hint: Any) -> tuple[str, tuple[Any, ...] | None]:
     return kinds[hint], None
 
 
-_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig"}
+_SECTIONS = {"engine": "EngineConfig", "scheduler": "SchedulerConfig", "cache": "CacheConfig",
+             "parallel": "ParallelConfig"}
 
 
 def knobs_of(cls: type, section: str) -> list[EngineArg]:
@@ -480,4 +545,5 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> Engine
     # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
     sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
     cache = CacheConfig(**parts["cache"])
-    return EngineConfig(model=model, scheduler=sched, cache=cache, **parts["engine"])
+    parallel = ParallelConfig(**parts["parallel"]) if parts["parallel"] else None
+    return EngineConfig(model=model, scheduler=sched, cache=cache, parallel=parallel, **parts["engine"])

@@ -37,10 +37,19 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-n logprobs of each sampled token (0: only the sampled one)
+    # Log-probabilities of these tokens at every sampled position, in place of the top-n (vLLM's
+    # logprob_token_ids; needs logprobs set, as in vLLM's API).
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # top-n logprobs of each prompt token (the first has none)
+    # Added to the logits before sampling (token id -> bias, clamped to [-100, 100] as in vLLM).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
     eos_token_id: int | None = field(default=None, repr=False)
+    # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
+    max_logprobs: int = field(default=20, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +58,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
         self._verify()
 
     def _verify(self) -> None:
@@ -77,16 +88,37 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        cap = self.max_logprobs if self.max_logprobs >= 0 else 1 << 62
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= cap):
+            bad(f"logprobs must be an integer in [0, {cap}], got {self.logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            bad(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= cap
+        ):
+            bad(f"prompt_logprobs must be an integer in [0, {cap}], got {self.prompt_logprobs!r}")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and (not ids or any(not isinstance(t, int) or t < 0 for t in ids)):
+                bad(f"{name} must be a non-empty list of non-negative token ids")
+        if self.logprob_token_ids is not None and self.logprobs is None:
+            bad("logprob_token_ids needs logprobs set")
+        if self.logit_bias and any(t < 0 for t in self.logit_bias):
+            bad("logit_bias keys must be non-negative token ids")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop strings must be non-empty strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids given as parameters must exist in the model's vocabulary (ValueError naming the field)."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logprob_token_ids", self.logprob_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})")
 
     @property
     def greedy(self) -> bool:

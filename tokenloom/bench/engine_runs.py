@@ -29,6 +29,10 @@ def run_on_engine(engine: Any, requests: Sequence[BenchRequest], overrides: dict
         raise ValueError(f"cannot vary {', '.join(reload)} without reloading the model")
     parts = split_engine_kwargs(overrides)
     base: SchedulerConfig = engine.scheduler_config
+    if parts["scheduler"].get("batching", base.batching) != "continuous":
+        # The comparison batching modes have no async variant: an engine started with
+        # --async-scheduling runs them synchronously (its continuous runs stay async).
+        parts["scheduler"].setdefault("async_scheduling", False)
     sched = replace(base, **parts["scheduler"])
     cache = replace(engine.cache_config, **parts["cache"])
     clock = WallClock()

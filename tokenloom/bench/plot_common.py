@@ -113,6 +113,23 @@ def step_ms(step: dict) -> float:
     return (float(step.get("t_end", 0.0)) - float(step.get("t_start", 0.0))) * 1000.0
 
 
+def step_intervals(steps: Sequence[dict]) -> list[tuple[float, float, float]] | None:
+    """Per step (ms): execute time, host time (schedule + update), and the part of the host time that
+    ran while some step executed in the worker thread (what async scheduling hides). None when the
+    trace has no execute intervals (older traces, or the simulator)."""
+    if not steps or any(s.get("t_exec_start") is None for s in steps):
+        return None
+    spans = [(float(s["t_exec_start"]), float(s["t_exec_end"])) for s in steps]
+    out = []
+    for s in steps:
+        host = hidden = 0.0
+        for a0, a1 in ((s["t_start"], s["t_scheduled"]), (s["t_update"], s["t_end"])):
+            host += a1 - a0
+            hidden += sum(max(0.0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
+        out.append((1e3 * (s["t_exec_end"] - s["t_exec_start"]), 1e3 * host, 1e3 * min(hidden, host)))
+    return out
+
+
 def trace_title(steps: Sequence[dict], title: str | None) -> str:
     if title:
         return title

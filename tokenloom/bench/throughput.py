@@ -13,7 +13,8 @@ import statistics
 import sys
 from typing import Any
 
-from tokenloom.engine.args import add_engine_args, engine_config_from_args
+from tokenloom.config import engine_config_from_kwargs
+from tokenloom.engine.args import add_engine_args, engine_config_from_args, engine_kwargs_from_args
 
 MODES = ("continuous", "static", "request")
 
@@ -51,10 +52,23 @@ def _run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown batching mode(s) {bad}; choose from {', '.join(MODES)}")
     requests = build_requests(args)
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    dp = config.parallel is not None and (config.parallel.data_parallel_size > 1
+                                          or config.parallel.distributed_executor_backend == "ray")
+    engine = None if dp else LLMEngine(config)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes:
+            if engine is None:  # data parallel: fresh engine processes per run, started before the clock
+                from tokenloom.bench.dp_runs import run_on_dp_engines
+
+                kwargs = {**engine_kwargs_from_args(args), "batching": mode}
+                row, engine_info = run_on_dp_engines(engine_config_from_kwargs(args.model, **kwargs), requests)
+                runs[mode].append(row)
+                print(f"[{rep + 1}/{args.repeats}] {mode} on {len(row['requests_per_engine'])} engines "
+                      f"{row['requests_per_engine']}: {row['duration_s']:.1f} s, "
+                      f"{row['output_tok_s']:.0f} output tok/s", file=sys.stderr)
+                continue
             res = run_on_engine(engine, requests, {"batching": mode})
             m = res.metrics
             row = {
@@ -67,11 +81,15 @@ def _run(args: argparse.Namespace) -> int:
             runs[mode].append(row)
             print(f"[{rep + 1}/{args.repeats}] {mode}: {row['duration_s']:.1f} s, "
                   f"{row['output_tok_s']:.0f} output tok/s", file=sys.stderr)
-    summary = {mode: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for mode, rows in runs.items()}
+    summary = {mode: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "requests_per_engine"}
+               for mode, rows in runs.items()}  # fmt: skip
+    if engine is None:
+        engine = engine_info
     print(format_throughput_table(summary, engine))
     if args.result_file:
         info = {"model": engine.model_name, "dtype": str(engine.dtype).replace("torch.", ""),
                 "quantization": engine.config.quantization,
+                "data_parallel_size": config.parallel.data_parallel_size if config.parallel else 1,
                 "num_requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests),
                 "output_tokens": sum(r.max_tokens for r in requests), "repeats": args.repeats}  # fmt: skip
         with open(args.result_file, "w") as f:

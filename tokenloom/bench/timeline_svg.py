@@ -21,6 +21,7 @@ from tokenloom.bench.plot_common import (
     request_colors,
     select_steps,
     step_blocks,
+    step_intervals,
     step_ms,
     step_totals,
     trace_title,
@@ -171,6 +172,23 @@ def _svg_time_panel(steps: Sequence[dict], x0: float, cw: float, panel: _Panel) 
     return out
 
 
+def _svg_overlap_panel(rows: Sequence[tuple[float, float, float]], steps: Sequence[dict], x0: float, cw: float,
+                       panel: _Panel) -> list[str]:  # fmt: skip
+    """Per step: execute (blue), host work (orange; hatched = the part that overlapped a step's
+    execution, which async scheduling hides)."""
+    out = [f'<text x="4" y="{panel.top + 12:.1f}">exec / host (ms)</text>']
+    for i, ((ex, host, hidden), s) in enumerate(zip(rows, steps)):
+        x = x0 + i * cw
+        tip = f"step {s['step']}: execute {ex:.2f} ms, host {host:.2f} ms ({hidden:.2f} ms overlapped execution)"
+        out.append(_svg_rect(x, panel.y(ex), cw * 0.45, panel.top + panel.height - panel.y(ex), "#3182bd", tip))
+        out.append(_svg_rect(x + cw * 0.45, panel.y(host), cw * 0.45, panel.top + panel.height - panel.y(host),
+                             "#fd8d3c", tip))  # fmt: skip
+        if hidden > 0:
+            out.append(_svg_rect(x + cw * 0.45, panel.y(hidden), cw * 0.45,
+                                 panel.top + panel.height - panel.y(hidden), "url(#hatch)", tip))  # fmt: skip
+    return out
+
+
 def timeline_html(
     trace: Sequence[dict],
     *,
@@ -197,6 +215,11 @@ def timeline_html(
     )
     times = _Panel(top=580, height=90, vmax=max([step_ms(s) for s in view] + [1e-9]))
     height = times.top + times.height + 30
+    intervals = step_intervals(view)
+    overlap = None
+    if intervals is not None:
+        overlap = _Panel(top=height - 10, height=90, vmax=max([max(r[0], r[1]) for r in intervals] + [1e-9]))
+        height = overlap.top + overlap.height + 30
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}">',
         '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
@@ -226,6 +249,8 @@ def timeline_html(
         "running / waiting",
     )
     parts += _svg_time_panel(view, x0, cw, times)
+    if intervals is not None and overlap is not None:
+        parts += _svg_overlap_panel(intervals, view, x0, cw, overlap)
     label_every = max(1, math.ceil(40 / cw))
     for i, s in enumerate(view):
         if i % label_every == 0:
@@ -242,7 +267,9 @@ def timeline_html(
         + f"<h3>{heading}</h3>\n{legend}\n<div class='scroll'>{''.join(parts)}</div>\n"
         + "<p>Columns: one engine step, height = token budget; hatched = prefill, solid = decode; red "
         "triangles = preemptions. Hover a block for details. KV: used (green), cached (dashed), pool "
-        "(black dashed). Step time is coloured by what bound the step.</p>\n"
+        "(black dashed). Step time is coloured by what bound the step. Exec / host (traces with step "
+        "intervals): execute time (blue) and host time, schedule + update (orange), hatched where it "
+        "overlapped a step's execution (hidden by --async-scheduling).</p>\n"
         + f'<script type="application/json" id="trace-data">{data}</script>\n'
         + _HTML_SCRIPT
         + "</body></html>\n"

@@ -19,11 +19,26 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixCacheStats:
+    """vLLM's PrefixCacheStats: lookups since the last `make_prefix_cache_stats()` (per interval).
+
+    Requests resumed after preemption are counted apart (`preempted_*`), as in vLLM, so the hit rate
+    of new requests is not inflated by recomputations finding their own blocks.
+    """
+
+    reset: bool = False  # reset_prefix_cache ran in this interval
     requests: int = 0
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int) -> None:
+    def record(self, num_tokens: int, num_hits: int, preempted: bool = False) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+            return
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hits
@@ -52,7 +67,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request already carry their hash.
         self.num_cached_block: dict[str, int] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats = PrefixCacheStats()  # this interval (vLLM semantics)
+        self.prefix_cache_totals = PrefixCacheStats()  # since start, for Prometheus counters
 
     @property
     def num_blocks(self) -> int:
@@ -69,7 +85,8 @@ class KVCacheManager:
         At most num_tokens - 1 tokens may hit: the last token must be computed to get logits,
         so a full hit recomputes its last block.
         """
-        if not self.enable_caching:
+        # vLLM: a request that wants prompt_logprobs computes its whole prompt (a hit would skip rows).
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
@@ -82,7 +99,14 @@ class KVCacheManager:
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
-            self.prefix_cache_stats.record(request.num_tokens, num_hits)
+            preempted = request.num_preemptions > 0
+            self.prefix_cache_stats.record(request.num_tokens, num_hits, preempted)
+            self.prefix_cache_totals.record(request.num_tokens, num_hits, preempted)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """This interval's stats; the next interval starts empty (vLLM's make_prefix_cache_stats)."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
 
     # Allocation -------------------------------------------------------------------------------
     def _num_blocks_to_allocate(
@@ -147,6 +171,12 @@ class KVCacheManager:
             self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Commit the full blocks of the first `num_computed_tokens` tokens to the prefix cache (the
+        async scheduler calls it once a step's tokens are known; allocate_slots does it otherwise)."""
+        if self.enable_caching and request.request_id in self.req_to_blocks:
+            self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)
@@ -163,8 +193,15 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks freeing the request would return (a sliding-window manager leaves out NULL_BLOCK)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True

@@ -86,10 +86,17 @@ class ModelRunnerOutput:
     # One list per request in req_ids: empty for a prefill chunk that did not reach the end.
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[SampleLogprobs]] | None = None
+    # prompt_logprobs of the prompt tokens this step computed: req_id -> (index of the first prompt
+    # token scored, one SampleLogprobs per scored token). Only for requests that asked.
+    prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] | None = None
     # Requests whose execution failed: they are finished with an error, the rest go on.
     failed: dict[str, str] = field(default_factory=dict)
     # Wall (or simulated) seconds the step took to execute, when the runner knows it.
     execute_time: float | None = None
+    # When the executor ran the step (time.monotonic seconds), for the step trace's timeline: under
+    # async scheduling it overlaps the scheduling of the next step.
+    execute_start: float | None = None
+    execute_end: float | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -107,6 +114,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    new_prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # see ModelRunnerOutput
 
     @property
     def finished(self) -> bool:

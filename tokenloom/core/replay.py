@@ -12,6 +12,8 @@ the request was in, capped at K and max_model_len - num_tokens; default [K]) and
 (drafts accepted at each verification of real drafts; default [0]), both cycled. Draft tokens are
 id 9, sampled ones 7; first-decode padding drafts are always rejected. Each step then records
 `spec` {id: [scheduled drafts, accepted]} and `pending_drafts`; the summary `spec_decoding`.
+With `"async_scheduling": true` in the config the AsyncScheduler is driven in the call order of
+vLLM's batch queue (core/replay_async.py); each step also records `events` and `placeholders`.
 """
 
 from __future__ import annotations
@@ -89,8 +91,9 @@ def parse_trace(data: dict[str, Any]) -> Trace:
     async_scheduling = config.get("async_scheduling", False)
     if not isinstance(async_scheduling, bool):
         raise ConfigError(f"trace config async_scheduling must be true or false, got {async_scheduling!r}")
-    if async_scheduling:
-        raise ConfigError("trace config async_scheduling=true: async scheduling is not implemented yet")
+    if async_scheduling and k > 0:
+        raise ConfigError("trace config: async_scheduling with num_speculative_tokens > 0 is not supported "
+                          "(the engine refuses --async-scheduling with --speculative-config too; docs/async.md)")
     requests = []
     for i, r in enumerate(data["requests"]):
         try:
@@ -230,21 +233,27 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
     k = trace.num_speculative_tokens
     totals = SpecDecodingStats.new(k)
     per_request: dict[str, dict[str, int]] = {}
-    for item in run_steps(trace):
+    if trace.scheduler_config.async_scheduling:
+        from tokenloom.core.replay_async import run_steps_async
+
+        items: Iterator[Any] = run_steps_async(trace, REPLAY_TOKEN_ID)
+    else:
+        items = run_steps(trace)
+    for item in items:
         if isinstance(item, RequestRejected):
             rejected.append(item.request_id)  # type: ignore[attr-defined]
             reasons[item.request_id] = str(item)  # type: ignore[attr-defined]
             continue
         out = item.scheduler_output
-        num_preempted += len(out.preempted_req_ids)
+        num_preempted += len(out.preempted_req_ids) if out is not None else 0
         steps.append(
             {
                 "step": item.step,
-                "scheduled": dict(out.num_scheduled_tokens),
-                "preempted": sorted(out.preempted_req_ids),
+                "scheduled": dict(out.num_scheduled_tokens) if out is not None else {},
+                "preempted": sorted(out.preempted_req_ids) if out is not None else [],
                 "finished": item.finished,
                 "num_free_blocks": item.num_free_blocks,
-                "cached_tokens": dict(out.cached_tokens),
+                "cached_tokens": dict(out.cached_tokens) if out is not None else {},
             }
         )
         if k > 0:
@@ -257,8 +266,11 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 counts["num_drafts"] += 1
                 counts["num_draft_tokens"] += d
                 counts["num_accepted_tokens"] += a
-        if out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
+        if out is not None and out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
             steps[-1]["policy"] = out.policy_actions
+        if hasattr(item, "events"):  # async: the batch queue's calls and the in-flight placeholders
+            steps[-1]["events"] = item.events
+            steps[-1]["placeholders"] = item.placeholders
     total_tokens = sum(sum(s["scheduled"].values()) for s in steps)
     summary: dict[str, Any] = {
         "rejected": rejected,

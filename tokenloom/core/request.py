@@ -81,6 +81,11 @@ class Request:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Async scheduling: tokens scheduled whose step output has not been processed yet, and how
+        # many of them belong to steps scheduled before a preemption (their output is stale: it is
+        # appended but must not touch the counters the preemption reset). vLLM's names.
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
 
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).

@@ -41,6 +41,10 @@ class FCFSRequestQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def __getitem__(self, index: int) -> Request:
+        # vLLM's FCFS queue is a deque: waiting[i] is the i-th in line.
+        return self._queue[index]
+
     def __bool__(self) -> bool:
         return bool(self._queue)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
-from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -42,6 +42,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 
@@ -56,8 +57,9 @@ class SchedulerStats:
     kv_cache_usage: float
     num_free_blocks: int
     num_preemptions_total: int
-    prefix_cache_queries: int
+    prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
+    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
 
@@ -106,6 +108,14 @@ class Scheduler:
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
             max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        ) if cache_config.sliding_window is None else SlidingWindowKVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            sliding_window=cache_config.sliding_window,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
         )
@@ -223,6 +233,16 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if (
+                request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling (vLLM's guard, scheduler.py:663-678): the step in flight already
+                # yields the last token even if all its drafts are rejected; schedule nothing more.
+                # (computed + 1) - (placeholders - 1): placeholders count in computed, drafts aside.
+                req_index += 1
+                continue
             num_new_tokens = (
                 request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
             )
@@ -429,7 +449,7 @@ class Scheduler:
             return None
         if len(self.running) < self.max_num_running_reqs:
             # Blocked by KV alone: preempt only if the victims' blocks can make it fit.
-            reclaimable = sum(len(kv.get_block_ids(v.request_id)) for v in victims)
+            reclaimable = sum(kv.num_blocks_held(v.request_id) for v in victims)
             if kv.block_pool.get_num_free_blocks() + reclaimable < need:
                 return None
         preempted: list[str] = []
@@ -463,6 +483,7 @@ class Scheduler:
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
             request.is_prefill_chunk = (
                 request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
             )
@@ -476,6 +497,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # Output of a step still in flight (async scheduling) is stale: appended when it comes
+        # back, but without touching the counters reset here (vLLM 0.27+).
+        request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -509,21 +533,33 @@ class Scheduler:
         now = self.clock()
         outputs: list[EngineCoreOutput] = []
         stopped: set[int] = set()
+        stopped_preempted: list[Request] = []
         spec_stats: SpecDecodingStats | None = None
         if self.spec_decoding_per_request:
             self.spec_decoding_per_request = {}
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
-        for req_id in scheduler_output.num_scheduled_tokens:
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
+            output_is_stale = False
+            if request is not None:
+                request.num_in_flight_tokens -= num_tokens_scheduled
+                if request.num_stale_output_tokens > 0:  # scheduled before a preemption
+                    output_is_stale = True
+                    request.num_stale_output_tokens -= num_tokens_scheduled
             if request is None or request.is_finished():
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran: its late tokens are dropped
+            status_before = request.status
             if req_id in model_runner_output.failed:
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error = model_runner_output.failed[req_id]
                 self._free_request(request)
-                stopped.add(id(request))
+                if status_before == RequestStatus.RUNNING:
+                    stopped.add(id(request))
+                else:
+                    stopped_preempted.append(request)
                 outputs.append(
                     EngineCoreOutput(req_id, [], finish_reason="error", error=request.error,
                                      num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -533,19 +569,23 @@ class Scheduler:
             generated = list(sampled[i]) if i is not None and sampled else []
 
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if spec and generated:
+            if spec and generated and not output_is_stale:
                 spec_stats = self._rollback_rejected(request, spec, generated, spec_stats)
 
             is_stopped = False
             if generated:
-                generated, is_stopped = self._update_request_with_output(request, generated)
+                generated, is_stopped = self._update_request_with_output(request, generated, output_is_stale)
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
             if is_stopped:
                 self._free_request(request)
-                stopped.add(id(request))
-            if generated or is_stopped:
+                if status_before == RequestStatus.RUNNING:
+                    stopped.add(id(request))
+                else:  # a preempted request finished by its stale output (async scheduling)
+                    stopped_preempted.append(request)
+            prompt_lps = prompt_logprobs.get(req_id)
+            if generated or is_stopped or prompt_lps:
                 req_logprobs = logprobs.get(req_id) if logprobs else None
                 outputs.append(
                     EngineCoreOutput(
@@ -555,10 +595,13 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        new_prompt_logprobs=prompt_lps,
                     )
                 )
         if stopped:
             self.running = [r for r in self.running if id(r) not in stopped]
+        if stopped_preempted:
+            self.waiting.remove_requests(stopped_preempted)
         self.spec_decoding_stats = spec_stats
         if spec_stats is not None and self.spec_decoding_totals is not None:
             self.spec_decoding_totals.add(spec_stats)
@@ -596,7 +639,10 @@ class Scheduler:
                 continue
             request.spec_token_ids = list(drafts)
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int], is_stale: bool = False
+    ) -> tuple[list[int], bool]:
+        """Append a step's tokens with the stop check after each (the AsyncScheduler extends it)."""
         return self._append_and_check_stop(request, new_token_ids)
 
     def _append_and_check_stop(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
@@ -642,7 +688,21 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            prefix_cache_queries=kv.prefix_cache_totals.queries,
+            prefix_cache_hits=kv.prefix_cache_totals.hits,
+            prefix_cache_stats=kv.make_prefix_cache_stats(),
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
+        first (last first, so they resume in order), which frees every block; otherwise the reset
+        only succeeds when no request holds blocks."""
+        if reset_running_requests:
+            now = self.clock()
+            while self.running:
+                self._preempt_request(self.running.pop(), now)
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not ok:
+            raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        return ok

@@ -1,7 +1,7 @@
 """Which scheduler class runs a configuration (vLLM: SchedulerConfig.get_scheduler_cls).
 
 Build schedulers with `make_scheduler`: continuous batching is the vLLM Scheduler itself, the
-comparison modes its BatchScheduler subclass. A later AsyncScheduler is one more branch here.
+comparison modes its BatchScheduler subclass, async scheduling vLLM's AsyncScheduler subclass.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.core.async_scheduler import AsyncScheduler
 from tokenloom.core.batch_scheduler import BatchScheduler
 from tokenloom.core.scheduler import Scheduler
 
@@ -17,6 +18,8 @@ from tokenloom.core.scheduler import Scheduler
 def scheduler_class(scheduler_config: SchedulerConfig) -> type[Scheduler]:
     if scheduler_config.batching in BatchScheduler.batching_modes:
         return BatchScheduler
+    if scheduler_config.async_scheduling:
+        return AsyncScheduler
     return Scheduler
 
 

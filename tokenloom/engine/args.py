@@ -14,7 +14,8 @@ from tokenloom.config import EngineArg, engine_args, engine_config_from_kwargs, 
 
 __all__ = ["add_engine_args", "engine_config_from_args", "engine_kwargs_from_args", "parse_bytes", "cli_type"]
 
-_GROUPS = {"engine": "engine", "scheduler": "scheduler", "cache": "KV cache"}
+_GROUPS = {"engine": "engine", "scheduler": "scheduler", "cache": "KV cache",
+           "parallel": "data parallel (docs/data_parallel.md)"}
 
 
 def cli_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

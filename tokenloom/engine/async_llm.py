@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tokenloom.core.prompt_fit import prompt_fit
@@ -25,6 +26,7 @@ from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import EngineCoreClient
 from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady
+from tokenloom.engine.dp_client import DPEngineCoreClient
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
@@ -101,7 +103,7 @@ class _Tracked:
 class AsyncLLM:
     def __init__(
         self,
-        client: EngineCoreClient,
+        client: EngineCoreClient | DPEngineCoreClient,
         ready: EngineReady,
         tokenizer: Tokenizer,
         max_waiting_requests: int | None = None,
@@ -116,16 +118,17 @@ class AsyncLLM:
         # (the server uses it to exit, as vLLM's does).
         self.failure_listeners: list[Callable[[str], None]] = []
         self.accepting = True
-        self.scheduler_stats: SchedulerStats | None = None
+        self.scheduler_stats: SchedulerStats | None = None  # every engine's last report, summed
+        self._engine_stats: dict[int, SchedulerStats] = {}  # data-parallel rank -> its last report
         self._requests: dict[str, _Tracked] = {}
         self._mirrors: dict[str, Request] = {}  # core request id -> local mirror, while unfinished
-        self._num_sent = 0  # core requests sent to the engine
-        self._num_received = 0  # ... of which the engine had seen, as of its last batch
+        self._num_sent = 0  # core requests sent to the engines
+        self._num_received: dict[int, int] = {}  # ... of which each engine had seen, as of its last batch
 
     @classmethod
     def from_client(
         cls,
-        client: EngineCoreClient,
+        client: EngineCoreClient | DPEngineCoreClient,
         model: str | None,
         max_waiting_requests: int | None = None,
         ready_timeout_s: float = 600.0,
@@ -153,16 +156,22 @@ class AsyncLLM:
     # State ----------------------------------------------------------------------------------------
     @property
     def dead_reason(self) -> str | None:
-        if self.client.is_alive:
-            return None
-        exit_code = self.client.process.exitcode
-        return self.client.dead_reason or f"the engine process is not running (exit code {exit_code})"
+        """Why nothing can be served (with data parallelism: why every engine is gone), or None."""
+        return self.client.failure
 
     @property
     def num_waiting(self) -> int:
         """Core requests waiting in the engine, counting those still in the pipe."""
         waiting = self.scheduler_stats.num_waiting_reqs if self.scheduler_stats else 0
-        return waiting + self._num_sent - self._num_received
+        return waiting + self._num_sent - sum(self._num_received.values())
+
+    @property
+    def data_parallel_size(self) -> int:
+        return getattr(self.client, "data_parallel_size", 1)
+
+    def engine_health(self) -> list[dict] | None:
+        """Per data-parallel engine: alive, and the error of a dead one (None without data parallelism)."""
+        return self.client.engine_health() if isinstance(self.client, DPEngineCoreClient) else None
 
     @property
     def num_unfinished(self) -> int:
@@ -196,6 +205,10 @@ class AsyncLLM:
                 f"(limit {self.max_waiting_requests}); retry later"
             )
         arrival = time.monotonic()
+        extra_eos = getattr(self.info, "extra_eos_token_ids", None)
+        if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
+            params = replace(params, stop_token_ids=list(params.stop_token_ids or [])
+                             + [t for t in extra_eos if t not in (params.stop_token_ids or [])])
         cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)
@@ -269,9 +282,12 @@ class AsyncLLM:
     # Engine messages (on the event loop) ------------------------------------------------------------
     def _on_outputs(self, batch: EngineCoreOutputs) -> None:
         ts = batch.timestamp
-        self.scheduler_stats = batch.stats
-        self._num_received = batch.num_requests_received
-        stats = IterationStats(ts, batch.stats, batch.step, ipc_latency=time.monotonic() - ts)
+        self._num_received[batch.engine_index] = batch.num_requests_received
+        self._engine_stats[batch.engine_index] = batch.stats
+        self.scheduler_stats = batch.stats if len(self._engine_stats) == 1 else _sum_stats(self._engine_stats)
+        stats = IterationStats(ts, self.scheduler_stats, batch.step, ipc_latency=time.monotonic() - ts)
+        if self.data_parallel_size > 1:
+            stats.engine_index, stats.engine_scheduler = batch.engine_index, batch.stats
         for rid, t in batch.first_scheduled.items():
             if (mirror := self._mirrors.get(rid)) is not None:
                 mirror.first_scheduled_time = t
@@ -306,19 +322,26 @@ class AsyncLLM:
             tracked.stream._put(out)
         self._log(stats)
 
-    def _on_engine_failure(self, message: str) -> None:
-        """Fail every request in flight at once (503), rather than leave it hanging."""
-        self.accepting = False
+    def _on_engine_failure(self, message: str, core_ids: list[str] | None = None) -> None:
+        """Fail every request in flight at once (503), rather than leave it hanging. With data
+        parallelism and engines left (`core_ids` given), only the requests the dead engine owned fail."""
+        if core_ids is None:
+            self.accepting = False
+            doomed = list(self._requests)
+        else:
+            lost = set(core_ids)
+            doomed = [rid for rid, t in self._requests.items() if any(c.request_id in lost for c in t.cores)]
         stats = IterationStats(time.monotonic())
-        for request_id in list(self._requests):
+        for request_id in doomed:
             tracked = self._requests.pop(request_id)
             out = self.output_processor.finish_aborted(request_id, "error", message)
             if out is not None:
                 self._record_finished(out, tracked, stats)
             tracked.stream._put(EngineDeadError(message))
         self._log(stats)
-        for listener in self.failure_listeners:
-            listener(message)
+        if core_ids is None:  # every engine is gone (one data-parallel engine dying is not the server's end)
+            for listener in self.failure_listeners:
+                listener(message)
 
     # Figures --------------------------------------------------------------------------------------
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, stats: IterationStats) -> None:
@@ -334,6 +357,12 @@ class AsyncLLM:
                 queue_time=None if queued is None else queued - core.arrival_time,
                 num_prompt_tokens=core.num_prompt_tokens,
                 num_generation_tokens=len(comp.token_ids),
+                inference_time=None if queued is None else end - queued,
+                prefill_time=None if queued is None or core.first_token_time is None
+                else core.first_token_time - queued,
+                decode_time=None if core.first_token_time is None else end - core.first_token_time,
+                max_tokens_param=core.sampling_params.max_tokens,
+                n_param=len(tracked.cores) if comp.index == 0 else None,
             ))
 
     def _log(self, stats: IterationStats) -> None:
@@ -342,3 +371,18 @@ class AsyncLLM:
                 stat_logger(stats)
             except Exception:  # figures must never take serving down
                 logger.exception("stat logger failed")
+
+
+def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
+    """Every data-parallel engine's last report as one: counts and totals add up, KV usage is the mean
+    (the engines' pools are equal, so it is the fraction of all blocks in use)."""
+    reports = list(per_engine.values())
+    return SchedulerStats(
+        num_running_reqs=sum(r.num_running_reqs for r in reports),
+        num_waiting_reqs=sum(r.num_waiting_reqs for r in reports),
+        kv_cache_usage=sum(r.kv_cache_usage for r in reports) / len(reports),
+        num_free_blocks=sum(r.num_free_blocks for r in reports),
+        num_preemptions_total=sum(r.num_preemptions_total for r in reports),
+        prefix_cache_queries=sum(r.prefix_cache_queries for r in reports),
+        prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
+    )

@@ -4,16 +4,19 @@ The model runs behind an Executor (tokenloom/engine/executor.py): the in-process
 the simulator's cost model. The engine core knows nothing of text, nor where the model runs.
 
 `step()` is vLLM's EngineCore.step: schedule, hand the SchedulerOutput to the executor, wait for
-its ModelRunnerOutput, update. An executor with `max_concurrent_batches > 1` would be driven by a
-second variant (vLLM's `step_with_batch_queue`: schedule step N+1 while step N runs), built from
-the same three parts: `scheduler.schedule()`, `executor.execute_model(..., non_block=True)` and
-`_finish_step()`.
+its ModelRunnerOutput, update. With an executor that keeps more than one step in flight
+(`max_concurrent_batches > 1`: async scheduling), `step()` is vLLM's `step_with_batch_queue`
+instead: it schedules step N+1 and launches it while step N executes, then waits for N and
+processes its output, so the scheduling of N+1 (and the output processing of N-1 in the caller)
+overlaps N's execution. Outputs still come back in step order.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
@@ -23,6 +26,16 @@ from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A scheduled step whose output the engine core has not processed yet."""
+
+    scheduler_output: SchedulerOutput
+    future: Future[ModelRunnerOutput]
+    t_start: float  # schedule() began
+    t_scheduled: float  # schedule() returned
 
 
 class EngineCore:
@@ -38,39 +51,89 @@ class EngineCore:
         # Figures for metrics: what the last step did.
         self.last_step_tokens = 0
         self.last_step_time = 0.0
+        # vLLM's batch queue: the steps in flight, oldest first (depth max_concurrent_batches).
+        self.batch_queue_size = executor.max_concurrent_batches
+        self.batch_queue: deque[_InFlight] = deque()
 
     def add_request(self, request: Request) -> None:
         """Raises RequestRejected (a ValueError) for a request that can never run."""
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        # With a step in flight the blocks are freed now too: the worker runs steps in order, so a
+        # later step that reuses them runs after the one in flight (vLLM relies on stream order).
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def has_work(self) -> bool:
+        """Something to schedule, a finished id to report, or a step in flight to collect."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_requests():
             return []
         t_start = self.clock()
         scheduler_output = self.scheduler.schedule()
+        t_scheduled = self.clock()
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        return self._finish_step(t_start, scheduler_output, future)
+        return self._finish_step(_InFlight(scheduler_output, future, t_start, t_scheduled))
 
-    def _finish_step(
-        self, t_start: float, scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]
-    ) -> list[EngineCoreOutput]:
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """vLLM's EngineCore.step_with_batch_queue (engine/core.py:698-812).
+
+        Schedule and launch a step while the queue has room and there is something to schedule;
+        return at once (no outputs) unless the queue is now full or nothing more can be scheduled;
+        otherwise wait for the oldest step and process its output.
+        """
+        queue = self.batch_queue
+        if self.scheduler.has_requests():
+            t_start = self.clock()
+            scheduler_output = self.scheduler.schedule()
+            t_scheduled = self.clock()
+            future = self.executor.execute_model(scheduler_output, non_block=True)
+            queue.append(_InFlight(scheduler_output, future, t_start, t_scheduled))  # type: ignore[arg-type]
+            if len(queue) < self.batch_queue_size and (
+                not scheduler_output.is_empty or self.scheduler.has_requests()
+            ):
+                return []  # don't block on the step in flight: schedule the next one first
+        elif not queue:
+            return []
+        return self._finish_step(queue.popleft())
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Collect every step in flight (async scheduling), in order."""
+        outputs: list[EngineCoreOutput] = []
+        while self.batch_queue:
+            outputs.extend(self._finish_step(self.batch_queue.popleft()))
+        return outputs
+
+    def _finish_step(self, step: _InFlight) -> list[EngineCoreOutput]:
         """Wait for a step's model output, update the scheduler from it, and record the step."""
-        model_output = self._result(scheduler_output, future)
+        scheduler_output = step.scheduler_output
+        t_wait = self.clock()
+        model_output = self._result(scheduler_output, step.future)
+        t_update = self.clock()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.scheduler.num_spec_tokens:
             self._post_step(outputs)
         t_end = self.clock()
         self.num_steps += 1
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
-        self.last_step_time = t_end - t_start
+        self.last_step_time = t_end - step.t_start
         if self.tracer is not None:
-            self.tracer.record(t_start, t_end, self.scheduler, scheduler_output, outputs)
+            timing = {
+                "t_scheduled": step.t_scheduled,
+                "t_wait": t_wait,
+                "t_update": t_update,
+                "t_exec_start": model_output.execute_start,
+                "t_exec_end": model_output.execute_end,
+                "in_flight": len(self.batch_queue),
+            }
+            self.tracer.record(step.t_start, t_end, self.scheduler, scheduler_output, outputs, timing)
         return outputs
 
     def _post_step(self, outputs: list[EngineCoreOutput]) -> None:

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from tokenloom.config import EngineConfig
@@ -29,18 +30,34 @@ class EngineStartError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads, no inherited sockets
-        engine_inbox, self._to_engine = ctx.Pipe(duplex=False)
-        self._from_engine, engine_outbox = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(
-            target=run_engine_core, args=(config, engine_inbox, engine_outbox, log_level),
-            name="tokenloom-engine-core", daemon=True,
-        )
-        self.process.start()
-        # Drop our copies of the child's ends, or EOF would never show when the child dies.
-        engine_inbox.close()
-        engine_outbox.close()
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: str = "info",
+        engine_index: int = 0,
+        cpus: list[int] | None = None,
+        *,
+        connections: tuple[Any, Connection, Connection] | None = None,
+    ) -> None:
+        """Spawn an engine-core process (`engine_index`: its data-parallel rank, `cpus`: the cores it may
+        use), or take over one started elsewhere: `connections` = (a handle with the Process methods
+        is_alive/exitcode/join/kill, the connection to it, the connection from it), as the Ray backend does."""
+        self.engine_index = engine_index
+        if connections is not None:
+            self.process, self._to_engine, self._from_engine = connections
+        else:
+            ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads, no inherited sockets
+            engine_inbox, self._to_engine = ctx.Pipe(duplex=False)
+            self._from_engine, engine_outbox = ctx.Pipe(duplex=False)
+            name = "tokenloom-engine-core" if cpus is None else f"tokenloom-engine-core-{engine_index}"
+            self.process = ctx.Process(
+                target=run_engine_core, args=(config, engine_inbox, engine_outbox, log_level, engine_index, cpus),
+                name=name, daemon=True,
+            )
+            self.process.start()
+            # Drop our copies of the child's ends, or EOF would never show when the child dies.
+            engine_inbox.close()
+            engine_outbox.close()
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="engine-core-writer", daemon=True)
         self._writer.start()
@@ -84,6 +101,13 @@ class EngineCoreClient:
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None and self.process.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve, or None while it runs."""
+        if self.is_alive:
+            return None
+        return self.dead_reason or f"the engine process is not running (exit code {self.process.exitcode})"
 
     def _on_readable(self) -> None:
         try:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -40,32 +42,64 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection, log_level: str = "INFO") -> None:
-    """Entry point of the spawned process."""
+def run_engine_core(
+    config: EngineConfig,
+    inbox: Connection,
+    outbox: Connection,
+    log_level: str = "INFO",
+    engine_index: int = 0,
+    cpus: list[int] | None = None,
+) -> None:
+    """Entry point of the spawned process (or of a Ray actor's thread, tokenloom/engine/ray_engine.py).
+
+    `engine_index` is the data-parallel rank, stamped on every batch; `cpus`, when given, are the
+    cores this engine may use (data-parallel engines split the machine's cores between them, so N
+    engines never run more torch threads than there are cores)."""
     # Ctrl-C (and a SIGTERM sent to the process group) reach this process too, but the API process
     # decides when it stops: it drains requests first, then sends Shutdown. Should the API process
     # die instead, the inbox reaches EOF and this process exits.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run this elsewhere
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The short OpenMP spin (GOMP_SPINCOUNT) was set when this process imported the tokenloom package,
     # before torch: see tokenloom/__init__.py.
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
+    tag = "engine" if engine_index == 0 and cpus is None else f"engine {engine_index}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     try:
+        if cpus:
+            pin_cpus(cpus)
         engine, ready = _load(config)
     except Exception as exc:  # report any start-up failure to the API process, which prints it
         _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
+    orphaned = False
     try:
         outbox.send(ready)
-        EngineCoreProc(engine.engine_core, inbox, outbox).run()
+        EngineCoreProc(engine.engine_core, inbox, outbox, engine_index).run()
     except (EOFError, OSError):
         logger.info("the API process is gone; engine core exiting")
+        orphaned = True
     except Exception as exc:
         logger.exception("engine core loop failed")
         _send_quietly(outbox, EngineFailed(f"engine core loop failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
     finally:
-        engine.close()
+        engine.close()  # flushes the step trace
+    if orphaned:
+        # Nobody is left to serve: skip the interpreter's teardown (torch, thread joins, finalizers),
+        # which takes seconds on a busy machine, so the process is gone within a second of its parent.
+        logging.shutdown()
+        os._exit(0)
+
+
+def pin_cpus(cpus: list[int]) -> None:
+    """Run on `cpus` only, with one torch thread per core (the runner sizes its pool from the affinity,
+    tokenloom/model/runner.py configure_cpu_threads; OMP_NUM_THREADS, when the user set it, still wins)."""
+    os.sched_setaffinity(0, cpus)
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(len(cpus))
 
 
 def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
@@ -86,6 +120,8 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         device=str(engine.device),
         load_time_s=time.perf_counter() - t0,
         quantization=engine.config.quantization,
+        sampling_defaults=dict(engine.generation_defaults.params),
+        extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
     )
     return engine, ready
 
@@ -96,8 +132,9 @@ def _send_quietly(outbox: Connection, msg: object) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+    def __init__(self, core: EngineCore, inbox: Connection, outbox: Connection, engine_index: int = 0) -> None:
         self.core = core
+        self.engine_index = engine_index
         self.scheduler = core.scheduler
         self.inbox = inbox
         self.outbox = outbox
@@ -111,15 +148,17 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.stopping:
-            busy = self.scheduler.has_requests()
+            busy = self.core.has_work()
             handled = self._handle_inbox(block=not busy)
             if self.stopping:
                 break
             step: StepInfo | None = None
             outputs: list[EngineCoreOutput] = []
-            if self.scheduler.has_requests():
+            if self.core.has_work():
+                num_steps = self.core.num_steps
                 outputs = self.core.step()
-                step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
+                if self.core.num_steps != num_steps:  # async scheduling: a call may only launch a step
+                    step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
             if step is not None or handled:
                 self.outbox.send(self._batch(outputs, step))
 
@@ -178,6 +217,7 @@ class EngineCoreProc:
             step=step,
             first_scheduled=first_scheduled,
             num_preemptions=num_preemptions,
+            engine_index=self.engine_index,
         )
 
     def _forget(self, request_id: str) -> None:

@@ -5,19 +5,21 @@ The engine core hands each SchedulerOutput to an executor and gets a ModelRunner
 runner, so where the model runs is the executor's business alone:
 
     UniProcExecutor     the runner in the calling thread (the torch ModelRunner; any object with
-                        `execute_model(SchedulerOutput) -> ModelRunnerOutput`)
+                        `execute_model(SchedulerOutput) -> ModelRunnerOutput`); with
+                        `worker_thread=True` (async scheduling) in one worker thread instead, steps
+                        in submission order, two in flight at most (`max_concurrent_batches = 2`)
     SimulatedExecutor   the simulator's cost-model runner on a virtual clock (tokenloom/sim/executor.py)
 
-Later executors are new classes here, not changes to the engine core: one that runs the step in a
-worker thread (for a batch queue of depth 2, `max_concurrent_batches = 2`), one per data-parallel
+Later executors are new classes here, not changes to the engine core: one per data-parallel
 replica, or one that drives worker processes. A failed step surfaces as the exception of the call
 (or of the future); the engine core turns it into an error for that step's requests only.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -59,27 +61,48 @@ class Executor(ABC):
 
 class UniProcExecutor(Executor):
     """One runner, called in the caller's thread. With non_block the step still runs before the call
-    returns (as in vLLM's UniProcExecutor), and the Future comes back already done."""
+    returns (as in vLLM's UniProcExecutor), and the Future comes back already done.
 
-    def __init__(self, runner: Runner) -> None:
+    worker_thread=True (async scheduling): the runner runs in one worker thread, so `execute_model(so,
+    non_block=True)` returns at once and the engine core schedules the next step meanwhile (torch's
+    kernels release the GIL). One thread keeps the steps in submission order, which is what makes
+    async scheduling correct here, as CUDA stream order does in vLLM: step N+1 runs after step N, so
+    the runner knows N's sampled token when N+1 needs it as input, and a block freed while a step is
+    in flight is only written again by a later step."""
+
+    def __init__(self, runner: Runner, worker_thread: bool = False) -> None:
         self.runner = runner
+        self._pool: ThreadPoolExecutor | None = None
+        if worker_thread:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-worker")
+            self.max_concurrent_batches = 2
 
     @classmethod
-    def from_config(cls, config: EngineConfig, loaded: Any, **runner_kwargs: Any) -> UniProcExecutor:
+    def from_config(cls, config: EngineConfig, loaded: Any, *, worker_thread: bool = False,
+                    **runner_kwargs: Any) -> UniProcExecutor:  # fmt: skip
         """The torch ModelRunner over a loaded model; runner_kwargs are ModelRunner's (block_size,
         num_blocks, dtype, device, calibration_token_ids); the quantization comes from the config."""
         from tokenloom.model.runner import ModelRunner
 
-        return cls(ModelRunner(loaded, quantization=config.quantization, **runner_kwargs))
+        return cls(ModelRunner(loaded, quantization=config.quantization, **runner_kwargs), worker_thread)
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.monotonic()
+        out = self.runner.execute_model(scheduler_output)
+        out.execute_start, out.execute_end = t0, time.monotonic()
+        return out
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if self._pool is not None:
+            queued = self._pool.submit(self._run, scheduler_output)
+            return queued if non_block else queued.result()
         if not non_block:
-            return self.runner.execute_model(scheduler_output)
+            return self._run(scheduler_output)
         future: Future[ModelRunnerOutput] = Future()
         try:
-            future.set_result(self.runner.execute_model(scheduler_output))
+            future.set_result(self._run(scheduler_output))
         except Exception as exc:  # delivered by future.result(), like a worker's failure
             future.set_exception(exc)
         return future
@@ -95,3 +118,8 @@ class UniProcExecutor(Executor):
         spec_decode = getattr(self.runner, "spec_decode", None)  # its proposer's token rows
         if spec_decode is not None:
             spec_decode.reset()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

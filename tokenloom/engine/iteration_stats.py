@@ -21,6 +21,12 @@ class FinishedRequestStats:
     queue_time: float | None  # None: never scheduled
     num_prompt_tokens: int
     num_generation_tokens: int
+    # vLLM's per-request phases: first scheduled → finished (inference) = prefill (→ first token) + decode.
+    inference_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    max_tokens_param: int | None = None
+    n_param: int | None = None  # on the first completion of a request only, so n is counted once per request
 
 
 @dataclass
@@ -34,3 +40,6 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    # With data parallelism: the engine whose batch this is, and its own report (`scheduler` is the sum).
+    engine_index: int | None = None
+    engine_scheduler: SchedulerStats | None = None

@@ -9,19 +9,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenloom.engine.llm_engine import LLMEngine, PromptType
+from tokenloom.engine.llm_engine import LLMEngine, PromptType, engine_config_from_kwargs
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.engine.dp_llm import DataParallelLLMEngine
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_args(model=model, **kwargs)
+        """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
+        (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray)."""
+        config = engine_config_from_kwargs(model=model, **kwargs)
+        parallel = config.parallel
+        self._dp: DataParallelLLMEngine | None = None
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+            from tokenloom.engine.dp_llm import DataParallelLLMEngine
+
+            self._dp = DataParallelLLMEngine(config)
+            self.llm_engine = None
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return self._dp.tokenizer if self._dp is not None else self.llm_engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the data-parallel engine processes (a single engine lives in this process)."""
+        if self._dp is not None:
+            self._dp.close()
+            self._dp = None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config auto)."""
+        return self.llm_engine.generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -34,8 +58,8 @@ class LLM:
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation_config defaults (vLLM's LLM does the same)
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )
@@ -43,6 +67,8 @@ class LLM:
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
         # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        if self._dp is not None:
+            return self._dp.generate(prompts, params_list, priority)
         engine = self.llm_engine
         ids = []
         try:
@@ -62,7 +88,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Chat conversations rendered with the model's own chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.llm_engine.tokenizer
+        tok = self.get_tokenizer()
         prompts = [
             {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                          tokenize=True)}

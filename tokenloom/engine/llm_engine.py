@@ -17,6 +17,7 @@ from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerCo
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
+from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -41,8 +42,13 @@ class LLMEngine:
         from tokenloom.model.platform import resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
+        parallel = config.parallel
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+            raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
+                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         self.config = config
         self.clock = clock
+        check_async_scheduling(config)
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
         if config.quantization is not None and device.type != "cpu":  # before minutes of loading
@@ -57,13 +63,15 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id
+        self.generation_defaults = load_generation_defaults(path if path.is_dir() else path.parent / "_none",
+                                                            config.generation_config, self.eos_token_id)
 
         cache_cfg = config.cache or CacheConfig()
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype)
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
                                            num_blocks * cache_cfg.block_size)
-        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks, sliding_window=self._uniform_window(loaded.config))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
@@ -71,7 +79,9 @@ class LLMEngine:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
-        self.executor = UniProcExecutor.from_config(config, loaded, block_size=cache_cfg.block_size,
+        # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
+        self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
+                                                    block_size=cache_cfg.block_size,
                                                     num_blocks=num_blocks, dtype=dtype, device=device,
                                                     calibration_token_ids=calibration)
         del loaded
@@ -88,15 +98,29 @@ class LLMEngine:
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
             "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
-            "(%.0f MiB), max_model_len %d", time.perf_counter() - t0, self.model_name, path.name,
+            "(%.0f MiB), max_model_len %d%s", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
             f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
             cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            ", async scheduling" if sched_cfg.async_scheduling else "",
         )
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
+
+    @staticmethod
+    def _uniform_window(model_config: Any) -> int | None:
+        """The sliding window when every layer has one (the KV manager then frees blocks that fall
+        out of it); None otherwise. Models mixing sliding and full layers keep every block: one
+        block id spans all layers here (vLLM's per-group block tables are not built)."""
+        windows = model_config.sliding_windows
+        if windows and all(w is not None for w in windows):
+            return windows[0] if len(set(windows)) == 1 else None
+        if any(w is not None for w in windows):
+            logger.info("%s mixes sliding-window and full-attention layers: the KV cache keeps every block "
+                        "(sliding layers are masked, not freed)", model_config.architecture)
+        return None
 
     # Sizing ---------------------------------------------------------------------------------
     @staticmethod
@@ -165,7 +189,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
-        params = params or SamplingParams()
+        params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -210,6 +234,8 @@ class LLMEngine:
     ) -> None:
         """A fresh scheduler (new knobs, empty prefix cache) over the same loaded model, for
         benchmarks that compare configurations side by side without reloading weights."""
+        if self.output_processor.num_unfinished() == 0 and not self.scheduler.has_unfinished_requests():
+            self.engine_core.drain()  # async scheduling: a trailing step may still be in flight
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         cache_config = cache_config or self.cache_config
@@ -222,6 +248,10 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
+        if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+            # Sync <-> async on the same loaded model: the runner moves into (or out of) a worker thread.
+            self.executor.shutdown()
+            self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling)
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
                                         speculative_config=self.speculative_config)
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
@@ -230,9 +260,25 @@ class LLMEngine:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
 
     def close(self) -> None:
+        self.engine_core.drain()
         self.executor.shutdown()
         if self.tracer is not None:
             self.tracer.close()
+
+
+def check_async_scheduling(config: EngineConfig) -> None:
+    """Refuse what async scheduling does not run with, before minutes of loading."""
+    sched = config.scheduler
+    if sched is None or not sched.async_scheduling:
+        return
+    spec = getattr(config, "speculative_config", None)
+    if spec:
+        # vLLM 0.32 refuses an explicit --async-scheduling with its CPU n-gram proposer too
+        # (config/vllm.py:1553-1644); docs/async.md says why tokenloom does as well.
+        raise ConfigError(
+            "--async-scheduling cannot be combined with --speculative-config (n-gram drafts): the drafts for "
+            "step N+1 would have to be proposed before step N's tokens are known; drop one of the two flags"
+        )
 
 
 def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:

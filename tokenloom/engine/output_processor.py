@@ -50,6 +50,8 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     completions: list[_Completion]
+    # prompt_logprobs: [None (the first token has none), {token: Logprob}, ...], filled as chunks compute.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -57,6 +59,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._by_core_id: dict[str, tuple[_Parent, _Completion]] = {}
+        self._token_texts: dict[int, str] = {}
 
     def add_request(
         self,
@@ -81,6 +84,8 @@ class OutputProcessor:
                             cumulative_logprob=0.0 if params.logprobs is not None else None)
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, completions)
+        if completions and completions[0].params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self._parents[request_id] = parent
         for c in completions:
             self._by_core_id[c.core_request.request_id] = (parent, c)
@@ -106,6 +111,11 @@ class OutputProcessor:
             parent, comp = entry
             if comp.finished:
                 continue
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                # Indexed by position: a chunk recomputed after preemption overwrites itself.
+                first, entries = out.new_prompt_logprobs
+                for k, lp in enumerate(entries):
+                    parent.prompt_logprobs[first + k] = self._logprob_dict(lp)
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
             touched[parent.request_id] = parent
@@ -155,7 +165,7 @@ class OutputProcessor:
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:
-                comp.logprobs.append(self._logprob_dict(lp))
+                comp.logprobs.append(self._logprob_dict(lp, ranked=comp.params.logprob_token_ids is None))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
@@ -190,14 +200,23 @@ class OutputProcessor:
         comp.text = comp.text[: idx + len(s)] if comp.params.include_stop_str_in_output else comp.text[:idx]
         return s
 
-    def _logprob_dict(self, lp: SampleLogprobs) -> dict[int, Logprob]:
-        d = {tid: Logprob(v, rank + 1, self._token_text(tid)) for rank, (tid, v) in enumerate(lp.top)}
+    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True) -> dict[int, Logprob]:
+        # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
+        d = {tid: Logprob(v, rank + 1 if ranked else None, self._token_text(tid))
+             for rank, (tid, v) in enumerate(lp.top)}
         if lp.token_id not in d:
             d[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
         return d
 
     def _token_text(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+        if self.tokenizer is None:
+            return None
+        # One decode per vocabulary entry at most: top-n lists repeat tokens, and whole-vocabulary
+        # logprobs (--max-logprobs -1) would otherwise decode the vocabulary at every position.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = [self._completion_output(c) for c in parent.completions]
@@ -222,6 +241,7 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             error=errors[0] if errors else None,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
         )
 
     @staticmethod

@@ -65,3 +65,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

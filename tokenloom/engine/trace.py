@@ -1,5 +1,8 @@
 """Step trace: one JSON line per engine step — what was scheduled, why, and what it cost.
 
+Each record carries the step's intervals (schedule, execute, wait, update: see StepTracer.record),
+so a timeline shows how async scheduling overlaps one step's host work with another's execution.
+
 Off by default. When off the engine holds `None` instead of a tracer and pays one `is None` test
 per step.
 """
@@ -77,9 +80,16 @@ class StepTracer:
         scheduler: Scheduler,
         output: SchedulerOutput,
         engine_outputs: list[EngineCoreOutput],
+        timing: dict[str, Any] | None = None,
     ) -> None:
         finished = [o.request_id for o in engine_outputs if o.finished]
         rec = step_record(self.num_steps, t_start, t_end, scheduler, output, finished)
+        if timing:
+            # The step's intervals: schedule [t_start, t_scheduled], execute [t_exec_start, t_exec_end]
+            # (in the worker thread under async scheduling, overlapping the next step's schedule),
+            # wait for the output [t_wait, t_update], update [t_update, t_end]; `in_flight`: steps
+            # still executing when this one was processed.
+            rec.update(timing)
         self._file.write(json.dumps(rec, separators=(",", ":")) + "\n")
         self.num_steps += 1
 

@@ -130,7 +130,7 @@ class _Collector:
         self.steps: list[dict[str, Any]] = []
 
     def record(self, t_start: float, t_end: float, scheduler: Scheduler, output: SchedulerOutput,
-               engine_outputs: list[EngineCoreOutput]) -> None:  # fmt: skip
+               engine_outputs: list[EngineCoreOutput], timing: dict[str, Any] | None = None) -> None:  # fmt: skip
         finished = [o.request_id for o in engine_outputs if o.finished]
         rec = step_record(len(self.steps), t_start, t_end, scheduler, output, finished)
         rec["progress"] = {

@@ -110,6 +110,8 @@ class _StepInputs:
     attn: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
     sample_reqs: list[_RequestState] = field(default_factory=list)
+    # prompt_logprobs: (request, first prompt token scored, flat-batch rows whose logits score it and on).
+    prompt_rows: list[tuple[_RequestState, int, np.ndarray]] = field(default_factory=list)
     # Speculative decoding: the drafts each sampling request verifies (its 1 + d output rows).
     sample_drafts: list[list[int]] | None = None
 
@@ -202,9 +204,10 @@ class ModelRunner:
         scheduled = self._collect_scheduled(scheduler_output, failed)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
+        prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = {}
         if scheduled:
             inputs = self._prepare_inputs(scheduled)
-            self._run(inputs, sampled, logprobs, return_logits)
+            self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs)
         if self.spec_decode is not None:
             self.spec_decode.propose(sampled)
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -213,6 +216,7 @@ class ModelRunner:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=logprobs or None,
+            prompt_logprobs=prompt_logprobs or None,
             failed=failed,
             execute_time=time.perf_counter() - t0,
         )
@@ -223,11 +227,14 @@ class ModelRunner:
         sampled: dict[str, list[int]],
         logprobs: dict[str, list[SampleLogprobs]],
         return_logits: bool,
+        prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] | None = None,
     ) -> None:
         with torch.inference_mode():
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.max_position
             )
+            if inputs.prompt_rows and prompt_logprobs is not None:
+                prompt_logprobs.update(self._prompt_logprobs(hidden, inputs.prompt_rows))
             if not inputs.sample_reqs:
                 return
             if hidden.shape[0] != inputs.sample_indices.shape[0]:  # else: exactly the sampling rows, in order
@@ -256,6 +263,36 @@ class ModelRunner:
             sampled[state.req_id] = [token]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[tuple[_RequestState, int, np.ndarray]]
+    ) -> dict[str, tuple[int, list[SampleLogprobs]]]:
+        """Log-probabilities of prompt tokens from the rows before them (hidden holds every row here)."""
+        out: dict[str, tuple[int, list[SampleLogprobs]]] = {}
+        for state, first, rows in prompt_rows:
+            logits = self.model.compute_logits(hidden.index_select(0, self._to_device(rows)))
+            lps = torch.log_softmax(logits.float(), dim=-1)
+            targets = torch.tensor(state.token_ids[first : first + len(rows)], dtype=torch.long, device=lps.device)
+            chosen = lps.gather(1, targets.unsqueeze(1))
+            ranks = (lps >= chosen).float().sum(dim=-1).long().tolist()
+            n = state.params.prompt_logprobs or 0
+            top_lp, top_ids = lps.topk(n, dim=-1) if n else (lps[:, :0], targets[:, None][:, :0])
+            out[state.req_id] = (first, [
+                SampleLogprobs(token_id=t, logprob=c, rank=r, top=list(zip(ids, vals)))
+                for t, c, r, ids, vals in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks,
+                                              top_ids.tolist(), top_lp.tolist())
+            ])
+        return out
+
+    @staticmethod
+    def _prompt_rows(s: _Scheduled, offset: int) -> tuple[_RequestState, int, np.ndarray] | None:
+        """Rows of this chunk whose logits score a prompt token (position p scores token p + 1)."""
+        if s.state.params.prompt_logprobs is None:
+            return None
+        last = min(s.end, s.state.num_prompt_tokens - 1)  # positions start .. last - 1
+        if last <= s.start:
+            return None
+        return s.state, s.start + 1, np.arange(offset, offset + last - s.start, dtype=np.int64)
 
     def _run_verification(self, inputs: _StepInputs, hidden: torch.Tensor, rows: list[SamplingRow],
                           sampled: dict[str, list[int]], logprobs: dict[str, list[SampleLogprobs]],
@@ -401,6 +438,11 @@ class ModelRunner:
         # Each sequence's last row samples (when the sequence reaches its end this step); one that
         # verifies d drafts samples from its last 1 + d rows.
         sample_rows = common.output_rows
+        prompt_rows = [pr for i, s in enumerate(scheduled) if (pr := self._prompt_rows(s, int(q_start[i])))]
+        if prompt_rows and attn.output_rows is not None:
+            # prompt_logprobs need every row's last-layer output, not only the sampling rows'.
+            attn.output_rows = None
+            attn.output_kernel = None
         if attn.output_rows is not None:
             sample_idx = attn.output_rows  # the same rows (the backend built them from `samples`)
         else:
@@ -413,6 +455,7 @@ class ModelRunner:
             attn=attn,
             sample_indices=sample_idx,
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
+            prompt_rows=prompt_rows,
             sample_drafts=[s.drafts for s, smp in zip(scheduled, samples.tolist()) if smp] if has_drafts else None,
         )
 

@@ -2,7 +2,8 @@
 
 Order of operations, per row:
   1. raw logprobs (log_softmax of the model's logits) if the request asked for logprobs;
-  2. min_tokens: stop tokens masked to -inf while fewer than min_tokens outputs exist;
+  2. allowed_token_ids: every other token masked to -inf; then min_tokens: stop tokens masked to
+     -inf while fewer than min_tokens outputs exist; then logit_bias added (vLLM's logits processors);
   3. penalties: repetition (prompt + output; divide positive logits, multiply negative ones),
      then frequency (x count in output) and presence (x seen in output), OpenAI style;
   4. greedy rows take the argmax here;
@@ -84,9 +85,11 @@ class Sampler:
         if all_plain_greedy(rows):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
         raw_logprobs = _raw_logprobs(logits, rows)
-        if any(_min_tokens_active(r) or _has_penalties(r.params) for r in rows):
+        if any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params) for r in rows):
             logits = logits.clone()
+            apply_allowed_token_ids(logits, rows)
             apply_min_tokens(logits, rows)
+            apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)
         token_ids = _sample(logits, rows)
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
@@ -100,6 +103,10 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _has_processors(p: SamplingParams) -> bool:
+    return bool(p.logit_bias) or p.allowed_token_ids is not None
+
+
 def _min_tokens_active(row: SamplingRow) -> bool:
     return row.num_output_tokens < row.params.min_tokens and bool(row.params.all_stop_token_ids)
 
@@ -110,12 +117,33 @@ def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
         r.params.temperature < _GREEDY_EPS
         and r.params.logprobs is None
         and not _has_penalties(r.params)
+        and not _has_processors(r.params)
         and not _min_tokens_active(r)
         for r in rows
     )
 
 
 # --------------------------------------------------------------------------- logits processing
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed is not None:
+            keep = torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=logits.device)
+            masked = torch.full_like(logits[i], float("-inf"))
+            masked[keep] = logits[i, keep]
+            logits[i] = masked
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -368,5 +396,13 @@ def _gather_logprobs(
     for j, i in enumerate(idx):
         n = rows[i].params.logprobs or 0
         top = list(zip(top_ids_l[j][:n], top_lp_l[j][:n]))
+        if rows[i].params.logprob_token_ids is not None:  # these tokens instead of the top-n
+            top = _chosen_tokens(logprobs[j], rows[i].params.logprob_token_ids)
         out[i] = SampleLogprobs(token_id=chosen_l[j], logprob=chosen_lp_l[j], rank=ranks_l[j], top=top)
     return out
+
+
+def _chosen_tokens(row_logprobs: torch.Tensor, token_ids: list[int]) -> list[tuple[int, float]]:
+    vocab = row_logprobs.shape[0]
+    ids = [t for t in token_ids if t < vocab]
+    return list(zip(ids, row_logprobs[ids].tolist()))

@@ -80,22 +80,43 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
-        **template_kwargs: Any,
-    ) -> str | list[int]:
-        """Render `messages` with the model's own template; token ids if `tokenize`."""
-        if not self.chat_template:
+        conversation: Sequence[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int] | dict[str, list[int]]:
+        """transformers' signature and defaults (what vLLM's `get_tokenizer()` returns): token ids unless
+        `tokenize=False`; no generation prompt unless asked. `return_dict=True` gives {"input_ids": ids}
+        (transformers 5 defaults to it; 4.x and vLLM's examples expect the plain list, kept here)."""
+        if not (chat_template or self.chat_template):
             raise ValueError(
                 "this model has no chat template (no tokenizer.chat_template in the GGUF, no chat_template in "
                 "tokenizer_config.json); send a plain completion prompt instead"
             )
+        extra = {k: v for k, v in (("tools", tools), ("documents", documents), ("chat_template", chat_template))
+                 if v is not None}
+        if continue_final_message:
+            extra["continue_final_message"] = True
         text = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            list(conversation), add_generation_prompt=add_generation_prompt, tokenize=False, **extra, **kwargs
         )
+        if not tokenize:
+            return text
         # The template writes any BOS itself; this is also how transformers tokenizes a rendered chat.
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        ids = self.encode(text, add_special_tokens=False)
+        return {"input_ids": ids} if return_dict else ids
+
+    def __getattr__(self, name: str) -> Any:
+        # The rest of a Hugging Face tokenizer's API (eos_token, convert_tokens_to_ids, ...), for code moved
+        # from vLLM, whose get_tokenizer() returns the Hugging Face tokenizer itself.
+        if name == "hf":
+            raise AttributeError(name)
+        return getattr(self.hf, name)
 
 
 def _backend_decode(hf: Any) -> Any:

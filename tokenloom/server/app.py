@@ -22,17 +22,21 @@ from tokenloom.engine.async_llm import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError, error_body, error_response
+from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
-from tokenloom.server.serving_tokenize import detokenize, tokenize
+from tokenloom.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 from tokenloom.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
 
 # Paths any client may read, API key or not (probes and scrapers), as in vLLM.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
+# Generation routes counted by GET /load (vLLM's server_load_metrics).
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"})
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -53,14 +57,41 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(LoadMiddleware, state=state)
+    app.add_middleware(DrainBodyMiddleware)
+    if config.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app
 
 
 def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/chat/completions/batch", create_batch_chat_completion, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+
+    @app.post("/invocations")
+    async def invocations(raw: Request) -> Response:
+        # SageMaker's entry point, as in vLLM: the body's shape picks the endpoint.
+        obj = await read_json(raw, get_state(raw).config.max_request_body_bytes)
+        raw.state.body = obj
+        if "messages" in obj:
+            return await create_chat_completion(raw)
+        if "prompt" in obj:
+            return await create_completion(raw)
+        raise APIError(400, "cannot find a suitable handler for the request: expected a chat request "
+                            "(messages) or a completion request (prompt)")
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping(raw: Request) -> Response:
+        return await health(raw)
+
+    @app.get("/load")
+    async def load(raw: Request) -> JSONResponse:
+        return JSONResponse({"server_load": get_state(raw).server_load})
 
     @app.get("/v1/models")
     async def list_models(raw: Request) -> JSONResponse:
@@ -79,6 +110,10 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse(error_body(503, f"the engine is not running: {reason}"), status_code=503)
         if not engine.accepting:
             return JSONResponse(error_body(503, "the server is shutting down"), status_code=503)
+        if (engines := engine.engine_health()) is not None:
+            # Data parallelism: still serving while any engine lives; the body names the dead ones.
+            status = "ok" if all(e["alive"] for e in engines) else "degraded"
+            return JSONResponse({"status": status, "data_parallel_size": len(engines), "engines": engines})
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -145,4 +180,37 @@ class APIKeyMiddleware:
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class LoadMiddleware:
+    """Counts generation requests in flight for GET /load (until their response is fully sent)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in LOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load -= 1
+
+
+class RootPathMiddleware:
+    """--root-path: serve under a path prefix (behind a proxy that keeps it) as well as without it."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.prefix = "/" + root_path.strip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if path == self.prefix or path.startswith(self.prefix + "/"):
+                scope = {**scope, "path": path[len(self.prefix):] or "/", "root_path": self.prefix}
         await self.app(scope, receive, send)

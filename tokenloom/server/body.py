@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloom.server.errors import APIError
 
@@ -19,6 +21,9 @@ def _reject_constant(name: str) -> float:
 
 
 async def read_json(request: Request, limit: int) -> dict:
+    cached = getattr(request.state, "body", None)  # /invocations read it already
+    if cached is not None:
+        return cached
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -53,3 +58,52 @@ def parse_model(cls: type[M], obj: dict) -> M:
                 seen[field] = f"{loc}: {err['msg']}"
         message = "invalid request: " + "; ".join(list(seen.values())[:5])
         raise APIError(400, message, param=next(iter(seen), None)) from None
+
+
+class DrainBodyMiddleware:
+    """A response sent before the request body was read (a 413, any early error) goes out at once, and
+    then the rest of the body is read and dropped before the response is marked complete: a client that
+    writes its whole body before reading (most do) then reads the error instead of a connection reset,
+    and a client that reads while sending (or waits on Expect: 100-continue) has it before it finishes.
+    Bounded by `max_bytes` and `max_seconds`; past them the connection is closed anyway."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = 256 << 20, max_seconds: float = 30.0) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.max_seconds = max_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        done = False
+        started = False
+
+        async def tracked() -> Message:
+            nonlocal done, started
+            started = True
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                done = True
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not done \
+                    and (started or _has_body(scope)):
+                await send({**message, "more_body": True})  # the whole response is on the wire now
+                drained, deadline = 0, time.monotonic() + self.max_seconds
+                while not done and drained < self.max_bytes and time.monotonic() < deadline:
+                    drained += len((await tracked()).get("body", b""))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await send(message)
+
+        await self.app(scope, tracked, sending)
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope.get("headers") or [])
+    if b"100-continue" in headers.get(b"expect", b"").lower():
+        return False  # the client waits for our answer before sending: nothing to drain
+    length = headers.get(b"content-length", b"0")
+    return headers.get(b"transfer-encoding") is not None or (length.isdigit() and int(length) > 0)

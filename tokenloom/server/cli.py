@@ -18,9 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version); "
-                        "default $TOKENLOOM_API_KEY")
+    g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version, /ping, /load); "
+                        "default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model's name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -36,6 +36,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--root-path", default="", help="serve under this path prefix too (behind a proxy), e.g. /llm")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="usage on every streamed chunk and at the end, as if stream_options asked for it")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (it exposes the chat template)")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="accepted for vLLM compatibility: GET /load is always served")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted for vLLM compatibility: X-Request-Id is always echoed")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); "
+                        "-1 (or at least the vocabulary) also allows -1, every token")
+    g.add_argument("--metrics-prefix", choices=["both", "vllm", "tokenloom"], default="both",
+                   help="Prometheus names: vLLM's (vllm:...), tokenloom's (tokenloom:...), or both (default)")
     p.set_defaults(func=_serve)
 
 
@@ -48,7 +62,11 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key or None, served_model_names=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests or None, max_request_body_bytes=args.max_request_body_bytes,
         shutdown_grace_s=args.shutdown_grace_period, uvicorn_log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log, keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
+        max_logprobs=args.max_logprobs,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
     )
     try:
         return run_server(engine_config_from_args(args), config)

@@ -25,7 +25,7 @@ import uvicorn
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core_client import EngineCoreClient
+from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.server.app import build_app
 from tokenloom.server.config import ServerConfig
 
@@ -110,8 +110,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
                        "" if config.api_key else " and has no --api-key")
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, so the engine process is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
-    # Spawn the engine first: it loads the model while this process loads torch and the tokenizer.
-    client = EngineCoreClient(engine_config, log_level)
+    # Spawn the engine(s) first: they load the model while this process loads torch and the tokenizer.
+    client = make_engine_client(engine_config, log_level)
     try:
         engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
                                       config.engine_ready_timeout_s)

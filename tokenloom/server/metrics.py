@@ -1,4 +1,8 @@
-"""Prometheus figures, named like vLLM's (`vllm:x` → `tokenloom:x`) so existing dashboards carry over.
+"""Prometheus figures under vLLM's names: `vllm:x`, and `tokenloom:x` for the same figure.
+
+`--metrics-prefix both` (the default) exports each figure under both names, so dashboards and
+autoscalers written for vLLM work unchanged and tokenloom's own dashboards keep theirs; `vllm` or
+`tokenloom` exports one set.
 
 Fed by AsyncLLM's IterationStats: one per batch from the engine (scheduler gauges, step figures,
 tokens, latencies) and one per abort. Counters from the engine (preemptions, prefix-cache queries
@@ -8,8 +12,11 @@ servers in one process (tests) apart.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.iteration_stats import IterationStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
@@ -24,19 +31,47 @@ _IPC = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+_N = [1, 2, 5, 10, 20]
+PREFIXES = {"both": ("vllm", "tokenloom"), "vllm": ("vllm",), "tokenloom": ("tokenloom",)}
+
+
+class _Fanout:
+    """One figure exported under several names: every update goes to each."""
+
+    def __init__(self, children: list) -> None:
+        self.children = children
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, num_blocks: int) -> None:
+    def __init__(self, model_name: str, num_blocks: int, prefix: str = "both", info: Any = None,
+                 data_parallel_size: int = 1) -> None:
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
+        prefixes = PREFIXES[prefix]
+        self.last_kv_usage = 0.0  # for ORCA load headers
+        self.last_num_waiting = 0
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenloom:{name}", doc, list(labels), registry=r).labels(**labels)
+        def gauge(name: str, doc: str) -> Any:
+            return _Fanout([Gauge(f"{p}:{name}", doc, list(labels), registry=r).labels(**labels) for p in prefixes])
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenloom:{name}", doc, list(labels), registry=r).labels(**labels)
+        def counter(name: str, doc: str) -> Any:
+            return _Fanout([Counter(f"{p}:{name}", doc, list(labels), registry=r).labels(**labels) for p in prefixes])
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"tokenloom:{name}", doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return _Fanout([Histogram(f"{p}:{name}", doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+                            for p in prefixes])
 
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
@@ -50,10 +85,27 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Preemptions (requests sent back to waiting)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced their first token")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        success = Counter("tokenloom:request_success", "Finished requests, by finish reason",
-                          ["model_name", "finished_reason"], registry=r)
-        self.success = {reason: success.labels(model_name=model_name, finished_reason=reason)
+        success = [Counter(f"{p}:request_success", "Finished requests, by finish reason",
+                           ["model_name", "finished_reason"], registry=r) for p in prefixes]
+        self.success = {reason: _Fanout([c.labels(model_name=model_name, finished_reason=reason) for c in success])
                         for reason in FINISH_REASONS}
+        # vLLM: 'capacity' = waiting for room; 'deferred' = held back by a transient constraint (none here).
+        by_reason = [Gauge(f"{p}:num_requests_waiting_by_reason", "Waiting requests by reason",
+                           ["model_name", "reason"], registry=r) for p in prefixes]
+        self.waiting_capacity = _Fanout([g.labels(model_name=model_name, reason="capacity") for g in by_reason])
+        self.waiting_deferred = _Fanout([g.labels(model_name=model_name, reason="deferred") for g in by_reason])
+        self.waiting_deferred.set(0)
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter", _N)
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter", _TOKENS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time in the RUNNING phase", _LATENCY)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time in the PREFILL phase", _LATENCY)
+        self.decode_time = histogram("request_decode_time_seconds", "Time in the DECODE phase", _LATENCY)
+        if info is not None:  # vLLM's Info-as-gauge: always 1, the figures in its labels
+            cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks)}
+            for p in prefixes:
+                Gauge(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache),
+                      registry=r).labels(**cache).set(1)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
@@ -68,12 +120,19 @@ class ServerMetrics:
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
         self._labels = labels
         self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
+        # Data parallelism: the families above are the sum over engines; these carry engine="i".
+        self.engines: _EngineMetrics | None = None
+        if data_parallel_size > 1:
+            self.total_blocks.set(num_blocks * data_parallel_size)
+            self.engines = _EngineMetrics(r, model_name, data_parallel_size)
 
     def record(self, stats: IterationStats) -> None:
         sched = stats.scheduler
         if sched is not None:
             self.running.set(sched.num_running_reqs)
             self.waiting.set(sched.num_waiting_reqs)
+            self.waiting_capacity.set(sched.num_waiting_reqs)
+            self.last_kv_usage, self.last_num_waiting = sched.kv_cache_usage, sched.num_waiting_reqs
             self.kv_usage.set(sched.kv_cache_usage)
             self.free_blocks.set(sched.num_free_blocks)
             self._add_total(self.preemptions, "preemptions", sched.num_preemptions_total)
@@ -85,6 +144,8 @@ class ServerMetrics:
                 if self.spec_decode is None:
                     self.spec_decode = SpecDecodeMetrics(self.registry, self._labels)
                 self.spec_decode.record(sched.spec_decoding)
+        if self.engines is not None and stats.engine_index is not None and stats.engine_scheduler is not None:
+            self.engines.record(stats.engine_index, stats.engine_scheduler)
         if stats.step is not None and stats.step.num_tokens > 0:
             self.iteration_tokens.observe(stats.step.num_tokens)
             self.step_time.observe(stats.step.duration_s)
@@ -105,14 +166,50 @@ class ServerMetrics:
                 self.queue.observe(done.queue_time)
             self.prompt_len.observe(done.num_prompt_tokens)
             self.gen_len.observe(done.num_generation_tokens)
+            for hist, value in ((self.inference_time, done.inference_time), (self.prefill_time, done.prefill_time),
+                                (self.decode_time, done.decode_time), (self.params_n, done.n_param),
+                                (self.params_max_tokens, done.max_tokens_param)):
+                if value is not None:
+                    hist.observe(value)
 
-    def _add_total(self, counter: Counter, key: str, total: int) -> None:
+    def _add_total(self, counter: Any, key: str, total: int) -> None:
         if total > self._totals[key]:
             counter.inc(total - self._totals[key])
             self._totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineMetrics:
+    """Per data-parallel engine (label engine="i"): its scheduler's gauges and prefix-cache totals."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str, num_engines: int) -> None:
+        names = ["model_name", "engine"]
+
+        def family(kind: type, name: str, doc: str) -> list:
+            metric = kind(f"tokenloom:engine_{name}", doc, names, registry=r)
+            return [metric.labels(model_name=model_name, engine=str(i)) for i in range(num_engines)]
+
+        self.running = family(Gauge, "num_requests_running", "Requests in this engine's running batch")
+        self.waiting = family(Gauge, "num_requests_waiting", "Requests waiting in this engine")
+        self.kv_usage = family(Gauge, "kv_cache_usage_perc", "This engine's KV-cache usage (1 = full)")
+        self.prefix_queries = family(Counter, "prefix_cache_queries", "This engine's prefix-cache queries, tokens")
+        self.prefix_hits = family(Counter, "prefix_cache_hits", "This engine's prefix-cache hits, tokens")
+        self.preemptions = family(Counter, "num_preemptions", "This engine's preemptions")
+        self._totals = [{"queries": 0, "hits": 0, "preemptions": 0} for _ in range(num_engines)]
+
+    def record(self, i: int, sched: SchedulerStats) -> None:
+        self.running[i].set(sched.num_running_reqs)
+        self.waiting[i].set(sched.num_waiting_reqs)
+        self.kv_usage[i].set(sched.kv_cache_usage)
+        totals = self._totals[i]
+        for key, counter, total in (("queries", self.prefix_queries[i], sched.prefix_cache_queries),
+                                    ("hits", self.prefix_hits[i], sched.prefix_cache_hits),
+                                    ("preemptions", self.preemptions[i], sched.num_preemptions_total)):
+            if total > totals[key]:
+                counter.inc(total - totals[key])
+                totals[key] = total
 
 
 class SpecDecodeMetrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -18,27 +19,68 @@ MAX_STOP_STRINGS = 32
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
-def _reject_unsupported(req: SamplingRequest) -> None:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias")
+def resolve_logprobs(value: int | None, name: str, vocab_size: int, max_logprobs: int) -> int | None:
+    """vLLM's rule: -1 means every token of the vocabulary, allowed only when --max-logprobs allows it
+    (-1, or at least the vocabulary); otherwise 0..max_logprobs."""
+    if value is None:
+        return None
+    whole = max_logprobs < 0 or max_logprobs >= vocab_size
+    if value == -1 and whole:
+        return vocab_size
+    cap = vocab_size if whole else max_logprobs
+    if not 0 <= value <= cap:
+        raise APIError(400, f"{name} must be an integer in [0, {cap}]"
+                            f"{' or -1 (all tokens)' if whole else ' (-1, all tokens, needs --max-logprobs -1)'},"
+                            f" got {value}", name)
+    return value
+
+
+def _check_common(req: SamplingRequest, vocab_size: int) -> None:
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {req.n}", "n")
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     if len(stops) > MAX_STOP_STRINGS:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
+    if req.stream_options is not None and not req.stream:
+        # OpenAI and vLLM: stream_options only make sense on a stream.
+        raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
+    if req.logit_bias:
+        bad_keys = [k for k in req.logit_bias if not k.strip().lstrip("-").isdigit()]
+        if bad_keys:  # every bad key, not just the first (vLLM)
+            raise APIError(400, f"logit_bias keys must be token ids, got {', '.join(map(repr, bad_keys))}",
+                           "logit_bias")
+        out = [int(k) for k in req.logit_bias if not 0 <= int(k) < vocab_size]
+        if out:
+            raise APIError(400, f"logit_bias has token id {out[0]}, out of vocabulary (size {vocab_size})",
+                           "logit_bias")
+    for name in ("allowed_token_ids", "logprob_token_ids", "stop_token_ids"):
+        ids = getattr(req, name) or []
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{name} has token id {bad}, out of vocabulary (size {vocab_size})", name)
+    if req.allowed_token_ids is not None and not req.allowed_token_ids:
+        raise APIError(400, "allowed_token_ids must not be empty", "allowed_token_ids")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    if req.truncation_side is not None and req.truncate_prompt_tokens is None:
+        raise APIError(400, "truncation_side needs truncate_prompt_tokens", "truncation_side")
 
 
-def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None, max_logprobs: int = 20,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the model's generation_config defaults, for the fields the request leaves unset."""
+    d = defaults or {}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
+            temperature=server_default(d, "temperature", req.temperature, 1.0),
+            top_p=server_default(d, "top_p", req.top_p, 1.0),
+            top_k=server_default(d, "top_k", req.top_k, 0),
+            min_p=server_default(d, "min_p", req.min_p, 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=server_default(d, "repetition_penalty", req.repetition_penalty, 1.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -47,7 +89,12 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
+            logprob_token_ids=req.logprob_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+            allowed_token_ids=req.allowed_token_ids,
             skip_special_tokens=req.skip_special_tokens,
+            max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
@@ -55,27 +102,60 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
         raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
 
 
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int | None:
-    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null).
-    return max(max_model_len - prompt_len, 1) if requested is None else requested
+def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                defaults: dict[str, Any] | None = None) -> int | None:
+    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null), or the
+    # model's max_new_tokens when smaller (vLLM's get_max_tokens).
+    if requested is not None:
+        return requested
+    room = max(max_model_len - prompt_len, 1)
+    default = (defaults or {}).get("max_tokens")
+    return room if default is None else min(room, default)
+
+
+def truncate_prompt(ids: list[int], req: SamplingRequest, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep N tokens (-1: as many as leave room for one output token),
+    the last N by default (truncation_side "left"), the first N with "right"."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n > max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens={n} cannot be greater than max_model_len={max_model_len}. "
+                            "Please request a smaller truncation size.", "truncate_prompt_tokens")
+    if n < 0:
+        n = max_model_len - 1
+    if len(ids) <= n:
+        return ids
+    return ids[:n] if req.truncation_side == "right" else ids[len(ids) - n:]
 
 
 # Completions --------------------------------------------------------------------------------------
-def check_completion_request(req: CompletionRequest) -> None:
-    _reject_unsupported(req)
-    if req.echo:
-        raise APIError(400, "echo is not supported", "echo")
+def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
+    _check_common(req, vocab_size)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (other than equal to n)", "best_of")
+    if req.logprob_token_ids and req.logprobs is None:
+        raise APIError(400, "when using logprob_token_ids, logprobs must be set", "logprob_token_ids")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
 
 
-def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
-    return _sampling_params(req, _max_tokens(req.max_tokens, prompt_len, max_model_len), req.logprobs)
+def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
+                      max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    logprobs = resolve_logprobs(req.logprobs, "logprobs", vocab_size, max_logprobs)
+    prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
+    # echo with logprobs also scores the prompt (vLLM: prompt_logprobs defaults to logprobs under echo).
+    if prompt_logprobs is None and req.echo and logprobs is not None:
+        prompt_logprobs = logprobs
+    max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
+    return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len, defaults), logprobs,
+                            prompt_logprobs, defaults=defaults)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+                       max_model_len: int) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt of the batch. Runs in the tokenizer thread."""
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -89,29 +169,45 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[tup
     out = []
     for item in items:
         if isinstance(item, str):
-            out.append((item, tokenizer.encode(item, add_special_tokens=req.add_special_tokens)))
+            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
         else:
-            out.append((None, list(item)))
+            ids = list(item)
+        truncated = truncate_prompt(ids, req, max_model_len)
+        # The text of a truncated prompt is what is left of it (echo returns that).
+        text = item if isinstance(item, str) and truncated is ids else None
+        if text is None and (req.echo or isinstance(item, str)):
+            text = tokenizer.decode(truncated, skip_special_tokens=False)
+        out.append((text, truncated))
     return out
 
 
 # Chat ---------------------------------------------------------------------------------------------
-def check_chat_request(req: ChatCompletionRequest) -> None:
-    _reject_unsupported(req)
+def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
+    _check_common(req, vocab_size)
     if not req.messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    if req.tools and req.tool_choice != "none":
-        raise APIError(400, "tool calling is not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", "response_format")
+    if req.tool_choice is not None and req.tool_choice != "none" and req.tools is None:
+        raise APIError(400, "when using tool_choice, tools must be set", "tool_choice")
+    if req.tools is not None and req.tool_choice != "none":
+        # Tool calling (parsing the model's calls) is its own issue; tools the model may only read are fine.
+        raise APIError(400, "tools: tool calling is not supported yet (only with tool_choice \"none\")", "tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    if req.logprob_token_ids and not req.logprobs:
+        raise APIError(400, "when using logprob_token_ids, logprobs must be set to true", "logprob_token_ids")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+                       "continue_final_message")
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
+                max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len), logprobs)
+    top = resolve_logprobs(req.top_logprobs, "top_logprobs", vocab_size, max_logprobs)
+    logprobs = (top or 0) if req.logprobs else None
+    prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
+    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len, defaults), logprobs,
+                            prompt_logprobs, defaults=defaults)
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
@@ -128,10 +224,15 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
         if msg.role != "assistant":
             raise APIError(400, f"messages.{i}.content is required for role {msg.role!r}", "messages")
         content = ""
-    out = {"role": msg.role, "content": content}
-    if msg.name is not None:
-        out["name"] = msg.name
+    out: dict[str, Any] = {"role": msg.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if (value := getattr(msg, key)) is not None:
+            out[key] = value
     return out
+
+
+def message_text(msg: ChatMessage) -> str:
+    return _message_dict(0, msg)["content"]
 
 
 def render_chat(
@@ -141,17 +242,23 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> list[int]:
-    """The model's own chat template, as token ids. Runs in the tokenizer thread."""
+    """The model's own chat template (or the request's), as token ids. Runs in the tokenizer thread."""
     if add_generation_prompt and continue_final_message:
         raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
                        "continue_final_message")
     dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
     kwargs = dict(chat_template_kwargs or {})
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
+    for key, value in (("continue_final_message", continue_final_message), ("chat_template", chat_template),
+                       ("tools", tools), ("documents", documents)):
+        if value:
+            kwargs[key] = value
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, **kwargs)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **kwargs)
     except Exception as exc:  # the template rejects these messages (e.g. roles out of order): the client's call
         raise APIError(400, f"cannot apply the chat template to these messages: {exc}", "messages") from None
     assert isinstance(text, str)

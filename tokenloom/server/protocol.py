@@ -1,22 +1,51 @@
 """Request bodies: OpenAI's fields plus vLLM's extensions, with vLLM's names and defaults.
 
-Unknown fields are ignored (as vLLM does), so clients that send newer OpenAI fields still work.
-Infinite and NaN numbers are refused here; the sampling ranges are checked by SamplingParams.
+Types are strict: a wrong JSON type is a 400 naming the field, never coerced ("yes" is not a
+boolean, "3" is not an integer). Two leniencies of vLLM's are kept because clients rely on them: an
+integral float (16.0) for an integer field, and the strings "true"/"false" for a boolean. Infinite and
+NaN numbers are refused here; the sampling ranges are checked by SamplingParams.
+
+Unknown fields are ignored (as vLLM does), so clients that send newer OpenAI fields still work. Fields
+vLLM knows but tokenloom does not implement are not unknown: `unsupported.py` answers them with a 400.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _integral(value: Any) -> Any:
+    # vLLM (pydantic's lax mode) takes 16.0 for 16; keep that, nothing looser.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _bool_string(value: Any) -> Any:
+    # vLLM's tests and some clients send booleans as the strings "true"/"false" (JSON's own spelling);
+    # keep that, and nothing looser: "yes", "on", 1 stay 400s.
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Bool = Annotated[bool, BeforeValidator(_bool_string)]
+Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+# The roles vLLM's chat API takes ("function" is OpenAI's deprecated name for "tool").
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(BaseModel):
     model_config = _CONFIG
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk (only with include_usage)
 
 
 class SamplingRequest(BaseModel):
@@ -24,39 +53,47 @@ class SamplingRequest(BaseModel):
 
     model_config = _CONFIG
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    priority: Int64 = 0
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    stop_token_ids: list[TokenId] | None = None
+    return_token_ids: Bool | None = None
+    return_tokens_as_token_ids: Bool | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    logprob_token_ids: list[TokenId] | None = None
+    prompt_logprobs: Int | None = None
+    truncate_prompt_tokens: Annotated[int, BeforeValidator(_integral), Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None
+    session_id: str | None = None  # vLLM: routing metadata only
 
 
 class CompletionRequest(SamplingRequest):
     # text, token ids, or a batch of either
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool | None = False
+    best_of: Int | None = None
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
 
 
 class ContentPart(BaseModel):
@@ -66,48 +103,55 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # History of a tool conversation, handed to the chat template as they are.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     # vLLM's extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: Bool = False
 
 
 class TokenizeCompletionRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
 
 
 class TokenizeChatRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
     messages: list[ChatMessage]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

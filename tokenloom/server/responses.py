@@ -45,45 +45,67 @@ class UsageCounter:
         }
 
 
+def _token(lp: Logprob | None, token_id: int, as_ids: bool) -> str:
+    # return_tokens_as_token_ids: "token_id:N", so tokens that are not valid UTF-8 on their own stay exact.
+    if as_ids:
+        return f"token_id:{token_id}"
+    return (lp.decoded_token if lp is not None else None) or ""
+
+
 def completion_logprobs(
-    token_ids: list[int], entries: list[dict[int, Logprob]], text_offset: int
+    token_ids: list[int], entries: list[dict[int, Logprob] | None], text_offset: int, as_ids: bool = False
 ) -> dict[str, Any]:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs (str → logprob), text_offset."""
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs (str → logprob), text_offset.
+
+    An entry of None (the first prompt token under echo) has no log-probability: null, as in vLLM."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
-        chosen = entry[tid]
-        text = chosen.decoded_token or ""
+        chosen = entry.get(tid) if entry is not None else None
+        text = _token(chosen, tid, as_ids)
         tokens.append(text)
-        token_logprobs.append(_lp(chosen.logprob))
-        ranked: dict[str, float] = {}
-        for lp in _by_rank(entry):  # tokens that decode alike (e.g. partial UTF-8) keep the best
-            ranked.setdefault(lp.decoded_token or "", _lp(lp.logprob))
-        top.append(ranked)
+        token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
+        if entry is None:
+            top.append(None)
+        else:
+            ranked: dict[str, float] = {}
+            for t, lp in _by_rank(entry):  # tokens that decode alike (e.g. partial UTF-8) keep the best
+                ranked.setdefault(_token(lp, t, as_ids), _lp(lp.logprob))
+            top.append(ranked)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int) -> dict[str, Any]:
-    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int | None,
+                  as_ids: bool = False) -> dict[str, Any]:
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}; top_n None: all
+    of the entry (logprob_token_ids)."""
     content = []
     for tid, entry in zip(token_ids, entries):
-        chosen = entry[tid]
+        ranked = _by_rank(entry)
         content.append({
-            **_chat_token(chosen),
-            "top_logprobs": [_chat_token(lp) for lp in _by_rank(entry)[:top_n]],
+            **_chat_token(entry[tid], tid, as_ids),
+            "top_logprobs": [_chat_token(lp, t, as_ids) for t, lp in (ranked if top_n is None else ranked[:top_n])],
         })
     return {"content": content}
 
 
-def _chat_token(lp: Logprob) -> dict[str, Any]:
-    text = lp.decoded_token or ""
+def _chat_token(lp: Logprob, token_id: int, as_ids: bool) -> dict[str, Any]:
+    text = _token(lp, token_id, as_ids)
     return {"token": text, "logprob": _lp(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _by_rank(entry: dict[int, Logprob]) -> list[Logprob]:
-    return sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+def _by_rank(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
 
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
 
 
 def queue_time_header(out: RequestOutput) -> dict[str, str]:

@@ -12,77 +12,125 @@ from fastapi.responses import JSONResponse, Response
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
-from tokenloom.server.params import chat_params, check_chat_request, render_chat
+from tokenloom.server.headers import base_request_id, response_headers
+from tokenloom.server.params import chat_params, check_chat_request, message_text, render_chat, truncate_prompt
 from tokenloom.server.protocol import ChatCompletionRequest
-from tokenloom.server.responses import UsageCounter, chat_logprobs, queue_time_header
-from tokenloom.server.state import get_state
-from tokenloom.server.streaming import SSEResponse, collect, sse_events
+from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
+from tokenloom.server.state import ServerState, get_state
+from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
+from tokenloom.server.unsupported import reject_unsupported_chat
+
+ROLE = "assistant"
 
 
-async def create_chat_completion(raw: Request) -> Response:
-    state = get_state(raw)
-    req = parse_model(ChatCompletionRequest, await read_json(raw, state.config.max_request_body_bytes))
-    model = state.model_name(req.model)
-    check_chat_request(req)
+async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int]]:
+    """Validate one chat request and render its prompt (the batch endpoint shares this)."""
+    reject_unsupported_chat(obj)
+    req = parse_model(ChatCompletionRequest, obj)
+    state.model_name(req.model)
+    check_chat_request(req, state.vocab_size)
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template_kwargs, req.add_special_tokens,
+        req.chat_template_kwargs, req.add_special_tokens, req.chat_template, req.tools, req.documents,
     )
-    params = chat_params(req, len(prompt_ids), state.max_model_len)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    engine = state.engine
-    stream = engine.open_stream()
-    try:
-        engine.add_request(request_id, prompt_ids, params, stream, priority=req.priority)
-    except BaseException:
-        stream.close()
-        raise
-    top_n = req.top_logprobs or 0
-    if req.stream:
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-        opening = [
-            {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}]}
-            for i in range(req.n)
-        ]
+    return req, truncate_prompt(prompt_ids, req, state.max_model_len)
 
-        def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
-            wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids)
-            if not (comp.delta_text or comp.finish_reason or wants_tokens):
-                return None
-            body: dict[str, Any] = {"index": index, "delta": {"content": comp.delta_text} if comp.delta_text else {},
-                                    "logprobs": None, "finish_reason": comp.finish_reason,
-                                    "stop_reason": comp.stop_reason}
-            if comp.delta_logprobs is not None:
-                body["logprobs"] = chat_logprobs(comp.delta_token_ids, comp.delta_logprobs, top_n)
-            if req.return_token_ids:
-                body["token_ids"] = comp.delta_token_ids
-            return body
 
-        events = sse_events(
-            stream, head, lambda out, comp: comp.index, choice, opening, req.stream_options
-        )
-        return SSEResponse(events, stream)
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's own (continue_final_message)."""
+    if req.echo and req.messages and req.messages[-1].role == ROLE:
+        return message_text(req.messages[-1])
+    return ""
 
-    finals = await collect(raw, stream)
-    if finals is None:  # the client went away; its request was aborted
-        return Response(status_code=499)
-    out = finals[request_id]
+
+def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str) -> dict[str, Any]:
+    if comp.finish_reason == "error":
+        raise APIError(500, "generation failed")
+    top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
+    body: dict[str, Any] = {"index": comp.index, "message": {"role": ROLE, "content": prefix + comp.text},
+                            "logprobs": None, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                            "token_ids": comp.token_ids if req.return_token_ids else None}
+    if comp.logprobs is not None:
+        body["logprobs"] = chat_logprobs(comp.token_ids, comp.logprobs, top_n, bool(req.return_tokens_as_token_ids))
+    return body
+
+
+def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str) -> dict[str, Any]:
+    prefix = echo_text(req)
     choices = []
     for comp in out.outputs:
         if comp.finish_reason == "error":
             raise APIError(500, out.error or "generation failed")
-        body: dict[str, Any] = {"index": comp.index, "message": {"role": "assistant", "content": comp.text},
-                                "logprobs": None, "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-        if comp.logprobs is not None:
-            body["logprobs"] = chat_logprobs(comp.token_ids, comp.logprobs, top_n)
-        if req.return_token_ids:
-            body["token_ids"] = comp.token_ids
-        choices.append(body)
+        choices.append(chat_choice(req, comp, prefix))
     usage = UsageCounter()
     usage.update(out)
-    response = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage.as_dict()}
-    if req.return_token_ids:
-        response["prompt_token_ids"] = prompt_ids
-    return JSONResponse(response, headers=queue_time_header(out))
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage.as_dict(),
+            "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+            "prompt_token_ids": out.prompt_token_ids if req.return_token_ids else None}
+
+
+async def create_chat_completion(raw: Request) -> Response:
+    state = get_state(raw)
+    req, prompt_ids = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
+    model = state.model_name(req.model)
+    params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs,
+                         state.sampling_defaults)
+    if req.logprobs:  # -1 resolved to the whole vocabulary
+        req.top_logprobs = params.logprobs
+    base_id = base_request_id(raw, req.request_id)
+    request_id = f"chatcmpl-{base_id}"
+    engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
+    engine = state.engine
+    stream = engine.open_stream()
+    try:
+        engine.add_request(engine_id, prompt_ids, params, stream, priority=req.priority)
+    except BaseException:
+        stream.close()
+        raise
+    if req.stream:
+        return _stream(state, req, stream, request_id, model, base_id)
+    finals = await collect(raw, stream)
+    if finals is None:  # the client went away; its request was aborted
+        return Response(status_code=499)
+    out = finals[engine_id]
+    return JSONResponse(chat_response(req, out, request_id, model),
+                        headers=response_headers(state, raw, base_id, out))
+
+
+def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request_id: str, model: str,
+            base_id: str) -> Response:
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+    top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
+    as_ids = bool(req.return_tokens_as_token_ids)
+    prefix = echo_text(req)
+
+    def opening(out: RequestOutput) -> list[dict[str, Any]]:
+        chunks = []
+        for i in range(req.n):
+            chunk = {**head, "choices": [{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+                                          "finish_reason": None}]}
+            if req.return_token_ids:  # vLLM: the prompt's ids ride on the role chunk
+                chunk["prompt_token_ids"] = out.prompt_token_ids
+            chunks.append(chunk)
+        if prefix:
+            chunks += [{**head, "choices": [{"index": i, "delta": {"content": prefix}, "logprobs": None,
+                                             "finish_reason": None}]} for i in range(req.n)]
+        return chunks
+
+    def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
+        wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids)
+        if not (comp.delta_text or comp.finish_reason or wants_tokens):
+            return None
+        body: dict[str, Any] = {"index": index, "delta": {"content": comp.delta_text} if comp.delta_text else {},
+                                "logprobs": None, "finish_reason": comp.finish_reason,
+                                "stop_reason": comp.stop_reason}
+        if comp.delta_logprobs is not None:
+            body["logprobs"] = chat_logprobs(comp.delta_token_ids, comp.delta_logprobs, top_n, as_ids)
+        if req.return_token_ids:
+            body["token_ids"] = comp.delta_token_ids
+        return body
+
+    usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
+    events = sse_events(stream, head, lambda out, comp: comp.index, choice, opening, usage_on)
+    return SSEResponse(events, stream, {"X-Request-Id": base_id})

@@ -12,22 +12,29 @@ from fastapi.responses import JSONResponse, Response
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
+from tokenloom.server.headers import base_request_id, response_headers
 from tokenloom.server.params import check_completion_request, completion_params, completion_prompts
 from tokenloom.server.protocol import CompletionRequest
-from tokenloom.server.responses import UsageCounter, completion_logprobs, queue_time_header
+from tokenloom.server.responses import UsageCounter, completion_logprobs, prompt_logprobs_json
 from tokenloom.server.state import get_state
-from tokenloom.server.streaming import SSEResponse, collect, sse_events
+from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
+from tokenloom.server.unsupported import reject_unsupported_completion
 
 
 async def create_completion(raw: Request) -> Response:
     state = get_state(raw)
-    req = parse_model(CompletionRequest, await read_json(raw, state.config.max_request_body_bytes))
+    obj = await read_json(raw, state.config.max_request_body_bytes)
+    reject_unsupported_completion(obj)
+    req = parse_model(CompletionRequest, obj)
     model = state.model_name(req.model)
-    check_completion_request(req)
-    prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer)
-    params = [completion_params(req, len(ids), state.max_model_len) for _, ids in prompts]
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+    check_completion_request(req, state.vocab_size)
+    prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer, state.max_model_len)
+    params = [completion_params(req, len(ids), state.max_model_len, state.vocab_size,
+                                 state.config.max_logprobs, state.sampling_defaults) for _, ids in prompts]
+    base_id = base_request_id(raw, req.request_id)
+    request_id = f"cmpl-{base_id}"
+    # Engine ids stay unique even when a client reuses its X-Request-Id.
+    ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
     engine = state.engine
     stream = engine.open_stream()
     try:
@@ -38,28 +45,54 @@ async def create_completion(raw: Request) -> Response:
         raise
     position = {rid: i for i, rid in enumerate(ids)}
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    as_ids = bool(req.return_tokens_as_token_ids)
+    echo_only = bool(req.echo) and req.max_tokens == 0  # the prompt alone: the one generated token is dropped
+
+    def echoed(out: RequestOutput, comp: CompletionOutput, text: str, token_ids: list[int],
+               logprobs: list | None) -> tuple[str, list[int], list | None]:
+        """Prepend the prompt (echo): its text, ids and (with logprobs) its prompt_logprobs."""
+        prompt_text = "" if req.return_token_ids else (out.prompt or "")
+        prompt_lps = out.prompt_logprobs if logprobs is not None else None
+        if echo_only:
+            return prompt_text, list(out.prompt_token_ids), prompt_lps
+        lps = None if logprobs is None else [*(prompt_lps or [None] * len(out.prompt_token_ids)), *logprobs]
+        return prompt_text + text, [*out.prompt_token_ids, *token_ids], lps
+
     if req.stream:
         offsets: dict[int, int] = {}
+        started: set[int] = set()
 
         def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
-            wants_tokens = comp.delta_token_ids and (req.logprobs is not None or req.return_token_ids)
-            if not (comp.delta_text or comp.finish_reason or wants_tokens):
+            first = index not in started
+            text, token_ids, lps = comp.delta_text, comp.delta_token_ids, comp.delta_logprobs
+            if echo_only and not first:
+                if comp.finish_reason is None:
+                    return None
+                text, token_ids, lps = "", [], [] if lps is not None else None
+            elif req.echo and first:
+                text, token_ids, lps = echoed(out, comp, text, token_ids, lps)
+            wants_tokens = token_ids and (req.logprobs is not None or req.return_token_ids)
+            if not (text or comp.finish_reason or wants_tokens or (first and req.return_token_ids)):
                 return None
-            body: dict[str, Any] = {"index": index, "text": comp.delta_text, "logprobs": None,
+            started.add(index)
+            body: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
                                     "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-            if comp.delta_logprobs is not None:
-                body["logprobs"] = completion_logprobs(comp.delta_token_ids, comp.delta_logprobs,
-                                                       offsets.get(index, 0))
-            offsets[index] = offsets.get(index, 0) + len(comp.delta_text)
+            if lps is not None:
+                body["logprobs"] = completion_logprobs(token_ids, lps, offsets.get(index, 0), as_ids)
+                if body["logprobs"]["tokens"]:
+                    offsets[index] = body["logprobs"]["text_offset"][-1] + len(body["logprobs"]["tokens"][-1])
             if req.return_token_ids:
                 body["token_ids"] = comp.delta_token_ids
+                if first:  # vLLM: the prompt's ids ride on each choice's first chunk
+                    body["prompt_token_ids"] = out.prompt_token_ids
             return body
 
         def index_of(out: RequestOutput, comp: CompletionOutput) -> int:
             return position[out.request_id] * req.n + comp.index
 
-        events = sse_events(stream, head, index_of, choice, [], req.stream_options)
-        return SSEResponse(events, stream)
+        usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
+        events = sse_events(stream, head, index_of, choice, None, usage_on)
+        return SSEResponse(events, stream, {"X-Request-Id": base_id})
 
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its requests were aborted
@@ -72,14 +105,18 @@ async def create_completion(raw: Request) -> Response:
         for comp in out.outputs:
             if comp.finish_reason == "error":
                 raise APIError(500, out.error or "generation failed")
-            body = {"index": position[rid] * req.n + comp.index, "text": comp.text, "logprobs": None,
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-            if comp.logprobs is not None:
-                body["logprobs"] = completion_logprobs(comp.token_ids, comp.logprobs, 0)
+            text, token_ids, lps = comp.text, comp.token_ids, comp.logprobs
+            if req.echo:
+                text, token_ids, lps = echoed(out, comp, text, token_ids, lps)
+            body = {"index": position[rid] * req.n + comp.index, "text": text, "logprobs": None,
+                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+                    "token_ids": None, "prompt_token_ids": None}
+            if lps is not None:
+                body["logprobs"] = completion_logprobs(token_ids, lps, 0, as_ids)
             if req.return_token_ids:
                 body["token_ids"] = comp.token_ids
                 body["prompt_token_ids"] = out.prompt_token_ids
             choices.append(body)
-    return JSONResponse({**head, "choices": choices, "usage": usage.as_dict()},
-                        headers=queue_time_header(finals[ids[0]]))
-
+    response = {**head, "choices": choices, "usage": usage.as_dict()}
+    return JSONResponse(response, headers=response_headers(state, raw, base_id, finals[ids[0]]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -21,7 +23,7 @@ async def tokenize(raw: Request) -> JSONResponse:
         state.model_name(chat.model)
         ids = await state.in_tokenizer_thread(
             render_chat, tok, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-            chat.chat_template_kwargs, chat.add_special_tokens,
+            chat.chat_template_kwargs, chat.add_special_tokens, chat.chat_template,
         )
         want_strs = chat.return_token_strs
     else:
@@ -43,3 +45,18 @@ async def detokenize(raw: Request) -> JSONResponse:
         raise APIError(400, f"token id {bad} is out of vocabulary (size {vocab})", "tokens")
     text = await state.in_tokenizer_thread(state.tokenizer.decode, req.tokens)
     return JSONResponse({"prompt": text})
+
+
+async def tokenizer_info(raw: Request) -> JSONResponse:
+    """vLLM's GET /tokenizer_info (only with --enable-tokenizer-info-endpoint: it shows the chat template)."""
+    state = get_state(raw)
+    if not state.config.enable_tokenizer_info_endpoint:
+        raise APIError(404, "Not Found (start the server with --enable-tokenizer-info-endpoint)")
+    hf = state.tokenizer.hf
+    config = {k: v for k, v in (getattr(hf, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    config = json.loads(json.dumps(config, default=str))  # special-token objects → their text
+    config["tokenizer_class"] = type(hf).__name__
+    if state.tokenizer.chat_template:
+        config["chat_template"] = state.tokenizer.chat_template
+    return JSONResponse(config)

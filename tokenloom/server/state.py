@@ -25,11 +25,16 @@ class ServerState:
         self.model_names = list(config.served_model_names or [engine.info.model_name])
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
+        self.vocab_size = engine.info.vocab_size
+        self.server_load = 0  # generation requests in flight (GET /load)
+        # The model's generation_config.json defaults (empty with --generation-config vllm).
+        self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
         # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
         # tokenizer is never entered from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks)
+        self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks, config.metrics_prefix,
+                                     engine.info, engine.data_parallel_size)
         engine.stat_loggers.append(self.metrics.record)
 
     def model_name(self, requested: str | None) -> str:

@@ -27,8 +27,10 @@ ChoiceFn = Callable[[int, RequestOutput, CompletionOutput], dict[str, Any] | Non
 
 
 class SSEResponse(StreamingResponse):
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
         self._stream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -38,27 +40,49 @@ class SSEResponse(StreamingResponse):
             self._stream.close()
 
 
+def usage_flags(options: StreamOptions | None, force: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage), as vLLM decides them: continuous_usage_stats only counts with
+    include_usage, and --enable-force-include-usage turns both on."""
+    if force:
+        return True, True
+    if options is None:
+        return False, False
+    include = bool(options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
+
+def choice_usage(out: RequestOutput, comp: CompletionOutput | None) -> dict[str, int]:
+    """vLLM's per-chunk usage: the choice's own prompt and its completion tokens so far."""
+    prompt = len(out.prompt_token_ids)
+    completion = len(comp.token_ids) if comp is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def sse_events(
     stream: RequestStream,
     head: dict[str, Any],
     choice_index: Callable[[RequestOutput, CompletionOutput], int],
     choice: ChoiceFn,
-    opening: list[dict[str, Any]],
-    options: StreamOptions | None,
+    opening: Callable[[RequestOutput], list[dict[str, Any]]] | None,
+    usage_on: tuple[bool, bool],
 ) -> AsyncIterator[str]:
-    """The chunks of a streamed completion: `opening` chunks, one per choice per step that has something
-    to say, the usage chunk, then [DONE]. A request cut at shutdown gets finish_reason "abort" and then
-    an error event; engine failures end the stream with an error event."""
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = bool(options and options.continuous_usage_stats)
+    """The chunks of a streamed completion: `opening` chunks (built from the first output), one per
+    choice per step that has something to say, the usage chunk, then [DONE]. A request cut at shutdown
+    gets finish_reason "abort" and then an error event; engine failures end the stream with an error event."""
+    include_usage, continuous_usage = usage_on
     usage = UsageCounter()
     finished: set[int] = set()
     cut: str | None = None
+    first = True
     try:
-        for obj in opening:
-            yield sse(obj)
         async for out in stream:
             usage.update(out)
+            if first and opening is not None:
+                for obj in opening(out):
+                    if continuous_usage:
+                        obj["usage"] = choice_usage(out, None)
+                    yield sse(obj)
+            first = False
             for comp in out.outputs:
                 index = choice_index(out, comp)
                 if index in finished:
@@ -78,7 +102,7 @@ async def sse_events(
                     if comp.finish_reason == "abort" and out.error:
                         cut = out.error
                 if continuous_usage:
-                    chunk["usage"] = usage.as_dict()
+                    chunk["usage"] = choice_usage(out, comp)
                 yield sse(chunk)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage.as_dict()})
@@ -109,8 +133,6 @@ async def collect(request: Request, stream: RequestStream) -> dict[str, RequestO
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()
         stream.close()
     # Not `work.cancelled()`: cancel() only asks, and the task is not cancelled until it next runs, so a
     # client that left first would make result() raise InvalidStateError (a 500 nobody reads; the soak

@@ -84,7 +84,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
     w = p.add_argument_group("workload (the names of `tokenloom bench serve`)")
     w.add_argument("--workload", default=None, metavar="W",
-                   help="random | sharegpt | FILE.jsonl (shorthand for --dataset-name/--dataset-path)")
+                   help="random | sharegpt | shared-prefix | FILE.jsonl (shorthand for --dataset-name/--dataset-path)")
     add_dataset_args(w)
     add_arrival_args(w)
 
@@ -111,8 +111,10 @@ def _dataset(args: argparse.Namespace) -> tuple[str, str | None]:
     """--workload W -> the bench's (--dataset-name, --dataset-path)."""
     if args.workload is None:
         return args.dataset_name, args.dataset_path
-    if args.workload in ("random", "sharegpt", "jsonl"):
+    if args.workload in ("random", "sharegpt", "jsonl", "generated-shared-prefix"):
         return args.workload, args.dataset_path
+    if args.workload == "shared-prefix":
+        return "generated-shared-prefix", args.dataset_path
     return "jsonl", args.workload
 
 
@@ -153,6 +155,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     sweep = parse_sweep(args.sweep)
     rows = []
+    dp_lines: list[str] = []
     for value, label in zip(sweep.values, sweep.labels):
         kwargs, run_rate = dict(engine_kwargs), rate
         if sweep.knob == "request_rate":
@@ -163,7 +166,12 @@ def _simulate(args: argparse.Namespace) -> int:
                   suffixed(args.result_file, sweep.knob, label))  # fmt: skip
         rows.append((label, run.result.metrics, run.result.num_preemptions, run.result.num_steps))
         print(f"{sweep.knob}={label}: {run.result.num_steps} steps in {run.result.wall_seconds:.1f} s", file=sys.stderr)
+        if (dp := _dp_figures(run.result)) is not None:
+            dp_lines.append(f"{sweep.knob}={label}: prefix-cache hit rate {dp['prefix_cache_hit_rate']:.3f}, "
+                            f"requests per engine {dp['requests_per_engine']}")
     print(format_table(sweep.knob, rows))
+    if dp_lines:
+        print("\n".join(dp_lines))
     return 0
 
 
@@ -176,12 +184,24 @@ class _Run:
 
 def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, Any], trace: str | None,
              percentiles: list[float], seed: int, spec_acceptance: float = 0.5) -> _Run:  # fmt: skip
+    from tokenloom.config import ParallelConfig, split_engine_kwargs
+    from tokenloom.router import RouterConfig
+    from tokenloom.sim.dp_simulate import simulate_dp
     from tokenloom.sim.simulate import engine_configs, simulate, speculative_config_of
 
     sched, cache = engine_configs(profile, kwargs)
     spec = speculative_config_of(kwargs)
-    result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
-                      speculative_config=spec, spec_acceptance=spec_acceptance)
+    parallel = ParallelConfig(**split_engine_kwargs(kwargs)["parallel"])
+    if parallel.data_parallel_size == 1:
+        result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
+                          speculative_config=spec, spec_acceptance=spec_acceptance)
+        return _Run(result, sched, cache)
+    if trace:
+        raise ValueError("--trace-steps traces one engine; it is not available with --data-parallel-size > 1")
+    if spec is not None:
+        raise ValueError("the data-parallel simulation does not model --speculative-config yet")
+    result = simulate_dp(requests, sched, cache, profile.step_model, parallel.data_parallel_size,
+                         RouterConfig.from_parallel(parallel), percentiles=percentiles, seed=seed)
     return _Run(result, sched, cache)
 
 
@@ -195,6 +215,19 @@ def _print_sim_line(run: _Run) -> None:
     print(f"simulated {r.metrics['duration']:.1f} s of serving in {r.wall_seconds:.2f} s: {r.num_steps} steps, "
           f"{r.num_preemptions} preemptions; {cache.num_blocks} KV blocks of {cache.block_size}, "
           f"max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}")
+    if (dp := _dp_figures(r)) is not None:
+        print(f"data parallel: {dp['data_parallel_size']} engines ({cache.num_blocks} KV blocks each), "
+              f"routing {dp['routing_policy']}: prefix-cache hit rate {dp['prefix_cache_hit_rate']:.3f}, "
+              f"requests per engine {dp['requests_per_engine']}")
+
+
+def _dp_figures(result: Any) -> dict[str, Any] | None:
+    """The data-parallel figures of a run (None for one engine)."""
+    if not hasattr(result, "requests_per_engine"):
+        return None
+    return {"data_parallel_size": result.num_engines, "routing_policy": result.policy,
+            "prefix_cache_hit_rate": result.prefix_cache_hit_rate, "requests_per_engine": result.requests_per_engine,
+            "router_decisions": result.router_decisions}  # fmt: skip
 
 
 def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profile, rate: float | None,
@@ -219,6 +252,7 @@ def _save_result(path: str, run: _Run, args: argparse.Namespace, profile: Profil
             "num_steps": run.result.num_steps,
             "num_preemptions": run.result.num_preemptions,
             "wall_seconds": run.result.wall_seconds,
+            "data_parallel": _dp_figures(run.result),
         },
     }
     data = BenchResult(config=config, records=run.result.records, metrics=run.result.metrics).to_dict()

@@ -19,6 +19,7 @@ from tokenloom.workload.datasets import (
     random_requests,
 )
 from tokenloom.workload.options import DATASET_NAMES
+from tokenloom.workload.shared_prefix import shared_prefix_requests
 
 
 def parse_vocab_range(spec: str) -> tuple[int, int]:
@@ -56,6 +57,12 @@ def build_workload(
     sharegpt_output_len: int | None = None,
     tokenizer: str | None = None,
     ignore_eos: bool = False,
+    gsp_num_groups: int = 12,
+    gsp_prompts_per_group: int = 16,
+    gsp_system_prompt_len: int = 512,
+    gsp_question_len: int = 32,
+    gsp_output_len: int = 16,
+    gsp_hot_group_fraction: float | None = None,
 ) -> list[BenchRequest]:
     """The requests of one workload, without arrival times (`assign_arrivals` adds them).
 
@@ -69,6 +76,10 @@ def build_workload(
         if not dataset_path:
             raise ValueError("--dataset-name jsonl needs --dataset-path")
         return load_jsonl(dataset_path, num_prompts)
+    if dataset_name == "generated-shared-prefix":  # groups x prompts; num_prompts does not apply
+        return shared_prefix_requests(gsp_num_groups, gsp_prompts_per_group, gsp_system_prompt_len, gsp_question_len,
+                                      gsp_output_len, gsp_hot_group_fraction, seed=seed,
+                                      vocab_range=random_vocab_range)  # fmt: skip
     if dataset_name == "sharegpt":
         return load_sharegpt(dataset_path, num_prompts or 100, seed=seed, output_len=sharegpt_output_len,
                              tokenize=load_tokenizer(tokenizer), ignore_eos=ignore_eos)  # fmt: skip
@@ -123,5 +134,9 @@ def workload_from_args(args: object, **override: object) -> list[BenchRequest]:
         "sharegpt_output_len": args.sharegpt_output_len, "tokenizer": args.tokenizer,
         "ignore_eos": getattr(args, "ignore_eos", False),
     }  # fmt: skip
+    for name in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
+                 "gsp_output_len", "gsp_hot_group_fraction"):
+        if hasattr(args, name):
+            params[name] = getattr(args, name)
     params.update(override)
     return build_workload(params.pop("dataset_name"), **params)

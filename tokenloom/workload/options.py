@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-DATASET_NAMES = ("random", "sharegpt", "jsonl")
+DATASET_NAMES = ("random", "sharegpt", "jsonl", "generated-shared-prefix")
 
 
 def add_dataset_args(g: argparse._ActionsContainer) -> None:
@@ -24,6 +24,15 @@ def add_dataset_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--random-vocab-range", default="17:49151", help="LO:HI token ids for random prompts")
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="override the answers' lengths")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths")
+    # SGLang's generated-shared-prefix (bench_serving.py --gsp-*), scaled down for CPU engines
+    # (SGLang's defaults: 64 groups x 16 prompts, 2048 / 128 / 256 tokens).
+    g.add_argument("--gsp-num-groups", type=int, default=12, help="generated-shared-prefix: groups (system prompts)")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="generated-shared-prefix: prompts per group")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=512, help="generated-shared-prefix: shared tokens")
+    g.add_argument("--gsp-question-len", type=int, default=32, help="generated-shared-prefix: own tokens per prompt")
+    g.add_argument("--gsp-output-len", type=int, default=16, help="generated-shared-prefix: max_tokens")
+    g.add_argument("--gsp-hot-group-fraction", type=float, default=None,
+                   help="generated-shared-prefix: one group sends this fraction of the requests (skew)")
 
 
 def add_arrival_args(g: argparse._ActionsContainer) -> None:

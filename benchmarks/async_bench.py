@@ -1,0 +1,126 @@
+"""Sync vs async scheduling on one loaded model, alternating, short runs (docs/async.md).
+
+Each round runs both modes back to back (the order flips every round), on the same engine: the
+scheduler is rebuilt with `reset_scheduler` and the runner moves into / out of its worker thread.
+
+  single stream   one request, 32-token prompt, --tokens outputs (ignore_eos): TPOT from the
+                  engine's first/last token times
+  W1-style        --requests requests at t=0, prompts 64-512 tokens (seeded), --w1-tokens outputs
+                  each: output tokens/s over the wall time of LLM.generate
+  hidden host     from the step trace: each step's host work (schedule + update) and the share of
+                  it that ran while the worker thread executed a step (async hides that share)
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async_bench.py --rounds 3 --json /tmp/async.json
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async_bench.py --dtype bfloat16 --quantization int8
+
+The machine is shared (2 cores, other processes running): compare the modes within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from tokenloom.config import SchedulerConfig
+from tokenloom.engine.llm import LLM
+from tokenloom.sampling_params import SamplingParams
+
+
+def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
+
+
+def host_figures(records: list[dict]) -> dict:
+    """Per step: host seconds (schedule + update) and the part that overlapped any step's execution."""
+    spans = [(r["t_exec_start"], r["t_exec_end"]) for r in records if r.get("t_exec_start") is not None]
+    host = hidden = execute = 0.0
+    for r in records:
+        parts = [(r["t_start"], r["t_scheduled"]), (r["t_update"], r["t_end"])]
+        for a0, a1 in parts:
+            host += a1 - a0
+            hidden += _overlap(a0, a1, spans)
+        if r.get("t_exec_start") is not None:
+            execute += r["t_exec_end"] - r["t_exec_start"]
+    n = max(len(records), 1)
+    wall = (records[-1]["t_end"] - records[0]["t_start"]) if records else 0.0
+    return {"steps": len(records), "host_ms_per_step": 1e3 * host / n, "hidden_ms_per_step": 1e3 * hidden / n,
+            "hidden_share": hidden / host if host else 0.0, "execute_ms_per_step": 1e3 * execute / n,
+            "wall_ms_per_step": 1e3 * wall / n}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--w1-tokens", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, trace_steps=str(trace))
+    engine = llm.llm_engine
+    rng = random.Random(20251130)
+    w1 = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(rng.randrange(64, 513))]}
+          for _ in range(args.requests)]  # fmt: skip
+    single = [{"prompt_token_ids": list(range(200, 232))}]
+    base = SchedulerConfig(max_model_len=engine.scheduler_config.max_model_len)
+    results: dict[str, dict[str, list]] = {m: {"tpot_ms": [], "w1_tok_s": [], "single_host": [], "w1_host": []}
+                                           for m in ("sync", "async")}  # fmt: skip
+
+    def traced(fn):
+        engine.tracer._file.flush()
+        start = len(trace.read_text().splitlines())
+        value = fn()
+        engine.engine_core.drain()
+        engine.tracer._file.flush()
+        return value, [json.loads(x) for x in trace.read_text().splitlines()[start:]]
+
+    # Warm-up (kernels, allocator) in both modes.
+    for mode in (False, True):
+        engine.reset_scheduler(replace(base, async_scheduling=mode))
+        llm.generate(single, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
+    for rnd in range(args.rounds):
+        order = ("sync", "async") if rnd % 2 == 0 else ("async", "sync")
+        for mode in order:
+            engine.reset_scheduler(replace(base, async_scheduling=mode == "async"))
+            params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
+            out, recs = traced(lambda p=params: llm.generate(single, p, use_tqdm=False)[0])
+            m = out.metrics
+            results[mode]["tpot_ms"].append(1e3 * (m.last_token_time - m.first_token_time) / (args.tokens - 1))
+            results[mode]["single_host"].append(host_figures(recs))
+            params = SamplingParams(max_tokens=args.w1_tokens, ignore_eos=True, temperature=0)
+            t0 = time.perf_counter()
+            outs, recs = traced(lambda p=params: llm.generate(w1, p, use_tqdm=False))
+            wall = time.perf_counter() - t0
+            results[mode]["w1_tok_s"].append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
+            results[mode]["w1_host"].append(host_figures(recs))
+            print(f"round {rnd} {mode:5s}: TPOT {results[mode]['tpot_ms'][-1]:.2f} ms, "
+                  f"W1-style {results[mode]['w1_tok_s'][-1]:.1f} tok/s", flush=True)
+
+    summary = {}
+    for mode, r in results.items():
+        summary[mode] = {
+            "tpot_ms_median": statistics.median(r["tpot_ms"]),
+            "w1_tok_s_median": statistics.median(r["w1_tok_s"]),
+            "single_host": {k: statistics.median(h[k] for h in r["single_host"]) for k in r["single_host"][0]},
+            "w1_host": {k: statistics.median(h[k] for h in r["w1_host"]) for k in r["w1_host"][0]},
+        }
+    report = {"args": vars(args), "dtype": str(engine.dtype), "rounds": results, "summary": summary}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    llm.llm_engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Plumbing that lets vLLM's scheduler unit tests (tests/v1/core) run against tokenloom.core unchanged.
+
+Only names and shapes are adapted, never behaviour: vLLM's constructors and keyword arguments map onto
+tokenloom's (a request's block ids come as one KV-cache group, as vLLM's single-group tuple; vLLM's
+`num_blocks` counts its null block, tokenloom's does not); arguments for machinery tokenloom lacks
+(multimodal, KV connectors, pooling) are dropped where the tests pass their neutral values. Anything a
+test asserts is tokenloom's own answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.core import outputs as tl_outputs
+from tokenloom.core.block_pool import FreeKVCacheBlockQueue as _TLQueue
+from tokenloom.core.block_pool import KVCacheBlock as _TLBlock
+from tokenloom.core.request import Request as _TLRequest
+from tokenloom.core.request import RequestStatus
+from tokenloom.core.scheduler import Scheduler as _TLScheduler
+from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
+
+EOS_TOKEN_ID = 50256
+__all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
+           "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
+           "FreeKVCacheBlockQueue"]
+
+
+class SamplingParams(_TLSamplingParams):
+    def update_from_generation_config(self, generation_config: dict, model_eos_token_id: int | None = None) -> None:
+        self.eos_token_id = model_eos_token_id
+
+
+class _Scheduler(_TLScheduler):
+    """vLLM's NewRequestData.block_ids is one list per KV-cache group: tokenloom has one group."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> tl_outputs.SchedulerOutput:
+        out = super().schedule(*args, **kwargs)
+        for new in out.scheduled_new_reqs:
+            new.block_ids = (new.block_ids,)  # type: ignore[assignment]
+        return out
+
+
+def create_scheduler(
+    model: str = "facebook/opt-125m",
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 8192,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    long_prefill_token_threshold: int = 0,
+    num_blocks: int = 10000,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    num_speculative_tokens: int | None = None,
+    policy: str = "fcfs",
+    **unused: Any,
+) -> _Scheduler:
+    sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
+
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+    )
+    # vLLM's pool counts block 0, its null block, which no request ever gets.
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
+    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
+    spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
+        if num_speculative_tokens else None
+    return _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+
+
+def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
+            pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
+            **unused: Any) -> _TLRequest:
+    return _TLRequest(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
+                      block_size=block_size)
+
+
+def create_requests(
+    num_requests: int,
+    num_tokens: int = 10,
+    max_tokens: int = 16,
+    stop_token_ids: list[int] | None = None,
+    prompt_logprobs: int | None = None,
+    same_prompt: bool = False,
+    block_size: int = 16,
+    req_ids: list[str] | None = None,
+    ignore_eos: bool = False,
+    **unused: Any,
+) -> list[_TLRequest]:
+    requests = []
+    for i in range(num_requests):
+        params = SamplingParams(ignore_eos=ignore_eos, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                                prompt_logprobs=prompt_logprobs)
+        params.update_from_generation_config({}, EOS_TOKEN_ID)
+        prompt = [0] * num_tokens if same_prompt else [i] * num_tokens
+        rid = req_ids[i] if req_ids else f"{i}"
+        requests.append(Request(rid, prompt, params, block_size=block_size))
+    return requests
+
+
+def ModelRunnerOutput(req_ids: list[str], req_id_to_index: dict[str, int],  # noqa: N802
+                      sampled_token_ids: list[list[int]], logprobs: Any = None,
+                      prompt_logprobs_dict: dict | None = None, pooler_output: Any = None,
+                      **unused: Any) -> tl_outputs.ModelRunnerOutput:
+    return tl_outputs.ModelRunnerOutput(req_ids=req_ids, req_id_to_index=req_id_to_index,
+                                        sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+
+class CachedRequestData(tl_outputs.CachedRequestData):
+    @staticmethod
+    def make_empty() -> tl_outputs.CachedRequestData:
+        return tl_outputs.CachedRequestData()
+
+
+def SchedulerOutput(scheduled_new_reqs: list, scheduled_cached_reqs: Any,  # noqa: N802
+                    num_scheduled_tokens: dict[str, int], total_num_scheduled_tokens: int,
+                    scheduled_spec_decode_tokens: dict[str, list[int]] | None = None,
+                    finished_req_ids: set[str] | None = None, **unused: Any) -> tl_outputs.SchedulerOutput:
+    return tl_outputs.SchedulerOutput(
+        scheduled_new_reqs=scheduled_new_reqs, scheduled_cached_reqs=scheduled_cached_reqs,
+        num_scheduled_tokens=num_scheduled_tokens, total_num_scheduled_tokens=total_num_scheduled_tokens,
+        scheduled_spec_decode_tokens=scheduled_spec_decode_tokens or {}, finished_req_ids=finished_req_ids or set(),
+    )
+
+
+def check_stop(request: _TLRequest, max_model_len: int) -> bool:
+    """vLLM's vllm.v1.core.sched.utils.check_stop: tokenloom's scheduler check, for one request."""
+    probe = object.__new__(_TLScheduler)
+    probe.max_model_len = max_model_len
+    return _TLScheduler._check_stop(probe, request)
+
+
+class KVCacheBlock(_TLBlock):
+    """vLLM's names for the free-list links."""
+
+    __slots__ = ()
+
+    prev_free_block = property(lambda self: self.prev_free, lambda self, v: setattr(self, "prev_free", v))
+    next_free_block = property(lambda self: self.next_free, lambda self, v: setattr(self, "next_free", v))
+
+
+class FreeKVCacheBlockQueue(_TLQueue):
+    """vLLM's names: the sentinels are fake_free_list_head/tail, append() is append_n([block])."""
+
+    def __init__(self, blocks: list) -> None:
+        super().__init__(blocks)
+        self._head.__class__ = KVCacheBlock
+        self._tail.__class__ = KVCacheBlock
+
+    @property
+    def fake_free_list_head(self) -> KVCacheBlock:
+        return self._head  # type: ignore[return-value]
+
+    @property
+    def fake_free_list_tail(self) -> KVCacheBlock:
+        return self._tail  # type: ignore[return-value]
+
+    def append(self, block: KVCacheBlock) -> None:
+        self.append_n([block])
+
+
+def create_scheduler_with_priority(enable_prefix_caching: bool = False, **kwargs: Any) -> _Scheduler:
+    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked."""
+    return create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
+
+
+def create_requests_with_priority(
+    num_requests: int,
+    priorities: list[int],
+    arrival_times: list[float] | None = None,
+    num_tokens: int = 10,
+    max_tokens: int = 16,
+    stop_token_ids: list[int] | None = None,
+    prompt_logprobs: int | None = None,
+    starting_idx: int = 0,
+    same_prompt: bool = False,
+    block_size: int = 16,
+    req_ids: list[str] | None = None,
+    **unused: Any,
+) -> list[_TLRequest]:
+    """vLLM's helper of the same name (same prompts, ids and arrival times)."""
+    arrival_times = arrival_times or [float(i) for i in range(num_requests)]
+    req_ids = req_ids or [f"{i + starting_idx}" for i in range(num_requests)]
+    params = SamplingParams(ignore_eos=False, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                            prompt_logprobs=prompt_logprobs)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return [
+        Request(req_ids[i], [starting_idx] * num_tokens if same_prompt else [i + starting_idx] * num_tokens,
+                params, arrival_time=arrival_times[i], priority=priorities[i], block_size=block_size)
+        for i in range(num_requests)
+    ]

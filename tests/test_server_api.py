@@ -1,0 +1,183 @@
+"""vLLM's API extensions through a live `tokenloom serve` (tiny model): every accepted parameter does
+what it says — echo, prompt_logprobs, truncation, logit_bias, allowed_token_ids,
+return_tokens_as_token_ids, stream_options, return_token_ids — plus request ids, ORCA headers, the
+batch chat endpoint, /load, /invocations, /tokenizer_info, --root-path and vLLM-named metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.test_server_harness import ServerProcess
+from tests.tiny_models import TINY_VOCAB, make_tiny_hf_model
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny"
+PROMPT_IDS = [5, 17, 42, 9, 101, 33, 7, 250, 64, 12]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+    args = [str(model_dir), "--dtype", "float32", "--num-blocks", "1024", "--block-size", "4",
+            "--served-model-name", MODEL, "--root-path", "/llm", "--enable-tokenizer-info-endpoint",
+            "--max-logprobs", "-1"]
+    with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _post(http, path: str, body: dict) -> dict:
+    r = http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def test_completion_echo_with_logprobs_and_prompt_logprobs(http) -> None:
+    plain = _post(http, "/v1/completions", {"prompt": "Hello there", "max_tokens": 4, **GREEDY})
+    echo = _post(http, "/v1/completions", {"prompt": "Hello there", "max_tokens": 4, "echo": True, "logprobs": 2,
+                                           **GREEDY})
+    c = echo["choices"][0]
+    assert c["text"] == "Hello there" + plain["choices"][0]["text"]
+    n_prompt = echo["usage"]["prompt_tokens"]
+    lp = c["logprobs"]
+    assert len(lp["tokens"]) == n_prompt + 4
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == n_prompt  # echo implies them
+    only = _post(http, "/v1/completions", {"prompt": "Hello there", "max_tokens": 0, "echo": True})
+    assert only["choices"][0]["text"] == "Hello there"
+    chunks = _stream(http, "/v1/completions", {"prompt": "Hello there", "max_tokens": 4, "echo": True, **GREEDY})
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == c["text"]
+    scored = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": 1})
+    plp = scored["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(PROMPT_IDS)
+    assert all(str(t) in e for t, e in zip(PROMPT_IDS[1:], plp[1:]))
+
+
+def test_minus_one_logprobs_mean_the_whole_vocabulary_with_max_logprobs_minus_one(http) -> None:
+    chat = _post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "logprobs": True, "top_logprobs": -1, "prompt_logprobs": -1})
+    top = chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == TINY_VOCAB and len({e["logprob"] for e in top}) > 1
+    assert chat["prompt_logprobs"][0] is None
+    assert all(len(e) == TINY_VOCAB for e in chat["prompt_logprobs"][1:])
+
+
+def test_chat_echo_continues_the_final_message(http) -> None:
+    messages = [{"role": "user", "content": "Say something"}, {"role": "assistant", "content": "An apple a day"}]
+    body = {"messages": messages, "max_tokens": 3, "echo": True, "continue_final_message": True,
+            "add_generation_prompt": False, **GREEDY}
+    full = _post(http, "/v1/chat/completions", body)
+    assert full["choices"][0]["message"]["content"].startswith("An apple a day")
+    chunks = _stream(http, "/v1/chat/completions", body)
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+
+
+def test_logit_bias_allowed_tokens_and_tokens_as_ids(http) -> None:
+    biased = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 5, "logit_bias": {"77": 100},
+                                             "return_token_ids": True, **GREEDY})
+    assert biased["choices"][0]["token_ids"] == [77] * 5
+    allowed = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 1.0,
+                                              "allowed_token_ids": [11, 22], "return_token_ids": True,
+                                              "ignore_eos": True})
+    assert set(allowed["choices"][0]["token_ids"]) <= {11, 22}
+    as_ids = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 3, "logprobs": 1,
+                                             "return_tokens_as_token_ids": True, "return_token_ids": True, **GREEDY})
+    c = as_ids["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    chat = _post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "logprobs": True, "return_tokens_as_token_ids": True, **GREEDY})
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_truncate_prompt_tokens_keeps_the_requested_side(http) -> None:
+    long = list(range(3, 303))  # longer than max_model_len (256)
+    left = _post(http, "/v1/completions", {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                           "return_token_ids": True})
+    assert left["choices"][0]["prompt_token_ids"] == long[-10:] and left["usage"]["prompt_tokens"] == 10
+    right = _post(http, "/v1/completions", {"prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 10,
+                                            "truncation_side": "right", "return_token_ids": True})
+    assert right["choices"][0]["prompt_token_ids"] == long[:10]
+    fit = _post(http, "/v1/completions", {"prompt": long, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert fit["usage"]["prompt_tokens"] == 255
+
+
+def test_stream_options_and_token_ids_as_vllm(http) -> None:
+    msgs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **GREEDY}
+    # continuous_usage_stats alone does nothing: it needs include_usage.
+    quiet = _stream(http, "/v1/chat/completions", {**msgs, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in ch for ch in quiet)
+    loud = _stream(http, "/v1/chat/completions",
+                   {**msgs, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert all(ch.get("usage") for ch in loud)
+    assert loud[0]["choices"][0]["delta"]["role"] == "assistant" and loud[0]["usage"]["completion_tokens"] == 0
+    assert loud[-1]["choices"] == [] and loud[-1]["usage"]["completion_tokens"] == 3
+    ids = _stream(http, "/v1/chat/completions", {**msgs, "return_token_ids": True})
+    assert ids[0]["prompt_token_ids"] and sum(len(ch["choices"][0].get("token_ids", [])) for ch in ids) == 3
+    cmpl = _stream(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 3, "return_token_ids": True,
+                                             **GREEDY})
+    assert cmpl[0]["choices"][0]["prompt_token_ids"] == PROMPT_IDS
+    assert "prompt_token_ids" not in cmpl[-1]["choices"][0]
+    # Without return_token_ids the keys are there, null, as vLLM sends them.
+    plain = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 2})
+    assert plain["choices"][0]["token_ids"] is None and plain["choices"][0]["prompt_token_ids"] is None
+    chat = _post(http, "/v1/chat/completions", msgs)
+    assert chat["prompt_token_ids"] is None and chat["choices"][0]["token_ids"] is None
+
+
+def test_request_id_orca_header_and_extra_routes(server, http) -> None:
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                  headers={"X-Request-Id": "my-id-1", "endpoint-load-metrics-format": "json"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-1" and r.json()["id"] == "cmpl-my-id-1"
+    orca = r.headers["endpoint-load-metrics"]
+    assert orca.startswith("JSON ") and "kv_cache_usage_perc" in json.loads(orca[5:])["named_metrics"]
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).headers["x-request-id"]
+    assert http.get("/load").json() == {"server_load": 0}
+    info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] and "chat_template" in info
+    assert http.get("/llm/v1/models").json()["data"][0]["id"] == MODEL  # --root-path
+    inv = _post(http, "/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert inv["object"] == "chat.completion"
+    assert _post(http, "/invocations", {"prompt": "hi", "max_tokens": 2})["object"] == "text_completion"
+    batch = _post(http, "/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "hi"}],
+                                                                    [{"role": "user", "content": "yo"}]],
+                                                       "max_tokens": 2, **GREEDY})
+    assert [c["index"] for c in batch["choices"]] == [0, 1] and batch["usage"]["completion_tokens"] == 4
+    metrics = http.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
+                 "tokenloom:num_requests_running", "vllm:request_params_n", "vllm:request_params_max_tokens",
+                 "vllm:request_inference_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:cache_config_info",
+                 'vllm:num_requests_waiting_by_reason{model_name="tiny",reason="capacity"}'):
+        assert name in metrics, name
+
+
+def test_client_disconnect_mid_request_logs_no_error(server) -> None:
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, **GREEDY}
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+    ok = httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    log = server.log()
+    assert "InvalidStateError" not in log and "Exception in ASGI application" not in log, log[-2000:]

@@ -1,0 +1,53 @@
+"""`bench throughput --data-parallel-size N`: the offline workload on N engine-core processes.
+
+Every request is submitted at t=0 through the data-parallel front end (the router and N engine
+processes, tokenloom/engine/dp_llm.py); the clock runs from the first submission to the last finish,
+so engine start-up is not counted. Per-request latencies come from each output's metrics.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from tokenloom.config import EngineConfig
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.workload.datasets import BenchRequest
+
+
+def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest]) -> tuple[dict[str, Any], Any]:
+    """One run on freshly started engines: (the throughput table's row, what the table's title needs)."""
+    from tokenloom.engine.dp_llm import DataParallelLLMEngine
+
+    engine = DataParallelLLMEngine(config)
+    try:
+        prompts = [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+        t0 = time.monotonic()
+        outs = engine.generate(prompts, params)
+        duration = time.monotonic() - t0
+        info = engine.engine.info
+        routed = list(engine.engine.client.router.num_routed)
+    finally:
+        engine.close()
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics and o.metrics.time_to_first_token is not None]
+    e2es = [o.metrics.finished_time - o.metrics.arrival_time for o in outs
+            if o.metrics and o.metrics.finished_time is not None]  # fmt: skip
+    row = {
+        "duration_s": duration, "requests_per_s": len(outs) / duration, "input_tok_s": n_in / duration,
+        "output_tok_s": n_out / duration, "total_tok_s": (n_in + n_out) / duration,
+        "median_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
+        "median_e2el_ms": 1000 * statistics.median(e2es) if e2es else None,
+        "p99_e2el_ms": 1000 * max(e2es) if e2es else None,
+        "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics), "steps": 0,
+        "failed": sum(1 for o in outs if o.outputs[0].finish_reason not in ("length", "stop")),
+        "requests_per_engine": routed,
+    }  # fmt: skip
+    title = SimpleNamespace(model_name=info.model_name, dtype=info.dtype, device=info.device,
+                            config=SimpleNamespace(quantization=info.quantization))
+    return row, title

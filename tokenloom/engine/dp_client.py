@@ -1,0 +1,192 @@
+"""DPEngineCoreClient: N independent engine cores (data parallelism) behind one API process.
+
+It has the single EngineCoreClient's interface, so AsyncLLM and the server do not change with N:
+
+    AsyncLLM ──send(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe      (its owner is recorded)
+             ──send(AbortRequests)─────▶ split by owner ──▶ each owner's pipe
+             ◀──EngineCoreOutputs (engine_index = i)── engine i   (its stats feed the router's load view)
+
+Each engine is a full engine core (scheduler, KV cache, runner), as vLLM's dense-model DP ranks are
+(`core.py`: "Non-MoE DP ranks are completely independent"); KV options apply per engine. The
+machine's cores are split between them (`split_cpus`). An engine that dies fails only the requests
+it owned: the router stops choosing it and AsyncLLM fails those requests with the engine's error;
+the server stays up until every engine is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from tokenloom.config import EngineConfig, ParallelConfig
+from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
+from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
+from tokenloom.router import NoEngineAvailable, Router, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+FailureCallback = Callable[[str, "list[str] | None"], None]
+
+
+def split_cpus(num_engines: int, cpus: list[int] | None = None) -> list[list[int]]:
+    """The usable cores dealt out in contiguous runs, one run per engine. With fewer cores than
+    engines, engines share cores (one each, round robin): oversubscribed, and said so in the log."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if num_engines > len(cpus):
+        logger.warning("%d data-parallel engines on %d cores: engines share cores", num_engines, len(cpus))
+        return [[cpus[i % len(cpus)]] for i in range(num_engines)]
+    per = len(cpus) // num_engines
+    return [cpus[i * per:(i + 1) * per] for i in range(num_engines)]
+
+
+class DPEngineCoreClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        data_parallel_size: int,
+        router_config: RouterConfig | None = None,
+        log_level: str = "info",
+        clients: list[EngineCoreClient] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        """Spawn `data_parallel_size` engine processes on disjoint cores (or adopt `clients`, started
+        by another backend such as Ray)."""
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        self.router_config = router_config or RouterConfig()
+        if clients is None:
+            cpu_sets = split_cpus(data_parallel_size)
+            clients = []
+            try:
+                for i, cpus in enumerate(cpu_sets):
+                    clients.append(EngineCoreClient(config, log_level, engine_index=i, cpus=cpus))
+            except BaseException:
+                for c in clients:
+                    c.shutdown()
+                raise
+        self.clients = clients
+        self._on_close = on_close  # frees what another backend holds (Ray: actors, placement group)
+        self.router: Router | None = None
+        self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self._on_failure: FailureCallback | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.clients)
+
+    # Start-up -----------------------------------------------------------------------------------
+    def wait_ready(self, timeout_s: float) -> EngineReady:
+        """Every engine ready (they load in parallel); returns engine 0's report. Engines must agree."""
+        readies = []
+        for i, client in enumerate(self.clients):
+            try:
+                readies.append(client.wait_ready(timeout_s))
+            except EngineStartError as exc:
+                raise EngineStartError(f"engine {i}: {exc}") from exc
+        first = readies[0]
+        for i, r in enumerate(readies[1:], 1):
+            if (r.block_size, r.max_model_len, r.vocab_size) != (first.block_size, first.max_model_len,
+                                                                    first.vocab_size):
+                raise EngineStartError(f"engine {i} disagrees with engine 0 on block size, context or vocabulary")
+        # The smallest pool decides what a request may need (check_prompt), as any engine may get it.
+        ready = replace(first, num_blocks=min(r.num_blocks for r in readies),
+                        load_time_s=max(r.load_time_s for r in readies))
+        self.router = Router(self.router_config, len(self.clients), ready.block_size, ready.num_blocks)
+        return ready
+
+    # Running ------------------------------------------------------------------------------------
+    def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: FailureCallback) -> None:
+        self._on_outputs, self._on_failure = on_outputs, on_failure
+        for i, client in enumerate(self.clients):
+            client.attach(self._outputs_from, lambda message, i=i: self._engine_failed(i, message))
+
+    def send(self, msg: Any) -> None:
+        router = self.router
+        assert router is not None, "wait_ready() first"
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                engine = router.route(msg.request_id, msg.prompt_token_ids)
+            except NoEngineAvailable:
+                return  # AsyncLLM has seen every engine die and fails the request itself
+            self.clients[engine].send(msg)
+        elif isinstance(msg, AbortRequests):
+            by_engine: dict[int, list[str]] = {}
+            for rid in msg.request_ids:
+                engine = router.finish(rid)
+                if engine is not None:  # None: finished already, nothing to free
+                    by_engine.setdefault(engine, []).append(rid)
+            for engine, rids in by_engine.items():
+                self.clients[engine].send(AbortRequests(rids))
+        elif isinstance(msg, Shutdown):
+            for client in self.clients:
+                client.send(msg)
+        else:
+            raise TypeError(f"unknown message for the engines: {type(msg).__name__}")
+
+    def _outputs_from(self, batch: EngineCoreOutputs) -> None:
+        router = self.router
+        assert router is not None and self._on_outputs is not None
+        s = batch.stats
+        router.update_load(batch.engine_index, s.num_waiting_reqs, s.num_running_reqs, s.kv_cache_usage)
+        for out in batch.outputs:
+            if out.finished:
+                router.finish(out.request_id)
+        self._on_outputs(batch)
+
+    def _engine_failed(self, engine: int, message: str) -> None:
+        assert self.router is not None and self._on_failure is not None
+        lost = self.router.mark_dead(engine)
+        message = f"data-parallel engine {engine} failed: {message}"
+        if self.is_alive:
+            logger.error("%s; %d of its requests fail, %d engines still serve", message, len(lost),
+                         sum(c.is_alive for c in self.clients))
+            self._on_failure(message, lost)
+        else:
+            self._on_failure(message, None)
+
+    # State --------------------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        """True while at least one engine serves."""
+        return any(c.is_alive for c in self.clients)
+
+    @property
+    def failure(self) -> str | None:
+        if self.is_alive:
+            return None
+        return "; ".join(f"engine {i}: {c.failure}" for i, c in enumerate(self.clients))
+
+    def engine_health(self) -> list[dict[str, Any]]:
+        return [{"engine": i, "alive": c.is_alive} | ({} if c.is_alive else {"error": c.failure})
+                for i, c in enumerate(self.clients)]
+
+    # Stopping -----------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        for client in self.clients:  # ask them all first, so they stop in parallel
+            if client.process.is_alive():
+                client.send(Shutdown())
+        for client in self.clients:
+            client.shutdown(timeout_s)
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+def make_engine_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient | DPEngineCoreClient:
+    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
+    default), N spawned processes behind the router, or N Ray actors behind the router."""
+    parallel = config.parallel or ParallelConfig()
+    router_config = RouterConfig.from_parallel(parallel)
+    config = replace(config, parallel=None)  # what each engine core runs: one engine
+    dp = parallel.data_parallel_size
+    if parallel.distributed_executor_backend == "ray":
+        from tokenloom.engine.ray_engine import start_ray_engines
+
+        clients, placement = start_ray_engines(config, dp, log_level)
+        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
+    if dp == 1:
+        return EngineCoreClient(config, log_level)
+    return DPEngineCoreClient(config, dp, router_config, log_level)

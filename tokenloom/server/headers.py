@@ -1,0 +1,38 @@
+"""Response headers every generation endpoint sets: the request id (X-Request-Id in and out, as vLLM's
+--enable-request-id-headers), the server-side queue time, and ORCA load reports on request."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import Request
+
+from tokenloom.engine.outputs import RequestOutput
+from tokenloom.server.state import ServerState
+
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+
+
+def base_request_id(raw: Request, body_request_id: str | None) -> str:
+    """The client's X-Request-Id header, else the body's request_id (a vLLM field), else a fresh id."""
+    return raw.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
+
+
+def response_headers(state: ServerState, raw: Request, base_id: str, out: RequestOutput | None) -> dict[str, str]:
+    headers = {"X-Request-Id": base_id}
+    if out is not None and (queued := out.metrics.queue_time) is not None:
+        headers["X-Queue-Time-Ms"] = f"{queued * 1000:.3f}"
+    headers.update(orca_header(state, raw.headers.get(ORCA_FORMAT_HEADER)))
+    return headers
+
+
+def orca_header(state: ServerState, fmt: str | None) -> dict[str, str]:
+    """vLLM's `endpoint-load-metrics` header (ORCA load report) when the request asks for TEXT or JSON."""
+    if not fmt or fmt.lower() not in ("text", "json"):
+        return {}
+    named = {"kv_cache_usage_perc": float(state.metrics.last_kv_usage),
+             "num_requests_waiting": float(state.metrics.last_num_waiting)}
+    if fmt.lower() == "text":
+        return {"endpoint-load-metrics": "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())}
+    return {"endpoint-load-metrics": "JSON " + json.dumps({"named_metrics": named})}

@@ -1,0 +1,83 @@
+"""Fields vLLM's API knows that tokenloom does not implement (yet): a 400 naming the field, never a
+silent 200 with the field ignored.
+
+A field is refused only when it asks for something: a value in its `neutral` set (what a client sends
+when it means "off", e.g. `use_beam_search: false`, `response_format: {"type": "text"}`) passes.
+To implement one of these, delete its entry here and read the field in protocol.py/params.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.server.errors import APIError
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    why: str
+    neutral: tuple[Any, ...] = ()  # values that ask for nothing (None always does)
+
+
+_STRUCTURED = "structured outputs are not supported yet"
+_TOOLS = "tool calling is not supported yet"
+
+COMMON: dict[str, Unsupported] = {
+    # Structured outputs (their own issue): until they land, a constrained request must not get free text.
+    "structured_outputs": Unsupported(_STRUCTURED, ({},)),
+    "guided_json": Unsupported(_STRUCTURED),
+    "guided_regex": Unsupported(_STRUCTURED),
+    "guided_choice": Unsupported(_STRUCTURED),
+    "guided_grammar": Unsupported(_STRUCTURED),
+    "guided_decoding_backend": Unsupported(_STRUCTURED),
+    "guided_whitespace_pattern": Unsupported(_STRUCTURED),
+    "response_format": Unsupported(_STRUCTURED, ({"type": "text"},)),
+    # Beam search: vLLM runs it as a loop of one-token requests over the engine in the API process;
+    # tokenloom refuses it rather than return n independent samples.
+    "use_beam_search": Unsupported("beam search is not supported; use n with sampling", (False,)),
+    "length_penalty": Unsupported("length_penalty only applies to beam search, which is not supported", (1, 1.0)),
+    "bad_words": Unsupported("bad_words is not supported yet", ([],)),
+    "watermarking": Unsupported("watermarking is not supported", (False,)),
+    "spaces_between_special_tokens": Unsupported(
+        "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
+    "prompt_embeds": Unsupported("prompt embeddings are not supported"),
+    "cache_salt": Unsupported("cache_salt is not supported yet"),
+    "kv_transfer_params": Unsupported("disaggregated serving (kv_transfer_params) is not supported"),
+    "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
+    "vllm_xargs": Unsupported("vllm_xargs (custom logits-processor arguments) is not supported", ({},)),
+    "repetition_detection": Unsupported("repetition_detection is not supported yet"),
+    "thinking_token_budget": Unsupported("thinking_token_budget needs a reasoning parser, which tokenloom lacks",
+                                         (-1,)),
+    "stream_interval": Unsupported("stream_interval is not supported yet (every step is streamed)", (1,)),
+    "lora_request": Unsupported("LoRA adapters are not supported"),
+}
+
+CHAT: dict[str, Unsupported] = {
+    "tools": Unsupported(_TOOLS),
+    "functions": Unsupported(_TOOLS),
+    "reasoning_effort": Unsupported("reasoning_effort needs a reasoning parser, which tokenloom lacks"),
+    "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    "media_io_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+}
+
+COMPLETION: dict[str, Unsupported] = {}
+
+
+def reject_unsupported(body: dict[str, Any], table: dict[str, Unsupported]) -> None:
+    for name, rule in table.items():
+        if name in body:
+            value = body[name]
+            if value is None or any(value == v and type(value) is type(v) for v in rule.neutral):
+                continue
+            raise APIError(400, f"{name}: {rule.why}", name)
+
+
+def reject_unsupported_chat(body: dict[str, Any]) -> None:
+    reject_unsupported(body, COMMON)
+    reject_unsupported(body, CHAT)
+
+
+def reject_unsupported_completion(body: dict[str, Any]) -> None:
+    reject_unsupported(body, COMMON)
+    reject_unsupported(body, COMPLETION)
