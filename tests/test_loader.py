@@ -179,9 +179,9 @@ def test_unknown_architecture_in_config_json(tiny_dirs, tmp_path: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((src / name).read_bytes())
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    cfg.update(model_type="falcon", architectures=["FalconForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"'mistral'.*llama, qwen2"):
+    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2"):
         load_model(resolve_model_path(tmp_path))
 
 

@@ -91,6 +91,21 @@ def make_tiny_tokenizer() -> Any:
     )
 
 
+# What each family's tiny model sets beyond the shared sizes: a sliding window of 8 tokens (two
+# blocks of 4) where the family has one, Gemma's alternating sliding/global layers, 4 experts top-2.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mistral": dict(sliding_window=8, head_dim=16),
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]),
+    "gemma3": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(),
+}
+
+
 def make_tiny_hf_model(
     tmp_path: str | Path, arch: str = "llama", tie: bool = False, seed: int = 0, **config_overrides: Any
 ) -> Path:
@@ -99,10 +114,15 @@ def make_tiny_hf_model(
     Every parameter (norms and biases included) is random, so a tensor loaded into the wrong slot shows.
     `config_overrides` go to the transformers config (e.g. `rope_scaling`, `num_hidden_layers`).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+    classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+               "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+               "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+               "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = classes[arch]
+    config_overrides = {**FAMILY_DEFAULTS.get(arch, {}), **config_overrides}
     config = config_cls(
         vocab_size=TINY_VOCAB,
         hidden_size=TINY_HIDDEN,
@@ -122,8 +142,8 @@ def make_tiny_hf_model(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1, generator=gen)
+            if "norm" in name:  # Gemma's norms scale by (1 + w): centre those at 0
+                param.normal_(0.0 if arch.startswith("gemma") else 1.0, 0.1, generator=gen)
             else:
                 param.normal_(0.0, 0.05, generator=gen)
     out = Path(tmp_path) / f"tiny-{arch}{'-tied' if tie else ''}-s{seed}"
@@ -139,12 +159,35 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf_name: str) -> str:
+# convert_hf_to_gguf.py's architecture names and the tensor names its families add or rename.
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+_GGUF_FAMILY_BLOCK = {
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GGUF_GEMMA_BLOCK = {"pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_attention_layernorm.weight": "post_attention_norm.weight"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """HF tensor name -> llama.cpp tensor name."""
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}
-    return f"blk.{layer}.{_GGUF_BLOCK[rest]}"
+    if arch.startswith("gemma") and rest in _GGUF_GEMMA_BLOCK:
+        return f"blk.{layer}.{_GGUF_GEMMA_BLOCK[rest]}"
+    return f"blk.{layer}.{_GGUF_FAMILY_BLOCK.get(rest) or _GGUF_BLOCK[rest]}"
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors -> llama.cpp's stacked ffn_{gate,up,down}_exps (what the converter writes)."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    for i in range(num_layers):
+        for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            names = [f"model.layers.{i}.mlp.experts.{j}.{proj}.weight" for j in range(num_experts)]
+            out[f"blk.{i}.ffn_{short}_exps.weight"] = torch.stack([tensors[n] for n in names])
+    return out
 
 
 def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32") -> Path:
@@ -157,7 +200,7 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
 
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = _GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
     writer = gguf.GGUFWriter(str(out_path), arch)
     _write_model_metadata(writer, cfg, hf_dir.name)
     if (hf_dir / "tokenizer.json").is_file():
@@ -167,13 +210,20 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if arch == "qwen3moe":
+        tensors = _stack_experts(tensors, cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["num_local_experts"])
     for name, tensor in tensors.items():
         data = tensor.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's Gemma converters store 1 + w
+        if name.startswith("blk."):  # already llama.cpp-named (stacked experts)
+            _add_tensor(writer, name, data, qtype)
+            continue
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_cpp_permute(data, heads, kv_heads)
-        _add_tensor(writer, gguf_name(name), data, qtype)
+        _add_tensor(writer, gguf_name(name, arch), data, qtype)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -186,6 +236,9 @@ def _write_model_metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], name: st
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if "full_attention" in rope:  # Gemma 3: per layer type; the local base has its own key
+        writer.add_float32(f"{writer.arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
     writer.add_name(name)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -202,6 +255,19 @@ def _write_model_metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], name: st
     if rope.get("rope_type", rope.get("type")) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if cfg.get("sliding_window") and cfg["model_type"] != "mistral":
+        writer.add_sliding_window(cfg["sliding_window"])
+    if cfg["model_type"] == "gemma3_text":  # one bool per layer: sliding or not
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if cfg.get("attn_logit_softcapping") is not None:
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg["model_type"] == "qwen3_moe":
+        writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        writer.add_expert_weights_norm(cfg["norm_topk_prob"])
     if cfg.get("bos_token_id") is not None:
         writer.add_bos_token_id(cfg["bos_token_id"])
     if cfg.get("eos_token_id") is not None:

@@ -26,6 +26,7 @@ BatchingMode = Literal["continuous", "static", "request"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+GenerationConfigMode = Literal["auto", "vllm"]
 # --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
 # quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
 Quantization = Literal["int8", "gguf"]
@@ -186,6 +187,9 @@ class CacheConfig:
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
+    # Set by the engine from the model (every layer windowed: blocks that fall out of the window are
+    # freed, tokenloom/core/sliding_window.py), so not a knob.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
@@ -399,6 +403,9 @@ class EngineConfig:
     # None: the model's context length, capped by what the KV cache can hold.
     max_model_len: int | None = knob(
         None, "longest prompt + output (default: the model's context, capped by the KV pool)")
+    generation_config: GenerationConfigMode = knob(
+        "auto", "auto: the model directory's generation_config.json gives the default sampling parameters "
+        "(vLLM's default); vllm: ignore it", simulated=False)
     seed: int = knob(0, "random seed of the engine (sampling without a per-request seed)", simulated=False)
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
@@ -416,6 +423,7 @@ class EngineConfig:
                       " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
                       if self.dtype == "float16" else "")  # fmt: skip
         _check_choice("device", self.device, Device)
+        _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization is not None and self.device == "cuda":

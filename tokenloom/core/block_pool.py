@@ -27,6 +27,13 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
+# vLLM's null block: what a sliding-window request's block table holds where its blocks fell out
+# of the window and were freed. Not in any pool (never allocated, cached or freed); its id 0 is a
+# real block's too, which is harmless: attention masks every position it stands for, and nothing
+# writes through it.
+NULL_BLOCK = KVCacheBlock(0)
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks between two sentinels."""
 
@@ -115,7 +122,7 @@ class BlockPool:
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block_hash = block_hashes[i]
-            if block.block_hash == block_hash:
+            if block is NULL_BLOCK or block.block_hash == block_hash:
                 continue
             if block.block_hash is not None:
                 self._evict_hash(block)
@@ -152,6 +159,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the eviction queue."""
         for block in blocks:
+            if block is NULL_BLOCK:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -161,6 +170,8 @@ class BlockPool:
         evict_first: list[KVCacheBlock] = []
         evict_last: list[KVCacheBlock] = []
         for block in ordered_blocks:
+            if block is NULL_BLOCK:
+                continue
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:

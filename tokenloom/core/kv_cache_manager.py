@@ -187,6 +187,10 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks freeing the request would return (a sliding-window manager leaves out NULL_BLOCK)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

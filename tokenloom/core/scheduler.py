@@ -42,6 +42,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 
@@ -107,6 +108,14 @@ class Scheduler:
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
             max_model_len=scheduler_config.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        ) if cache_config.sliding_window is None else SlidingWindowKVCacheManager(
+            num_blocks=cache_config.num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=scheduler_config.max_model_len,
+            sliding_window=cache_config.sliding_window,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
         )
@@ -430,7 +439,7 @@ class Scheduler:
             return None
         if len(self.running) < self.max_num_running_reqs:
             # Blocked by KV alone: preempt only if the victims' blocks can make it fit.
-            reclaimable = sum(len(kv.get_block_ids(v.request_id)) for v in victims)
+            reclaimable = sum(kv.num_blocks_held(v.request_id) for v in victims)
             if kv.block_pool.get_num_free_blocks() + reclaimable < need:
                 return None
         preempted: list[str] = []

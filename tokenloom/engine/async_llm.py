@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tokenloom.core.prompt_fit import prompt_fit
@@ -204,6 +205,10 @@ class AsyncLLM:
                 f"(limit {self.max_waiting_requests}); retry later"
             )
         arrival = time.monotonic()
+        extra_eos = getattr(self.info, "extra_eos_token_ids", None)
+        if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
+            params = replace(params, stop_token_ids=list(params.stop_token_ids or [])
+                             + [t for t in extra_eos if t not in (params.stop_token_ids or [])])
         cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)

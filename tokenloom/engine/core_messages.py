@@ -10,6 +10,7 @@ process on the machine, so the API process can subtract them from its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.scheduler import SchedulerStats
@@ -49,6 +50,9 @@ class EngineReady:
     device: str
     load_time_s: float
     quantization: str | None = None
+    # The model's generation_config.json defaults (tokenloom/engine/generation_config.py).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    extra_eos_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -72,17 +72,24 @@ def run_engine_core(
     except Exception as exc:  # report any start-up failure to the API process, which prints it
         _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
+    orphaned = False
     try:
         outbox.send(ready)
         EngineCoreProc(engine.engine_core, inbox, outbox, engine_index).run()
     except (EOFError, OSError):
         logger.info("the API process is gone; engine core exiting")
+        orphaned = True
     except Exception as exc:
         logger.exception("engine core loop failed")
         _send_quietly(outbox, EngineFailed(f"engine core loop failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
     finally:
-        engine.close()
+        engine.close()  # flushes the step trace
+    if orphaned:
+        # Nobody is left to serve: skip the interpreter's teardown (torch, thread joins, finalizers),
+        # which takes seconds on a busy machine, so the process is gone within a second of its parent.
+        logging.shutdown()
+        os._exit(0)
 
 
 def pin_cpus(cpus: list[int]) -> None:
@@ -113,6 +120,8 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         device=str(engine.device),
         load_time_s=time.perf_counter() - t0,
         quantization=engine.config.quantization,
+        sampling_defaults=dict(engine.generation_defaults.params),
+        extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
     )
     return engine, ready
 

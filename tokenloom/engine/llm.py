@@ -43,6 +43,10 @@ class LLM:
             self._dp.close()
             self._dp = None
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (--generation-config auto)."""
+        return self.llm_engine.generation_defaults.sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -54,8 +58,8 @@ class LLM:
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation_config defaults (vLLM's LLM does the same)
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

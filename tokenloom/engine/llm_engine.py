@@ -17,6 +17,7 @@ from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerCo
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
+from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -61,13 +62,15 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id
+        self.generation_defaults = load_generation_defaults(path if path.is_dir() else path.parent / "_none",
+                                                            config.generation_config, self.eos_token_id)
 
         cache_cfg = config.cache or CacheConfig()
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype)
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
                                            num_blocks * cache_cfg.block_size)
-        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks, sliding_window=self._uniform_window(loaded.config))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
@@ -101,6 +104,19 @@ class LLMEngine:
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
+
+    @staticmethod
+    def _uniform_window(model_config: Any) -> int | None:
+        """The sliding window when every layer has one (the KV manager then frees blocks that fall
+        out of it); None otherwise. Models mixing sliding and full layers keep every block: one
+        block id spans all layers here (vLLM's per-group block tables are not built)."""
+        windows = model_config.sliding_windows
+        if windows and all(w is not None for w in windows):
+            return windows[0] if len(set(windows)) == 1 else None
+        if any(w is not None for w in windows):
+            logger.info("%s mixes sliding-window and full-attention layers: the KV cache keeps every block "
+                        "(sliding layers are masked, not freed)", model_config.architecture)
+        return None
 
     # Sizing ---------------------------------------------------------------------------------
     @staticmethod
@@ -169,7 +185,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
-        params = params or SamplingParams()
+        params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")

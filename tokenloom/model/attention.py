@@ -61,6 +61,21 @@ from tokenloom.model.config import ModelConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]
 
 
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What differs between layers' attention (Gemma, Mistral): the score scale, the sliding window
+    (a query at position p sees keys p - window + 1 .. p; None: all of 0 .. p) and Gemma 2's tanh
+    soft-capping of the scores (None: off). The default is Llama's."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
+
 @dataclass
 class DecodeMetadata:
     """A group of single-token requests served by one padded attention call.
@@ -74,6 +89,19 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # [num_seqs * max_blocks] long, flattened, padded with block 0
     max_blocks: int
     key_bias: torch.Tensor  # [1, num_seqs, 1, max_blocks * block_size] fp32: 0 = attend, -inf = padding
+    query_pos: torch.Tensor | None = None  # [num_seqs] long: each decode's position (for windows)
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # key_bias with a window, per window
+
+    def bias(self, window: int | None) -> torch.Tensor:
+        """key_bias, with keys before the window also hidden (built once per step and window)."""
+        if window is None:
+            return self.key_bias
+        if window not in self.window_bias:
+            assert self.query_pos is not None
+            keys = torch.arange(self.key_bias.shape[-1], device=self.key_bias.device)
+            outside = keys[None, :] <= (self.query_pos[:, None] - window)
+            self.window_bias[window] = self.key_bias.masked_fill(outside.view(1, self.num_seqs, 1, -1), -torch.inf)
+        return self.window_bias[window]
 
 
 @dataclass
@@ -85,6 +113,18 @@ class PrefillMetadata:
     context_len: int  # start + num_tokens: keys 0..context_len-1
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
     mask: torch.Tensor | None  # [num_tokens, context_len] bool; None: plain causal (start == 0)
+    window_mask: dict[int, torch.Tensor] = field(default_factory=dict)  # per window, built on first use
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The chunk's causal mask, restricted to a sliding window when one is given."""
+        if window is None:
+            return self.mask
+        if window not in self.window_mask:
+            start = self.context_len - self.num_tokens
+            keys = torch.arange(self.context_len, device=self.block_ids.device)
+            queries = torch.arange(start, self.context_len, device=self.block_ids.device)
+            self.window_mask[window] = (keys[None, :] <= queries[:, None]) & (keys[None, :] > queries[:, None] - window)
+        return self.window_mask[window]
 
 
 @dataclass
@@ -207,26 +247,30 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: TorchAttentionMetadata,
+    spec: AttentionLayerSpec | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq * D].
 
     Writes k/v into the cache first, then reads every query's context (cached + new) from it.
+    `spec`: the layer's scale, sliding window and soft-capping (default: Llama's).
     """
+    spec = spec or AttentionLayerSpec()
     write_kv(kv_cache, k, v, meta.slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_q_heads * head_dim, dtype=q.dtype, device=q.device)
     for group in meta.decodes:
         s, e = group.token_start, group.token_start + group.num_seqs
-        out[s:e] = _decode_attention(q[s:e], kv_cache, group)
+        out[s:e] = _decode_attention(q[s:e], kv_cache, group, spec)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_start + chunk.num_tokens
-        out[s:e] = _prefill_attention(q[s:e], kv_cache, chunk)
+        out[s:e] = _prefill_attention(q[s:e], kv_cache, chunk, spec)
     return out
 
 
 def paged_attention_fused(
-    kernels: Any, qkv: torch.Tensor, num_q_heads: int, kv_cache: KVCache, meta: KernelMetadata, packed: bool = False
+    kernels: Any, qkv: torch.Tensor, num_q_heads: int, kv_cache: KVCache, meta: KernelMetadata, packed: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Fused CPU kernel: q heads read from the fused qkv rows [T, (Hq + 2 Hkv) * D] (already
     rotated, K/V already in the cache) -> attention output [T, Hq * D]. `packed`: the cache holds
@@ -235,7 +279,7 @@ def paged_attention_fused(
     head_dim = k_cache.shape[-1]
     out = torch.empty(qkv.shape[0], num_q_heads * head_dim, dtype=qkv.dtype)
     kernels.paged_attention(out, qkv, k_cache, v_cache, meta.block_tables, meta.q_start, meta.pos_start,
-                            head_dim**-0.5, packed)
+                            head_dim**-0.5 if scale is None else scale, packed)
     return out
 
 
@@ -256,7 +300,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     return cache.index_select(1, block_ids).view(num_heads, block_ids.numel() * block_size, head_dim)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata,
+                      spec: AttentionLayerSpec) -> torch.Tensor:
     """Unfused matmul-softmax-matmul: with q_len of one, SDPA's CPU flash kernel spends its time on
     per-(request, head) overhead; plain batched GEMMs were ~2x faster here."""
     k_cache, v_cache = kv_cache
@@ -271,24 +316,45 @@ def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata) 
     # Scores come out of the GEMM in the run dtype (as in HF's eager attention); scale, mask and
     # softmax run in fp32.
     scores = torch.matmul(qh, k.transpose(-1, -2)).float()
-    scores.mul_(head_dim**-0.5).add_(meta.key_bias)
+    scores.mul_(spec.scale if spec.scale is not None else head_dim**-0.5)
+    if spec.softcap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask (as HF)
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores.add_(meta.bias(spec.window))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     o = torch.matmul(probs, v)  # [Hkv, B, G, D]
     return o.transpose(0, 1).reshape(b, num_kv_heads * group * head_dim)
 
 
-def _prefill_attention(q: torch.Tensor, kv_cache: KVCache, meta: PrefillMetadata) -> torch.Tensor:
+def _prefill_attention(q: torch.Tensor, kv_cache: KVCache, meta: PrefillMetadata,
+                       spec: AttentionLayerSpec) -> torch.Tensor:
     k_cache, v_cache = kv_cache
     n, num_q_heads, head_dim = q.shape
     # 4-D inputs: with 3-D ones torch's CPU dispatcher falls back to the unfused math kernel.
     k = _gather_blocks(k_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
     v = _gather_blocks(v_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-    if meta.mask is None:
-        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+    mask = meta.mask_for(spec.window)
+    if spec.softcap is not None:
+        o = eager_attention(qh, k, v, mask if mask is not None else causal_offset_mask(0, n, q.device), spec)
+    elif mask is None:
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True, scale=spec.scale)
     else:
-        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=meta.mask, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True, scale=spec.scale)
     return o[0].transpose(0, 1).reshape(n, num_q_heads * head_dim)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     spec: AttentionLayerSpec) -> torch.Tensor:
+    """[1, Hq, n, D] x [1, Hkv, L, D] -> [1, Hq, n, D] with scores soft-capped (SDPA cannot):
+    HF's eager Gemma 2 arithmetic (scale, cap * tanh(s / cap), mask, fp32 softmax)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (spec.scale if spec.scale is not None else q.shape[-1] ** -0.5)
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~mask, -torch.inf)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def causal_offset_mask(start: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.model.attention import (
+    AttentionLayerSpec,
     AttentionMetadata,
     CommonAttentionMetadata,
     DecodeMetadata,
@@ -33,6 +34,7 @@ from tokenloom.model.attention import (
     PrefillMetadata,
     TorchAttentionMetadata,
     causal_offset_mask,
+    eager_attention,
     paged_attention,
     paged_attention_fused,
 )
@@ -71,10 +73,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_tables: Any, kv_cache: KVCache | None,
-                meta: AttentionMetadata, last_layer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, last_layer: bool,
+                spec: AttentionLayerSpec | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """qkv [T, (Hq + 2 Hkv) * D] -> (attention output [rows, Hq * D], rows). Writes this step's
         K/V. `rows` is None when every row goes on; in the last layer with `meta.output_rows` set,
-        it is those rows (and the output has them alone)."""
+        it is those rows (and the output has them alone). `spec`: the layer's scale, sliding window
+        and soft-capping (None: Llama's); see `supports`."""
+
+    def supports(self, spec: AttentionLayerSpec) -> bool:
+        """Whether this backend runs layers with `spec` (the torch ones run every spec)."""
+        return True
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -138,6 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_tables=self._to_device(tables.reshape(-1)),
             max_blocks=max_blocks,
             key_bias=torch.from_numpy(key_bias.astype(np.float32)).view(1, n, 1, -1).to(self.device),
+            query_pos=self._to_device(pos),
         )
 
     def _prefill_chunk(self, common: CommonAttentionMetadata, i: int) -> PrefillMetadata:
@@ -161,7 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
         return rope.tables(positions, max_position)
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_tables: Any, kv_cache: KVCache | None,
-                meta: AttentionMetadata, last_layer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, last_layer: bool,
+                spec: AttentionLayerSpec | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert isinstance(meta, TorchAttentionMetadata) and kv_cache is not None
         t = qkv.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
@@ -169,7 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Rotate q and k together: one set of elementwise kernels for both.
         qk = RotaryEmbedding.apply(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        return paged_attention(qk[:, :hq], qk[:, hq:], v, kv_cache, meta), None
+        return paged_attention(qk[:, :hq], qk[:, hq:], v, kv_cache, meta, spec), None
 
 
 class CpuKernelAttentionBackend(AttentionBackend):
@@ -213,8 +223,10 @@ class CpuKernelAttentionBackend(AttentionBackend):
         return rope.full_tables(max_position)  # the kernel indexes them by position itself
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_tables: Any, kv_cache: KVCache | None,
-                meta: AttentionMetadata, last_layer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, last_layer: bool,
+                spec: AttentionLayerSpec | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert isinstance(meta, KernelAttentionMetadata) and meta.kernel is not None and kv_cache is not None
+        assert spec is None or self.supports(spec), "the fused kernel has no sliding window or soft-capping"
         cos, sin = rope_tables
         hq = self.num_q_heads
         self.kernels.rotary_and_cache(qkv, positions, cos, sin, hq, kv_cache[0], kv_cache[1], meta.slot_mapping,
@@ -226,7 +238,12 @@ class CpuKernelAttentionBackend(AttentionBackend):
                 return qkv.new_empty((0, hq * self.head_dim)), rows
             assert meta.output_kernel is not None
             qkv, kernel_meta = qkv.index_select(0, rows), meta.output_kernel
-        return paged_attention_fused(self.kernels, qkv, hq, kv_cache, kernel_meta, self.kv_packed), rows
+        scale = spec.scale if spec is not None and spec.scale is not None else self.head_dim**-0.5
+        return paged_attention_fused(self.kernels, qkv, hq, kv_cache, kernel_meta, self.kv_packed, scale), rows
+
+    def supports(self, spec: AttentionLayerSpec) -> bool:
+        # The kernel takes any scale; windows and soft-capping are not in it yet.
+        return spec.plain
 
 
 class DenseCausalAttentionBackend(AttentionBackend):
@@ -239,7 +256,8 @@ class DenseCausalAttentionBackend(AttentionBackend):
         return rope.tables(positions, max_position)
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rope_tables: Any, kv_cache: KVCache | None,
-                meta: AttentionMetadata, last_layer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, last_layer: bool,
+                spec: AttentionLayerSpec | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = qkv.shape[0]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         cos, sin = rope_tables
@@ -247,7 +265,15 @@ class DenseCausalAttentionBackend(AttentionBackend):
         # 4-D [1, heads, T, D]: with 3-D inputs torch's CPU SDPA takes its slow math path.
         q, k = qk[:, :hq].transpose(0, 1)[None], qk[:, hq:].transpose(0, 1)[None]
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        spec = spec or AttentionLayerSpec()
+        if spec.plain:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=spec.scale)
+        else:
+            idx = torch.arange(t, device=qkv.device)
+            mask = idx[None, :] <= idx[:, None]
+            if spec.window is not None:
+                mask &= idx[None, :] > idx[:, None] - spec.window
+            o = eager_attention(q, k, v, mask, spec)
         return o[0].transpose(0, 1).reshape(t, hq * d), None
 
 

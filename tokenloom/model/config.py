@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Llama and Qwen2 run LlamaDecoderLayer as is; the other families are in tokenloom/model/models/.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,6 +30,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "model"
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p on the
+    # layers whose layer_types entry is "sliding_attention" (HF's convention; None: every layer is
+    # windowed when sliding_window is set, as Mistral's config says).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    hidden_act: str = "silu"  # "silu" | "gelu_pytorch_tanh" (Gemma)
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5), tanh soft-capping
+    # of attention scores and final logits, and the local (sliding) layers' rope base (Gemma 3).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local_base_freq: float | None = None
+    # Mixture of experts (qwen3_moe).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -38,3 +57,19 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window in tokens, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]

@@ -21,7 +21,14 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
-from tokenloom.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf_families import (
+    BLOCK_NAMES,
+    GGUF_ARCHITECTURES,
+    ROPE_FACTOR_TENSORS,
+    family_config_fields,
+    finish_family_weights,
+)
 
 Q = GGMLQuantizationType
 SUPPORTED_GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
@@ -239,14 +246,16 @@ _REQUIRED = object()
 _GGUF_ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name_from_gguf(name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name_from_gguf(name: str, architecture: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (the family's own names
+    first: tokenloom/model/gguf_families.py)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}"
-    raise ValueError(f"unexpected GGUF tensor {name!r}; tokenloom's llama/qwen2 loader does not know it")
+    block_names = {**_GGUF_BLOCK_NAMES, **BLOCK_NAMES.get(architecture, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}"
+    raise ValueError(f"unexpected GGUF tensor {name!r} for a {architecture} model; tokenloom's loader does not know it")
 
 
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -257,14 +266,18 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         if name == _GGUF_ROPE_FREQS:
             config.extra["rope_freqs"] = dequantize(tensor).float().clone()
             continue
-        hf_name = hf_name_from_gguf(name)
+        if name in ROPE_FACTOR_TENSORS and config.rope_scaling is not None:  # Phi-3 LongRoPE
+            kind = "long_factor" if "long" in name else "short_factor"
+            config.rope_scaling[kind] = dequantize(tensor).float().tolist()
+            continue
+        hf_name = hf_name_from_gguf(name, config.architecture)
         value = dequantize(tensor)
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             value = unpermute_rope_rows(value, config.num_attention_heads)
         elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             value = unpermute_rope_rows(value, config.num_key_value_heads)
         weights[hf_name] = value.to(dtype)
-    return config, weights
+    return config, finish_family_weights(config, weights)
 
 
 def permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -283,9 +296,9 @@ def config_from_gguf(gguf: GGUFFile, name: str = "model") -> ModelConfig:
     """Build a `ModelConfig` from GGUF metadata (and the tensor directory, for vocab size and tying)."""
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; tokenloom supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r}; tokenloom supports {', '.join(GGUF_ARCHITECTURES)}"
         )
 
     def key(suffix: str, default: Any = _REQUIRED) -> Any:
@@ -304,8 +317,9 @@ def config_from_gguf(gguf: GGUFFile, name: str = "model") -> ModelConfig:
         raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
     if "token_embd.weight" not in gguf.tensors:
         raise ValueError("GGUF has no token_embd.weight tensor")
+    family = family_config_fields(meta, arch, GGUF_ARCHITECTURES[arch], key("block_count"), head_dim, gguf.tensors)
     return ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=gguf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -315,13 +329,14 @@ def config_from_gguf(gguf: GGUFFile, name: str = "model") -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=key("attention.layer_norm_rms_epsilon"),
         rope_theta=key("rope.freq_base", 10000.0),
-        rope_scaling=_gguf_rope_scaling(meta, arch),
+        rope_scaling=family.pop("rope_scaling", None) or _gguf_rope_scaling(meta, arch),
         max_position_embeddings=key("context_length", 2048),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=name,
+        **family,
     )
 
 

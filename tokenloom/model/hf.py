@@ -8,9 +8,24 @@ from typing import Any
 
 import torch
 
-from tokenloom.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenloom.model.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenloom.model.rotary import rope_inv_freq
 
-_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+}
+_MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
+# The activation each family's MLP runs (the config's hidden_act / hidden_activation must say so).
+_ACTIVATION = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}
+# Fields a family cannot run without (beyond the Llama ones every config has).
+_REQUIRED = {
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "gemma2": ("query_pre_attn_scalar",),
+    "gemma3": ("query_pre_attn_scalar",),
+}
+_COMMON_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -26,7 +41,32 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
                 if name in weights:
                     raise ValueError(f"{path}: tensor {name!r} appears in more than one safetensors file")
                 weights[name] = f.get_tensor(name).to(dtype)
+    if config.architecture == "phi3":
+        weights = split_phi3_fused(weights, config)
     return config, weights
+
+
+def split_phi3_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3 stores qkv_proj and gate_up_proj fused: split them into Llama's names (the Llama layer
+    fuses them again, so this costs a copy at load only)."""
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            if t.shape[0] != q_dim + 2 * kv_dim:
+                raise ValueError(f"{name} has {t.shape[0]} rows, the config implies {q_dim + 2 * kv_dim}")
+            p = name.removesuffix("qkv_proj.weight")
+            out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = \
+                t.split([q_dim, kv_dim, kv_dim])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            if t.shape[0] != 2 * config.intermediate_size:
+                raise ValueError(f"{name} has {t.shape[0]} rows, the config implies {2 * config.intermediate_size}")
+            p = name.removesuffix("gate_up_proj.weight")
+            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.chunk(2)
+        else:
+            out[name] = t
+    return out
 
 
 def _ignored_hf_tensor(name: str, config: ModelConfig) -> bool:
@@ -37,17 +77,31 @@ def _ignored_hf_tensor(name: str, config: ModelConfig) -> bool:
 def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
     """Build a `ModelConfig` from a parsed Hugging Face config.json."""
     arch = _hf_architecture(cfg)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; tokenloom implements silu only")
-    if cfg.get("use_sliding_window"):
-        raise ValueError("unsupported use_sliding_window=true; tokenloom attends over the full context")
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:  # transformers v5 spelling
+        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
+    for key in _COMMON_REQUIRED + _REQUIRED.get(arch, ()):
+        if cfg.get(key) is None:
+            raise ValueError(f"config.json has no {key!r}, which a {arch} model needs")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act != _ACTIVATION.get(arch, "silu"):
+        raise ValueError(f"unsupported hidden_act {act!r} for {arch}; tokenloom implements "
+                         f"{_ACTIVATION.get(arch, 'silu')} for it")
     heads = cfg["num_attention_heads"]
-    rope_theta, rope_scaling = _hf_rope(cfg)
-    eos, extra = cfg.get("eos_token_id"), {}
+    rope_theta, rope_scaling, local_theta = _hf_rope(cfg)
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise ValueError(f"unsupported partial_rotary_factor {partial}; tokenloom rotates the whole head")
+    window, layer_types = _hf_sliding_window(cfg, arch)
+    if arch == "phi3" and cfg.get("original_max_position_embeddings"):
+        cfg.setdefault("_extra", {})["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    eos, extra = cfg.get("eos_token_id"), dict(cfg.get("_extra", {}))
+    for key in ("decoder_sparse_step", "mlp_only_layers"):
+        if key in cfg:
+            extra[key] = cfg[key]
     if isinstance(eos, list):  # e.g. Llama 3 stops on several ids
         extra["eos_token_ids"] = eos
         eos = eos[0] if eos else None
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -60,15 +114,28 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        # Both LlamaConfig and Qwen2Config default to untied.
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Llama/Qwen/Mistral/Phi-3 configs default to untied, Gemma's to tied.
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch.startswith("gemma"))),
         # Qwen2 always has q/k/v biases and its config has no flag for it.
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos,
         name=name,
+        sliding_window=window,
+        layer_types=layer_types,
+        hidden_act=act,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "gemma2" else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if arch.startswith("gemma") else None,
+        rope_local_base_freq=local_theta if arch == "gemma3" else None,
+        num_experts=int(cfg["num_experts"]) if arch == "qwen3_moe" else 0,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if arch == "qwen3_moe" else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if arch == "qwen3_moe" else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         extra=extra,
     )
+    rope_inv_freq(config)  # an unknown rope_scaling type fails here, naming it, before any weight is read
+    return config
 
 
 def _hf_architecture(cfg: dict[str, Any]) -> str:
@@ -76,6 +143,7 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
     if model_type is None:
         archs = [_HF_ARCHITECTURES[a] for a in cfg.get("architectures") or [] if a in _HF_ARCHITECTURES]
         model_type = archs[0] if archs else cfg.get("architectures")
+    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported model_type/architectures {model_type!r} in config.json; "
@@ -84,12 +152,49 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
     return model_type
 
 
-def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either the transformers v4 or the v5 (`rope_parameters`) layout."""
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """(rope_theta, rope_scaling, local rope_theta) from either the transformers v4 or the v5
+    (`rope_parameters`, per layer type for Gemma 3) layout."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_theta = cfg.get("rope_local_base_freq")
+    if FULL in params or SLIDING in params:  # v5 Gemma 3: one dict per layer type
+        local = params.get(SLIDING) or {}
+        local_theta = local.get("rope_theta", local_theta)
+        params = dict(params.get(FULL) or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
     if "type" in params:  # pre-4.45 spelling
         params.setdefault("rope_type", params.pop("type"))
     if params.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, params
+        return theta, None, local_theta
+    if params.get("rope_type") in ("longrope", "su"):
+        params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return theta, params, local_theta
+
+
+def _hf_sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types). Qwen2/Qwen3 configs carry a sliding_window that only counts
+    when use_sliding_window is true; the others use theirs whenever it is set."""
+    window = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if window is None:
+        return None, None
+    if layer_types is not None:
+        unknown = set(layer_types) - {SLIDING, FULL}
+        if unknown:
+            raise ValueError(f"config.json layer_types has unknown entries {sorted(unknown)}")
+        if SLIDING not in layer_types:
+            return None, None
+    elif arch in ("qwen2", "qwen3", "qwen3_moe"):  # v4 configs: layers from max_window_layers on slide
+        first = int(cfg.get("max_window_layers") or 0)
+        layer_types = [SLIDING if i >= first else FULL for i in range(cfg["num_hidden_layers"])]
+        if SLIDING not in layer_types:
+            return None, None
+    elif arch == "gemma2":  # v4 configs: every other layer, starting with a sliding one
+        layer_types = [SLIDING if (i + 1) % 2 else FULL for i in range(cfg["num_hidden_layers"])]
+    elif arch == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(cfg["num_hidden_layers"])]
+    return int(window), list(layer_types) if layer_types is not None else None

@@ -25,14 +25,14 @@ MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECOD
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.attention import AttentionMetadata, KVCache
-from tokenloom.model.attention_backends import AttentionBackend, select_attention_backend
+from tokenloom.model.attention import AttentionLayerSpec, AttentionMetadata, KVCache
+from tokenloom.model.attention_backends import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.linear import (
     LinearBase,
@@ -58,6 +58,7 @@ class StepContext:
     rope_tables: Any  # the attention backend's (see AttentionBackend.rope_tables)
     attn_metadata: AttentionMetadata
     attn_backend: AttentionBackend
+    local_rope_tables: Any = None  # Gemma 3's sliding layers' rope (their own base), else None
 
 
 class RMSNorm:
@@ -76,7 +77,12 @@ class RMSNorm:
 
 
 class LlamaAttention:
-    """qkv projection -> attention backend (rotary, KV write, paged attention) -> o projection."""
+    """qkv projection -> attention backend (rotary, KV write, paged attention) -> o projection.
+    `spec`: this layer's scale / sliding window / soft-capping; `local_rope`: the layer rotates with
+    the model's local rope tables (Gemma 3's sliding layers)."""
+
+    spec = AttentionLayerSpec()
+    local_rope = False
 
     def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
         names = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
@@ -88,12 +94,17 @@ class LlamaAttention:
         """x in qkv_proj's input format -> (o_proj's output, rows: see AttentionBackend.forward);
         output None when no row goes on."""
         qkv = self.qkv_proj.apply_input(x)
-        qkv = qkv if isinstance(qkv, torch.Tensor) else qkv.dense()
-        o, rows = ctx.attn_backend.forward(qkv, ctx.positions, ctx.rope_tables, kv_cache, ctx.attn_metadata,
-                                           last_layer)
+        qkv = self.qk_norm(qkv if isinstance(qkv, torch.Tensor) else qkv.dense())
+        rope = ctx.local_rope_tables if self.local_rope and ctx.local_rope_tables is not None else ctx.rope_tables
+        o, rows = ctx.attn_backend.forward(qkv, ctx.positions, rope, kv_cache, ctx.attn_metadata, last_layer,
+                                           self.spec)
         if rows is not None and rows.numel() == 0:
             return None, rows
         return self.o_proj.apply_input(self.o_proj.quant_method.quantize_input(o)), rows
+
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Hook for families that normalise q and k per head before rotary (Qwen3, Gemma 3)."""
+        return qkv
 
 
 class LlamaMLP:
@@ -114,11 +125,27 @@ class LlamaDecoderLayer:
     """Pre-norm attention and MLP blocks around one residual stream (Llama, Qwen2: Qwen2 differs
     only by the q/k/v biases, which the weights carry)."""
 
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
+    norm_weight_offset = 0.0  # added to the final norm's weight (Gemma's (1 + w) convention)
+
+    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+                 layer_idx: int = 0) -> None:
         self.input_layernorm = RMSNorm(get(prefix + "input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = LlamaAttention(get, prefix + "self_attn.", method)
+        self.self_attn = self.make_attention(config, get, prefix + "self_attn.", method)
         self.post_attention_layernorm = RMSNorm(get(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
-        self.mlp = LlamaMLP(get, prefix + "mlp.", method)
+        self.mlp = self.make_mlp(config, get, prefix + "mlp.", method, layer_idx)
+        self.self_attn.spec = self.attention_spec(config, layer_idx)
+
+    # Family hooks: a subclass replaces the attention, the MLP or the attention's spec.
+    def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
+                       method: LinearMethodBase) -> LlamaAttention:
+        return LlamaAttention(get, prefix, method)
+
+    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+                 layer_idx: int) -> Any:
+        return LlamaMLP(get, prefix, method)
+
+    def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
+        return AttentionLayerSpec(window=config.layer_window(layer_idx))
 
     @property
     def first_linear(self) -> LinearBase:
@@ -146,8 +173,19 @@ class LlamaDecoderLayer:
         return self.mlp(x), residual
 
 
-# Decoder-layer class per ModelConfig.architecture.
+# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into Llama's norm layout).
+INT8_UNSUPPORTED = ("gemma2", "gemma3", "qwen3_moe")
+
+# Decoder-layer class per ModelConfig.architecture; the other families register theirs from
+# tokenloom/model/models/ (imported on first use: they subclass the classes above).
 DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {"llama": LlamaDecoderLayer, "qwen2": LlamaDecoderLayer}
+
+
+def decoder_layer_class(architecture: str) -> type[LlamaDecoderLayer]:
+    if architecture not in DECODER_LAYERS:
+        import tokenloom.model.models  # noqa: F401 - registers the families
+
+    return DECODER_LAYERS[architecture]
 
 
 class LlamaModel:
@@ -171,6 +209,9 @@ class LlamaModel:
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting)."""
         check_quantization(quantization, torch.device(device))
+        if quantization is not None and config.architecture in INT8_UNSUPPORTED:
+            raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
+                             "(Gemma's post-norms and the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None
@@ -188,18 +229,25 @@ class LlamaModel:
         # reader turns them into linears of the GGUF method (tokenloom/model/gguf_method.py).
         gguf_method = get_linear_method("gguf", self.kernels) if quantization == "gguf" else None
         get = _WeightReader(weights, self.device, dtype, gguf_method)
+        layer_cls = decoder_layer_class(config.architecture)
         self.embed_tokens = get.raw_or_converted("model.embed_tokens.weight")
-        self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
+        self.norm = RMSNorm(get("model.norm.weight") + layer_cls.norm_weight_offset, config.rms_norm_eps)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
             self.lm_head = get.linear(["lm_head"], self.dense_method, "lm_head", bias=False)
         elif isinstance(self.embed_tokens, torch.Tensor):  # tied: the same tensor
             self.lm_head = LinearBase(self.embed_tokens, None, self.dense_method, "lm_head", dtype)
         else:  # tied GGUF blocks: the embedding reads the file's rows, the head a kernel layout of them
             self.lm_head = get.linear(["model.embed_tokens"], self.dense_method, "lm_head", bias=False)
-        layer_cls = DECODER_LAYERS[config.architecture]
-        self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method)
+        self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
+        self._fall_back_for_unsupported_attention()
         self.rope = RotaryEmbedding(config, self.device, dtype)
+        # Gemma 3: the sliding layers rotate with their own base (rope_local_base_freq), unscaled.
+        self.local_rope = None if config.rope_local_base_freq is None else RotaryEmbedding(
+            replace(config, rope_theta=config.rope_local_base_freq, rope_scaling=None), self.device, dtype)
+        # Gemma: the embeddings are scaled by sqrt(hidden_size), rounded to the run dtype (as HF).
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
+                            if config.architecture.startswith("gemma") else None)
         self.quantization = quantization
         self.gguf_step: Any = None  # set below for gguf; int8 calibration runs forward before that
         if quantization == "int8":
@@ -209,6 +257,17 @@ class LlamaModel:
         if quantization == "gguf":  # small all-decode steps run the whole stack in one compiled call
             self.gguf_step = _gguf_decode_step(self)
         self.packed_linear = packing_enabled(self.device, dtype) and prepack_linears(self.dense_linears())
+
+    def _fall_back_for_unsupported_attention(self) -> None:
+        """The fused kernel has no sliding window or soft-capping yet: such models run the torch
+        attention backend (the linears keep the kernels), and the log says so."""
+        specs = {layer.self_attn.spec for layer in self.layers}
+        unsupported = [s for s in specs if not self.attn_backend.supports(s)]
+        if unsupported:
+            logger.warning("%s: the fused CPU attention kernel has no sliding window / soft-capping (%s); "
+                           "attention runs on the torch path", self.config.architecture, unsupported[0])
+            self.attn_backend = TorchAttentionBackend(self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                                      self.device)
 
     @property
     def kv_packed(self) -> bool:
@@ -271,7 +330,11 @@ class LlamaModel:
                 return h
         backend = self.attn_backend
         ctx = StepContext(positions, backend.rope_tables(self.rope, positions, max_position), attn_metadata, backend)
+        if self.local_rope is not None:
+            ctx.local_rope_tables = backend.rope_tables(self.local_rope, positions, max_position)
         h = self.embed(input_ids)  # the residual stream, updated in place
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         hidden: Hidden | None = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -283,6 +346,9 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
         logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if fp32 else logits
 
 
@@ -379,6 +445,12 @@ def _gguf_decode_step(model: LlamaModel) -> Any:
     from tokenloom.model.gguf_decode import DecoderLayerSpec, GGUFDecodeStep, build_decoder, linear_parts
     from tokenloom.model.gguf_kernels import gguf_kernels
 
+    cfg = model.config
+    if cfg.architecture not in ("llama", "qwen2") or cfg.sliding_window or (cfg.rope_scaling or {}).get(
+            "rope_type", (cfg.rope_scaling or {}).get("type")) not in (None, "default", "llama3"):
+        # The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE):
+        # other families run their own layer loop over the same GGUF linears.
+        return None
     kernels = gguf_kernels()
     step = GGUFDecodeStep(None, model.config.hidden_size, model.dtype)
     if kernels is None or model.kernels is None or step.max_rows <= 0:

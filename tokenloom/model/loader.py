@@ -107,7 +107,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a `LoadedModel` for this config carries, with its HF shape (Linear weights: [out, in])."""
-    hidden, vocab, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    hidden, vocab = config.hidden_size, config.vocab_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -122,10 +122,14 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_dim, hidden),
             p + "self_attn.v_proj.weight": (kv_dim, hidden),
             p + "self_attn.o_proj.weight": (hidden, q_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
+        shapes |= _mlp_shapes(config, i, p)
+        if config.architecture in ("qwen3", "qwen3_moe", "gemma3"):  # q/k RMSNorm per head
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,),
+                       p + "self_attn.k_norm.weight": (config.head_dim,)}
+        if config.architecture.startswith("gemma"):
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
+                       p + "post_feedforward_layernorm.weight": (hidden,)}
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q_dim,),
@@ -133,6 +137,22 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.bias": (kv_dim,),
             }
     return shapes
+
+
+def _mlp_shapes(config: ModelConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    if config.architecture == "qwen3_moe":
+        from tokenloom.model.models.qwen3_moe import is_moe_layer
+
+        if is_moe_layer(config, i):
+            e, n, moe = p + "mlp.experts.", config.num_experts, config.moe_intermediate_size
+            shapes = {p + "mlp.gate.weight": (n, hidden)}
+            for j in range(n):
+                shapes |= {f"{e}{j}.gate_proj.weight": (moe, hidden), f"{e}{j}.up_proj.weight": (moe, hidden),
+                           f"{e}{j}.down_proj.weight": (hidden, moe)}
+            return shapes
+    return {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter)}
 
 
 def optional_bias_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

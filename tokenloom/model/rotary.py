@@ -1,4 +1,4 @@
-"""Rotary position embedding (rope) tables, with HF's rope_scaling variants (linear, llama3)."""
+"""Rotary position embedding (rope) tables, with HF's rope_scaling variants (linear, llama3, longrope)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,45 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+    if rope_type in ("longrope", "su"):
+        return _longrope_inv_freq(config, scaling, long=False)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
+
+
+def _longrope_original_max(config: ModelConfig, scaling: dict) -> int:
+    original = scaling.get("original_max_position_embeddings") or config.extra.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("rope_scaling type 'longrope' needs original_max_position_embeddings in config.json")
+    return int(original)
+
+
+def _longrope_inv_freq(config: ModelConfig, scaling: dict, long: bool) -> torch.Tensor:
+    """Phi-3's LongRoPE ("su"): per-frequency divisors, short_factor within the original context,
+    long_factor beyond it (transformers' _compute_longrope_parameters)."""
+    for key in ("short_factor", "long_factor"):
+        if key not in scaling:
+            raise ValueError(f"rope_scaling type 'longrope' needs {key!r} in config.json")
+    dim = config.head_dim
+    ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"rope_scaling {'long' if long else 'short'}_factor has {ext.numel()} entries, "
+                         f"head_dim / 2 = {dim // 2}")
+    return 1.0 / (ext * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor cos/sin are scaled by (LongRoPE's attention factor; 1 otherwise)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = _longrope_original_max(config, scaling)
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -48,6 +86,12 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.inv_freq = rope_inv_freq(config)
+        self.attention_factor = rope_attention_factor(config)
+        scaling = config.rope_scaling or {}
+        self.long_inv_freq, self.long_from = None, 0
+        if scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            self.long_inv_freq = _longrope_inv_freq(config, scaling, long=True)
+            self.long_from = _longrope_original_max(config, scaling)
         self.max_positions = config.max_position_embeddings
         self.device, self.dtype = device, dtype
         self.cos = self.sin = torch.empty(0)
@@ -56,8 +100,17 @@ class RotaryEmbedding:
     def _build(self, num_positions: int) -> None:
         # fp32 angles, cast once to the run dtype: what HF does per forward.
         freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), self.inv_freq)
-        self.cos = freqs.cos().to(self.device, self.dtype)
-        self.sin = freqs.sin().to(self.device, self.dtype)
+        if self.long_inv_freq is not None and num_positions > self.long_from:
+            # LongRoPE: positions past the original context use the long factors. (HF switches the
+            # whole forward to them once the sequence passes that length; per position is vLLM's
+            # choice too, and keeps cached keys valid.)
+            long_pos = torch.arange(self.long_from, num_positions, dtype=torch.float32)
+            freqs[self.long_from :] = torch.outer(long_pos, self.long_inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos = cos.to(self.device, self.dtype)
+        self.sin = sin.to(self.device, self.dtype)
 
     def full_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cos, sin tables [P, D / 2] (P > max_position), grown if needed."""

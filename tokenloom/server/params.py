@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
@@ -66,17 +67,20 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
 
 
 def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                     prompt_logprobs: int | None, max_logprobs: int = 20) -> SamplingParams:
+                     prompt_logprobs: int | None, max_logprobs: int = 20,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the model's generation_config defaults, for the fields the request leaves unset."""
+    d = defaults or {}
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=req.min_p or 0.0,
+            temperature=server_default(d, "temperature", req.temperature, 1.0),
+            top_p=server_default(d, "top_p", req.top_p, 1.0),
+            top_k=server_default(d, "top_k", req.top_k, 0),
+            min_p=server_default(d, "min_p", req.min_p, 0.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=server_default(d, "repetition_penalty", req.repetition_penalty, 1.0),
             seed=req.seed,
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
@@ -98,9 +102,15 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
         raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
 
 
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int | None:
-    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null).
-    return max(max_model_len - prompt_len, 1) if requested is None else requested
+def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                defaults: dict[str, Any] | None = None) -> int | None:
+    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null), or the
+    # model's max_new_tokens when smaller (vLLM's get_max_tokens).
+    if requested is not None:
+        return requested
+    room = max(max_model_len - prompt_len, 1)
+    default = (defaults or {}).get("max_tokens")
+    return room if default is None else min(room, default)
 
 
 def truncate_prompt(ids: list[int], req: SamplingRequest, max_model_len: int) -> list[int]:
@@ -133,7 +143,7 @@ def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
 
 
 def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
-                      max_logprobs: int) -> SamplingParams:
+                      max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
     logprobs = resolve_logprobs(req.logprobs, "logprobs", vocab_size, max_logprobs)
     prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
     # echo with logprobs also scores the prompt (vLLM: prompt_logprobs defaults to logprobs under echo).
@@ -143,7 +153,8 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
     if "max_tokens" not in req.model_fields_set and max_tokens is not None:
         # The default (16), not the client's number: like vLLM, clamp it to the room the context leaves.
         max_tokens = min(max_tokens, max(max_model_len - prompt_len, 1))
-    return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len), logprobs, prompt_logprobs)
+    return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len, defaults), logprobs,
+                            prompt_logprobs, defaults=defaults)
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
@@ -193,12 +204,13 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
 
 
 def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int, vocab_size: int,
-                max_logprobs: int) -> SamplingParams:
+                max_logprobs: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = resolve_logprobs(req.top_logprobs, "top_logprobs", vocab_size, max_logprobs)
     logprobs = (top or 0) if req.logprobs else None
     prompt_logprobs = resolve_logprobs(req.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs)
-    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len), logprobs, prompt_logprobs)
+    return _sampling_params(req, _max_tokens(requested, prompt_len, max_model_len, defaults), logprobs,
+                            prompt_logprobs, defaults=defaults)
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:

@@ -45,7 +45,7 @@ async def create_batch_chat_completion(raw: Request) -> Response:
     try:
         for rid, (req, prompt_ids) in zip(ids, parsed):
             params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size,
-                                 state.config.max_logprobs)
+                                 state.config.max_logprobs, state.sampling_defaults)
             if req.logprobs:  # -1 resolved to the whole vocabulary
                 req.top_logprobs = params.logprobs
             engine.add_request(rid, prompt_ids, params, stream, priority=req.priority)

@@ -74,7 +74,8 @@ async def create_chat_completion(raw: Request) -> Response:
     state = get_state(raw)
     req, prompt_ids = await parse_chat(state, await read_json(raw, state.config.max_request_body_bytes))
     model = state.model_name(req.model)
-    params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs)
+    params = chat_params(req, len(prompt_ids), state.max_model_len, state.vocab_size, state.config.max_logprobs,
+                         state.sampling_defaults)
     if req.logprobs:  # -1 resolved to the whole vocabulary
         req.top_logprobs = params.logprobs
     base_id = base_request_id(raw, req.request_id)

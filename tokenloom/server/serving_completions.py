@@ -30,7 +30,7 @@ async def create_completion(raw: Request) -> Response:
     check_completion_request(req, state.vocab_size)
     prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer, state.max_model_len)
     params = [completion_params(req, len(ids), state.max_model_len, state.vocab_size,
-                                 state.config.max_logprobs) for _, ids in prompts]
+                                 state.config.max_logprobs, state.sampling_defaults) for _, ids in prompts]
     base_id = base_request_id(raw, req.request_id)
     request_id = f"cmpl-{base_id}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.

@@ -27,6 +27,8 @@ class ServerState:
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.server_load = 0  # generation requests in flight (GET /load)
+        # The model's generation_config.json defaults (empty with --generation-config vllm).
+        self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
         # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
         # tokenizer is never entered from two threads at once.

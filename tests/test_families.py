@@ -1,0 +1,170 @@
+"""Qwen3, Qwen3-MoE, Gemma 2/3, Phi-3 and Mistral against transformers, on tiny random models built
+from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64, sliding window 8
+= two blocks of 4 where the family has one).
+
+* one batch mixing a chunked prefill, prefix-cache hits and decodes (test_model_runner's steps);
+* greedy tokens identical to transformers' generate, the real scheduler driving the runner, with a
+  prompt longer than the window; for Mistral (every layer windowed) the KV blocks a request holds
+  stay bounded by the window while it runs;
+* MoE routing: ties go to the lower expert (torch.topk), an expert with no token costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tests.test_model_runner as tmr
+from tests.test_model_runner import BLOCK, Tiny, prompt
+from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
+from tokenloom.model.loader import load_model
+from tokenloom.model.models.qwen3_moe import grouped_experts, route
+from tokenloom.model.runner import ModelRunner
+from tokenloom.sampling_params import SamplingParams
+
+FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return Tiny(hf=hf, loaded=load_model(path, torch.float32))
+
+
+@tmr.PATHS
+def test_mixed_step_matches_transformers(family: Tiny, path: str) -> None:
+    """Both paths: "kernels" runs the compiled kernels' linears, with the torch attention backend
+    for the families whose windows / soft-capping the fused kernel lacks."""
+    tmr.test_mixed_step_matches_transformers(family, path)
+
+
+def test_greedy_32_tokens_match_generate(family: Tiny) -> None:
+    """Scheduler + runner (chunked prefill of 8-token chunks, prefix caching) generate exactly what
+    transformers generates greedily, past the window; a uniformly windowed model's requests hold a
+    bounded number of blocks."""
+    window = family.loaded.config.sliding_windows
+    uniform = window[0] if all(w is not None for w in window) else None
+    num_blocks = 40
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=128),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=True, sliding_window=uniform),
+        clock=lambda: 0.0,
+    )
+    assert isinstance(sched.kv_cache_manager, SlidingWindowKVCacheManager) == (uniform is not None)
+    runner = family.runner(num_blocks=num_blocks)
+    shared = prompt(40, 12)
+    prompts = {"a": shared + prompt(41, 7), "b": shared + prompt(42, 3)}
+    for rid, p in prompts.items():
+        sched.add_request(Request(rid, p, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)))
+    generated: dict[str, list[int]] = {rid: [] for rid in prompts}
+    most_held = prefix_hits = 0
+    for _ in range(300):
+        if not sched.has_requests():
+            break
+        so = sched.schedule()
+        prefix_hits += sum(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs)
+        for out in sched.update_from_output(so, runner.execute_model(so)):
+            assert out.error is None
+            generated[out.request_id] += out.new_token_ids
+        if uniform is not None:
+            kv = sched.kv_cache_manager
+            most_held = max([most_held] + [kv.num_blocks_held(r) for r in kv.req_to_blocks])
+    assert prefix_hits == 1  # "b" reuses "a"'s cached prefix blocks (through the window for Mistral)
+    if uniform is not None:  # 19 + 32 tokens = 13 blocks without freeing; the window keeps <= 5
+        assert 0 < most_held <= -(-(uniform - 1 + 8) // BLOCK) + 1, most_held
+    for rid, p in prompts.items():
+        expected = family.hf.generate(
+            torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p):].tolist()
+        assert generated[rid] == expected, rid
+
+
+def test_moe_routing_ties_and_idle_expert() -> None:
+    # Token 0: experts 1 and 2 tie for the top: topk keeps the lower index first (as transformers).
+    logits = torch.tensor([[0.0, 2.0, 2.0, -1.0], [3.0, -5.0, 1.0, -5.0]])
+    weights, experts = route(logits, 2, normalize=True)
+    assert experts.tolist() == [[1, 2], [0, 2]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    # Expert 3 receives no token: it is skipped, and the result equals the per-token reference.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, generator=g)
+    w_gate_up, w_down = torch.randn(4, 6, 8, generator=g), torch.randn(4, 8, 3, generator=g)
+    w_down[3] = float("nan")  # would poison the output if expert 3 ran on anything
+    out = grouped_experts(x, weights, experts, w_gate_up, w_down)
+    ref = torch.zeros_like(x)
+    for t in range(2):
+        for k in range(2):
+            e = int(experts[t, k])
+            gate, up = (w_gate_up[e] @ x[t]).chunk(2)
+            ref[t] += weights[t, k] * (w_down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"])
+def test_gguf_matches_hf_dir(arch: str, tmp_path: Path) -> None:
+    """A GGUF written with gguf's writer under llama.cpp's names and conventions (stacked experts,
+    Gemma's 1 + w norms, Phi-3's fused tensors) loads to the same weights and config, so the same
+    logits, as its HF directory. (llama.cpp writes Mistral as a plain "llama" GGUF, without its
+    window: covered by test_loader's Llama GGUF tests.)"""
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4)
+    from_hf = load_model(hf_dir, torch.float32)
+    from_gguf = load_model(write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf"), torch.float32)
+    for field in ("architecture", "sliding_windows", "hidden_act", "attn_logit_softcapping",
+                  "final_logit_softcapping", "rope_local_base_freq", "num_experts", "num_experts_per_tok",
+                  "norm_topk_prob", "rope_theta", "head_dim"):
+        assert getattr(from_gguf.config, field) == getattr(from_hf.config, field), field
+    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    for name, w in from_hf.weights.items():
+        torch.testing.assert_close(from_gguf.weights[name], w, atol=1e-6, rtol=0, msg=name)
+    logits = []
+    for loaded in (from_hf, from_gguf):
+        runner = ModelRunner(loaded, block_size=BLOCK, num_blocks=16, dtype="float32", device="cpu")
+        tokens = prompt(7, 14)
+        runner.execute_model(tmr.step({"r": 14}, new=[tmr.new_req("r", tokens, [1, 2, 3, 4])]), return_logits=True)
+        logits.append(runner.last_logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+
+
+def test_gguf_tensors_not_matching_architecture(tmp_path: Path) -> None:
+    """A qwen3 GGUF without its q/k norms fails at load (before any KV cache), naming the tensors."""
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch="qwen3", seed=5)
+    path = write_gguf_from_hf(hf_dir, tmp_path / "q.gguf")
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "broken.gguf"), "qwen3")
+    for field in reader.fields.values():
+        if field.name.startswith("qwen3.") and field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        if "attn_k_norm" not in t.name:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"qwen3 model.*missing.*k_norm"):
+        load_model(tmp_path / "broken.gguf", torch.float32)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"query_pre_attn_scalar": None}, r"no 'query_pre_attn_scalar', which a gemma2 model needs"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, r"rope_scaling type 'yarn'"),
+    ({"hidden_activation": "relu"}, r"hidden_act 'relu' for gemma2"),
+])
+def test_bad_config_fields_named(change: dict, message: str, tmp_path: Path) -> None:
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch="gemma2", seed=6)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(change)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        load_model(hf_dir, torch.float32)
