@@ -153,6 +153,9 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
     if prompt_logprobs is None and req.echo and logprobs is not None:
         prompt_logprobs = logprobs
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
+    if "max_tokens" not in req.model_fields_set and max_tokens is not None:
+        # The default (16), not the client's number: like vLLM, clamp it to the room the context leaves.
+        max_tokens = min(max_tokens, max(max_model_len - prompt_len, 1))
     return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len, defaults), logprobs,
                             prompt_logprobs, defaults=defaults,
                             structured_outputs=structured_outputs)
