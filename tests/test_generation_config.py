@@ -40,12 +40,12 @@ def test_vllm_mode_and_missing_file_give_plain_defaults(tmp_path: Path) -> None:
 def test_request_fields_override_model_defaults(tmp_path: Path) -> None:
     d = load_generation_defaults(_model_dir(tmp_path, {**QWEN3_GENERATION, "max_new_tokens": 50}), "auto", 151645)
     msgs = [{"role": "user", "content": "hi"}]
-    unset = chat_params(ChatCompletionRequest(messages=msgs), 10, 1000, d.params)
+    unset = chat_params(ChatCompletionRequest(messages=msgs), 10, 1000, 32000, 20, d.params)
     assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.6, 0.95, 20, 50)
     explicit = chat_params(ChatCompletionRequest(messages=msgs, temperature=0.0, top_k=5, max_tokens=7), 10, 1000,
-                           d.params)
+                           32000, 20, d.params)
     assert (explicit.temperature, explicit.top_p, explicit.top_k, explicit.max_tokens) == (0.0, 0.95, 5, 7)
-    plain = chat_params(ChatCompletionRequest(messages=msgs), 10, 1000, {})
+    plain = chat_params(ChatCompletionRequest(messages=msgs), 10, 1000, 32000, 20, {})
     assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 990)
 
 

@@ -24,6 +24,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     args = [str(tiny_dir)] + [a for k, v in ENGINE.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    args += ["--uvicorn-log-level", "info"]  # the engine's start-up line (it names the int8 layers) is INFO
     with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 

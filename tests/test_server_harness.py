@@ -58,7 +58,9 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.args = list(args) + ["--port", str(self.port), "--uvicorn-log-level", "warning"]
+        self.args = list(args) + ["--port", str(self.port)]
+        if "--uvicorn-log-level" not in self.args:  # quiet by default; a test reading the log asks for info
+            self.args += ["--uvicorn-log-level", "warning"]
         if api_key:
             self.args += ["--api-key", api_key]
         self.log_path = log_path or Path(os.environ.get("TMPDIR", "/tmp")) / f"tokenloom-serve-{self.port}.log"

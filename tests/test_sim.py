@@ -389,6 +389,11 @@ def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None
     if (here["cpu"], here["cores"]) != (prof.hardware["cpu"], prof.hardware["cores"]):
         pytest.skip(f"profiled on {prof.hardware['cpu']} x{prof.hardware['cores']}; this is {here['cpu']} "
                     f"x{here['cores']}")
+    from tokenloom.model.platform import cpu_supports_bf16
+
+    if prof.dtype == "bfloat16" and not cpu_supports_bf16():
+        # Same model name, another ISA: bf16 without AVX-512-BF16/AMX is emulated, many times slower.
+        pytest.skip(f"profiled in bfloat16 on a CPU with native bf16; this {here['cpu']} has none")
     if not wait_for_quiet(10.0):  # before loading the model: a busy machine skips at little cost
         pytest.skip("the CPUs stayed busy with other work: step times would describe the neighbours")
     runner = ModelRunner(load_model(resolve_model_path(None), torch.bfloat16), block_size=prof.block_size,
