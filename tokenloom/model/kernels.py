@@ -73,38 +73,53 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_key() -> str:
+def _cache_key(source: Path, cflags: list[str], ldflags: list[str]) -> str:
     import torch
 
     ident = "|".join(
-        [hashlib.sha256(SOURCE.read_bytes()).hexdigest(), torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS),
+        [hashlib.sha256(source.read_bytes()).hexdigest(), torch.__version__, sys.version, " ".join(cflags + ldflags),
          _cpu_signature()]
     )
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def load_cached_extension(stem: str, source: Path, cflags: list[str], ldflags: list[str],
+                          what: str) -> tuple[ModuleType, float | None]:
+    """Import `source` compiled into `<cache>/kernels/<stem>-<key>/`, building it first when missing.
+
+    The key hashes the source, torch, Python, the flags and the CPU's feature flags. Returns the
+    module and the build's seconds (None when it came from the cache). Raises on failure: callers
+    log one warning and fall back (the torch path; dequantized weights).
+    """
+    from tokenloom.model.tokenizer import default_cache_dir
+
+    key = _cache_key(source, cflags, ldflags)
+    name = f"tl_{stem}_{key}"
+    build_dir = default_cache_dir() / "kernels" / f"{stem}-{key}"
+    built = build_dir / f"{name}.so"
+    if built.is_file():
+        try:
+            return _import(name, built), None
+        except ImportError as exc:  # a broken cache entry: rebuild it
+            logger.warning("cached %s at %s do not load (%s); rebuilding", what, built, exc)
+    with build_lock(build_dir):
+        if built.is_file():  # another process built it while this one waited
+            return _import(name, built), None
+        return _build(name, source, build_dir, cflags, ldflags, what)
+
+
+def _failure_detail(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    detail = [ln for ln in lines if "error" in ln.lower()][:3] or lines[-1:]
+    return f"{type(exc).__name__}: {' | '.join(detail)}"
+
+
 def _load() -> ModuleType | None:
     try:
-        from tokenloom.model.tokenizer import default_cache_dir
-
-        key = _cache_key()
-        name = f"tl_cpu_kernels_{key}"
-        build_dir = default_cache_dir() / "kernels" / f"cpu_kernels-{key}"
-        built = build_dir / f"{name}.so"
-        if built.is_file():
-            try:
-                return _import(name, built)
-            except ImportError as exc:  # a broken cache entry: rebuild it
-                logger.warning("cached CPU kernels at %s do not load (%s); rebuilding", built, exc)
-        with build_lock(build_dir):
-            if built.is_file():  # another process built it while this one waited
-                return _import(name, built)
-            return _build(name, build_dir)
+        module, _state["build_s"] = load_cached_extension("cpu_kernels", SOURCE, CFLAGS, LDFLAGS, "CPU kernels")
+        return module
     except Exception as exc:  # noqa: BLE001 - any failure means: run the torch path
-        lines = str(exc).strip().splitlines()
-        detail = [ln for ln in lines if "error" in ln.lower()][:3] or lines[-1:]
-        logger.warning("tokenloom CPU kernels unavailable (%s: %s); using the slower pure-torch path",
-                       type(exc).__name__, " | ".join(detail))
+        logger.warning("tokenloom CPU kernels unavailable (%s); using the slower pure-torch path", _failure_detail(exc))
         return None
 
 
@@ -143,7 +158,8 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build(name: str, build_dir: Path) -> ModuleType:
+def _build(name: str, source: Path, build_dir: Path, cflags: list[str], ldflags: list[str],
+           what: str) -> tuple[ModuleType, float]:
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -152,20 +168,21 @@ def _build(name: str, build_dir: Path) -> ModuleType:
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    logger.warning("compiling tokenloom's CPU kernels (first use on this machine, ~10-30 s) into %s", build_dir)
+    logger.warning("compiling tokenloom's %s (first use on this machine, ~10-60 s) into %s", what, build_dir)
     t0 = time.perf_counter()
-    module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+    module = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
                                 build_directory=str(build_dir), verbose=False)
-    _state["build_s"] = time.perf_counter() - t0
-    logger.info("CPU kernels built in %.1f s", _state["build_s"])
+    seconds = time.perf_counter() - t0
+    logger.info("%s built in %.1f s", what, seconds)
     _remove_stale_builds(build_dir)
-    return module
+    return module, seconds
 
 
 def _remove_stale_builds(current: Path) -> None:
     """Builds of older sources (or other torch versions) pile up otherwise. A process still using
     one keeps its mapped library: unlinking does not unmap it."""
-    for entry in current.parent.glob("cpu_kernels-*"):
+    stem = current.name.rsplit("-", 1)[0]
+    for entry in current.parent.glob(f"{stem}-*"):
         if entry != current and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
 
