@@ -46,7 +46,7 @@ def _preset(preset_id: str) -> dict:
 
 
 @pytest.mark.parametrize("budget, first_chunk", [(16, 6), (32, 22)])
-def test_table3_step1_comes_from_the_scheduler(base_url: str, budget: int, first_chunk: int) -> None:
+def test_budget_presets_step1_comes_from_the_scheduler(base_url: str, budget: int, first_chunk: int) -> None:
     status, body = _post(base_url, {**_preset("budget-16"), "B": budget})
     assert status == 200
     assert body["setup_steps"] == 1
@@ -107,9 +107,9 @@ def _step1_prefill(pg) -> str:
     return pg.locator('td[data-col="prefill"][data-step="1"]').inner_text()
 
 
-def test_page_opens_on_table3_and_follows_the_budget_knob(page, tmp_path: Path) -> None:
+def test_page_opens_on_the_budget_16_preset_and_follows_the_budget_knob(page, tmp_path: Path) -> None:
     page.wait_for_selector('td[data-col="prefill"][data-step="1"]')
-    assert page.locator(".presets button.active").inner_text().startswith("Table 3 · B=16")
+    assert page.locator(".presets button.active").inner_text().startswith("10 decodes + a 24-token prompt · B=16")
     assert _step1_prefill(page) == "6"
     assert "Prefill done in step 4" in page.locator("#headline").inner_text()
 
