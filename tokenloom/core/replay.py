@@ -18,8 +18,9 @@ vLLM's batch queue (core/replay_async.py); each step also records `events` and `
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,19 @@ class StepRecord:
     pending_drafts: dict[str, int] = field(default_factory=dict)
 
 
+def admit_arrivals(scheduler: Scheduler, arrivals: Iterable[TraceRequest],
+                   arrival_seq: Iterator[int]) -> Iterator[RequestRejected]:
+    """Add a step's arriving requests to the scheduler, yielding each rejection (named by its id).
+    Arrival order is the FCFS order and the priority tie-break, as time.time() is in vLLM."""
+    for tr in arrivals:
+        params = SamplingParams(max_tokens=tr.max_tokens, temperature=0.0)
+        try:
+            scheduler.add_request(Request(tr.id, tr.prompt_token_ids, params, float(next(arrival_seq)), tr.priority))
+        except RequestRejected as exc:
+            exc.request_id = tr.id  # type: ignore[attr-defined]
+            yield exc
+
+
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
     """Drive the scheduler over the trace, yielding each step (and each rejection as it happens)."""
     scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
@@ -185,20 +199,12 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
     for r in trace.requests:
         by_step.setdefault(r.arrival_step, []).append(r)
     last_arrival = max(by_step, default=-1)
-    arrival_seq = 0
+    arrival_seq = itertools.count(1)
     step = 0
     while step <= last_arrival or scheduler.has_unfinished_requests():
         if step >= max_steps:
             raise RuntimeError(f"replay did not finish within {max_steps} steps")
-        for tr in by_step.get(step, ()):
-            # Arrival order is the FCFS order and the priority tie-break, as time.time() is in vLLM.
-            arrival_seq += 1
-            params = SamplingParams(max_tokens=tr.max_tokens, temperature=0.0)
-            try:
-                scheduler.add_request(Request(tr.id, tr.prompt_token_ids, params, float(arrival_seq), tr.priority))
-            except RequestRejected as exc:
-                exc.request_id = tr.id  # type: ignore[attr-defined]
-                yield exc
+        yield from admit_arrivals(scheduler, by_step.get(step, ()), arrival_seq)
         output = scheduler.schedule()
         runner_output = runner.execute_model(output)
         engine_outputs = scheduler.update_from_output(output, runner_output)

@@ -13,15 +13,15 @@ The scripted runner samples token 7 for every scheduled request that is not a pa
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.request import Request
+from tokenloom.core.replay import admit_arrivals
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.core.schedulers import make_scheduler
-from tokenloom.sampling_params import SamplingParams
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling and no pipeline parallelism
 
@@ -53,19 +53,12 @@ def run_steps_async(trace, token_id: int, max_steps: int = 1_000_000) -> Iterato
         by_step.setdefault(r.arrival_step, []).append(r)
     last_arrival = max(by_step, default=-1)
     queue: deque[tuple[int, SchedulerOutput, ModelRunnerOutput]] = deque()
-    arrival_seq = 0
+    arrival_seq = itertools.count(1)
     step = 0
     while True:
         if step >= max_steps:
             raise RuntimeError(f"replay did not finish within {max_steps} steps")
-        for tr in by_step.get(step, ()):
-            arrival_seq += 1
-            params = SamplingParams(max_tokens=tr.max_tokens, temperature=0.0)
-            try:
-                scheduler.add_request(Request(tr.id, tr.prompt_token_ids, params, float(arrival_seq), tr.priority))
-            except RequestRejected as exc:
-                exc.request_id = tr.id  # type: ignore[attr-defined]
-                yield exc
+        yield from admit_arrivals(scheduler, by_step.get(step, ()), arrival_seq)
         if step > last_arrival and not scheduler.has_requests() and not queue:
             return
         events: list[str] = []
