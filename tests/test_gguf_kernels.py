@@ -142,3 +142,19 @@ def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
     raw = random_blocks(qtype, n, k, seed=5)
     got = dequantize(GGUFTensor(name="w", qtype=qtype, shape=(n, k), raw=raw.reshape(-1)))
     torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_embedding_rows_from_the_packed_layout(qtype: Q) -> None:
+    """A tied embedding reads its rows from the LM head's 8-row copy: the same values as the file's rows."""
+    n, k = (24, 512) if qtype in (Q.Q4_K, Q.Q6_K) else (24, 96)
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=11))
+    packed = kernels.gguf_repack8(raw, int(qtype), k)
+    ids = torch.tensor([0, 7, 8, 23, 5, 5])
+    for dtype in (torch.float32, torch.bfloat16):
+        want, got = torch.empty(len(ids), k, dtype=dtype), torch.empty(len(ids), k, dtype=dtype)
+        kernels.gguf_embedding(want, raw, int(qtype), ids)
+        kernels.gguf_embedding_packed(got, packed, int(qtype), ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gguf_embedding_packed(torch.empty(1, k), packed, int(qtype), torch.tensor([n]))

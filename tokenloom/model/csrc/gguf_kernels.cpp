@@ -1302,6 +1302,41 @@ void gguf_embedding(at::Tensor out, const at::Tensor& w, int64_t qtype, const at
     TORCH_CHECK(false, "out must be float or bf16");
 }
 
+// Row `row` of a weight in the 8-row layout (K columns) -> out (fp32): its tile dequantized into buf
+// [8 * K], then the row copied (8x the work of one row, still ~microseconds; this is what lets a
+// tied embedding table and the LM head share one copy of the blocks).
+inline void packed_row(int t, const uint8_t* pw, int64_t K, int64_t row, float* buf, float* out) {
+  dequant_tile(t, pw, row / 8, K / packed_group_elems(t), buf, K);
+  std::memcpy(out, buf + (row % 8) * K, K * sizeof(float));
+}
+
+// out [R, K] (float / bf16) = rows ids of a weight in the 8-row layout.
+void gguf_embedding_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype, const at::Tensor& ids) {
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [R]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0), "out must be contiguous [R, K]");
+  const int64_t K = out.size(1), N = 8 * pw.size(0);
+  TORCH_CHECK(packable(t) && pw.scalar_type() == at::kByte && pw.dim() == 2 && pw.is_contiguous() &&
+                  K % packed_group_elems(t) == 0 && pw.size(1) == packed_row_bytes(t, K), "bad packed weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); i++)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "token id ", idp[i], " out of range [0, ", N, ")");
+  const uint8_t* src = pw.data_ptr<uint8_t>();
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(8 * K), row(K);
+    for (int64_t i = i0; i < i1; i++) {
+      if (out.scalar_type() == at::kFloat) {
+        packed_row(t, src, K, idp[i], buf.data(), out.data_ptr<float>() + i * K);
+      } else {
+        packed_row(t, src, K, idp[i], buf.data(), row.data());
+        bf16* o = out.data_ptr<bf16>() + i * K;
+        for (int64_t k = 0; k < K; k++) o[k] = bf16(row[k]);
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------ the decode stack
 // GGUFDecoder runs a whole decode step (every layer, one call from Python) for a few sequences of
 // one new token each: embedding row, and per layer RMSNorm -> qkv -> neox rotary + KV-cache write ->
@@ -1473,12 +1508,18 @@ inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
 
 class GGUFDecoder {
  public:
+  // embed_packed: the embedding table is in the 8-row layout (shared with a tied LM head).
   GGUFDecoder(int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm)
+              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm, bool embed_packed)
       : H_(hidden), Hq_(num_q_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
-        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)), final_norm_(final_norm) {
+        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)),
+        embed_packed_(embed_packed), final_norm_(final_norm) {
     TORCH_CHECK(Hq_ % Hkv_ == 0 && D_ % 2 == 0, "bad head configuration");
-    if (embed_t_ == kDense) {
+    if (embed_packed_) {
+      TORCH_CHECK(packable(embed_t_) && embed.scalar_type() == at::kByte && embed.dim() == 2 && embed.is_contiguous() &&
+                      H_ % packed_group_elems(embed_t_) == 0 && embed.size(1) == packed_row_bytes(embed_t_, H_),
+                  "a packed embedding must be the 8-row layout of a [V, H] weight");
+    } else if (embed_t_ == kDense) {
       TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H_,
                   "a dense embedding must be a contiguous float [V, H] tensor");
     } else {
@@ -1540,7 +1581,7 @@ class GGUFDecoder {
                     sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(), "cos/sin must be [P, D/2]");
     const int64_t* idp = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t vocab = embed_.size(0);
+    const int64_t vocab = embed_packed_ ? 8 * embed_.size(0) : embed_.size(0);
     const int64_t nb = layers_[0].k_cache.size(1), bs = layers_[0].k_cache.size(2);
     for (int64_t b = 0; b < B; b++) {
       TORCH_CHECK(idp[b] >= 0 && idp[b] < vocab, "token id ", idp[b], " out of range");
@@ -1585,6 +1626,11 @@ class GGUFDecoder {
   }
 
   void embed_row(int64_t id, float* out) const {
+    if (embed_packed_) {
+      std::vector<float> buf(8 * H_);
+      packed_row(embed_t_, embed_.data_ptr<uint8_t>(), H_, id, buf.data(), out);
+      return;
+    }
     if (embed_t_ == kDense) {
       std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
       return;
@@ -1738,6 +1784,7 @@ class GGUFDecoder {
   float eps_;
   at::Tensor embed_;
   int embed_t_;
+  bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
@@ -1767,11 +1814,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize_packed", &gguf_dequantize_packed);
   m.def("gguf_packable", &packable);
   m.def("gguf_embedding", &gguf_embedding);
+  m.def("gguf_embedding_packed", &gguf_embedding_packed);
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
   m.def("set_force_scalar", &set_force_scalar);
   pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
       .def("add_layer", &GGUFDecoder::add_layer)
       .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
       .def("step", &GGUFDecoder::step)
