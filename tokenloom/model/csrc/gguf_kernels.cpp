@@ -765,13 +765,31 @@ inline __m256i bcast4(const int8_t* p) {
 
 constexpr int kPrefetchGroups = 8;
 
+// The 8 nibble vectors of 128 bytes in the Q4 lane layout: w[v] holds elements 4v..4v+3 of each row.
+inline void load_nibbles(const uint8_t* v, __m256i* w) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; j++) {
+    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * j));
+    w[2 * j] = _mm256_and_si256(n, lo4);
+    w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(n, 4), lo4);
+  }
+}
+
+// Per row (int32 lane r): sum over the group's 32 columns of 4-bit quants w times int8 x. The int16
+// sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
+inline __m256i dot_u4(const __m256i* w, const int8_t* x) {
+  __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+  for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
 template <int T, int MT>
 inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq, const float* const* xd,
                         const float* const* xs, __m256* res) {
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
-  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* p = tile + g * TB;
     // Weights stream from memory once per step: ask for the group kPrefetchGroups ahead (the
@@ -795,11 +813,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
       constexpr int off = packed_nibble_offset(T);
       constexpr bool five = packed_five_bit(T);
       __m256i w[8];
-      for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 32 * j));
-        w[2 * j] = _mm256_and_si256(v, lo4);
-        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-      }
+      load_nibbles(p + off, w);
       if constexpr (five) {  // vector v's fifth bits are bit v of each byte: move it to bit 4
         const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 128));
         const __m256i b4 = _mm256_set1_epi8(0x10);
@@ -829,10 +843,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
           }
           sum = _mm256_add_epi32(_mm256_madd_epi16(lo, one), _mm256_madd_epi16(hi, one));
         } else {
-          // int16 sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
-          __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-          for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
-          sum = _mm256_madd_epi16(s16, one);
+          sum = dot_u4(w, x);
         }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
         accb[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m][g]), accb[m]);
@@ -849,7 +860,7 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
-  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi16(1);
   for (int64_t sb = 0; sb < NS; sb++) {
     const uint8_t* p = tile + sb * TB;
     for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + TB + o), _MM_HINT_T0);
@@ -863,16 +874,9 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         };
         const __m256 scale = _mm256_mul_ps(dv, bytes8(kK4Scales)), mins = _mm256_mul_ps(mv, bytes8(kK4Mins));
         __m256i w[8];
-        for (int j = 0; j < 4; j++) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kK4Quants + 128 * g + 32 * j));
-          w[2 * j] = _mm256_and_si256(v, lo4);
-          w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        }
+        load_nibbles(p + kK4Quants + 128 * g, w);
         for (int m = 0; m < MT; m++) {
-          const int8_t* x = xq[m] + 32 * gi;
-          __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-          for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
-          const __m256i sum = _mm256_madd_epi16(s16, one);
+          const __m256i sum = dot_u4(w, xq[m] + 32 * gi);
           acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(xd[m][gi])), acc[m]);
           accb[m] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(xs[m][gi]), accb[m]);  // - dmin * min * s_x
         }
@@ -890,11 +894,7 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
         const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
         __m256i w[8], wa[8];
-        for (int j = 0; j < 4; j++) {
-          const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * j));
-          w[2 * j] = _mm256_and_si256(n, lo4);
-          w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(n, 4), lo4);
-        }
+        load_nibbles(v, w);
         // High pair of vector vv at bits 2 vv: moved to bits 4-5.
         w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
         w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m3));
