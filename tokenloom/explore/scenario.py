@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
@@ -26,7 +27,6 @@ from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 

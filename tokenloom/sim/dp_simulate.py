@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.router import Router, RouterConfig
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 from tokenloom.workload.datasets import BenchRequest

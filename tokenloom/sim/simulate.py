@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
 from tokenloom.workload.clock import VirtualClock
