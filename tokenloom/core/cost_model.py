@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenloom.config import ConfigError
 from tokenloom.core.gemm_rows import packed_rows
 
 TERMS = ("overhead", "prefill_tokens", "decode_tokens", "gemm_rows", "prefill_attn", "decode_attn", "num_seqs",
@@ -127,10 +128,10 @@ def load_step_cost_model(path: str | Path) -> CostModel:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ValueError(f"step_cost_profile {str(path)!r}: cannot read it ({exc.strerror})") from None
+        raise ConfigError(f"step_cost_profile {str(path)!r}: cannot read it ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"step_cost_profile {str(path)!r}: not JSON ({exc.msg})") from None
+        raise ConfigError(f"step_cost_profile {str(path)!r}: not JSON ({exc.msg})") from None
     try:
         return step_cost_model(data)
     except (KeyError, ValueError, TypeError) as exc:
-        raise ValueError(f"step_cost_profile {str(path)!r}: {exc}") from None
+        raise ConfigError(f"step_cost_profile {str(path)!r}: {exc}") from None

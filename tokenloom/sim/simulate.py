@@ -41,7 +41,8 @@ def simulate(
 ) -> WorkloadResult:
     """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`."""
     clock = VirtualClock()
-    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config)
+    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
+                               step_cost_model=cost_model)
     tracer = StepTracer(trace) if trace is not None else None
     k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
     executor = SimulatedExecutor(cost_model, clock, num_spec_tokens=k or 0, spec_acceptance=spec_acceptance,
