@@ -8,20 +8,20 @@ as the ceiling, from the same step-time cost model the simulator runs (core/cost
   requests are decoding (a step without decodes has no inter-token gap at stake: the ceiling). Never
   below the decodes' own tokens: a decode is never pushed out of a step by this controller.
 - TTFT target (optional, with the ITL one): the ITL target is read as a p99 promise. While fewer than
-  ITL_MISS_SHARE of the decodes' gaps so far were predicted over it, the budget may go past the ITL
-  budget, to the smallest one with which every prompt that can still get its first token within the
-  TTFT target (at the ceiling) is predicted to. A prompt that would miss it even at the ceiling never
-  raises the budget: that would cost the decodes and save nobody. (A TTFT target alone is refused:
+  ITL_MISS_SHARE of the decodes' gaps so far were predicted over it, one step's budget may go past the
+  ITL budget, to the smallest one with which every prompt that can still get its first token within
+  the TTFT target (this step at the ceiling, the next ones at the ITL budget) is predicted to. A
+  prompt that would miss it even so never raises the budget: that would cost the decodes and save
+  nobody. (A TTFT target alone is refused:
   the ceiling already gives the earliest first tokens; there is nothing to trade.)
 
 A candidate budget is predicted by walking the step as the scheduler will build it (running requests
 in order, then waiting ones while sequence slots are free, each chunk capped by the long-prefill
-threshold and the budget left), without KV allocation and without prefix-cache hits (a cache hit
-only makes the real step cheaper). A prompt's predicted first token: its age, plus the steps needed
-for the prompt work ahead of it and its own at this budget's prefill share, each of the predicted
-step time. Ages come from the scheduler's clock (`slo_clock="engine"`: wall time in the engine,
-virtual time in the simulator) or, deterministic in replays, from the sum of the predicted times of
-the steps scheduled so far (`slo_clock="predicted"`).
+threshold and the budget left), without KV allocation and without prefix-cache hits. A prompt's
+predicted first token: its age, plus this step, plus the steps at the ITL budget that the prompt work
+ahead of it and its own still needs. Ages come from the scheduler's clock (`slo_clock="engine"`: wall
+time in the engine, virtual time in the simulator) or, deterministic in replays, from the sum of the
+predicted times of the steps scheduled so far (`slo_clock="predicted"`).
 
 The long-prefill threshold is left as configured: the budget left to prefills is what the controller
 sets, and giving it to the oldest prompt first (what the scheduler does without a threshold) is what
@@ -107,16 +107,18 @@ class SloBudgetController:
         return self.num_gaps_over + num_decodes <= ITL_MISS_SHARE * (self.num_gaps + num_decodes)
 
     def _ttft_budget(self, rows: list[_Row], b_itl: int) -> int:
-        """The smallest budget from `b_itl` up with which every prompt that can still get its first token
-        within the TTFT target (at the ceiling) is predicted to; `b_itl` when none needs more."""
+        """The smallest budget from `b_itl` up for this one step (the steps after it at `b_itl`: the
+        allowance of gaps over the ITL target may be spent by then) with which every prompt that could
+        get its first token within the TTFT target is predicted to; `b_itl` when none needs more."""
         prompts = [r for r in rows if r.prompt]
-        at_ceiling = self._first_tokens(rows, self.ceiling)
+        after = self._walk(rows, b_itl)
+        at_ceiling = self._first_tokens(rows, self.ceiling, after)
         salvageable = [i for i, t in enumerate(at_ceiling) if prompts[i].age + t <= self.target_ttft_s]
         if not salvageable:
             return b_itl
 
         def meets(b: int) -> bool:
-            times = self._first_tokens(rows, b)
+            times = self._first_tokens(rows, b, after)
             return all(prompts[i].age + times[i] <= self.target_ttft_s for i in salvageable)
 
         return self._smallest(b_itl, meets)
@@ -163,14 +165,21 @@ class SloBudgetController:
                 prompt_tokens += n
         return self.cost_model.predict(shape), prompt_tokens
 
-    def _first_tokens(self, rows: list[_Row], budget: int) -> list[float]:
-        """Predicted seconds from now to each prompt's first token at `budget` (inf: it gets no tokens)."""
+    def _first_tokens(self, rows: list[_Row], budget: int, after: tuple[float, int]) -> list[float]:
+        """Predicted seconds from now to each prompt's first token: this step at `budget`, the next ones
+        as `after` (seconds, prompt tokens per step); inf when it never gets there."""
         seconds, share = self._walk(rows, budget)
+        later_seconds, later_share = after
         out, work = [], 0
         for row in rows:
             if row.prompt:
-                work += row.end - row.start  # its whole remaining prompt, not this step's chunk
-                out.append(math.ceil(work / share) * seconds if share > 0 else math.inf)
+                work += row.end - row.start  # its whole remaining prompt and those ahead of it
+                left = work - share
+                if left <= 0:
+                    out.append(seconds)
+                else:
+                    out.append(seconds + math.ceil(left / later_share) * later_seconds if later_share > 0
+                               else math.inf)
         return out
 
     def _largest(self, lo: int, ok: Any) -> int:
