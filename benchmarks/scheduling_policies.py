@@ -33,6 +33,7 @@ from tokenloom.sim.simulate import simulate  # noqa: E402
 from tokenloom.workload.datasets import BenchRequest  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parents[1] / "tokenloom/sim/profiles/smollm2-135m-instruct-cpu.json"
+INT8_PROFILE = PROFILE.with_name("smollm2-135m-instruct-cpu-int8.json")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -142,6 +143,9 @@ def run_slo(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
             (f"controller: ITL {itl_ms:g} ms + TTFT {ttft_ms:g} ms",
              {"target_itl_ms": itl_ms, "target_ttft_ms": ttft_ms}),
         ]
+        if args.wrong_profile:  # the controller predicting with another machine's / runner's profile
+            variants.append((f"controller: ITL {itl_ms:g} ms, predicting with {Path(args.wrong_profile).name}",
+                             {"target_itl_ms": itl_ms, "step_cost_profile": args.wrong_profile}))
         rows = []
         for name, knobs in variants:
             res = simulate(reqs, replace(base, **knobs), cache, profile.step_model)
@@ -191,10 +195,13 @@ def main() -> None:
     p.add_argument("--doc-len", type=int, default=2000, help="tokens of each document in the SLO workload")
     p.add_argument("--slo-budgets", type=lambda s: [int(x) for x in s.split(",")],
                    default=[256, 512, 1024, 2048, 4096], help="fixed budgets to compare with the controller")
-    p.add_argument("--slo-ceiling", type=int, default=4096, help="max_num_batched_tokens under the controller")
+    p.add_argument("--slo-ceiling", type=int, default=2048, help="max_num_batched_tokens under the controller")
     p.add_argument("--slo-max-num-seqs", type=int, default=128, help="max_num_seqs of the SLO figure (vLLM's)")
     p.add_argument("--target-itl-ms", type=float, default=150.0)
     p.add_argument("--target-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--wrong-profile", default=str(INT8_PROFILE),
+                   help="one more controller row, predicting with this profile while the simulation runs --profile "
+                   "('' for none): how a wrong cost model shows")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     profile = load_profile(args.profile)
