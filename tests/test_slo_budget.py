@@ -5,6 +5,7 @@ replays, and, over random traces, the scheduler's invariants with the controller
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -176,13 +177,19 @@ def test_simulated_itl_p99_meets_the_target() -> None:
     profile = load_profile("default")
     cache = CacheConfig(block_size=16, num_blocks=20000)
 
-    def itl_p99(**knobs) -> float:
+    def itl_p99(trace: io.StringIO | None = None, **knobs) -> float:
         cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, **knobs)
-        res = simulate(reqs, cfg, cache, profile.step_model)
+        res = simulate(reqs, cfg, cache, profile.step_model, trace=trace)
         return float(np.percentile([x for r in res.records for x in r.itl_s], 99))
 
     assert itl_p99() > 0.5
-    assert itl_p99(target_itl_ms=150) <= 0.150 + 1e-6
+    trace = io.StringIO()
+    assert itl_p99(trace, target_itl_ms=150) <= 0.150 + 1e-6
+    # The step trace shows the controller's budget as the step's budget, and why.
+    records = [json.loads(line) for line in trace.getvalue().splitlines()]
+    acted = [r for r in records if "policy" in r]
+    assert acted and all(r["budget"] == r["policy"]["slo_budget"]["budget"] < 2048 for r in acted)
+    assert all(r["budget_used"] <= r["budget"] for r in records)
 
 
 # ---------------------------------------------------------------------------------------- properties
