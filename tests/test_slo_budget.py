@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.sched_utils import assert_scheduler_empty, create_requests, step
+from tests.sched_utils import assert_scheduler_empty, create_requests, decodes_then_long_prompt, step
 from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.cost_model import CostModel, StepShape, load_step_cost_model
@@ -141,11 +141,8 @@ def _profile_file(tmp_path: Path) -> str:
 
 
 def test_replay_with_the_predicted_clock_is_deterministic_and_records_why(tmp_path: Path) -> None:
-    trace = {"config": {"max_num_batched_tokens": 128, "max_num_seqs": 32, "max_model_len": 512, "block_size": 16,
-                        "num_blocks": 400},
-             "requests": [{"id": f"d{i}", "arrival_step": 0, "prompt_token_ids": [i], "max_tokens": 30}
-                          for i in range(10)]
-             + [{"id": "long", "arrival_step": 2, "prompt_token_ids": [99] * 300, "max_tokens": 2}]}
+    trace = decodes_then_long_prompt({"max_num_batched_tokens": 128, "max_num_seqs": 32, "max_model_len": 512,
+                                      "block_size": 16, "num_blocks": 400}, 10, 30, 300)
     default = replay(trace)
     assert all("policy" not in s for s in default["steps"])
     slo = {**trace, "config": {**trace["config"], "target_itl_ms": 40.5, "target_ttft_ms": 400,

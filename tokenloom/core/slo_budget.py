@@ -33,7 +33,7 @@ Pure Python, like the rest of tokenloom/core.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,30 +182,25 @@ class SloBudgetController:
                                else math.inf)
         return out
 
-    def _largest(self, lo: int, ok: Any) -> int:
+    def _largest(self, lo: int, ok: Callable[[int], bool]) -> int:
         """The largest budget in [lo, ceiling] with ok(budget) (prediction grows with the budget); lo if none."""
         if ok(self.ceiling):
             return self.ceiling
-        hi = self.ceiling  # not ok
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return _first(lo, self.ceiling, lambda b: not ok(b)) - 1 if ok(lo) else lo
 
-    def _smallest(self, lo: int, ok: Any) -> int:
+    def _smallest(self, lo: int, ok: Callable[[int], bool]) -> int:
         """The smallest budget in [lo, ceiling] with ok(budget); the ceiling if none."""
         if ok(lo):
             return lo
-        hi = self.ceiling
-        if not ok(hi):
-            return hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return _first(lo, self.ceiling, ok) if ok(self.ceiling) else self.ceiling
+
+
+def _first(lo: int, hi: int, flips: Callable[[int], bool]) -> int:
+    """Bisection: a b in (lo, hi] with flips(b) and not flips(b - 1), given not flips(lo) and flips(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if flips(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
