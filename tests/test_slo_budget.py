@@ -189,6 +189,20 @@ def test_simulated_itl_p99_meets_the_target() -> None:
     assert all(r["budget_used"] <= r["budget"] for r in records)
 
 
+def test_explorer_preset_shows_the_budget_the_target_allows() -> None:
+    from tokenloom.explore.presets import PRESETS
+    from tokenloom.explore.scenario import run_scenario
+
+    knobs = next(p["knobs"] for p in PRESETS if p["id"] == "slo-budget")
+    default, slo = run_scenario({**knobs, "itl_target": 0}), run_scenario(knobs)
+    assert default["prefill_done"] == {"p": 2} and slo["prefill_done"] == {"p": 4}
+    steps = slo["steps"][slo["setup_steps"]:]
+    assert [s["scheduled"].get("p", 0) for s in steps[:5]] == [6, 6, 6, 6, 1]  # then it decodes
+    assert steps[0]["budget"] == 16 and steps[0]["policy"]["slo_budget"]["why"] == "itl"
+    with pytest.raises(ConfigError, match="itl_target"):
+        run_scenario({**knobs, "itl_target": -1})
+
+
 # ---------------------------------------------------------------------------------------- properties
 # A cost model linear in the step's tokens: the controller's walk is then an exact upper bound of the
 # step the scheduler builds (KV shortages and prefix-cache hits only schedule fewer tokens).
