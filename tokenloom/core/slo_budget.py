@@ -48,7 +48,7 @@ class _Row:
     start: int
     need: int
     end: int
-    decoding: bool  # it has produced tokens: its next token's latency is an ITL
+    decoding: bool  # it has produced tokens and its next one is a decode: that latency is an ITL
     prompt: bool  # no first token yet: TTFT at stake
     age: float
 
