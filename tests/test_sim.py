@@ -12,6 +12,7 @@ import pytest
 
 from tokenloom.cli import main as cli_main
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import TERMS, CostModel, StepShape
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.core.replay import replay
 from tokenloom.core.request import Request
@@ -19,7 +20,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import TERMS, CostModel, Sample, StepShape, fit
+from tokenloom.sim.cost_model import Sample, fit
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint
 from tokenloom.sim.runner import SimulatedRunner
