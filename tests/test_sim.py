@@ -313,9 +313,11 @@ def test_a_thousand_sharegpt_requests_simulate_quickly() -> None:
     requests = load_sharegpt(num=1000, seed=0)
     sched, cache = _configs({"max_num_batched_tokens": 2048, "max_num_seqs": 128, "max_model_len": 2048,
                              "num_blocks": 20000})  # fmt: skip
-    t0 = time.perf_counter()
+    # CPU time, not wall time: other jobs on a shared machine must not fail it; the bound catches
+    # an order-of-magnitude regression (a few seconds on the dev box), speed figures live in benchmarks.
+    t0 = time.process_time()
     result = simulate(requests, sched, cache, CostModel(TRUE_COEFFICIENTS))
-    assert time.perf_counter() - t0 < 10.0
+    assert time.process_time() - t0 < 20.0
     assert result.metrics["completed"] == 1000
     assert result.metrics["total_output_tokens"] == sum(r.max_tokens for r in requests)
 
