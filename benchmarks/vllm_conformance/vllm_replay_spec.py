@@ -181,6 +181,8 @@ def replay(trace: dict[str, Any], model_dir: str) -> dict[str, Any]:
             events: list[str] = []
             spec: dict[str, list[int]] = {}
             pop = False
+            popped_empty = True
+            output = None
             if scheduler.has_requests():
                 waiting_before = {rid for rid, q in scheduler.requests.items() if q.status != RequestStatus.RUNNING}
                 output = scheduler.schedule()
@@ -195,8 +197,13 @@ def replay(trace: dict[str, Any], model_dir: str) -> dict[str, Any]:
                 pop = True
             if pop:
                 j, batch, runner_output = queue.popleft()
+                popped_empty = batch.total_num_scheduled_tokens == 0
                 record["finished"] = update(batch, runner_output)
                 events.append(f"update:{j}")
+            stuck = (output is not None and output.total_num_scheduled_tokens == 0 and not output.preempted_req_ids
+                     and popped_empty and not record["finished"] and step >= last_arrival
+                     and scheduler.has_unfinished_requests()
+                     and all(b.total_num_scheduled_tokens == 0 for _, b, _ in queue))
             record["events"] = events
             record["placeholders"] = {rid: q.num_output_placeholders for rid, q in scheduler.requests.items()
                                       if q.num_output_placeholders}
@@ -209,6 +216,8 @@ def replay(trace: dict[str, Any], model_dir: str) -> dict[str, Any]:
             record.update(scheduled=dict(output.num_scheduled_tokens), preempted=sorted(output.preempted_req_ids),
                           cached_tokens=cached)
             record["finished"] = update(output, runner_output)
+            stuck = (output.total_num_scheduled_tokens == 0 and not output.preempted_req_ids
+                     and not record["finished"] and step >= last_arrival and scheduler.has_unfinished_requests())
             if k > 0 and output.total_num_scheduled_tokens > 0:
                 req_ids = list(output.num_scheduled_tokens)
                 lists = []
@@ -224,6 +233,8 @@ def replay(trace: dict[str, Any], model_dir: str) -> dict[str, Any]:
             record["pending_drafts"] = {rid: len(q.spec_token_ids) for rid, q in scheduler.requests.items()
                                         if q.spec_token_ids}
         steps.append(record)
+        if stuck:  # a fixed point of the deterministic scheduler (the reference's stall detection)
+            break
         step += 1
         if step > 100_000:
             raise RuntimeError("replay did not finish within 100000 steps")

@@ -175,6 +175,7 @@ class StepRecord:
     spec: dict[str, list[int]] = field(default_factory=dict)
     pending_drafts: dict[str, int] = field(default_factory=dict)
     observed: dict[str, list[int]] | None = None  # async: [drafts, accepted] the update counted
+    stalled: list[str] | None = None  # a fixed point: the stuck requests (the replay stops here)
 
 
 def pending_drafts(scheduler: Scheduler) -> dict[str, int]:
@@ -218,9 +219,22 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
         if k > 0 and not output.is_empty:
             _propose(scheduler, output, drafts, k)
         finished = [o.request_id for o in engine_outputs if o.finished]
+        # Nothing scheduled, nobody preempted or finished, no arrival to come: the deterministic
+        # scheduler would repeat this step forever (e.g. a prompt over the budget with chunked
+        # prefill off). Record it and stop, as the reference harness does (summary.stalled).
+        stuck = (output.is_empty and not output.preempted_req_ids and not finished and step >= last_arrival
+                 and scheduler.has_unfinished_requests())
         yield StepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                         spec=runner.spec, pending_drafts=pending_drafts(scheduler))
+                         spec=runner.spec, pending_drafts=pending_drafts(scheduler),
+                         stalled=unfinished_ids(scheduler) if stuck else None)
+        if stuck:
+            return
         step += 1
+
+
+def unfinished_ids(scheduler: Scheduler) -> list[str]:
+    """Running then waiting requests, in the scheduler's order."""
+    return [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
 
 
 def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, _Cycle], k: int) -> None:
@@ -251,6 +265,7 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
         items: Iterator[Any] = run_steps_async(trace)
     else:
         items = run_steps(trace)
+    stalled: list[str] | None = None
     for item in items:
         if isinstance(item, RequestRejected):
             rejected.append(item.request_id)  # type: ignore[attr-defined]
@@ -283,6 +298,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 counts["num_accepted_tokens"] += a
         if out is not None and out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
             steps[-1]["policy"] = out.policy_actions
+        if item.stalled is not None:
+            stalled = item.stalled
         if hasattr(item, "events"):  # async: the batch queue's calls and the in-flight placeholders
             steps[-1]["events"] = item.events
             steps[-1]["placeholders"] = item.placeholders
@@ -293,6 +310,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
         "num_steps": len(steps),
         "total_scheduled_tokens": total_tokens,
         "num_preemptions": num_preempted,
+        "stalled": stalled is not None,
+        "unfinished": stalled or [],
     }
     if k > 0:
         summary.update(

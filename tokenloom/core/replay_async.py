@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.replay import ReplayRunner, Trace, _Cycle, admit_arrivals, pending_drafts
+from tokenloom.core.replay import ReplayRunner, Trace, _Cycle, admit_arrivals, pending_drafts, unfinished_ids
 from tokenloom.core.scheduler import RequestRejected
 from tokenloom.core.schedulers import make_scheduler
 
@@ -43,6 +43,7 @@ class AsyncStepRecord:
     spec: dict[str, list[int]] = field(default_factory=dict)  # the batch scheduled in this step
     pending_drafts: dict[str, int] = field(default_factory=dict)
     observed: dict[str, list[int]] = field(default_factory=dict)  # what this step's update counted
+    stalled: list[str] | None = None  # a fixed point: the stuck requests (the replay stops here)
 
 
 def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncStepRecord | RequestRejected]:
@@ -69,6 +70,7 @@ def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncS
         spec: dict[str, list[int]] = {}
         observed: dict[str, list[int]] = {}
         pop = False
+        popped_empty = True
         if scheduler.has_requests():
             output = scheduler.schedule()
             # The batch runs at once, in order (the worker's stream); its output waits in the queue.
@@ -80,6 +82,7 @@ def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncS
             pop = True
         if pop:
             j, batch, runner_output = queue.popleft()
+            popped_empty = batch.is_empty
             engine_outputs = scheduler.update_from_output(batch, runner_output)
             finished = [o.request_id for o in engine_outputs if o.finished]
             observed = dict(scheduler.spec_decoding_per_request)
@@ -87,6 +90,15 @@ def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncS
         placeholders = {
             rid: r.num_output_placeholders for rid, r in scheduler.requests.items() if r.num_output_placeholders
         }
+        # A fixed point (as in sync replay): this step scheduled nothing and preempted nobody, the
+        # batch it processed (if any) was empty too, so no output is in flight, nothing finished,
+        # and no arrival is to come; the next step would be the same.
+        stuck = (output is not None and output.is_empty and not output.preempted_req_ids and popped_empty
+                 and not finished and step >= last_arrival and scheduler.has_unfinished_requests()
+                 and all(b.is_empty for _, b, _ in queue))
         yield AsyncStepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                              events, placeholders, spec, pending_drafts(scheduler), observed)  # fmt: skip
+                              events, placeholders, spec, pending_drafts(scheduler), observed,
+                              unfinished_ids(scheduler) if stuck else None)  # fmt: skip
+        if stuck:
+            return
         step += 1
