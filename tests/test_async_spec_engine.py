@@ -115,7 +115,7 @@ def _pair(llms, prompts, params):
 class TestDefaultModel:
     def test_chat_greedy_identical_with_eos_and_max_tokens(self, llms) -> None:
         before = llms[1].llm_engine.scheduler.make_stats().spec_decoding.copy()
-        want, got = _pair(llms, _chats(llms[0]), SamplingParams(temperature=0.0, max_tokens=48))
+        want, got = _pair(llms, _chats(llms[0]), SamplingParams(temperature=0.0, max_tokens=24))
         assert _key(got) == _key(want)
         assert {o.outputs[0].finish_reason for o in want} == {"stop", "length"}
         after = llms[1].llm_engine.scheduler.make_stats().spec_decoding

@@ -82,8 +82,9 @@ def compare(trace: dict[str, Any], theirs: dict[str, Any]) -> str | None:
         return f"tokenloom ran {len(a)} steps, vLLM {len(b)}"
     if ours["summary"]["rejected"] != theirs["summary"]["rejected"]:
         return "rejected differ"
-    if "spec_decoding" in theirs["summary"] and ours["summary"].get("spec_decoding") != theirs["summary"]["spec_decoding"]:
-        return f"spec_decoding {ours['summary'].get('spec_decoding')} != {theirs['summary']['spec_decoding']}"
+    mine, vllm = ours["summary"].get("spec_decoding"), theirs["summary"].get("spec_decoding")
+    if vllm is not None and mine != vllm:
+        return f"spec_decoding {mine} != {vllm}"
     return None
 
 
