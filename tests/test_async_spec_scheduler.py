@@ -270,3 +270,101 @@ def test_random_async_spec_traces_keep_the_invariants(seed: int) -> None:
     assert all(x >= y for x, y in zip(per_pos, per_pos[1:])) and sum(per_pos) == stats["num_accepted_tokens"]
     # The stats never count more verifications than were run.
     assert stats["num_drafts"] <= sum(len(s["spec"]) for s in steps)
+
+
+def test_a_fixed_point_stops_the_replay_with_the_stuck_requests() -> None:
+    """Two traces (found by the random comparison; vLLM's scheduler loops on both exactly the same
+    way) where a request can never be scheduled again: the replay stops at the first step that
+    schedules, preempts and finishes nothing with nothing in flight (summary.stalled) instead of
+    running a million empty steps. In the async one, a request whose padded first decode (1 + K
+    slots) can never fit the pool holds admission for good."""
+    for trace in (SYNC_STALL, ASYNC_STALL):
+        result = replay(trace)
+        assert result["summary"]["stalled"] is True and result["summary"]["unfinished"]
+        assert len(result["steps"]) < 40
+        assert result["steps"][-1]["scheduled"] == {}
+
+
+SYNC_STALL = {'config': {'async_scheduling': False,
+                          'block_size': 2,
+                          'enable_chunked_prefill': False,
+                          'enable_prefix_caching': True,
+                          'long_prefill_token_threshold': 16,
+                          'max_model_len': 24,
+                          'max_num_batched_tokens': 24,
+                          'max_num_seqs': 1,
+                          'num_blocks': 10,
+                          'num_speculative_tokens': 3,
+                          'policy': 'priority'},
+               'requests': [{'accept': [4, 3, 0, 1],
+                             'arrival_step': 0,
+                             'drafts': [0, 2],
+                             'id': 'r0',
+                             'max_tokens': 14,
+                             'priority': 1,
+                             'prompt_token_ids': [129, 129, 125, 102, 120, 106, 127, 107, 122, 121, 105, 118, 118,
+                                                  133, 108, 137, 133, 112, 103, 100]},
+                            {'accept': [4, 3, 0, 2],
+                             'arrival_step': 0,
+                             'drafts': [2, 3],
+                             'id': 'r1',
+                             'max_tokens': 6,
+                             'priority': 0,
+                             'prompt_token_ids': [106, 137]},
+                            {'accept': [3, 2, 0],
+                             'arrival_step': 0,
+                             'drafts': [3, 1, 4],
+                             'id': 'r2',
+                             'max_tokens': 14,
+                             'priority': 0,
+                             'prompt_token_ids': [105, 132, 135, 115, 106, 122, 109, 123, 106, 102, 121, 130, 137,
+                                                  139, 137, 108, 137]},
+                            {'accept': [1, 3, 1],
+                             'arrival_step': 0,
+                             'drafts': [],
+                             'id': 'r3',
+                             'max_tokens': 4,
+                             'priority': 1,
+                             'prompt_token_ids': [110, 115, 138, 115, 117, 103, 131, 139, 134, 115, 126, 104, 139,
+                                                  108, 139, 103, 104]},
+                            {'accept': [1, 3, 4],
+                             'arrival_step': 3,
+                             'drafts': [3, 4, 4],
+                             'id': 'r4',
+                             'max_tokens': 3,
+                             'priority': 2,
+                             'prompt_token_ids': [103, 119, 111, 101, 123]}]}
+ASYNC_STALL = {'config': {'async_scheduling': True,
+                           'block_size': 2,
+                           'enable_prefix_caching': True,
+                           'max_model_len': 32,
+                           'max_num_batched_tokens': 32,
+                           'max_num_seqs': 2,
+                           'num_blocks': 8,
+                           'num_speculative_tokens': 4,
+                           'policy': 'priority'},
+                'requests': [{'accept': [3],
+                              'arrival_step': 2,
+                              'id': 'r0',
+                              'max_tokens': 5,
+                              'priority': 2,
+                              'prompt_token_ids': [100, 102, 101, 101, 100, 103, 103, 102, 103, 103, 100, 102]},
+                             {'accept': [2, 2, 3],
+                              'arrival_step': 5,
+                              'id': 'r1',
+                              'max_tokens': 9,
+                              'priority': 1,
+                              'prompt_token_ids': [101, 101, 102, 102, 101, 100, 103, 102, 103, 100, 103, 102, 101,
+                                                   101]},
+                             {'accept': [2, 2, 3],
+                              'arrival_step': 5,
+                              'id': 'r2',
+                              'max_tokens': 4,
+                              'priority': 1,
+                              'prompt_token_ids': [101, 101, 103, 102]},
+                             {'accept': [0, 4],
+                              'arrival_step': 4,
+                              'id': 'r3',
+                              'max_tokens': 1,
+                              'priority': 2,
+                              'prompt_token_ids': [101, 102, 102, 103, 101, 100]}]}
