@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from tokenloom.config import ConfigError, SchedulerConfig
+from tokenloom.config import SchedulerConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.sampling_params import SamplingParams
 
@@ -191,14 +191,3 @@ def test_step_trace_shows_scheduling_overlapping_execution(llm) -> None:
     assert rows is not None and sum(hidden for _, _, hidden in rows) > 0
     assert "exec / host (ms)" in timeline_html(records)
     _mode(llm, False)
-
-
-def test_async_with_speculative_decoding_is_refused_before_loading() -> None:
-    from tokenloom.config import EngineConfig
-    from tokenloom.engine.llm_engine import check_async_scheduling
-
-    cfg = EngineConfig(scheduler=SchedulerConfig(async_scheduling=True))
-    check_async_scheduling(cfg)  # alone: fine
-    cfg.speculative_config = {"method": "ngram", "num_speculative_tokens": 3}  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match="--async-scheduling cannot be combined with --speculative-config"):
-        check_async_scheduling(cfg)

@@ -92,9 +92,6 @@ def parse_trace(data: dict[str, Any]) -> Trace:
     async_scheduling = config.get("async_scheduling", False)
     if not isinstance(async_scheduling, bool):
         raise ConfigError(f"trace config async_scheduling must be true or false, got {async_scheduling!r}")
-    if async_scheduling and k > 0:
-        raise ConfigError("trace config: async_scheduling with num_speculative_tokens > 0 is not supported "
-                          "(the engine refuses --async-scheduling with --speculative-config too; docs/async.md)")
     requests = []
     for i, r in enumerate(data["requests"]):
         try:
@@ -133,7 +130,9 @@ class ReplayRunner:
     """A runner with no model: a request samples REPLAY_TOKEN_ID when its computed tokens reach
     its full length (the same rule the real runner follows). With drafts scheduled, a running
     request accepts the next value of its `accept` script (9s, then the bonus 7); a request admitted
-    in this batch carries first-decode padding, always rejected. `spec` records [drafts, accepted]."""
+    in this batch carries first-decode padding, always rejected. `spec` records [drafts, accepted].
+    Under async scheduling it runs right after each schedule() (replay_async.py); its drafts are the
+    AsyncScheduler's K placeholders, which the scripted runner "fills" with 9s the same way."""
 
     def __init__(self, scheduler: Scheduler, token_id: int = REPLAY_TOKEN_ID,
                  accept: dict[str, _Cycle] | None = None) -> None:
@@ -149,7 +148,9 @@ class ReplayRunner:
         sampled = []
         for rid in req_ids:
             request = self.scheduler.requests[rid]
-            if request.num_computed_tokens < request.num_tokens:  # a partial prefill samples nothing
+            # A partial prefill samples nothing: vLLM's is_prefill_chunk, set by this schedule()
+            # (computed < num_tokens + the placeholders before it; placeholders are 0 in sync mode).
+            if request.is_prefill_chunk:
                 sampled.append([])
                 continue
             d = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
@@ -173,6 +174,13 @@ class StepRecord:
     num_free_blocks: int
     spec: dict[str, list[int]] = field(default_factory=dict)
     pending_drafts: dict[str, int] = field(default_factory=dict)
+    observed: dict[str, list[int]] | None = None  # async: [drafts, accepted] the update counted
+    stalled: list[str] | None = None  # a fixed point: the stuck requests (the replay stops here)
+
+
+def pending_drafts(scheduler: Scheduler) -> dict[str, int]:
+    """{id: len(spec_token_ids)} for every request with pending drafts (async: K placeholders)."""
+    return {r.request_id: len(r.spec_token_ids) for r in scheduler.requests.values() if r.spec_token_ids}
 
 
 def admit_arrivals(scheduler: Scheduler, arrivals: Iterable[TraceRequest],
@@ -211,10 +219,22 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
         if k > 0 and not output.is_empty:
             _propose(scheduler, output, drafts, k)
         finished = [o.request_id for o in engine_outputs if o.finished]
-        pending = {r.request_id: len(r.spec_token_ids) for r in scheduler.requests.values() if r.spec_token_ids}
+        # Nothing scheduled, nobody preempted or finished, no arrival to come: the deterministic
+        # scheduler would repeat this step forever (e.g. a prompt over the budget with chunked
+        # prefill off). Record it and stop, as the reference harness does (summary.stalled).
+        stuck = (output.is_empty and not output.preempted_req_ids and not finished and step >= last_arrival
+                 and scheduler.has_unfinished_requests())
         yield StepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                         spec=runner.spec, pending_drafts=pending)
+                         spec=runner.spec, pending_drafts=pending_drafts(scheduler),
+                         stalled=unfinished_ids(scheduler) if stuck else None)
+        if stuck:
+            return
         step += 1
+
+
+def unfinished_ids(scheduler: Scheduler) -> list[str]:
+    """Running then waiting requests, in the scheduler's order."""
+    return [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
 
 
 def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, _Cycle], k: int) -> None:
@@ -242,9 +262,10 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
     if trace.scheduler_config.async_scheduling:
         from tokenloom.core.replay_async import run_steps_async
 
-        items: Iterator[Any] = run_steps_async(trace, REPLAY_TOKEN_ID)
+        items: Iterator[Any] = run_steps_async(trace)
     else:
         items = run_steps(trace)
+    stalled: list[str] | None = None
     for item in items:
         if isinstance(item, RequestRejected):
             rejected.append(item.request_id)  # type: ignore[attr-defined]
@@ -265,7 +286,10 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
         if k > 0:
             steps[-1]["spec"] = item.spec
             steps[-1]["pending_drafts"] = item.pending_drafts
-            for rid, (d, a) in item.spec.items():
+            # vLLM's SpecDecodingStats come from update_from_output: in sync mode that is this
+            # step's batch (`spec`); async records what the processed batch's output counted.
+            observed = item.spec if item.observed is None else item.observed
+            for rid, (d, a) in observed.items():
                 totals.observe_draft(d, a)
                 counts = per_request.setdefault(rid, {"num_drafts": 0, "num_draft_tokens": 0,
                                                       "num_accepted_tokens": 0})
@@ -274,6 +298,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
                 counts["num_accepted_tokens"] += a
         if out is not None and out.policy_actions:  # an opt-in policy acted (never with vLLM's defaults)
             steps[-1]["policy"] = out.policy_actions
+        if item.stalled is not None:
+            stalled = item.stalled
         if hasattr(item, "events"):  # async: the batch queue's calls and the in-flight placeholders
             steps[-1]["events"] = item.events
             steps[-1]["placeholders"] = item.placeholders
@@ -284,6 +310,8 @@ def replay(trace_data: dict[str, Any]) -> dict[str, Any]:
         "num_steps": len(steps),
         "total_scheduled_tokens": total_tokens,
         "num_preemptions": num_preempted,
+        "stalled": stalled is not None,
+        "unfinished": stalled or [],
     }
     if k > 0:
         summary.update(

@@ -7,8 +7,14 @@ processes the oldest batch j (event "update:j") when the queue is full or batch 
 and nothing is waiting or running; with nothing to schedule it processes the oldest queued batch.
 So `schedule()` k sees the outputs of batches <= k-2 only.
 
-The scripted runner samples token 7 for every scheduled request that is not a partial prefill
-(`is_prefill_chunk`, set at schedule time: computed < num_tokens + placeholders before the step).
+The scripted runner (replay.ReplayRunner) samples token 7 for every scheduled request that is not a
+partial prefill (`is_prefill_chunk`, set at schedule time: computed < num_tokens + placeholders
+before the step). With speculative decoding (K > 0) there is no proposer: the AsyncScheduler gives
+every scheduled request that samples K placeholder drafts at schedule time, and the runner verifies
+the ones scheduled with the request's `accept` script ([9] * a + [7]); first-decode padding of a
+request admitted in the batch is always rejected. `spec` records that batch's [drafts, accepted] at
+schedule time; `observed` what update_from_output counted (vLLM's SpecDecodingStats: late output of
+a finished request is dropped and not counted, stale output of a preempted one is).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.replay import admit_arrivals
-from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.replay import ReplayRunner, Trace, _Cycle, admit_arrivals, pending_drafts, unfinished_ids
+from tokenloom.core.scheduler import RequestRejected
 from tokenloom.core.schedulers import make_scheduler
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling and no pipeline parallelism
@@ -34,20 +40,17 @@ class AsyncStepRecord:
     num_free_blocks: int
     events: list[str] = field(default_factory=list)
     placeholders: dict[str, int] = field(default_factory=dict)
+    spec: dict[str, list[int]] = field(default_factory=dict)  # the batch scheduled in this step
+    pending_drafts: dict[str, int] = field(default_factory=dict)
+    observed: dict[str, list[int]] = field(default_factory=dict)  # what this step's update counted
+    stalled: list[str] | None = None  # a fixed point: the stuck requests (the replay stops here)
 
 
-def scripted_output(scheduler: Scheduler, scheduler_output: SchedulerOutput, token_id: int) -> ModelRunnerOutput:
-    """The replay runner's output for a batch, computed right after its schedule()."""
-    req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [token_id] for rid in req_ids]
-    return ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
-    )
-
-
-def run_steps_async(trace, token_id: int, max_steps: int = 1_000_000) -> Iterator[AsyncStepRecord | RequestRejected]:
-    """Drive the AsyncScheduler over the trace (a replay.Trace) in the batch queue's call order."""
-    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0)
+def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncStepRecord | RequestRejected]:
+    """Drive the AsyncScheduler over the trace in the batch queue's call order."""
+    scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
+                               speculative_config=trace.speculative_config)
+    runner = ReplayRunner(scheduler, accept={r.id: _Cycle(r.accept, 0) for r in trace.requests})
     by_step: dict[int, list] = {}
     for r in trace.requests:
         by_step.setdefault(r.arrival_step, []).append(r)
@@ -64,22 +67,38 @@ def run_steps_async(trace, token_id: int, max_steps: int = 1_000_000) -> Iterato
         events: list[str] = []
         finished: list[str] = []
         output: SchedulerOutput | None = None
+        spec: dict[str, list[int]] = {}
+        observed: dict[str, list[int]] = {}
         pop = False
+        popped_empty = True
         if scheduler.has_requests():
             output = scheduler.schedule()
-            queue.append((step, output, scripted_output(scheduler, output, token_id)))
+            # The batch runs at once, in order (the worker's stream); its output waits in the queue.
+            queue.append((step, output, runner.execute_model(output)))
+            spec = runner.spec
             events.append("schedule")
             pop = len(queue) >= BATCH_QUEUE_SIZE or (output.is_empty and not scheduler.has_unfinished_requests())
         elif queue:
             pop = True
         if pop:
             j, batch, runner_output = queue.popleft()
+            popped_empty = batch.is_empty
             engine_outputs = scheduler.update_from_output(batch, runner_output)
             finished = [o.request_id for o in engine_outputs if o.finished]
+            observed = dict(scheduler.spec_decoding_per_request)
             events.append(f"update:{j}")
         placeholders = {
             rid: r.num_output_placeholders for rid, r in scheduler.requests.items() if r.num_output_placeholders
         }
+        # A fixed point (as in sync replay): this step scheduled nothing and preempted nobody, the
+        # batch it processed (if any) was empty too, so no output is in flight, nothing finished,
+        # and no arrival is to come; the next step would be the same.
+        stuck = (output is not None and output.is_empty and not output.preempted_req_ids and popped_empty
+                 and not finished and step >= last_arrival and scheduler.has_unfinished_requests()
+                 and all(b.is_empty for _, b, _ in queue))
         yield AsyncStepRecord(step, output, finished, scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                              events, placeholders)  # fmt: skip
+                              events, placeholders, spec, pending_drafts(scheduler), observed,
+                              unfinished_ids(scheduler) if stuck else None)  # fmt: skip
+        if stuck:
+            return
         step += 1

@@ -655,8 +655,11 @@ class Scheduler:
             generated = list(sampled[i]) if i is not None and sampled else []
 
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if spec and generated and not output_is_stale:
-                spec_stats = self._rollback_rejected(request, spec, generated, spec_stats)
+            if spec and generated:
+                # Stale output (async: scheduled before a preemption) still counts in the stats, but
+                # its rejections predate the preemption's reset and roll nothing back (S:2113-2135).
+                spec_stats = self._rollback_rejected(request, spec, generated, spec_stats,
+                                                     rollback=not output_is_stale)
 
             is_stopped = False
             if generated:
@@ -720,16 +723,19 @@ class Scheduler:
         return outputs
 
     def _rollback_rejected(
-        self, request: Request, spec: list[int], generated: list[int], stats: SpecDecodingStats | None
+        self, request: Request, spec: list[int], generated: list[int], stats: SpecDecodingStats | None,
+        rollback: bool = True,
     ) -> SpecDecodingStats:
         """Rejected drafts were counted as computed at schedule time: take them back (their KV
-        slots stay allocated and are overwritten). Counted from the untrimmed output, as vLLM."""
+        slots stay allocated and are overwritten). Counted from the untrimmed output, as vLLM.
+        Under async scheduling the drafts were placeholders counted in num_output_placeholders too."""
         num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
         num_rejected = len(spec) - num_accepted
-        if request.num_computed_tokens > 0:
-            request.num_computed_tokens -= num_rejected
-        if request.num_output_placeholders > 0:
-            request.num_output_placeholders -= num_rejected
+        if rollback:
+            if request.num_computed_tokens > 0:
+                request.num_computed_tokens -= num_rejected
+            if request.num_output_placeholders > 0:
+                request.num_output_placeholders -= num_rejected
         if stats is None:
             stats = SpecDecodingStats.new(self.num_spec_tokens)
         stats.observe_draft(len(spec), num_accepted)

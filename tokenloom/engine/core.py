@@ -127,7 +127,9 @@ class EngineCore:
         model_output = self._result(scheduler_output, step.future)
         t_update = self.clock()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        if self.scheduler.num_spec_tokens:
+        if self.scheduler.num_spec_tokens and self.batch_queue_size == 1:
+            # Async scheduling has no post_step drafts (vLLM's too): the AsyncScheduler schedules K
+            # placeholder drafts and the runner fills them from the tokens it has when it runs.
             self._post_step(outputs)
         t_end = self.clock()
         self.num_steps += 1

@@ -293,12 +293,12 @@ def check_async_scheduling(config: EngineConfig) -> None:
     if sched is None or not sched.async_scheduling:
         return
     spec = getattr(config, "speculative_config", None)
-    if spec:
-        # vLLM 0.32 refuses an explicit --async-scheduling with its CPU n-gram proposer too
-        # (config/vllm.py:1553-1644); docs/async.md says why tokenloom does as well.
+    if spec is not None and getattr(spec, "adaptive", False):
+        # The adaptive policy trims the drafts the scheduler receives after each step; under async
+        # scheduling the scheduler receives none (the runner fills K placeholder drafts itself).
         raise ConfigError(
-            "--async-scheduling cannot be combined with --speculative-config (n-gram drafts): the drafts for "
-            "step N+1 would have to be proposed before step N's tokens are known; drop one of the two flags"
+            "speculative_config.adaptive cannot be combined with --async-scheduling: under async scheduling "
+            "the runner fills the drafts itself and the policy has nothing to trim; drop one of the two"
         )
 
 

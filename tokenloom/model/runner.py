@@ -86,6 +86,10 @@ class _RequestState:
     block_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    # Tokens whose KV this runner wrote and kept (prompt + accepted outputs, all but the last
+    # sampled token). The scheduler's num_computed_tokens can be ahead of it by the drafts a step
+    # still in flight will reject (async scheduling with drafts: it counts them optimistically).
+    num_computed: int = 0
 
 
 @dataclass
@@ -272,6 +276,7 @@ class ModelRunner:
             self.last_logits_index = {s.req_id: i for i, s in enumerate(inputs.sample_reqs)}
         for i, (state, token) in enumerate(zip(inputs.sample_reqs, out.token_ids)):
             state.token_ids.append(token)
+            state.num_computed = len(state.token_ids) - 1
             sampled[state.req_id] = [token]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
@@ -320,6 +325,7 @@ class ModelRunner:
             self.last_logits_index = {}
         for i, (state, tokens) in enumerate(zip(inputs.sample_reqs, token_ids)):
             state.token_ids.extend(tokens)
+            state.num_computed = len(state.token_ids) - 1  # the rejected drafts' KV is overwritten later
             sampled[state.req_id] = tokens
             if lps is not None and lps[i] is not None:
                 logprobs[state.req_id] = lps[i]
@@ -370,6 +376,7 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             params=params,
             generator=generator,
+            num_computed=new.num_computed_tokens,
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens)
@@ -388,20 +395,60 @@ class ModelRunner:
         for req_id, n in so.num_scheduled_tokens.items():
             if req_id in failed:
                 continue
-            error = self._check_scheduled(req_id, starts.get(req_id), n, so)
+            state = self.requests.get(req_id)
+            start = starts.get(req_id)
+            drafts = list(so.scheduled_spec_decode_tokens.get(req_id) or [])
+            error = None
+            if state is not None and start is not None:
+                start, n, drafts, error = self._realign(state, start, n, drafts)
+            error = error or self._check_scheduled(req_id, state, start, n, drafts)
             if error:
                 failed[req_id] = error
                 self.requests.pop(req_id, None)
                 continue
-            drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
-            out.append(_Scheduled(self.requests[req_id], starts[req_id], n, list(drafts)))
+            assert state is not None and start is not None
+            out.append(_Scheduled(state, start, n, drafts))
+            state.num_computed = start + n  # a sampling request moves it again after sampling
         return out
 
-    def _check_scheduled(self, req_id: str, start: int | None, n: int, so: SchedulerOutput) -> str | None:
-        state = self.requests.get(req_id)
+    def _realign(self, state: _RequestState, start: int, n: int, drafts: list[int]
+                 ) -> tuple[int, int, list[int], str | None]:
+        """The rows this request really runs, from what the scheduler decided without knowing
+        the outputs still in flight (vLLM's gpu_model_runner does this on the GPU, on a copy of the
+        SchedulerOutput: the scheduler's own copy keeps its counts).
+
+        - Start: under async scheduling with drafts the scheduler counted the drafts of the step in
+          flight as computed; the ones that step rejected are not. The runner knows how many: it ran
+          that step. The tokens to compute (`n - len(drafts)`) are the same; they start earlier.
+        - Placeholder drafts (-1): the AsyncScheduler schedules K of them per request (and vLLM pads
+          a first decode with them); the runner fills them with the drafts it proposed from the
+          request's tokens after its last step (vLLM's ngram_gpu) and trims the ones it has no
+          draft for (`update_scheduler_for_invalid_drafts`), so no row verifies a fake token.
+        """
+        excess = start - state.num_computed
+        if excess < 0 or (excess and self.spec_decode is None):
+            return start, n, drafts, (f"request {state.req_id!r} is scheduled from token {start}, but the runner "
+                                      f"has computed {state.num_computed}")
+        if drafts and drafts[0] < 0:
+            if any(t >= 0 for t in drafts):
+                return start, n, drafts, f"request {state.req_id!r} mixes placeholder and real drafts"
+            filled = self._placeholder_drafts(state, len(drafts))
+            n -= len(drafts) - len(filled)
+            drafts = filled
+        return start - excess, n, drafts, None
+
+    def _placeholder_drafts(self, state: _RequestState, num_slots: int) -> list[int]:
+        """Drafts for a request's placeholder slots: its latest proposal, up to `num_slots`.
+        Constrained requests are not speculated on (as in sync mode: their drafts would be verified
+        without grammar rows)."""
+        if self.spec_decode is None or getattr(state.params, "structured_outputs", None) is not None:
+            return []
+        return self.spec_decode.latest_drafts(state.req_id)[:num_slots]
+
+    def _check_scheduled(self, req_id: str, state: _RequestState | None, start: int | None, n: int,
+                         drafts: list[int]) -> str | None:
         if state is None or start is None:
             return f"request {req_id!r} is scheduled but neither new nor cached in this step"
-        drafts = so.scheduled_spec_decode_tokens.get(req_id) or []
         if drafts and self.spec_decode is None:
             return "drafts were scheduled but speculative decoding is not enabled in the ModelRunner"
         if n < 1 or start < 0 or start + n > len(state.token_ids) + len(drafts):

@@ -45,6 +45,9 @@ class SpecDecodeRunner:
         self.proposer = NgramProposer.from_config(config, max_model_len)
         self.rejection_sampler = RejectionSampler()
         self._drafts: DraftTokenIds | None = None
+        # Each request's drafts proposed after the last step it sampled in, from its tokens then:
+        # what fills its placeholder drafts under async scheduling (the scheduler never sees them).
+        self._latest: dict[str, list[int]] = {}
 
     # Request rows of the proposer --------------------------------------------------------------
     def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
@@ -52,11 +55,13 @@ class SpecDecodeRunner:
 
     def remove_request(self, req_id: str) -> None:
         self.proposer.remove_request(req_id)
+        self._latest.pop(req_id, None)
 
     def reset(self) -> None:
         for req_id in list(self.proposer.row_of):
             self.proposer.remove_request(req_id)
         self._drafts = None
+        self._latest.clear()
 
     # Sampling ---------------------------------------------------------------------------------
     def sample(self, logits_fn, rows: list[SamplingRow], drafts: list[list[int]], kernels, return_logits: bool
@@ -82,6 +87,12 @@ class SpecDecodeRunner:
         for rid in req_ids:
             self.proposer.append_tokens(rid, sampled[rid])
         self._drafts = DraftTokenIds(req_ids, self.proposer.propose(req_ids)) if req_ids else None
+        if self._drafts is not None:
+            self._latest.update(zip(req_ids, self._drafts.draft_token_ids))
+
+    def latest_drafts(self, req_id: str) -> list[int]:
+        """The drafts proposed for a request after the last step it sampled in ([] if none)."""
+        return self._latest.get(req_id, [])
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
