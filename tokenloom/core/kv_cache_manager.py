@@ -32,7 +32,7 @@ class KVCacheBlocks:
     blocks: tuple[list[KVCacheBlock], ...]
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
 
 @dataclass
@@ -90,6 +90,10 @@ class KVCacheManager:
         self.managers: tuple[FullAttentionManager, ...] = tuple(
             self._make_manager(group, i, max_num_batched_tokens) for i, group in enumerate(self.kv_cache_groups)
         )
+        # Only these free blocks that left a window (remove_skipped_blocks is a no-op for the others).
+        self._sliding_managers = [m for m in self.managers if m.sliding_window is not None]
+        # Never mutated: a hit's lists are fresh, and allocate_slots only reads what it is given.
+        self.empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Prefix-cache lookup: groups of one attention type are looked up together, full attention
         # first (its left-to-right scan bounds the others), as vLLM's verify_and_split_kv_cache_groups.
         by_type: dict[int | None, list[int]] = {}
@@ -127,10 +131,6 @@ class KVCacheManager:
     @property
     def num_cached_block(self) -> dict[str, int]:
         return self.managers[0].num_cached_block
-
-    @property
-    def empty_blocks(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([] for _ in self.managers))
 
     # Prefix cache -----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
@@ -192,10 +192,10 @@ class KVCacheManager:
     # Allocation -------------------------------------------------------------------------------
     def _num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: tuple[list[KVCacheBlock], ...],
                                 num_computed_tokens: int, admission: bool = False) -> int:
-        return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, blocks, num_computed_tokens, admission)
-            for m, blocks in zip(self.managers, new_computed)
-        )
+        need = 0  # a loop, not sum(generator): this runs for every scheduled request every step
+        for m, blocks in zip(self.managers, new_computed):
+            need += m.get_num_blocks_to_allocate(request_id, num_tokens, blocks, num_computed_tokens, admission)
+        return need
 
     def allocate_slots(
         self,
@@ -234,7 +234,7 @@ class KVCacheManager:
                 return None
 
         num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        for manager in self.managers:
+        for manager in self._sliding_managers:
             manager.remove_skipped_blocks(rid, total_computed)  # even if the allocation below fails (as vLLM)
         need = self._num_blocks_to_allocate(rid, num_tokens_need_slot, new_computed, total_computed)
         if need + watermark > self.block_pool.get_num_free_blocks():
@@ -242,13 +242,16 @@ class KVCacheManager:
 
         # Every group's hit blocks are touched before any group allocates, so one group's new
         # blocks cannot evict another's hit (vLLM's two-phase allocate_new_computed_blocks).
-        for manager, blocks in zip(self.managers, new_computed):
-            manager.add_computed_blocks(rid, blocks, total_computed)
-        new_blocks = KVCacheBlocks(tuple(m.allocate_new_blocks(rid, num_tokens_need_slot) for m in self.managers))
+        if new_computed_blocks is not None:
+            for manager, blocks in zip(self.managers, new_computed):
+                manager.add_computed_blocks(rid, blocks, total_computed)
+        new_blocks = KVCacheBlocks(tuple([m.allocate_new_blocks(rid, num_tokens_need_slot) for m in self.managers]))
 
         if self.enable_caching:
             # Only verified tokens are cached (never draft tokens that may be rejected).
-            self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            num_cacheable = min(total_computed + num_new_tokens, request.num_tokens)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_cacheable)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

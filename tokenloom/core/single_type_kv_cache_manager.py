@@ -60,12 +60,12 @@ class FullAttentionManager:
         """Free blocks that giving the request `num_tokens` slots (after adopting its prefix hit
         `new_computed_blocks`) would take from the pool. `admission`: the full-sequence check,
         capped at `admission_cap_blocks`."""
-        num_required = cdiv(num_tokens, self.block_size)
+        num_required = -(-num_tokens // self.block_size)
         if admission and self.admission_cap_blocks is not None:
             num_required = min(num_required, self.admission_cap_blocks)
-        num_owned = len(self.req_to_blocks.get(request_id, ()))
-        if num_owned:  # running: no new prefix hit
-            return max(num_required - num_owned, 0)
+        owned = self.req_to_blocks.get(request_id)
+        if owned:  # running: no new prefix hit
+            return max(num_required - len(owned), 0)
         num_skipped = self.num_skipped_tokens(num_computed_tokens) // self.block_size
         num_new = max(num_required - max(num_skipped, len(new_computed_blocks)), 0)
         # A hit block sitting in the free queue leaves it when touched: it costs a free block too
@@ -102,7 +102,7 @@ class FullAttentionManager:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_missing = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_missing = -(-num_tokens // self.block_size) - len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_missing) if num_missing > 0 else []
         req_blocks.extend(new_blocks)
         return new_blocks
