@@ -31,7 +31,7 @@ from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups
-from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -486,7 +486,7 @@ class Scheduler:
         head = self.waiting.peek_request()
         kv = self.kv_cache_manager
         victims = self.priority_preemption.victims_for(head, self.running, self.num_schedule_calls)
-        need = cdiv(head.num_tokens, self.block_size) + (kv.watermark_blocks if self.running else 0)
+        need = kv.blocks_needed(head.num_tokens) + (kv.watermark_blocks if self.running else 0)
 
         def short_of_blocks() -> bool:
             return kv.block_pool.get_num_free_blocks() < need
