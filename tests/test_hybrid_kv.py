@@ -180,6 +180,20 @@ def test_preemption_and_finish_return_every_block() -> None:
     _assert_no_leak(kv)
 
 
+def test_a_request_that_cannot_fit_every_group_is_rejected() -> None:
+    """The never-fits check counts every group: 100 tokens need 25 full blocks plus at most
+    cdiv(7 + 8, 4) + 1 = 5 sliding ones; 25 fit a 29-block pool alone, 30 do not."""
+    from tokenloom.core.scheduler import RequestRejected
+
+    def sched(num_blocks: int) -> Scheduler:
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=256),
+                         CacheConfig(block_size=BS, num_blocks=num_blocks, layer_windows=(W, None)), clock=lambda: 0.0)
+
+    with pytest.raises(RequestRejected, match="needs 30 KV blocks"):
+        sched(29).add_request(_req("big", list(range(60)), max_tokens=41))
+    sched(30).add_request(_req("big", list(range(60)), max_tokens=41))
+
+
 # A tiny Gemma 3 against transformers --------------------------------------------------------------
 
 LAYER_TYPES = [S, S, F, S, S, F]  # 4 sliding + 2 full → group size 2: sliding (0, 3), (1, 4); full (2, 5)
