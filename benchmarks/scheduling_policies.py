@@ -9,6 +9,9 @@ deterministic and takes seconds; the vLLM-identical default is the first row of 
    now and then: the long prompts' TTFT (p50/p99) and the decodes' ITL p99, default vs bounded wait.
 2. Priority preemption: a full batch of long low-priority requests (max_num_seqs reached), short
    high-priority requests arriving: their TTFT with and without --enable-priority-preemption.
+3. SLO budget (--target-itl-ms / --target-ttft-ms): mixed chat + long documents at a stable and an
+   overloading rate; fixed budgets vs the controller: ITL p99, TTFT p50/p99 and the share of requests
+   meeting the targets. Only this part: --only slo.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tokenloom.sim.simulate import simulate  # noqa: E402
 from tokenloom.workload.datasets import BenchRequest  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parents[1] / "tokenloom/sim/profiles/smollm2-135m-instruct-cpu.json"
+INT8_PROFILE = PROFILE.with_name("smollm2-135m-instruct-cpu-int8.json")
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -81,6 +85,75 @@ def run_starvation(profile: Any, args: argparse.Namespace) -> list[dict[str, Any
     return rows
 
 
+def slo_workload(seed: int, duration_s: float, rate: float, doc_share: float, doc_len: int) -> list[BenchRequest]:
+    """W2-like chat traffic (prompts 100-600 tokens, 50-250 output tokens, Poisson arrivals at `rate`)
+    where a `doc_share` of the requests are long documents (`doc_len` tokens, 32 output tokens)."""
+    rng = np.random.default_rng(seed)
+    reqs: list[BenchRequest] = []
+    t, i = 0.0, 0
+    while True:
+        t += float(rng.exponential(1.0 / rate))
+        if t >= duration_s:
+            break
+        if rng.random() < doc_share:
+            n, out, name = doc_len, 32, f"doc{i}"
+        else:
+            n, out, name = int(rng.integers(100, 600)), int(rng.integers(50, 250)), f"chat{i}"
+        reqs.append(BenchRequest(name, [int(x) for x in rng.integers(100, 40000, n)], n, out, True, t))
+        i += 1
+    return reqs
+
+
+def slo_row(name: str, res: Any, itl_target_s: float, ttft_target_s: float) -> dict[str, Any]:
+    """A request meets the ITL target when every gap between its tokens is within it (the target is a
+    per-token promise), the TTFT target when its first token is within it."""
+    done = [r for r in res.records if r.success]
+    itl = [x for r in done for x in r.itl_s]
+    ttft = [r.ttft_s for r in done]
+    meets_itl = [max(r.itl_s, default=0.0) <= itl_target_s for r in done]
+    meets_tpot = [(r.tpot_s or 0.0) <= itl_target_s for r in done]
+    meets_ttft = [r.ttft_s <= ttft_target_s for r in done]
+    both = [a and b for a, b in zip(meets_itl, meets_ttft)]
+    docs = [r.ttft_s for r in done if r.id.startswith("doc")]
+
+    def share(flags: list[bool]) -> float:
+        return round(100.0 * sum(flags) / len(flags), 1) if flags else 0.0
+
+    return {"policy": name, "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "doc_ttft_p50_ms": _pct(docs, 50),
+            "meets_itl_pct": share(meets_itl), "meets_ttft_pct": share(meets_ttft), "meets_both_pct": share(both),
+            "meets_tpot_and_ttft_pct": share([a and b for a, b in zip(meets_tpot, meets_ttft)]),
+            "num_steps": res.num_steps, "num_requests": len(done)}
+
+
+def run_slo(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    itl_ms, ttft_ms = args.target_itl_ms, args.target_ttft_ms
+    cache = CacheConfig(block_size=16, num_blocks=args.num_blocks)
+    out = []
+    for rate in args.slo_rates:
+        reqs = slo_workload(args.seed, args.duration, rate, args.doc_share, args.doc_len)
+        base = SchedulerConfig(max_num_batched_tokens=args.slo_ceiling, max_num_seqs=args.slo_max_num_seqs,
+                               max_model_len=8192)
+        variants: list[tuple[str, dict[str, Any]]] = [
+            (f"fixed budget {b}" + (" (vLLM default)" if b == 2048 else ""), {"max_num_batched_tokens": b})
+            for b in args.slo_budgets
+        ]
+        variants += [
+            (f"controller: ITL {itl_ms:g} ms", {"target_itl_ms": itl_ms}),
+            (f"controller: ITL {itl_ms:g} ms + TTFT {ttft_ms:g} ms",
+             {"target_itl_ms": itl_ms, "target_ttft_ms": ttft_ms}),
+        ]
+        if args.wrong_profile:  # the controller predicting with another machine's / runner's profile
+            variants.append((f"controller: ITL {itl_ms:g} ms, predicting with {Path(args.wrong_profile).name}",
+                             {"target_itl_ms": itl_ms, "step_cost_profile": args.wrong_profile}))
+        rows = []
+        for name, knobs in variants:
+            res = simulate(reqs, replace(base, **knobs), cache, profile.step_model)
+            rows.append(slo_row(name, res, itl_ms / 1000.0, ttft_ms / 1000.0))
+        out.append({"rate": rate, "num_requests": len(reqs), "rows": rows})
+    return out
+
+
 def run_priority(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = np.random.default_rng(args.seed)
     reqs = [BenchRequest(f"bulk{i}", [int(x) for x in rng.integers(100, 40000, 256)], 256, 400, True,
@@ -115,11 +188,29 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=40000)
     p.add_argument("--bounds", type=lambda s: [tuple(int(x) for x in b.split(":")) for b in s.split(",")],
                    default=[(1000, 64), (1000, 128), (2000, 256)], help="ms:chunk,ms:chunk,...")
+    p.add_argument("--only", choices=["all", "slo"], default="all", help="slo: the SLO budget figure only")
+    p.add_argument("--slo-rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0],
+                   help="requests per second of the SLO workload (stable, overload)")
+    p.add_argument("--doc-share", type=float, default=0.1, help="share of SLO requests that are long documents")
+    p.add_argument("--doc-len", type=int, default=2000, help="tokens of each document in the SLO workload")
+    p.add_argument("--slo-budgets", type=lambda s: [int(x) for x in s.split(",")],
+                   default=[256, 512, 1024, 2048, 4096], help="fixed budgets to compare with the controller")
+    p.add_argument("--slo-ceiling", type=int, default=2048, help="max_num_batched_tokens under the controller")
+    p.add_argument("--slo-max-num-seqs", type=int, default=128, help="max_num_seqs of the SLO figure (vLLM's)")
+    p.add_argument("--target-itl-ms", type=float, default=150.0)
+    p.add_argument("--target-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--wrong-profile", default=str(INT8_PROFILE),
+                   help="one more controller row, predicting with this profile while the simulation runs --profile "
+                   "('' for none): how a wrong cost model shows")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     profile = load_profile(args.profile)
-    result = {"starvation": run_starvation(profile, args), "priority_preemption": run_priority(profile, args),
-              "args": {k: v for k, v in vars(args).items() if k != "bounds"} | {"bounds": args.bounds}}
+    result: dict[str, Any] = {}
+    if args.only == "all":
+        result["starvation"] = run_starvation(profile, args)
+        result["priority_preemption"] = run_priority(profile, args)
+    result["slo_budget"] = run_slo(profile, args)
+    result["args"] = {k: v for k, v in vars(args).items() if k != "bounds"} | {"bounds": args.bounds}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -1,9 +1,12 @@
-"""Single-stream decode: tokenloom vs llama.cpp's `llama-bench` on the same GGUF, alternating.
+"""Single-stream decode and TTFT: tokenloom vs llama.cpp's `llama-bench` on the same GGUF, alternating.
 
 One request at a time, greedy, ignore_eos: tokenloom's decode tok/s is 1000 / the median decode
 step (the engine's whole step: schedule, inputs, forward, logits, sampling, outputs; see
-perf_overhead.py), llama.cpp's is llama-bench's `tg` figure (`-p 0 -n N`, `-t` threads). The two
-run in turns, `--rounds` times, so that a shared machine's load hits both alike; medians reported.
+perf_overhead.py), llama.cpp's is llama-bench's `tg` figure (`-n N`, `-t` threads). TTFT: tokenloom's
+is the wall time of a fresh request with a `--ttft-prompt-len` random prompt and max_tokens=1
+(add_request to finished: the prefill step, sampling, outputs); llama.cpp's is that prompt length
+over llama-bench's `pp` rate for it (`-p P`). The two run in turns, `--rounds` times, so that a
+shared machine's load hits both alike; medians reported.
 
     .venv/bin/python benchmarks/single_stream.py [MODEL.gguf] --quantization gguf \\
         --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench [--rounds 3] [--json out.json]
@@ -15,20 +18,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from perf_overhead import run  # noqa: E402
 
 
-def llama_bench(binary: str, model: str, threads: int, n: int) -> float:
-    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", "0", "-n", str(n), "-r", "1", "-o", "json"],
-                         check=True, capture_output=True, text=True).stdout
-    rows = [r for r in json.loads(out) if r.get("n_gen", 0) > 0]
-    return float(rows[0]["avg_ts"])
+def llama_bench(binary: str, model: str, threads: int, n: int, prompt_len: int) -> tuple[float, float]:
+    """(tg tok/s, TTFT ms for a prompt_len prompt) from one llama-bench run."""
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", str(prompt_len), "-n", str(n), "-r", "1",
+                          "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    tg = [r for r in rows if r.get("n_gen", 0) > 0][0]
+    pp = [r for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0][0]
+    return float(tg["avg_ts"]), 1e3 * prompt_len / float(pp["avg_ts"])
+
+
+def ttft_ms(engine, prompt_len: int, seed: int) -> float:  # noqa: ANN001 - an LLMEngine
+    """Wall time of one fresh request (random prompt, so no prefix-cache hit) with max_tokens=1."""
+    from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+    rng = random.Random(10_000 + seed)
+    prompt = [rng.randrange(17, engine.model_config.vocab_size) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    t0 = time.perf_counter()
+    engine.add_request(f"ttft-{seed}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -40,6 +62,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--ttft-prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -49,19 +72,25 @@ def main() -> None:
     model = str(resolve_model_path(a.model))
     quant = None if a.quantization == "none" else a.quantization
     engine = LLMEngine.from_args(model=model, dtype=a.dtype, quantization=quant)
-    ours, theirs = [], []
+    ttft_ms(engine, a.ttft_prompt_len, seed=-1)  # warm-up: first prefill builds the dequantized-GEMM path
+    ours, theirs, our_ttft, their_ttft = [], [], [], []
     for r in range(a.rounds):
         res = run(engine, 1, a.prompt_len, a.output_len, seed=r)
         ours.append(1000.0 / res["step_ms_median"])
-        line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s "
+        our_ttft.append(ttft_ms(engine, a.ttft_prompt_len, seed=r))
+        line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s, TTFT {our_ttft[-1]:6.1f} ms "
                 f"(host work outside the model {res['overhead_ms_median']} ms)")
         if a.llama_bench:
-            theirs.append(llama_bench(a.llama_bench, model, a.threads, a.output_len))
-            line += f", llama.cpp {theirs[-1]:7.1f} tok/s"
+            tg, ttft = llama_bench(a.llama_bench, model, a.threads, a.output_len, a.ttft_prompt_len)
+            theirs.append(tg)
+            their_ttft.append(ttft)
+            line += f"; llama.cpp {tg:7.1f} tok/s, TTFT {ttft:6.1f} ms"
         print(line, flush=True)
-    result = {"model": Path(model).name, "quantization": a.quantization, "tokenloom_tok_s": statistics.median(ours)}
+    result = {"model": Path(model).name, "quantization": a.quantization, "tokenloom_tok_s": statistics.median(ours),
+              "tokenloom_ttft_ms": statistics.median(our_ttft), "ttft_prompt_len": a.ttft_prompt_len}
     if theirs:
         result["llamacpp_tok_s"] = statistics.median(theirs)
+        result["llamacpp_ttft_ms"] = statistics.median(their_ttft)
         result["ratio"] = result["tokenloom_tok_s"] / result["llamacpp_tok_s"]
     print(json.dumps(result))
     if a.json:

@@ -98,3 +98,12 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert not kv.req_to_blocks and not kv.num_cached_block
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+def decodes_then_long_prompt(config: dict, num_decodes: int, decode_max_tokens: int, long_len: int) -> dict:
+    """A replay trace: `num_decodes` one-token prompts at step 0 (decoding from step 1) and a
+    `long_len`-token prompt "long" arriving at step 2, for the policies that share the budget."""
+    decodes = [{"id": f"d{i}", "arrival_step": 0, "prompt_token_ids": [i], "max_tokens": decode_max_tokens}
+               for i in range(num_decodes)]
+    long = {"id": "long", "arrival_step": 2, "prompt_token_ids": [99] * long_len, "max_tokens": 2}
+    return {"config": config, "requests": decodes + [long]}

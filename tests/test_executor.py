@@ -7,13 +7,13 @@ from concurrent.futures import Future
 import pytest
 
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import Executor, UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.runner import SIM_TOKEN_ID
 from tokenloom.workload.clock import VirtualClock

@@ -7,7 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.sched_utils import assert_scheduler_empty, create_requests, create_scheduler, step
+from tests.sched_utils import (
+    assert_scheduler_empty,
+    create_requests,
+    create_scheduler,
+    decodes_then_long_prompt,
+    step,
+)
 from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import ConfigError, SchedulerConfig
 from tokenloom.core.replay import ReplayRunner, parse_trace, replay
@@ -251,11 +257,8 @@ def test_policies_keep_the_invariants_and_their_guarantees(trace) -> None:
 
 
 def test_default_knobs_replay_unchanged_and_actions_recorded() -> None:
-    base = {"config": {"max_num_batched_tokens": 16, "max_num_seqs": 16, "max_model_len": 256, "block_size": 4,
-                       "num_blocks": 400},
-            "requests": [{"id": f"d{i}", "arrival_step": 0, "prompt_token_ids": [i], "max_tokens": 40}
-                         for i in range(15)]
-            + [{"id": "long", "arrival_step": 2, "prompt_token_ids": [99] * 40, "max_tokens": 2}]}
+    base = decodes_then_long_prompt({"max_num_batched_tokens": 16, "max_num_seqs": 16, "max_model_len": 256,
+                                     "block_size": 4, "num_blocks": 400}, 15, 40, 40)
     default = replay(base)
     assert all("policy" not in s for s in default["steps"])
     bounded = replay({**base, "config": {**base["config"], "max_prefill_wait_steps": 3, "min_prefill_chunk": 5}})

@@ -12,6 +12,7 @@ import pytest
 
 from tokenloom.cli import main as cli_main
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import TERMS, CostModel, StepShape
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.core.replay import replay
 from tokenloom.core.request import Request
@@ -19,7 +20,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import TERMS, CostModel, Sample, StepShape, fit
+from tokenloom.sim.cost_model import Sample, fit
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint
 from tokenloom.sim.runner import SimulatedRunner
@@ -312,9 +313,11 @@ def test_a_thousand_sharegpt_requests_simulate_quickly() -> None:
     requests = load_sharegpt(num=1000, seed=0)
     sched, cache = _configs({"max_num_batched_tokens": 2048, "max_num_seqs": 128, "max_model_len": 2048,
                              "num_blocks": 20000})  # fmt: skip
-    t0 = time.perf_counter()
+    # CPU time, not wall time: other jobs on a shared machine must not fail it; the bound catches
+    # an order-of-magnitude regression (a few seconds on the dev box), speed figures live in benchmarks.
+    t0 = time.process_time()
     result = simulate(requests, sched, cache, CostModel(TRUE_COEFFICIENTS))
-    assert time.perf_counter() - t0 < 10.0
+    assert time.process_time() - t0 < 20.0
     assert result.metrics["completed"] == 1000
     assert result.metrics["total_output_tokens"] == sum(r.max_tokens for r in requests)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from tokenloom.sim.cost_model import CostModel, StepShape
+from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.sim.simulate import simulate
 from tokenloom.workload.datasets import random_requests
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import types
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Policy = Literal["fcfs", "priority"]
 BatchingMode = Literal["continuous", "static", "request"]
+# Where the SLO budget controller's request ages come from (core/slo_budget.py).
+SloClock = Literal["engine", "predicted"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -138,11 +141,28 @@ class SchedulerConfig:
     priority_preemption_protection_steps: int = knob(
         8, "steps after resuming during which a request preempted by --enable-priority-preemption "
         "cannot be preempted by it again")
+    target_itl_ms: float = knob(
+        0.0, "SLO budget controller: keep each step's predicted time (the profile's cost model) under this "
+        "while requests decode, by lowering the step's token budget below --max-num-batched-tokens (0: off)")
+    target_ttft_ms: float = knob(
+        0.0, "with --target-itl-ms: read the ITL target as a p99 and spend its 1% on raising a step's budget "
+        "(up to --max-num-batched-tokens) for prompts that would otherwise miss this first-token target (0: off)")
+    slo_clock: SloClock = knob(
+        "engine", "the SLO controller's request ages: engine = the scheduler's clock (wall time; virtual time "
+        "in the simulator), predicted = the sum of predicted step times (deterministic: replays, tests)")
+    step_cost_profile: str | None = knob(
+        None, "profile JSON (tokenloom profile; shipped ones in tokenloom/sim/profiles/) whose cost model the "
+        "SLO controller predicts step times with; the simulator uses its own profile when unset")
     # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
     # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
     async_scheduling: bool = knob(
         False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)",
         simulated=False)
+
+    @property
+    def slo_targets(self) -> bool:
+        """Whether the SLO budget controller runs (a target is set)."""
+        return self.target_itl_ms > 0
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -163,6 +183,20 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) when a prefill wait bound is set, or a waiting prompt "
                 "could take the whole budget from the running requests")
         _check_int("priority_preemption_protection_steps", self.priority_preemption_protection_steps, 0)
+        for name in ("target_itl_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a number >= 0 (0: off), got {value!r}")
+        _check_choice("slo_clock", self.slo_clock, SloClock)
+        if self.step_cost_profile is not None and not isinstance(self.step_cost_profile, str):
+            raise ConfigError(f"step_cost_profile must be a path, got {self.step_cost_profile!r}")
+        if self.target_ttft_ms > 0 and not self.target_itl_ms > 0:
+            raise ConfigError("target_ttft_ms needs target_itl_ms: the controller lowers the budget for the ITL "
+                              "target and spends up to 1% of over-target gaps on first tokens at risk; without "
+                              "it the budget stays max_num_batched_tokens, which already gives the earliest "
+                              "first tokens")
+        if self.slo_targets and self.batching != "continuous":
+            raise ConfigError(f"target_itl_ms needs batching='continuous', got {self.batching!r}")
         if self.enable_priority_preemption and self.policy != "priority":
             raise ConfigError("enable_priority_preemption needs scheduling_policy='priority' "
                               f"(got {self.policy!r}): it preempts by priority")

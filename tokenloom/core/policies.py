@@ -16,6 +16,9 @@ schedule stays vLLM's decision for decision. Each one says why it acted in the s
   running request cannot grow). A request preempted this way is protected from being preempted again
   by this policy for `protection_steps` steps after it resumes, so nobody thrashes.
 
+The third, the SLO-driven token budget (--target-itl-ms, --target-ttft-ms), is its own manager in
+core/slo_budget.py: it predicts steps with the cost model (core/cost_model.py).
+
 Pure Python, like the rest of tokenloom/core.
 """
 

@@ -29,7 +29,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_long_prefill_threshold
+from tokenloom.config import (
+    CacheConfig,
+    ConfigError,
+    SchedulerConfig,
+    SpeculativeConfig,
+    check_long_prefill_threshold,
+)
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups
 from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
@@ -43,6 +50,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.slo_budget import SloBudgetController
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.core.structured_output import StructuredOutputManager
 
@@ -75,7 +83,10 @@ class Scheduler:
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
         speculative_config: SpeculativeConfig | None = None,
+        step_cost_model: CostModel | None = None,
     ) -> None:
+        """`step_cost_model`: what a step costs (core/cost_model.py), for the SLO budget controller;
+        needed only with --target-itl-ms / --target-ttft-ms (make_scheduler reads --step-cost-profile)."""
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
         if scheduler_config.batching not in self.batching_modes:
@@ -129,6 +140,15 @@ class Scheduler:
             PriorityPreemption(scheduler_config.priority_preemption_protection_steps)
             if scheduler_config.enable_priority_preemption else None
         )
+        self.slo_budget: SloBudgetController | None = None
+        if scheduler_config.slo_targets:
+            if step_cost_model is None:
+                raise ConfigError(
+                    "target_itl_ms needs a step cost model: set step_cost_profile to a profile JSON "
+                    "(`tokenloom profile` writes one; shipped: tokenloom/sim/profiles/); the simulator uses its own")
+            self.slo_budget = SloBudgetController(
+                step_cost_model, scheduler_config.max_num_batched_tokens, scheduler_config.target_itl_ms / 1000.0,
+                scheduler_config.target_ttft_ms / 1000.0, predicted_clock=scheduler_config.slo_clock == "predicted")
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -157,6 +177,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if self.prefill_wait_bound is not None:
             self.prefill_wait_bound.arrived(request.request_id, self.num_schedule_calls)
+        if self.slo_budget is not None:
+            self.slo_budget.arrived(request.request_id)
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id
@@ -210,6 +232,8 @@ class Scheduler:
             self.priority_preemption.forget(request.request_id)
         if self.prefill_wait_bound is not None:
             self.prefill_wait_bound.forget(request.request_id)
+        if self.slo_budget is not None:
+            self.slo_budget.forget(request.request_id)
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -236,6 +260,8 @@ class Scheduler:
         policy_actions: dict[str, Any] = {}
         if self.priority_preemption is not None and self.waiting and self.running:
             bound_by = self._preempt_for_waiting(now, preempted_reqs, policy_actions)
+        if self.slo_budget is not None:
+            token_budget = self._slo_token_budget(now, threshold, preempted_reqs, policy_actions)
         reserve, starved = 0, set()
         if self.prefill_wait_bound is not None:
             reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
@@ -521,6 +547,19 @@ class Scheduler:
         if reserve:
             actions["prefill_reserve"] = {"tokens": reserve, "requests": ids}
         return reserve, set(ids)
+
+    def _slo_token_budget(
+        self, now: float, threshold: int, preempted_reqs: list[Request], actions: dict[str, Any]
+    ) -> int:
+        """--target-itl-ms (and --target-ttft-ms): this step's budget, at most max_num_batched_tokens."""
+        assert self.slo_budget is not None
+        # Waiting requests can be admitted only into free slots, and not at all in a step that preempted.
+        free_slots = 0 if preempted_reqs else self.max_num_running_reqs - len(self.running)
+        waiting = self.waiting if free_slots > 0 else ()
+        budget, why = self.slo_budget.budget(now, self.running, waiting, threshold, free_slots)
+        if why is not None:
+            actions["slo_budget"] = why
+        return budget
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.async_scheduler import AsyncScheduler
 from tokenloom.core.batch_scheduler import BatchScheduler
+from tokenloom.core.cost_model import CostModel, load_step_cost_model
 from tokenloom.core.scheduler import Scheduler
 
 
@@ -28,6 +29,14 @@ def make_scheduler(
     cache_config: CacheConfig,
     clock: Callable[[], float] = time.monotonic,
     speculative_config: SpeculativeConfig | None = None,
+    step_cost_model: CostModel | None = None,
 ) -> Scheduler:
-    return scheduler_class(scheduler_config)(scheduler_config, cache_config, clock=clock,
-                                             speculative_config=speculative_config)
+    """`step_cost_model`: the SLO budget controller's predictor (the simulator hands its own);
+    --step-cost-profile, when set, is read instead."""
+    cls = scheduler_class(scheduler_config)
+    if not scheduler_config.slo_targets:  # no controller, no predictor (the comparison modes take none)
+        return cls(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config)
+    if scheduler_config.step_cost_profile is not None:
+        step_cost_model = load_step_cost_model(scheduler_config.step_cost_profile)
+    return cls(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
+               step_cost_model=step_cost_model)

@@ -67,6 +67,16 @@ PRESETS: list[dict[str, Any]] = [
         "knobs": {"D": 10, "P": 24, "B": 11, "M": 11, "steps": 28, "wait_steps": 2, "min_chunk": 4},
     },
     {
+        "id": "slo-budget",
+        "title": "B=32 with an ITL target of 16 tokens a step (SLO budget)",
+        "note": "tokenloom's opt-in --target-itl-ms, here at 1 ms a token, so a 16 ms target is 16 tokens a step: "
+        "with B=32 the prompt would get 22 tokens in its first step (the budget-32 preset), making that step "
+        "3.2x as long as a decode-only one for all 10 decodes. The controller keeps each step to 16 tokens "
+        "while decodes run, so the prompt gets 6 a step and its prefill takes 4 steps instead of 2: "
+        "time to first token traded for inter-token latency (policy.slo_budget in the step trace says why).",
+        "knobs": {"D": 10, "P": 24, "B": 32, "M": 32, "itl_target": 16},
+    },
+    {
         "id": "budget-16-m32-invalid",
         "title": "B=16 with M=32 (invalid)",
         "note": "The B=16 example with M=32, as it is often written. " + _B_GE_M,

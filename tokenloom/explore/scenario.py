@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
@@ -26,7 +27,6 @@ from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 
@@ -34,6 +34,9 @@ from tokenloom.workload.clock import VirtualClock
 LIMITS = {"D": 256, "P": 32768, "C": 4096, "steps": 400, "requests": 64, "num_blocks": 65536}
 MAX_SETUP_STEPS = 2000
 ONE_UNIT_PER_STEP = CostModel({"overhead": 1.0})
+# What the SLO budget controller predicts with here: 1 ms a token, so an ITL target in ms is a number of
+# tokens a step (the page's steps still last one unit each).
+ONE_MS_PER_TOKEN = CostModel({"prefill_tokens": 0.001, "decode_tokens": 0.001})
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Knobs:
     threshold: int = 0  # long_prefill_token_threshold
     wait_steps: int = 0  # max_prefill_wait_steps (0: off, vLLM's behaviour)
     min_chunk: int = 4  # min_prefill_chunk, used once a prompt has waited past wait_steps
+    itl_target: int = 0  # target_itl_ms at 1 ms a token: the most tokens a step holds while requests decode
     policy: str = "fcfs"
     num_blocks: int = 1024
     block_size: int = 16
@@ -88,6 +92,9 @@ class Knobs:
             policy=self.policy,  # type: ignore[arg-type]
             max_prefill_wait_steps=self.wait_steps,
             min_prefill_chunk=self.min_chunk,
+            # + 0.5 ms: N tokens at 1 ms each sum to N ± rounding; the next token is a whole 1 ms more.
+            target_itl_ms=self.itl_target + 0.5 if self.itl_target else 0.0,
+            slo_clock="predicted",
         )
         cache = CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                             enable_prefix_caching=self.prefix_caching)  # fmt: skip
@@ -107,6 +114,7 @@ def _check_limits(k: Knobs) -> None:
         _check_int(name, getattr(k, name), 0 if name == "D" else 1, LIMITS[name])
     if isinstance(k.num_blocks, int):
         _check_int("num_blocks", k.num_blocks, 1, LIMITS["num_blocks"])
+    _check_int("itl_target", k.itl_target, 0)
     if k.scenario not in ("decodes+prefill", "requests"):
         raise ConfigError(f"scenario must be 'decodes+prefill' or 'requests', got {k.scenario!r}")
     if k.scenario == "requests":
@@ -149,7 +157,7 @@ def _distinct_prompt(index: int, length: int) -> list[int]:
 def _drive(k: Knobs, specs: list[RequestSpec], num_steps: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, step_cost_model=ONE_MS_PER_TOKEN)
     requests: dict[str, Request] = {}
     collector = _Collector(requests)
     core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock), collector)  # type: ignore[arg-type]
@@ -200,7 +208,7 @@ def _setup_steps(k: Knobs, decode_max_tokens: int) -> int:
         return 0
     sched_cfg, cache_cfg = k.configs()
     clock = VirtualClock()
-    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+    scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, step_cost_model=ONE_MS_PER_TOKEN)
     core = EngineCore(scheduler, SimulatedExecutor(ONE_UNIT_PER_STEP, clock))
     for i in range(k.D):
         params = SamplingParams(max_tokens=decode_max_tokens, temperature=0.0, ignore_eos=True)

@@ -60,14 +60,13 @@ def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.T
                   layers: list[DecoderLayerSpec]) -> Any:
     """A GGUFDecoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
     allocated them."""
-    if isinstance(embed, GGUFWeight) and not embed.packed8:
-        embed_data, embed_type = embed.data, embed.qtype
+    if isinstance(embed, GGUFWeight):  # the file's rows, or the 8-row layout a tied LM head shares
+        embed_data, embed_type, embed_packed = embed.data, embed.qtype, embed.packed8
     else:
-        embed_data, embed_type = (embed.dequantize() if isinstance(embed, GGUFWeight) else embed.float()), DENSE
-        embed_data = embed_data.contiguous()
+        embed_data, embed_type, embed_packed = embed.float().contiguous(), DENSE, False
     dec = kernels.GGUFDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size, config.rms_norm_eps, embed_data, embed_type,
-                              final_norm.float().contiguous())
+                              final_norm.float().contiguous(), embed_packed)
     for spec in layers:
         dec.add_layer(spec.attn_norm.float().contiguous(), spec.qkv, spec.o, spec.ffn_norm.float().contiguous(),
                       spec.gate_up, spec.down)

@@ -4,7 +4,7 @@ A `LinearBase` holds a weight (and bias); *how* y = x @ W.T + b is computed live
 `LinearMethodBase`, one object shared by the layers that compute the same way:
 
 * `UnquantizedLinearMethod` (here): run-dtype GEMMs, F.linear, or oneDNN with the weight pre-packed
-  once into its blocked layout (CPU bf16, run at bucketed row counts: see gemm_rows.py);
+  once into its blocked layout (CPU bf16, run at bucketed row counts: see tokenloom/core/gemm_rows.py);
 * `Int8LinearMethod` (tokenloom/model/quant.py): W8A8, int8 weights per output channel, activations
   quantized per row.
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.gemm_rows import packed_rows
+from tokenloom.core.gemm_rows import packed_rows
 
 logger = logging.getLogger(__name__)
 

@@ -236,8 +236,11 @@ class LlamaModel:
             self.lm_head = get.linear(["lm_head"], self.dense_method, "lm_head", bias=False)
         elif isinstance(self.embed_tokens, torch.Tensor):  # tied: the same tensor
             self.lm_head = LinearBase(self.embed_tokens, None, self.dense_method, "lm_head", dtype)
-        else:  # tied GGUF blocks: the embedding reads the file's rows, the head a kernel layout of them
+        else:  # tied GGUF blocks: the head repacks them for its kernels, the embedding then reads that copy
             self.lm_head = get.linear(["model.embed_tokens"], self.dense_method, "lm_head", bias=False)
+            head = getattr(self.lm_head, "gguf", None)
+            if head is not None and len(head.parts) == 1 and head.parts[0].packed8:
+                self.embed_tokens = head.parts[0]  # one copy of the blocks, not two
         self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
         self._fall_back_for_unsupported_attention()
@@ -441,7 +444,8 @@ def gguf_embedding(weight: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> 
     if kernels is None:
         return F.embedding(input_ids, weight.dequantize(dtype))
     out = torch.empty(input_ids.shape[0], weight.shape[1], dtype=dtype)
-    kernels.gguf_embedding(out, weight.data, weight.qtype, input_ids.long().contiguous())
+    embedding = kernels.gguf_embedding_packed if weight.packed8 else kernels.gguf_embedding
+    embedding(out, weight.data, weight.qtype, input_ids.long().contiguous())
     return out
 
 

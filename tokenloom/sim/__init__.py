@@ -1,7 +1,7 @@
 """The simulator: tokenloom's own scheduler and EngineCore with a cost model in place of the model.
 
 runner.py (SimulatedRunner), executor.py (SimulatedExecutor: the engine core's executor over it),
-cost_model.py (step time from the step's shape, least-squares fit),
+cost_model.py (the least-squares fit of the step-time model in tokenloom/core/cost_model.py),
 profiler.py (timing the real ModelRunner), quiet.py (waiting for an idle CPU before timing),
 profile.py (profile JSON), simulate.py (a simulation: the workload driver over a SimulatedRunner on a
 virtual clock), cli.py (`tokenloom profile | simulate`), profiles/ (the shipped profiles). The

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.router import Router, RouterConfig
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.workload.clock import VirtualClock
 from tokenloom.workload.datasets import BenchRequest
@@ -31,7 +31,8 @@ def simulate_dp(
 ) -> DPWorkloadResult:
     assert cache_config.num_blocks is not None
     clocks = [VirtualClock() for _ in range(data_parallel_size)]
-    cores = [EngineCore(make_scheduler(scheduler_config, cache_config, clock=c), SimulatedExecutor(cost_model, c))
+    cores = [EngineCore(make_scheduler(scheduler_config, cache_config, clock=c, step_cost_model=cost_model),
+                        SimulatedExecutor(cost_model, c))
              for c in clocks]  # fmt: skip
     router = Router(router_config or RouterConfig(), data_parallel_size, cache_config.block_size,
                     cache_config.num_blocks)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenloom.core.cost_model import CostModel
 from tokenloom.engine.executor import UniProcExecutor
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.runner import SIM_TOKEN_ID, SimulatedRunner
 from tokenloom.workload.clock import VirtualClock
 

@@ -14,9 +14,10 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from tokenloom.sim.cost_model import CostModel, FitError, Sample, StepShape
+from tokenloom.core.cost_model import PROFILE_FORMAT, CostModel, StepShape
+from tokenloom.sim.cost_model import FitError, Sample
 
-FORMAT = "tokenloom-sim-profile/1"
+FORMAT = PROFILE_FORMAT
 DEFAULT_PROFILE = "smollm2-135m-instruct-cpu.json"
 # Profiles shipped with tokenloom, by the name `--profile` accepts.
 SHIPPED_PROFILES = {"default": DEFAULT_PROFILE, "int8": "smollm2-135m-instruct-cpu-int8.json"}
@@ -51,10 +52,7 @@ class Profile:
     @property
     def step_model(self) -> CostModel:
         """What one engine step costs: the runner's fit plus the scheduler's overhead."""
-        terms = dict(self.cost_model.coefficients)
-        for term, seconds in self.scheduler_overhead.items():
-            terms[term] = terms.get(term, 0.0) + seconds
-        return CostModel(terms)
+        return self.cost_model.plus(self.scheduler_overhead)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,13 +110,16 @@ def tokenloom_version() -> str:
 
 
 def runner_fingerprint() -> str:
-    """sha256 (first 16 hex digits) of tokenloom/model's sources, the code that decides how long a step takes.
+    """sha256 (first 16 hex digits) of tokenloom/model's sources, the code that decides how long a step takes,
+    plus tokenloom/core/gemm_rows.py (the row buckets the runner's GEMMs are padded to).
 
     All of them (Python and the compiled kernels' C++), not a chosen few: a new kernel changes step times
     as much as an edit does. Read as files; torch is not imported.
     """
     digest = hashlib.sha256()
-    for name, data in sorted(_sources(resources.files("tokenloom.model"), "")):
+    sources = _sources(resources.files("tokenloom.model"), "")
+    sources.append(("core/gemm_rows.py", resources.files("tokenloom.core").joinpath("gemm_rows.py").read_bytes()))
+    for name, data in sorted(sources):
         digest.update(name.encode() + b"\0" + data)
     return digest.hexdigest()[:16]
 

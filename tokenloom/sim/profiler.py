@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import CostModel, Sample, StepShape, fit
+from tokenloom.sim.cost_model import Sample, fit
 from tokenloom.sim.profile import Profile, runner_fingerprint, tokenloom_version
 from tokenloom.sim.quiet import wait_for_quiet
 from tokenloom.sim.runner import SimulatedRunner

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.sim.cost_model import CostModel, StepShape
 from tokenloom.workload.clock import VirtualClock
 
 # Not special in any vocabulary we run (SmolLM2's specials are 0..16); never an EOS.

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
-from tokenloom.sim.cost_model import CostModel
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
 from tokenloom.workload.clock import VirtualClock
@@ -41,7 +41,8 @@ def simulate(
 ) -> WorkloadResult:
     """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`."""
     clock = VirtualClock()
-    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config)
+    scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
+                               step_cost_model=cost_model)
     tracer = StepTracer(trace) if trace is not None else None
     k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
     executor = SimulatedExecutor(cost_model, clock, num_spec_tokens=k or 0, spec_acceptance=spec_acceptance,

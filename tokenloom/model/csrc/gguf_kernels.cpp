@@ -25,6 +25,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
@@ -504,62 +505,60 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) {
 }
 
 #if TLQ_AVX2
+// Rows [n0, n1) of out = x @ W.T + bias, W of GGML type T (raw blocks, row_bytes per row).
 template <int T>
-void linear_avx2(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* w,
-                 int64_t N, int64_t row_bytes, const float* bias, float* out, int64_t ldo) {
+void linear_avx2_range(const int8_t* q, const float* d, const float* s, int64_t M, int64_t K, const uint8_t* w,
+                       int64_t row_bytes, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const TypeInfo ti = type_info(T);
   const int64_t nblocks = K / ti.block_elems, bb = ti.block_bytes;
   const int64_t G = K / 32;
-  // Rows in chunks that fit L1/L2 with all M activation rows; every chunk is reused by all tokens.
-  const int64_t grain = std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads()) + 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
-      const int8_t* xq[4];
-      const float* xd[4];
-      const float* xs[4];
-      for (int i = 0; i < mt; i++) {
-        xq[i] = q + (m0 + i) * K;
-        xd[i] = d + (m0 + i) * G;
-        xs[i] = s + (m0 + i) * G;
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+    const int8_t* xq[4];
+    const float* xd[4];
+    const float* xs[4];
+    for (int i = 0; i < mt; i++) {
+      xq[i] = q + (m0 + i) * K;
+      xd[i] = d + (m0 + i) * G;
+      xs[i] = s + (m0 + i) * G;
+    }
+    int64_t n = n0;
+    float r[16];
+    auto put = [&](int nr) {
+      for (int j = 0; j < nr; j++) {
+        const float bv = bias ? bias[n + j] : 0.0f;
+        for (int i = 0; i < mt; i++) out[(m0 + i) * ldo + n + j] = r[j * mt + i] + bv;
       }
-      int64_t n = n0;
-      float r[16];
-      auto put = [&](int nr) {
-        for (int j = 0; j < nr; j++) {
-          const float bv = bias ? bias[n + j] : 0.0f;
-          for (int i = 0; i < mt; i++) out[(m0 + i) * ldo + n + j] = r[j * mt + i] + bv;
-        }
-      };
-      if (mt == 1) {
-        for (; n + 4 <= n1; n += 4) {
-          dot_rows<T, 4, 1>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
-          put(4);
-        }
-      } else if (mt == 2) {
-        for (; n + 2 <= n1; n += 2) {
-          dot_rows<T, 2, 2>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
-          put(2);
-        }
-      } else if (mt == 4) {
-        for (; n + 2 <= n1; n += 2) {
-          dot_rows<T, 2, 4>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
-          put(2);
-        }
+    };
+    if (mt == 1) {
+      for (; n + 4 <= n1; n += 4) {
+        dot_rows<T, 4, 1>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+        put(4);
       }
-      for (; n < n1; n++) {
-        const uint8_t* wr = w + n * row_bytes;
-        switch (mt) {
-          case 1: dot_rows<T, 1, 1>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
-          case 2: dot_rows<T, 1, 2>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
-          case 3: dot_rows<T, 1, 3>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
-          default: dot_rows<T, 1, 4>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
-        }
-        put(1);
+    } else if (mt == 2) {
+      for (; n + 2 <= n1; n += 2) {
+        dot_rows<T, 2, 2>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+        put(2);
+      }
+    } else if (mt == 4) {
+      for (; n + 2 <= n1; n += 2) {
+        dot_rows<T, 2, 4>(w + n * row_bytes, row_bytes, nblocks, bb, xq, xd, xs, r);
+        put(2);
       }
     }
-  });
+    for (; n < n1; n++) {
+      const uint8_t* wr = w + n * row_bytes;
+      switch (mt) {
+        case 1: dot_rows<T, 1, 1>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+        case 2: dot_rows<T, 1, 2>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+        case 3: dot_rows<T, 1, 3>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+        default: dot_rows<T, 1, 4>(wr, row_bytes, nblocks, bb, xq, xd, xs, r); break;
+      }
+      put(1);
+    }
+  }
 }
+
 #endif
 
 // Activations quantized for the kernels: rows of int8 with per-32 d and s (see quantize_act).
@@ -567,6 +566,24 @@ struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   int64_t M = 0, K = 0;
+
+  // Sizes the buffers for [M_, K_] without quantizing (the decoder then fills them group by group).
+  void shape(int64_t M_, int64_t K_) {
+    M = M_;
+    K = K_;
+    q.resize(M * K);
+    d.resize(M * K / 32);
+    s.resize(M * K / 32);
+  }
+
+  // Quantizes groups [g0, g1) of the flattened [M, K / 32] groups of x (rows ldx apart).
+  void quantize_groups(const float* x, int64_t ldx, int64_t g0, int64_t g1) {
+    const int64_t G = K / 32;
+    for (int64_t i = g0; i < g1; i++) {
+      const int64_t m = i / G, g = i % G;
+      quantize_act(x + m * ldx + 32 * g, 32, q.data() + m * K + 32 * g, d.data() + i, s.data() + i);
+    }
+  }
 
   template <typename T>
   void set(const T* x, int64_t M_, int64_t K_, int64_t ldx) {
@@ -590,49 +607,148 @@ struct QAct {
 };
 
 // ------------------------------------------------------------------- 8-row interleaved layouts
-// Q4_0, Q4_1 and Q8_0 weights repacked at load, eight rows at a time (the idea of ggml's "repack"
-// CPU buffers, in our own layout). Per tile of 8 rows and group g of 32 columns:
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights repacked at load, eight rows at a time (the idea of ggml's
+// "repack" CPU buffers, in our own layout). Per tile of 8 rows and group g of 32 columns:
 //   Q4_0 / Q4_1:  d[8] f16 (Q4_1: then m[8] f16), then 4 x 32 bytes: vector j, byte 4r + i holds
 //                 w[r][8j + i] (low nibble) and w[r][8j + 4 + i] (high nibble)
+//   Q5_0 / Q5_1:  as Q4_0 / Q4_1 for the low four bits, then 32 bytes of fifth bits: byte 4r + i,
+//                 bit 2j = fifth bit of w[r][8j + i], bit 2j + 1 = that of w[r][8j + 4 + i] (so the
+//                 kernel's nibble vector v takes bit v of every byte)
 //   Q8_0:         d[8] f16, then 8 x 32 bytes: vector j, byte 4r + i = w[r][4j + i]
 // Same bytes as the file. The kernel then gets row r's partial dot product in lane r of the
 // accumulator: four activation bytes are broadcast to every lane, one vpmaddubsw + add per 4
 // columns for all eight rows, and the eight scales load as one vector (vcvtph2ps). About a third of
 // the instructions of the row-at-a-time kernel.
 
-constexpr int packed_tile_bytes(int t) { return t == kQ4_1 ? 160 : t == kQ4_0 ? 144 : t == kQ8_0 ? 272 : 0; }
+// Bytes of one tile group: 8 rows x 32 columns, or 8 rows x 256 columns (one super-block) for the
+// K-quants.
+constexpr int packed_tile_bytes(int t) {
+  return t == kQ4_0 ? 144 : t == kQ4_1 ? 160 : t == kQ5_0 ? 176 : t == kQ5_1 ? 192 : t == kQ8_0 ? 272
+       : t == kQ4_K ? 1184 : t == kQ6_K ? 1680 : 0;
+}
+constexpr int packed_group_elems(int t) { return t == kQ4_K || t == kQ6_K ? 256 : 32; }
+inline int64_t packed_row_bytes(int t, int64_t K) { return K / packed_group_elems(t) * packed_tile_bytes(t); }
+constexpr bool packed_has_min(int t) { return t == kQ4_1 || t == kQ5_1; }
+constexpr bool packed_five_bit(int t) { return t == kQ5_0 || t == kQ5_1; }
+constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; }  // after d[8] (and m[8])
+
+// Q4_K / Q6_K tiles, per super-block of 8 rows x 256 columns (then, per group g of 32 columns, the
+// quants in the Q4 lane layout above):
+//   Q4_K:  d[8] f16, dmin[8] f16, scale[g][r] u8 (64), min[g][r] u8 (64), then 8 x 128 bytes of nibbles
+//          (the six-bit scales and mins unpacked to bytes: 1184 bytes against the file's 1152)
+//   Q6_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, 128 bytes), then per group 128 bytes of low
+//          nibbles and 2 x 32 bytes of high bit pairs: byte 4r + i of the first holds, in bits 2v and
+//          2v + 1, the high pair of nibble vector v (v = 0..3), the second of v = 4..7 (same bytes
+//          as the file)
+constexpr int kK4Scales = 32, kK4Mins = 96, kK4Quants = 160;
+constexpr int kK6Scales = 16, kK6Groups = 144, kK6GroupBytes = 192;
+
+// Offset of the quants in an ordinary block of a 4/5-bit type, and its fifth bits (Q5 only).
+constexpr int block_qs_offset(int t) { return t == kQ4_0 ? 2 : t == kQ4_1 ? 4 : t == kQ5_0 ? 6 : 8; }
+constexpr int block_qh_offset(int t) { return t == kQ5_0 ? 2 : 4; }
 
 bool packable(int64_t qtype) { return packed_tile_bytes(static_cast<int>(qtype)) > 0; }
+
+// Four 4-bit values per row r in the Q4 lane layout: vector j, byte 4r + i = q[8j + i] | q[8j + 4 + i] << 4.
+inline void put_nibbles(const int* q, int r, uint8_t* v) {
+  for (int j = 0; j < 4; j++)
+    for (int i = 0; i < 4; i++) v[32 * j + 4 * r + i] = static_cast<uint8_t>((q[8 * j + i] & 15) | ((q[8 * j + 4 + i] & 15) << 4));
+}
+
+// Row r's Q4_K / Q6_K block into its super-block tile o.
+void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
+  if (t == kQ4_K) {
+    std::memcpy(o + 2 * r, blk, 2);           // d
+    std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // dmin
+    int sc[8], mn[8];
+    k4_scales(blk + 4, sc, mn);
+    for (int g = 0; g < 8; g++) {
+      o[kK4Scales + 8 * g + r] = static_cast<uint8_t>(sc[g]);
+      o[kK4Mins + 8 * g + r] = static_cast<uint8_t>(mn[g]);
+      const uint8_t* qs = blk + 16 + 32 * (g / 2);
+      int q[32];
+      for (int l = 0; l < 32; l++) q[l] = g % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4;
+      put_nibbles(q, r, o + kK4Quants + 128 * g);
+    }
+    return;
+  }
+  // Q6_K: element e of the block as dequant_block reads it (ql, qh, 16 int8 scales, d last).
+  std::memcpy(o + 2 * r, blk + 208, 2);
+  for (int sb = 0; sb < 16; sb++) o[kK6Scales + 8 * sb + r] = blk[192 + sb];
+  int q[256];
+  for (int h = 0; h < 2; h++)
+    for (int l = 0; l < 32; l++) {
+      const uint8_t* L = blk + 64 * h;
+      const uint8_t H = blk[128 + 32 * h + l];
+      q[128 * h + l] = (L[l] & 0x0F) | ((H & 3) << 4);
+      q[128 * h + l + 32] = (L[l + 32] & 0x0F) | (((H >> 2) & 3) << 4);
+      q[128 * h + l + 64] = (L[l] >> 4) | (((H >> 4) & 3) << 4);
+      q[128 * h + l + 96] = (L[l + 32] >> 4) | (((H >> 6) & 3) << 4);
+    }
+  for (int g = 0; g < 8; g++) {
+    uint8_t* v = o + kK6Groups + kK6GroupBytes * g;
+    const int* qg = q + 32 * g;
+    put_nibbles(qg, r, v);
+    for (int i = 0; i < 4; i++) {
+      uint8_t h0 = 0, h1 = 0;
+      for (int vv = 0; vv < 4; vv++) {  // nibble vector vv holds elements 4 vv + i (see put_nibbles)
+        h0 |= static_cast<uint8_t>(((qg[4 * vv + i] >> 4) & 3) << (2 * vv));
+        h1 |= static_cast<uint8_t>(((qg[16 + 4 * vv + i] >> 4) & 3) << (2 * vv));
+      }
+      v[128 + 4 * r + i] = h0;
+      v[160 + 4 * r + i] = h1;
+    }
+  }
+}
 
 // w [N, row_bytes] (N % 8 == 0) -> [N / 8, G * tile_bytes].
 at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K) {
   check_weight(w, qtype, K);
   const int t = static_cast<int>(qtype);
   TORCH_CHECK(packable(t), "GGML type ", t, " has no 8-row layout");
-  const int64_t N = w.size(0), G = K / 32, rb = w.size(1), TB = packed_tile_bytes(t);
+  const int64_t N = w.size(0), G = K / packed_group_elems(t), rb = w.size(1), TB = packed_tile_bytes(t);
   TORCH_CHECK(N % 8 == 0, "repacking needs a multiple of 8 rows");
   at::Tensor out = at::empty({N / 8, G * TB}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int bb = type_info(t).block_bytes;
+  if (t == kQ4_K || t == kQ6_K) {
+    at::parallel_for(0, N / 8, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t tile = t0; tile < t1; tile++)
+        for (int64_t g = 0; g < G; g++)
+          for (int r = 0; r < 8; r++) repack_k_block(t, src + (tile * 8 + r) * rb + g * bb, r, dst + (tile * G + g) * TB);
+    });
+    return out;
+  }
   at::parallel_for(0, N / 8, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; tile++)
       for (int64_t g = 0; g < G; g++) {
         uint8_t* o = dst + (tile * G + g) * TB;
         for (int r = 0; r < 8; r++) {
           const uint8_t* blk = src + (tile * 8 + r) * rb + g * bb;
-          std::memcpy(o + 2 * r, blk, 2);                          // d
-          if (t == kQ4_1) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
+          std::memcpy(o + 2 * r, blk, 2);                                  // d
+          if (packed_has_min(t)) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
           if (t == kQ8_0) {
             for (int j = 0; j < 8; j++)
               for (int i = 0; i < 4; i++) o[16 + 32 * j + 4 * r + i] = blk[2 + 4 * j + i];
           } else {
             int q[32];
-            nibbles32(blk + (t == kQ4_1 ? 4 : 2), q);
-            uint8_t* v = o + (t == kQ4_1 ? 32 : 16);
+            nibbles32(blk + block_qs_offset(t), q);
+            uint8_t* v = o + packed_nibble_offset(t);
             for (int j = 0; j < 4; j++)
               for (int i = 0; i < 4; i++)
                 v[32 * j + 4 * r + i] = static_cast<uint8_t>(q[8 * j + i] | (q[8 * j + 4 + i] << 4));
+            if (packed_five_bit(t)) {
+              const uint32_t qh = u32(blk + block_qh_offset(t));
+              uint8_t* h = v + 128;
+              for (int i = 0; i < 4; i++) {
+                uint8_t bits = 0;
+                for (int j = 0; j < 4; j++)
+                  bits |= static_cast<uint8_t>((((qh >> (8 * j + i)) & 1) << (2 * j)) |
+                                               (((qh >> (8 * j + 4 + i)) & 1) << (2 * j + 1)));
+                h[4 * r + i] = bits;
+              }
+            }
           }
         }
       }
@@ -647,15 +763,38 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+constexpr int kPrefetchGroups = 8;
+
+// The 8 nibble vectors of 128 bytes in the Q4 lane layout: w[v] holds elements 4v..4v+3 of each row.
+inline void load_nibbles(const uint8_t* v, __m256i* w) {
+  const __m256i lo4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; j++) {
+    const __m256i n = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * j));
+    w[2 * j] = _mm256_and_si256(n, lo4);
+    w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(n, 4), lo4);
+  }
+}
+
+// Per row (int32 lane r): sum over the group's 32 columns of 4-bit quants w times int8 x. The int16
+// sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
+inline __m256i dot_u4(const __m256i* w, const int8_t* x) {
+  __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+  for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
 template <int T, int MT>
 inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq, const float* const* xd,
                         const float* const* xs, __m256* res) {
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
-  const __m256i one = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  const __m256i one = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* p = tile + g * TB;
+    // Weights stream from memory once per step: ask for the group kPrefetchGroups ahead (the
+    // hardware prefetcher alone left the batch-1 decode step at half the memory bandwidth).
+    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchGroups * TB + o), _MM_HINT_T0);
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     if constexpr (T == kQ8_0) {
       __m256i w[8], wa[8];
@@ -671,22 +810,41 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
       }
     } else {
-      constexpr int off = T == kQ4_1 ? 32 : 16;
+      constexpr int off = packed_nibble_offset(T);
+      constexpr bool five = packed_five_bit(T);
       __m256i w[8];
-      for (int j = 0; j < 4; j++) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 32 * j));
-        w[2 * j] = _mm256_and_si256(v, lo4);
-        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      load_nibbles(p + off, w);
+      if constexpr (five) {  // vector v's fifth bits are bit v of each byte: move it to bit 4
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 128));
+        const __m256i b4 = _mm256_set1_epi8(0x10);
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), b4));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), b4));
+        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, b4));
+        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), b4));
+        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), b4));
+        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
       }
-      // Q4_1: + m * s_x; Q4_0: the nibbles are offset by 8, - 8 d * s_x.
-      const __m256 bv = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
-                                   : _mm256_mul_ps(dv, _mm256_set1_ps(-8.0f));
+      // With a min (Q4_1, Q5_1): + m * s_x; without, the quants are offset by 8 (Q4_0) or 16
+      // (Q5_0): - 8 d * s_x or - 16 d * s_x.
+      const __m256 bv = packed_has_min(T)
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                            : _mm256_mul_ps(dv, _mm256_set1_ps(five ? -16.0f : -8.0f));
       for (int m = 0; m < MT; m++) {
         const int8_t* x = xq[m] + 32 * g;
-        // int16 sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
-        __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-        for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
-        const __m256i sum = _mm256_madd_epi16(s16, one);
+        __m256i sum;
+        if constexpr (five) {
+          // Four vpmaddubsw results of 5-bit quants stay below 4 * 2 * 31 * 127 = 31496 in int16.
+          __m256i lo = _mm256_maddubs_epi16(w[0], bcast4(x)), hi = _mm256_maddubs_epi16(w[4], bcast4(x + 16));
+          for (int j = 1; j < 4; j++) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[4 + j], bcast4(x + 16 + 4 * j)));
+          }
+          sum = _mm256_add_epi32(_mm256_madd_epi16(lo, one), _mm256_madd_epi16(hi, one));
+        } else {
+          sum = dot_u4(w, x);
+        }
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][g])), acc[m]);
         accb[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m][g]), accb[m]);
       }
@@ -695,72 +853,162 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
   for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
 }
 
-// Q4_0 / Q4_1 / Q8_0 over the 8-row layout: out rows tile * 8 .. tile * 8 + 7.
-template <int T>
-void linear_packed(const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
-  const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T);
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
-      const int8_t* xq[4];
-      const float* xd[4];
-      const float* xs[4];
-      for (int i = 0; i < mt; i++) {
-        xq[i] = a.q.data() + (m0 + i) * K;
-        xd[i] = a.d.data() + (m0 + i) * G;
-        xs[i] = a.s.data() + (m0 + i) * G;
-      }
-      for (int64_t tile = t0; tile < t1; tile++) {
-        __m256 r[4];
-        const uint8_t* tp = pw + tile * G * TB;
-        switch (mt) {
-          case 1: packed_tile<T, 1>(tp, G, xq, xd, xs, r); break;
-          case 2: packed_tile<T, 2>(tp, G, xq, xd, xs, r); break;
-          case 3: packed_tile<T, 3>(tp, G, xq, xd, xs, r); break;
-          default: packed_tile<T, 4>(tp, G, xq, xd, xs, r); break;
+// Q4_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
+template <int T, int MT>
+inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* xq, const float* const* xd,
+                          const float* const* xs, __m256* res) {
+  constexpr int TB = packed_tile_bytes(T);
+  __m256 acc[MT], accb[MT];
+  for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int64_t sb = 0; sb < NS; sb++) {
+    const uint8_t* p = tile + sb * TB;
+    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + TB + o), _MM_HINT_T0);
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (T == kQ4_K) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      for (int g = 0; g < 8; g++) {
+        const int64_t gi = 8 * sb + g;  // activation group
+        auto bytes8 = [&](int off) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * g))));
+        };
+        const __m256 scale = _mm256_mul_ps(dv, bytes8(kK4Scales)), mins = _mm256_mul_ps(mv, bytes8(kK4Mins));
+        __m256i w[8];
+        load_nibbles(p + kK4Quants + 128 * g, w);
+        for (int m = 0; m < MT; m++) {
+          const __m256i sum = dot_u4(w, xq[m] + 32 * gi);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(xd[m][gi])), acc[m]);
+          accb[m] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(xs[m][gi]), accb[m]);  // - dmin * min * s_x
         }
-        for (int i = 0; i < mt; i++) {
-          float* o = out + (m0 + i) * ldo + tile * 8;
-          __m256 v = r[i];
-          if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + tile * 8));
-          _mm256_storeu_ps(o, v);
+      }
+    } else {  // Q6_K: signed quants q - 32 (|q - 32| <= 32), two scales per group (16 columns each)
+      const __m256i m3 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+      for (int g = 0; g < 8; g++) {
+        const int64_t gi = 8 * sb + g;
+        const uint8_t* v = p + kK6Groups + kK6GroupBytes * g;
+        auto scale8 = [&](int sub) {
+          return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)))));
+        };
+        const __m256 sc_lo = scale8(2 * g), sc_hi = scale8(2 * g + 1);
+        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
+        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
+        __m256i w[8], wa[8];
+        load_nibbles(v, w);
+        // High pair of vector vv at bits 2 vv: moved to bits 4-5.
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m3));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h0, m3));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m3));
+        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m3));
+        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m3));
+        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(h1, m3));
+        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m3));
+        for (int j = 0; j < 8; j++) {
+          w[j] = _mm256_sub_epi8(w[j], c32);
+          wa[j] = _mm256_sign_epi8(w[j], w[j]);
+        }
+        for (int m = 0; m < MT; m++) {
+          const int8_t* x = xq[m] + 32 * gi;
+          // Four |w| * x products per int16 lane: at most 4 * 2 * 32 * 127 = 32512.
+          __m256i lo = _mm256_maddubs_epi16(wa[0], _mm256_sign_epi8(bcast4(x), w[0]));
+          __m256i hi = _mm256_maddubs_epi16(wa[4], _mm256_sign_epi8(bcast4(x + 16), w[4]));
+          for (int j = 1; j < 4; j++) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(bcast4(x + 4 * j), w[j])));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(wa[4 + j], _mm256_sign_epi8(bcast4(x + 16 + 4 * j), w[4 + j])));
+          }
+          const __m256 dx = _mm256_set1_ps(xd[m][gi]);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, one)), _mm256_mul_ps(sc_lo, dx), acc[m]);
+          accb[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, one)), _mm256_mul_ps(sc_hi, dx), accb[m]);
         }
       }
     }
-  });
+  }
+  for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
 }
+
+template <int T>
+void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                         int64_t t1) {
+  const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T), NG = K / packed_group_elems(T);
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+    const int8_t* xq[4];
+    const float* xd[4];
+    const float* xs[4];
+    for (int i = 0; i < mt; i++) {
+      xq[i] = a.q.data() + (m0 + i) * K;
+      xd[i] = a.d.data() + (m0 + i) * G;
+      xs[i] = a.s.data() + (m0 + i) * G;
+    }
+    for (int64_t tile = t0; tile < t1; tile++) {
+      __m256 r[4];
+      const uint8_t* tp = pw + tile * NG * TB;
+      if constexpr (packed_group_elems(T) == 256) {
+        switch (mt) {
+          case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xs, r); break;
+          case 2: packed_tile_k<T, 2>(tp, NG, xq, xd, xs, r); break;
+          case 3: packed_tile_k<T, 3>(tp, NG, xq, xd, xs, r); break;
+          default: packed_tile_k<T, 4>(tp, NG, xq, xd, xs, r); break;
+        }
+      } else {
+        switch (mt) {
+          case 1: packed_tile<T, 1>(tp, NG, xq, xd, xs, r); break;
+          case 2: packed_tile<T, 2>(tp, NG, xq, xd, xs, r); break;
+          case 3: packed_tile<T, 3>(tp, NG, xq, xd, xs, r); break;
+          default: packed_tile<T, 4>(tp, NG, xq, xd, xs, r); break;
+        }
+      }
+      for (int i = 0; i < mt; i++) {
+        float* o = out + (m0 + i) * ldo + tile * 8;
+        __m256 v = r[i];
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + tile * 8));
+        _mm256_storeu_ps(o, v);
+      }
+    }
+  }
+}
+
 #endif
 
-// out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks, row_bytes per row).
-void run_quantized(int t, const QAct& a, const uint8_t* w, int64_t N, int64_t row_bytes, const float* bias,
-                   float* out, int64_t ldo) {
+// Rows [n0, n1) of out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks,
+// row_bytes per row): one thread's share (run_quantized splits the rows; the decoder splits them itself).
+void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
+                         int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t M = a.M, K = a.K, G = K / 32;
 #if TLQ_AVX2
   if (!g_force_scalar) {
     switch (t) {
-      case kQ8_0: return linear_avx2<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ4_0: return linear_avx2<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ4_1: return linear_avx2<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ5_0: return linear_avx2<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ5_1: return linear_avx2<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ2_K: return linear_avx2<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ3_K: return linear_avx2<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ4_K: return linear_avx2<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ5_K: return linear_avx2<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
-      case kQ6_K: return linear_avx2<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, N, row_bytes, bias, out, ldo);
+      case kQ8_0: return linear_avx2_range<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ4_0: return linear_avx2_range<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ4_1: return linear_avx2_range<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ5_0: return linear_avx2_range<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ5_1: return linear_avx2_range<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ2_K: return linear_avx2_range<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ3_K: return linear_avx2_range<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ4_K: return linear_avx2_range<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ5_K: return linear_avx2_range<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
+      case kQ6_K: return linear_avx2_range<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
       default: break;
     }
   }
 #endif
-  at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    std::vector<float> buf(256);
-    for (int64_t n = n0; n < n1; n++)
-      for (int64_t m = 0; m < M; m++) {
-        float* o = out + m * ldo + n;
-        dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
-        if (bias) *o += bias[n];
-      }
+  std::vector<float> buf(256);
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) {
+      float* o = out + m * ldo + n;
+      dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+      if (bias) *o += bias[n];
+    }
+}
+
+// Rows in chunks that fit L1/L2 with all M activation rows; every chunk is reused by all tokens.
+int64_t row_grain(int64_t N) { return std::max<int64_t>(4, std::min<int64_t>(64, N / (4 * at::get_num_threads()) + 1)); }
+
+void run_quantized(int t, const QAct& a, const uint8_t* w, int64_t N, int64_t row_bytes, const float* bias,
+                   float* out, int64_t ldo) {
+  at::parallel_for(0, N, row_grain(N), [&](int64_t n0, int64_t n1) {
+    run_quantized_range(t, a, w, row_bytes, bias, out, ldo, n0, n1);
   });
 }
 
@@ -777,25 +1025,60 @@ void unpack_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, uint8_t* row
         for (int j = 0; j < 8; j++)
           for (int i = 0; i < 4; i++) blk[2 + 4 * j + i] = p[16 + 32 * j + 4 * r + i];
       } else {
-        if (t == kQ4_1) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
-        const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
+        if (packed_has_min(t)) std::memcpy(blk + 2, p + 16 + 2 * r, 2);
+        const uint8_t* v = p + packed_nibble_offset(t);
         int q[32];
+        uint32_t qh = 0;
         for (int j = 0; j < 4; j++)
           for (int i = 0; i < 4; i++) {
             const uint8_t b = v[32 * j + 4 * r + i];
             q[8 * j + i] = b & 0x0F;
             q[8 * j + 4 + i] = b >> 4;
+            if (packed_five_bit(t)) {
+              const uint8_t h = v[128 + 4 * r + i];
+              qh |= static_cast<uint32_t>((h >> (2 * j)) & 1) << (8 * j + i);
+              qh |= static_cast<uint32_t>((h >> (2 * j + 1)) & 1) << (8 * j + 4 + i);
+            }
           }
-        uint8_t* qs = blk + (t == kQ4_1 ? 4 : 2);
+        uint8_t* qs = blk + block_qs_offset(t);
         for (int e = 0; e < 16; e++) qs[e] = static_cast<uint8_t>(q[e] | (q[e + 16] << 4));
+        if (packed_five_bit(t)) std::memcpy(blk + block_qh_offset(t), &qh, 4);
       }
     }
   }
 }
 
-// Rows of one tile of the 8-row layout, dequantized straight from it: out[r * ldo + k] (fp32).
+// Rows of one tile of the 8-row layout, dequantized straight from it: out[r * ldo + k] (fp32). G: the
+// tile's groups (super-blocks for the K-quants). The arithmetic of dequant_block.
 void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out, int64_t ldo) {
   const int64_t TB = packed_tile_bytes(t);
+  if (t == kQ4_K || t == kQ6_K) {
+    for (int64_t sb = 0; sb < G; sb++) {
+      const uint8_t* p = pw + (tile * G + sb) * TB;
+      for (int r = 0; r < 8; r++) {
+        const float d = h2f(p + 2 * r);
+        float* o = out + r * ldo + 256 * sb;
+        for (int g = 0; g < 8; g++) {
+          const uint8_t* v = p + (t == kQ4_K ? kK4Quants + 128 * g : kK6Groups + kK6GroupBytes * g);
+          for (int e = 0; e < 32; e++) {
+            const int vv = e / 4, i = e % 4;  // nibble vector vv, byte 4r + i
+            const uint8_t b = v[32 * (vv / 2) + 4 * r + i];
+            int q = vv % 2 == 0 ? b & 0x0F : b >> 4;
+            if (t == kQ4_K) {
+              const float dl = d * p[kK4Scales + 8 * g + r], ml = h2f(p + 16 + 2 * r) * p[kK4Mins + 8 * g + r];
+              o[32 * g + e] = dl * q - ml;
+            } else {
+              const uint8_t h = v[(vv < 4 ? 128 : 160) + 4 * r + i];
+              q |= ((h >> (2 * (vv % 4))) & 3) << 4;
+              const int8_t sc = static_cast<int8_t>(p[kK6Scales + 8 * (2 * g + e / 16) + r]);
+              o[32 * g + e] = d * static_cast<float>(sc) * (q - 32);
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* p = pw + (tile * G + g) * TB;
     for (int r = 0; r < 8; r++) {
@@ -806,14 +1089,23 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
           for (int i = 0; i < 4; i++) o[4 * j + i] = d * static_cast<int8_t>(p[16 + 32 * j + 4 * r + i]);
         continue;
       }
-      const float m = t == kQ4_1 ? h2f(p + 16 + 2 * r) : 0.0f;
-      const uint8_t* v = p + (t == kQ4_1 ? 32 : 16);
-      const int off = t == kQ4_1 ? 0 : 8;
+      // The arithmetic of dequant_block: Q4_0 d * (q - 8), Q5_0 d * (q - 16), Q4_1 / Q5_1 d * q + m.
+      const bool has_min = packed_has_min(t), five = packed_five_bit(t);
+      const float m = has_min ? h2f(p + 16 + 2 * r) : 0.0f;
+      const uint8_t* v = p + packed_nibble_offset(t);
+      const int off = has_min ? 0 : five ? 16 : 8;
       for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4; i++) {
           const uint8_t b = v[32 * j + 4 * r + i];
-          o[8 * j + i] = d * static_cast<float>((b & 0x0F) - off) + m;
-          o[8 * j + 4 + i] = d * static_cast<float>((b >> 4) - off) + m;
+          const uint8_t h = five ? v[128 + 4 * r + i] : 0;
+          const int lo = (b & 0x0F) | (((h >> (2 * j)) & 1) << 4), hi = (b >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
+          if (has_min) {
+            o[8 * j + i] = d * lo + m;
+            o[8 * j + 4 + i] = d * hi + m;
+          } else {
+            o[8 * j + i] = d * (lo - off);
+            o[8 * j + 4 + i] = d * (hi - off);
+          }
         }
     }
   }
@@ -823,9 +1115,9 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
 void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype) {
   const int t = static_cast<int>(qtype);
   TORCH_CHECK(packable(t) && pw.scalar_type() == at::kByte && pw.dim() == 2 && pw.is_contiguous(), "bad packed weight");
-  const int64_t K = out.size(1), G = K / 32, tiles = pw.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == 8 * tiles && K % 32 == 0 &&
-                  pw.size(1) == G * packed_tile_bytes(t), "out must be contiguous [8 * tiles, K]");
+  const int64_t K = out.size(1), G = K / packed_group_elems(t), tiles = pw.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == 8 * tiles && K % packed_group_elems(t) == 0 &&
+                  pw.size(1) == packed_row_bytes(t, K), "out must be contiguous [8 * tiles, K]");
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
   const uint8_t* src = pw.data_ptr<uint8_t>();
   const bool f32 = out.scalar_type() == at::kFloat;
@@ -845,33 +1137,64 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
   });
 }
 
-// The 8-row layout's GEMM (tiles * 8 rows); the plain C++ path reads the layout back row by row.
-void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+// Tiles [t0, t1) of the 8-row layout's GEMM: one thread's share. The plain C++ path reads the layout
+// back row by row.
+void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                      int64_t t1) {
 #if TLQ_AVX2
   if (!g_force_scalar) {
     switch (t) {
-      case kQ8_0: return linear_packed<kQ8_0>(a, pw, tiles, bias, out, ldo);
-      case kQ4_0: return linear_packed<kQ4_0>(a, pw, tiles, bias, out, ldo);
-      case kQ4_1: return linear_packed<kQ4_1>(a, pw, tiles, bias, out, ldo);
+      case kQ8_0: return linear_packed_range<kQ8_0>(a, pw, bias, out, ldo, t0, t1);
+      case kQ4_0: return linear_packed_range<kQ4_0>(a, pw, bias, out, ldo, t0, t1);
+      case kQ4_1: return linear_packed_range<kQ4_1>(a, pw, bias, out, ldo, t0, t1);
+      case kQ5_0: return linear_packed_range<kQ5_0>(a, pw, bias, out, ldo, t0, t1);
+      case kQ5_1: return linear_packed_range<kQ5_1>(a, pw, bias, out, ldo, t0, t1);
+      case kQ4_K: return linear_packed_range<kQ4_K>(a, pw, bias, out, ldo, t0, t1);
+      case kQ6_K: return linear_packed_range<kQ6_K>(a, pw, bias, out, ldo, t0, t1);
       default: break;
     }
   }
 #endif
-  // Unpack each tile into 8 rows of ordinary blocks, then the row kernel.
   const int64_t K = a.K, G = K / 32;
-  const int bb = type_info(t).block_bytes;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint8_t> rows(8 * G * bb);
+  if (packed_group_elems(t) == 256) {  // K-quants: the tile's rows dequantized, dot_row_scalar's sums
+    const int64_t NS = K / 256;
+    std::vector<float> rows(8 * K);
     for (int64_t tile = t0; tile < t1; tile++) {
-      unpack_tile(t, pw, tile, G, rows.data());
-      std::vector<float> buf(256);
+      dequant_tile(t, pw, tile, NS, rows.data(), K);
       for (int r = 0; r < 8; r++)
         for (int64_t m = 0; m < a.M; m++) {
+          const int8_t* xq = a.q.data() + m * K;
+          const float* xd = a.d.data() + m * G;
+          double acc = 0.0;
+          for (int64_t k = 0; k < K; k++) acc += static_cast<double>(rows[r * K + k]) * (xd[k / 32] * xq[k]);
           float* o = out + m * ldo + tile * 8 + r;
-          dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
-          if (bias) *o += bias[tile * 8 + r];
+          *o = static_cast<float>(acc) + (bias ? bias[tile * 8 + r] : 0.0f);
         }
     }
+    return;
+  }
+  // Unpack each tile into 8 rows of ordinary blocks, then the row kernel.
+  const int bb = type_info(t).block_bytes;
+  std::vector<uint8_t> rows(8 * G * bb);
+  std::vector<float> buf(256);
+  for (int64_t tile = t0; tile < t1; tile++) {
+    unpack_tile(t, pw, tile, G, rows.data());
+    for (int r = 0; r < 8; r++)
+      for (int64_t m = 0; m < a.M; m++) {
+        float* o = out + m * ldo + tile * 8 + r;
+        dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
+        if (bias) *o += bias[tile * 8 + r];
+      }
+  }
+}
+
+int64_t tile_grain(int64_t tiles) {
+  return std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
+}
+
+void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
   });
 }
 
@@ -880,8 +1203,8 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float [M, K]");
   const int64_t M = x.size(0), K = x.size(1), tiles = pw.size(0);
-  TORCH_CHECK(packable(qtype) && K % 32 == 0 && pw.scalar_type() == at::kByte && pw.is_contiguous() &&
-                  pw.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(qtype)), "bad packed weight");
+  TORCH_CHECK(packable(qtype) && K % packed_group_elems(static_cast<int>(qtype)) == 0 && pw.scalar_type() == at::kByte && pw.is_contiguous() &&
+                  pw.size(1) == packed_row_bytes(static_cast<int>(qtype), K), "bad packed weight");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M &&
                   out.size(1) == 8 * tiles, "out must be float [M, 8 * tiles]");
   const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
@@ -979,6 +1302,41 @@ void gguf_embedding(at::Tensor out, const at::Tensor& w, int64_t qtype, const at
     TORCH_CHECK(false, "out must be float or bf16");
 }
 
+// Row `row` of a weight in the 8-row layout (K columns) -> out (fp32): its tile dequantized into buf
+// [8 * K], then the row copied (8x the work of one row, still ~microseconds; this is what lets a
+// tied embedding table and the LM head share one copy of the blocks).
+inline void packed_row(int t, const uint8_t* pw, int64_t K, int64_t row, float* buf, float* out) {
+  dequant_tile(t, pw, row / 8, K / packed_group_elems(t), buf, K);
+  std::memcpy(out, buf + (row % 8) * K, K * sizeof(float));
+}
+
+// out [R, K] (float / bf16) = rows ids of a weight in the 8-row layout.
+void gguf_embedding_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype, const at::Tensor& ids) {
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids must be int64 [R]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.size(0), "out must be contiguous [R, K]");
+  const int64_t K = out.size(1), N = 8 * pw.size(0);
+  TORCH_CHECK(packable(t) && pw.scalar_type() == at::kByte && pw.dim() == 2 && pw.is_contiguous() &&
+                  K % packed_group_elems(t) == 0 && pw.size(1) == packed_row_bytes(t, K), "bad packed weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out must be float or bf16");
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.size(0); i++)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "token id ", idp[i], " out of range [0, ", N, ")");
+  const uint8_t* src = pw.data_ptr<uint8_t>();
+  at::parallel_for(0, ids.size(0), 16, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(8 * K), row(K);
+    for (int64_t i = i0; i < i1; i++) {
+      if (out.scalar_type() == at::kFloat) {
+        packed_row(t, src, K, idp[i], buf.data(), out.data_ptr<float>() + i * K);
+      } else {
+        packed_row(t, src, K, idp[i], buf.data(), row.data());
+        bf16* o = out.data_ptr<bf16>() + i * K;
+        for (int64_t k = 0; k < K; k++) o[k] = bf16(row[k]);
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------ the decode stack
 // GGUFDecoder runs a whole decode step (every layer, one call from Python) for a few sequences of
 // one new token each: embedding row, and per layer RMSNorm -> qkv -> neox rotary + KV-cache write ->
@@ -999,6 +1357,7 @@ struct Part {
 struct QLin {
   std::vector<Part> parts;
   int64_t N = 0, K = 0;
+  bool quantized = false;  // some part multiplies quantized activations
 };
 
 inline float dot_f32(const float* a, const float* b, int64_t n) {
@@ -1016,12 +1375,22 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+void run_dense_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* out, int64_t ldo,
+                     int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) out[m * ldo + n] = dot_f32(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+}
+
 void run_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out,
                int64_t ldo) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++)
-      for (int64_t m = 0; m < M; m++) out[m * ldo + n] = dot_f32(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
-  });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { run_dense_range(x, M, K, w, bias, out, ldo, n0, n1); });
+}
+
+// Thread tid's contiguous share [b, e) of n units, nth threads (the decoder's static split).
+inline void thread_share(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
+  const int64_t q = n / nth, r = n % nth;
+  b = tid * q + std::min<int64_t>(tid, r);
+  e = b + q + (tid < r ? 1 : 0);
 }
 
 // parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
@@ -1033,7 +1402,7 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
   for (const auto& [w, t, bias, is_packed] : parts) {
     if (is_packed) {
       TORCH_CHECK(packable(t) && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                      w.size(1) == K / 32 * packed_tile_bytes(static_cast<int>(t)), "bad packed part");
+                      w.size(1) == packed_row_bytes(static_cast<int>(t), K), "bad packed part");
       if (bias) {
         TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 8 * w.size(0),
                     "a part's bias must be a contiguous float [N] tensor");
@@ -1057,7 +1426,30 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
     L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
     L.N += w.size(0);
   }
+  for (const auto& p : L.parts) L.quantized |= p.t != kDense;
   return L;
+}
+
+// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region: each part's rows (or
+// tiles) split alike. act holds x quantized when L.quantized.
+void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth) {
+  int64_t col = 0, b, e;
+  for (const auto& p : L.parts) {
+    const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
+    if (p.packed.defined()) {
+      thread_share(p.packed.size(0), tid, nth, b, e);
+      run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
+      col += 8 * p.packed.size(0);
+    } else if (p.t == kDense) {
+      thread_share(p.w.size(0), tid, nth, b, e);
+      run_dense_range(x, M, L.K, p.w.data_ptr<float>(), bias, out + col, L.N, b, e);
+      col += p.w.size(0);
+    } else {
+      thread_share(p.w.size(0), tid, nth, b, e);
+      run_quantized_range(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(1), bias, out + col, L.N, b, e);
+      col += p.w.size(0);
+    }
+  }
 }
 
 void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
@@ -1116,12 +1508,18 @@ inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
 
 class GGUFDecoder {
  public:
+  // embed_packed: the embedding table is in the 8-row layout (shared with a tied LM head).
   GGUFDecoder(int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm)
+              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm, bool embed_packed)
       : H_(hidden), Hq_(num_q_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
-        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)), final_norm_(final_norm) {
+        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)),
+        embed_packed_(embed_packed), final_norm_(final_norm) {
     TORCH_CHECK(Hq_ % Hkv_ == 0 && D_ % 2 == 0, "bad head configuration");
-    if (embed_t_ == kDense) {
+    if (embed_packed_) {
+      TORCH_CHECK(packable(embed_t_) && embed.scalar_type() == at::kByte && embed.dim() == 2 && embed.is_contiguous() &&
+                      H_ % packed_group_elems(embed_t_) == 0 && embed.size(1) == packed_row_bytes(embed_t_, H_),
+                  "a packed embedding must be the 8-row layout of a [V, H] weight");
+    } else if (embed_t_ == kDense) {
       TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H_,
                   "a dense embedding must be a contiguous float [V, H] tensor");
     } else {
@@ -1161,6 +1559,12 @@ class GGUFDecoder {
   // out [B, H] (float or bf16) = final-norm hidden states after the step's tokens ids [B] at positions
   // [B] (int64), their K/V written at slots [B] (int64); block_tables [B, max_blocks] int32;
   // cos/sin [P, D/2] float or bf16 (P > every position).
+  //
+  // The whole step is one OpenMP parallel region: every op splits its work statically over the
+  // threads and a barrier separates ops that read what another thread wrote. A batch-1 step has
+  // ~8 ops per layer; one fork/join per op (at::parallel_for) cost ~2-3 us each on the dev box,
+  // ~0.5 ms a step for SmolLM2's 30 layers, and left the small ops (norms, SiLU, activation
+  // quantization, rotary) on one thread.
   void step(at::Tensor out, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
             const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin) {
     const int64_t B = ids.numel();
@@ -1177,7 +1581,7 @@ class GGUFDecoder {
                     sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(), "cos/sin must be [P, D/2]");
     const int64_t* idp = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t vocab = embed_.size(0);
+    const int64_t vocab = embed_packed_ ? 8 * embed_.size(0) : embed_.size(0);
     const int64_t nb = layers_[0].k_cache.size(1), bs = layers_[0].k_cache.size(2);
     for (int64_t b = 0; b < B; b++) {
       TORCH_CHECK(idp[b] >= 0 && idp[b] < vocab, "token id ", idp[b], " out of range");
@@ -1193,43 +1597,18 @@ class GGUFDecoder {
     att_.resize(B * Hq_ * D_);
     gu_.resize(B * 2 * I_);
     act_.resize(B * I_);
-    for (int64_t b = 0; b < B; b++) embed_row(idp[b], h_.data() + b * H_);
-    for (size_t l = 0; l < layers_.size(); l++) {
-      const Layer& L = layers_[l];
-      for (int64_t b = 0; b < B; b++)
-        rms_norm_f32(h_.data() + b * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
-      qlin_run(L.qkv, x_.data(), B, qact_, qkv_.data());
-      if (cos.scalar_type() == at::kFloat)
-        rotary(B, pos, cos.data_ptr<float>(), sin.data_ptr<float>());
-      else
-        rotary(B, pos, cos.data_ptr<bf16>(), sin.data_ptr<bf16>());
-      if (L.k_cache.scalar_type() == at::kFloat)
-        attention<float>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
-      else
-        attention<bf16>(L, B, pos, slots.data_ptr<int64_t>(), block_tables);
-      qlin_run(L.o, att_.data(), B, qact_, x_.data());
-      for (int64_t b = 0; b < B; b++) {
-        float* hb = h_.data() + b * H_;
-        float* xb = x_.data() + b * H_;
-        for (int64_t i = 0; i < H_; i++) hb[i] += xb[i];
-        rms_norm_f32(hb, L.ffn_norm.data_ptr<float>(), H_, eps_, xb);
-      }
-      qlin_run(L.gate_up, x_.data(), B, qact_, gu_.data());
-      for (int64_t b = 0; b < B; b++) {
-        const float* g = gu_.data() + b * 2 * I_;
-        float* a = act_.data() + b * I_;
-        for (int64_t i = 0; i < I_; i++) a[i] = g[i] / (1.0f + std::exp(-g[i])) * g[I_ + i];
-      }
-      qlin_run(L.down, act_.data(), B, qact_, x_.data());
-      for (int64_t i = 0; i < B * H_; i++) h_[i] += x_[i];
-    }
-    for (int64_t b = 0; b < B; b++) {
-      rms_norm_f32(h_.data() + b * H_, final_norm_.data_ptr<float>(), H_, eps_, x_.data() + b * H_);
-      if (out.scalar_type() == at::kFloat)
-        std::memcpy(out.data_ptr<float>() + b * H_, x_.data() + b * H_, H_ * sizeof(float));
-      else
-        for (int64_t i = 0; i < H_; i++) out.data_ptr<bf16>()[b * H_ + i] = bf16(x_[b * H_ + i]);
-    }
+    act_h_.shape(B, H_);
+    if (Hq_ * D_ % 32 == 0) act_att_.shape(B, Hq_ * D_);
+    if (I_ % 32 == 0) act_ffn_.shape(B, I_);
+    const bool f32_rope = cos.scalar_type() == at::kFloat, f32_kv = layers_[0].k_cache.scalar_type() == at::kFloat;
+    if (f32_rope && f32_kv)
+      run_step<float, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+    else if (f32_rope)
+      run_step<float, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+    else if (f32_kv)
+      run_step<bf16, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+    else
+      run_step<bf16, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -1247,6 +1626,11 @@ class GGUFDecoder {
   }
 
   void embed_row(int64_t id, float* out) const {
+    if (embed_packed_) {
+      std::vector<float> buf(8 * H_);
+      packed_row(embed_t_, embed_.data_ptr<uint8_t>(), H_, id, buf.data(), out);
+      return;
+    }
     if (embed_t_ == kDense) {
       std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
       return;
@@ -1256,82 +1640,155 @@ class GGUFDecoder {
     for (int64_t b = 0; b < H_ / ti.block_elems; b++) dequant_block(embed_t_, row + b * ti.block_bytes, out + b * ti.block_elems);
   }
 
-  // Neox rotary (rotate_half) on the q and k heads of the qkv rows, in place.
-  template <typename T>
-  void rotary(int64_t B, const int64_t* pos, const T* cos, const T* sin) {
-    const int64_t half = D_ / 2, QKV = (Hq_ + 2 * Hkv_) * D_;
-    for (int64_t b = 0; b < B; b++) {
-      const T* c = cos + pos[b] * half;
-      const T* s = sin + pos[b] * half;
-      for (int64_t hd = 0; hd < Hq_ + Hkv_; hd++) {
-        float* x = qkv_.data() + b * QKV + hd * D_;
-        for (int64_t i = 0; i < half; i++) {
-          const float x1 = x[i], x2 = x[i + half], ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
-          x[i] = x1 * ci - x2 * si;
-          x[i + half] = x2 * ci + x1 * si;
+  // The step's ops inside one parallel region (see step()). CT: the rotary tables' type, KT: the KV
+  // caches'. Rows of h_/x_ belong to one thread each (the same share in every op), so the
+  // row-wise ops (residual adds, norms) need no barrier before the next op of the same rows.
+  template <typename CT, typename KT>
+  void run_step(at::Tensor& out, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* slots,
+                const at::Tensor& tables, const at::Tensor& cos_t, const at::Tensor& sin_t) {
+    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_, AD = Hq_ * D_;
+    const CT* cos = cos_t.data_ptr<CT>();
+    const CT* sin = sin_t.data_ptr<CT>();
+    const int64_t ld = tables.stride(0);
+    const int32_t* tb = tables.data_ptr<int32_t>();
+    float* h = h_.data();
+    float* x = x_.data();
+    float* qkv = qkv_.data();
+    float* att = att_.data();
+    float* gu = gu_.data();
+    float* act = act_.data();
+    const bool f32_out = out.scalar_type() == at::kFloat;
+    float* out_f = f32_out ? out.data_ptr<float>() : nullptr;
+    bf16* out_b = f32_out ? nullptr : out.data_ptr<bf16>();
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      int64_t r0, r1, b, e;
+      thread_share(B, tid, nth, r0, r1);  // this thread's rows
+      std::vector<float> scores;
+      for (int64_t r = r0; r < r1; r++) embed_row(ids[r], h + r * H_);
+      for (size_t l = 0; l < layers_.size(); l++) {
+        const Layer& L = layers_[l];
+        KT* kc = L.k_cache.data_ptr<KT>();
+        KT* vc = L.v_cache.data_ptr<KT>();
+        const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
+        for (int64_t r = r0; r < r1; r++) {
+          rms_norm_f32(h + r * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x + r * H_);
+          if (L.qkv.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
+#pragma omp barrier
+        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth);
+#pragma omp barrier
+        // Rotary on each q/k head; a k head also writes this step's K and V of its kv head.
+        thread_share(B * (Hq_ + Hkv_), tid, nth, b, e);
+        for (int64_t i = b; i < e; i++) {
+          const int64_t r = i / (Hq_ + Hkv_), hd = i % (Hq_ + Hkv_);
+          float* row = qkv + r * QKV;
+          rope_head(row + hd * D_, cos + pos[r] * (D_ / 2), sin + pos[r] * (D_ / 2));
+          if (hd >= Hq_) {
+            const int64_t kvh = hd - Hq_;
+            KT* kd = kc + (kvh * nb * bs + slots[r]) * D_;
+            KT* vd = vc + (kvh * nb * bs + slots[r]) * D_;
+            for (int64_t t = 0; t < D_; t++) {
+              kd[t] = static_cast<KT>(row[hd * D_ + t]);
+              vd[t] = static_cast<KT>(row[(Hq_ + Hkv_ + kvh) * D_ + t]);
+            }
+          }
+        }
+#pragma omp barrier
+        thread_share(B * Hq_, tid, nth, b, e);
+        for (int64_t i = b; i < e; i++) {
+          const int64_t r = i / Hq_, hq = i % Hq_;
+          attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
+                 att + r * AD + hq * D_);
+        }
+        if (L.o.quantized) {
+#pragma omp barrier
+          thread_share(B * AD / 32, tid, nth, b, e);
+          act_att_.quantize_groups(att, AD, b, e);
+        }
+#pragma omp barrier
+        qlin_share(L.o, att, B, act_att_, x, tid, nth);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++) {
+          float* hr = h + r * H_;
+          float* xr = x + r * H_;
+          for (int64_t t = 0; t < H_; t++) hr[t] += xr[t];
+          rms_norm_f32(hr, L.ffn_norm.data_ptr<float>(), H_, eps_, xr);
+          if (L.gate_up.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
+        }
+#pragma omp barrier
+        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth);
+#pragma omp barrier
+        // SiLU(gate) * up, and the down projection's activation quantization, 32 values at a time.
+        const int64_t chunks = L.down.quantized ? B * I_ / 32 : B * ((I_ + 31) / 32);
+        thread_share(chunks, tid, nth, b, e);
+        for (int64_t i = b; i < e; i++) {
+          const int64_t per_row = chunks / B, r = i / per_row, c0 = (i % per_row) * 32;
+          const float* g = gu + r * 2 * I_;
+          float* a = act + r * I_;
+          for (int64_t t = c0; t < std::min<int64_t>(c0 + 32, I_); t++) a[t] = g[t] / (1.0f + std::exp(-g[t])) * g[I_ + t];
+        }
+        if (L.down.quantized) act_ffn_.quantize_groups(act, I_, b, e);
+#pragma omp barrier
+        qlin_share(L.down, act, B, act_ffn_, x, tid, nth);
+#pragma omp barrier
+        for (int64_t r = r0; r < r1; r++)
+          for (int64_t t = 0; t < H_; t++) h[r * H_ + t] += x[r * H_ + t];
+      }
+      for (int64_t r = r0; r < r1; r++) {
+        rms_norm_f32(h + r * H_, final_norm_.data_ptr<float>(), H_, eps_, x + r * H_);
+        if (f32_out)
+          std::memcpy(out_f + r * H_, x + r * H_, H_ * sizeof(float));
+        else
+          for (int64_t t = 0; t < H_; t++) out_b[r * H_ + t] = bf16(x[r * H_ + t]);
       }
     }
   }
 
-  template <typename T>
-  void attention(const Layer& L, int64_t B, const int64_t* pos, const int64_t* slots, const at::Tensor& tables) {
-    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
-    const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
-    T* kc = L.k_cache.data_ptr<T>();
-    T* vc = L.v_cache.data_ptr<T>();
-    // This step's K/V first: each sequence then reads its whole context from the cache.
-    for (int64_t b = 0; b < B; b++) {
-      const float* row = qkv_.data() + b * QKV;
-      for (int64_t h = 0; h < Hkv_; h++) {
-        T* kd = kc + (h * nb * bs + slots[b]) * D_;
-        T* vd = vc + (h * nb * bs + slots[b]) * D_;
-        for (int64_t i = 0; i < D_; i++) {
-          kd[i] = static_cast<T>(row[(Hq_ + h) * D_ + i]);
-          vd[i] = static_cast<T>(row[(Hq_ + Hkv_ + h) * D_ + i]);
-        }
-      }
+  // Neox rotary (rotate_half) of one head [D], in place.
+  template <typename CT>
+  void rope_head(float* xh, const CT* c, const CT* s) const {
+    const int64_t half = D_ / 2;
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = xh[i], x2 = xh[i + half], ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+      xh[i] = x1 * ci - x2 * si;
+      xh[i + half] = x2 * ci + x1 * si;
     }
-    const int64_t G = Hq_ / Hkv_;
+  }
+
+  // One query head over its sequence's first n cached positions (block table `table`) -> o [D].
+  template <typename KT>
+  void attend(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int64_t n,
+              const int32_t* table, std::vector<float>& scores, float* o) const {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-    const int64_t ld = tables.stride(0);
-    const int32_t* tb = tables.data_ptr<int32_t>();
-    at::parallel_for(0, B * Hq_, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores;
-      for (int64_t i = i0; i < i1; i++) {
-        const int64_t b = i / Hq_, hq = i % Hq_, h = hq / G, n = pos[b] + 1;
-        const float* q = qkv_.data() + b * QKV + hq * D_;
-        const int32_t* table = tb + b * ld;
-        scores.resize(n);
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; t++) {
-          const T* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D_;
-          scores[t] = dot_cache(q, k, D_) * scale;
-          mx = std::max(mx, scores[t]);
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-          scores[t] = std::exp(scores[t] - mx);
-          sum += scores[t];
-        }
-        float* o = att_.data() + b * Hq_ * D_ + hq * D_;
-        std::fill(o, o + D_, 0.0f);
-        for (int64_t t = 0; t < n; t++)
-          axpy_cache(scores[t], vc + ((h * nb + table[t / bs]) * bs + t % bs) * D_, o, D_);
-        const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < D_; d++) o[d] *= inv;
-      }
-    });
+    scores.resize(n);
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+      const KT* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D_;
+      scores[t] = dot_cache(q, k, D_) * scale;
+      mx = std::max(mx, scores[t]);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+      scores[t] = std::exp(scores[t] - mx);
+      sum += scores[t];
+    }
+    std::fill(o, o + D_, 0.0f);
+    for (int64_t t = 0; t < n; t++) axpy_cache(scores[t], vc + ((h * nb + table[t / bs]) * bs + t % bs) * D_, o, D_);
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < D_; d++) o[d] *= inv;
   }
 
   int64_t H_, Hq_, Hkv_, D_, I_;
   float eps_;
   at::Tensor embed_;
   int embed_t_;
+  bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
-  QAct qact_;
+  QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I
 };
 
 bool gguf_type_supported(int64_t qtype) {
@@ -1357,11 +1814,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize_packed", &gguf_dequantize_packed);
   m.def("gguf_packable", &packable);
   m.def("gguf_embedding", &gguf_embedding);
+  m.def("gguf_embedding_packed", &gguf_embedding_packed);
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
   m.def("set_force_scalar", &set_force_scalar);
   pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
       .def("add_layer", &GGUFDecoder::add_layer)
       .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
       .def("step", &GGUFDecoder::step)

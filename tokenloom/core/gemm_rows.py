@@ -1,4 +1,6 @@
-"""Row counts the pre-packed GEMMs run at (torch-free, so the simulator's cost model can use it)."""
+"""Row counts the pre-packed GEMMs run at: the runner pads to them (tokenloom/model/linear.py) and the
+cost model charges them (core/cost_model.py). Torch-free and at the bottom so both can import it; the
+simulator's profile fingerprint covers this file with tokenloom/model (sim/profile.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,206 @@
+"""SLO-driven token budget (--target-itl-ms, --target-ttft-ms): one job, the step's token budget.
+
+`max_num_batched_tokens` trades inter-token latency against time to first token, and users pick it
+by hand (vLLM RFC #52906). This controller picks it per step instead, within `max_num_batched_tokens`
+as the ceiling, from the same step-time cost model the simulator runs (core/cost_model.py):
+
+- ITL target (required): the largest budget whose predicted step time stays under the target while
+  requests are decoding (a step without decodes has no inter-token gap at stake: the ceiling). Never
+  below the decodes' own tokens: a decode is never pushed out of a step by this controller.
+- TTFT target (optional, with the ITL one): the ITL target is read as a p99 promise. While fewer than
+  ITL_MISS_SHARE of the decodes' gaps so far were predicted over it, one step's budget may go past the
+  ITL budget, to the smallest one with which every prompt that can still get its first token within
+  the TTFT target (this step at the ceiling, the next ones at the ITL budget) is predicted to. A
+  prompt that would miss it even so never raises the budget: that would cost the decodes and save
+  nobody. (A TTFT target alone is refused:
+  the ceiling already gives the earliest first tokens; there is nothing to trade.)
+
+A candidate budget is predicted by walking the step as the scheduler will build it (running requests
+in order, then waiting ones while sequence slots are free, each chunk capped by the long-prefill
+threshold and the budget left), without KV allocation and without prefix-cache hits. A prompt's
+predicted first token: its age, plus this step, plus the steps at the ITL budget that the prompt work
+ahead of it and its own still needs. Ages come from the scheduler's clock (`slo_clock="engine"`: wall
+time in the engine, virtual time in the simulator) or, deterministic in replays, from the sum of the
+predicted times of the steps scheduled so far (`slo_clock="predicted"`).
+
+The long-prefill threshold is left as configured: the budget left to prefills is what the controller
+sets, and giving it to the oldest prompt first (what the scheduler does without a threshold) is what
+minimises the predicted first-token times it checks.
+
+Pure Python, like the rest of tokenloom/core.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.core.cost_model import CostModel, StepShape
+from tokenloom.core.request import Request
+
+
+@dataclass
+class _Row:
+    """One request's candidate work this step: `need` tokens from `start`, the sequence ending at `end`."""
+
+    start: int
+    need: int
+    end: int
+    decoding: bool  # it has produced tokens and its next one is a decode: that latency is an ITL
+    prompt: bool  # no first token yet: TTFT at stake
+    age: float
+
+
+# The ITL target is a p99 promise: at most this share of the decodes' predicted gaps may exceed it, and
+# only to save a first token that would otherwise miss the TTFT target.
+ITL_MISS_SHARE = 0.01
+
+
+@dataclass
+class SloBudgetController:
+    cost_model: CostModel
+    ceiling: int  # max_num_batched_tokens
+    target_itl_s: float
+    target_ttft_s: float  # 0: no TTFT target
+    predicted_clock: bool  # ages from predicted step times (deterministic) instead of the scheduler's clock
+    # The predicted clock: seconds of the steps scheduled so far, and each request's arrival on it.
+    predicted_now: float = 0.0
+    arrival: dict[str, float] = field(default_factory=dict)
+    # Decode gaps scheduled so far, and those in steps predicted over the ITL target.
+    num_gaps: int = 0
+    num_gaps_over: int = 0
+
+    def arrived(self, request_id: str) -> None:
+        self.arrival[request_id] = self.predicted_now
+
+    def forget(self, request_id: str) -> None:
+        self.arrival.pop(request_id, None)
+
+    # The decision ------------------------------------------------------------------------------
+    def budget(
+        self, now: float, running: list[Request], waiting: Iterable[Request], threshold: int, free_slots: int,
+    ) -> tuple[int, dict[str, Any] | None]:
+        """This step's token budget, and why (None when it is the ceiling: the controller did not act)."""
+        rows = self._rows(now, running, waiting, threshold, free_slots)
+        num_decodes = sum(1 for r in rows if r.decoding)
+        budget, why = self.ceiling, ""
+        if num_decodes:  # without decodes no inter-token gap is at stake: the ceiling
+            floor = min(max(1, sum(r.need for r in rows if r.decoding)), self.ceiling)
+            budget, why = self._largest(floor, lambda b: self._walk(rows, b)[0] <= self.target_itl_s), "itl"
+            if budget < self.ceiling and self.target_ttft_s > 0 and self._may_miss_itl(num_decodes):
+                b_ttft = self._ttft_budget(rows, budget)
+                if b_ttft > budget:
+                    budget, why = b_ttft, "ttft"
+        seconds = self._walk(rows, budget)[0] if rows else 0.0
+        self.predicted_now += seconds
+        self.num_gaps += num_decodes
+        if seconds > self.target_itl_s:
+            self.num_gaps_over += num_decodes
+        if budget >= self.ceiling:
+            return self.ceiling, None
+        return budget, {"budget": budget, "why": why, "predicted_ms": round(seconds * 1000, 3)}
+
+    def _may_miss_itl(self, num_decodes: int) -> bool:
+        """Whether `num_decodes` more gaps over the ITL target keep the share within ITL_MISS_SHARE."""
+        return self.num_gaps_over + num_decodes <= ITL_MISS_SHARE * (self.num_gaps + num_decodes)
+
+    def _ttft_budget(self, rows: list[_Row], b_itl: int) -> int:
+        """The smallest budget from `b_itl` up for this one step (the steps after it at `b_itl`: the
+        allowance of gaps over the ITL target may be spent by then) with which every prompt that could
+        get its first token within the TTFT target is predicted to; `b_itl` when none needs more."""
+        prompts = [r for r in rows if r.prompt]
+        after = self._walk(rows, b_itl)
+        at_ceiling = self._first_tokens(rows, self.ceiling, after)
+        salvageable = [i for i, t in enumerate(at_ceiling) if prompts[i].age + t <= self.target_ttft_s]
+        if not salvageable:
+            return b_itl
+
+        def meets(b: int) -> bool:
+            times = self._first_tokens(rows, b, after)
+            return all(prompts[i].age + times[i] <= self.target_ttft_s for i in salvageable)
+
+        return self._smallest(b_itl, meets)
+
+    # Prediction --------------------------------------------------------------------------------
+    def _rows(
+        self, now: float, running: list[Request], waiting: Iterable[Request], threshold: int, free_slots: int,
+    ) -> list[_Row]:
+        rows = []
+        for r in running:
+            need = r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+            if need > 0:
+                rows.append(self._row(now, r, need, threshold))
+        for r in waiting:
+            if free_slots <= 0:
+                break
+            free_slots -= 1
+            rows.append(self._row(now, r, r.num_tokens - r.num_computed_tokens, threshold))
+        return rows
+
+    def _row(self, now: float, r: Request, need: int, threshold: int) -> _Row:
+        if 0 < threshold < need:
+            need = threshold
+        if self.predicted_clock:
+            age = self.predicted_now - self.arrival.get(r.request_id, self.predicted_now)
+        else:
+            age = now - r.arrival_time
+        # A resumed request recomputing its outputs is neither: its work is a prefill, its first token is out.
+        decoding = r.num_output_tokens > 0 and not r.is_prefill
+        prompt = r.num_output_tokens == 0 and r.first_token_time is None
+        return _Row(start=r.num_computed_tokens, need=need, end=r.num_tokens_with_spec, decoding=decoding,
+                    prompt=prompt, age=age)
+
+    def _walk(self, rows: list[_Row], budget: int) -> tuple[float, int]:
+        """Predicted seconds of the step at `budget`, and the prompt tokens it computes."""
+        shape, left, prompt_tokens = StepShape(), budget, 0
+        for row in rows:
+            if left <= 0:
+                break
+            n = min(row.need, left)
+            shape.add_row(row.start, n, row.start + n >= row.end)
+            left -= n
+            if row.prompt:
+                prompt_tokens += n
+        return self.cost_model.predict(shape), prompt_tokens
+
+    def _first_tokens(self, rows: list[_Row], budget: int, after: tuple[float, int]) -> list[float]:
+        """Predicted seconds from now to each prompt's first token: this step at `budget`, the next ones
+        as `after` (seconds, prompt tokens per step); inf when it never gets there."""
+        seconds, share = self._walk(rows, budget)
+        later_seconds, later_share = after
+        out, work = [], 0
+        for row in rows:
+            if row.prompt:
+                work += row.end - row.start  # its whole remaining prompt and those ahead of it
+                left = work - share
+                if left <= 0:
+                    out.append(seconds)
+                else:
+                    out.append(seconds + math.ceil(left / later_share) * later_seconds if later_share > 0
+                               else math.inf)
+        return out
+
+    def _largest(self, lo: int, ok: Callable[[int], bool]) -> int:
+        """The largest budget in [lo, ceiling] with ok(budget) (prediction grows with the budget); lo if none."""
+        if ok(self.ceiling):
+            return self.ceiling
+        return _first(lo, self.ceiling, lambda b: not ok(b)) - 1 if ok(lo) else lo
+
+    def _smallest(self, lo: int, ok: Callable[[int], bool]) -> int:
+        """The smallest budget in [lo, ceiling] with ok(budget); the ceiling if none."""
+        if ok(lo):
+            return lo
+        return _first(lo, self.ceiling, ok) if ok(self.ceiling) else self.ceiling
+
+
+def _first(lo: int, hi: int, flips: Callable[[int], bool]) -> int:
+    """Bisection: a b in (lo, hi] with flips(b) and not flips(b - 1), given not flips(lo) and flips(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if flips(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
