@@ -57,7 +57,7 @@ class Scenario:
             self.next_id += 1
             tokens = self.rng.integers(17, 49000, ctx).tolist()
             blocks = self._blocks(ctx + extra_tokens)
-            new.append(NewRequestData(rid, tokens, tokens, GREEDY, blocks, ctx - 1))
+            new.append(NewRequestData(rid, tokens, tokens, GREEDY, (blocks,), ctx - 1))
             sched[rid] = 1
             self.live[rid] = (ctx - 1, blocks)
         return _so(new, CachedRequestData(), sched, set())
@@ -70,7 +70,7 @@ class Scenario:
             done += 1
             self.live[rid] = (done, blocks)
             cached.req_ids.append(rid)
-            cached.new_block_ids.append([])
+            cached.new_block_ids.append(([],))
             cached.num_computed_tokens.append(done)
             sched[rid] = 1
         return _so([], cached, sched, set())
@@ -81,7 +81,7 @@ class Scenario:
             rid = f"p{self.next_id}"
             self.next_id += 1
             tokens = self.rng.integers(17, 49000, n).tolist()
-            new.append(NewRequestData(rid, tokens, tokens, GREEDY, self._blocks(n + 1), 0))
+            new.append(NewRequestData(rid, tokens, tokens, GREEDY, (self._blocks(n + 1),), 0))
             sched[rid] = n
         return _so(new, CachedRequestData(), sched, set(finished))
 

@@ -5,7 +5,8 @@ from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64
 * one batch mixing a chunked prefill, prefix-cache hits and decodes (test_model_runner's steps);
 * greedy tokens identical to transformers' generate, the real scheduler driving the runner, with a
   prompt longer than the window; for Mistral (every layer windowed) the KV blocks a request holds
-  stay bounded by the window while it runs;
+  stay bounded by the window while it runs, for Gemma those of its sliding KV cache group (hybrid
+  groups; more in tests/test_hybrid_kv.py);
 * MoE routing: ties go to the lower expert (torch.topk), an expert with no token costs nothing.
 """
 
@@ -24,9 +25,9 @@ import tests.test_model_runner as tmr
 from tests.test_model_runner import BLOCK, Tiny, prompt
 from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
 from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.kv_cache_groups import make_kv_cache_groups
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.model.loader import load_model
 from tokenloom.model.models.qwen3_moe import grouped_experts, route
 from tokenloom.model.runner import ModelRunner
@@ -51,18 +52,22 @@ def test_mixed_step_matches_transformers(family: Tiny, path: str) -> None:
 
 def test_greedy_32_tokens_match_generate(family: Tiny) -> None:
     """Scheduler + runner (chunked prefill of 8-token chunks, prefix caching) generate exactly what
-    transformers generates greedily, past the window; a uniformly windowed model's requests hold a
-    bounded number of blocks."""
-    window = family.loaded.config.sliding_windows
-    uniform = window[0] if all(w is not None for w in window) else None
+    transformers generates greedily, past the window; a windowed layer group's requests hold a bounded
+    number of blocks (every layer for Mistral; Gemma's sliding group of its hybrid KV cache groups)."""
+    windows = family.loaded.config.sliding_windows
+    layer_windows = tuple(windows) if any(w is not None for w in windows) else None
     num_blocks = 40
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=128),
-        CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=True, sliding_window=uniform),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=True, layer_windows=layer_windows),
         clock=lambda: 0.0,
     )
-    assert isinstance(sched.kv_cache_manager, SlidingWindowKVCacheManager) == (uniform is not None)
-    runner = family.runner(num_blocks=num_blocks)
+    kv = sched.kv_cache_manager
+    # One group, or (Gemma's sliding + full layers) a sliding group first and a full one.
+    assert len(kv.kv_cache_groups) == len(set(windows))
+    uniform = kv.kv_cache_groups[0].sliding_window  # the sliding group's window, if any
+    runner = family.runner(num_blocks=num_blocks, kv_cache_groups=make_kv_cache_groups(
+        layer_windows, family.loaded.config.num_hidden_layers))  # the engine's: the scheduler's, with layer ids
     shared = prompt(40, 12)
     prompts = {"a": shared + prompt(41, 7), "b": shared + prompt(42, 3)}
     for rid, p in prompts.items():
@@ -78,8 +83,7 @@ def test_greedy_32_tokens_match_generate(family: Tiny) -> None:
             assert out.error is None
             generated[out.request_id] += out.new_token_ids
         if uniform is not None:
-            kv = sched.kv_cache_manager
-            most_held = max([most_held] + [kv.num_blocks_held(r) for r in kv.req_to_blocks])
+            most_held = max([most_held] + [kv.managers[0].num_blocks_held(r) for r in kv.req_to_blocks])
     assert prefix_hits == 1  # "b" reuses "a"'s cached prefix blocks (through the window for Mistral)
     if uniform is not None:  # 19 + 32 tokens = 13 blocks without freeing; the window keeps <= 5
         assert 0 < most_held <= -(-(uniform - 1 + 8) // BLOCK) + 1, most_held

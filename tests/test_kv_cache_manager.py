@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloom.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.sampling_params import SamplingParams
 
@@ -18,6 +18,9 @@ def make_request(rid: str, tokens: list[int], block_size: int = 16) -> Request:
 
 
 def ids(blocks) -> list[int]:
+    """Block ids of a list of blocks, or of a one-group KVCacheBlocks."""
+    if isinstance(blocks, KVCacheBlocks):
+        (blocks,) = blocks.blocks
     return [b.block_id for b in blocks]
 
 
@@ -42,7 +45,7 @@ def test_prefill_hits_and_free_order() -> None:
     common = list(range(48))
     r0 = make_request("0", common + [100 + i for i in range(7)])
     blocks, n = kv.get_computed_blocks(r0)
-    assert (blocks, n) == ([], 0)
+    assert (ids(blocks), n) == ([], 0)
     assert ids(kv.allocate_slots(r0, 55, n, blocks)) == [0, 1, 2, 3]
     pool = kv.block_pool
     assert all(pool.blocks[i].block_hash is not None and pool.blocks[i].ref_cnt == 1 for i in range(3))
@@ -72,17 +75,17 @@ def test_full_hit_still_computes_last_token() -> None:
     r0.num_computed_tokens = 33
     r1 = make_request("1", list(range(32)))  # exactly two full blocks, both cached
     blocks, n = kv.get_computed_blocks(r1)
-    assert n == 16 and len(blocks) == 1  # at most num_tokens - 1 = 31 tokens may hit
+    assert n == 16 and len(ids(blocks)) == 1  # at most num_tokens - 1 = 31 tokens may hit
 
 
 def test_decode_allocates_only_at_block_boundary() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=16, max_model_len=1024)
     r = make_request("0", list(range(20)))
-    assert len(kv.allocate_slots(r, 20)) == 2
+    assert len(ids(kv.allocate_slots(r, 20))) == 2
     r.num_computed_tokens = 20
     for _ in range(4):  # tokens 21..24 stay in block 1
         r.append_output_token_ids(7)
-        assert kv.allocate_slots(r, 1) == []
+        assert ids(kv.allocate_slots(r, 1)) == []
         r.num_computed_tokens += 1
     assert kv.block_pool.blocks[1].block_hash is None
     for _ in range(8):
@@ -91,7 +94,7 @@ def test_decode_allocates_only_at_block_boundary() -> None:
         r.num_computed_tokens += 1
     assert r.num_computed_tokens == 32 and kv.block_pool.blocks[1].block_hash is not None
     r.append_output_token_ids(7)
-    assert len(kv.allocate_slots(r, 1)) == 1
+    assert len(ids(kv.allocate_slots(r, 1))) == 1
 
 
 def test_failed_allocation_changes_nothing() -> None:
@@ -121,7 +124,7 @@ def test_hit_blocks_are_not_evicted_by_their_own_allocation() -> None:
     hit = ids(blocks)
     new = kv.allocate_slots(r1, 52 - n, n, blocks)
     assert not set(hit) & set(ids(new))
-    assert kv.get_block_ids("1")[: len(hit)] == hit
+    assert kv.get_block_ids("1")[0][: len(hit)] == hit
 
 
 def test_prefix_caching_disabled_and_capacity() -> None:
@@ -129,7 +132,8 @@ def test_prefix_caching_disabled_and_capacity() -> None:
     r0 = make_request("0", list(range(10)), block_size=4)
     kv.allocate_slots(r0, 10)
     r1 = make_request("1", list(range(10)), block_size=4)
-    assert kv.get_computed_blocks(r1) == ([], 0)
+    blocks, n = kv.get_computed_blocks(r1)
+    assert (ids(blocks), n) == ([], 0)
     assert kv.allocate_slots(r1, 10) is None  # 3 + 3 > 5
 
 

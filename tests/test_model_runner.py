@@ -39,9 +39,11 @@ class Tiny:
     hf: torch.nn.Module
     loaded: LoadedModel
 
-    def runner(self, dtype: str = "float32", num_blocks: int = NUM_BLOCKS, path: str | None = None) -> ModelRunner:
+    def runner(self, dtype: str = "float32", num_blocks: int = NUM_BLOCKS, path: str | None = None,
+               kv_cache_groups: list | None = None) -> ModelRunner:
         """`path`: None (the default choice), "torch" (the pure-torch path, also the CUDA one) or "kernels"
-        (the compiled CPU kernels; the test is skipped when they do not build)."""
+        (the compiled CPU kernels; the test is skipped when they do not build). `kv_cache_groups`: the
+        scheduler's (None: one group of every layer)."""
         kernels = {None: None, "torch": False, "kernels": True}[path]
         if path == "kernels":
             from tokenloom.model.kernels import cpu_kernels
@@ -49,7 +51,7 @@ class Tiny:
             if cpu_kernels() is None:
                 pytest.skip("the compiled CPU kernels are unavailable (no C++ compiler?)")
         runner = ModelRunner(self.loaded, block_size=BLOCK, num_blocks=num_blocks, dtype=dtype, device="cpu",
-                             cpu_kernels=kernels)
+                             cpu_kernels=kernels, kv_cache_groups=kv_cache_groups)
         if path is not None:
             assert runner.use_kernels == (path == "kernels")  # the path under test is the one that runs
         return runner
@@ -86,9 +88,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def new_req(
-    rid: str, tokens: list[int], blocks: list[int], computed: int = 0, prompt: list[int] | None = None
+    rid: str, tokens: list[int], blocks: list[int] | tuple[list[int], ...], computed: int = 0,
+    prompt: list[int] | None = None,
 ) -> NewRequestData:
-    return NewRequestData(rid, list(prompt or tokens), list(tokens), GREEDY, list(blocks), computed)
+    """`blocks`: the block table (one KV cache group), or a tuple of tables (one per group)."""
+    tables = tuple(list(b) for b in blocks) if isinstance(blocks, tuple) else (list(blocks),)
+    return NewRequestData(rid, list(prompt or tokens), list(tokens), GREEDY, tables, computed)
 
 
 def step(
@@ -102,7 +107,7 @@ def step(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=CachedRequestData(
             req_ids=[c[0] for c in cached],
-            new_block_ids=[c[1] for c in cached],
+            new_block_ids=[c[1] if isinstance(c[1], tuple) else (c[1],) for c in cached],
             num_computed_tokens=[c[2] for c in cached],
         ),
         num_scheduled_tokens=dict(scheduled),

@@ -53,7 +53,7 @@ def test_finish_request_removes_everywhere() -> None:
     assert "0" not in sched.requests and reqs[0] not in sched.running
     assert [r.request_id for r in sched.waiting] == ["w0"]
     assert sched.get_num_unfinished_requests() == 10
-    assert not sched.kv_cache_manager.get_block_ids("0")  # blocks freed at once
+    assert sched.kv_cache_manager.get_block_ids("0") == ([],)  # blocks freed at once
     out = sched.schedule()
     assert "0" in out.finished_req_ids  # the runner is told to drop its state
 
@@ -298,7 +298,7 @@ def test_prefix_hit_schedules_only_the_suffix() -> None:
     out, _ = step(sched)
     assert out.num_scheduled_tokens["1"] == 1 and out.cached_tokens == {"1": 32}
     new = out.scheduled_new_reqs[0]
-    assert new.num_computed_tokens == 32 and new.block_ids[:2] == sched.kv_cache_manager.get_block_ids("0")[:2]
+    assert new.num_computed_tokens == 32 and new.block_ids[0][:2] == sched.kv_cache_manager.get_block_ids("0")[0][:2]
     assert b.num_cached_tokens == 32
     stats = sched.kv_cache_manager.prefix_cache_stats
     assert (stats.requests, stats.queries, stats.hits) == (2, 66, 32)

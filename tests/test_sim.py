@@ -230,8 +230,8 @@ def test_runner_advances_the_clock_by_the_modelled_step_time() -> None:
     runner = SimulatedRunner(cost, clock)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     step1 = SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData("a", [1] * 10, [1] * 10, params, [0], 0),
-                            NewRequestData("b", [2] * 30, [2] * 30, params, [1, 2], 0)],
+        scheduled_new_reqs=[NewRequestData("a", [1] * 10, [1] * 10, params, ([0],), 0),
+                            NewRequestData("b", [2] * 30, [2] * 30, params, ([1, 2],), 0)],
         scheduled_cached_reqs=CachedRequestData(), num_scheduled_tokens={"a": 10, "b": 20},
         total_num_scheduled_tokens=30,
     )  # fmt: skip
@@ -239,7 +239,7 @@ def test_runner_advances_the_clock_by_the_modelled_step_time() -> None:
     expected = cost.predict(StepShape.of_rows([(0, 10, True), (0, 20, False)]))
     assert out.execute_time == pytest.approx(expected) and clock() == pytest.approx(5.0 + expected)
     assert out.sampled_token_ids == [[7], []]  # a reached its length; b's chunk stopped short
-    step2 = SchedulerOutput([], CachedRequestData(["a", "b"], [[], []], [10, 20]), {"a": 1, "b": 10}, 11)
+    step2 = SchedulerOutput([], CachedRequestData(["a", "b"], [([],), ([],)], [10, 20]), {"a": 1, "b": 10}, 11)
     out2 = runner.execute_model(step2)
     assert out2.sampled_token_ids == [[7], [7]]
     assert out2.execute_time == pytest.approx(cost.predict(StepShape.of_rows([(10, 1, True), (20, 10, True)])))

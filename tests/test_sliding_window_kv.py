@@ -45,12 +45,12 @@ def test_prefix_hit_needs_only_the_window_tail() -> None:
     # a second request with the same 28-token prefix hits all 7 full blocks it may hit.
     second = _req("b", tokens + [200, 201])
     blocks, hit = kv.get_computed_blocks(second)
-    assert hit == 28 and len(blocks) == 7
+    assert hit == 28 and len(blocks.blocks[0]) == 7
     # Evict the early blocks: the hit still holds, from the right, with nulls in front.
     kv.block_pool.cached_block_hash_to_block.pop(first.block_hashes[0])
     kv.block_pool.cached_block_hash_to_block.pop(first.block_hashes[1])
     blocks, hit = kv.get_computed_blocks(second)
-    assert hit == 28 and blocks[:2] == [NULL_BLOCK, NULL_BLOCK]
+    assert hit == 28 and blocks.blocks[0][:2] == [NULL_BLOCK, NULL_BLOCK]
     assert kv.allocate_slots(second, 4, 28, blocks) is not None
     held = kv.req_to_blocks["b"]
     assert held[: (28 - W + 1) // BS] == [NULL_BLOCK] * ((28 - W + 1) // BS)

@@ -122,22 +122,22 @@ def make_tiny_hf_model(
                "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = classes[arch]
-    config_overrides = {**FAMILY_DEFAULTS.get(arch, {}), **config_overrides}
-    config = config_cls(
-        vocab_size=TINY_VOCAB,
-        hidden_size=TINY_HIDDEN,
-        intermediate_size=TINY_INTERMEDIATE,
-        num_hidden_layers=TINY_LAYERS,
-        num_attention_heads=TINY_HEADS,
-        num_key_value_heads=TINY_KV_HEADS,
-        max_position_embeddings=TINY_MAX_POSITIONS,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        **config_overrides,
-    )
+    config = config_cls(**{
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": TINY_HIDDEN,
+        "intermediate_size": TINY_INTERMEDIATE,
+        "num_hidden_layers": TINY_LAYERS,
+        "num_attention_heads": TINY_HEADS,
+        "num_key_value_heads": TINY_KV_HEADS,
+        "max_position_embeddings": TINY_MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        **FAMILY_DEFAULTS.get(arch, {}),
+        **config_overrides,  # any of the above too (num_hidden_layers, ...)
+    })
     model = model_cls(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -232,9 +232,12 @@ class CacheConfig:
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
-    # Set by the engine from the model (every layer windowed: blocks that fall out of the window are
-    # freed, tokenloom/core/sliding_window.py), so not a knob.
-    sliding_window: int | None = None
+    disable_hybrid_kv_cache_manager: bool = knob(
+        False, "models mixing sliding-window and full-attention layers (Gemma 2/3) keep every KV block for "
+        "every layer (one block table, windows by masking) instead of vLLM's per-group block tables", reload=True)
+    # Each layer's sliding window (None: full attention), set by the engine from the model, so not a
+    # knob; None: every layer full attention. Decides the KV cache groups (tokenloom/core/kv_cache_groups.py).
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)

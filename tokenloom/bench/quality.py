@@ -23,7 +23,7 @@ def perplexity(runner: Any, tokens: list[int]) -> float:
     for i in range(len(tokens) - 1):
         rid = f"ppl{i}"
         so = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData(rid, tokens[: i + 1], tokens[: i + 1], greedy, blocks, i)],
+            scheduled_new_reqs=[NewRequestData(rid, tokens[: i + 1], tokens[: i + 1], greedy, (blocks,), i)],
             scheduled_cached_reqs=CachedRequestData([], [], []), num_scheduled_tokens={rid: 1},
             total_num_scheduled_tokens=1, finished_req_ids={prev} if prev else set(), preempted_req_ids=set(),
         )

@@ -10,7 +10,14 @@ This is vLLM V1's order (`BlockPool.free_blocks`), which decides which prefixes 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
+
+
+def block_hash_with_group_id(block_hash: int, group_id: int) -> Hashable:
+    """The prefix-cache key of a block of KV cache group `group_id` (vLLM's BlockHashWithGroupId):
+    the same tokens cached by two groups are two blocks (each holds its own layers). Group 0's key
+    is the plain hash, so a one-group model's cache is keyed as it always was."""
+    return block_hash if group_id == 0 else (block_hash, group_id)
 
 
 class KVCacheBlock:
@@ -19,7 +26,7 @@ class KVCacheBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: Hashable | None = None  # block_hash_with_group_id(...) once cached
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -104,11 +111,11 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # hash -> {block_id: block}; several blocks may hold the same content (computed twice
         # before either was cached). A hit takes the first.
-        self.cached_block_hash_to_block: dict[int, dict[int, KVCacheBlock]] = {}
+        self.cached_block_hash_to_block: dict[Hashable, dict[int, KVCacheBlock]] = {}
 
     # Prefix cache ---------------------------------------------------------------------------
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: int, group_id: int = 0) -> KVCacheBlock | None:
+        blocks = self.cached_block_hash_to_block.get(block_hash_with_group_id(block_hash, group_id))
         return next(iter(blocks.values())) if blocks else None
 
     def cache_full_blocks(
@@ -117,11 +124,13 @@ class BlockPool:
         block_hashes: list[int],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] their content hash, making them hittable."""
+        """Give blocks[num_cached_blocks:num_full_blocks] their content hash (keyed with their KV
+        cache group), making them hittable."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            block_hash = block_hashes[i]
+            block_hash = block_hash_with_group_id(block_hashes[i], group_id)
             if block is NULL_BLOCK or block.block_hash == block_hash:
                 continue
             if block.block_hash is not None:

@@ -3,18 +3,36 @@
 `allocate_slots` either succeeds whole or changes nothing: it counts what it needs (new blocks plus
 prefix-hit blocks it would pull out of the free queue) before touching anything, and returns None
 when the pool cannot give it. The scheduler answers None by preempting.
+
+The manager is also vLLM's KV cache coordinator (vllm/v1/core/kv_cache_coordinator.py): it runs
+one single-type manager per KV cache group (tokenloom/core/kv_cache_groups.py) over one shared
+BlockPool. A model with one group (every layer full attention, or every layer windowed) behaves as
+before groups existed; a hybrid model (Gemma 2/3: sliding and full layers) gets a block table per
+group, the sum of what the groups need is checked against the free blocks, and a prefix hit is the
+length every group agrees on (`get_computed_blocks`, vLLM's HybridKVCacheCoordinator).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenloom.core.block_pool import BlockPool, KVCacheBlock
+from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
 from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.single_type_kv_cache_manager import FullAttentionManager, SlidingWindowManager, cdiv
+
+__all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV cache group (vLLM's KVCacheBlocks)."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
 
 @dataclass
@@ -56,7 +74,11 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         watermark: float = 0.0,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
+        """`kv_cache_groups`: the model's groups (None: one full-attention group).
+        `max_num_batched_tokens` sizes a sliding-window group's admission cap (required with one)."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -64,11 +86,33 @@ class KVCacheManager:
         # vLLM sizes the watermark from KVCacheConfig.num_blocks, which counts its null block
         # (block 0, never usable) too: int(watermark * (usable + 1)) (vllm/v1/core/kv_cache_manager.py:208).
         self.watermark_blocks = int(watermark * (num_blocks + 1))
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request already carry their hash.
-        self.num_cached_block: dict[str, int] = {}
+        self.kv_cache_groups = list(kv_cache_groups) if kv_cache_groups else [KVCacheGroupSpec((0,))]
+        self.managers: tuple[FullAttentionManager, ...] = tuple(
+            self._make_manager(group, i, max_num_batched_tokens) for i, group in enumerate(self.kv_cache_groups)
+        )
+        # Only these free blocks that left a window (remove_skipped_blocks is a no-op for the others).
+        self._sliding_managers = [m for m in self.managers if m.sliding_window is not None]
+        # Never mutated: a hit's lists are fresh, and allocate_slots only reads what it is given.
+        self.empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+        # Prefix-cache lookup: groups of one attention type are looked up together, full attention
+        # first (its left-to-right scan bounds the others), as vLLM's verify_and_split_kv_cache_groups.
+        by_type: dict[int | None, list[int]] = {}
+        for i, group in enumerate(self.kv_cache_groups):
+            by_type.setdefault(group.sliding_window, []).append(i)
+        self.attention_groups: list[list[int]] = sorted(
+            by_type.values(), key=lambda ids: self.kv_cache_groups[ids[0]].sliding_window is not None
+        )
         self.prefix_cache_stats = PrefixCacheStats()  # this interval (vLLM semantics)
         self.prefix_cache_totals = PrefixCacheStats()  # since start, for Prometheus counters
+
+    def _make_manager(self, group: KVCacheGroupSpec, group_id: int,
+                      max_num_batched_tokens: int | None) -> FullAttentionManager:
+        if group.sliding_window is None:
+            return FullAttentionManager(self.block_pool, self.block_size, group_id, self.enable_caching)
+        if max_num_batched_tokens is None:
+            raise ValueError("a sliding-window KV cache group needs max_num_batched_tokens (its admission cap)")
+        return SlidingWindowManager(self.block_pool, self.block_size, group.sliding_window, self.max_model_len,
+                                    max_num_batched_tokens, group_id, self.enable_caching)
 
     @property
     def num_blocks(self) -> int:
@@ -78,24 +122,61 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """The first group's block table of each request (with one group: the request's blocks).
+        Every group holds the same requests: they are allocated and freed together."""
+        return self.managers[0].req_to_blocks
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        return self.managers[0].num_cached_block
+
     # Prefix cache -----------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of leading full blocks already in the cache, and its length in tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The prefix-cache hit, as blocks per group, and its length in tokens.
 
         At most num_tokens - 1 tokens may hit: the last token must be computed to get logits,
         so a full hit recomputes its last block.
         """
         # vLLM: a request that wants prompt_logprobs computes its whole prompt (a hit would skip rows).
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
+            return self.empty_blocks, 0
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        if len(self.managers) == 1:
+            hits = self.managers[0].find_longest_cache_hit(request.block_hashes, max_num_blocks)
+            return KVCacheBlocks(tuple(hits)), len(hits[0]) * self.block_size
+        return self._find_hybrid_cache_hit(request.block_hashes, max_num_blocks)
+
+    def _find_hybrid_cache_hit(self, block_hashes: list[int], max_num_blocks: int) -> tuple[KVCacheBlocks, int]:
+        """vLLM's HybridKVCacheCoordinator.find_longest_cache_hit: each attention type accepts the
+        candidate length or shortens it, until all agree (full attention is downward-closed: looked
+        up once, then cut). With full attention plus one other type, one pass suffices."""
+        hits: list[list[KVCacheBlock] | None] = [None] * len(self.managers)
+        hit_len = max_num_blocks
+        simple = len(self.attention_groups) == 2 and self.managers[self.attention_groups[0][0]].sliding_window is None
+        while True:
+            curr = hit_len
+            for group_ids in self.attention_groups:
+                manager = self.managers[group_ids[0]]
+                done = hits[group_ids[0]]
+                if manager.sliding_window is None and done is not None:
+                    curr = min(curr, len(done))
+                    continue
+                found = manager.find_longest_cache_hit(block_hashes, curr, group_ids)
+                curr = len(found[0])
+                for gid, blocks in zip(group_ids, found):
+                    hits[gid] = blocks
+            if curr >= hit_len:
                 break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+            hit_len = curr
+            if simple:
+                break
+        for gid, manager in enumerate(self.managers):
+            blocks = hits[gid]
+            if manager.sliding_window is None and blocks is not None:
+                del blocks[hit_len:]
+        return KVCacheBlocks(tuple(b if b is not None else [] for b in hits)), hit_len * self.block_size
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
@@ -109,66 +190,68 @@ class KVCacheManager:
         return stats
 
     # Allocation -------------------------------------------------------------------------------
-    def _num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
-    ) -> int:
-        num_required = cdiv(num_tokens, self.block_size)
-        num_owned = len(self.req_to_blocks.get(request_id, ()))
-        num_new = max(num_required - len(new_computed_blocks) - num_owned, 0)
-        # A hit block sitting in the free queue leaves it when touched: it costs a free block too.
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return num_new + num_evictable
+    def _num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed: tuple[list[KVCacheBlock], ...],
+                                num_computed_tokens: int, admission: bool = False) -> int:
+        need = 0  # a loop, not sum(generator): this runs for every scheduled request every step
+        for m, blocks in zip(self.managers, new_computed):
+            need += m.get_num_blocks_to_allocate(request_id, num_tokens, blocks, num_computed_tokens, admission)
+        return need
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
-    ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens of `request` (after its prefix hit, if any).
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` more tokens of `request` (after its prefix hit, if any),
+        in vLLM's order: admission check (sliding groups capped), free what fell out of the
+        windows, then count and allocate in every group.
 
-        Returns the newly allocated blocks (possibly empty), or None if the pool cannot hold them,
-        in which case nothing changed.
+        Returns the newly allocated blocks per group (possibly empty), or None if the pool cannot
+        hold them, in which case no block was allocated (blocks that left a window stay freed, as
+        in vLLM).
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens to adopt")
-        new_computed = new_computed_blocks or []
+        new_computed = (new_computed_blocks or self.empty_blocks).blocks
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed, self.max_model_len)
+        rid = request.request_id
 
         # The watermark holds back headroom only from admissions, and only if someone else runs.
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark = self.watermark_blocks
-        num_free = self.block_pool.get_num_free_blocks()
 
         if full_sequence_must_fit:
             full_len = min(request.num_tokens, self.max_model_len)
-            need = self._num_blocks_to_allocate(request.request_id, full_len, new_computed)
-            if need + watermark > num_free:
+            need = self._num_blocks_to_allocate(rid, full_len, new_computed, total_computed, admission=True)
+            if need + watermark > self.block_pool.get_num_free_blocks():
                 return None
 
         num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        need = self._num_blocks_to_allocate(request.request_id, num_tokens_need_slot, new_computed)
-        if need + watermark > num_free:
+        for manager in self._sliding_managers:
+            manager.remove_skipped_blocks(rid, total_computed)  # even if the allocation below fails (as vLLM)
+        need = self._num_blocks_to_allocate(rid, num_tokens_need_slot, new_computed, total_computed)
+        if need + watermark > self.block_pool.get_num_free_blocks():
             return None
 
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if new_computed:
-            self.block_pool.touch(new_computed)
-            req_blocks.extend(new_computed)
-            self.num_cached_block[request.request_id] = len(new_computed)
-        num_missing = cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_missing) if num_missing > 0 else []
-        req_blocks.extend(new_blocks)
+        # Every group's hit blocks are touched before any group allocates, so one group's new
+        # blocks cannot evict another's hit (vLLM's two-phase allocate_new_computed_blocks).
+        if new_computed_blocks is not None:
+            for manager, blocks in zip(self.managers, new_computed):
+                manager.add_computed_blocks(rid, blocks, total_computed)
+        new_blocks = KVCacheBlocks(tuple([m.allocate_new_blocks(rid, num_tokens_need_slot) for m in self.managers]))
 
         if self.enable_caching:
             # Only verified tokens are cached (never draft tokens that may be rejected).
-            self._cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            num_cacheable = min(total_computed + num_new_tokens, request.num_tokens)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_cacheable)
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -178,27 +261,36 @@ class KVCacheManager:
             self._cache_blocks(request, min(num_computed_tokens, request.num_tokens))
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
-        request_id = request.request_id
-        num_cached = self.num_cached_block.get(request_id, 0)
-        num_full = num_tokens // self.block_size
-        if num_full > num_cached:
-            self.block_pool.cache_full_blocks(
-                self.req_to_blocks[request_id], request.block_hashes, num_cached, num_full
-            )
-            self.num_cached_block[request_id] = num_full
+        for manager in self.managers:
+            manager.cache_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
-        """Return a request's blocks, tail first, so its deepest blocks are evicted before its root."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        """Return a request's blocks, group by group, each tail first (its deepest blocks are
+        evicted before its root)."""
+        for manager in self.managers:
+            manager.free(request.request_id)
 
     def num_blocks_held(self, request_id: str) -> int:
-        """Blocks freeing the request would return (a sliding-window manager leaves out NULL_BLOCK)."""
-        return len(self.req_to_blocks.get(request_id, ()))
+        """Blocks freeing the request would return, all groups together (NULL_BLOCK left out)."""
+        return sum(m.num_blocks_held(request_id) for m in self.managers)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def num_blocks_held_per_group(self, request_id: str) -> list[int]:
+        return [m.num_blocks_held(request_id) for m in self.managers]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a request of `num_tokens` tokens needs at its longest: with one group its
+        cdiv(num_tokens, block_size) (as before groups); with hybrid groups each group's share,
+        sliding ones bounded by their window."""
+        if len(self.managers) == 1:
+            return cdiv(num_tokens, self.block_size)
+        return sum(m.blocks_for_tokens(num_tokens) for m in self.managers)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table of each group (vLLM's tuple of lists; NULL_BLOCK is id 0)."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -18,14 +18,15 @@ class NewRequestData:
 
     `prefill_token_ids` is the whole current sequence (prompt + outputs so far, so a resumed
     request recomputes its outputs too); `num_computed_tokens` is where this step starts
-    (its prefix-cache hit, or 0).
+    (its prefix-cache hit, or 0). `block_ids`: its block table, one list per KV cache group
+    (vLLM's tuple; one group unless the model mixes sliding and full layers).
     """
 
     req_id: str
     prompt_token_ids: list[int]
     prefill_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
@@ -34,7 +35,7 @@ class CachedRequestData:
     """Requests the runner already holds: only what changed since their last step."""
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # per request, per KV cache group
     num_computed_tokens: list[int] = field(default_factory=list)
 
     @property

@@ -37,7 +37,8 @@ from tokenloom.config import (
     check_long_prefill_threshold,
 )
 from tokenloom.core.cost_model import CostModel
-from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from tokenloom.core.kv_cache_groups import make_kv_cache_groups
+from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -49,7 +50,6 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
-from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.core.slo_budget import SloBudgetController
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.core.structured_output import StructuredOutputManager
@@ -116,20 +116,18 @@ class Scheduler:
         self.spec_decoding_per_request: dict[str, list[int]] = {}
         self.spec_decoding_totals = SpecDecodingStats.new(self.num_spec_tokens) if speculative_config else None
 
+        # One group unless the model mixes sliding-window and full layers (vLLM's hybrid groups). The
+        # scheduler needs the groups' kinds only (which layers are in them matters to the runner), so
+        # "every layer full" (layer_windows None) is one full group, however many layers.
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
             max_model_len=scheduler_config.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
-        ) if cache_config.sliding_window is None else SlidingWindowKVCacheManager(
-            num_blocks=cache_config.num_blocks,
-            block_size=cache_config.block_size,
-            max_model_len=scheduler_config.max_model_len,
-            sliding_window=cache_config.sliding_window,
+            kv_cache_groups=make_kv_cache_groups(cache_config.layer_windows, 1,
+                                                 hybrid=not cache_config.disable_hybrid_kv_cache_manager),
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-            enable_caching=cache_config.enable_prefix_caching,
-            watermark=scheduler_config.watermark,
         )
         self.requests: dict[str, Request] = {}
         # Opt-in policies beyond vLLM (core/policies.py). None, the default, keeps vLLM's decisions.
@@ -186,8 +184,9 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
+        kv = self.kv_cache_manager
         fit = prompt_fit(request.num_prompt_tokens, request.max_tokens, self.max_model_len, self.block_size,
-                         self.kv_cache_manager.num_blocks)  # fmt: skip
+                         kv.num_blocks, kv.blocks_needed)  # fmt: skip
         if fit.empty:
             raise RequestRejected(f"request {rid!r}: the prompt is empty")
         if fit.no_room_to_generate:
@@ -245,7 +244,7 @@ class Scheduler:
         scheduled_resumed_reqs: list[Request] = []
         scheduled_running_reqs: list[Request] = []
         preempted_reqs: list[Request] = []
-        req_to_new_block_ids: dict[str, list[int]] = {}
+        req_to_new_block_ids: dict[str, tuple[list[int], ...]] = {}
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         cached_tokens: dict[str, int] = {}
@@ -329,7 +328,7 @@ class Scheduler:
 
             scheduled_running_reqs.append(request)
             prefill_scheduled |= request.is_prefill_chunk
-            req_to_new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
@@ -513,7 +512,7 @@ class Scheduler:
         head = self.waiting.peek_request()
         kv = self.kv_cache_manager
         victims = self.priority_preemption.victims_for(head, self.running, self.num_schedule_calls)
-        need = cdiv(head.num_tokens, self.block_size) + (kv.watermark_blocks if self.running else 0)
+        need = kv.blocks_needed(head.num_tokens) + (kv.watermark_blocks if self.running else 0)
 
         def short_of_blocks() -> bool:
             return kv.block_pool.get_num_free_blocks() < need

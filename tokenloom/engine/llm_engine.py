@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
+from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
@@ -68,11 +69,20 @@ class LLMEngine:
                                                             config.generation_config, self.eos_token_id)
 
         cache_cfg = config.cache or CacheConfig()
-        block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype)
+        cache_cfg = replace(cache_cfg, layer_windows=self._layer_windows(loaded.config))
+        kv_cache_groups = make_kv_cache_groups(cache_cfg.layer_windows, loaded.config.num_hidden_layers,
+                                               hybrid=not cache_cfg.disable_hybrid_kv_cache_manager)
+        # A block holds the K/V of one group's layers (all of them with one group).
+        block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype,
+                                               num_layers=layers_per_block(kv_cache_groups))
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
-                                           num_blocks * cache_cfg.block_size)
-        cache_cfg = replace(cache_cfg, num_blocks=num_blocks, sliding_window=self._uniform_window(loaded.config))
+                                           num_blocks * cache_cfg.block_size // len(kv_cache_groups))
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        if len(kv_cache_groups) > 1:
+            logger.info("%s mixes sliding-window and full-attention layers: %d KV cache groups of %d layers "
+                        "(vLLM's hybrid KV cache manager; --disable-hybrid-kv-cache-manager keeps every block)",
+                        loaded.config.architecture, len(kv_cache_groups), layers_per_block(kv_cache_groups))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
 
         calibration = None
@@ -84,6 +94,7 @@ class LLMEngine:
         self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
                                                     block_size=cache_cfg.block_size,
                                                     num_blocks=num_blocks, dtype=dtype, device=device,
+                                                    kv_cache_groups=kv_cache_groups,
                                                     calibration_token_ids=calibration)
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
@@ -125,17 +136,11 @@ class LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
 
     @staticmethod
-    def _uniform_window(model_config: Any) -> int | None:
-        """The sliding window when every layer has one (the KV manager then frees blocks that fall
-        out of it); None otherwise. Models mixing sliding and full layers keep every block: one
-        block id spans all layers here (vLLM's per-group block tables are not built)."""
-        windows = model_config.sliding_windows
-        if windows and all(w is not None for w in windows):
-            return windows[0] if len(set(windows)) == 1 else None
-        if any(w is not None for w in windows):
-            logger.info("%s mixes sliding-window and full-attention layers: the KV cache keeps every block "
-                        "(sliding layers are masked, not freed)", model_config.architecture)
-        return None
+    def _layer_windows(model_config: Any) -> tuple[int | None, ...] | None:
+        """Each layer's sliding window, or None when no layer has one (the KV cache groups follow:
+        every layer windowed → one sliding group; mixed → hybrid groups, tokenloom/core/kv_cache_groups.py)."""
+        windows = tuple(model_config.sliding_windows)
+        return windows if any(w is not None for w in windows) else None
 
     # Sizing ---------------------------------------------------------------------------------
     @staticmethod

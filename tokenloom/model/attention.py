@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, layers_per_block
 from tokenloom.model.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]
@@ -211,11 +212,13 @@ class CommonAttentionMetadata:
         return np.searchsorted(self.query_start_loc, self.output_rows, side="right") - 1
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                             num_layers: int | None = None) -> int:
+    """Bytes one block takes, K and V, across all layers or the `num_layers` one block holds (with
+    hybrid KV cache groups, the layers of one group: tokenloom/core/kv_cache_groups.py)."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * elem
-    return per_layer * config.num_hidden_layers
+    return per_layer * (config.num_hidden_layers if num_layers is None else num_layers)
 
 
 def allocate_kv_cache(
@@ -225,17 +228,27 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     zeroed: bool = True,
+    kv_cache_groups: list[KVCacheGroupSpec] | None = None,
 ) -> list[KVCache]:
     """One allocation, handed out as a (K, V) pair of views per layer.
+
+    With KV cache groups (tokenloom/core/kv_cache_groups.py) a block holds one group's layers:
+    the allocation has `layers_per_block` slots and layer `group.layer_ids[j]` of every group uses
+    slot j, addressed through its own group's block table (vLLM's shared KV cache tensors). One
+    group of every layer (the default) is one slot per layer.
 
     Zeroed for the torch path: its padded decode slots read stale rows, and masked-out garbage must
     not be NaN/Inf (0 * NaN would poison the softmax-weighted sum). The fused kernels never let an
     unwritten slot reach a result, so they take `zeroed=False`: an uninitialised allocation, whose
     pages the OS maps on first write instead of a 2 GiB memset at start-up (~0.8 s here).
     """
-    shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    groups = kv_cache_groups or [KVCacheGroupSpec(tuple(range(config.num_hidden_layers)))]
+    slot_of = {layer: j for g in groups for j, layer in enumerate(g.layer_ids)}
+    if sorted(slot_of) != list(range(config.num_hidden_layers)):
+        raise ValueError(f"the KV cache groups must cover each of the {config.num_hidden_layers} layers once")
+    shape = (layers_per_block(groups), 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     full = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
-    return [(full[i, 0], full[i, 1]) for i in range(config.num_hidden_layers)]
+    return [(full[slot_of[i], 0], full[slot_of[i], 1]) for i in range(config.num_hidden_layers)]
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -319,15 +319,19 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache] | list[None],
         max_position: int | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final-norm hidden states [T, H] (with attn_metadata.output_rows:
-        of those rows only). Writes this step's K/V."""
+        of those rows only). Writes this step's K/V. `attn_metadata`: one for every layer, or one per
+        layer (hybrid KV cache groups: each layer reads its group's block tables)."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
-        if self.gguf_step is not None and not self.kv_packed:
+        per_layer = attn_metadata if isinstance(attn_metadata, list) else None
+        if per_layer is not None:
+            attn_metadata = per_layer[0]
+        elif self.gguf_step is not None and not self.kv_packed:
             h = self.gguf_step.run_step(input_ids, positions, attn_metadata, kv_caches, self.rope, max_position)
             if h is not None:
                 return h
@@ -341,6 +345,8 @@ class LlamaModel:
         hidden: Hidden | None = None
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if per_layer is not None:
+                ctx.attn_metadata = per_layer[i]
             hidden, h = layer(hidden, h, ctx, kv_cache, i == last)
             if hidden is None:  # no output rows: the last layer's K/V writes were the work
                 return h

@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
 from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
@@ -83,7 +85,7 @@ class _RequestState:
     req_id: str
     token_ids: list[int]  # prompt + outputs so far (its own sampled tokens appended)
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one block table per KV cache group
     params: SamplingParams
     generator: torch.Generator | None
     # Tokens whose KV this runner wrote and kept (prompt + accepted outputs, all but the last
@@ -120,6 +122,8 @@ class _StepInputs:
     positions: torch.Tensor
     max_position: int
     attn: AttentionMetadata
+    # Hybrid KV cache groups: each layer's metadata (its group's block tables); None: `attn` for all.
+    layer_attn: list[AttentionMetadata] | None
     sample_indices: torch.Tensor  # rows of the flat batch whose logits are needed
     sample_reqs: list[_RequestState] = field(default_factory=list)
     # prompt_logprobs: (request, first prompt token scored, flat-batch rows whose logits score it and on).
@@ -140,6 +144,7 @@ class ModelRunner:
         cpu_kernels: bool | None = None,
         quantization: str | None = None,
         calibration_token_ids: list[int] | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         """`model`: a LoadedModel (anything with .config and .weights), or a path / None for the
         loader (None: the default SmolLM2-135M-Instruct GGUF).
@@ -150,7 +155,10 @@ class ModelRunner:
 
         `quantization`: None, or "int8" for W8A8 decoder layers (tokenloom/model/quant.py), smoothed
         with the activations of `calibration_token_ids` when given (the engine passes
-        tokenloom/data/calibration.txt)."""
+        tokenloom/data/calibration.txt).
+
+        `kv_cache_groups`: the scheduler's KV cache groups (tokenloom/core/kv_cache_groups.py); each
+        layer reads its group's block table. None: one group of every layer."""
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
@@ -188,8 +196,17 @@ class ModelRunner:
         self.vocab_size = self.model.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_cache_groups = list(kv_cache_groups or make_kv_cache_groups(None, model.config.num_hidden_layers))
+        if len(self.kv_cache_groups) > 1 and not isinstance(self.attn_backend, TorchAttentionBackend):
+            raise ValueError("hybrid KV cache groups need the torch attention backend (their layers have windows)")
+        # Layer i reads the block table of group layer_group[i].
+        self.layer_group = [0] * model.config.num_hidden_layers
+        for g, group in enumerate(self.kv_cache_groups):
+            for layer in group.layer_ids:
+                self.layer_group[layer] = g
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device,
-                                           zeroed=self.attn_backend.zeroed_kv_cache)
+                                           zeroed=self.attn_backend.zeroed_kv_cache,
+                                           kv_cache_groups=self.kv_cache_groups)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         # Speculative decoding (enable_speculative_decoding): proposer + rejection sampler.
@@ -245,7 +262,8 @@ class ModelRunner:
     ) -> None:
         with torch.inference_mode():
             hidden = self.model.forward(
-                inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.max_position
+                inputs.input_ids, inputs.positions, inputs.layer_attn or inputs.attn, self.kv_caches,
+                inputs.max_position
             )
             if inputs.prompt_rows and prompt_logprobs is not None:
                 prompt_logprobs.update(self._prompt_logprobs(hidden, inputs.prompt_rows))
@@ -354,7 +372,8 @@ class ModelRunner:
                 failed[req_id] = error
                 self.requests.pop(req_id)
                 continue
-            state.block_ids.extend(new_blocks)
+            for table, blocks in zip(state.block_ids, new_blocks):
+                table.extend(blocks)
         return failed
 
     def _add_request(self, new: NewRequestData) -> str | None:
@@ -373,7 +392,7 @@ class ModelRunner:
             req_id=new.req_id,
             token_ids=tokens,
             num_prompt_tokens=len(new.prompt_token_ids),
-            block_ids=list(new.block_ids),
+            block_ids=tuple(list(ids) for ids in new.block_ids),
             params=params,
             generator=generator,
             num_computed=new.num_computed_tokens,
@@ -382,9 +401,12 @@ class ModelRunner:
             self.spec_decode.add_request(new.req_id, tokens)
         return None
 
-    def _check_block_ids(self, block_ids: list[int]) -> str | None:
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
-            return f"block id out of range [0, {self.num_blocks})"
+    def _check_block_ids(self, block_ids: Sequence[list[int]]) -> str | None:
+        if len(block_ids) != len(self.kv_cache_groups):
+            return f"{len(block_ids)} block tables for {len(self.kv_cache_groups)} KV cache groups"
+        for ids in block_ids:
+            if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+                return f"block id out of range [0, {self.num_blocks})"
         return None
 
     def _collect_scheduled(self, so: SchedulerOutput, failed: dict[str, str]) -> list[_Scheduled]:
@@ -457,8 +479,9 @@ class ModelRunner:
             return f"drafts of request {req_id!r} must end its scheduled tokens"
         if any(t >= self.vocab_size for t in drafts):
             return f"draft token id out of range [0, {self.vocab_size}) in request {req_id!r}"
-        if -(-(start + n) // self.block_size) > len(state.block_ids):
-            return f"{len(state.block_ids)} blocks cannot hold {start + n} tokens"
+        held = min(len(table) for table in state.block_ids)
+        if -(-(start + n) // self.block_size) > held:
+            return f"{held} blocks cannot hold {start + n} tokens"
         return None
 
     # ----------------------------------------------------------------------- input preparation
@@ -474,10 +497,13 @@ class ModelRunner:
         np.cumsum(counts, out=q_start[1:])
         ends = starts + counts
         num_blocks = -(-ends // bs)
-        tables = np.zeros((n, int(num_blocks.max())), dtype=np.int32)
+        # One block table per KV cache group (sliding groups hold block 0, the null block, where
+        # their blocks left the window: the window mask hides those keys).
+        group_tables = [np.zeros((n, int(num_blocks.max())), dtype=np.int32) for _ in self.kv_cache_groups]
         ids: list[int] = []
         for i, s in enumerate(scheduled):
-            tables[i, : num_blocks[i]] = s.state.block_ids[: num_blocks[i]]
+            for tables, table in zip(group_tables, s.state.block_ids):
+                tables[i, : num_blocks[i]] = table[: num_blocks[i]]
             if s.num_tokens == 1:
                 ids.append(s.state.token_ids[s.start])
             else:
@@ -485,15 +511,23 @@ class ModelRunner:
         total = int(q_start[-1])
         seq = np.repeat(np.arange(n), counts)
         pos = np.arange(total, dtype=np.int64) + np.repeat(starts - q_start[:-1], counts)
-        slots = tables[seq, pos // bs].astype(np.int64) * bs + pos % bs
         samples = np.fromiter((s.samples for s in scheduled), dtype=bool, count=n)
         num_drafts = np.fromiter((len(s.drafts) for s in scheduled), dtype=np.int64, count=n)
         has_drafts = bool(num_drafts.any())
-        common = CommonAttentionMetadata(
-            query_start_loc=q_start, num_computed_tokens=starts, block_table=tables, slot_mapping=slots,
-            samples=samples, block_size=bs, num_drafts=num_drafts if has_drafts else None,
-        )
+        commons = [
+            CommonAttentionMetadata(
+                query_start_loc=q_start, num_computed_tokens=starts, block_table=tables,
+                slot_mapping=tables[seq, pos // bs].astype(np.int64) * bs + pos % bs,
+                samples=samples, block_size=bs, num_drafts=num_drafts if has_drafts else None,
+            )
+            for tables in group_tables
+        ]
+        common = commons[0]
         attn = self.attn_backend.build_metadata(common)
+        # Hybrid groups: each layer gets its group's metadata (the torch backend's; only its block
+        # tables and slots differ between groups).
+        group_attn = [attn] + [self.attn_backend.build_metadata(c) for c in commons[1:]]
+        layer_attn = [group_attn[g] for g in self.layer_group] if len(group_attn) > 1 else None
         # Each sequence's last row samples (when the sequence reaches its end this step); one that
         # verifies d drafts samples from its last 1 + d rows.
         sample_rows = common.output_rows
@@ -512,6 +546,7 @@ class ModelRunner:
             positions=self._to_device(pos),
             max_position=int(ends.max()) - 1,
             attn=attn,
+            layer_attn=layer_attn,
             sample_indices=sample_idx,
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
             prompt_rows=prompt_rows,

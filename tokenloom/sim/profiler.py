@@ -120,7 +120,8 @@ class StepDriver:
     def _new(self, row: Row, extra_tokens: int = 0) -> NewRequestData:
         req_id = f"p{next(self.ids)}"
         tokens = self.rng.integers(1, self.vocab_size, size=row.length).tolist()
-        return NewRequestData(req_id, tokens, tokens, self.params, self._blocks(row.length + extra_tokens), row.start)
+        return NewRequestData(req_id, tokens, tokens, self.params, (self._blocks(row.length + extra_tokens),),
+                              row.start)
 
     def begin(self, rows: Sequence[Row], repeats: int) -> SchedulerOutput:
         """The shape's first call: everything new. Decodes get blocks for the calls to come."""
@@ -147,7 +148,7 @@ class StepDriver:
         new = [self._new(r) for r in prefill_rows]
         cached = CachedRequestData(
             req_ids=[rid for rid, _ in self.live.decodes],
-            new_block_ids=[[] for _ in self.live.decodes],
+            new_block_ids=[([],) for _ in self.live.decodes],
             num_computed_tokens=[c for _, c in self.live.decodes],
         )
         scheduled = {rid: 1 for rid, _ in self.live.decodes} | {nr.req_id: r.n for nr, r in zip(new, prefill_rows)}

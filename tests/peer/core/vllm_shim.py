@@ -32,13 +32,7 @@ class SamplingParams(_TLSamplingParams):
 
 
 class _Scheduler(_TLScheduler):
-    """vLLM's NewRequestData.block_ids is one list per KV-cache group: tokenloom has one group."""
-
-    def schedule(self, *args: Any, **kwargs: Any) -> tl_outputs.SchedulerOutput:
-        out = super().schedule(*args, **kwargs)
-        for new in out.scheduled_new_reqs:
-            new.block_ids = (new.block_ids,)  # type: ignore[assignment]
-        return out
+    """tokenloom's Scheduler (NewRequestData.block_ids is already vLLM's one list per KV cache group)."""
 
 
 def create_scheduler(
