@@ -121,6 +121,10 @@ def test_tool_choice_without_a_parser_is_vllms_400() -> None:
     assert tool_setup([WEATHER], "none", None, None).mode == "none"
     assert tool_setup([WEATHER], None, None, None, tool_choice_given=True).mode == "none"
     assert tool_setup([WEATHER], None, None, "hermes", tool_choice_given=True).mode == "auto"
+    # An empty tool list is no tools to vLLM: tool_choice stays "none"; "required" cannot be met.
+    assert tool_setup([], None, None, None, tool_choice_given=False).mode == "none"
+    with pytest.raises(APIError, match="tools contains no function tool"):
+        tool_setup([], "required", None, "hermes")
 
 
 def test_server_config_checks_the_flags_as_vllm() -> None:

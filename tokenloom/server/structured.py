@@ -137,7 +137,8 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if tool_choice is None:
         # Absent: "auto", OpenAI's default when tools are given (vLLM's validator sets it). An explicit
         # null stays None in vLLM: parsed as "auto" when a parser is on, else plain text.
-        tool_choice = "auto" if not tool_choice_given or parser is not None else "none"
+        # An empty list counts as no tools there (the default stays "none").
+        tool_choice = "auto" if by_name and (not tool_choice_given or parser is not None) else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, "
@@ -155,6 +156,9 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
 
 def _check_parser(setup: ToolSetup) -> ToolSetup:
     """vLLM's 400s (its words) for a tool_choice that needs a tool parser the server was not given."""
+    if setup.mode == "required" and setup.parser is not None and not setup.tools:
+        raise APIError(400, "tool_choice requires a function call, but tools contains no function tool the "
+                            "model can call.", "tool_choice")
     if setup.parser is not None or setup.mode == "none":
         return setup
     if setup.mode == "auto":
