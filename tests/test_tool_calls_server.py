@@ -139,3 +139,31 @@ def test_unconstrained_auto_call_is_parsed(client) -> None:
     content, calls, finish, _ = streamed(client, **kwargs)
     assert calls[0]["arguments"] == call.function.arguments  # written in json.dumps's spacing: exact
     assert content == "Checking.\n" and finish == "tool_calls" and calls[0]["pieces"] > 3
+
+
+def test_fuzzed_tool_fields_are_200_or_a_clear_400(server) -> None:
+    import random
+
+    import httpx
+
+    bad_schema = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "strin"}}}
+    tools_values = [[], [{}], [WEATHER], "x", 5, None, [bad_schema], [WEATHER, TIME],
+                    [{"type": "function", "function": {"name": "f", "parameters": "x"}}]]
+    choice_values = ["auto", "required", "none", "bogus", {"type": "function"}, NAMED, 5, None,
+                     {"type": "function", "function": {"name": "get_time"}}]
+    rng = random.Random(7)
+    statuses: dict[int, int] = {}
+    for _ in range(30):
+        body = {"messages": ASK, "max_completion_tokens": 4, "tools": rng.choice(tools_values),
+                "tool_choice": rng.choice(choice_values), "parallel_tool_calls": rng.choice([True, False, "x"]),
+                "stream": rng.choice([True, False])}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            r.read()
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
+            if r.status_code == 400:
+                err = r.json()["error"]
+                assert err["type"] == "BadRequestError" and err["message"], err
+            else:
+                assert b'"code":500' not in r.content, (body, r.text[:300])
+    assert statuses.get(200) and statuses.get(400), statuses

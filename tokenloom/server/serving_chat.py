@@ -50,7 +50,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     check_chat_request(req, state.vocab_size)
     config = state.config
     parser = config.tool_call_parser if config.enable_auto_tool_choice else None
-    tools = tool_setup(req.tools, req.tool_choice, obj.get("parallel_tool_calls"), parser, "tool_choice" in obj)
+    tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
     extras = ChatExtras(tools, structured_outputs_of(obj, tools, config.tool_strict_level))
     if tools is not None and tools.parser is not None and tools.mode != "none" \
             and get_tool_parser(tools.parser).keeps_special_tokens:
