@@ -167,3 +167,31 @@ def test_fuzzed_tool_fields_are_200_or_a_clear_400(server) -> None:
             else:
                 assert b'"code":500' not in r.content, (body, r.text[:300])
     assert statuses.get(200) and statuses.get(400), statuses
+
+
+def test_a_speculating_server_makes_the_same_calls(client, tmp_path) -> None:
+    # Issues 13 + 18 together: the forced call's grammar constrains every draft position, so n-gram
+    # speculation changes nothing in the greedy output, and its acceptance shows in /metrics.
+    import re
+
+    import httpx
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    messages = [{"role": "user", "content": "Weather in Paris, in celsius. Call get_weather with "
+                                            '{"city": "Paris", "unit": "celsius"}.'}]
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                  max_completion_tokens=120, temperature=0.0)
+    want = client.chat.completions.create(**kwargs)
+    with ServerProcess("--host", "127.0.0.1", "--max-model-len", "1024", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--speculative-config", json.dumps(ngram),
+                       log_path=tmp_path / "server.log") as spec_server:
+        spec = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = spec.chat.completions.create(**kwargs)
+        assert [(c.function.name, c.function.arguments) for c in got.choices[0].message.tool_calls] == \
+            [(c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls]
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason == "tool_calls"
+        _, calls, finish, _ = streamed(spec, **kwargs)
+        same_calls(want.choices[0].message.tool_calls, calls)
+        metrics = httpx.get(spec_server.url + "/metrics", timeout=30).text
+        accepted = re.search(r"^tokenloom:spec_decode_num_accepted_tokens_total\{[^}]*\} ([0-9.e+]+)$", metrics, re.M)
+        assert accepted and float(accepted.group(1)) > 0, metrics[-2000:]
