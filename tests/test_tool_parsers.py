@@ -165,6 +165,8 @@ def test_required_and_named_are_forced_with_a_structural_tag() -> None:
 
 def test_auto_is_free_unless_a_tool_is_strict() -> None:
     assert structured_outputs_of({}, tool_setup([WEATHER], "auto", None, "hermes")) is None
+    # An explicit null is parsed as "auto" but never constrained (vLLM: need_tool_calling is false).
+    assert structured_outputs_of({}, tool_setup([WEATHER, TIME], None, None, "hermes", True)) is None
     so = structured_outputs_of({}, tool_setup([WEATHER, TIME], "auto", None, "hermes"))
     assert _accepts(so, "Just text.") and _accepts(so, 'Text <tool_call>{"name": "get_time", "arguments": '
                                                        '{"tz": "CET"}}</tool_call>')

@@ -31,6 +31,8 @@ class ToolSetup:
     named: str | None = None
     parallel_tool_calls: bool = True  # False: at most one call (the grammar stops after it)
     parser: str | None = None  # the server's --tool-call-parser, when --enable-auto-tool-choice is on
+    # tool_choice was an explicit null: vLLM parses it as "auto" but never constrains it.
+    choice_null: bool = False
 
     @property
     def parses_calls(self) -> bool:
@@ -139,11 +141,15 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
         # null stays None in vLLM: parsed as "auto" when a parser is on, else plain text.
         # An empty list counts as no tools there (the default stays "none").
         tool_choice = "auto" if by_name and (not tool_choice_given or parser is not None) else "none"
+        null = tool_choice_given
+    else:
+        null = False
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, "
                                 f"got {tool_choice!r}", "tool_choice")
-        return _check_parser(ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel, parser=parser))
+        return _check_parser(ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel, parser=parser,
+                                       choice_null=null))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):

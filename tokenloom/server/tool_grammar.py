@@ -62,7 +62,7 @@ def _output_format(so: StructuredOutputsParams) -> dict[str, Any] | None:
 def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
                             strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's constraint once its tools are taken into account (`requested` when they add none)."""
-    if tools.parser is None or tools.mode == "none":
+    if tools.parser is None or tools.mode == "none" or tools.choice_null:
         return requested
     parser = get_tool_parser(tools.parser)
     if parser.structural_tag_model != "hermes":
