@@ -100,6 +100,19 @@ def test_constrained_and_free_requests_share_a_batch(llm) -> None:
     assert mixed[0].outputs[0].text == alone and mixed[1].outputs[0].text in ("yes", "no")
 
 
+def test_async_scheduling_gives_the_same_constrained_output(llm) -> None:
+    # With async scheduling a constrained request's previous token is still in flight when its next
+    # step is scheduled: the bitmask waits for it (pending_structured_output_tokens) instead of being
+    # built from a matcher one token behind (which made the grammar reject the sampled token).
+    prompts = ["A person as JSON:", "Another person:", "The capital of France is"]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=SCHEMAS["nested"])) for _ in range(2)] + [SamplingParams(temperature=0.0, max_tokens=20)]
+    want = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    async_llm = LLM(max_model_len=512, async_scheduling=True)
+    got = [o.outputs[0] for o in async_llm.generate(prompts, params, use_tqdm=False)]
+    assert [(o.finish_reason, o.token_ids) for o in got] == [(o.finish_reason, o.token_ids) for o in want]
+
+
 def test_unfinished_grammar_ends_with_length_and_the_partial_text(llm) -> None:
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 50}
     params = SamplingParams(temperature=0.0, max_tokens=6,

@@ -1,7 +1,7 @@
 """Structured outputs and tool calls through the server with the official openai client (default model):
-response_format json_schema and beta.chat.completions.parse, tool calls named / required / auto
-(whole and streamed), completions with structured_outputs, 400s with the reason, and a slow grammar
-compile that does not stall a request already streaming."""
+response_format json_schema and beta.chat.completions.parse, completions with structured_outputs, 400s
+with the reason (tool_choice without --enable-auto-tool-choice among them), and a slow grammar compile
+that does not stall a request already streaming. Tool calls: tests/test_tool_calls_server.py."""
 
 from __future__ import annotations
 
@@ -24,10 +24,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                      "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Current time in a timezone",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
-                   "required": ["tz"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -110,64 +106,6 @@ def test_completions_structured_outputs_choice_and_guided_regex(client) -> None:
     assert len(out.choices[0].text) == 4 and out.choices[0].text[:2] in ("19", "20")
 
 
-def test_named_tool_call_round_trips(client) -> None:
-    reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME], max_completion_tokens=40,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0.0)
-    [call] = reply.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and call.type == "function" and call.id
-    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    # The call goes back into the conversation, with its result, and the model answers in text.
-    follow = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", max_completion_tokens=20, temperature=0.0, tools=[WEATHER],
-        messages=ASK + [reply.choices[0].message.model_dump(exclude_none=True),
-                        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}])
-    assert follow.choices[0].message.content is not None
-
-
-def test_required_tool_calls_whole_and_streamed(client) -> None:
-    kwargs = dict(model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                  parallel_tool_calls=False, max_completion_tokens=80, temperature=0.0)
-    reply = client.chat.completions.create(**kwargs)
-    calls = reply.choices[0].message.tool_calls
-    assert calls and len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls", reply
-    for call in calls:
-        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
-    chunks = list(client.chat.completions.create(**kwargs, stream=True))
-    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == \
-        [(c.function.name, c.function.arguments) for c in calls]
-    assert [d.index for d in deltas] == list(range(len(calls)))
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-def test_auto_tool_choice_parses_hermes_calls(client) -> None:
-    # The model decides; whatever it says, a <tool_call> block becomes a tool call and the rest content.
-    reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER], tool_choice="auto",
-        max_completion_tokens=40, temperature=0.0)
-    msg = reply.choices[0].message
-    assert msg.tool_calls or msg.content
-    assert "<tool_call>" not in (msg.content or "") or not msg.tool_calls
-
-
-def test_hermes_parser_and_streaming_parser() -> None:
-    from tokenloom.server.structured import tool_setup
-    from tokenloom.server.tool_parser import StreamingToolParser, parse_hermes
-
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = parse_hermes(text)
-    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
-    parser = StreamingToolParser(tool_setup([WEATHER], "auto"))
-    pieces = [parser.feed(text[i:i + 3], i + 3 >= len(text)) for i in range(0, len(text), 3)]
-    assert "".join(c for c, _ in pieces) == "Let me check.\n"
-    [call] = [c for _, cs in pieces for c in cs]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
-    assert parse_hermes("no calls here") == ("no calls here", [])
-
-
 @pytest.mark.parametrize("body, reason", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "invalid JSON schema"),
@@ -176,6 +114,11 @@ def test_hermes_parser_and_streaming_parser() -> None:
     ({"structured_outputs": {"regex": "(ab"}}, "regex does not compile"),
     ({"guided_grammar": "root ::= ("}, "EBNF"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    # This server runs without --enable-auto-tool-choice: vLLM's 400s, word for word.
+    ({"tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+    ({"tools": [WEATHER], "tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser to be set'),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     'tool_choice=function "get_weather" requires --tool-call-parser to be set'),
     ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "only one kind"),
 ])
 def test_bad_input_is_a_400_with_the_reason(server, body, reason: str) -> None:

@@ -12,6 +12,9 @@ real token from its own state when the step runs (it runs after step N in the sa
                                   become K placeholders [-1] * K (the worker proposes the real ones)
     _update_request_with_output   placeholders -= len(appended tokens) (not for stale output); the
                                   now-known tokens are committed to the prefix cache
+    _grammar_lags                 a constrained request with a token in flight: its matcher has not
+                                  seen it, so the step's grammar bitmask is deferred
+                                  (pending_structured_output_tokens; the engine core fills it)
 
 The rest lives in the base Scheduler, as in vLLM: the max_tokens guard (a request whose in-flight
 step already yields its last token is skipped), the rollback of rejected drafts from placeholders,
@@ -27,6 +30,11 @@ from tokenloom.core.scheduler import Scheduler
 
 
 class AsyncScheduler(Scheduler):
+    def _grammar_lags(self, sampling: list[Request]) -> bool:
+        # A placeholder is a token sampled (or being sampled) but not yet accepted by the matcher:
+        # the bitmask must wait for it (vLLM: pending_structured_output_tokens).
+        return any(r.num_output_placeholders > 0 for r in sampling)
+
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         num_spec_tokens = getattr(self, "num_spec_tokens", 0)

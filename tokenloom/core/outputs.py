@@ -63,9 +63,13 @@ class SchedulerOutput:
     num_prefill_tokens: dict[str, int] = field(default_factory=dict)
     bound_by: str = "nothing"
     # Structured outputs: the constrained requests that sample this step, and their grammar bitmask
-    # (one row each, in this order; int32 words, one bit per vocabulary entry, 1 = allowed).
+    # (rows in this order: one per scheduled draft plus one, per request; int32 words, one bit per
+    # vocabulary entry, 1 = allowed). `pending_structured_output_tokens` (async scheduling): a
+    # constrained request has a token in flight, so the bitmask waits for it (vLLM's field; the
+    # engine core fills it with Scheduler.fill_grammar_bitmask once that step's output is in).
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    pending_structured_output_tokens: bool = False
     # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
     policy_actions: dict[str, Any] = field(default_factory=dict)
 

@@ -481,15 +481,38 @@ class Scheduler:
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """Bitmask rows for exactly the constrained requests that sample this step (before the
-        frontier advances: a chunk that stops short of the sequence's end samples nothing)."""
+        frontier advances: a chunk that stops short of the sequence's end samples nothing): one per
+        scheduled draft position and one more, per request. Deferred when a matcher lags behind a
+        token still in flight (async scheduling)."""
         sampling = [
             r for rid, n in output.num_scheduled_tokens.items()
             if (r := self.requests[rid]).use_structured_output and r.num_computed_tokens + n >= r.num_tokens
         ]
-        if sampling:
-            assert self.structured_output_manager is not None
-            output.structured_output_request_ids = [r.request_id for r in sampling]
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+        if not sampling:
+            return
+        output.structured_output_request_ids = [r.request_id for r in sampling]
+        if self._grammar_lags(sampling):
+            output.pending_structured_output_tokens = True
+        else:
+            self.fill_grammar_bitmask(output)
+
+    def _grammar_lags(self, sampling: list[Request]) -> bool:
+        """Whether a matcher has not seen a token already sampled (never here: update_from_output of
+        the previous step ran before this schedule)."""
+        return False
+
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The step's bitmask from the matchers as they are now (vLLM's get_grammar_bitmask): rows for
+        its constrained requests still alive (one that finished meanwhile samples nothing useful; its
+        late output is dropped, so it gets no row)."""
+        assert self.structured_output_manager is not None
+        alive = [r for rid in output.structured_output_request_ids
+                 if (r := self.requests.get(rid)) is not None and not r.is_finished()
+                 and r.structured_output_request is not None and r.structured_output_request.matcher is not None]
+        output.structured_output_request_ids = [r.request_id for r in alive]
+        output.grammar_bitmask = (self.structured_output_manager.grammar_bitmask(
+            alive, output.scheduled_spec_decode_tokens) if alive else None)
+        output.pending_structured_output_tokens = False
 
     def _schedule_spec_tokens(self, request: Request, num_new_tokens: int, scheduled: dict[str, list[int]]) -> None:
         """The drafts that fit in `num_new_tokens` go out; scheduling a request always clears its
@@ -746,16 +769,17 @@ class Scheduler:
 
     def update_draft_token_ids(self, req_ids: Iterable[str], draft_token_ids: Iterable[list[int]]) -> None:
         """The proposer's drafts after a step (vLLM's post_step): ignored for finished requests,
-        dropped for a request whose last chunk was a partial prefill, else the pending drafts."""
+        dropped for a request whose last chunk was a partial prefill, else the pending drafts; a
+        constrained request keeps the longest prefix its grammar accepts (vLLM's validate_tokens)."""
         for req_id, drafts in zip(req_ids, draft_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            if request.is_prefill_chunk or request.use_structured_output:
-                # Constrained requests are not speculated on yet: their drafts would be verified
-                # without grammar bitmask rows (vLLM filters them with the grammar instead).
+            if request.is_prefill_chunk:
                 request.spec_token_ids = []
                 continue
+            if request.use_structured_output and self.structured_output_manager is not None:
+                drafts = self.structured_output_manager.validate_tokens(request, drafts)
             request.spec_token_ids = list(drafts)
 
     def _update_request_with_output(

@@ -5,8 +5,12 @@ vLLM: `vllm/v1/structured_output/__init__.py`. The scheduler drives it:
 - `grammar_init(request)` when a constrained request arrives: compilation is submitted to a thread
   pool (cached by (kind, spec), so equal schemas compile once and share the result); the request
   waits in WAITING_FOR_FSM and is skipped, not blocking the queue, until `is_ready` says so;
-- `grammar_bitmask(requests)` each step: one bitmask row per request that samples in this step
-  (the allowed next tokens, one bit per vocabulary entry), carried in the SchedulerOutput;
+- `grammar_bitmask(requests, spec_tokens)` each step: per request that samples in this step, one
+  bitmask row per scheduled draft position plus one for the token after them (the allowed next
+  tokens, one bit per vocabulary entry), carried in the SchedulerOutput. The matcher walks the drafts
+  to fill their rows and is rolled back after (vLLM's grammar_bitmask with spec tokens);
+- `validate_tokens(request, drafts)`: the longest prefix of the proposer's drafts the grammar accepts
+  (what the scheduler keeps; vLLM's update_draft_token_ids);
 - `accept_tokens(request, ids)` with the tokens the step produced: advances the matcher;
 - `free(request)` when the request ends (finished, aborted, errored), also while still compiling.
 
@@ -20,7 +24,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,6 +47,7 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: Any, stop_token_ids: Sequence[int]) -> GrammarMatcher: ...
     def allocate_bitmask(self, num_rows: int) -> Any: ...
     def fill_all_allowed(self, bitmask: Any, index: int) -> None: ...
+    def copy_row(self, bitmask: Any, src: int, dst: int) -> None: ...
 
 
 @dataclass
@@ -125,18 +130,63 @@ class StructuredOutputManager:
             so.matcher = None
 
     # The step ----------------------------------------------------------------------------------
-    def grammar_bitmask(self, requests: Sequence[Request]) -> Any:
-        """One row per request, in order: the tokens each may sample next (all, once terminated)."""
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        spec_tokens: Mapping[str, Sequence[int]] | None = None) -> Any:
+        """Rows in request order: for each request, one per scheduled draft (what may stand at that
+        position given the drafts before it), then one for the token after the drafts. A placeholder
+        draft (-1) and everything after it is unconstrained (its output is never used); once a draft
+        is rejected, the rows after it repeat the last valid one (vLLM does both)."""
+        spec_tokens = spec_tokens or {}
         backend = self.backend
-        bitmask = backend.allocate_bitmask(len(requests))
-        for i, request in enumerate(requests):
+        bitmask = backend.allocate_bitmask(sum(1 + len(spec_tokens.get(r.request_id, ())) for r in requests))
+        row = 0
+        for request in requests:
             so = request.structured_output_request
             assert so is not None and so.matcher is not None
-            if so.matcher.is_terminated():
-                backend.fill_all_allowed(bitmask, i)
+            matcher = so.matcher
+            advanced, seen_padding, failed = 0, False, None
+            for token in spec_tokens.get(request.request_id, ()):
+                if failed is not None:
+                    backend.copy_row(bitmask, failed, row)
+                    row += 1
+                    continue
+                self._fill_row(matcher, bitmask, row, not seen_padding)
+                if token < 0:
+                    seen_padding = True
+                elif not seen_padding:
+                    if not matcher.is_terminated() and matcher.accept_token(token):
+                        advanced += 1
+                    else:
+                        failed = row  # validate_tokens makes this unexpected
+                row += 1
+            if failed is not None:
+                backend.copy_row(bitmask, failed, row)
             else:
-                so.matcher.fill_bitmask(bitmask, i)
+                self._fill_row(matcher, bitmask, row, not seen_padding)
+            row += 1
+            if advanced:
+                matcher.rollback(advanced)
         return bitmask
+
+    def _fill_row(self, matcher: GrammarMatcher, bitmask: Any, row: int, apply: bool) -> None:
+        if apply and not matcher.is_terminated():
+            matcher.fill_bitmask(bitmask, row)
+        else:  # unconstrained: a placeholder position, or past the grammar's end (ignore_eos)
+            self.backend.fill_all_allowed(bitmask, row)
+
+    def validate_tokens(self, request: Request, token_ids: Sequence[int]) -> list[int]:
+        """The longest prefix of `token_ids` the grammar accepts from the request's position; the
+        matcher is left where it was."""
+        so = request.structured_output_request
+        assert so is not None and so.matcher is not None
+        accepted = 0
+        for token in token_ids:
+            if token < 0 or so.matcher.is_terminated() or not so.matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            so.matcher.rollback(accepted)
+        return list(token_ids[:accepted])
 
     def accept_tokens(self, request: Request, token_ids: Sequence[int]) -> bool:
         """Advance the request's matcher; False if the grammar rejects a token."""

@@ -103,8 +103,17 @@ class EngineCore:
             t_start = self.clock()
             scheduler_output = self.scheduler.schedule()
             t_scheduled = self.clock()
+            finished: list[EngineCoreOutput] = []
+            if scheduler_output.pending_structured_output_tokens:
+                # A constrained request's last token is still in flight: its grammar bitmask needs it.
+                # vLLM runs the forward pass and defers only the sampling; here the runner does both
+                # in one call, so the step waits for the one in flight (only steps with such a request).
+                finished = self.drain()
+                self.scheduler.fill_grammar_bitmask(scheduler_output)
             future = self.executor.execute_model(scheduler_output, non_block=True)
             queue.append(_InFlight(scheduler_output, future, t_start, t_scheduled))  # type: ignore[arg-type]
+            if finished:
+                return finished
             if len(queue) < self.batch_queue_size and (
                 not scheduler_output.is_empty or self.scheduler.has_requests()
             ):

@@ -86,6 +86,9 @@ class XgrammarBackend:
     def fill_all_allowed(self, bitmask: torch.Tensor, index: int) -> None:
         bitmask[index].fill_(-1)
 
+    def copy_row(self, bitmask: torch.Tensor, src: int, dst: int) -> None:
+        bitmask[dst].copy_(bitmask[src])
+
 
 def make_xgrammar_backend(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
     """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`)."""

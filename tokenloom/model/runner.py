@@ -237,7 +237,7 @@ class ModelRunner:
         if scheduled:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
-                      grammar_rows(scheduler_output, inputs.sample_reqs))
+                      grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
         if self.spec_decode is not None:
             self.spec_decode.propose(sampled)
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -273,7 +273,7 @@ class ModelRunner:
                 hidden = hidden.index_select(0, inputs.sample_indices)
             rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in inputs.sample_reqs]
             if inputs.sample_drafts is not None:
-                self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits)
+                self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits, grammar)
                 return
             if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
                 # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
@@ -331,13 +331,13 @@ class ModelRunner:
 
     def _run_verification(self, inputs: _StepInputs, hidden: torch.Tensor, rows: list[SamplingRow],
                           sampled: dict[str, list[int]], logprobs: dict[str, list[SampleLogprobs]],
-                          return_logits: bool) -> None:
+                          return_logits: bool, grammar: GrammarRows | None = None) -> None:
         """A batch with drafts: each sampling request has 1 + d output rows; the rejection sampler
         turns them into its accepted drafts plus one token."""
         assert self.spec_decode is not None and inputs.sample_drafts is not None
         token_ids, lps, logits = self.spec_decode.sample(
             lambda fp32: self.model.compute_logits(hidden, fp32=fp32), rows, inputs.sample_drafts,
-            self.model.kernels, return_logits)
+            self.model.kernels, return_logits, grammar)
         if return_logits:
             self.last_logits = logits
             self.last_logits_index = {}
@@ -578,15 +578,32 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
 
-def grammar_rows(so: SchedulerOutput, sample_reqs: list[Any]) -> GrammarRows | None:
-    """The step's grammar bitmask, paired with the sampling rows it constrains (None: no constraint)."""
+def grammar_rows(so: SchedulerOutput, sample_reqs: list[Any],
+                 sample_drafts: list[list[int]] | None = None) -> GrammarRows | None:
+    """The step's grammar bitmask, paired with the logits rows it constrains (None: no constraint).
+    With drafts, a request's 1 + d output rows each have their bitmask row (the scheduler made one per
+    draft position and one more), in the same order."""
     if so.grammar_bitmask is None:
         return None
-    where = {state.req_id: i for i, state in enumerate(sample_reqs)}
-    keep = [(j, where[rid]) for j, rid in enumerate(so.structured_output_request_ids) if rid in where]
+    width = [1 + len(d) for d in sample_drafts] if sample_drafts is not None else [1] * len(sample_reqs)
+    first_row, at = {}, 0
+    for state, n in zip(sample_reqs, width):
+        first_row[state.req_id] = (at, n)
+        at += n
+    keep: list[int] = []  # bitmask rows
+    rows: list[int] = []  # their logits rows
+    b = 0
+    for rid in so.structured_output_request_ids:
+        n = 1 + len(so.scheduled_spec_decode_tokens.get(rid) or ())
+        if rid in first_row:  # else: it failed validation this step and samples nothing
+            start, width_here = first_row[rid]
+            assert width_here == n, f"{rid}: {n} bitmask rows for {width_here} output rows"
+            keep += range(b, b + n)
+            rows += range(start, start + n)
+        b += n
     if not keep:
         return None
     bitmask = so.grammar_bitmask
-    if len(keep) != bitmask.shape[0]:  # a request that failed validation this step has no row
-        bitmask = bitmask[[j for j, _ in keep]]
-    return GrammarRows(bitmask=bitmask, rows=[i for _, i in keep])
+    if len(keep) != bitmask.shape[0]:
+        bitmask = bitmask[keep]
+    return GrammarRows(bitmask=bitmask, rows=rows)

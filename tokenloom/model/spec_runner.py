@@ -20,7 +20,7 @@ import torch
 from tokenloom.config import SpeculativeConfig
 from tokenloom.core.outputs import SampleLogprobs
 from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
-from tokenloom.model.sampler import SamplingRow, all_plain_greedy
+from tokenloom.model.sampler import GrammarRows, SamplingRow, all_plain_greedy, apply_grammar_bitmask
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
 
 
@@ -64,18 +64,25 @@ class SpecDecodeRunner:
         self._latest.clear()
 
     # Sampling ---------------------------------------------------------------------------------
-    def sample(self, logits_fn, rows: list[SamplingRow], drafts: list[list[int]], kernels, return_logits: bool
+    def sample(self, logits_fn, rows: list[SamplingRow], drafts: list[list[int]], kernels, return_logits: bool,
+               grammar: GrammarRows | None = None
                ) -> tuple[list[list[int]], list[list[SampleLogprobs] | None] | None, torch.Tensor]:
-        """Tokens per request from its 1 + d output rows. `logits_fn(fp32)` gives the logits."""
+        """Tokens per request from its 1 + d output rows. `logits_fn(fp32)` gives the logits; the
+        grammar bitmask (a row per constrained output row) is applied to them first, as vLLM does
+        before its rejection sampler, so every draft is verified against grammar-masked targets."""
         reqs = [VerifyRequest(row, d) for row, d in zip(rows, drafts)]
         if not return_logits and kernels is not None and all_plain_greedy(rows):
             logits = logits_fn(False)
+            if grammar is not None:
+                apply_grammar_bitmask(logits, grammar)
             target = kernels.argmax_rows(logits)
             nan_rows = target < 0
             if bool(nan_rows.any()):
                 target[nan_rows] = logits[nan_rows].float().argmax(dim=-1)
             return greedy_accept(target.tolist(), reqs), None, logits
         logits = logits_fn(True)
+        if grammar is not None:
+            apply_grammar_bitmask(logits, grammar)
         out = self.rejection_sampler(logits, reqs)
         return out.token_ids, out.logprobs, logits
 

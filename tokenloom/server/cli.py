@@ -50,6 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "-1 (or at least the vocabulary) also allows -1, every token")
     g.add_argument("--metrics-prefix", choices=["both", "vllm", "tokenloom"], default="both",
                    help="Prometheus names: vLLM's (vllm:...), tokenloom's (tokenloom:...), or both (default)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call tools (tool_choice auto, required, a named function); needs "
+                        "--tool-call-parser (vLLM's flag: without it those tool_choice values are a 400)")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="the model family's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5: <tool_call> "
+                        "JSON blocks; the format SmolLM2 is prompted with) or its alias qwen3_json")
+    g.add_argument("--tool-strict-level", choices=["auto", "function", "parameter"], default="auto",
+                   help="grammar floor for tool calls: auto (required / named calls and strict tools "
+                        "constrained), function (every call's envelope), parameter (arguments too, as if "
+                        "every tool were strict)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="do not show the tools to the chat template when tool_choice is none")
     p.set_defaults(func=_serve)
 
 
@@ -67,7 +79,15 @@ def _serve(args: argparse.Namespace) -> int:
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
         max_logprobs=args.max_logprobs,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        tool_strict_level=args.tool_strict_level,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
+    try:
+        config.validate_tools()
+    except ValueError as exc:
+        print(f"tokenloom serve: {exc}", file=sys.stderr)
+        return 1
     try:
         return run_server(engine_config_from_args(args), config)
     except EngineStartError as exc:

@@ -24,3 +24,23 @@ class ServerConfig:
     max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
     # Exit (code 1) when the engine process dies, as vLLM does; True keeps answering 503 instead.
     keep_alive_on_engine_death: bool = False
+    # Tool calling (vLLM's flags): tool_choice other than "none" needs both of the first two.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a name in tokenloom.server.tool_parsers.TOOL_PARSERS
+    tool_strict_level: str = "auto"  # "auto" | "function" | "parameter" (vLLM's --tool-strict-level)
+    exclude_tools_when_tool_choice_none: bool = False
+
+    def validate_tools(self) -> None:
+        """vLLM's start-up checks of the tool flags (its messages)."""
+        from tokenloom.server.tool_parsers import get_tool_parser
+
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("Error: --enable-auto-tool-choice requires --tool-call-parser")
+        if self.enable_auto_tool_choice:
+            try:
+                get_tool_parser(self.tool_call_parser or "")
+            except KeyError as exc:
+                raise ValueError(exc.args[0]) from None
+        if self.tool_strict_level not in ("auto", "function", "parameter"):
+            raise ValueError(f"Unknown tool strict level {self.tool_strict_level!r}; expected one of "
+                             "auto, function, parameter.")

@@ -121,6 +121,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = True
     # vLLM's extensions
     echo: Bool = False
     add_generation_prompt: Bool = True

@@ -21,13 +21,14 @@ from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logpr
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
 from tokenloom.server.structured import ToolSetup, render_tools, structured_outputs_of, tool_setup
-from tokenloom.server.tool_parser import (
+from tokenloom.server.tool_calls import (
     StreamingToolParser,
     parse_output,
     template_renders_tools,
     tools_system_prompt,
 )
-from tokenloom.server.tool_parser import finish_reason as tool_finish_reason
+from tokenloom.server.tool_calls import finish_reason as tool_finish_reason
+from tokenloom.server.tool_parsers import get_tool_parser
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 ROLE = "assistant"
@@ -47,9 +48,15 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     req = parse_model(ChatCompletionRequest, obj)
     state.model_name(req.model)
     check_chat_request(req, state.vocab_size)
-    tools = tool_setup(req.tools, req.tool_choice, obj.get("parallel_tool_calls"))
-    extras = ChatExtras(tools, structured_outputs_of(obj, tools))
-    template_tools = render_tools(tools)
+    config = state.config
+    parser = config.tool_call_parser if config.enable_auto_tool_choice else None
+    tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
+    extras = ChatExtras(tools, structured_outputs_of(obj, tools, config.tool_strict_level))
+    if tools is not None and tools.parser is not None and tools.mode != "none" \
+            and get_tool_parser(tools.parser).keeps_special_tokens:
+        # vLLM's Hermes adjust_request: the tool-call tags may be special tokens; keep them in the text.
+        req.skip_special_tokens = False
+    template_tools = render_tools(tools, config.exclude_tools_when_tool_choice_none)
     tools_prompt = None
     if template_tools and not template_renders_tools(req.chat_template or state.tokenizer.chat_template):
         tools_prompt = tools_system_prompt(template_tools)
@@ -155,15 +162,12 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
     parsers: dict[int, StreamingToolParser] = {}
 
     def delta_of(index: int, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """The chunk's delta and finish reason: text as content, or (tools) content and complete calls."""
+        """The chunk's delta and finish reason: text as content, or (tools) what the parser makes of it."""
         if tools is None or not tools.parses_calls:
             return ({"content": comp.delta_text} if comp.delta_text else {}), comp.finish_reason
         parser = parsers.setdefault(index, StreamingToolParser(tools))
-        content, calls = parser.feed(comp.delta_text, comp.finish_reason is not None)
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = calls
-        return delta, tool_finish_reason(comp.finish_reason, tools, parser.calls)
+        delta = parser.feed(comp.delta_text, comp.finish_reason is not None)
+        return delta or {}, parser.finish_reason(comp.finish_reason)
 
     def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
         wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids)

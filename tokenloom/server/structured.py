@@ -4,7 +4,8 @@ Sources of a constraint, at most one per request (vLLM's rule):
 - OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}};
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag"};
 - the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
-- `tools` with tool_choice "required" or a named function (vLLM: get_json_schema_from_tools).
+- `tools` with tool_choice "required", a named function, or a strict "auto": the tool parser's
+  structural tag (tokenloom/server/tool_grammar.py), which replaces or joins the others.
 
 Everything is checked here (APIError 400 naming the field) before the request reaches the engine.
 """
@@ -28,11 +29,14 @@ class ToolSetup:
     mode: str  # "none" | "auto" | "required" | "named"
     tools: dict[str, dict[str, Any]]  # name -> the tool's "function" object
     named: str | None = None
-    parallel_tool_calls: bool = True  # False: at most one call (vLLM: maxItems 1 under "required")
+    parallel_tool_calls: bool = True  # False: at most one call (the grammar stops after it)
+    parser: str | None = None  # the server's --tool-call-parser, when --enable-auto-tool-choice is on
+    # tool_choice was an explicit null: vLLM parses it as "auto" but never constrains it.
+    choice_null: bool = False
 
     @property
     def parses_calls(self) -> bool:
-        return self.mode in ("auto", "required", "named")
+        return self.parser is not None and self.mode in ("auto", "required", "named")
 
 
 def _so_from_dict(value: Any, field: str) -> StructuredOutputsParams:
@@ -73,7 +77,8 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
                    "response_format")
 
 
-def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None) -> StructuredOutputsParams | None:
+def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
+                          tool_strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's one constraint (None: free text); 400 for two, or for one that is invalid."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if obj.get("response_format") is not None:
@@ -85,15 +90,19 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None) -
     for name, key in _GUIDED.items():
         if obj.get(name) is not None:
             found.append((name, _so_from_dict({key: obj[name]}, name)))
-    if tools is not None and tools.mode in ("required", "named"):
-        found.append(("tool_choice", StructuredOutputsParams(json=tool_call_schema(tools))))
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise APIError(400, f"only one kind of structured output may be requested at a time, got {names}",
                        found[1][0])
-    if not found:
+    field, so = found[0] if found else ("", None)
+    if tools is not None:
+        from tokenloom.server.tool_grammar import tool_structured_outputs
+
+        with_tools = tool_structured_outputs(tools, so, tool_strict_level)
+        if with_tools is not so:
+            field, so = "tools", with_tools
+    if so is None:
         return None
-    field, so = found[0]
     # Imported here: xgrammar (and torch) load in the API process only once a constraint arrives.
     from tokenloom.model.grammar import validate_structured_outputs
 
@@ -106,7 +115,10 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None) -
 
 # Tools -----------------------------------------------------------------------------------------------
 def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
-               parallel_tool_calls: bool | None = None) -> ToolSetup | None:
+               parallel_tool_calls: bool | None = None, parser: str | None = None,
+               tool_choice_given: bool = True) -> ToolSetup | None:
+    """The request's tools; `parser` is the server's tool-call parser (None: --enable-auto-tool-choice
+    is off), `tool_choice_given` whether the body had the key at all (absent with tools means "auto")."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise APIError(400, "when using tool_choice, tools must be set", "tool_choice")
@@ -123,13 +135,21 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
         if params is not None and not isinstance(params, dict):
             raise APIError(400, f"tools.{i}.function.parameters must be a JSON schema object", "tools")
         by_name[name] = fn
+    parallel = parallel_tool_calls is not False
     if tool_choice is None:
-        tool_choice = "auto"  # OpenAI's default when tools are given
+        # Absent: "auto", OpenAI's default when tools are given (vLLM's validator sets it). An explicit
+        # null stays None in vLLM: parsed as "auto" when a parser is on, else plain text.
+        # An empty list counts as no tools there (the default stays "none").
+        tool_choice = "auto" if by_name and (not tool_choice_given or parser is not None) else "none"
+        null = tool_choice_given
+    else:
+        null = False
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
             raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, "
                                 f"got {tool_choice!r}", "tool_choice")
-        return ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel_tool_calls is not False)
+        return _check_parser(ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel, parser=parser,
+                                       choice_null=null))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -137,38 +157,25 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if name not in by_name:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
                             f"({', '.join(by_name) or 'none'})", "tool_choice")
-    return ToolSetup("named", by_name, name, parallel_tool_calls=parallel_tool_calls is not False)
+    return _check_parser(ToolSetup("named", by_name, name, parallel_tool_calls=parallel, parser=parser))
 
 
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    return fn.get("parameters") or {"type": "object", "properties": {}}
+def _check_parser(setup: ToolSetup) -> ToolSetup:
+    """vLLM's 400s (its words) for a tool_choice that needs a tool parser the server was not given."""
+    if setup.mode == "required" and setup.parser is not None and not setup.tools:
+        raise APIError(400, "tool_choice requires a function call, but tools contains no function tool the "
+                            "model can call.", "tool_choice")
+    if setup.parser is not None or setup.mode == "none":
+        return setup
+    if setup.mode == "auto":
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+    desc = f'function "{setup.named}"' if setup.mode == "named" else f'"{setup.mode}"'
+    raise APIError(400, f"tool_choice={desc} requires --tool-call-parser to be set")
 
 
-def tool_call_schema(tools: ToolSetup) -> dict[str, Any]:
-    """vLLM's schema: a named call is the function's arguments; `required` is a non-empty array of
-    {"name", "parameters"} objects, one alternative per tool."""
-    if tools.mode == "named":
-        assert tools.named is not None
-        return _parameters(tools.tools[tools.named])
-    schema: dict[str, Any] = {
-        "type": "array",
-        "minItems": 1,
-        "items": {
-            "type": "object",
-            "anyOf": [
-                {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(fn)},
-                 "required": ["name", "parameters"]}
-                for name, fn in tools.tools.items()
-            ],
-        },
-    }
-    if not tools.parallel_tool_calls:
-        schema["maxItems"] = 1
-    return schema
-
-
-def render_tools(tools: ToolSetup | None) -> list[dict[str, Any]] | None:
-    """Tools for the chat template (apply_chat_template(tools=...)); none when the model may not call."""
-    if tools is None or tools.mode == "none":
+def render_tools(tools: ToolSetup | None, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:
+    """Tools for the chat template (apply_chat_template(tools=...)); with tool_choice "none" too, unless
+    --exclude-tools-when-tool-choice-none (vLLM)."""
+    if tools is None or (tools.mode == "none" and exclude_when_none):
         return None
     return [{"type": "function", "function": fn} for fn in tools.tools.values()]

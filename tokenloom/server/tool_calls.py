@@ -1,0 +1,103 @@
+"""Tool calls in chat responses: the message / deltas a generation becomes, as vLLM's serving_chat.py
+builds them (whole: `chat_completion_full_generator`; streamed: the parser's `parse_delta`).
+
+Which calls there are is the tool parser's business (tokenloom/server/tool_parsers/): the same parser
+reads "auto" output and the output a structural tag forced under "required" or a named function.
+
+Whole response: "required" / named give `content` "" and the calls; "auto" gives the text before the
+first call as content (None when only whitespace), or the whole text when no call parsed.
+finish_reason: "tool_calls" when "auto" called a tool, or under "required" when the model stopped;
+a named function keeps "stop" (OpenAI's rule, vLLM's code).
+Streaming: content as generated; each call announced once its name is known (index, id, type, name),
+then its arguments in pieces; finish_reason "tool_calls" once any call was streamed (not named).
+`parallel_tool_calls: false` keeps only the first call (index 0), as vLLM filters it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenloom.server.structured import ToolSetup
+from tokenloom.server.tool_parsers import ToolParser, get_tool_parser
+
+# The Hermes/Qwen 2.5 system prompt, for chat templates that do not render `tools` themselves
+# (SmolLM2's does not): the model then sees the tools and the format to call them in.
+_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
+    return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in str(chat_template)
+
+
+def _parser(tools: ToolSetup) -> ToolParser:
+    assert tools.parser is not None
+    return get_tool_parser(tools.parser)()
+
+
+def parse_output(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
+    """(message content, tool calls) of a whole generation (tools.parses_calls)."""
+    info = _parser(tools).extract_tool_calls(text)
+    calls = info.tool_calls if info.tools_called else []
+    if not tools.parallel_tool_calls:
+        calls = calls[:1]
+    content = info.content if info.tools_called else text
+    if content is not None and not content.strip() and (info.tools_called or tools.mode != "auto"):
+        content = None
+    if tools.mode in ("required", "named"):
+        return content or "", calls
+    return content, calls
+
+
+def finish_reason(reason: str | None, tools: ToolSetup | None, calls: list[dict[str, Any]]) -> str | None:
+    """Of a whole response."""
+    if tools is None or not tools.parses_calls or reason is None:
+        return reason
+    if (tools.mode == "auto" and calls) or (tools.mode == "required" and reason == "stop"):
+        return "tool_calls"
+    return reason
+
+
+class StreamingToolParser:
+    """One choice's text deltas → chunk deltas ({"content": ..., "tool_calls": [...]}) as they become known."""
+
+    def __init__(self, tools: ToolSetup) -> None:
+        self.tools = tools
+        self.parser = _parser(tools)
+        self.text = ""
+        self.streamed = False  # a tool call went out (the finish reason becomes "tool_calls")
+
+    def feed(self, delta_text: str, final: bool) -> dict[str, Any] | None:
+        previous, self.text = self.text, self.text + delta_text
+        delta = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text)
+        if final and delta is not None and delta.get("tool_calls"):
+            remaining = self.parser.get_remaining_unstreamed_args()
+            if remaining:
+                fn = delta["tool_calls"][-1].setdefault("function", {})
+                fn["arguments"] = fn.get("arguments", "") + remaining
+        if delta is not None and delta.get("tool_calls"):
+            if not self.tools.parallel_tool_calls:
+                delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
+            self.streamed = self.streamed or bool(delta["tool_calls"])
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if reason == "stop" and self.streamed and self.tools.mode != "named":
+            return "tool_calls"
+        return reason

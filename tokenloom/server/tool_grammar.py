@@ -1,0 +1,93 @@
+"""Tool calls enforced with an xgrammar structural tag, as vLLM 0.32 does for parsers whose format has one
+(vLLM: parser/abstract_parser.py `_apply_structural_tag`, tool_parsers/structural_tag_registry.py).
+
+- tool_choice "required": one or more calls in the parser's format (`<tool_call>...</tool_call>` for
+  Hermes), `parallel_tool_calls: false` stops after the first;
+- a named function: exactly one call of that function;
+- "auto": unconstrained, unless a tool says `"strict": true` (or `--tool-strict-level` is above auto):
+  then free text until the format's trigger, and the call after it constrained.
+
+Each call's envelope (the tags and the function name) is always enforced; its arguments follow the
+function's `parameters` schema only for strict tools (`"strict": true`, or `--tool-strict-level
+parameter`), else they are any JSON value (vLLM's resolve_tool_strictness). A request's own
+response_format / structured_outputs is replaced under required / named (vLLM logs that it is
+ignored) and, under a constrained "auto", allowed as the alternative to calling.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.server.structured import ToolSetup
+from tokenloom.server.tool_parsers import get_tool_parser
+
+STRICT_LEVELS = ("auto", "function", "parameter")  # vLLM's ToolStrictLevel, weakest first
+
+
+def _hermes_tags(tools: dict[str, dict[str, Any]], strict: dict[str, bool]) -> list[dict[str, Any]]:
+    # Both spellings the Hermes template produces: the block on its own lines, or inline.
+    forms = [('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>")]
+    tags = []
+    for name, fn in tools.items():
+        params: Any = True  # any JSON value
+        if strict[name] and fn.get("parameters") is not None:
+            params = fn["parameters"]
+        for begin, end in forms:
+            tags.append({"type": "tag", "begin": f'{begin}{name}", "arguments": ',
+                         "content": {"type": "json_schema", "json_schema": params}, "end": end})
+    return tags
+
+
+def _output_format(so: StructuredOutputsParams) -> dict[str, Any] | None:
+    """A request's own constraint as a structural-tag format (vLLM: structured_outputs_to_format)."""
+    if so.json_object:
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if so.json is not None:
+        schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+        return {"type": "json_schema", "json_schema": schema}
+    if so.regex is not None:
+        return {"type": "regex", "pattern": so.regex}
+    if so.choice is not None:
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in so.choice]}
+    if so.grammar is not None:
+        return {"type": "grammar", "grammar": so.grammar}
+    if so.structural_tag is not None:
+        tag = json.loads(so.structural_tag)
+        return tag.get("format") if "structures" not in tag else None
+    return None
+
+
+def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
+                            strict_level: str = "auto") -> StructuredOutputsParams | None:
+    """The request's constraint once its tools are taken into account (`requested` when they add none)."""
+    if tools.parser is None or tools.mode == "none" or tools.choice_null:
+        return requested
+    parser = get_tool_parser(tools.parser)
+    if parser.structural_tag_model != "hermes":
+        return requested
+    level = STRICT_LEVELS.index(strict_level)
+    single_call = not tools.parallel_tool_calls
+    if single_call and not (tools.mode == "auto" and requested is not None):
+        level = max(level, STRICT_LEVELS.index("function"))  # the call count needs the envelope
+    chosen = {tools.named: tools.tools[tools.named]} if tools.mode == "named" and tools.named else tools.tools
+    strict = {name: level >= STRICT_LEVELS.index("parameter") or fn.get("strict") is True
+              for name, fn in chosen.items()}
+    if tools.mode == "auto" and level == 0 and not any(strict.values()):
+        return requested  # vLLM: no structural tag, the model writes freely
+    tags = _hermes_tags(chosen, strict)
+    extra = _output_format(requested) if tools.mode == "auto" and requested is not None else None
+    fmt: dict[str, Any]
+    if tools.mode == "auto" and extra is None:
+        if requested is not None:
+            return requested  # vLLM: a constraint it cannot combine wins over the tools
+        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+               "at_least_one": False, "stop_after_first": single_call}
+    else:
+        # required, named, or auto with a response format (vLLM builds that one as "required").
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+               "stop_after_first": single_call or tools.mode == "named"}
+        if extra is not None:
+            fmt = {"type": "or", "elements": [fmt, extra]}
+    return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
