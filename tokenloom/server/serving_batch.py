@@ -1,6 +1,6 @@
 """POST /v1/chat/completions/batch (vLLM): N conversations in one request, one choice per conversation.
 
-As in vLLM: no streaming, n must be 1, no tools; every other field applies to each conversation.
+As in vLLM: no streaming, n must be 1, no tools, no beam search; every other field applies to each conversation.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ async def create_batch_chat_completion(raw: Request) -> Response:
         raise APIError(400, "streaming is not supported by the batch endpoint", "stream")
     if obj.get("n", 1) != 1:
         raise APIError(400, "n must be 1 on the batch endpoint", "n")
+    if obj.get("use_beam_search"):  # vLLM's message
+        raise APIError(400, "Batch chat completions do not support beam search. Please set `use_beam_search` "
+                            "to False.", "use_beam_search")
     if obj.get("tools"):
         raise APIError(400, "tools are not supported by the batch endpoint", "tools")
     parsed = [await parse_chat(state, {**obj, "messages": conv}) for conv in conversations]
