@@ -21,6 +21,7 @@ finish_reason "stop"/"length".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,17 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     seq_len = len(tokens)
     if tokens and tokens[-1] == eos_token_id:
         seq_len -= 1
-    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    return _score(cumulative_logprob, seq_len, length_penalty)
+
+
+def _score(cumulative_logprob: float, seq_len: int, length_penalty: float) -> float:
+    try:
+        denominator = max(seq_len, 1) ** length_penalty
+    except OverflowError:  # an extreme length_penalty: the limit, not a crash
+        denominator = math.inf
+    if denominator == 0.0:
+        return math.copysign(math.inf, cumulative_logprob) if cumulative_logprob else 0.0
+    return cumulative_logprob / denominator
 
 
 def create_sort_beams_key_function(eos_token_id: int | None,
@@ -117,7 +128,7 @@ def search_is_decided(completed: list[BeamSearchSequence], beams: list[BeamSearc
         return False
     length = len(beams[0].tokens)
     # cum <= 0: cum / L ** p is largest at the longest L for p > 0, at the shortest for p < 0.
-    bound = best_cum / (max(max_len if length_penalty > 0 else length, 1) ** length_penalty)
+    bound = _score(best_cum, max_len if length_penalty > 0 else length, length_penalty)
     score = create_sort_beams_key_function(eos_token_id, length_penalty)
     kth = sorted((score(b) for b in completed), reverse=True)[beam_width - 1]
     return kth > bound
@@ -136,9 +147,11 @@ def beam_search_offline(
     max_logprobs: int = 20,
     concurrency_limit: int | None = None,
     use_tqdm: bool = False,
+    early_stop: bool = True,
 ) -> list[BeamSearchOutput]:
     """`prompts`: {"prompt_token_ids": [...], "prompt": text or None} each. `run_step` runs one-token
-    requests to completion (LLM.generate); `decode(ids, skip_special_tokens)` is the tokenizer's."""
+    requests to completion (LLM.generate); `decode(ids, skip_special_tokens)` is the tokenizer's.
+    `early_stop=False` runs every one of max_tokens steps, as vLLM does (same answer, more steps)."""
     base = step_sampling_params(params, max_logprobs)
     sort_key = create_sort_beams_key_function(eos_token_id, params.length_penalty)
     instances = [BeamSearchInstance({"type": "token", **p}) for p in prompts]
@@ -156,10 +169,11 @@ def beam_search_offline(
             if _offline_step(batch, base, run_step, eos_token_id, params.ignore_eos, params.beam_width):
                 break
             for instance in batch:
-                max_len = len(instance.beams[0].orig_prompt["prompt_token_ids"]) + params.max_tokens \
-                    if instance.beams else 0
-                if instance.beams and search_is_decided(instance.completed, instance.beams, params.beam_width,
-                                                        eos_token_id, params.length_penalty, max_len):
+                if not (early_stop and instance.beams):
+                    continue
+                max_len = len(instance.beams[0].orig_prompt["prompt_token_ids"]) + params.max_tokens
+                if search_is_decided(instance.completed, instance.beams, params.beam_width, eos_token_id,
+                                     params.length_penalty, max_len):
                     # The live beams score below every beam returned: they end here, as they would later.
                     instance.completed.extend(instance.beams)
                     instance.beams = []
