@@ -29,13 +29,13 @@ async def create_batch_chat_completion(raw: Request) -> Response:
             isinstance(c, list) and c for c in conversations):
         raise APIError(400, "messages must be a non-empty list of non-empty conversations (lists of messages)",
                        "messages")
+    if obj.get("use_beam_search"):  # vLLM's message
+        raise APIError(400, "Batch chat completions do not support beam search. Please set `use_beam_search` "
+                            "to False.", "use_beam_search")
     if obj.get("stream"):
         raise APIError(400, "streaming is not supported by the batch endpoint", "stream")
     if obj.get("n", 1) != 1:
         raise APIError(400, "n must be 1 on the batch endpoint", "n")
-    if obj.get("use_beam_search"):  # vLLM's message
-        raise APIError(400, "Batch chat completions do not support beam search. Please set `use_beam_search` "
-                            "to False.", "use_beam_search")
     if obj.get("tools"):
         raise APIError(400, "tools are not supported by the batch endpoint", "tools")
     parsed = [await parse_chat(state, {**obj, "messages": conv}) for conv in conversations]
