@@ -128,7 +128,7 @@ async def create_chat_completion(raw: Request) -> Response:
     request_id = f"chatcmpl-{base_id}"
     engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
     engine = state.engine
-    stream: RequestStream | BeamSearchStream
+    stream: RequestStream | BeamSearchStream | ShapedStream
     stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
     try:
         if isinstance(stream, BeamSearchStream):
