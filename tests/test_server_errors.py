@@ -80,7 +80,11 @@ BAD_COMPLETIONS = [
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),  # without logprobs
     ({"truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),  # > max_model_len
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "stream": True}, "stream"),  # vLLM's refusal (its chat streams beams)
+    ({"use_beam_search": True, "top_p": 0.5}, "top_p"),  # not applied by beam search (vLLM ignores it)
+    ({"use_beam_search": True, "n": 11}, "n"),  # 22 logprobs per step > --max-logprobs 20
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"length_penalty": 2.0}, "length_penalty"),  # without beam search it does nothing
     ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),  # does not compile
     ({"guided_json": {"type": "strin"}}, "guided_json"),  # not a JSON schema
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
@@ -169,7 +173,8 @@ _VALUES = [None, True, False, -1, 0, 1, 3, 2**70, -(2**70), 1.5, -0.0, 1e300, ""
 _FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
            "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
            "min_tokens", "priority", "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids",
-           "echo", "best_of", "user", "logit_bias", "suffix", "return_token_ids"]
+           "echo", "best_of", "user", "logit_bias", "suffix", "return_token_ids", "use_beam_search",
+           "length_penalty"]
 _CHAT_FIELDS = ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                 "response_format", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"]
 

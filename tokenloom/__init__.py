@@ -32,6 +32,7 @@ _LAZY = {
     "LLMEngine": "tokenloom.engine.llm_engine",
     "SamplingParams": "tokenloom.sampling_params",
     "StructuredOutputsParams": "tokenloom.sampling_params",
+    "BeamSearchParams": "tokenloom.sampling_params",
     "RequestOutput": "tokenloom.engine.outputs",
     "CompletionOutput": "tokenloom.engine.outputs",
 }

@@ -196,3 +196,46 @@ class SamplingParams:
         if self.eos_token_id is not None and not self.ignore_eos:
             ids.add(self.eos_token_id)
         return ids
+
+
+# vLLM's VLLM_MAX_N_SEQUENCES default: the most beams (or parallel samples) one request may ask for.
+MAX_BEAM_WIDTH = 16384
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's `BeamSearchParams`: beam search over the engine (tokenloom/engine/beam_search.py).
+
+    Each step every live beam is a one-token request asking for 2 * beam_width logprobs; candidates
+    are ranked by cumulative logprob, and the finished ones by cumulative logprob / length **
+    length_penalty (length counts the prompt, as vLLM's does).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int):
+            raise ValueError(f"beam_width must be an int, but is of type {type(self.beam_width)}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}.")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
+        if not isinstance(self.length_penalty, int | float) or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        # Refused rather than ignored: tokenloom's beam search does not constrain or watermark beams.
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with beam search")
+        if self.watermarking:
+            raise ValueError("watermarking is not supported")

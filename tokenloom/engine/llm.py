@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
 from tokenloom.engine.llm_engine import LLMEngine, PromptType, engine_config_from_kwargs
 from tokenloom.engine.outputs import RequestOutput
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from tokenloom.engine.dp_llm import DataParallelLLMEngine
@@ -95,6 +96,42 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: list[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one BeamSearchOutput per prompt, its `sequences` best first, each
+        with `tokens` (prompt included), `text` (prompt included), `cum_logprob` and per-step `logprobs`.
+        Runs as one-token requests over the engine (tokenloom/engine/beam_search.py); at most
+        `concurrency_limit` prompts are searched at once."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        source = self._dp if self._dp is not None else self.llm_engine
+        items = []
+        for prompt in prompts:
+            text, token_ids = source.tokenize_prompt(prompt)
+            if not token_ids:
+                raise ValueError("the prompt is empty")
+            items.append({"prompt_token_ids": token_ids, "prompt": text})
+        tok = self.get_tokenizer()
+        eos = tok.eos_token_id
+        if eos is None:
+            eos = self._dp.engine.info.eos_token_id if self._dp is not None else self.llm_engine.eos_token_id
+
+        def run_step(step_prompts: list[dict[str, Any]], step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate(step_prompts, step_params, use_tqdm=False)
+
+        return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
+                                   eos, concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -83,6 +83,9 @@ class SamplingRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = None
     session_id: str | None = None  # vLLM: routing metadata only
+    # Beam search (server/beam_search.py): n is the beam width.
+    use_beam_search: Bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(SamplingRequest):

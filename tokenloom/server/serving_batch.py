@@ -1,6 +1,6 @@
 """POST /v1/chat/completions/batch (vLLM): N conversations in one request, one choice per conversation.
 
-As in vLLM: no streaming, n must be 1, no tools; every other field applies to each conversation.
+As in vLLM: no streaming, n must be 1, no tools, no beam search; every other field applies to each conversation.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ async def create_batch_chat_completion(raw: Request) -> Response:
             isinstance(c, list) and c for c in conversations):
         raise APIError(400, "messages must be a non-empty list of non-empty conversations (lists of messages)",
                        "messages")
+    if obj.get("use_beam_search"):  # vLLM's message
+        raise APIError(400, "Batch chat completions do not support beam search. Please set `use_beam_search` "
+                            "to False.", "use_beam_search")
     if obj.get("stream"):
         raise APIError(400, "streaming is not supported by the batch endpoint", "stream")
     if obj.get("n", 1) != 1:

@@ -10,8 +10,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.engine.async_llm import RequestStream
+from tokenloom.engine.beam_search_async import BeamSearchStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.server.beam_search import (
+    ShapedStream,
+    beam_search_params,
+    check_beam_search,
+    reject_beam_only_fields,
+)
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
@@ -52,6 +60,10 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     parser = config.tool_call_parser if config.enable_auto_tool_choice else None
     tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
     extras = ChatExtras(tools, structured_outputs_of(obj, tools, config.tool_strict_level))
+    if req.use_beam_search:
+        check_beam_search(obj, req, extras.structured_outputs, completion=False)
+    else:
+        reject_beam_only_fields(req)
     if tools is not None and tools.parser is not None and tools.mode != "none" \
             and get_tool_parser(tools.parser).keeps_special_tokens:
         # vLLM's Hermes adjust_request: the tool-call tags may be special tokens; keep them in the text.
@@ -123,12 +135,19 @@ async def create_chat_completion(raw: Request) -> Response:
     request_id = f"chatcmpl-{base_id}"
     engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
     engine = state.engine
-    stream = engine.open_stream()
+    stream: RequestStream | BeamSearchStream | ShapedStream
+    stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
     try:
-        engine.add_request(engine_id, prompt_ids, params, stream, priority=req.priority)
+        if isinstance(stream, BeamSearchStream):
+            stream.add(engine_id, prompt_ids, beam_search_params(req, params.max_tokens, state.sampling_defaults),
+                       seed=req.seed, priority=req.priority)
+        else:
+            engine.add_request(engine_id, prompt_ids, params, stream, priority=req.priority)
     except BaseException:
         stream.close()
         raise
+    if req.use_beam_search:  # the search's one output, with the logprobs the request asked for
+        stream = ShapedStream(stream, (req.top_logprobs or 0) if req.logprobs else None)
     if req.stream:
         return _stream(state, req, stream, request_id, model, base_id, extras.tools)
     finals = await collect(raw, stream)

@@ -9,7 +9,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenloom.engine.async_llm import RequestStream
+from tokenloom.engine.beam_search_async import BeamSearchStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
+from tokenloom.server.beam_search import (
+    beam_search_params,
+    check_beam_search,
+    reject_beam_only_fields,
+    shape_logprobs,
+)
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
@@ -30,6 +38,10 @@ async def create_completion(raw: Request) -> Response:
     model = state.model_name(req.model)
     check_completion_request(req, state.vocab_size)
     structured = structured_outputs_of(obj)
+    if req.use_beam_search:
+        check_beam_search(obj, req, structured, completion=True)
+    else:
+        reject_beam_only_fields(req)
     prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer, state.max_model_len)
     params = [completion_params(req, len(ids), state.max_model_len, state.vocab_size,
                                  state.config.max_logprobs, state.sampling_defaults, structured) for _, ids in prompts]
@@ -38,10 +50,15 @@ async def create_completion(raw: Request) -> Response:
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
     engine = state.engine
-    stream = engine.open_stream()
+    stream: RequestStream | BeamSearchStream
+    stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
     try:
         for rid, (text, token_ids), p in zip(ids, prompts, params):
-            engine.add_request(rid, token_ids, p, stream, prompt=text, priority=req.priority)
+            if isinstance(stream, BeamSearchStream):
+                stream.add(rid, token_ids, beam_search_params(req, p.max_tokens, state.sampling_defaults),
+                           prompt=text, seed=req.seed, priority=req.priority)
+            else:
+                engine.add_request(rid, token_ids, p, stream, prompt=text, priority=req.priority)
     except BaseException:
         stream.close()
         raise
@@ -103,6 +120,8 @@ async def create_completion(raw: Request) -> Response:
     choices = []
     for rid in ids:
         out = finals[rid]
+        if req.use_beam_search:
+            shape_logprobs(out, req.logprobs)
         usage.update(out)
         for comp in out.outputs:
             if comp.finish_reason == "error":

@@ -28,10 +28,6 @@ COMMON: dict[str, Unsupported] = {
                                            ("auto", "xgrammar")),
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported (use "
                                              "structured_outputs.disable_any_whitespace)"),
-    # Beam search: vLLM runs it as a loop of one-token requests over the engine in the API process;
-    # tokenloom refuses it rather than return n independent samples.
-    "use_beam_search": Unsupported("beam search is not supported; use n with sampling", (False,)),
-    "length_penalty": Unsupported("length_penalty only applies to beam search, which is not supported", (1, 1.0)),
     "bad_words": Unsupported("bad_words is not supported yet", ([],)),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
     "spaces_between_special_tokens": Unsupported(
