@@ -3,7 +3,8 @@ default model (Q4_1, 8-row layout) both ways at growing row counts, in the run d
 
     .venv/bin/python benchmarks/gguf_crossover.py [--rows 1,8,16,32,64,128,256] [--dtype float32]
 
-GGUFLinear switches at TOKENLOOM_GGUF_DEQUANT_ROWS (default 32, from this measurement).
+GGUFLinear switches the row-at-a-time kernel at TOKENLOOM_GGUF_DEQUANT_ROWS (default 32, from this
+measurement); the 8-row layouts at TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS (4096: see docs/performance.md).
 Times are the best of several repetitions (robust on a shared machine).
 """
 

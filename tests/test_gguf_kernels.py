@@ -121,7 +121,7 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
         kernels.gguf_dequantize_packed(got_w, packed, int(qtype))
         torch.testing.assert_close(got_w, want_w, rtol=0, atol=0)
         bias = torch.randn(n)
-        for m in (1, 3, 6):
+        for m in (1, 3, 6, 41):  # 41: a prefill-sized batch, tiles outer and rows inner
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             want, got = torch.empty(m, n), torch.empty(m, n)
             kernels.gguf_linear(want, x, raw, int(qtype), bias)

@@ -37,9 +37,15 @@ KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, 
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def dequant_min_rows() -> int:
+def dequant_min_rows(packed8: bool = False) -> int:
     """Batches of at least this many rows dequantize the weight and run a float GEMM instead of the
-    quantized kernel (TOKENLOOM_GGUF_DEQUANT_ROWS overrides; measured crossover on the dev box)."""
+    quantized kernel. The row-at-a-time kernel reads its weights once per 4 activation rows: 32
+    (TOKENLOOM_GGUF_DEQUANT_ROWS), the crossover measured for it. The 8-row layouts keep a tile in L1
+    while all rows pass over it, and stayed ahead of dequantize + fp32 GEMM at every size measured
+    (128-token prefill: TTFT 231-253 vs 514-754 ms; 1,024 tokens: 5.4 vs 6.3 s, Q4_1): 4096
+    (TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS), above any default step."""
+    if packed8:
+        return int(os.environ.get("TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS", "4096"))
     return int(os.environ.get("TOKENLOOM_GGUF_DEQUANT_ROWS", "32"))
 
 
@@ -156,7 +162,7 @@ class GGUFLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        if self.kernels is None or m >= dequant_min_rows():
+        if self.kernels is None or all(m >= dequant_min_rows(p.packed8) for p in self.parts):
             w = torch.cat([p.dequantize(x.dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, w, bias)
@@ -167,7 +173,9 @@ class GGUFLinear:
         for p in self.parts:
             n = p.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            if p.packed8:
+            if m >= dequant_min_rows(p.packed8):  # this part's float GEMM
+                out[:, col : col + n] = F.linear(xf, p.dequantize(torch.float32), bias)
+            elif p.packed8:
                 k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             else:
                 k.gguf_linear(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]

@@ -931,19 +931,21 @@ template <int T>
 void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                          int64_t t1) {
   const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T), NG = K / packed_group_elems(T);
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
-    const int8_t* xq[4];
-    const float* xd[4];
-    const float* xs[4];
-    for (int i = 0; i < mt; i++) {
-      xq[i] = a.q.data() + (m0 + i) * K;
-      xd[i] = a.d.data() + (m0 + i) * G;
-      xs[i] = a.s.data() + (m0 + i) * G;
-    }
-    for (int64_t tile = t0; tile < t1; tile++) {
+  // Tile outer, rows inner: a tile (8 rows x K, a few KB) stays in L1 while every group of 4
+  // activation rows passes over it, so a prefill-sized M reads the weights once, not M / 4 times.
+  for (int64_t tile = t0; tile < t1; tile++) {
+    const uint8_t* tp = pw + tile * NG * TB;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
+      const int8_t* xq[4];
+      const float* xd[4];
+      const float* xs[4];
+      for (int i = 0; i < mt; i++) {
+        xq[i] = a.q.data() + (m0 + i) * K;
+        xd[i] = a.d.data() + (m0 + i) * G;
+        xs[i] = a.s.data() + (m0 + i) * G;
+      }
       __m256 r[4];
-      const uint8_t* tp = pw + tile * NG * TB;
       if constexpr (packed_group_elems(T) == 256) {
         switch (mt) {
           case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xs, r); break;
