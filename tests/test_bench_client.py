@@ -464,8 +464,8 @@ def test_arrivals_queue_time_and_eos() -> None:
     # client that ignores arrival_s (a loaded CI machine delayed one send by 0.43 s with 0.05 here).
     for rec in result.records:
         assert rec.arrival_s - 0.001 <= rec.send_s <= rec.arrival_s + 1.0
-    assert [r.id for r in sorted(result.records, key=lambda r: r.send_s)] == ["a0", "a1", "a2"]
         assert rec.queue_time_s == pytest.approx(0.004) and rec.output_tokens == 5
+    assert [r.id for r in sorted(result.records, key=lambda r: r.send_s)] == ["a0", "a1", "a2"]
     assert result.metrics["mean_queue_time_ms"] == pytest.approx(4.0)
 
 
