@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from tokenloom.model.kernels import LDFLAGS, _failure_detail, enabled_by_env, load_cached_extension
+from tokenloom.model.kernels import LDFLAGS, _failure_detail, load_cached_extension, load_once
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +27,7 @@ _state: dict[str, object] = {"tried": False, "module": None}
 
 def gguf_kernels() -> ModuleType | None:
     """The compiled GGUF kernels module, or None when unavailable."""
-    if _state["tried"]:
-        return _state["module"]  # type: ignore[return-value]
-    with _lock:
-        if not _state["tried"]:
-            _state["module"] = _load() if enabled_by_env() else None
-            _state["tried"] = True
-    return _state["module"]  # type: ignore[return-value]
+    return load_once(_state, _lock, _load)
 
 
 def _load() -> ModuleType | None:

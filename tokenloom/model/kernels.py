@@ -24,7 +24,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -45,15 +45,21 @@ def enabled_by_env() -> bool:
     return os.environ.get("TOKENLOOM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def load_once(state: dict[str, object], lock: threading.Lock,
+              load: Callable[[], ModuleType | None]) -> ModuleType | None:
+    """state["module"], from `load()` on the first call in this process (thread-safe; None when
+    TOKENLOOM_CPU_KERNELS turns the kernels off). Shared by the CPU and the GGUF kernels."""
+    if not state["tried"]:
+        with lock:
+            if not state["tried"]:
+                state["module"] = load() if enabled_by_env() else None
+                state["tried"] = True
+    return state["module"]  # type: ignore[return-value]
+
+
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernels module, or None when unavailable (then use the torch path)."""
-    if _state["tried"]:
-        return _state["module"]  # type: ignore[return-value]
-    with _lock:
-        if not _state["tried"]:
-            _state["module"] = _load() if enabled_by_env() else None
-            _state["tried"] = True
-    return _state["module"]  # type: ignore[return-value]
+    return load_once(_state, _lock, _load)
 
 
 def build_seconds() -> float | None:
