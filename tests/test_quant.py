@@ -254,9 +254,10 @@ def test_config_rejects_unknown_or_cuda_quantization() -> None:
 
 
 def test_default_model_int8_perplexity_and_generation() -> None:
-    """On the default model: perplexity of a text within a few % of bf16 (measured: +0.9 % mean over
-    three 1,024-token texts; one short text moves by several %, hence the margin, which a broken
-    scale or fold would exceed many times over), and the engine generates with it end to end."""
+    """On the default model: perplexity of this text within 4 % of bf16, and the engine generates with
+    it end to end. Measured on this text: -0.05 % (bf16) and +0.13 % (fp32) on an AVX2 EPYC, +1.4 %
+    on an AMX Xeon (+0.9 % mean over three 1,024-token texts there); a broken scale or SmoothQuant
+    fold moves it by tens of %."""
     from tokenloom.engine.llm import LLM
     from tokenloom.model.loader import resolve_model_path
     from tokenloom.model.tokenizer import load_tokenizer
@@ -272,7 +273,7 @@ def test_default_model_int8_perplexity_and_generation() -> None:
     calib = quant.calibration_token_ids(tok, loaded.config.max_position_embeddings)
     q8 = perplexity(ModelRunner(loaded, block_size=16, num_blocks=16, dtype="bfloat16", device="cpu",
                                  quantization="int8", calibration_token_ids=calib), tokens)
-    assert q8 < base * 1.10, (base, q8)
+    assert q8 < base * 1.04, (base, q8)
 
     # Generation, end to end: the answer must still be right, not merely non-empty (bf16 says "The capital
     # of France is Paris.", int8 "The capital of France is Paris, France.": docs/performance.md).

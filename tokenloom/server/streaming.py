@@ -134,6 +134,10 @@ async def collect(request: Request, stream: RequestStream) -> dict[str, RequestO
     finally:
         watch.cancel()
         stream.close()
+        if not work.done():
+            # The client left first: end the drain too, or its task stays pending on a closed stream
+            # until the GC destroys it ("Task was destroyed but it is pending!" in the log).
+            work.cancel()
     # Not `work.cancelled()`: cancel() only asks, and the task is not cancelled until it next runs, so a
     # client that left first would make result() raise InvalidStateError (a 500 nobody reads; the soak
     # found it in the server log).
