@@ -15,10 +15,14 @@ configuration, each run two ways on the same trace, with the vLLM-identical defa
   both sides: it needs a profile of the machine it runs on, and the shipped ones are bf16 profiles of an
   AVX-512-BF16 CPU.
 
-The workloads' arrival rates were sized on the simulator for a machine whose steps cost about 20 ms +
-2.5 ms a token (REFERENCE). With --rate-scale auto (the default) they are multiplied by how much faster
-than that the profiled machine is, so that the load relative to the machine, which decides whether a
-prompt starves, is the same on any machine (clamped to [1/3, 3]; --rate-scale 1: as sized).
+The workloads were sized on the simulator for a machine whose steps cost about 20 ms + 2.5 ms a token
+(REFERENCE). Whether a prompt starves depends on the load relative to the machine, so with --time-scale
+auto (the default) every time in a workload (arrival times, the wait bounds, the SLO targets) is divided
+by how much faster than that the profiled machine is (s = REFERENCE's step time / the profile's, on
+PROBE_SHAPE; clamped to [1/2, 3]): the same requests, in the same order, at the same load relative to
+the machine; a machine twice as fast runs the figures in half the time, with a 250 ms bound where the
+reference has 500. --time-scale 1: as sized. The tables give the values used. Before the real runs the
+simulator's prediction of their total time is printed (--sim-only: that and the simulator's tables).
 
     # all three figures (~11 min on a quiet machine): the JSON, and the tables written into the docs
     .venv/bin/python benchmarks/scheduling_policies_real.py --out docs/figures/scheduling_policies_real.json \\
@@ -63,7 +67,7 @@ from tokenloom.workload.datasets import BenchRequest, random_requests  # noqa: E
 REFERENCE = CostModel({"overhead": 0.020, "prefill_tokens": 0.0025, "decode_tokens": 0.0025, "num_samples": 0.0005,
                        "decode_attn": 3e-6, "prefill_attn": 1e-6, "num_seqs": 0.0002})  # fmt: skip
 # A step like the figures' busy ones (32 decodes at context 64 and a 32-token prompt chunk): how much
-# faster than REFERENCE a profile is, for --rate-scale auto.
+# faster than REFERENCE a profile is, for --time-scale auto.
 PROBE_SHAPE = StepShape.of_rows([(63, 1, True)] * 32 + [(0, 32, False)])
 DOCS_BEGIN = "<!-- scheduling_policies_real: begin (benchmarks/scheduling_policies_real.py --update-docs) -->"
 DOCS_END = "<!-- scheduling_policies_real: end -->"
@@ -84,7 +88,8 @@ class Starvation:
     bounds: list[tuple[float, int]] = field(default_factory=lambda: [(500.0, 32), (500.0, 48)])  # (ms, chunk)
 
     def scaled(self, s: float) -> Starvation:
-        return replace(self, decode_rate=self.decode_rate * s, long_every_s=self.long_every_s / s)
+        return replace(self, duration_s=self.duration_s / s, decode_rate=self.decode_rate * s,
+                       long_every_s=self.long_every_s / s, bounds=[(round(ms / s), chunk) for ms, chunk in self.bounds])
 
 
 @dataclass
@@ -126,7 +131,8 @@ class Slo:
     controllers: list[str] = field(default_factory=lambda: ["itl"])  # "itl" and/or "itl+ttft"
 
     def scaled(self, s: float) -> Slo:
-        return replace(self, rate=self.rate * s)
+        return replace(self, duration_s=self.duration_s / s, rate=self.rate * s,
+                       target_itl_ms=round(self.target_itl_ms / s), target_ttft_ms=round(self.target_ttft_ms / s))
 
 
 @dataclass
@@ -295,16 +301,20 @@ def simulate_variant(base: tuple[Any, Any], fig: Figure, overrides: dict[str, An
                     profile.step_model, seed=seed)  # fmt: skip
 
 
-def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, profile: Any, args: argparse.Namespace) -> dict:
+def simulate_figure(base: tuple[Any, Any], fig: Figure, profile: Any, args: argparse.Namespace) -> tuple[dict, float]:
+    """The figure on the simulator, and the seconds the simulator predicts its real runs take."""
     sims = {name: simulate_variant(base, fig, ov, profile, args.seed) for name, ov in fig.variants}
     sim_rows = [fig.row(name, res.records, res.num_preemptions, res.num_steps) for name, res in sims.items()]
-    predicted = sum(max((r.finish_s for r in res.records), default=0.0) for res in sims.values())
-    log(f"{fig.name}: {len(fig.requests)} requests, {len(fig.variants)} configurations; the simulator predicts "
-        f"{predicted * args.repeats / 60:.1f} min on the real engine for {args.repeats} repeat(s)")
+    predicted = args.repeats * sum(max((r.finish_s for r in res.records), default=0.0) for res in sims.values())
+    log(f"{fig.name}: {len(fig.requests)} requests, {len(fig.variants)} configurations, {args.repeats} repeat(s): "
+        f"{predicted / 60:.1f} min on the real engine by the simulator")
     out: dict[str, Any] = {"workload": fig.workload, "num_requests": len(fig.requests),
                            "configs": {name: ov for name, ov in fig.variants}, "sim": sim_rows}  # fmt: skip
-    if args.sim_only:
-        return out
+    return out, predicted
+
+
+def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, out: dict[str, Any], args: argparse.Namespace) -> None:
+    """The figure's real runs, alternated; adds "real" (rows pooling the repeats) and "real_runs" to `out`."""
     runs: list[RealRun] = []
     for rep in range(args.repeats):  # A, B, C, A, B, C: drift hits every configuration alike
         for name, ov in fig.variants:
@@ -325,7 +335,6 @@ def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, profile: Any, ar
     out["real"] = real_rows
     out["real_runs"] = [{"policy": r.policy, "repeat": r.repeat, "wall_s": round(r.wall_s, 2), "steps": r.num_steps,
                          "preemptions": r.num_preemptions, "others_cpu_share": r.others_cpu_share} for r in runs]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -354,7 +363,7 @@ def render(data: dict[str, Any]) -> str:
     m = data["machine"]
     lines = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, {m['torch_threads']} torch threads), "
              f"{m['model']} in {m['dtype']}; profile of this runner: MAPE {m['profile_mape']:.1%} over "
-             f"{m['profile_shapes']} shapes; arrival rates × {m['rate_scale']:.2f} (`--rate-scale`). Real rows "
+             f"{m['profile_shapes']} shapes; workload times / {m['time_scale']:.2f} (`--time-scale`). Real rows "
              f"pool {data['args']['repeats']} alternated run(s) per configuration; other processes' share of "
              f"the CPUs during the real runs: at most {_share(data)}. Total "
              f"{data['total_wall_s'] / 60:.1f} min.", ""]  # fmt: skip
@@ -434,11 +443,11 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------------- main
 
 
-def rate_scale(arg: str, profile: Any) -> float:
+def time_scale(arg: str, profile: Any) -> float:
     if arg != "auto":
         return float(arg)
     speed = REFERENCE.predict(PROBE_SHAPE) / profile.step_model.predict(PROBE_SHAPE)
-    return min(max(speed, 1 / 3), 3.0)
+    return min(max(speed, 0.5), 3.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="real: ~1 min a run on the default model; smoke: seconds (tiny models, a look at the flow)")
     p.add_argument("--repeats", type=int, default=2, help="real runs per configuration, alternated")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rate-scale", default="auto", help="multiply the arrival rates (auto: by the profiled speed)")
+    p.add_argument("--time-scale", default="auto",
+                   help="divide the workloads' times by this (auto: the profiled speed against REFERENCE)")
     p.add_argument("--step-cost-profile", default=None,
                    help="a profile of this runner on this machine (tokenloom profile); default: profile it here")
     p.add_argument("--profile-passes", type=int, default=1)
@@ -492,13 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         profile_path = Path(args.out or "scheduling_policies_real.json").with_suffix(".profile.json")
         profile = calibrate(engine, sizes, args, profile_path)
-    scale = rate_scale(args.rate_scale, profile)
-    log(f"arrival rates x {scale:.2f} (profiled step {profile.step_model.predict(PROBE_SHAPE) * 1e3:.0f} ms, "
+    scale = time_scale(args.time_scale, profile)
+    log(f"workload times / {scale:.2f} (profiled step {profile.step_model.predict(PROBE_SHAPE) * 1e3:.0f} ms, "
         f"sized for {REFERENCE.predict(PROBE_SHAPE) * 1e3:.0f} ms)")
     base = (engine.scheduler_config, engine.cache_config)
     figs = figures(sizes, scale, str(profile_path), engine.model_config.vocab_size, args.seed, which)
-    if not args.sim_only:
-        warm_up(engine, sizes, args.seed)
     hw = hardware_info(str(engine.runner.device))
     result: dict[str, Any] = {
         "machine": {"date": time.strftime("%Y-%m-%d"), "cpu": hw["cpu"], "cores": hw["cores"],
@@ -506,12 +514,19 @@ def main(argv: list[str] | None = None) -> int:
                     "model": args.model or "SmolLM2-135M-Instruct",
                     "dtype": str(engine.runner.dtype).replace("torch.", ""), "profile": str(profile_path),
                     "profile_mape": profile.fit.mape, "profile_shapes": profile.fit.num_samples,
-                    "rate_scale": scale, "reference_probe_ms": REFERENCE.predict(PROBE_SHAPE) * 1e3,
+                    "time_scale": scale, "reference_probe_ms": REFERENCE.predict(PROBE_SHAPE) * 1e3,
                     "profiled_probe_ms": profile.step_model.predict(PROBE_SHAPE) * 1e3},  # fmt: skip
         "args": vars(args),
     }
+    predicted = 0.0
     for fig in figs:
-        result[fig.name] = run_figure(engine, base, fig, profile, args)
+        result[fig.name], seconds = simulate_figure(base, fig, profile, args)
+        predicted += seconds
+    if not args.sim_only:
+        log(f"the real runs: {predicted / 60:.1f} min by the simulator")
+        warm_up(engine, sizes, args.seed)
+        for fig in figs:
+            run_figure(engine, base, fig, result[fig.name], args)
     engine.close()
     result["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     if args.out:
