@@ -41,7 +41,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +337,25 @@ def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, out: dict[str, A
                          "preemptions": r.num_preemptions, "others_cpu_share": r.others_cpu_share} for r in runs]
 
 
+def with_settings(sizes: Sizes, settings: list[str]) -> Sizes:
+    """`--set FIGURE.FIELD=JSON` (e.g. slo.rate=1.2, 'slo.controllers=["itl", "itl+ttft"]',
+    starvation.bounds=[[500,32]]): one workload parameter changed, by its dataclass field's name."""
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        part, _, name = key.strip().partition(".")
+        figure = getattr(sizes, part, None) if part in ("starvation", "priority", "slo") else None
+        if not sep or figure is None or name not in {f.name for f in fields(figure)}:
+            known = ", ".join(f"{k}.{f.name}" for k in ("starvation", "priority", "slo")
+                              for f in fields(getattr(sizes, k)))  # fmt: skip
+            raise ValueError(f"--set {item!r}: expected FIGURE.FIELD=VALUE with one of {known}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--set {item!r}: the value must be JSON ({exc.msg})") from None
+        sizes = replace(sizes, **{part: replace(figure, **{name: value})})
+    return sizes
+
+
 # ----------------------------------------------------------------------------------------------- tables
 
 
@@ -459,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=["real", "smoke"], default="real",
                    help="real: ~1 min a run on the default model; smoke: seconds (tiny models, a look at the flow)")
     p.add_argument("--repeats", type=int, default=2, help="real runs per configuration, alternated")
+    p.add_argument("--set", action="append", default=[], metavar="FIGURE.FIELD=JSON",
+                   help="change one workload parameter (the Starvation / Priority / Slo dataclasses' fields), "
+                   "e.g. slo.rate=1.2 or 'slo.controllers=[\"itl\", \"itl+ttft\"]'; repeatable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", default="auto",
                    help="divide the workloads' times by this (auto: the profiled speed against REFERENCE)")
@@ -487,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--figures: one or more of starvation, priority, slo (got {args.figures!r})")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    sizes = SMOKE if args.size == "smoke" else Sizes()
+    try:
+        sizes = with_settings(SMOKE if args.size == "smoke" else Sizes(), args.set)
+        figures(sizes, 1.0, "profile.json", 1 << 30, args.seed, which)  # bad settings fail here, before loading
+    except (ValueError, TypeError) as exc:
+        p.error(str(exc))
     t_start = time.perf_counter()
 
     from tokenloom.sim.profile import load_profile

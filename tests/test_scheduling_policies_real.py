@@ -94,7 +94,23 @@ def test_real_and_simulated_figures_on_a_tiny_model(bench, tmp_path: Path, capsy
     assert sim["priority_preemption"]["sim"] == data["priority_preemption"]["sim"]  # same profile, same trace
 
 
-def test_bad_arguments_are_named(bench, capsys) -> None:
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--figures", "starvation,latency"], "--figures"),
+    (["--set", "slo.nope=1"], "slo.target_itl_ms"),  # the known fields are listed
+    (["--set", "slo.rate=fast"], "must be JSON"),
+    (["--set", 'slo.controllers=["itl", "ttft"]'], "controllers"),
+])  # fmt: skip
+def test_bad_arguments_are_named(bench, capsys, argv: list[str], named: str) -> None:
     with pytest.raises(SystemExit):
-        bench.main(["--figures", "starvation,latency"])
-    assert "--figures" in capsys.readouterr().err
+        bench.main(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_settings_change_one_workload_field(bench) -> None:
+    sizes = bench.with_settings(bench.Sizes(), ["slo.rate=1.2", 'slo.controllers=["itl", "itl+ttft"]',
+                                                "starvation.bounds=[[1000, 16]]"])  # fmt: skip
+    assert sizes.slo.rate == 1.2 and sizes.slo.duration_s == bench.Slo().duration_s
+    starvation, slo = bench.figures(sizes, 1.0, "p.json", 49152, 0, ["slo", "starvation"])
+    names = [name for name, _ in slo.variants]
+    assert names[-2:] == ["controller: ITL 150 ms", "controller: ITL 150 ms + TTFT 3000 ms"]
+    assert starvation.variants[1][0] == "bound 1000 ms, chunk 16"
