@@ -25,8 +25,8 @@ reference has 500. --time-scale 1: as sized. The tables give the values used. Be
 simulator's prediction of their total time is printed (--sim-only: that and the simulator's tables).
 
     # all three figures (~11 min on a quiet machine): the JSON, and the tables written into the docs
-    .venv/bin/python benchmarks/scheduling_policies_real.py --out docs/figures/scheduling_policies_real.json \\
-        --update-docs docs/scheduling_policies.md
+    .venv/bin/python benchmarks/scheduling_policies_real.py --max-minutes 10 \\
+        --out docs/figures/scheduling_policies_real.json --update-docs docs/scheduling_policies.md
     # the tables again from a JSON (printed, or into the docs)
     .venv/bin/python benchmarks/scheduling_policies_real.py --render docs/figures/scheduling_policies_real.json
     # the profile and the simulator only (a minute): the workloads' regime before the long run
@@ -491,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait", type=float, default=0.0,
                    help="seconds to wait for a quiet machine before each profiled shape and each real run")
     p.add_argument("--sim-only", action="store_true", help="profile + simulator only (no real runs)")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop before the real runs when the simulator predicts they take longer (0: no limit)")
     p.add_argument("--out", default=None, help="the result JSON")
     p.add_argument("--update-docs", default=None, metavar="MD",
                    help=f"write the tables into MD between {DOCS_BEGIN!r} and {DOCS_END!r}")
@@ -550,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         predicted += seconds
     if not args.sim_only:
         log(f"the real runs: {predicted / 60:.1f} min by the simulator")
+        if args.max_minutes and predicted / 60 > args.max_minutes:
+            engine.close()
+            log(f"that is over --max-minutes {args.max_minutes:g}: not started (fewer --repeats, fewer --figures, "
+                "or a quieter machine: a busy one profiles slow and stretches the workloads with --time-scale auto; "
+                f"--step-cost-profile {profile_path} skips the profiling next time)")
+            return 3
         warm_up(engine, sizes, args.seed)
         for fig in figs:
             run_figure(engine, base, fig, result[fig.name], args)

@@ -93,6 +93,12 @@ def test_real_and_simulated_figures_on_a_tiny_model(bench, tmp_path: Path, capsy
     assert "real" not in sim["priority_preemption"] and "starvation" not in sim
     assert sim["priority_preemption"]["sim"] == data["priority_preemption"]["sim"]  # same profile, same trace
 
+    # Real runs the simulator predicts to take longer than --max-minutes are not started.
+    late = tmp_path / "late.json"
+    assert bench.main(common + ["--figures", "priority", "--step-cost-profile", str(profile), "--max-minutes", "1e-6",
+                                "--out", str(late)]) == 3  # fmt: skip
+    assert not late.exists()
+
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["--figures", "starvation,latency"], "--figures"),
