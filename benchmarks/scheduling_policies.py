@@ -41,21 +41,22 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def starvation_workload(seed: int, duration_s: float, decode_rate: float, long_every_s: float,
-                        long_len: int) -> list[BenchRequest]:
-    """Poisson arrivals of short-prompt, long-output chats (the decode load) plus a long prompt
-    (a document to summarise) every `long_every_s` seconds."""
+                        long_len: int, chat_prompt: int = 32, chat_output: tuple[int, int] = (100, 200),
+                        long_output: int = 16) -> list[BenchRequest]:  # fmt: skip
+    """Poisson arrivals of short-prompt, long-output chats (the decode load: `chat_prompt` tokens,
+    output lengths in [lo, hi)) plus a long prompt (a document to summarise) every `long_every_s` seconds."""
     rng = np.random.default_rng(seed)
     reqs: list[BenchRequest] = []
     t = 0.0
     i = 0
     while t < duration_s:
         t += float(rng.exponential(1.0 / decode_rate))
-        reqs.append(BenchRequest(f"chat{i}", [int(x) for x in rng.integers(100, 40000, 32)], 32,
-                                 int(rng.integers(100, 200)), True, t))
+        reqs.append(BenchRequest(f"chat{i}", [int(x) for x in rng.integers(100, 40000, chat_prompt)], chat_prompt,
+                                 int(rng.integers(*chat_output)), True, t))
         i += 1
     for j, at in enumerate(np.arange(long_every_s / 2, duration_s, long_every_s)):
-        reqs.append(BenchRequest(f"doc{j}", [int(x) for x in rng.integers(100, 40000, long_len)], long_len, 16,
-                                 True, float(at)))
+        reqs.append(BenchRequest(f"doc{j}", [int(x) for x in rng.integers(100, 40000, long_len)], long_len,
+                                 long_output, True, float(at)))
     return sorted(reqs, key=lambda r: r.arrival_s)
 
 
@@ -70,24 +71,33 @@ def run_starvation(profile: Any, args: argparse.Namespace) -> list[dict[str, Any
     ]
     for name, knobs in variants:
         res = simulate(reqs, replace(base, **knobs), cache, profile.cost_model)
-        docs = [r for r in res.records if r.id.startswith("doc") and r.success]
-        chats = [r for r in res.records if r.id.startswith("chat") and r.success]
-        itl = [x for r in chats for x in r.itl_s]
-        rows.append({
-            "policy": name,
-            "long_prompt_ttft_p50_ms": _pct([r.ttft_s for r in docs], 50),
-            "long_prompt_ttft_p99_ms": _pct([r.ttft_s for r in docs], 99),
-            "long_prompt_ttft_max_ms": _pct([r.ttft_s for r in docs], 100),
-            "decode_itl_p50_ms": _pct(itl, 50),
-            "decode_itl_p99_ms": _pct(itl, 99),
-            "num_long": len(docs), "num_chats": len(chats),
-        })
+        rows.append(starvation_row(name, res.records))
     return rows
 
 
-def slo_workload(seed: int, duration_s: float, rate: float, doc_share: float, doc_len: int) -> list[BenchRequest]:
+def starvation_row(name: str, records: list[Any]) -> dict[str, Any]:
+    """The long prompts' ("doc*") TTFT and the decodes' ("chat*") ITL, from per-request records (a
+    simulation's or the real engine's, pooled over repeats)."""
+    docs = [r for r in records if r.id.startswith("doc") and r.success]
+    chats = [r for r in records if r.id.startswith("chat") and r.success]
+    itl = [x for r in chats for x in r.itl_s]
+    return {
+        "policy": name,
+        "long_prompt_ttft_p50_ms": _pct([r.ttft_s for r in docs], 50),
+        "long_prompt_ttft_p99_ms": _pct([r.ttft_s for r in docs], 99),
+        "long_prompt_ttft_max_ms": _pct([r.ttft_s for r in docs], 100),
+        "decode_itl_p50_ms": _pct(itl, 50),
+        "decode_itl_p99_ms": _pct(itl, 99),
+        "num_long": len(docs), "num_chats": len(chats),
+    }
+
+
+def slo_workload(seed: int, duration_s: float, rate: float, doc_share: float, doc_len: int,
+                 chat_prompt: tuple[int, int] = (100, 600), chat_output: tuple[int, int] = (50, 250),
+                 doc_output: int = 32) -> list[BenchRequest]:  # fmt: skip
     """W2-like chat traffic (prompts 100-600 tokens, 50-250 output tokens, Poisson arrivals at `rate`)
-    where a `doc_share` of the requests are long documents (`doc_len` tokens, 32 output tokens)."""
+    where a `doc_share` of the requests are long documents (`doc_len` tokens, 32 output tokens); the
+    lengths are parameters for the real engine's scaled-down version."""
     rng = np.random.default_rng(seed)
     reqs: list[BenchRequest] = []
     t, i = 0.0, 0
@@ -96,9 +106,9 @@ def slo_workload(seed: int, duration_s: float, rate: float, doc_share: float, do
         if t >= duration_s:
             break
         if rng.random() < doc_share:
-            n, out, name = doc_len, 32, f"doc{i}"
+            n, out, name = doc_len, doc_output, f"doc{i}"
         else:
-            n, out, name = int(rng.integers(100, 600)), int(rng.integers(50, 250)), f"chat{i}"
+            n, out, name = int(rng.integers(*chat_prompt)), int(rng.integers(*chat_output)), f"chat{i}"
         reqs.append(BenchRequest(name, [int(x) for x in rng.integers(100, 40000, n)], n, out, True, t))
         i += 1
     return reqs
@@ -107,7 +117,13 @@ def slo_workload(seed: int, duration_s: float, rate: float, doc_share: float, do
 def slo_row(name: str, res: Any, itl_target_s: float, ttft_target_s: float) -> dict[str, Any]:
     """A request meets the ITL target when every gap between its tokens is within it (the target is a
     per-token promise), the TTFT target when its first token is within it."""
-    done = [r for r in res.records if r.success]
+    return slo_row_of(name, res.records, res.num_steps, itl_target_s, ttft_target_s)
+
+
+def slo_row_of(name: str, records: list[Any], num_steps: int, itl_target_s: float,
+               ttft_target_s: float) -> dict[str, Any]:  # fmt: skip
+    """slo_row from per-request records (a simulation's or the real engine's, pooled over repeats)."""
+    done = [r for r in records if r.success]
     itl = [x for r in done for x in r.itl_s]
     ttft = [r.ttft_s for r in done]
     meets_itl = [max(r.itl_s, default=0.0) <= itl_target_s for r in done]
@@ -123,7 +139,7 @@ def slo_row(name: str, res: Any, itl_target_s: float, ttft_target_s: float) -> d
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "doc_ttft_p50_ms": _pct(docs, 50),
             "meets_itl_pct": share(meets_itl), "meets_ttft_pct": share(meets_ttft), "meets_both_pct": share(both),
             "meets_tpot_and_ttft_pct": share([a and b for a, b in zip(meets_tpot, meets_ttft)]),
-            "num_steps": res.num_steps, "num_requests": len(done)}
+            "num_steps": num_steps, "num_requests": len(done)}
 
 
 def run_slo(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -154,24 +170,36 @@ def run_slo(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def priority_workload(seed: int, num_bulk: int = 48, bulk_prompt: int = 256, bulk_output: int = 400,
+                      bulk_every_s: float = 0.05, num_vip: int = 10, vip_prompt: int = 64, vip_output: int = 32,
+                      vip_start_s: float = 5.0, vip_every_s: float = 3.0) -> list[BenchRequest]:  # fmt: skip
+    """Long low-priority requests ("bulk*", priority 10) that fill the batch, then short high-priority
+    ones ("vip*", priority 0) arriving while it is full."""
+    rng = np.random.default_rng(seed)
+    reqs = [BenchRequest(f"bulk{i}", [int(x) for x in rng.integers(100, 40000, bulk_prompt)], bulk_prompt,
+                         bulk_output, True, float(i) * bulk_every_s, priority=10) for i in range(num_bulk)]
+    reqs += [BenchRequest(f"vip{j}", [int(x) for x in rng.integers(100, 40000, vip_prompt)], vip_prompt,
+                          vip_output, True, vip_start_s + vip_every_s * j, priority=0) for j in range(num_vip)]
+    return sorted(reqs, key=lambda r: r.arrival_s)
+
+
+def priority_row(name: str, records: list[Any], num_preemptions: int) -> dict[str, Any]:
+    """High-priority ("vip*") TTFT and low-priority ("bulk*") E2E, from per-request records."""
+    vip = [r.ttft_s for r in records if r.id.startswith("vip") and r.success]
+    bulk = [r.e2e_s for r in records if r.id.startswith("bulk") and r.success]
+    return {"policy": name, "high_priority_ttft_p50_ms": _pct(vip, 50), "high_priority_ttft_p99_ms": _pct(vip, 99),
+            "low_priority_e2e_p50_ms": _pct(bulk, 50), "num_preemptions": num_preemptions}
+
+
 def run_priority(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(args.seed)
-    reqs = [BenchRequest(f"bulk{i}", [int(x) for x in rng.integers(100, 40000, 256)], 256, 400, True,
-                         float(i) * 0.05, priority=10) for i in range(48)]
-    reqs += [BenchRequest(f"vip{j}", [int(x) for x in rng.integers(100, 40000, 64)], 64, 32, True,
-                          5.0 + 3.0 * j, priority=0) for j in range(10)]
-    reqs.sort(key=lambda r: r.arrival_s)
+    reqs = priority_workload(args.seed)
     base = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=8192, policy="priority")
     cache = CacheConfig(block_size=16, num_blocks=20000)
     rows = []
     for name, knobs in [("priority (vLLM)", {}),
                         ("priority + preemption for waiting", {"enable_priority_preemption": True})]:
         res = simulate(reqs, replace(base, **knobs), cache, profile.cost_model)
-        vip = [r.ttft_s for r in res.records if r.id.startswith("vip") and r.success]
-        bulk = [r.e2e_s for r in res.records if r.id.startswith("bulk") and r.success]
-        rows.append({"policy": name, "high_priority_ttft_p50_ms": _pct(vip, 50),
-                     "high_priority_ttft_p99_ms": _pct(vip, 99),
-                     "low_priority_e2e_p50_ms": _pct(bulk, 50), "num_preemptions": res.num_preemptions})
+        rows.append(priority_row(name, res.records, res.num_preemptions))
     return rows
 
 

@@ -298,7 +298,6 @@ def run_profile(
     progress: Callable[[str], None] | None = None,
 ) -> Profile:
     """Load the model, time every shape of the grid, fit, and return the profile."""
-    from tokenloom.model.attention import kv_cache_bytes_per_block
     from tokenloom.model.loader import load_model, resolve_model_path
     from tokenloom.model.platform import resolve_device, resolve_dtype
     from tokenloom.model.runner import ModelRunner
@@ -310,36 +309,66 @@ def run_profile(
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
     loaded = load_model(path, torch_dtype)
-    config = loaded.config
     num_blocks = blocks_needed(grid, block_size, warmup + repeats + 1)
     # int8 layers run at the same speed smoothed or not: no calibration needed to time them.
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev,
                          quantization=quantization)
+    name = "SmolLM2-135M-Instruct" if model in (None, "default") else (loaded.config.name or path.stem)
+    return profile_runner(runner, loaded.config, name, quantization=quantization, grid=grid, warmup=warmup,
+                          repeats=repeats, passes=passes, max_wait_s=max_wait_s, progress=progress,
+                          fingerprint=fingerprint)  # fmt: skip
+
+
+def profile_runner(
+    runner: Any,
+    model_config: Any,
+    name: str,
+    *,
+    quantization: str | None = None,
+    grid: Grid | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    passes: int = 3,
+    max_wait_s: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+    fingerprint: str | None = None,
+) -> Profile:
+    """Time every shape of the grid on a loaded runner, fit, and return the profile.
+
+    The runner may be an engine's own (benchmarks that compare the real engine with the simulator
+    calibrate the very runner they then measure): its KV pool must hold the grid's largest shape, and
+    the runner's per-request state is left to the caller to clear (EngineCore's executor.reset())."""
+    from tokenloom.model.attention import kv_cache_bytes_per_block
+
+    grid = grid or Grid()
+    fingerprint = fingerprint or runner_fingerprint()
+    need = blocks_needed(grid, runner.block_size, warmup + repeats + 1)
+    if runner.num_blocks < need:
+        raise ValueError(f"profiling this grid needs {need} KV blocks; the runner has {runner.num_blocks}")
     t0 = time.perf_counter()
-    samples, noisy = time_grid(runner, config.vocab_size, grid, warmup, repeats, passes, max_wait_s, progress)
+    samples, noisy = time_grid(runner, model_config.vocab_size, grid, warmup, repeats, passes, max_wait_s, progress)
     cost_model, error = fit(samples)
     if progress and runner_fingerprint() != fingerprint:
         progress("warning: the runner's code changed while profiling; the profile is marked stale")
     if max_wait_s > 0:
         wait_for_quiet(max_wait_s)
-    overhead = scheduler_overhead(block_size)
+    overhead = scheduler_overhead(runner.block_size)
     hardware = hardware_info(str(runner.device))
     hardware["shapes_timed_while_busy"] = noisy
     dtype_name = str(runner.dtype).replace("torch.", "")
-    name = "SmolLM2-135M-Instruct" if model in (None, "default") else (config.name or path.stem)
     logger.info("profiled %d shapes in %.1f s", len(samples), time.perf_counter() - t0)
     return Profile(
         model=name,
         dtype=dtype_name,
         quantization=quantization,
-        block_size=block_size,
+        block_size=runner.block_size,
         hardware=hardware,
         cost_model=cost_model,
         fit=error,
         samples=samples,
         scheduler_overhead=overhead,
-        max_model_len=config.max_position_embeddings,
-        kv_bytes_per_token=kv_cache_bytes_per_block(config, 1, runner.dtype),
+        max_model_len=model_config.max_position_embeddings,
+        kv_bytes_per_token=kv_cache_bytes_per_block(model_config, 1, runner.dtype),
         runner_fingerprint=fingerprint,
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         tokenloom_version=tokenloom_version(),
