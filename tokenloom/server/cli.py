@@ -69,6 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenloom.engine.core_client import EngineStartError
     from tokenloom.server.config import ServerConfig
     from tokenloom.server.launcher import run_server
+    from tokenloom.server.tool_parsers import ToolParserTokenizerError
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None, served_model_names=args.served_model_name,
@@ -90,6 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     try:
         return run_server(engine_config_from_args(args), config)
-    except EngineStartError as exc:
+    except (EngineStartError, ToolParserTokenizerError) as exc:
         print(f"tokenloom serve: error: {exc}", file=sys.stderr)
         return 1
