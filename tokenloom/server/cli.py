@@ -55,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--tool-call-parser (vLLM's flag: without it those tool_choice values are a 400)")
     g.add_argument("--tool-call-parser", default=None,
                    help="the model family's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5: <tool_call> "
-                        "JSON blocks; the format SmolLM2 is prompted with) or its alias qwen3_json")
+                        "JSON blocks) or its alias qwen3_json; pythonic (Llama 3.2/4: [f(a=1), ...]); "
+                        "llama3_json / llama4_json (needs <|python_tag|> in the vocabulary); mistral is "
+                        "known and refused")
     g.add_argument("--tool-strict-level", choices=["auto", "function", "parameter"], default="auto",
                    help="grammar floor for tool calls: auto (required / named calls and strict tools "
                         "constrained), function (every call's envelope), parameter (arguments too, as if "
