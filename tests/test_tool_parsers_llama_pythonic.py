@@ -138,6 +138,7 @@ def test_llama_arguments_and_parameters_keys() -> None:
     '{"parameters": {}}',  # no name
     '{"name": "toolWithoutParams"}',  # neither parameters nor arguments
     'Sure: {"name": "a", "parameters": {}}; {"oops": 1}',  # one bad object: all of it is content
+    '{"name": 5, "parameters": {}}',  # a name that is not a string
 ])
 def test_llama_malformed_output_is_content(text: str) -> None:
     assert whole(Llama3JsonToolParser, text) == (text, [])

@@ -75,6 +75,8 @@ class Llama3JsonToolParser(ToolParser):
                 end_index = start_index + json_end_index
                 name = obj["name"]
                 args = obj["arguments"] if "arguments" in obj else obj["parameters"]
+                if not isinstance(name, str):  # vLLM's FunctionCall(name=...) rejects it
+                    raise TypeError("the function name must be a string")
                 calls.append(make_call(name, json.dumps(args, ensure_ascii=False)))
             except Exception:  # vLLM: a missing key, undecodable JSON, a non-object: all text is content
                 return ExtractedToolCalls(False, [], model_output)
