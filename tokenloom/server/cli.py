@@ -55,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--tool-call-parser (vLLM's flag: without it those tool_choice values are a 400)")
     g.add_argument("--tool-call-parser", default=None,
                    help="the model family's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5: <tool_call> "
-                        "JSON blocks; the format SmolLM2 is prompted with) or its alias qwen3_json")
+                        "JSON blocks) or its alias qwen3_json; pythonic (Llama 3.2/4: [f(a=1), ...]); "
+                        "llama3_json / llama4_json (needs <|python_tag|> in the vocabulary); mistral is "
+                        "known and refused")
     g.add_argument("--tool-strict-level", choices=["auto", "function", "parameter"], default="auto",
                    help="grammar floor for tool calls: auto (required / named calls and strict tools "
                         "constrained), function (every call's envelope), parameter (arguments too, as if "
@@ -69,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenloom.engine.core_client import EngineStartError
     from tokenloom.server.config import ServerConfig
     from tokenloom.server.launcher import run_server
+    from tokenloom.server.tool_parsers import ToolParserTokenizerError
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None, served_model_names=args.served_model_name,
@@ -90,6 +93,6 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     try:
         return run_server(engine_config_from_args(args), config)
-    except EngineStartError as exc:
+    except (EngineStartError, ToolParserTokenizerError) as exc:
         print(f"tokenloom serve: error: {exc}", file=sys.stderr)
         return 1

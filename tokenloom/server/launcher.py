@@ -28,6 +28,7 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.server.app import build_app
 from tokenloom.server.config import ServerConfig
+from tokenloom.server.tool_parsers import check_tokenizer
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -115,6 +116,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     try:
         engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
                                       config.engine_ready_timeout_s)
+        if config.enable_auto_tool_choice and config.tool_call_parser:
+            # vLLM's start-up check: a parser whose format needs a token the vocabulary lacks stops here.
+            check_tokenizer(config.tool_call_parser, engine.tokenizer, engine.info.model_name)
         app = build_app(engine, config)
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,

@@ -71,7 +71,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     template_tools = render_tools(tools, config.exclude_tools_when_tool_choice_none)
     tools_prompt = None
     if template_tools and not template_renders_tools(req.chat_template or state.tokenizer.chat_template):
-        tools_prompt = tools_system_prompt(template_tools)
+        tools_prompt = tools_system_prompt(template_tools, (tools.parser if tools else None) or "hermes")
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         req.chat_template_kwargs, req.add_special_tokens, req.chat_template,

@@ -2,7 +2,9 @@
 builds them (whole: `chat_completion_full_generator`; streamed: the parser's `parse_delta`).
 
 Which calls there are is the tool parser's business (tokenloom/server/tool_parsers/): the same parser
-reads "auto" output and the output a structural tag forced under "required" or a named function.
+reads "auto" output and the output a structural tag forced under "required" or a named function. A
+parser without a structural tag (pythonic) has its forced calls written in vLLM's JSON forms and read by
+their rules (tool_parsers/json_calls.py), as vLLM's supports_required_and_named path does.
 
 Whole response: "required" / named give `content` "" and the calls; "auto" gives the text before the
 first call as content (None when only whitespace), or the whole text when no call parsed.
@@ -20,26 +22,18 @@ from typing import Any
 
 from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_parsers import ToolParser, get_tool_parser
-
-# The Hermes/Qwen 2.5 system prompt, for chat templates that do not render `tools` themselves
-# (SmolLM2's does not): the model then sees the tools and the format to call them in.
-_TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
+from tokenloom.server.tool_parsers.json_calls import (
+    NamedCallStreamer,
+    parse_named,
+    parse_required,
+    required_call_deltas,
+)
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    return _TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+def tools_system_prompt(tools: list[dict[str, Any]], parser: str = "hermes") -> str:
+    """The tools shown to a chat template that does not render them (SmolLM2's), in the words of the
+    parser's model family, so the model is asked for the format the parser reads."""
+    return get_tool_parser(parser).tools_prompt.format(tools="\n".join(json.dumps(t) for t in tools))
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
@@ -51,8 +45,22 @@ def _parser(tools: ToolSetup) -> ToolParser:
     return get_tool_parser(tools.parser)()
 
 
+def _json_form(tools: ToolSetup) -> bool:
+    """Forced calls of a parser without a structural tag: written in vLLM's JSON forms, read by their
+    rules (tool_parsers/json_calls.py), not by the parser."""
+    assert tools.parser is not None
+    return tools.mode in ("required", "named") and get_tool_parser(tools.parser).supports_required_and_named()
+
+
 def parse_output(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
     """(message content, tool calls) of a whole generation (tools.parses_calls)."""
+    if _json_form(tools):
+        if tools.mode == "named":
+            assert tools.named is not None
+            calls = parse_named(text, tools.named)
+        else:
+            calls = parse_required(text)
+        return "", calls[:1] if not tools.parallel_tool_calls else calls
     info = _parser(tools).extract_tool_calls(text)
     calls = info.tool_calls if info.tools_called else []
     if not tools.parallel_tool_calls:
@@ -80,12 +88,20 @@ class StreamingToolParser:
     def __init__(self, tools: ToolSetup) -> None:
         self.tools = tools
         self.parser = _parser(tools)
+        self.json_form = _json_form(tools)
+        self.named = NamedCallStreamer(tools.named) if self.json_form and tools.named else None
         self.text = ""
         self.streamed = False  # a tool call went out (the finish reason becomes "tool_calls")
 
     def feed(self, delta_text: str, final: bool) -> dict[str, Any] | None:
         previous, self.text = self.text, self.text + delta_text
-        delta = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text)
+        delta: dict[str, Any] | None
+        if self.named is not None:
+            delta = self.named.feed(delta_text)
+        elif self.json_form:
+            delta = required_call_deltas(previous, self.text)
+        else:
+            delta = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text)
         if final and delta is not None and delta.get("tool_calls"):
             remaining = self.parser.get_remaining_unstreamed_args()
             if remaining:

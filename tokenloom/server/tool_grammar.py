@@ -12,6 +12,10 @@ function's `parameters` schema only for strict tools (`"strict": true`, or `--to
 parameter`), else they are any JSON value (vLLM's resolve_tool_strictness). A request's own
 response_format / structured_outputs is replaced under required / named (vLLM logs that it is
 ignored) and, under a constrained "auto", allowed as the alternative to calling.
+
+Formats: "hermes" (built here, as vLLM's registry builds it) and "llama" (xgrammar's builtin, the function
+vLLM calls). A parser without a structural tag (pythonic) gets vLLM's JSON forms under required / named
+(`_json_forms`, tokenloom/server/tool_parsers/json_calls.py) and nothing under auto.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 from typing import Any
 
 from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.server.errors import APIError
 from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_parsers import get_tool_parser
 
@@ -59,35 +64,89 @@ def _output_format(so: StructuredOutputsParams) -> dict[str, Any] | None:
     return None
 
 
+def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str) -> dict[str, Any]:
+    """xgrammar's builtin "llama" tag (vLLM calls the same function): `{"name": "<tool>", "parameters":
+    ...}` objects, triggered by `{"name": ` under auto / required, one object of the named function."""
+    import xgrammar as xgr
+
+    dumped = []
+    for name, fn in tools.tools.items():
+        function = {k: fn[k] for k in ("description", "parameters") if fn.get(k) is not None}
+        dumped.append({"type": "function", "function": {"name": name, **function, "strict": strict[name]}})
+    tool_choice: Any = choice
+    if choice == "forced":
+        tool_choice = {"type": "function", "function": {"name": tools.named}}
+    tag = xgr.get_model_structural_tag(model="llama", tools=dumped, tool_choice=tool_choice, reasoning=False)
+    return tag.model_dump()["format"]
+
+
+_CALL_LISTS = ("triggered_tags", "token_triggered_tags", "tags_with_separator")
+
+
+def _limit_to_single_call(node: Any) -> None:
+    """vLLM's limit_to_single_tool_call: every list of calls stops after its first (in place)."""
+    if isinstance(node, dict):
+        if node.get("type") in _CALL_LISTS:
+            node["stop_after_first"] = True
+        for value in node.values():
+            _limit_to_single_call(value)
+    elif isinstance(node, list):
+        for item in node:
+            _limit_to_single_call(item)
+
+
+def _json_forms(tools: ToolSetup, requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """vLLM's ToolParser.adjust_request for a parser without a structural tag: required / named are
+    forced with a JSON schema (json_calls.py), replacing the request's own format unless that is a
+    structural tag; auto is left free."""
+    from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools
+
+    if requested is not None and requested.structural_tag is not None:
+        return requested
+    try:
+        schema = json_schema_from_tools(tools.tools, tools.mode, tools.named, tools.parallel_tool_calls)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tools") from None
+    return requested if schema is None else StructuredOutputsParams(json=schema)
+
+
 def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
                             strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's constraint once its tools are taken into account (`requested` when they add none)."""
     if tools.parser is None or tools.mode == "none" or tools.choice_null:
         return requested
     parser = get_tool_parser(tools.parser)
-    if parser.structural_tag_model != "hermes":
-        return requested
+    model = parser.structural_tag_model
+    if model is None:
+        return _json_forms(tools, requested)
     level = STRICT_LEVELS.index(strict_level)
     single_call = not tools.parallel_tool_calls
     if single_call and not (tools.mode == "auto" and requested is not None):
         level = max(level, STRICT_LEVELS.index("function"))  # the call count needs the envelope
     chosen = {tools.named: tools.tools[tools.named]} if tools.mode == "named" and tools.named else tools.tools
     strict = {name: level >= STRICT_LEVELS.index("parameter") or fn.get("strict") is True
-              for name, fn in chosen.items()}
+              for name, fn in tools.tools.items()}
     if tools.mode == "auto" and level == 0 and not any(strict.values()):
         return requested  # vLLM: no structural tag, the model writes freely
-    tags = _hermes_tags(chosen, strict)
     extra = _output_format(requested) if tools.mode == "auto" and requested is not None else None
+    if tools.mode == "auto" and extra is None and requested is not None:
+        return requested  # vLLM: a constraint it cannot combine wins over the tools
+    # vLLM builds "auto" with a response format as "required", so the format stays the alternative.
+    choice = {"auto": "auto" if extra is None else "required", "required": "required",
+              "named": "forced"}[tools.mode]
     fmt: dict[str, Any]
-    if tools.mode == "auto" and extra is None:
-        if requested is not None:
-            return requested  # vLLM: a constraint it cannot combine wins over the tools
-        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
-               "at_least_one": False, "stop_after_first": single_call}
+    if model == "llama":
+        fmt = _llama_format(tools, strict, choice)
     else:
-        # required, named, or auto with a response format (vLLM builds that one as "required").
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
-               "stop_after_first": single_call or tools.mode == "named"}
-        if extra is not None:
-            fmt = {"type": "or", "elements": [fmt, extra]}
+        tags = _hermes_tags(chosen, strict)
+        if choice == "auto":
+            fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags, "at_least_one": False,
+                   "stop_after_first": False}
+        else:
+            fmt = {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+                   "stop_after_first": choice == "forced"}
+    if single_call:
+        _limit_to_single_call(fmt)
+    if extra is not None:
+        fmt = {"type": "or", "elements": [fmt, extra]}
     return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))

@@ -53,15 +53,53 @@ def is_complete_json(text: str) -> bool:
         return False
 
 
+def find_common_prefix(s1: str, s2: str) -> str:
+    """vLLM's helper: what two successive renderings of partial JSON agree on (so a closing quote or
+    brace that JSON completion added is not streamed before the model wrote it)."""
+    n = 0
+    for a, b in zip(s1, s2):
+        if a != b:
+            break
+        n += 1
+    return s1[:n]
+
+
+def partial_json_loads(text: str, flags: Any) -> tuple[Any, int]:
+    """(value, characters used) of partial JSON; a complete value followed by more text (the next of
+    several calls) is decoded alone (vLLM: partial_json_parser does not stop at extra data)."""
+    import partial_json_parser
+
+    try:
+        return partial_json_parser.loads(text, flags), len(text)
+    except json.JSONDecodeError as exc:
+        if "Extra data" in exc.msg:
+            return json.JSONDecoder().raw_decode(text)
+        raise
+
+
 class ToolParser:
     """Base: the streaming bookkeeping vLLM's parsers share."""
 
     name = ""
-    # The xgrammar structural-tag format of this family (None: required/named use vLLM's JSON-array
-    # schema instead; no parser here needs that today).
+    # The xgrammar structural-tag format of this family (None: required / named use vLLM's JSON forms
+    # instead: an array of {"name", "parameters"}, or the named function's arguments; see json_calls.py).
     structural_tag_model: str | None = None
     # Tokens that carry the tool-call markup may be special tokens: keep them in the text.
     keeps_special_tokens = True
+    # The system prompt that shows the tools to a chat template that does not render them itself
+    # (`{tools}`: one JSON tool per line); it asks for this parser's format.
+    tools_prompt = ""
+
+    @classmethod
+    def supports_required_and_named(cls) -> bool:
+        """vLLM's flag (with VLLM_ENFORCE_STRICT_TOOL_CALLING, its default): a parser with a structural
+        tag reads forced calls itself; one without gets the JSON forms."""
+        return cls.structural_tag_model is None
+
+    @classmethod
+    def check_vocab(cls, vocab: dict[str, int]) -> None:
+        """Raise (vLLM's constructor's error) when the tokenizer lacks a token this format needs."""
+        return None
 
     def __init__(self) -> None:
         self.prev_tool_call_arr: list[dict[str, Any]] = []

@@ -36,6 +36,20 @@ class HermesToolParser(ToolParser):
     tool_call_start_token = "<tool_call>"
     tool_call_end_token = "</tool_call>"
     tool_call_regex = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+    # The Hermes/Qwen 2.5 tools system prompt.
+    tools_prompt = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
 
     def __init__(self) -> None:
         super().__init__()
