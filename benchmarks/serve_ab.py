@@ -8,8 +8,8 @@ TTFT, ITL and TPOT p50/p99 (vLLM's `bench serve` definitions) and output tokens/
 round's figures beside them.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/serve_ab.py \\
-        --a "" --b "--async-scheduling" --labels sync,async \\
-        --dataset-name jsonl --dataset-path W2.jsonl --rounds 2 --json out.json
+        --a= --b=--async-scheduling --labels sync,async --rounds 2 --json out.json \\
+        -- --dataset-name jsonl --dataset-path W2.jsonl
 
 Anything after `--` goes to `tokenloom bench serve` unchanged (workload options). The workload
 files of `../shared/anchors/workloads.py` (W2: Poisson arrivals, prompts 32-1,024, outputs 16-256)
@@ -90,7 +90,7 @@ def main() -> None:
         cut = argv.index("--")
         argv, bench_args = argv[:cut], argv[cut + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--a", default="", help="serve flags of configuration A (one shell-quoted string)")
+    ap.add_argument("--a", default="", help="serve flags of configuration A, one shell-quoted string (write --a=--flag ...)")
     ap.add_argument("--b", default="", help="serve flags of configuration B")
     ap.add_argument("--common", default="", help="serve flags both configurations get")
     ap.add_argument("--labels", default="A,B")

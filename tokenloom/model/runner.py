@@ -37,6 +37,7 @@ thread): give the engine its cores, or set OMP_NUM_THREADS=1.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.llama import LlamaModel
 from tokenloom.model.platform import (
     configure_cpu_threads,
+    cpu_has_fast_int8,
     cpu_supports_bf16,
     keep_freed_memory_in_process,
     resolve_device,
@@ -71,6 +73,8 @@ from tokenloom.model.sampler import (
 )
 from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, verification_input_ids
 from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Moved to platform.py; re-exported here for callers that import them from the runner.
 __all__ = ["ModelRunner", "configure_cpu_threads", "cpu_supports_bf16", "keep_freed_memory_in_process",
@@ -176,6 +180,10 @@ class ModelRunner:
             kernels = load_cpu_kernels()
         if cpu_kernels and kernels is None:
             raise RuntimeError("cpu_kernels=True but the compiled CPU kernels are unavailable (see the log)")
+        if quantization == "int8" and self.device.type == "cpu" and not cpu_has_fast_int8():
+            logger.warning("--quantization int8 on a CPU without VNNI or AMX-INT8: oneDNN's int8 GEMMs take a "
+                           "slow path here (slower than float32); --quantization gguf keeps int8 weights "
+                           "with AVX2 kernels")
         threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
             self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
