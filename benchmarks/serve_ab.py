@@ -90,7 +90,7 @@ def main() -> None:
         cut = argv.index("--")
         argv, bench_args = argv[:cut], argv[cut + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--a", default="", help="serve flags of configuration A, one shell-quoted string (write --a=--flag ...)")
+    ap.add_argument("--a", default="", help="serve flags of A, one shell-quoted string (--a=--flag ...)")
     ap.add_argument("--b", default="", help="serve flags of configuration B")
     ap.add_argument("--common", default="", help="serve flags both configurations get")
     ap.add_argument("--labels", default="A,B")

@@ -173,7 +173,11 @@ class Soak:
 
     async def run(self) -> None:
         sem = asyncio.Semaphore(self.concurrency)
-        limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency)
+        # Idle connections expire after 4 s, below the server's 5 s keep-alive (vLLM's default): with
+        # httpx's own default of 5 s a request could go out on a connection the server was closing at
+        # that moment, a client-side ReadError (4 in the 5,000-request run before this).
+        limits = httpx.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency,
+                              keepalive_expiry=4.0)
         async with httpx.AsyncClient(base_url=self.server.url, timeout=120, limits=limits) as client:
             self._sample_rss()
 

@@ -16,6 +16,7 @@ from typing import Any
 from tokenloom.config import EngineConfig
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.workload.datasets import BenchRequest
+from tokenloom.workload.metrics import percentile
 
 
 def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest]) -> tuple[dict[str, Any], Any]:
@@ -43,8 +44,10 @@ def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest]) ->
         "output_tok_s": n_out / duration, "total_tok_s": (n_in + n_out) / duration,
         "median_ttft_ms": 1000 * statistics.median(ttfts) if ttfts else None,
         "median_e2el_ms": 1000 * statistics.median(e2es) if e2es else None,
-        "p99_e2el_ms": 1000 * max(e2es) if e2es else None,
-        "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics), "steps": 0,
+        "p99_e2el_ms": 1000 * percentile(e2es, 99) if e2es else None,
+        # Each engine counts its own steps in its own process; the table shows "-" rather than a sum
+        # of steps that ran side by side.
+        "preemptions": sum(o.metrics.num_preemptions for o in outs if o.metrics), "steps": None,
         "failed": sum(1 for o in outs if o.outputs[0].finish_reason not in ("length", "stop")),
         "requests_per_engine": routed,
     }  # fmt: skip

@@ -81,7 +81,8 @@ def _run(args: argparse.Namespace) -> int:
             runs[mode].append(row)
             print(f"[{rep + 1}/{args.repeats}] {mode}: {row['duration_s']:.1f} s, "
                   f"{row['output_tok_s']:.0f} output tok/s", file=sys.stderr)
-    summary = {mode: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "requests_per_engine"}
+    summary = {mode: {k: (statistics.median(r[k] for r in rows) if rows[0][k] is not None else None)
+                      for k in rows[0] if k != "requests_per_engine"}
                for mode, rows in runs.items()}  # fmt: skip
     if engine is None:
         engine = engine_info
@@ -102,7 +103,7 @@ def format_throughput_table(summary: dict[str, dict[str, float]], engine: Any) -
             "preempt", "steps"]  # fmt: skip
     keys = ["duration_s", "requests_per_s", "input_tok_s", "output_tok_s", "total_tok_s", "median_ttft_ms",
             "median_e2el_ms", "preemptions", "steps"]  # fmt: skip
-    rows = [[mode] + [f"{s[k]:.1f}" if isinstance(s[k], float) else str(s[k]) for k in keys]
+    rows = [[mode] + [f"{s[k]:.1f}" if isinstance(s[k], float) else "-" if s[k] is None else str(s[k]) for k in keys]
             for mode, s in summary.items()]  # fmt: skip
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))

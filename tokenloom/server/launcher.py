@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import time
 from types import FrameType
@@ -35,6 +36,21 @@ logger = logging.getLogger("tokenloom.server")
 # Between the engine's death and the exit: long enough for the in-flight requests' 503s to be written
 # and for a probe to read /health's 503, short enough that a supervisor restarts the server promptly.
 ENGINE_DEATH_LINGER_S = 1.0
+
+
+def http_keep_alive_s() -> float:
+    """$TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE, else vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5 s (vLLM's)."""
+    for name in ("TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
+            if value <= 0:
+                raise ValueError(f"${name} must be > 0 seconds, got {raw!r}")
+            return value
+    return 5.0
 
 
 class GracefulServer(uvicorn.Server):
@@ -104,6 +120,7 @@ def _is_loopback(host: str) -> bool:
 
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     t_launch = time.perf_counter()
+    keep_alive_s = http_keep_alive_s()  # a bad value fails here, before the model loads
     log_level = "DEBUG" if config.uvicorn_log_level == "trace" else config.uvicorn_log_level.upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host):
@@ -125,6 +142,10 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
             access_log=config.access_log, lifespan="on",
             # A backstop: the drain cuts requests at the grace period, uvicorn only if that fails.
             timeout_graceful_shutdown=config.shutdown_grace_s + 5,
+            # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5 s): how long an idle keep-alive connection
+            # stays open. A client whose own idle expiry is not below it can send a request on a
+            # connection the server is closing at that moment (httpx's default expiry is also 5 s).
+            timeout_keep_alive=keep_alive_s,
         )
         server = GracefulServer(uv_config, engine, config.shutdown_grace_s, t_launch,
                                 config.keep_alive_on_engine_death)
