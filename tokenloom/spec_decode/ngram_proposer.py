@@ -183,7 +183,8 @@ class NgramProposer:
                    spec_config.prompt_lookup_max, max_model_len)
 
     # The per-request token rows ------------------------------------------------------------
-    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
+    def add_request(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int | None = None) -> None:
+        """A new or resumed request's whole sequence (the prompt length is not needed here)."""
         row = self.row_of.get(req_id)
         if row is None:
             if not self.free_rows:
@@ -209,6 +210,10 @@ class NgramProposer:
             self.lengths[row] = 0
             self.free_rows.append(row)
 
+    def reset(self) -> None:
+        for req_id in list(self.row_of):
+            self.remove_request(req_id)
+
     def _grow(self) -> None:
         old = self.buf.shape[0]
         self.buf = np.concatenate([self.buf, np.zeros_like(self.buf)])
@@ -216,8 +221,10 @@ class NgramProposer:
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     # Proposing -------------------------------------------------------------------------------
-    def propose(self, req_ids: Sequence[str], k: int | None = None) -> list[list[int]]:
-        """Drafts for each request (empty: none); `k` lowers the draft count for this call."""
+    def propose(self, req_ids: Sequence[str], k: int | None = None,
+                batch_req_ids: Sequence[str] | None = None) -> list[list[int]]:
+        """Drafts for each request (empty: none); `k` lowers the draft count for this call.
+        `batch_req_ids` (the step's scheduled requests) matters to the suffix proposer only."""
         k = self.k if k is None else min(k, self.k)
         rows = np.fromiter((self.row_of.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
         known = rows >= 0
