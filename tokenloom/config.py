@@ -500,6 +500,40 @@ def _check_spec_int(name: str, value: Any, minimum: int | None) -> None:
     _check_int(f"speculative_config.{name}", value, minimum)
 
 
+def check_draft_slots(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
+    """vLLM's start-up check of the drafting slots (VllmConfig._set_max_num_scheduled_tokens,
+    config/vllm.py:2254): the scheduler may issue max_num_scheduled_tokens = max_num_batched_tokens
+    tokens a step, and the runner must still fit each request's extra drafting slots. n-gram and
+    suffix drafts need none (max_num_new_slots_for_drafting = 0), so for them this never fires;
+    kept so the sizing rule lives where vLLM has it."""
+    if spec is None:
+        return
+    delta = spec.max_num_new_slots_for_drafting
+    if max_num_batched_tokens <= delta:
+        raise ConfigError(
+            "VllmConfig does not have enough slots to schedule a token and support the speculative decoding "
+            f"settings. Got max_num_batched_tokens={max_num_batched_tokens} and scheduled_token_delta={delta}."
+        )
+
+
+def check_verification_budget(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
+    """tokenloom's engine refuses a token budget below one verification (1 + K tokens). vLLM accepts
+    it, but its scheduler then admits no padded first decode (a waiting request with one token left,
+    e.g. a prompt the prefix cache holds whole): the padding never fits, admission stops at that
+    request every step, and the engine hangs. The replay keeps vLLM's rule (it runs such traces and
+    reports the stall), so this check is the engine's, not the scheduler's."""
+    if spec is None:
+        return
+    k = spec.num_speculative_tokens
+    if max_num_batched_tokens < 1 + k:  # type: ignore[operator]
+        raise ConfigError(
+            f"max_num_batched_tokens={max_num_batched_tokens} is below 1 + num_speculative_tokens = {1 + k} "
+            "(one decode with its drafts): a waiting request padded to 1 + K tokens (vLLM's padded first decode) "
+            f"could never be admitted. Raise max_num_batched_tokens to >= {1 + k} or lower "
+            "speculative_config.num_speculative_tokens"
+        )
+
+
 def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None) -> None:
     """vLLM fails an assertion (scheduler.py:1155, 1371) when a padded first decode (1 + K tokens)
     meets a long_prefill_token_threshold below 1 + K; refuse that configuration at start-up."""
