@@ -434,6 +434,11 @@ class SpeculativeConfig:
                 "speculative_config: suffix_decoding_max_cached_requests="
                 f"{self.suffix_decoding_max_cached_requests} must be >= 0"
             )
+        if self.suffix_decoding_max_cached_requests > 0x7FFFFFFF:  # arctic-inference's own bound
+            raise ConfigError(
+                "speculative_config: suffix_decoding_max_cached_requests="
+                f"{self.suffix_decoding_max_cached_requests} must be at most 2^31 - 1"
+            )
         if self.suffix_decoding_max_spec_factor < 0:
             raise ConfigError(
                 f"speculative_config: suffix_decoding_max_spec_factor={self.suffix_decoding_max_spec_factor} "
