@@ -9,9 +9,11 @@ For one request with context = prompt + accepted outputs (never unverified draft
 3. propose the (up to) k tokens that follow it, k capped at max_model_len - len(context);
 4. propose nothing when the context is shorter than min_n or nothing matches.
 
-vLLM finds the match with KMP over the reversed context (`_find_longest_matched_ngram`, a line-by-
-line port below); it is compiled with numba when numba is installed (as vLLM does), else the batch
-runs a vectorised numpy equivalent (`propose_numpy`, same answers; the tests hold all three equal).
+vLLM finds the match with KMP over the reversed context (`_find_longest_matched_ngram`, a port below
+that reads the context back to front in place instead of reversing a copy: one implementation for a
+single sequence and for the batch); it is compiled with numba when numba is installed (as vLLM does),
+else the batch runs a vectorised numpy equivalent (`propose_numpy_one`, an independent algorithm with
+the same answers; the tests hold the two equal).
 """
 
 from __future__ import annotations
@@ -26,24 +28,29 @@ logger = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int32)
 
 
-def _find_longest_matched_ngram(tokens_in: np.ndarray, min_n: int, max_n: int, max_model_len: int,
-                                k: int) -> tuple[int, int]:
-    """(start, count) of the proposal inside `tokens_in`; count 0 = no proposal. vLLM's KMP."""
-    total = tokens_in.shape[0]
+def _find_longest_matched_ngram(tokens: np.ndarray, total: int, min_n: int, max_n: int, max_model_len: int,
+                                k: int, lps: np.ndarray) -> tuple[int, int]:
+    """(start, count) of the proposal for the context `tokens[:total]`; count 0 = no proposal.
+
+    vLLM's KMP (`_find_longest_matched_ngram`), run over the reversed context: vLLM reverses a copy;
+    this reads `tokens[total - 1 - i]` in place, so the batch below can pass rows of its token buffer
+    as they are. `lps` is scratch of at least max_n int32s (one buffer serves a whole batch). The one
+    implementation for a single sequence and for the batch (compiled with numba there)."""
     if total < min_n:
         return 0, 0
     k = min(k, max_model_len - total)
     if k <= 0:
         return 0, 0
-    tokens = tokens_in[::-1]
-    # lps[i] = longest proper prefix of tokens[:i+1] that is also its suffix, kept for i < max_n.
-    lps = np.zeros(max_n, dtype=np.int32)
+    last = total - 1  # reversed index i reads tokens[last - i]
+    # lps[i] = longest proper prefix of reversed[:i+1] that is also its suffix, kept for i < max_n.
+    for j in range(max_n):
+        lps[j] = 0
     longest = 0
     position = 0
     prev_lps = 0
     i = 1
     while i < total:
-        if tokens[prev_lps] == tokens[i]:
+        if tokens[last - prev_lps] == tokens[last - i]:
             prev_lps += 1
             # >=: a later i in the reversed tokens is an earlier occurrence in the context.
             if prev_lps >= longest:
@@ -66,7 +73,9 @@ def _find_longest_matched_ngram(tokens_in: np.ndarray, min_n: int, max_n: int, m
 
 def propose_one_reference(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> list[int]:
     """One request, pure Python (the tests' reference)."""
-    start, count = _find_longest_matched_ngram(np.asarray(tokens), min_n, max_n, max_model_len, k)
+    tokens = np.asarray(tokens)
+    start, count = _find_longest_matched_ngram(tokens, tokens.shape[0], min_n, max_n, max_model_len, k,
+                                               np.zeros(max_n, dtype=np.int32))
     return [int(t) for t in tokens[start : start + count]]
 
 
@@ -100,50 +109,17 @@ def propose_numpy_one(tokens: np.ndarray, min_n: int, max_n: int, max_model_len:
 
 
 def _batch_loop(buf, rows, lengths, min_n, max_n, max_model_len, k, out_start, out_count):  # pragma: no cover
-    """vLLM's KMP over every row of a [num_rows, max_model_len] token buffer, reading the context
-    back to front in place (no reversed copy, one lps buffer for the batch)."""
+    """The KMP over every row of a [num_rows, max_model_len] token buffer, in place (no reversed
+    copy, one lps buffer for the batch). Runs compiled only (it calls the compiled matcher)."""
     lps = np.zeros(max_n, dtype=np.int32)
     for r in range(rows.shape[0]):
-        row = rows[r]
-        total = lengths[r]
-        out_count[r] = 0
-        if total < min_n or total <= 0:
-            continue
-        kk = min(k, max_model_len - total)
-        if kk <= 0:
-            continue
-        last = total - 1
-        for j in range(max_n):
-            lps[j] = 0
-        longest = 0
-        position = 0
-        prev_lps = 0
-        i = 1
-        while i < total:
-            if buf[row, last - prev_lps] == buf[row, last - i]:
-                prev_lps += 1
-                if prev_lps >= longest:
-                    longest = prev_lps
-                    position = i
-                if i < max_n:
-                    lps[i] = prev_lps
-                if prev_lps == max_n:
-                    prev_lps = lps[max_n - 1]
-                i += 1
-            elif prev_lps != 0:
-                prev_lps = lps[prev_lps - 1]
-            else:
-                i += 1
-        if longest < min_n:
-            continue
-        start = total - 1 - position + longest
-        out_start[r] = start
-        out_count[r] = min(kk, total - start)
+        out_start[r], out_count[r] = _match_compiled(buf[rows[r]], lengths[r], min_n, max_n, max_model_len, k, lps)
 
 
 try:  # vLLM compiles the proposer with numba; so do we when it is installed.
     from numba import njit
 
+    _match_compiled = njit(cache=True, nogil=True)(_find_longest_matched_ngram)
     _batch_compiled = njit(cache=True, nogil=True)(_batch_loop)
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - exercised only where numba is missing
