@@ -318,7 +318,7 @@ def check_async_scheduling(config: EngineConfig) -> None:
     if sched is None or not sched.async_scheduling:
         return
     spec = getattr(config, "speculative_config", None)
-    if spec is not None and spec.method == "suffix":
+    if getattr(spec, "method", None) == "suffix":
         # vLLM 0.32 (config/vllm.py:1563) refuses an explicit async scheduling with every proposer but
         # EAGLE/MTP/draft models/ngram_gpu/DSpark/DFlash; tokenloom runs n-gram's GPU-style variant only.
         raise ConfigError(
