@@ -86,6 +86,13 @@ def test_budget_below_one_verification_is_refused_by_the_engine(tmp_path):
     check_verification_budget(5, SpeculativeConfig(method="ngram", num_speculative_tokens=4))  # fits exactly
     check_verification_budget(1, None)
 
+    from tokenloom.config import CacheConfig
+    from tokenloom.sim.simulate import simulate  # the simulator refuses what the engine refuses
+
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=4 is below"):
+        simulate([], SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=4), CacheConfig(num_blocks=10),
+                 None, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+
 
 def test_vllms_draft_slot_check():
     ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
