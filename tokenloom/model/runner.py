@@ -216,7 +216,7 @@ class ModelRunner:
         self.last_logits_index: dict[str, int] = {}
 
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
-        """Verify drafts in the flattened batch and propose n-gram drafts after each step."""
+        """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
         self.spec_decode = SpecDecodeRunner(config, max_model_len)
         for rid, state in self.requests.items():
             self.spec_decode.add_request(rid, state.token_ids, state.num_prompt_tokens)
