@@ -584,7 +584,7 @@ class EngineConfig:
     # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
     speculative_config: dict | None = knob(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4}\' (docs/speculative.md)', flags=("-sc",))
+        '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)', flags=("-sc",))
 
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
