@@ -31,7 +31,7 @@ $(VENV)/.test-installed: $(STAMP) pyproject.toml
 # tries again).
 $(VENV)/.suffix-installed: $(STAMP)
 	@command -v cmake >/dev/null 2>&1 || $(BIN)/pip install -q 'cmake>=3.18'
-	@if $(BIN)/pip install -q nanobind==2.9.2 && \
+	@if $(BIN)/pip install -q nanobind==2.9.2 'setuptools>=61' && \
 	    PATH="$(abspath $(BIN)):$$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(BIN))/python" \
 	    $(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0; then \
 	  touch $@; \
