@@ -24,6 +24,21 @@ $(VENV)/.test-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[test,ray]'
 	touch $@
 
+# Suffix decoding (--speculative-config '{"method": "suffix"}') runs on arctic-inference's suffix trees, as
+# vLLM's does; the extra `tokenloom[suffix]`. PyPI has only its source: it is built here (a small C++
+# module, ~1 min) against the installed CPU torch without build isolation, which would fetch a CUDA
+# torch. Optional: `make serve` does not need it, and its tests skip without it (the next make test
+# tries again).
+$(VENV)/.suffix-installed: $(STAMP)
+	@command -v cmake >/dev/null 2>&1 || $(BIN)/pip install -q 'cmake>=3.18'
+	@if $(BIN)/pip install -q nanobind==2.9.2 'setuptools>=61' && \
+	    PATH="$(abspath $(BIN)):$$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(BIN))/python" \
+	    $(BIN)/pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0; then \
+	  touch $@; \
+	else \
+	  echo "warning: arctic-inference did not build; the suffix-decoding tests will be skipped"; \
+	fi
+
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
 # Stamped only once chromium is there: a failed install (no root, no network) is tried again by the
 # next `make test` instead of being remembered as done.
@@ -47,7 +62,7 @@ setup: $(STAMP) $(VENV)/.kernels
 serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
-test: setup $(VENV)/.test-installed $(VENV)/.chromium
+test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/python -m pytest -q
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+logger = logging.getLogger(__name__)
 
 Policy = Literal["fcfs", "priority"]
 BatchingMode = Literal["continuous", "static", "request"]
@@ -300,25 +303,47 @@ def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) 
 
 # ------------------------------------------------------------------------------ speculative decoding
 # vLLM 0.32's SpeculativeConfig names, defaults and checks (vllm/config/speculative.py). Built from
-# --speculative-config JSON or LLM(speculative_config={...}), checked before the model loads. Only
-# the n-gram proposer ("prompt lookup") runs here; vLLM's other methods are named in the error so a
-# config written for vLLM fails clearly instead of silently doing nothing.
+# --speculative-config JSON or LLM(speculative_config={...}), checked before the model loads. Two
+# proposers run here: n-gram ("prompt lookup") and suffix decoding (arctic-inference's suffix trees,
+# an optional extra); vLLM's other methods are named in the error so a config written for vLLM fails
+# clearly instead of silently doing nothing.
 
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "suffix")
 # vLLM 0.32's other methods (SpeculativeMethod): recognised, refused with a clear message.
 _VLLM_ONLY_METHODS = (
-    "ngram_gpu", "medusa", "mlp_speculator", "draft_model", "suffix", "custom_class", "eagle", "eagle3",
+    "ngram_gpu", "medusa", "mlp_speculator", "draft_model", "custom_class", "eagle", "eagle3",
     "extract_hidden_states", "mtp", "dflash", "dspark",
 )
+# vLLM's install hint for suffix decoding; tokenloom's extra builds it without a CUDA torch (Makefile).
+SUFFIX_INSTALL_HINT = (
+    "pip install nanobind==2.9.2 && pip install --no-build-isolation --no-deps arctic-inference==0.3.0 "
+    "(the Makefile's `make test` does this; plain `pip install arctic-inference` would build against a CUDA torch)"
+)
+
+
+def has_arctic_inference() -> bool:
+    """vLLM's has_arctic_inference(): the suffix-tree cache can be imported (no import done here)."""
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference") is not None
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding with n-gram drafts.
+    """Speculative decoding with n-gram or suffix-decoding drafts.
 
-    `num_speculative_tokens` (K > 0): drafts proposed per request per step. `prompt_lookup_min/max`:
-    the n-gram lengths matched against the request's own context; neither set -> both 5, one set ->
-    the other copies it (vLLM's rule; its docstring's "min defaults to 1" is not what it does).
+    `method` "ngram": `num_speculative_tokens` (K > 0) drafts proposed per request per step from the
+    request's own context; `prompt_lookup_min/max` are the n-gram lengths matched; neither set -> both
+    5, one set -> the other copies it (vLLM's rule; its docstring's "min defaults to 1" is not what it
+    does).
+
+    `method` "suffix" (vLLM's suffix decoding, arXiv 2411.04975, over arctic-inference's
+    SuffixDecodingCache): drafts from a suffix tree of the request's prompt and a global tree of earlier
+    requests' outputs, so a request can copy what another request generated. K is an upper bound
+    (default: suffix_decoding_max_tree_depth); `suffix_decoding_max_tree_depth` (24) bounds match +
+    draft length, `suffix_decoding_max_cached_requests` (10000; 0 = no global tree) the outputs kept
+    (FIFO), `suffix_decoding_max_spec_factor` (1.0) drafts at most factor x match length tokens,
+    `suffix_decoding_min_token_prob` (0.1) stops a draft at a token whose frequency estimate is lower.
 
     tokenloom's own, off by default (then every decision is vLLM's):
     `adaptive`: stop drafting while the batch is compute-bound or acceptance is low
@@ -331,6 +356,10 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = False
     adaptive_min_acceptance: float = 0.2
     adaptive_max_batch_tokens: int = 128
@@ -346,11 +375,24 @@ class SpeculativeConfig:
                 hint = "a draft model" if self.method == "draft_model" else f"method {self.method!r}"
                 raise ConfigError(
                     f"speculative_config.method: {hint} is not supported by tokenloom; use "
-                    '{"method": "ngram", "num_speculative_tokens": K}'
+                    '{"method": "ngram", "num_speculative_tokens": K} or {"method": "suffix"}'
                 )
             raise ConfigError(
                 f"speculative_config.method must be one of {', '.join(SUPPORTED_METHODS)}, got {self.method!r}"
             )
+        if self.method == "suffix":
+            self._validate_suffix_decoding()
+        else:
+            self._validate_ngram()
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if not 0.0 <= float(self.adaptive_min_acceptance) <= 1.0:
+            raise ConfigError(
+                f"speculative_config.adaptive_min_acceptance must be in [0, 1], got {self.adaptive_min_acceptance}"
+            )
+        _check_spec_int("adaptive_max_batch_tokens", self.adaptive_max_batch_tokens, 1)
+
+    def _validate_ngram(self) -> None:
         if self.num_speculative_tokens is None:
             raise ConfigError("speculative_config.num_speculative_tokens must be provided (an integer > 0)")
         _check_spec_int("num_speculative_tokens", self.num_speculative_tokens, 1)
@@ -371,13 +413,53 @@ class SpeculativeConfig:
             )
         if self.model is None:
             self.model = "ngram"
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
-        if not 0.0 <= float(self.adaptive_min_acceptance) <= 1.0:
+
+    def _validate_suffix_decoding(self) -> None:
+        """vLLM's _validate_suffix_decoding (config/speculative.py:1596): K defaults to the tree depth
+        (suffix decoding picks each draft's length itself; K is its upper bound), then the four
+        suffix_decoding_* checks with vLLM's messages. The fields are checked before the library
+        (vLLM checks the library first), so a bad value is named even where it is not installed."""
+        _check_spec_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, None)
+        _check_spec_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, None)
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+                raise ConfigError(f"speculative_config.{name} must be a number, got {value!r}")
+        if self.suffix_decoding_max_tree_depth < 1:
             raise ConfigError(
-                f"speculative_config.adaptive_min_acceptance must be in [0, 1], got {self.adaptive_min_acceptance}"
+                f"speculative_config: suffix_decoding_max_tree_depth={self.suffix_decoding_max_tree_depth} must be >= 1"
             )
-        _check_spec_int("adaptive_max_batch_tokens", self.adaptive_max_batch_tokens, 1)
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError(
+                "speculative_config: suffix_decoding_max_cached_requests="
+                f"{self.suffix_decoding_max_cached_requests} must be >= 0"
+            )
+        if self.suffix_decoding_max_cached_requests > 0x7FFFFFFF:  # arctic-inference's own bound
+            raise ConfigError(
+                "speculative_config: suffix_decoding_max_cached_requests="
+                f"{self.suffix_decoding_max_cached_requests} must be at most 2^31 - 1"
+            )
+        if self.suffix_decoding_max_spec_factor < 0:
+            raise ConfigError(
+                f"speculative_config: suffix_decoding_max_spec_factor={self.suffix_decoding_max_spec_factor} "
+                "must be >= 0"
+            )
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ConfigError(
+                f"speculative_config: suffix_decoding_min_token_prob={self.suffix_decoding_min_token_prob} "
+                "must be in [0, 1]"
+            )
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+            logger.warning("Defaulted num_speculative_tokens to %s for suffix decoding.", self.num_speculative_tokens)
+        _check_spec_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if not has_arctic_inference():
+            raise ConfigError(
+                "speculative_config.method: Arctic Inference is required for suffix decoding (the "
+                f"arctic-inference package). Install it: {SUFFIX_INSTALL_HINT}"
+            )
+        if self.model is None:
+            self.model = "suffix"
 
     # vLLM's sizing (config/speculative.py:1888, config/vllm.py:615): n-gram drafts need no
     # lookahead KV slots and no extra drafting slots in the input budget.
@@ -413,8 +495,48 @@ class SpeculativeConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _check_spec_int(name: str, value: Any, minimum: int) -> None:
+def _check_spec_int(name: str, value: Any, minimum: int | None) -> None:
+    """An integer field of speculative_config; `minimum` None: the type only (vLLM's own range check
+    and message follow)."""
+    if minimum is None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"speculative_config.{name} must be an integer, got {value!r}")
+        return
     _check_int(f"speculative_config.{name}", value, minimum)
+
+
+def check_draft_slots(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
+    """vLLM's start-up check of the drafting slots (VllmConfig._set_max_num_scheduled_tokens,
+    config/vllm.py:2254): the scheduler may issue max_num_scheduled_tokens = max_num_batched_tokens
+    tokens a step, and the runner must still fit each request's extra drafting slots. n-gram and
+    suffix drafts need none (max_num_new_slots_for_drafting = 0), so for them this never fires;
+    kept so the sizing rule lives where vLLM has it."""
+    if spec is None:
+        return
+    delta = spec.max_num_new_slots_for_drafting
+    if max_num_batched_tokens <= delta:
+        raise ConfigError(
+            "VllmConfig does not have enough slots to schedule a token and support the speculative decoding "
+            f"settings. Got max_num_batched_tokens={max_num_batched_tokens} and scheduled_token_delta={delta}."
+        )
+
+
+def check_verification_budget(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
+    """tokenloom's engine refuses a token budget below one verification (1 + K tokens). vLLM accepts
+    it, but its scheduler then admits no padded first decode (a waiting request with one token left,
+    e.g. a prompt the prefix cache holds whole): the padding never fits, admission stops at that
+    request every step, and the engine hangs. The replay keeps vLLM's rule (it runs such traces and
+    reports the stall), so this check is the engine's, not the scheduler's."""
+    if spec is None:
+        return
+    k = spec.num_speculative_tokens
+    if max_num_batched_tokens < 1 + k:  # type: ignore[operator]
+        raise ConfigError(
+            f"max_num_batched_tokens={max_num_batched_tokens} is below 1 + num_speculative_tokens = {1 + k} "
+            "(one decode with its drafts): a waiting request padded to 1 + K tokens (vLLM's padded first decode) "
+            f"could never be admitted. Raise max_num_batched_tokens to >= {1 + k} or lower "
+            "speculative_config.num_speculative_tokens"
+        )
 
 
 def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None) -> None:
@@ -462,7 +584,7 @@ class EngineConfig:
     # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
     speculative_config: dict | None = knob(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4}\' (docs/speculative.md)', flags=("-sc",))
+        '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)', flags=("-sc",))
 
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.

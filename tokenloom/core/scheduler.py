@@ -34,6 +34,7 @@ from tokenloom.config import (
     ConfigError,
     SchedulerConfig,
     SpeculativeConfig,
+    check_draft_slots,
     check_long_prefill_threshold,
 )
 from tokenloom.core.cost_model import CostModel
@@ -102,9 +103,10 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.policy
-        # Speculative decoding (n-gram drafts): K drafts per request per step, no lookahead KV
-        # slots and no drafting slots in the budget (vLLM's sizing for method "ngram").
+        # Speculative decoding (n-gram or suffix drafts): up to K drafts per request per step, no
+        # lookahead KV slots and no drafting slots in the budget (vLLM's sizing for both methods).
         check_long_prefill_threshold(scheduler_config.long_prefill_token_threshold, speculative_config)
+        check_draft_slots(scheduler_config.max_num_batched_tokens, speculative_config)
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0

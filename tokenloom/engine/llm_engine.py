@@ -13,7 +13,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, engine_config_from_kwargs
+from tokenloom.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    check_draft_slots,
+    check_verification_budget,
+    engine_config_from_kwargs,
+)
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
@@ -51,6 +59,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         check_async_scheduling(config)
+        check_speculative_engine(config)
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
         if config.quantization is not None and device.type != "cpu":  # before minutes of loading
@@ -269,6 +278,7 @@ class LLMEngine:
                 "a new scheduler can use fewer blocks, not other sizes"
             )
         self.scheduler_config = scheduler_config or self.scheduler_config
+        check_verification_budget(self.scheduler_config.max_num_batched_tokens, self.speculative_config)
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
@@ -292,12 +302,30 @@ class LLMEngine:
             self.tracer.close()
 
 
+def check_speculative_engine(config: EngineConfig) -> None:
+    """The engine's checks of speculative decoding against the scheduler knobs, before loading."""
+    spec = getattr(config, "speculative_config", None)
+    if spec is None:
+        return
+    sched = config.scheduler or SchedulerConfig()
+    check_draft_slots(sched.max_num_batched_tokens, spec)
+    check_verification_budget(sched.max_num_batched_tokens, spec)
+
+
 def check_async_scheduling(config: EngineConfig) -> None:
     """Refuse what async scheduling does not run with, before minutes of loading."""
     sched = config.scheduler
     if sched is None or not sched.async_scheduling:
         return
     spec = getattr(config, "speculative_config", None)
+    if getattr(spec, "method", None) == "suffix":
+        # vLLM 0.32 (config/vllm.py:1563) refuses an explicit async scheduling with every proposer but
+        # EAGLE/MTP/draft models/ngram_gpu/DSpark/DFlash; tokenloom runs n-gram's GPU-style variant only.
+        raise ConfigError(
+            "Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/DSpark/DFlash "
+            "kind of speculative decoding: speculative_config.method 'suffix' cannot be combined with "
+            "--async-scheduling (tokenloom also accepts 'ngram' there)"
+        )
     if spec is not None and getattr(spec, "adaptive", False):
         # The adaptive policy trims the drafts the scheduler receives after each step; under async
         # scheduling the scheduler receives none (the runner fills K placeholder drafts itself).

@@ -224,10 +224,10 @@ class ModelRunner:
         self.last_logits_index: dict[str, int] = {}
 
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
-        """Verify drafts in the flattened batch and propose n-gram drafts after each step."""
+        """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
         self.spec_decode = SpecDecodeRunner(config, max_model_len)
         for rid, state in self.requests.items():
-            self.spec_decode.add_request(rid, state.token_ids)
+            self.spec_decode.add_request(rid, state.token_ids, state.num_prompt_tokens)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (vLLM's post_step hands them to the scheduler)."""
@@ -247,7 +247,7 @@ class ModelRunner:
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
         if self.spec_decode is not None:
-            self.spec_decode.propose(sampled)
+            self.spec_decode.propose(sampled, [r for r in scheduler_output.num_scheduled_tokens if r not in failed])
         req_ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -406,7 +406,7 @@ class ModelRunner:
             num_computed=new.num_computed_tokens,
         )
         if self.spec_decode is not None:
-            self.spec_decode.add_request(new.req_id, tokens)
+            self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))
         return None
 
     def _check_block_ids(self, block_ids: Sequence[list[int]]) -> str | None:

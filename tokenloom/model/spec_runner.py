@@ -1,5 +1,6 @@
 """The runner's side of speculative decoding: which rows of the flattened batch verify drafts, how
-their logits become tokens, and the n-gram proposer fed with each request's accepted tokens.
+their logits become tokens, and the proposer (n-gram or suffix decoding) fed with each request's
+accepted tokens.
 
 A request scheduled with d drafts (SchedulerOutput.scheduled_spec_decode_tokens) contributes
 `num_scheduled_tokens` rows ending in its last accepted token followed by the d drafts; the KV of
@@ -22,6 +23,7 @@ from tokenloom.core.outputs import SampleLogprobs
 from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
 from tokenloom.model.sampler import GrammarRows, SamplingRow, all_plain_greedy, apply_grammar_bitmask
 from tokenloom.spec_decode.ngram_proposer import NgramProposer
+from tokenloom.spec_decode.suffix_proposer import SuffixProposer
 
 
 def verification_input_ids(token_ids: Sequence[int], start: int, num_tokens: int, drafts: Sequence[int]) -> list[int]:
@@ -42,7 +44,7 @@ class SpecDecodeRunner:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
-        self.proposer = NgramProposer.from_config(config, max_model_len)
+        self.proposer: NgramProposer | SuffixProposer = make_proposer(config, max_model_len)
         self.rejection_sampler = RejectionSampler()
         self._drafts: DraftTokenIds | None = None
         # Each request's drafts proposed after the last step it sampled in, from its tokens then:
@@ -50,16 +52,15 @@ class SpecDecodeRunner:
         self._latest: dict[str, list[int]] = {}
 
     # Request rows of the proposer --------------------------------------------------------------
-    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
-        self.proposer.add_request(req_id, token_ids)
+    def add_request(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int | None = None) -> None:
+        self.proposer.add_request(req_id, token_ids, num_prompt_tokens)
 
     def remove_request(self, req_id: str) -> None:
         self.proposer.remove_request(req_id)
         self._latest.pop(req_id, None)
 
     def reset(self) -> None:
-        for req_id in list(self.proposer.row_of):
-            self.proposer.remove_request(req_id)
+        self.proposer.reset()
         self._drafts = None
         self._latest.clear()
 
@@ -87,13 +88,16 @@ class SpecDecodeRunner:
         return out.token_ids, out.logprobs, logits
 
     # Proposing --------------------------------------------------------------------------------
-    def propose(self, sampled: dict[str, list[int]]) -> None:
+    def propose(self, sampled: dict[str, list[int]], batch_req_ids: Sequence[str] | None = None) -> None:
         """Append each request's new tokens to its row and propose drafts for the requests that
-        sampled this step (vLLM proposes nothing for a request that sampled nothing)."""
+        sampled this step (vLLM proposes nothing for a request that sampled nothing). `batch_req_ids`:
+        every request scheduled in the step (the suffix proposer stops the others, as vLLM's)."""
         req_ids = [rid for rid, toks in sampled.items() if toks]
         for rid in req_ids:
             self.proposer.append_tokens(rid, sampled[rid])
-        self._drafts = DraftTokenIds(req_ids, self.proposer.propose(req_ids)) if req_ids else None
+        batch = req_ids if batch_req_ids is None else batch_req_ids
+        drafts = self.proposer.propose(req_ids, batch_req_ids=batch)
+        self._drafts = DraftTokenIds(req_ids, drafts) if req_ids else None
         if self._drafts is not None:
             self._latest.update(zip(req_ids, self._drafts.draft_token_ids))
 
@@ -104,3 +108,10 @@ class SpecDecodeRunner:
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         drafts, self._drafts = self._drafts, None
         return drafts
+
+
+def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramProposer | SuffixProposer:
+    """The proposer of `config.method`: vLLM's NgramProposer or SuffixDecodingProposer."""
+    if config.method == "suffix":
+        return SuffixProposer.from_config(config, max_model_len)
+    return NgramProposer.from_config(config, max_model_len)

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_verification_budget
 from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
@@ -40,6 +40,8 @@ def simulate(
     spec_acceptance: float = 0.5,
 ) -> WorkloadResult:
     """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`."""
+    # What the real engine refuses, the simulator refuses too (it would stall where the engine hangs).
+    check_verification_budget(scheduler_config.max_num_batched_tokens, speculative_config)
     clock = VirtualClock()
     scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
                                step_cost_model=cost_model)

@@ -9,9 +9,11 @@ For one request with context = prompt + accepted outputs (never unverified draft
 3. propose the (up to) k tokens that follow it, k capped at max_model_len - len(context);
 4. propose nothing when the context is shorter than min_n or nothing matches.
 
-vLLM finds the match with KMP over the reversed context (`_find_longest_matched_ngram`, a line-by-
-line port below); it is compiled with numba when numba is installed (as vLLM does), else the batch
-runs a vectorised numpy equivalent (`propose_numpy`, same answers; the tests hold all three equal).
+vLLM finds the match with KMP over the reversed context (`_find_longest_matched_ngram`, a port below
+that reads the context back to front in place instead of reversing a copy: one implementation for a
+single sequence and for the batch); it is compiled with numba when numba is installed (as vLLM does),
+else the batch runs a vectorised numpy equivalent (`propose_numpy_one`, an independent algorithm with
+the same answers; the tests hold the two equal).
 """
 
 from __future__ import annotations
@@ -26,24 +28,29 @@ logger = logging.getLogger(__name__)
 _EMPTY = np.empty(0, dtype=np.int32)
 
 
-def _find_longest_matched_ngram(tokens_in: np.ndarray, min_n: int, max_n: int, max_model_len: int,
-                                k: int) -> tuple[int, int]:
-    """(start, count) of the proposal inside `tokens_in`; count 0 = no proposal. vLLM's KMP."""
-    total = tokens_in.shape[0]
+def _find_longest_matched_ngram(tokens: np.ndarray, total: int, min_n: int, max_n: int, max_model_len: int,
+                                k: int, lps: np.ndarray) -> tuple[int, int]:
+    """(start, count) of the proposal for the context `tokens[:total]`; count 0 = no proposal.
+
+    vLLM's KMP (`_find_longest_matched_ngram`), run over the reversed context: vLLM reverses a copy;
+    this reads `tokens[total - 1 - i]` in place, so the batch below can pass rows of its token buffer
+    as they are. `lps` is scratch of at least max_n int32s (one buffer serves a whole batch). The one
+    implementation for a single sequence and for the batch (compiled with numba there)."""
     if total < min_n:
         return 0, 0
     k = min(k, max_model_len - total)
     if k <= 0:
         return 0, 0
-    tokens = tokens_in[::-1]
-    # lps[i] = longest proper prefix of tokens[:i+1] that is also its suffix, kept for i < max_n.
-    lps = np.zeros(max_n, dtype=np.int32)
+    last = total - 1  # reversed index i reads tokens[last - i]
+    # lps[i] = longest proper prefix of reversed[:i+1] that is also its suffix, kept for i < max_n.
+    for j in range(max_n):
+        lps[j] = 0
     longest = 0
     position = 0
     prev_lps = 0
     i = 1
     while i < total:
-        if tokens[prev_lps] == tokens[i]:
+        if tokens[last - prev_lps] == tokens[last - i]:
             prev_lps += 1
             # >=: a later i in the reversed tokens is an earlier occurrence in the context.
             if prev_lps >= longest:
@@ -66,7 +73,9 @@ def _find_longest_matched_ngram(tokens_in: np.ndarray, min_n: int, max_n: int, m
 
 def propose_one_reference(tokens: np.ndarray, min_n: int, max_n: int, max_model_len: int, k: int) -> list[int]:
     """One request, pure Python (the tests' reference)."""
-    start, count = _find_longest_matched_ngram(np.asarray(tokens), min_n, max_n, max_model_len, k)
+    tokens = np.asarray(tokens)
+    start, count = _find_longest_matched_ngram(tokens, tokens.shape[0], min_n, max_n, max_model_len, k,
+                                               np.zeros(max_n, dtype=np.int32))
     return [int(t) for t in tokens[start : start + count]]
 
 
@@ -100,50 +109,17 @@ def propose_numpy_one(tokens: np.ndarray, min_n: int, max_n: int, max_model_len:
 
 
 def _batch_loop(buf, rows, lengths, min_n, max_n, max_model_len, k, out_start, out_count):  # pragma: no cover
-    """vLLM's KMP over every row of a [num_rows, max_model_len] token buffer, reading the context
-    back to front in place (no reversed copy, one lps buffer for the batch)."""
+    """The KMP over every row of a [num_rows, max_model_len] token buffer, in place (no reversed
+    copy, one lps buffer for the batch). Runs compiled only (it calls the compiled matcher)."""
     lps = np.zeros(max_n, dtype=np.int32)
     for r in range(rows.shape[0]):
-        row = rows[r]
-        total = lengths[r]
-        out_count[r] = 0
-        if total < min_n or total <= 0:
-            continue
-        kk = min(k, max_model_len - total)
-        if kk <= 0:
-            continue
-        last = total - 1
-        for j in range(max_n):
-            lps[j] = 0
-        longest = 0
-        position = 0
-        prev_lps = 0
-        i = 1
-        while i < total:
-            if buf[row, last - prev_lps] == buf[row, last - i]:
-                prev_lps += 1
-                if prev_lps >= longest:
-                    longest = prev_lps
-                    position = i
-                if i < max_n:
-                    lps[i] = prev_lps
-                if prev_lps == max_n:
-                    prev_lps = lps[max_n - 1]
-                i += 1
-            elif prev_lps != 0:
-                prev_lps = lps[prev_lps - 1]
-            else:
-                i += 1
-        if longest < min_n:
-            continue
-        start = total - 1 - position + longest
-        out_start[r] = start
-        out_count[r] = min(kk, total - start)
+        out_start[r], out_count[r] = _match_compiled(buf[rows[r]], lengths[r], min_n, max_n, max_model_len, k, lps)
 
 
 try:  # vLLM compiles the proposer with numba; so do we when it is installed.
     from numba import njit
 
+    _match_compiled = njit(cache=True, nogil=True)(_find_longest_matched_ngram)
     _batch_compiled = njit(cache=True, nogil=True)(_batch_loop)
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover - exercised only where numba is missing
@@ -183,7 +159,8 @@ class NgramProposer:
                    spec_config.prompt_lookup_max, max_model_len)
 
     # The per-request token rows ------------------------------------------------------------
-    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
+    def add_request(self, req_id: str, token_ids: Sequence[int], num_prompt_tokens: int | None = None) -> None:
+        """A new or resumed request's whole sequence (the prompt length is not needed here)."""
         row = self.row_of.get(req_id)
         if row is None:
             if not self.free_rows:
@@ -209,6 +186,10 @@ class NgramProposer:
             self.lengths[row] = 0
             self.free_rows.append(row)
 
+    def reset(self) -> None:
+        for req_id in list(self.row_of):
+            self.remove_request(req_id)
+
     def _grow(self) -> None:
         old = self.buf.shape[0]
         self.buf = np.concatenate([self.buf, np.zeros_like(self.buf)])
@@ -216,8 +197,10 @@ class NgramProposer:
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
     # Proposing -------------------------------------------------------------------------------
-    def propose(self, req_ids: Sequence[str], k: int | None = None) -> list[list[int]]:
-        """Drafts for each request (empty: none); `k` lowers the draft count for this call."""
+    def propose(self, req_ids: Sequence[str], k: int | None = None,
+                batch_req_ids: Sequence[str] | None = None) -> list[list[int]]:
+        """Drafts for each request (empty: none); `k` lowers the draft count for this call.
+        `batch_req_ids` (the step's scheduled requests) matters to the suffix proposer only."""
         k = self.k if k is None else min(k, self.k)
         rows = np.fromiter((self.row_of.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
         known = rows >= 0
