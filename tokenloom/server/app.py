@@ -25,6 +25,7 @@ from tokenloom.engine.async_llm import (
 from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError, error_body, error_response
+from tokenloom.server.request_id import RequestIdMiddleware
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
@@ -59,6 +60,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(LoadMiddleware, state=state)
     app.add_middleware(DrainBodyMiddleware)
+    if config.enable_request_id_headers:  # outside the API-key check, as in vLLM: a 401 carries it too
+        app.add_middleware(RequestIdMiddleware)
     if config.root_path:
         app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app

@@ -39,12 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--root-path", default="", help="serve under this path prefix too (behind a proxy), e.g. /llm")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="usage on every streamed chunk and at the end, as if stream_options asked for it")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details: cached_tokens (prefix-cache hit) and, in chat, "
+                        "created_cache_tokens (vLLM's flag; off: null)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (it exposes the chat template)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="accepted for vLLM compatibility: GET /load is always served")
     g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="accepted for vLLM compatibility: X-Request-Id is always echoed")
+                   help="an X-Request-Id header on every response: the request's own, else a fresh id "
+                        "(vLLM's flag; off: none)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); "
                         "-1 (or at least the vocabulary) also allows -1, every token")
@@ -76,7 +80,9 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace_period, uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
         enable_force_include_usage=args.enable_force_include_usage,
-        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_request_id_headers=args.enable_request_id_headers, metrics_prefix=args.metrics_prefix,
         max_logprobs=args.max_logprobs,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

@@ -19,6 +19,8 @@ class ServerConfig:
     engine_ready_timeout_s: float = 600.0
     root_path: str = ""  # behind a path-based proxy (vLLM's --root-path)
     enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), vLLM's flag
+    enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's middleware)
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
     max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
@@ -29,6 +31,11 @@ class ServerConfig:
     tool_call_parser: str | None = None  # a name in tokenloom.server.tool_parsers.TOOL_PARSERS
     tool_strict_level: str = "auto"  # "auto" | "function" | "parameter" (vLLM's --tool-strict-level)
     exclude_tools_when_tool_choice_none: bool = False
+
+    def usage_details(self, endpoint: str, use_beam_search: bool | None) -> str | None:
+        """UsageCounter's `details` for "completion" or "chat": None unless --enable-prompt-tokens-details,
+        and None under beam search (vLLM's beam-search outputs carry no cache counts)."""
+        return endpoint if self.enable_prompt_tokens_details and not use_beam_search else None
 
     def validate_tools(self) -> None:
         """vLLM's start-up checks of the tool flags (its messages)."""

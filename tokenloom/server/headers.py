@@ -1,5 +1,6 @@
-"""Response headers every generation endpoint sets: the request id (X-Request-Id in and out, as vLLM's
---enable-request-id-headers), the server-side queue time, and ORCA load reports on request."""
+"""Response headers of the generation endpoints: the server-side queue time and ORCA load reports on
+request; and the request id they take from X-Request-Id (the response header itself is
+--enable-request-id-headers' middleware, tokenloom/server/request_id.py, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def base_request_id(raw: Request, body_request_id: str | None) -> str:
     return raw.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
 
 
-def response_headers(state: ServerState, raw: Request, base_id: str, out: RequestOutput | None) -> dict[str, str]:
-    headers = {"X-Request-Id": base_id}
+def response_headers(state: ServerState, raw: Request, out: RequestOutput | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
     if out is not None and (queued := out.metrics.queue_time) is not None:
         headers["X-Queue-Time-Ms"] = f"{queued * 1000:.3f}"
     headers.update(orca_header(state, raw.headers.get(ORCA_FORMAT_HEADER)))

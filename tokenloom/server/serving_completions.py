@@ -110,13 +110,14 @@ async def create_completion(raw: Request) -> Response:
             return position[out.request_id] * req.n + comp.index
 
         usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
-        events = sse_events(stream, head, index_of, choice, None, usage_on)
-        return SSEResponse(events, stream, {"X-Request-Id": base_id})
+        events = sse_events(stream, head, index_of, choice, None, usage_on,
+                            state.config.usage_details("completion", req.use_beam_search))
+        return SSEResponse(events, stream)
 
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its requests were aborted
         return Response(status_code=499)
-    usage = UsageCounter()
+    usage = UsageCounter(state.config.usage_details("completion", req.use_beam_search))
     choices = []
     for rid in ids:
         out = finals[rid]
@@ -140,4 +141,4 @@ async def create_completion(raw: Request) -> Response:
                 body["prompt_token_ids"] = out.prompt_token_ids
             choices.append(body)
     response = {**head, "choices": choices, "usage": usage.as_dict()}
-    return JSONResponse(response, headers=response_headers(state, raw, base_id, finals[ids[0]]))
+    return JSONResponse(response, headers=response_headers(state, raw, finals[ids[0]]))
