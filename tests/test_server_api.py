@@ -245,3 +245,13 @@ def test_prompt_tokens_details_as_vllm_builds_them(http) -> None:
     assert (two["cached_tokens"], two["created_cache_tokens"]) == (hit, n // 4 * 4 - hit)
     last = _stream(http, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})[-1]
     assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": hit, "created_cache_tokens": n // 4 * 4 - hit}
+
+
+def test_x_vllm_priority_header_is_read_by_both_generation_endpoints(http) -> None:
+    """vLLM 0.32 takes `priority` from X-Vllm-Priority too (tests/test_server_headers.py has the rules); the
+    server here is FCFS, so a valid value changes nothing, and one outside 64 bits is a 400 naming it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        assert http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": "3"}).status_code == 200
+        bad = http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": str(1 << 64)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Vllm-Priority", bad.text

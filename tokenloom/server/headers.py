@@ -10,14 +10,33 @@ import uuid
 from fastapi import Request
 
 from tokenloom.engine.outputs import RequestOutput
+from tokenloom.server.errors import APIError
 from tokenloom.server.state import ServerState
 
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+PRIORITY_HEADER = "x-vllm-priority"
+_INT64 = 1 << 63
 
 
 def base_request_id(raw: Request, body_request_id: str | None) -> str:
     """The client's X-Request-Id header, else the body's request_id (a vLLM field), else a fresh id."""
     return raw.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
+
+
+def request_priority(raw: Request, body_priority: int) -> int:
+    """vLLM 0.32's `X-Vllm-Priority` header: an integer there overrides the body's `priority` (for the
+    completions and chat endpoints, not beam search or the batch endpoint, as in vLLM); one that is not an
+    integer is ignored, as vLLM ignores it. Outside 64 bits it is a 400 (the body's field is bounded the same)."""
+    text = raw.headers.get(PRIORITY_HEADER)
+    if text is None:
+        return body_priority
+    try:
+        value = int(text)
+    except ValueError:
+        return body_priority
+    if not -_INT64 <= value < _INT64:
+        raise APIError(400, f"X-Vllm-Priority header must fit in 64 bits, got {text}", param="X-Vllm-Priority")
+    return value
 
 
 def response_headers(state: ServerState, raw: Request, out: RequestOutput | None) -> dict[str, str]:

@@ -22,7 +22,7 @@ from tokenloom.server.beam_search import (
 )
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
-from tokenloom.server.headers import base_request_id, response_headers
+from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import chat_params, check_chat_request, message_text, render_chat, truncate_prompt
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
@@ -134,6 +134,7 @@ async def create_chat_completion(raw: Request) -> Response:
     base_id = base_request_id(raw, req.request_id)
     request_id = f"chatcmpl-{base_id}"
     engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
+    priority = request_priority(raw, req.priority)
     engine = state.engine
     stream: RequestStream | BeamSearchStream | ShapedStream
     stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
@@ -142,7 +143,7 @@ async def create_chat_completion(raw: Request) -> Response:
             stream.add(engine_id, prompt_ids, beam_search_params(req, params.max_tokens, state.sampling_defaults),
                        seed=req.seed, priority=req.priority)
         else:
-            engine.add_request(engine_id, prompt_ids, params, stream, priority=req.priority)
+            engine.add_request(engine_id, prompt_ids, params, stream, priority=priority)
     except BaseException:
         stream.close()
         raise
