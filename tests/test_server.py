@@ -210,3 +210,16 @@ def test_without_vllm_flags_no_request_id_header_and_null_prompt_tokens_details(
         last = [ln for ln in s.iter_lines() if ln.startswith("data: {")][-1]
     assert "prompt_tokens_details" not in json.loads(last[6:])["usage"]
     assert "x-request-id" not in httpx.get(server.url + "/health", timeout=5).headers
+
+
+def test_cors_is_closed_by_default_and_preflights_skip_the_api_key(server) -> None:
+    """vLLM's defaults: no allowed origin, so no Access-Control-Allow-Origin and a preflight refused with 400;
+    the preflight is CORS's to answer, not the API key's (vLLM lets OPTIONS through its key check)."""
+    attacker = {"Origin": "http://attacker.example"}
+    models = httpx.get(server.url + "/v1/models", headers={**server.headers, **attacker}, timeout=10)
+    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    preflight = httpx.options(server.url + "/v1/chat/completions", timeout=10,
+                              headers={**attacker, "Access-Control-Request-Method": "POST",
+                                       "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
+    assert httpx.get(server.url + "/v1/models", headers=attacker, timeout=10).status_code == 401

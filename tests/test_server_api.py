@@ -25,7 +25,8 @@ def server(tmp_path_factory):
     model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
     args = [str(model_dir), "--dtype", "float32", "--num-blocks", "1024", "--block-size", "4",
             "--served-model-name", MODEL, "--root-path", "/llm", "--enable-tokenizer-info-endpoint",
-            "--max-logprobs", "-1", "--enable-request-id-headers", "--enable-prompt-tokens-details"]
+            "--max-logprobs", "-1", "--enable-request-id-headers", "--enable-prompt-tokens-details",
+            "--allowed-origins", '["http://trusted.example"]']
     with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 
@@ -255,3 +256,16 @@ def test_x_vllm_priority_header_is_read_by_both_generation_endpoints(http) -> No
         assert http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": "3"}).status_code == 200
         bad = http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": str(1 << 64)})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Vllm-Priority", bad.text
+
+
+def test_cors_for_a_listed_origin(http) -> None:
+    """--allowed-origins (vLLM's flag, a JSON list): a listed origin gets CORS headers and its preflight a 200;
+    another origin neither (tests/test_server.py has the default: no origin at all)."""
+    trusted = {"Origin": "http://trusted.example"}
+    assert http.get("/v1/models", headers=trusted).headers["access-control-allow-origin"] == "http://trusted.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    ok = http.options("/v1/chat/completions", headers={**trusted, **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://trusted.example"
+    other = {"Origin": "http://elsewhere.example"}
+    assert "access-control-allow-origin" not in http.get("/v1/models", headers=other).headers
+    assert http.options("/v1/chat/completions", headers={**other, **preflight}).status_code == 400

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenloom.engine.async_llm import (
@@ -56,6 +57,10 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server = state
     _add_routes(app)
     _add_error_handlers(app)
+    # Always there, as in vLLM: with no allowed origins a browser's preflight is refused (400) and responses
+    # carry no Access-Control-Allow-Origin. Inside the API-key check, which lets preflights (OPTIONS) through.
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_credentials=config.allow_credentials,
+                       allow_methods=config.allowed_methods, allow_headers=config.allowed_headers)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(LoadMiddleware, state=state)
@@ -169,14 +174,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on everything but OPEN_PATHS (401 otherwise), compared in constant time."""
+    """`Authorization: Bearer <key>` on everything but OPEN_PATHS and CORS preflights (OPTIONS, as vLLM lets
+    them through): 401 otherwise; compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401,

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from tokenloom.engine.args import add_engine_args, cli_type, engine_config_from_args, parse_bytes
+
+
+def _json_strings(text: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {text!r} ({exc.msg}); expected a list such as '[\"*\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version, /ping, /load); "
                         "default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
+    g.add_argument("--allowed-origins", type=cli_type(_json_strings), default=[],
+                   help="CORS: origins a browser may call from, a JSON list, e.g. '[\"http://localhost:3000\"]' "
+                        "or '[\"*\"]' (vLLM's flag; default none: no cross-origin access)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (vLLM's flag)")
+    g.add_argument("--allowed-methods", type=cli_type(_json_strings), default=["*"],
+                   help="CORS: allowed methods, a JSON list (default [\"*\"])")
+    g.add_argument("--allowed-headers", type=cli_type(_json_strings), default=["*"],
+                   help="CORS: allowed request headers, a JSON list (default [\"*\"])")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model's name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -82,7 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        enable_request_id_headers=args.enable_request_id_headers, metrics_prefix=args.metrics_prefix,
+        enable_request_id_headers=args.enable_request_id_headers,
+        allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers, metrics_prefix=args.metrics_prefix,
         max_logprobs=args.max_logprobs,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

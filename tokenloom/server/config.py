@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +21,11 @@ class ServerConfig:
     enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), vLLM's flag
     enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's middleware)
+    # CORS, vLLM's flags and defaults: no cross-origin browser access unless origins are listed.
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
     max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
