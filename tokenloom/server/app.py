@@ -175,16 +175,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on everything but OPEN_PATHS and CORS preflights (OPTIONS, as vLLM lets
-    them through): 401 otherwise; compared in constant time."""
+    them through): 401 otherwise. Any of the keys will do (vLLM's `--api-key` takes several); each is compared
+    in constant time, all of them every time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [hmac.compare_digest(given, expected) for expected in self.expected]
+            if not any(matches):
                 response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

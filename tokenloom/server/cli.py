@@ -30,9 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version, /ping, /load); "
-                        "default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
+    env_key = os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
+                   help="require 'Authorization: Bearer KEY', one of these keys (except /health, /metrics, /version, "
+                        "/ping, /load); default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
     g.add_argument("--allowed-origins", type=cli_type(_json_strings), default=[],
                    help="CORS: origins a browser may call from, a JSON list, e.g. '[\"http://localhost:3000\"]' "
                         "or '[\"*\"]' (vLLM's flag; default none: no cross-origin access)")

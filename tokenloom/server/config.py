@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless --host says otherwise
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # any of several keys will do (vLLM's --api-key k1 k2)
     served_model_names: list[str] | None = None  # None: the model's name
     max_waiting_requests: int | None = 1024  # None: unbounded
     max_request_body_bytes: int = 4 << 20
