@@ -208,11 +208,11 @@ def test_cache_creation_tokens_are_the_prompt_tokens_a_request_adds_to_the_prefi
                            use_tqdm=False)[0]
         return out.num_cached_tokens, out.num_cache_creation_tokens
 
-    prompt = _ids(7, 10)
+    prompt = _ids(71, 10)
     assert run(roomy, prompt) == (0, 8)  # two full blocks written; the last 2 tokens fill no block
     assert run(roomy, prompt) == (8, 0)  # a hit on both blocks (never the last token), nothing new
-    assert run(roomy, prompt + _ids(8, 6)) == (8, 8)  # 16 tokens: 4 blocks cached, 2 of them a hit
-    assert run(roomy, _ids(9, 9), max_tokens=1) == (0, 8)  # finished by its first token: counted before the free
-    assert run(chunked, _ids(10, 30)) == (0, 28)  # chunked prefill: counted once, at the first output
+    assert run(roomy, prompt + _ids(72, 6)) == (8, 8)  # 16 tokens: 4 blocks cached, 2 of them a hit
+    assert run(roomy, _ids(73, 9), max_tokens=1) == (0, 8)  # finished by its first token: counted before the free
+    assert run(chunked, _ids(74, 30)) == (0, 28)  # chunked prefill: counted once, at the first output
     uncached = LLM(str(tiny_dir), dtype="float32", num_blocks=512, block_size=4, enable_prefix_caching=False)
     assert run(uncached, prompt) == (0, 0) and run(uncached, prompt) == (0, 0)
