@@ -197,3 +197,22 @@ def test_utf8_split_across_streamed_tokens_is_never_torn(roomy) -> None:
         deltas += [o.outputs[0].delta_text for o in outs]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas), deltas
+
+
+def test_cache_creation_tokens_are_the_prompt_tokens_a_request_adds_to_the_prefix_cache(tiny_dir, roomy,
+                                                                                        chunked) -> None:
+    """vLLM's num_cache_creation_tokens (PrefillStats.finalize): the prompt's full blocks cached at the first
+    output, less the prefix-cache hit (block size 4 here)."""
+    def run(llm: LLM, prompt: list[int], max_tokens: int = 3) -> tuple[int, int]:
+        out = llm.generate([{"prompt_token_ids": prompt}], replace(GREEDY, max_tokens=max_tokens),
+                           use_tqdm=False)[0]
+        return out.num_cached_tokens, out.num_cache_creation_tokens
+
+    prompt = _ids(71, 10)
+    assert run(roomy, prompt) == (0, 8)  # two full blocks written; the last 2 tokens fill no block
+    assert run(roomy, prompt) == (8, 0)  # a hit on both blocks (never the last token), nothing new
+    assert run(roomy, prompt + _ids(72, 6)) == (8, 8)  # 16 tokens: 4 blocks cached, 2 of them a hit
+    assert run(roomy, _ids(73, 9), max_tokens=1) == (0, 8)  # finished by its first token: counted before the free
+    assert run(chunked, _ids(74, 30)) == (0, 28)  # chunked prefill: counted once, at the first output
+    uncached = LLM(str(tiny_dir), dtype="float32", num_blocks=512, block_size=4, enable_prefix_caching=False)
+    assert run(uncached, prompt) == (0, 0) and run(uncached, prompt) == (0, 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -189,3 +191,35 @@ def test_prompt_of_max_model_len_minus_one_with_the_default_max_tokens(server) -
     too_long = httpx.post(server.url + "/v1/completions", json={**body, "prompt": body["prompt"] + [5]},
                           headers=server.headers, timeout=60)
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+
+
+def test_without_vllm_flags_no_request_id_header_and_null_prompt_tokens_details(server) -> None:
+    """vLLM's defaults: X-Request-Id only with --enable-request-id-headers, prompt_tokens_details only with
+    --enable-prompt-tokens-details (null in a whole response, absent from a stream's usage chunk)."""
+    body = {"model": MODEL, "prompt": [5, 17, 42, 9, 101, 33], "max_tokens": 2, "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={**server.headers, "X-Request-Id": "x-1"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-x-1" and "x-request-id" not in r.headers
+    assert r.json()["usage"]["prompt_tokens_details"] is None
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.json()["usage"]["prompt_tokens_details"] is None and "x-request-id" not in chat.headers
+    with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        assert "x-request-id" not in s.headers
+        last = [ln for ln in s.iter_lines() if ln.startswith("data: {")][-1]
+    assert "prompt_tokens_details" not in json.loads(last[6:])["usage"]
+    assert "x-request-id" not in httpx.get(server.url + "/health", timeout=5).headers
+
+
+def test_cors_is_closed_by_default_and_preflights_skip_the_api_key(server) -> None:
+    """vLLM's defaults: no allowed origin, so no Access-Control-Allow-Origin and a preflight refused with 400;
+    the preflight is CORS's to answer, not the API key's (vLLM lets OPTIONS through its key check)."""
+    attacker = {"Origin": "http://attacker.example"}
+    models = httpx.get(server.url + "/v1/models", headers={**server.headers, **attacker}, timeout=10)
+    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    preflight = httpx.options(server.url + "/v1/chat/completions", timeout=10,
+                              headers={**attacker, "Access-Control-Request-Method": "POST",
+                                       "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
+    assert httpx.get(server.url + "/v1/models", headers=attacker, timeout=10).status_code == 401

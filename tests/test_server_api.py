@@ -1,11 +1,13 @@
 """vLLM's API extensions through a live `tokenloom serve` (tiny model): every accepted parameter does
 what it says — echo, prompt_logprobs, truncation, logit_bias, allowed_token_ids,
 return_tokens_as_token_ids, stream_options, return_token_ids — plus request ids, ORCA headers, the
-batch chat endpoint, /load, /invocations, /tokenizer_info, --root-path and vLLM-named metrics."""
+batch chat endpoint, /load, /invocations, /tokenizer_info, --root-path, vLLM-named metrics, and (with vLLM's
+flags) X-Request-Id on every response and usage.prompt_tokens_details."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -23,7 +25,8 @@ def server(tmp_path_factory):
     model_dir = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
     args = [str(model_dir), "--dtype", "float32", "--num-blocks", "1024", "--block-size", "4",
             "--served-model-name", MODEL, "--root-path", "/llm", "--enable-tokenizer-info-endpoint",
-            "--max-logprobs", "-1"]
+            "--max-logprobs", "-1", "--enable-request-id-headers", "--enable-prompt-tokens-details",
+            "--allowed-origins", '["http://trusted.example"]']
     with ServerProcess(*args, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 
@@ -163,6 +166,7 @@ def test_request_id_orca_header_and_extra_routes(server, http) -> None:
                                                                     [{"role": "user", "content": "yo"}]],
                                                        "max_tokens": 2, **GREEDY})
     assert [c["index"] for c in batch["choices"]] == [0, 1] and batch["usage"]["completion_tokens"] == 4
+    assert batch["usage"]["prompt_tokens_details"] is None  # vLLM's batch endpoint never reports them
     metrics = http.get("/metrics").text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds",
                  "tokenloom:num_requests_running", "vllm:request_params_n", "vllm:request_params_max_tokens",
@@ -181,3 +185,87 @@ def test_client_disconnect_mid_request_logs_no_error(server) -> None:
     assert ok.status_code == 200
     log = server.log()
     assert "InvalidStateError" not in log and "Exception in ASGI application" not in log, log[-2000:]
+
+
+def test_request_id_header_on_every_response_with_the_flag(http) -> None:
+    """--enable-request-id-headers is vLLM's middleware: every response (probes, 404s, 400s, streams) carries
+    X-Request-Id once, the request's own or a fresh uuid4 hex, which is not the body's request_id."""
+    assert http.get("/health", headers={"X-Request-Id": "probe-1"}).headers["x-request-id"] == "probe-1"
+    fresh = http.get("/health").headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh) and fresh != http.get("/health").headers["x-request-id"]
+    missing = http.get("/no/such/route", headers={"X-Request-Id": "nf-1"})
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "nf-1"
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": -1},
+                    headers={"X-Request-Id": "bad-1"})
+    assert bad.status_code == 400 and bad.headers.get_list("x-request-id") == ["bad-1"]
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                   headers={"X-Request-Id": "gen-1"})
+    assert ok.headers.get_list("x-request-id") == ["gen-1"] and ok.json()["id"] == "cmpl-gen-1"
+    with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "sse-1"},
+                     json={"model": MODEL, "stream": True, "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["sse-1"]
+        r.read()
+    by_body = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                 "request_id": "body-1"})
+    assert by_body.json()["id"] == "cmpl-body-1"
+    assert re.fullmatch(r"[0-9a-f]{32}", by_body.headers["x-request-id"])
+
+
+def test_prompt_tokens_details_as_vllm_builds_them(http) -> None:
+    """--enable-prompt-tokens-details (block size 4 here): completions report cached_tokens (of the last prompt
+    in a whole response), chat also created_cache_tokens; a whole response has vLLM's nulls, a stream's usage
+    chunk leaves them out; beam search has none."""
+    prompt = [(11 * j) % 280 + 9 for j in range(10)]  # used by no other test: nothing cached yet
+    greedy = {"max_tokens": 2, **GREEDY}
+    first = _post(http, "/v1/completions", {"prompt": prompt, **greedy})["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None,
+                                              "multimodal_tokens": None}
+    assert first["completion_tokens_details"] is None
+    again = _post(http, "/v1/completions", {"prompt": prompt, **greedy})["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] == 8  # two full blocks; never the last token
+    fresh = [(13 * j) % 280 + 11 for j in range(10)]
+    assert _post(http, "/v1/completions", {"prompt": [prompt, fresh], **greedy}
+                 )["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the last prompt's
+    stream = _stream(http, "/v1/completions", {"prompt": prompt, "stream_options": {"include_usage": True},
+                                               **greedy})
+    assert stream[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert all("prompt_tokens_details" not in (ch.get("usage") or {}) for ch in stream[:-1])
+    beam = _post(http, "/v1/completions", {"prompt": prompt, "use_beam_search": True, "n": 2, "max_tokens": 2,
+                                           "temperature": 0.0})
+    assert beam["usage"]["prompt_tokens_details"] is None
+
+    chat = {"messages": [{"role": "user", "content": "Which blocks did this prompt write to the cache?"}],
+            **greedy}
+    one = _post(http, "/v1/chat/completions", chat)["usage"]
+    n, d = one["prompt_tokens"], one["prompt_tokens_details"]
+    assert set(d) == {"cached_tokens", "created_cache_tokens", "multimodal_tokens"} and d["multimodal_tokens"] is None
+    assert d["cached_tokens"] + d["created_cache_tokens"] == n // 4 * 4  # the template's head may be cached
+    hit = (n - 1) // 4 * 4
+    two = _post(http, "/v1/chat/completions", chat)["usage"]["prompt_tokens_details"]
+    assert (two["cached_tokens"], two["created_cache_tokens"]) == (hit, n // 4 * 4 - hit)
+    last = _stream(http, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})[-1]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": hit, "created_cache_tokens": n // 4 * 4 - hit}
+
+
+def test_x_vllm_priority_header_is_read_by_both_generation_endpoints(http) -> None:
+    """vLLM 0.32 takes `priority` from X-Vllm-Priority too (tests/test_server_headers.py has the rules); the
+    server here is FCFS, so a valid value changes nothing, and one outside 64 bits is a 400 naming it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/v1/chat/completions", chat)):
+        assert http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": "3"}).status_code == 200
+        bad = http.post(path, json={"model": MODEL, **body}, headers={"X-Vllm-Priority": str(1 << 64)})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Vllm-Priority", bad.text
+
+
+def test_cors_for_a_listed_origin(http) -> None:
+    """--allowed-origins (vLLM's flag, a JSON list): a listed origin gets CORS headers and its preflight a 200;
+    another origin neither (tests/test_server.py has the default: no origin at all)."""
+    trusted = {"Origin": "http://trusted.example"}
+    assert http.get("/v1/models", headers=trusted).headers["access-control-allow-origin"] == "http://trusted.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    ok = http.options("/v1/chat/completions", headers={**trusted, **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://trusted.example"
+    other = {"Origin": "http://elsewhere.example"}
+    assert "access-control-allow-origin" not in http.get("/v1/models", headers=other).headers
+    assert http.options("/v1/chat/completions", headers={**other, **preflight}).status_code == 400

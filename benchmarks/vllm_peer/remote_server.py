@@ -24,10 +24,13 @@ _KEEP = {"--max-model-len": 1, "--max-num-seqs": 1, "--max-num-batched-tokens": 
          "--enable-tokenizer-info-endpoint": 0, "--enable-server-load-tracking": 0,
          "--enable-request-id-headers": 0, "--enable-prefix-caching": 0, "--no-enable-prefix-caching": 0,
          "--enable-chunked-prefill": 0, "--no-enable-chunked-prefill": 0, "--long-prefill-token-threshold": 1,
-         "--scheduling-policy": 1, "--block-size": 1, "--max-logprobs": 1}
+         "--scheduling-policy": 1, "--block-size": 1, "--max-logprobs": 1, "--enable-prompt-tokens-details": 0,
+         "--enable-auto-tool-choice": 0, "--tool-call-parser": 1, "--tool-strict-level": 1,
+         "--exclude-tools-when-tool-choice-none": 0, "--allowed-origins": 1, "--allow-credentials": 0,
+         "--allowed-methods": 1, "--allowed-headers": 1}
 # Flags that take a value, tokenloom has no use for (GPU memory, kernels, parsers, LoRA, ...).
 _DROP_WITH_VALUE = {"--dtype", "--gpu-memory-utilization", "--tokenizer-mode", "--load-format",
-                    "--chat-template", "--tool-call-parser", "--reasoning-parser", "--lora-modules",
+                    "--chat-template", "--reasoning-parser", "--lora-modules",
                     "--max-lora-rank", "--max-loras", "--max-cpu-loras", "--tensor-parallel-size", "-tp",
                     "--pipeline-parallel-size", "--kv-cache-dtype", "--quantization", "--hf-overrides",
                     "--override-generation-config", "--generation-config", "--limit-mm-per-prompt",

@@ -132,6 +132,13 @@ class KVCacheManager:
     def num_cached_block(self) -> dict[str, int]:
         return self.managers[0].num_cached_block
 
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """vLLM's: how many of the request's tokens sit in the prefix cache (its hashed full blocks),
+        the fewest over the groups; 0 without prefix caching."""
+        if not self.enable_caching:
+            return 0
+        return min(m.num_cached_block.get(request.request_id, 0) * m.block_size for m in self.managers)
+
     # Prefix cache -----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The prefix-cache hit, as blocks per group, and its length in tokens.

@@ -122,6 +122,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0  # prompt tokens written to the prefix cache (vLLM's PrefillStats)
     error: str | None = None
     new_prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # see ModelRunnerOutput
 

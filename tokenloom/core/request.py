@@ -93,6 +93,9 @@ class Request:
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).
         self.num_cached_tokens = -1
+        # Prompt tokens this request wrote to the prefix cache (vLLM's PrefillStats.num_cache_creation_tokens):
+        # set once, at its first output; None until then.
+        self.num_cache_creation_tokens: int | None = None
         self.num_preemptions = 0
 
         # Full-block hashes of all_token_ids, extended as tokens are appended.

@@ -693,6 +693,11 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
+            if (generated or is_stopped) and request.num_cache_creation_tokens is None:
+                # vLLM's PrefillStats.finalize at the first output, before the blocks are freed: the
+                # prompt tokens now cached beyond the prefix-cache hit (usage's created_cache_tokens).
+                cached_now = min(self.kv_cache_manager.estimate_cached_tokens(request), request.num_prompt_tokens)
+                request.num_cache_creation_tokens = max(0, cached_now - max(request.num_cached_tokens, 0))
             if is_stopped:
                 self._free_request(request)
                 if status_before == RequestStatus.RUNNING:
@@ -710,6 +715,7 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        num_cache_creation_tokens=request.num_cache_creation_tokens or 0,
                         error=request.error,
                         new_prompt_logprobs=prompt_lps,
                     )

@@ -296,6 +296,7 @@ class AsyncLLM:
             if mirror is None:  # finished here already (stop string, abort): late tokens are dropped
                 continue
             mirror.num_cached_tokens = out.num_cached_tokens
+            mirror.num_cache_creation_tokens = out.num_cache_creation_tokens
             if out.new_token_ids:
                 if mirror.first_token_time is None:
                     mirror.first_token_time = ts

@@ -240,6 +240,7 @@ class OutputProcessor:
             finished=all(c.finished for c in parent.completions),
             metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
             error=errors[0] if errors else None,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
         )

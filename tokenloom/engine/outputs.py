@@ -64,6 +64,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Prompt tokens this request wrote to the prefix cache (vLLM's num_cache_creation_tokens).
+    num_cache_creation_tokens: int = 0
     error: str | None = None
     # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,6 +27,7 @@ from tokenloom.engine.async_llm import (
 from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError, error_body, error_response
+from tokenloom.server.request_id import RequestIdMiddleware
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
@@ -56,10 +58,16 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server = state
     _add_routes(app)
     _add_error_handlers(app)
+    # Always there, as in vLLM: with no allowed origins a browser's preflight is refused (400) and responses
+    # carry no Access-Control-Allow-Origin. Inside the API-key check, which lets preflights (OPTIONS) through.
+    app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_credentials=config.allow_credentials,
+                       allow_methods=config.allowed_methods, allow_headers=config.allowed_headers)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.add_middleware(LoadMiddleware, state=state)
     app.add_middleware(DrainBodyMiddleware)
+    if config.enable_request_id_headers:  # outside the API-key check, as in vLLM: a 401 carries it too
+        app.add_middleware(RequestIdMiddleware)
     if config.root_path:
         app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app
@@ -174,16 +182,20 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on everything but OPEN_PATHS (401 otherwise), compared in constant time."""
+    """`Authorization: Bearer <key>` on everything but OPEN_PATHS and CORS preflights (OPTIONS, as vLLM lets
+    them through): 401 otherwise. Any of the keys will do (vLLM's `--api-key` takes several); each is compared
+    in constant time, all of them every time."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else api_key
+        self.expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope.get("method") != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [hmac.compare_digest(given, expected) for expected in self.expected]
+            if not any(matches):
                 response = JSONResponse(error_body(401, "invalid or missing API key"), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)

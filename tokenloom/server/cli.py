@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from tokenloom.engine.args import add_engine_args, cli_type, engine_config_from_args, parse_bytes
+
+
+def _json_strings(text: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {text!r} ({exc.msg}); expected a list such as '[\"*\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,9 +30,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (except /health, /metrics, /version, /ping, /load); "
-                        "default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
+    env_key = os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
+                   help="require 'Authorization: Bearer KEY', one of these keys (except /health, /metrics, /version, "
+                        "/ping, /load); default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
+    g.add_argument("--allowed-origins", type=cli_type(_json_strings), default=[],
+                   help="CORS: origins a browser may call from, a JSON list, e.g. '[\"http://localhost:3000\"]' "
+                        "or '[\"*\"]' (vLLM's flag; default none: no cross-origin access)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (vLLM's flag)")
+    g.add_argument("--allowed-methods", type=cli_type(_json_strings), default=["*"],
+                   help="CORS: allowed methods, a JSON list (default [\"*\"])")
+    g.add_argument("--allowed-headers", type=cli_type(_json_strings), default=["*"],
+                   help="CORS: allowed request headers, a JSON list (default [\"*\"])")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model's name)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -39,12 +60,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--root-path", default="", help="serve under this path prefix too (behind a proxy), e.g. /llm")
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="usage on every streamed chunk and at the end, as if stream_options asked for it")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details: cached_tokens (prefix-cache hit) and, in chat, "
+                        "created_cache_tokens (vLLM's flag; off: null)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (it exposes the chat template)")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="accepted for vLLM compatibility: GET /load is always served")
     g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="accepted for vLLM compatibility: X-Request-Id is always echoed")
+                   help="an X-Request-Id header on every response: the request's own, else a fresh id "
+                        "(vLLM's flag; off: none)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); "
                         "-1 (or at least the vocabulary) also allows -1, every token")
@@ -79,7 +104,11 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace_period, uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,
         enable_force_include_usage=args.enable_force_include_usage,
-        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, metrics_prefix=args.metrics_prefix,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_request_id_headers=args.enable_request_id_headers,
+        allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers, metrics_prefix=args.metrics_prefix,
         max_logprobs=args.max_logprobs,
         keep_alive_on_engine_death=args.keep_alive_on_engine_death,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless --host says otherwise
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # any of several keys will do (vLLM's --api-key k1 k2)
     served_model_names: list[str] | None = None  # None: the model's name
     max_waiting_requests: int | None = 1024  # None: unbounded
     max_request_body_bytes: int = 4 << 20
@@ -19,6 +19,13 @@ class ServerConfig:
     engine_ready_timeout_s: float = 600.0
     root_path: str = ""  # behind a path-based proxy (vLLM's --root-path)
     enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), vLLM's flag
+    enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's middleware)
+    # CORS, vLLM's flags and defaults: no cross-origin browser access unless origins are listed.
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
     metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
     max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
@@ -29,6 +36,11 @@ class ServerConfig:
     tool_call_parser: str | None = None  # a name in tokenloom.server.tool_parsers.TOOL_PARSERS
     tool_strict_level: str = "auto"  # "auto" | "function" | "parameter" (vLLM's --tool-strict-level)
     exclude_tools_when_tool_choice_none: bool = False
+
+    def usage_details(self, endpoint: str, use_beam_search: bool | None) -> str | None:
+        """UsageCounter's `details` for "completion" or "chat": None unless --enable-prompt-tokens-details,
+        and None under beam search (vLLM's beam-search outputs carry no cache counts)."""
+        return endpoint if self.enable_prompt_tokens_details and not use_beam_search else None
 
     def validate_tools(self) -> None:
         """vLLM's start-up checks of the tool flags (its messages)."""

@@ -1,5 +1,6 @@
-"""Response headers every generation endpoint sets: the request id (X-Request-Id in and out, as vLLM's
---enable-request-id-headers), the server-side queue time, and ORCA load reports on request."""
+"""Response headers of the generation endpoints: the server-side queue time and ORCA load reports on
+request; and the request id they take from X-Request-Id (the response header itself is
+--enable-request-id-headers' middleware, tokenloom/server/request_id.py, as in vLLM)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import uuid
 from fastapi import Request
 
 from tokenloom.engine.outputs import RequestOutput
+from tokenloom.server.errors import APIError
 from tokenloom.server.state import ServerState
 
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+PRIORITY_HEADER = "x-vllm-priority"
+_INT64 = 1 << 63
 
 
 def base_request_id(raw: Request, body_request_id: str | None) -> str:
@@ -19,8 +23,24 @@ def base_request_id(raw: Request, body_request_id: str | None) -> str:
     return raw.headers.get("x-request-id") or body_request_id or uuid.uuid4().hex
 
 
-def response_headers(state: ServerState, raw: Request, base_id: str, out: RequestOutput | None) -> dict[str, str]:
-    headers = {"X-Request-Id": base_id}
+def request_priority(raw: Request, body_priority: int) -> int:
+    """vLLM 0.32's `X-Vllm-Priority` header: an integer there overrides the body's `priority` (for the
+    completions and chat endpoints, not beam search or the batch endpoint, as in vLLM); one that is not an
+    integer is ignored, as vLLM ignores it. Outside 64 bits it is a 400 (the body's field is bounded the same)."""
+    text = raw.headers.get(PRIORITY_HEADER)
+    if text is None:
+        return body_priority
+    try:
+        value = int(text)
+    except ValueError:
+        return body_priority
+    if not -_INT64 <= value < _INT64:
+        raise APIError(400, f"X-Vllm-Priority header must fit in 64 bits, got {text}", param="X-Vllm-Priority")
+    return value
+
+
+def response_headers(state: ServerState, raw: Request, out: RequestOutput | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
     if out is not None and (queued := out.metrics.queue_time) is not None:
         headers["X-Queue-Time-Ms"] = f"{queued * 1000:.3f}"
     headers.update(orca_header(state, raw.headers.get(ORCA_FORMAT_HEADER)))

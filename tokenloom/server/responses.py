@@ -21,28 +21,53 @@ def _lp(value: float) -> float:
 
 
 class UsageCounter:
-    """Token counts of one HTTP request, over all its prompts and their `n` completions."""
+    """Token counts of one HTTP request, over all its prompts and their `n` completions.
 
-    def __init__(self) -> None:
+    `details` is vLLM's `prompt_tokens_details` (--enable-prompt-tokens-details), which vLLM builds
+    differently per endpoint: None (off), "completion" (cached_tokens of the last prompt's output in a
+    whole response, of the first output to arrive in a stream) or "chat" (cached_tokens and
+    created_cache_tokens). Beam search passes None: vLLM's beam-search outputs carry no cache counts."""
+
+    def __init__(self, details: str | None = None) -> None:
+        self.details = details
         self._prompt: dict[str, int] = {}
-        self._cached: dict[str, int] = {}
         self._completion: dict[tuple[str, int], int] = {}
+        self._first: RequestOutput | None = None
+        self._last: RequestOutput | None = None
 
     def update(self, out: RequestOutput) -> None:
         self._prompt[out.request_id] = len(out.prompt_token_ids)
-        self._cached[out.request_id] = out.num_cached_tokens
         for comp in out.outputs:
             self._completion[(out.request_id, comp.index)] = len(comp.token_ids)
+        if self._first is None:
+            self._first = out
+        self._last = out
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, stream: bool = False) -> dict[str, Any]:
+        """A whole response's usage (vLLM's model_dump: the details keys are there, null when off), or
+        a stream's final usage chunk (`stream`: vLLM dumps it without nulls)."""
         prompt = sum(self._prompt.values())
         completion = sum(self._completion.values())
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())},
-        }
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        details = self._prompt_tokens_details(stream)
+        if not stream:
+            usage["prompt_tokens_details"] = details
+            usage["completion_tokens_details"] = None
+        elif details is not None:
+            usage["prompt_tokens_details"] = details
+        return usage
+
+    def _prompt_tokens_details(self, stream: bool) -> dict[str, Any] | None:
+        out = self._first if stream else self._last
+        if self.details is None or out is None:
+            return None
+        if self.details == "completion":
+            return {"cached_tokens": out.num_cached_tokens} if stream else \
+                {"cached_tokens": out.num_cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+        details: dict[str, Any] = {"cached_tokens": out.num_cached_tokens,
+                                   "created_cache_tokens": out.num_cache_creation_tokens}
+        return details if stream else {**details, "multimodal_tokens": None}
 
 
 def _token(lp: Logprob | None, token_id: int, as_ids: bool) -> str:

@@ -71,4 +71,4 @@ async def create_batch_chat_completion(raw: Request) -> Response:
         choices.append(body)
     response = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage.as_dict()}
-    return JSONResponse(response, headers=response_headers(state, raw, base_id, finals[ids[0]]))
+    return JSONResponse(response, headers=response_headers(state, raw, finals[ids[0]]))

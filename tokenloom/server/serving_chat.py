@@ -22,7 +22,7 @@ from tokenloom.server.beam_search import (
 )
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
-from tokenloom.server.headers import base_request_id, response_headers
+from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import chat_params, check_chat_request, message_text, render_chat, truncate_prompt
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
@@ -108,14 +108,14 @@ def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
 
 
 def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str,
-                  tools: ToolSetup | None = None) -> dict[str, Any]:
+                  tools: ToolSetup | None = None, details: str | None = None) -> dict[str, Any]:
     prefix = echo_text(req)
     choices = []
     for comp in out.outputs:
         if comp.finish_reason == "error":
             raise APIError(500, out.error or "generation failed")
         choices.append(chat_choice(req, comp, prefix, tools))
-    usage = UsageCounter()
+    usage = UsageCounter(details)
     usage.update(out)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage.as_dict(),
@@ -134,6 +134,7 @@ async def create_chat_completion(raw: Request) -> Response:
     base_id = base_request_id(raw, req.request_id)
     request_id = f"chatcmpl-{base_id}"
     engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"  # unique even when a client reuses its X-Request-Id
+    priority = request_priority(raw, req.priority)
     engine = state.engine
     stream: RequestStream | BeamSearchStream | ShapedStream
     stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
@@ -142,24 +143,25 @@ async def create_chat_completion(raw: Request) -> Response:
             stream.add(engine_id, prompt_ids, beam_search_params(req, params.max_tokens, state.sampling_defaults),
                        seed=req.seed, priority=req.priority)
         else:
-            engine.add_request(engine_id, prompt_ids, params, stream, priority=req.priority)
+            engine.add_request(engine_id, prompt_ids, params, stream, priority=priority)
     except BaseException:
         stream.close()
         raise
     if req.use_beam_search:  # the search's one output, with the logprobs the request asked for
         stream = ShapedStream(stream, (req.top_logprobs or 0) if req.logprobs else None)
     if req.stream:
-        return _stream(state, req, stream, request_id, model, base_id, extras.tools)
+        return _stream(state, req, stream, request_id, model, extras.tools)
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its request was aborted
         return Response(status_code=499)
     out = finals[engine_id]
-    return JSONResponse(chat_response(req, out, request_id, model, extras.tools),
-                        headers=response_headers(state, raw, base_id, out))
+    details = state.config.usage_details("chat", req.use_beam_search)
+    return JSONResponse(chat_response(req, out, request_id, model, extras.tools, details),
+                        headers=response_headers(state, raw, out))
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request_id: str, model: str,
-            base_id: str, tools: ToolSetup | None = None) -> Response:
+            tools: ToolSetup | None = None) -> Response:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -205,5 +207,6 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
         return body
 
     usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
-    events = sse_events(stream, head, lambda out, comp: comp.index, choice, opening, usage_on)
-    return SSEResponse(events, stream, {"X-Request-Id": base_id})
+    events = sse_events(stream, head, lambda out, comp: comp.index, choice, opening, usage_on,
+                        state.config.usage_details("chat", req.use_beam_search))
+    return SSEResponse(events, stream)

@@ -20,7 +20,7 @@ from tokenloom.server.beam_search import (
 )
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
-from tokenloom.server.headers import base_request_id, response_headers
+from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import check_completion_request, completion_params, completion_prompts
 from tokenloom.server.protocol import CompletionRequest
 from tokenloom.server.responses import UsageCounter, completion_logprobs, prompt_logprobs_json
@@ -47,6 +47,7 @@ async def create_completion(raw: Request) -> Response:
                                  state.config.max_logprobs, state.sampling_defaults, structured) for _, ids in prompts]
     base_id = base_request_id(raw, req.request_id)
     request_id = f"cmpl-{base_id}"
+    priority = request_priority(raw, req.priority)
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
     engine = state.engine
@@ -58,7 +59,7 @@ async def create_completion(raw: Request) -> Response:
                 stream.add(rid, token_ids, beam_search_params(req, p.max_tokens, state.sampling_defaults),
                            prompt=text, seed=req.seed, priority=req.priority)
             else:
-                engine.add_request(rid, token_ids, p, stream, prompt=text, priority=req.priority)
+                engine.add_request(rid, token_ids, p, stream, prompt=text, priority=priority)
     except BaseException:
         stream.close()
         raise
@@ -110,13 +111,14 @@ async def create_completion(raw: Request) -> Response:
             return position[out.request_id] * req.n + comp.index
 
         usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
-        events = sse_events(stream, head, index_of, choice, None, usage_on)
-        return SSEResponse(events, stream, {"X-Request-Id": base_id})
+        events = sse_events(stream, head, index_of, choice, None, usage_on,
+                            state.config.usage_details("completion", req.use_beam_search))
+        return SSEResponse(events, stream)
 
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its requests were aborted
         return Response(status_code=499)
-    usage = UsageCounter()
+    usage = UsageCounter(state.config.usage_details("completion", req.use_beam_search))
     choices = []
     for rid in ids:
         out = finals[rid]
@@ -140,4 +142,4 @@ async def create_completion(raw: Request) -> Response:
                 body["prompt_token_ids"] = out.prompt_token_ids
             choices.append(body)
     response = {**head, "choices": choices, "usage": usage.as_dict()}
-    return JSONResponse(response, headers=response_headers(state, raw, base_id, finals[ids[0]]))
+    return JSONResponse(response, headers=response_headers(state, raw, finals[ids[0]]))

@@ -65,12 +65,14 @@ async def sse_events(
     choice: ChoiceFn,
     opening: Callable[[RequestOutput], list[dict[str, Any]]] | None,
     usage_on: tuple[bool, bool],
+    details: str | None = None,
 ) -> AsyncIterator[str]:
     """The chunks of a streamed completion: `opening` chunks (built from the first output), one per
     choice per step that has something to say, the usage chunk, then [DONE]. A request cut at shutdown
-    gets finish_reason "abort" and then an error event; engine failures end the stream with an error event."""
+    gets finish_reason "abort" and then an error event; engine failures end the stream with an error event.
+    `details`: the usage chunk's prompt_tokens_details, as UsageCounter says."""
     include_usage, continuous_usage = usage_on
-    usage = UsageCounter()
+    usage = UsageCounter(details)
     finished: set[int] = set()
     cut: str | None = None
     first = True
@@ -105,7 +107,7 @@ async def sse_events(
                     chunk["usage"] = choice_usage(out, comp)
                 yield sse(chunk)
         if include_usage:
-            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+            yield sse({**head, "choices": [], "usage": usage.as_dict(stream=True)})
         if cut is not None:
             yield sse_error(503, cut)
         yield DONE
