@@ -209,7 +209,7 @@ class LlamaModel:
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting)."""
         check_quantization(quantization, torch.device(device))
-        if quantization is not None and config.architecture in INT8_UNSUPPORTED:
+        if quantization == "int8" and config.architecture in INT8_UNSUPPORTED:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
                              "(Gemma's post-norms and the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
