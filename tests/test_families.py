@@ -203,3 +203,23 @@ def test_gguf_quantization_keeps_the_family_blocks(arch: str, tmp_path: Path) ->
         logits.append((prefill, runner.last_logits.clone()))
     for want, got in zip(*logits):  # the prefill's last row, then the decode step's
         assert (got - want).abs().max() <= 5e-2 * (want.max() - want.min()), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("arch, ops", [("gemma3", "GELU-tanh MLP activation, the post-attention / post-MLP norms, "
+                                                  "the q/k RMSNorm"),
+                                       ("qwen3_moe", "the q/k RMSNorm, the routed experts"), ("llama", None)])
+def test_the_log_names_what_runs_as_torch_ops(arch: str, ops: str | None, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where a family's op has no compiled CPU kernel yet the torch op runs, and the load says so."""
+    from tokenloom.model.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built: everything is a torch op")
+    loaded = load_model(make_tiny_hf_model(tmp_path, arch=arch, seed=2), torch.float32)
+    with caplog.at_level("INFO", logger="tokenloom.model.llama"):
+        ModelRunner(loaded, block_size=BLOCK, num_blocks=8, dtype="float32", device="cpu")
+    said = [r.getMessage() for r in caplog.records if "no fused CPU kernel yet" in r.getMessage()]
+    if ops is None:
+        assert not said, said
+    else:
+        assert len(said) == 1 and ops in said[0], said

@@ -126,6 +126,8 @@ class LlamaDecoderLayer:
     only by the q/k/v biases, which the weights carry)."""
 
     norm_weight_offset = 0.0  # added to the final norm's weight (Gemma's (1 + w) convention)
+    # The family's ops that no compiled CPU kernel covers yet: they run as torch ops (logged at load).
+    torch_ops: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int = 0) -> None:
@@ -244,6 +246,9 @@ class LlamaModel:
         self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
         self._fall_back_for_unsupported_attention()
+        if self.kernels is not None and layer_cls.torch_ops:
+            logger.info("%s: no fused CPU kernel yet for %s; they run as torch ops", config.architecture,
+                        ", ".join(layer_cls.torch_ops))
         self.rope = RotaryEmbedding(config, self.device, dtype)
         # Gemma 3: the sliding layers rotate with their own base (rope_local_base_freq), unscaled.
         self.local_rope = None if config.rope_local_base_freq is None else RotaryEmbedding(
@@ -460,6 +465,8 @@ def _gguf_decode_step(model: LlamaModel) -> Any:
             "rope_type", (cfg.rope_scaling or {}).get("type")) not in (None, "default", "llama3"):
         # The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE):
         # other families run their own layer loop over the same GGUF linears.
+        logger.info("%s: the fused GGUF decode step covers Llama/Qwen2 layers without windows or LongRoPE; "
+                    "this model's layers run per op over the GGUF kernels", cfg.architecture)
         return None
     kernels = gguf_kernels()
     step = GGUFDecodeStep(None, model.config.hidden_size, model.dtype)
