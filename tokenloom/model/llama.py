@@ -150,6 +150,11 @@ class LlamaDecoderLayer:
         return AttentionLayerSpec(window=config.layer_window(layer_idx))
 
     @property
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm whose output the MLP's gate/up read (SmoothQuant folds into its weight)."""
+        return self.post_attention_layernorm
+
     def first_linear(self) -> LinearBase:
         """The linear that reads the residual stream's norm (whose input format the previous layer's
         last norm produces)."""
@@ -175,8 +180,9 @@ class LlamaDecoderLayer:
         return self.mlp(x), residual
 
 
-# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into Llama's norm layout).
-INT8_UNSUPPORTED = ("gemma2", "gemma3", "qwen3_moe")
+# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into the norms that feed
+# qkv and gate/up: Qwen3-MoE's experts are no gate/up linear).
+INT8_UNSUPPORTED = ("qwen3_moe",)
 
 # Decoder-layer class per ModelConfig.architecture; the other families register theirs from
 # tokenloom/model/models/ (imported on first use: they subclass the classes above).
@@ -213,7 +219,7 @@ class LlamaModel:
         check_quantization(quantization, torch.device(device))
         if quantization == "int8" and config.architecture in INT8_UNSUPPORTED:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
-                             "(Gemma's post-norms and the MoE experts have no int8 path yet); run it unquantized")
+                             "(the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None

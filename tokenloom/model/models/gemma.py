@@ -60,6 +60,11 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         self.post_feedforward_weight = get(prefix + "post_feedforward_layernorm.weight") + 1.0
         self.eps = eps
 
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """Gemma's post_attention_layernorm normalises the attention output; the MLP reads this one."""
+        return self.pre_feedforward_layernorm
+
     def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
         return GeluTanhMLP(get, prefix, method)
