@@ -150,11 +150,11 @@ class LlamaDecoderLayer:
         return AttentionLayerSpec(window=config.layer_window(layer_idx))
 
     @property
-    @property
     def mlp_input_norm(self) -> RMSNorm:
         """The norm whose output the MLP's gate/up read (SmoothQuant folds into its weight)."""
         return self.post_attention_layernorm
 
+    @property
     def first_linear(self) -> LinearBase:
         """The linear that reads the residual stream's norm (whose input format the previous layer's
         last norm produces)."""
