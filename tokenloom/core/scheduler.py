@@ -38,7 +38,7 @@ from tokenloom.config import (
     check_long_prefill_threshold,
 )
 from tokenloom.core.cost_model import CostModel
-from tokenloom.core.kv_cache_groups import make_kv_cache_groups
+from tokenloom.core.kv_cache_groups import make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
     CachedRequestData,
@@ -129,7 +129,8 @@ class Scheduler:
             watermark=scheduler_config.watermark,
             kv_cache_groups=make_kv_cache_groups(cache_config.layer_windows, 1,
                                                  hybrid=not cache_config.disable_hybrid_kv_cache_manager),
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=max_in_flight_tokens(scheduler_config.max_num_batched_tokens,
+                                                        scheduler_config.async_scheduling),
         )
         self.requests: dict[str, Request] = {}
         # Opt-in policies beyond vLLM (core/policies.py). None, the default, keeps vLLM's decisions.
@@ -188,7 +189,7 @@ class Scheduler:
             raise RequestRejected(f"request id {rid!r} is already in use")
         kv = self.kv_cache_manager
         fit = prompt_fit(request.num_prompt_tokens, request.max_tokens, self.max_model_len, self.block_size,
-                         kv.num_blocks, kv.blocks_needed)  # fmt: skip
+                         kv.num_blocks, kv.kv_cache_groups, kv.max_in_flight_tokens)  # fmt: skip
         if fit.empty:
             raise RequestRejected(f"request {rid!r}: the prompt is empty")
         if fit.no_room_to_generate:
@@ -199,7 +200,8 @@ class Scheduler:
         if fit.exceeds_pool:
             raise RequestRejected(
                 f"request {rid!r} needs {fit.blocks_needed} KV blocks at its longest "
-                f"({fit.final_len - 1} tokens) but the pool has only {fit.num_blocks}; "
+                f"({fit.final_len - 1} tokens{'; ' + fit.per_group if fit.per_group else ''}) "
+                f"but the pool has only {fit.num_blocks}; "
                 "it could never finish (lower max_tokens, or give the KV cache more memory)"
             )
 

@@ -12,6 +12,7 @@ prefix-cache lookup (the sliding-window rules are explained in tokenloom/core/sl
 from __future__ import annotations
 
 from tokenloom.core.block_pool import NULL_BLOCK, BlockPool, KVCacheBlock
+from tokenloom.core.kv_cache_groups import sliding_window_cap_blocks
 from tokenloom.core.request import Request
 
 
@@ -127,9 +128,6 @@ class FullAttentionManager:
         """Real blocks the request holds (NULL_BLOCK entries excluded)."""
         return sum(1 for b in self.req_to_blocks.get(request_id, ()) if b is not NULL_BLOCK)
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Most blocks a request of `num_tokens` tokens holds at once in this group."""
-        return cdiv(num_tokens, self.block_size)
 
 
 class SlidingWindowManager(FullAttentionManager):
@@ -139,8 +137,9 @@ class SlidingWindowManager(FullAttentionManager):
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.sliding_window = sliding_window
-        self.admission_cap_blocks = cdiv(min(sliding_window - 1 + max_num_batched_tokens, max_model_len),
-                                         block_size) + 1
+        # `max_num_batched_tokens`: the tokens in flight (doubled by the scheduler under async scheduling).
+        self.admission_cap_blocks = sliding_window_cap_blocks(sliding_window, block_size, max_num_batched_tokens,
+                                                              max_model_len)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token to compute."""
@@ -171,5 +170,3 @@ class SlidingWindowManager(FullAttentionManager):
             del hit[run:]
         return hits
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return min(cdiv(num_tokens, self.block_size), self.admission_cap_blocks)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
@@ -222,7 +223,10 @@ class AsyncLLM:
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """What the scheduler would reject, said up front with vLLM's wording (HTTP 400)."""
         n_prompt, max_len = len(prompt_token_ids), self.info.max_model_len
-        fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, self.info.block_size, self.info.num_blocks)
+        info = self.info
+        groups = [KVCacheGroupSpec((0,), w) for w in info.kv_cache_group_windows]
+        fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, info.block_size, info.num_blocks, groups,
+                         info.max_in_flight_tokens)
         if fit.empty:
             raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.info.vocab_size
@@ -243,9 +247,14 @@ class AsyncLLM:
                 "max_tokens",
             )
         if fit.exceeds_pool:
+            # vLLM's start-up wording ("To serve at least one request with the model's max seq len ..."),
+            # for this request: vLLM checks the pool once for max_model_len, tokenloom per request.
+            groups_text = f" ({fit.per_group})" if fit.per_group else ""
             raise InvalidRequestError(
-                f"the request needs {fit.blocks_needed} KV-cache blocks at its longest but the pool has only "
-                f"{self.info.num_blocks}; lower max_tokens or the prompt length",
+                f"To serve this request at its longest ({fit.final_len - 1} tokens of KV: {n_prompt} prompt + "
+                f"{fit.final_len - 1 - n_prompt} generated), {fit.blocks_needed} KV-cache blocks are needed"
+                f"{groups_text}, which is larger than the available KV cache ({fit.num_blocks} blocks of "
+                f"{info.block_size} tokens). Please lower max_tokens or the prompt length.",
                 "max_tokens",
             )
 

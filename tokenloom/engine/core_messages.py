@@ -53,6 +53,11 @@ class EngineReady:
     # The model's generation_config.json defaults (tokenloom/engine/generation_config.py).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     extra_eos_token_ids: list[int] = field(default_factory=list)
+    # What a request's KV needs (tokenloom/core/prompt_fit.py): each KV cache group's sliding window
+    # (None: full attention; one None: a model without windows) and the tokens in flight that size a
+    # sliding group's cap.
+    kv_cache_group_windows: list[int | None] = field(default_factory=lambda: [None])
+    max_in_flight_tokens: int = 0
 
 
 @dataclass

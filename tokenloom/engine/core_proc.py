@@ -122,6 +122,8 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         quantization=engine.config.quantization,
         sampling_defaults=dict(engine.generation_defaults.params),
         extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
+        kv_cache_group_windows=[g.sliding_window for g in engine.scheduler.kv_cache_manager.kv_cache_groups],
+        max_in_flight_tokens=engine.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
     )
     return engine, ready
 

@@ -22,7 +22,8 @@ from tokenloom.config import (
     check_verification_budget,
     engine_config_from_kwargs,
 )
-from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups
+from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
+from tokenloom.core.prompt_fit import max_model_len_that_fits
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
@@ -85,8 +86,13 @@ class LLMEngine:
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype,
                                                num_layers=layers_per_block(kv_cache_groups))
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
-        sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings,
-                                           num_blocks * cache_cfg.block_size // len(kv_cache_groups))
+        # The default max_model_len is capped at the longest request the pool can hold, every KV cache
+        # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
+        sched_in = config.scheduler or SchedulerConfig()
+        pool_tokens = max_model_len_that_fits(num_blocks, cache_cfg.block_size, loaded.config.max_position_embeddings,
+                                              kv_cache_groups, max_in_flight_tokens(sched_in.max_num_batched_tokens,
+                                                                                    sched_in.async_scheduling))
+        sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings, pool_tokens)
         cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
         if len(kv_cache_groups) > 1:
             logger.info("%s mixes sliding-window and full-attention layers: %d KV cache groups of %d layers "

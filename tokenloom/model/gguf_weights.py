@@ -31,6 +31,7 @@ from tokenloom.model.gguf import (
     read_gguf,
     unpermute_rope_rows,
 )
+from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, finish_family_weights
 
 Q = GGMLQuantizationType
 KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -79,6 +80,20 @@ class GGUFWeight:
             k.gguf_dequantize(out, self.data, self.qtype)
         return out
 
+    def split(self, sizes: list[int]) -> tuple[GGUFWeight, ...]:
+        """Row blocks of a fused matrix (Phi-3's qkv_proj / gate_up_proj): views of whole rows, which
+        are whole GGUF blocks, so nothing is requantized."""
+        if self.packed8 or sum(sizes) != self.shape[0]:
+            raise ValueError(f"cannot split a GGUF matrix of {self.shape[0]} rows into {sizes}")
+        parts, row = [], 0
+        for n in sizes:
+            parts.append(GGUFWeight(self.data[row : row + n], self.qtype, (n, self.shape[1])))
+            row += n
+        return tuple(parts)
+
+    def chunk(self, n: int) -> tuple[GGUFWeight, ...]:
+        return self.split([self.shape[0] // n] * n)
+
     def repacked(self, kernels: object) -> GGUFWeight:
         """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else self."""
         if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
@@ -97,7 +112,11 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
         if name == _ROPE_FREQS:
             config.extra["rope_freqs"] = dequantize(tensor).float().clone()
             continue
-        hf_name = hf_name_from_gguf(name)
+        if name in ROPE_FACTOR_TENSORS and config.rope_scaling is not None:  # Phi-3 LongRoPE
+            kind = "long_factor" if "long" in name else "short_factor"
+            config.rope_scaling[kind] = dequantize(tensor).float().tolist()
+            continue
+        hf_name = hf_name_from_gguf(name, config.architecture)
         heads = None
         if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
@@ -114,12 +133,16 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
             if heads is not None:
                 value = unpermute_rope_rows(value, heads)
             weights[hf_name] = value.contiguous()
-    return config, weights
+    # The family's storage conventions, as the dequantizing loader undoes them (Gemma's 1 + w norms,
+    # Qwen3-MoE's stacked experts, which are 3-D and so come out float, Phi-3's fused matrices).
+    return config, finish_family_weights(config, weights)  # type: ignore[arg-type]
 
 
 def _dequantize_any(tensor) -> torch.Tensor:  # noqa: ANN001 - a loader GGUFTensor
     if tensor.qtype in KERNEL_TYPES:
-        n = tensor.shape[0] if len(tensor.shape) > 1 else 1
+        n = 1
+        for d in tensor.shape[:-1]:  # every row: a 3-D tensor (Qwen3-MoE's stacked experts) is experts x rows
+            n *= d
         w = GGUFWeight(torch.from_numpy(tensor.raw).view(n, -1), int(tensor.qtype), (n, tensor.shape[-1]))
         return w.dequantize().reshape(tensor.shape)
     return dequantize(tensor)

@@ -126,6 +126,8 @@ class LlamaDecoderLayer:
     only by the q/k/v biases, which the weights carry)."""
 
     norm_weight_offset = 0.0  # added to the final norm's weight (Gemma's (1 + w) convention)
+    # The family's ops that no compiled CPU kernel covers yet: they run as torch ops (logged at load).
+    torch_ops: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int = 0) -> None:
@@ -146,6 +148,11 @@ class LlamaDecoderLayer:
 
     def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
         return AttentionLayerSpec(window=config.layer_window(layer_idx))
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm whose output the MLP's gate/up read (SmoothQuant folds into its weight)."""
+        return self.post_attention_layernorm
 
     @property
     def first_linear(self) -> LinearBase:
@@ -173,8 +180,9 @@ class LlamaDecoderLayer:
         return self.mlp(x), residual
 
 
-# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into Llama's norm layout).
-INT8_UNSUPPORTED = ("gemma2", "gemma3", "qwen3_moe")
+# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into the norms that feed
+# qkv and gate/up: Qwen3-MoE's experts are no gate/up linear).
+INT8_UNSUPPORTED = ("qwen3_moe",)
 
 # Decoder-layer class per ModelConfig.architecture; the other families register theirs from
 # tokenloom/model/models/ (imported on first use: they subclass the classes above).
@@ -209,9 +217,9 @@ class LlamaModel:
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting)."""
         check_quantization(quantization, torch.device(device))
-        if quantization is not None and config.architecture in INT8_UNSUPPORTED:
+        if quantization == "int8" and config.architecture in INT8_UNSUPPORTED:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
-                             "(Gemma's post-norms and the MoE experts have no int8 path yet); run it unquantized")
+                             "(the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None
@@ -244,6 +252,9 @@ class LlamaModel:
         self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
         self._fall_back_for_unsupported_attention()
+        if self.kernels is not None and layer_cls.torch_ops:
+            logger.info("%s: no fused CPU kernel yet for %s; they run as torch ops", config.architecture,
+                        ", ".join(layer_cls.torch_ops))
         self.rope = RotaryEmbedding(config, self.device, dtype)
         # Gemma 3: the sliding layers rotate with their own base (rope_local_base_freq), unscaled.
         self.local_rope = None if config.rope_local_base_freq is None else RotaryEmbedding(
@@ -460,6 +471,8 @@ def _gguf_decode_step(model: LlamaModel) -> Any:
             "rope_type", (cfg.rope_scaling or {}).get("type")) not in (None, "default", "llama3"):
         # The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE):
         # other families run their own layer loop over the same GGUF linears.
+        logger.info("%s: the fused GGUF decode step covers Llama/Qwen2 layers without windows or LongRoPE; "
+                    "this model's layers run per op over the GGUF kernels", cfg.architecture)
         return None
     kernels = gguf_kernels()
     step = GGUFDecodeStep(None, model.config.hidden_size, model.dtype)

@@ -84,15 +84,17 @@ def _float_weights(layer: LlamaDecoderLayer) -> tuple[dict[str, torch.Tensor], d
 
 def _fold(layer: LlamaDecoderLayer, w: dict[str, torch.Tensor], b: dict[str, torch.Tensor | None],
           act_absmax: dict[str, torch.Tensor], num_kv_heads: int, head_dim: int) -> None:
-    """Rescale fp32 copies `w`, `b` (in place) and the layer's norm weights (Llama's wiring: a
-    family with other producers of a linear's input needs its own fold)."""
+    """Rescale fp32 copies `w`, `b` (in place) and the layer's norm weights (Llama's wiring, where
+    the MLP reads `layer.mlp_input_norm`: post_attention_layernorm, Gemma's pre_feedforward_layernorm;
+    a family with other producers of a linear's input needs its own fold)."""
     dtype = layer.input_layernorm.weight.dtype
     # qkv and gate/up read RMSNorm outputs: the norm weight takes the division.
     s = smoothing_scales(act_absmax["qkv_proj"], [w["qkv_proj"]])
     layer.input_layernorm.weight = (layer.input_layernorm.weight.float() / s).to(dtype)
     w["qkv_proj"] = w["qkv_proj"] * s
     s = smoothing_scales(act_absmax["gate_up_proj"], [w["gate_up_proj"]])
-    layer.post_attention_layernorm.weight = (layer.post_attention_layernorm.weight.float() / s).to(dtype)
+    norm = layer.mlp_input_norm
+    norm.weight = (norm.weight.float() / s).to(dtype)
     w["gate_up_proj"] = w["gate_up_proj"] * s
     # down reads silu(gate) * up: the up rows take it.
     s = smoothing_scales(act_absmax["down_proj"], [w["down_proj"]])

@@ -47,6 +47,7 @@ class GeluTanhMLP(LlamaMLP):
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
     norm_weight_offset = 1.0  # Gemma's RMSNorm scales by (1 + w); LlamaModel applies it to the final norm
+    torch_ops = ("the GELU-tanh MLP activation", "the post-attention / post-MLP norms")
 
     def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int = 0) -> None:
@@ -58,6 +59,11 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         self.post_attention_weight = get(prefix + "post_attention_layernorm.weight") + 1.0
         self.post_feedforward_weight = get(prefix + "post_feedforward_layernorm.weight") + 1.0
         self.eps = eps
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """Gemma's post_attention_layernorm normalises the attention output; the MLP reads this one."""
+        return self.pre_feedforward_layernorm
 
     def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
@@ -86,6 +92,8 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    torch_ops = (*Gemma2DecoderLayer.torch_ops, "the q/k RMSNorm")
+
     def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
                        method: LinearMethodBase) -> LlamaAttention:
         return QKNormAttention(config, get, prefix, method, weight_offset=1.0)

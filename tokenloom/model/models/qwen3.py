@@ -38,6 +38,8 @@ class QKNormAttention(LlamaAttention):
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
+    torch_ops = ("the q/k RMSNorm",)
+
     def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
                        method: LinearMethodBase) -> LlamaAttention:
         return QKNormAttention(config, get, prefix, method)

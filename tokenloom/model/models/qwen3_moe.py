@@ -77,6 +77,8 @@ class SparseMoeMLP:
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    torch_ops = ("the q/k RMSNorm", "the routed experts (grouped torch matmuls)")
+
     def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
         if is_moe_layer(config, layer_idx):
