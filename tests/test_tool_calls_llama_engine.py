@@ -13,22 +13,14 @@ import json
 import jsonschema
 import pytest
 
+from tests.test_tool_calls_server import TIME, TOOLS, WEATHER
 from tokenloom import LLM, SamplingParams
 from tokenloom.server.structured import structured_outputs_of, tool_setup
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output, tools_system_prompt
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city", "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Current time in a timezone", "strict": True,
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
-                   "required": ["tz"], "additionalProperties": False}}}
-TOOLS = {"get_weather": WEATHER, "get_time": TIME}
+# The strict tools of the server's tool tests (one definition of them).
 
 
 @pytest.fixture(scope="module")

@@ -331,13 +331,7 @@ def test_start_up_refuses_a_parser_whose_token_the_tokenizer_lacks() -> None:
 
 
 # Forced calls: llama's structural tag ---------------------------------------------------------------
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                          "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "strict": True, "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
-                                                       "required": ["tz"], "additionalProperties": False}}}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
+from tests.test_tool_parsers import NAMED, TIME, WEATHER  # noqa: E402  (the parser tests' tools)
 
 
 def _accepts(so, text: str) -> bool:
