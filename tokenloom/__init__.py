@@ -25,7 +25,22 @@ def _short_openmp_spin() -> None:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
 
+def _bounded_onednn_caches() -> None:
+    """Cap oneDNN's primitive cache (and ideep's, in front of it) at 64 entries, unless the user set one.
+
+    Pre-packed GEMMs (bf16, and float32 as vLLM does) build one primitive per weight shape and row
+    bucket, ~0.5 MiB each with its JIT code and scratchpad; the default cache holds 1,024 of them, so a
+    server's RSS climbed for thousands of requests (a 100-request soak of a tiny model: +90 MiB) before
+    levelling off. With 64 (vLLM caps each oneDNN GEMM handler at 32) it levels off within the first
+    few dozen steps (+45 MiB on the same soak); re-creating an evicted primitive costs about a
+    millisecond, against steps of tens. Read when oneDNN first builds a primitive: set here, at import.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, "64")
+
+
 _short_openmp_spin()
+_bounded_onednn_caches()
 
 _LAZY = {
     "LLM": "tokenloom.engine.llm",
