@@ -39,6 +39,7 @@ from typing import Any
 
 from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.request import Request
+from tokenloom.core.step_time_correction import StepTimeCorrection
 
 
 @dataclass
@@ -71,12 +72,31 @@ class SloBudgetController:
     # Decode gaps scheduled so far, and those in steps predicted over the ITL target.
     num_gaps: int = 0
     num_gaps_over: int = 0
+    # Measured step times against predicted ones (core/step_time_correction.py); only with the engine
+    # clock: the predicted clock is the profile's word alone, deterministic wherever it runs.
+    correction: StepTimeCorrection = field(default_factory=StepTimeCorrection)
 
     def arrived(self, request_id: str) -> None:
         self.arrival[request_id] = self.predicted_now
 
     def forget(self, request_id: str) -> None:
         self.arrival.pop(request_id, None)
+
+    # What executed steps cost ------------------------------------------------------------------
+    def predict_raw(self, shape: StepShape) -> float:
+        """The profile's seconds for a step as scheduled (what observe_step compares with)."""
+        return self.cost_model.predict(shape)
+
+    def observe_step(self, predicted_s: float, observed_s: float, has_prefill: bool) -> None:
+        """A step executed: `observed_s` measured where `predicted_s` (predict_raw) was expected."""
+        if not self.predicted_clock:
+            self.correction.observe(predicted_s, observed_s, has_prefill)
+
+    def _seconds(self, shape: StepShape, high: bool) -> float:
+        """Corrected prediction: `high` for one step held to the ITL target, else the expected time."""
+        has_prefill = shape.prefill_tokens > 0
+        c = self.correction
+        return self.cost_model.predict(shape) * (c.high(has_prefill) if high else c.mean(has_prefill))
 
     # The decision ------------------------------------------------------------------------------
     def budget(
@@ -88,19 +108,22 @@ class SloBudgetController:
         budget, why = self.ceiling, ""
         if num_decodes:  # without decodes no inter-token gap is at stake: the ceiling
             floor = min(max(1, sum(r.need for r in rows if r.decoding)), self.ceiling)
-            budget, why = self._largest(floor, lambda b: self._walk(rows, b)[0] <= self.target_itl_s), "itl"
+            budget, why = self._largest(floor, lambda b: self._step_s(rows, b) <= self.target_itl_s), "itl"
             if budget < self.ceiling and self.target_ttft_s > 0 and self._may_miss_itl(num_decodes):
                 b_ttft = self._ttft_budget(rows, budget)
                 if b_ttft > budget:
                     budget, why = b_ttft, "ttft"
-        seconds = self._walk(rows, budget)[0] if rows else 0.0
-        self.predicted_now += seconds
+        seconds = self._step_s(rows, budget) if rows else 0.0
+        self.predicted_now += self._walk(rows, budget)[0] if rows else 0.0
         self.num_gaps += num_decodes
         if seconds > self.target_itl_s:
             self.num_gaps_over += num_decodes
         if budget >= self.ceiling:
             return self.ceiling, None
-        return budget, {"budget": budget, "why": why, "predicted_ms": round(seconds * 1000, 3)}
+        why_ = {"budget": budget, "why": why, "predicted_ms": round(seconds * 1000, 3)}
+        if self.correction.decode.warm or self.correction.prefill.warm:
+            why_["correction"] = self.correction.summary()
+        return budget, why_
 
     def _may_miss_itl(self, num_decodes: int) -> bool:
         """Whether `num_decodes` more gaps over the ITL target keep the share within ITL_MISS_SHARE."""
@@ -152,8 +175,17 @@ class SloBudgetController:
         return _Row(start=r.num_computed_tokens, need=need, end=r.num_tokens_with_spec, decoding=decoding,
                     prompt=prompt, age=age)
 
+    def _step_s(self, rows: list[_Row], budget: int) -> float:
+        """Predicted seconds of the step at `budget`, as one step held to the ITL target."""
+        return self._seconds(self._shape(rows, budget)[0], high=True)
+
     def _walk(self, rows: list[_Row], budget: int) -> tuple[float, int]:
-        """Predicted seconds of the step at `budget`, and the prompt tokens it computes."""
+        """Expected seconds of the step at `budget`, and the prompt tokens it computes."""
+        shape, prompt_tokens = self._shape(rows, budget)
+        return self._seconds(shape, high=False), prompt_tokens
+
+    def _shape(self, rows: list[_Row], budget: int) -> tuple[StepShape, int]:
+        """The step at `budget`, and the prompt tokens it computes."""
         shape, left, prompt_tokens = StepShape(), budget, 0
         for row in rows:
             if left <= 0:
@@ -163,7 +195,7 @@ class SloBudgetController:
             left -= n
             if row.prompt:
                 prompt_tokens += n
-        return self.cost_model.predict(shape), prompt_tokens
+        return shape, prompt_tokens
 
     def _first_tokens(self, rows: list[_Row], budget: int, after: tuple[float, int]) -> list[float]:
         """Predicted seconds from now to each prompt's first token: this step at `budget`, the next ones

@@ -141,6 +141,7 @@ class EngineCore:
             # placeholder drafts and the runner fills them from the tokens it has when it runs.
             self._post_step(outputs)
         t_end = self.clock()
+        self.scheduler.observe_step_time(scheduler_output, self._step_seconds(step, model_output, t_update, t_end))
         self.num_steps += 1
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         self.last_step_time = t_end - step.t_start
@@ -155,6 +156,19 @@ class EngineCore:
             }
             self.tracer.record(step.t_start, t_end, self.scheduler, scheduler_output, outputs, timing)
         return outputs
+
+    def _step_seconds(self, step: _InFlight, model_output: ModelRunnerOutput, t_update: float, t_end: float) -> float:
+        """What the step cost, as the SLO controller's predictions count it (schedule + execute +
+        update). One step at a time, that is the step's span on the engine's clock (wall, or the
+        simulator's virtual one, which only the step's modelled time moves). With steps in flight
+        (async scheduling) spans overlap: the scheduler's own time plus the runner's execution."""
+        if self.batch_queue_size == 1:
+            return t_end - step.t_start
+        execute = model_output.execute_time
+        if execute is None:
+            start, end = model_output.execute_start, model_output.execute_end
+            execute = end - start if start is not None and end is not None else t_update - step.t_scheduled
+        return (step.t_scheduled - step.t_start) + execute + (t_end - t_update)
 
     def _post_step(self, outputs: list[EngineCoreOutput]) -> None:
         """vLLM's EngineCore.post_step: the drafts the runner proposed after this step go to the
