@@ -158,14 +158,12 @@ class EngineCore:
         return outputs
 
     def _step_seconds(self, step: _InFlight, model_output: ModelRunnerOutput, t_update: float, t_end: float) -> float:
-        """What the step cost, as the SLO controller's predictions count it (schedule + execute +
-        update). One step at a time, that is the step's span on the engine's clock (wall, or the
-        simulator's virtual one, which only the step's modelled time moves). With steps in flight
-        (async scheduling) spans overlap: the scheduler's own time plus the runner's execution."""
-        if self.batch_queue_size == 1:
-            return t_end - step.t_start
+        """What the step cost, as the SLO controller's predictions count it: the scheduler's own time
+        (schedule, update) plus the runner's execution as the runner timed it. Spans of steps in
+        flight together (async scheduling) overlap; these parts do not. In the simulator the clock
+        stands still around the runner, and its execution is the cost model's prediction, exactly."""
         execute = model_output.execute_time
-        if execute is None:
+        if execute is None:  # a runner that does not time itself: the executor's span, else the wait
             start, end = model_output.execute_start, model_output.execute_end
             execute = end - start if start is not None and end is not None else t_update - step.t_scheduled
         return (step.t_scheduled - step.t_start) + execute + (t_end - t_update)

@@ -1,0 +1,201 @@
+"""The SLO controller's correction of its predictions by measured step times
+(tokenloom/core/step_time_correction.py, Scheduler.observe_step_time): it converges when the real cost
+is a constant multiple of the profile's, a single outlier step moves it only a bounded amount, the
+simulator with a mis-scaled profile keeps the ITL target, and with an exact profile nothing changes."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.sched_utils import create_requests, step
+from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.core.cost_model import CostModel
+from tokenloom.core.request import Request
+from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.step_time_correction import (
+    ALPHA,
+    CLIP,
+    MAX_FACTOR,
+    MIN_FACTOR,
+    SPREAD,
+    WARMUP,
+    RegimeCorrection,
+    StepTimeCorrection,
+)
+from tokenloom.sampling_params import SamplingParams
+
+ratios = st.floats(0.3, 3.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(k1=ratios, k2=ratios, predicted=st.lists(st.floats(0.001, 2.0), min_size=1, max_size=20),
+       has_prefill=st.booleans())
+def test_converges_to_a_constant_multiple_and_follows_a_shift(k1, k2, predicted, has_prefill) -> None:
+    c = StepTimeCorrection()
+    for i in range(WARMUP - 1):  # warm-up: the profile as is
+        c.observe(predicted[i % len(predicted)], k1 * predicted[i % len(predicted)], has_prefill)
+        assert c.mean(has_prefill) == c.high(has_prefill) == 1.0
+    c.observe(predicted[0], k1 * predicted[0], has_prefill)
+    assert abs(c.mean(has_prefill) - k1) < 1e-9 and abs(c.high(has_prefill) - k1) < 1e-9
+    assert c.high(not has_prefill) == c.high(has_prefill)  # the other regime borrows it until it warms up
+    # The machine changes speed: the correction follows within ~25 steps at the clip, then geometrically.
+    for i in range(150):
+        p = predicted[i % len(predicted)]
+        c.observe(p, k2 * p, has_prefill)
+    assert abs(c.mean(has_prefill) / k2 - 1) < 0.01
+    assert c.mean(has_prefill) <= c.high(has_prefill) <= k2 * 1.03
+
+
+@settings(max_examples=300, deadline=None)
+@given(k=ratios, noise=st.lists(st.floats(-0.3, 0.3), min_size=WARMUP, max_size=60),
+       outlier=st.floats(1e-3, 1e3))
+def test_a_single_outlier_step_moves_the_correction_a_bounded_amount(k, noise, outlier) -> None:
+    r = RegimeCorrection()
+    for e in noise:
+        r.observe(k * (1 + e))
+    mean, high = r.mean, r.high
+    r.observe(outlier)
+    # At most ALPHA * (CLIP - 1) up for the mean, and the deviation likewise: the one-step factor
+    # grows by at most (1 + ALPHA (CLIP - 1) (1 + SPREAD)), 15 % here, however far off the step was.
+    assert mean * (1 - ALPHA * (1 - 1 / CLIP)) - 1e-9 <= r.mean <= mean * (1 + ALPHA * (CLIP - 1)) + 1e-9
+    assert r.high <= high * (1 + ALPHA * (CLIP - 1) * (1 + SPREAD)) + 1e-9
+    assert MIN_FACTOR <= r.mean <= r.high <= MAX_FACTOR
+
+
+def test_outliers_in_the_warm_up_do_not_set_the_correction() -> None:
+    r = RegimeCorrection()
+    for x in (40.0, 1.2, 1.2, 1.2, 1.2):  # the engine's first step (allocations, cold caches)
+        r.observe(x)
+    assert r.mean == 1.2 and r.deviation == 0.0
+
+
+def test_ratios_out_of_range_are_bounded() -> None:
+    r = RegimeCorrection()
+    for _ in range(400):
+        r.observe(1e6)
+    assert r.mean == r.high == MAX_FACTOR
+    c = StepTimeCorrection()
+    c.observe(0.0, 1.0, False)  # a step predicted free (empty) teaches nothing
+    c.observe(1.0, 0.0, False)
+    assert c.decode.num_observed == 0
+
+
+# ----------------------------------------------------------------- through the scheduler's seam
+COST = CostModel({"overhead": 0.010, "prefill_tokens": 0.001, "decode_tokens": 0.001})
+
+
+def _decodes_and_a_prompt(clock: str = "engine"):
+    """10 decodes and a 200-token prompt under 10 ms + 1 ms a token, a 50.5 ms ITL target: 40 tokens a
+    step (30 for the prompt) when steps cost what the profile says."""
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=64, max_model_len=4096, slo_clock=clock,
+                          target_itl_ms=50.5)
+    sched = make_scheduler(cfg, CacheConfig(block_size=16, num_blocks=4000), clock=lambda: 0.0, step_cost_model=COST)
+    for r in create_requests(10, num_tokens=1, max_tokens=2000, ignore_eos=True, prefix="d"):
+        sched.add_request(r)
+    sched.add_request(Request("p", [5] * 3000, SamplingParams(max_tokens=4, ignore_eos=True)))
+    return sched
+
+
+def _run(sched, factor, steps: int) -> list[int]:
+    """`steps` steps that each take `factor` times their prediction; the prompt's tokens in each."""
+    got = []
+    for _ in range(steps):
+        out, _ = step(sched)
+        got.append(out.num_scheduled_tokens.get("p", 0))
+        sched.observe_step_time(out, factor * out.predicted_step[0])
+    return got
+
+
+def test_steps_twice_as_slow_as_predicted_shrink_the_budget() -> None:
+    sched = _decodes_and_a_prompt()
+    got = _run(sched, 2.0, 12)
+    # The first step (no decodes yet) takes the ceiling; the profile is trusted during the warm-up; then
+    # 20 ms + 2 ms a token: 15 tokens within 50.5 ms, 5 for the prompt.
+    assert got[1:WARMUP] == [30] * (WARMUP - 1) and got[-1] == 5
+    out, _ = step(sched)
+    assert out.policy_actions["slo_budget"]["correction"] == {"decode": 2.0, "prefill": 2.0}
+
+
+def test_a_single_outlier_does_not_collapse_the_budget() -> None:
+    sched = _decodes_and_a_prompt()
+    assert _run(sched, 1.0, 10)[-1] == 30
+    out, _ = step(sched)
+    sched.observe_step_time(out, 100.0 * out.predicted_step[0])  # one step 100x over its prediction
+    after = _run(sched, 1.0, 40)
+    assert after[0] >= 23  # 1.15x at worst: (10 + b) * 1.15 <= 50.5 for b = 33
+    assert after[-1] == 30  # and back once the deviation it left decays
+
+
+def test_predicted_clock_keeps_the_profile_alone() -> None:
+    # The predicted clock is deterministic wherever it runs: measured times do not enter.
+    sched = _decodes_and_a_prompt(clock="predicted")
+    assert _run(sched, 2.0, 12)[-1] == 30
+
+
+def test_nothing_is_predicted_or_observed_without_the_controller() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=64, max_model_len=4096)
+    sched = make_scheduler(cfg, CacheConfig(block_size=16, num_blocks=4000), clock=lambda: 0.0)
+    sched.add_request(Request("p", [5] * 30, SamplingParams(max_tokens=4)))
+    out, _ = step(sched)
+    assert out.predicted_step is None
+    sched.observe_step_time(out, 1.0)  # a no-op
+
+
+# ------------------------------------------------------------------------------- the simulator
+def _chats_and_documents(n: int = 30):
+    from tokenloom.workload.datasets import BenchRequest
+
+    rng = np.random.default_rng(0)
+    reqs, t = [], 0.0
+    for i in range(n):
+        t += float(rng.exponential(0.5))
+        size = 2000 if i % 4 == 3 else int(rng.integers(100, 400))
+        reqs.append(BenchRequest(f"r{i}", [int(x) for x in rng.integers(100, 40000, size)], size, 64, True, t))
+    return reqs
+
+
+def _simulate(k: float, clock: str = "engine"):
+    """The shipped profile runs the simulation; the controller predicts with it times `k`."""
+    from tokenloom.sim.profile import load_profile
+    from tokenloom.sim.simulate import simulate
+
+    real = load_profile("default").step_model
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, target_itl_ms=150,
+                          slo_clock=clock)
+    res = simulate(_chats_and_documents(), cfg, CacheConfig(block_size=16, num_blocks=20000), real,
+                   controller_cost_model=CostModel({t: c * k for t, c in real.coefficients.items()}))
+    return np.array([x for r in res.records for x in r.itl_s])
+
+
+@settings(max_examples=6, deadline=None)
+@given(k=st.sampled_from([0.4, 0.5, 0.7, 0.85, 1.3, 2.0]))
+def test_simulator_with_a_mis_scaled_profile_keeps_itl_near_the_target(k) -> None:
+    itl = _simulate(k)
+    # Only steps before a regime's warm-up is over can be off: a handful of gaps out of thousands.
+    assert np.percentile(itl, 99) <= 0.150 + 1e-6
+    assert np.mean(itl > 0.150 + 1e-6) < 0.005
+
+
+def test_without_the_correction_a_mis_scaled_profile_misses_the_target() -> None:
+    # The same run with the predicted clock (the profile alone): what the correction fixes.
+    assert np.percentile(_simulate(0.5, clock="predicted"), 99) > 0.2
+
+
+def test_simulator_with_the_exact_profile_is_unchanged() -> None:
+    """The simulator reports its virtual step time, the profile's own prediction: every ratio is 1."""
+    from tokenloom.engine.core import EngineCore
+    from tokenloom.sim.executor import SimulatedExecutor
+    from tokenloom.sim.profile import load_profile
+    from tokenloom.workload.clock import VirtualClock
+    from tokenloom.workload.driver import run_workload
+
+    model = load_profile("default").step_model
+    clock = VirtualClock()
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, target_itl_ms=150)
+    sched = make_scheduler(cfg, CacheConfig(block_size=16, num_blocks=20000), clock=clock, step_cost_model=model)
+    run_workload(_chats_and_documents(12), EngineCore(sched, SimulatedExecutor(model, clock)), clock)
+    c = sched.slo_budget.correction
+    assert c.decode.num_observed > WARMUP and c.prefill.num_observed > WARMUP
+    assert (c.decode.mean, c.decode.deviation, c.prefill.mean, c.prefill.deviation) == (1.0, 0.0, 1.0, 0.0)
