@@ -105,18 +105,21 @@ class SloBudgetController:
         """This step's token budget, and why (None when it is the ceiling: the controller did not act)."""
         rows = self._rows(now, running, waiting, threshold, free_slots)
         num_decodes = sum(1 for r in rows if r.decoding)
-        budget, why = self.ceiling, ""
+        budget, why, missed_anyway = self.ceiling, "", False
         if num_decodes:  # without decodes no inter-token gap is at stake: the ceiling
             floor = min(max(1, sum(r.need for r in rows if r.decoding)), self.ceiling)
             budget, why = self._largest(floor, lambda b: self._step_s(rows, b) <= self.target_itl_s), "itl"
-            if budget < self.ceiling and self.target_ttft_s > 0 and self._may_miss_itl(num_decodes):
-                b_ttft = self._ttft_budget(rows, budget)
+            # Decodes alone over the target: their gaps miss it whatever the budget. The ITL budget then
+            # leaves prompts nothing, so without this they would wait for the decodes to finish.
+            missed_anyway = self._step_s(rows, floor) > self.target_itl_s
+            if budget < self.ceiling and self.target_ttft_s > 0 and (missed_anyway or self._may_miss_itl(num_decodes)):
+                b_ttft = self._ttft_budget(rows, budget, later=self.ceiling if missed_anyway else budget)
                 if b_ttft > budget:
                     budget, why = b_ttft, "ttft"
         seconds = self._step_s(rows, budget) if rows else 0.0
         self.predicted_now += self._walk(rows, budget)[0] if rows else 0.0
         self.num_gaps += num_decodes
-        if seconds > self.target_itl_s:
+        if seconds > self.target_itl_s and not missed_anyway:  # the allowance counts the misses it chose
             self.num_gaps_over += num_decodes
         if budget >= self.ceiling:
             return self.ceiling, None
@@ -129,12 +132,14 @@ class SloBudgetController:
         """Whether `num_decodes` more gaps over the ITL target keep the share within ITL_MISS_SHARE."""
         return self.num_gaps_over + num_decodes <= ITL_MISS_SHARE * (self.num_gaps + num_decodes)
 
-    def _ttft_budget(self, rows: list[_Row], b_itl: int) -> int:
-        """The smallest budget from `b_itl` up for this one step (the steps after it at `b_itl`: the
-        allowance of gaps over the ITL target may be spent by then) with which every prompt that could
-        get its first token within the TTFT target is predicted to; `b_itl` when none needs more."""
+    def _ttft_budget(self, rows: list[_Row], b_itl: int, later: int) -> int:
+        """The smallest budget from `b_itl` up for this one step (the steps after it at `later`: `b_itl`,
+        as the allowance of gaps over the ITL target may be spent by then, or the ceiling when the decodes
+        alone miss the target, as every such step may act again) with which every prompt that could get
+        its first token within the TTFT target is predicted to; `b_itl` when none needs more. So a prompt
+        gets more than the ITL budget only once it would otherwise miss: near its deadline."""
         prompts = [r for r in rows if r.prompt]
-        after = self._walk(rows, b_itl)
+        after = self._walk(rows, later)
         at_ceiling = self._first_tokens(rows, self.ceiling, after)
         salvageable = [i for i, t in enumerate(at_ceiling) if prompts[i].age + t <= self.target_ttft_s]
         if not salvageable:
