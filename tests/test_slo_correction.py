@@ -27,25 +27,37 @@ from tokenloom.core.step_time_correction import (
 from tokenloom.sampling_params import SamplingParams
 
 ratios = st.floats(0.3, 3.5)
+# A step as the profile predicts it: (decode part with the overhead, prefill part), a few decode-only.
+steps = st.lists(st.tuples(st.floats(0.001, 1.0), st.sampled_from([0.0, 0.0, 0.01, 0.1, 0.5, 1.0])),
+                 min_size=1, max_size=20).map(lambda s: s + [(0.05, 0.0), (0.05, 0.2)])
 
 
 @settings(max_examples=200, deadline=None)
-@given(k1=ratios, k2=ratios, predicted=st.lists(st.floats(0.001, 2.0), min_size=1, max_size=20),
-       has_prefill=st.booleans())
-def test_converges_to_a_constant_multiple_and_follows_a_shift(k1, k2, predicted, has_prefill) -> None:
+@given(k=ratios, steps=steps)
+def test_a_constant_multiple_is_learnt_exactly_after_the_warm_up(k, steps) -> None:
     c = StepTimeCorrection()
-    for i in range(WARMUP - 1):  # warm-up: the profile as is
-        c.observe(predicted[i % len(predicted)], k1 * predicted[i % len(predicted)], has_prefill)
-        assert c.mean(has_prefill) == c.high(has_prefill) == 1.0
-    c.observe(predicted[0], k1 * predicted[0], has_prefill)
-    assert abs(c.mean(has_prefill) - k1) < 1e-9 and abs(c.high(has_prefill) - k1) < 1e-9
-    assert c.high(not has_prefill) == c.high(has_prefill)  # the other regime borrows it until it warms up
-    # The machine changes speed: the correction follows within ~25 steps at the clip, then geometrically.
-    for i in range(150):
-        p = predicted[i % len(predicted)]
-        c.observe(p, k2 * p, has_prefill)
-    assert abs(c.mean(has_prefill) / k2 - 1) < 0.01
-    assert c.mean(has_prefill) <= c.high(has_prefill) <= k2 * 1.03
+    for i in range(10 * WARMUP):
+        d, p = steps[i % len(steps)]
+        assert c.seconds(d + p, d, high=True) == d + p or c.decode.warm or c.prefill.warm  # the profile as is
+        c.observe(d + p, d, k * (d + p))
+    for d, p in steps:
+        assert abs(c.seconds(d + p, d, high=False) / (k * (d + p)) - 1) < 1e-9
+        assert abs(c.seconds(d + p, d, high=True) / (k * (d + p)) - 1) < 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(kd=ratios, kp=ratios, steps=steps)
+def test_converges_when_decodes_and_prefills_are_off_by_different_factors(kd, kp, steps) -> None:
+    # E.g. a faster decode kernel than the profiled one (kd < 1) with the same prefill cost (kp = 1).
+    c = StepTimeCorrection()
+    for i in range(200 * len(steps)):
+        d, p = steps[i % len(steps)]
+        c.observe(d + p, d, kd * d + kp * p)
+    assert abs(c.decode.mean / kd - 1) < 0.01 and abs(c.prefill.mean / kp - 1) < 0.01
+    for d, p in steps:
+        real = kd * d + kp * p
+        assert abs(c.seconds(d + p, d, high=False) / real - 1) < 0.01
+        assert real * 0.99 <= c.seconds(d + p, d, high=True) <= real * 1.03
 
 
 @settings(max_examples=300, deadline=None)
@@ -77,8 +89,8 @@ def test_ratios_out_of_range_are_bounded() -> None:
         r.observe(1e6)
     assert r.mean == r.high == MAX_FACTOR
     c = StepTimeCorrection()
-    c.observe(0.0, 1.0, False)  # a step predicted free (empty) teaches nothing
-    c.observe(1.0, 0.0, False)
+    c.observe(0.0, 0.0, 1.0)  # a step predicted free (empty) teaches nothing
+    c.observe(1.0, 1.0, 0.0)
     assert c.decode.num_observed == 0
 
 

@@ -590,7 +590,7 @@ class Scheduler:
             actions["slo_budget"] = why
         return budget
 
-    def _predicted_step(self, num_scheduled_tokens: dict[str, int], spec: dict[str, list[int]]) -> tuple[float, bool]:
+    def _predicted_step(self, num_scheduled_tokens: dict[str, int], spec: dict[str, list[int]]) -> tuple[float, float]:
         """The profile's seconds for the step as scheduled (frontiers not advanced yet), as the
         runner computes it: a row samples when it reaches its sequence's end, drafts included."""
         assert self.slo_budget is not None
@@ -599,15 +599,14 @@ class Scheduler:
             r = self.requests[rid]
             num_drafts = len(spec.get(rid, ()))
             shape.add_row(r.num_computed_tokens, n, r.num_computed_tokens + n >= r.num_tokens + num_drafts, num_drafts)
-        return self.slo_budget.predict_raw(shape), shape.prefill_tokens > 0
+        return self.slo_budget.predict_raw(shape)
 
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """The engine core reports how long a step took (wall seconds in the engine, virtual ones in the
         simulator), after update_from_output; the SLO controller corrects its predictions with it.
         Nothing happens without the controller."""
         if self.slo_budget is not None and scheduler_output.predicted_step is not None:
-            predicted, has_prefill = scheduler_output.predicted_step
-            self.slo_budget.observe_step(predicted, seconds, has_prefill)
+            self.slo_budget.observe_step(scheduler_output.predicted_step, seconds)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner

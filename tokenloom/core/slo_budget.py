@@ -83,20 +83,21 @@ class SloBudgetController:
         self.arrival.pop(request_id, None)
 
     # What executed steps cost ------------------------------------------------------------------
-    def predict_raw(self, shape: StepShape) -> float:
-        """The profile's seconds for a step as scheduled (what observe_step compares with)."""
-        return self.cost_model.predict(shape)
+    def predict_raw(self, shape: StepShape) -> tuple[float, float]:
+        """The profile's seconds for a step as scheduled, and for its decode part (what observe_step
+        compares with)."""
+        total = self.cost_model.predict(shape)
+        return total, self.cost_model.predict(shape.decode_part()) if shape.prefill_tokens else total
 
-    def observe_step(self, predicted_s: float, observed_s: float, has_prefill: bool) -> None:
-        """A step executed: `observed_s` measured where `predicted_s` (predict_raw) was expected."""
+    def observe_step(self, predicted: tuple[float, float], observed_s: float) -> None:
+        """A step executed: `observed_s` measured where `predicted` (predict_raw) was expected."""
         if not self.predicted_clock:
-            self.correction.observe(predicted_s, observed_s, has_prefill)
+            self.correction.observe(predicted[0], predicted[1], observed_s)
 
     def _seconds(self, shape: StepShape, high: bool) -> float:
         """Corrected prediction: `high` for one step held to the ITL target, else the expected time."""
-        has_prefill = shape.prefill_tokens > 0
-        c = self.correction
-        return self.cost_model.predict(shape) * (c.high(has_prefill) if high else c.mean(has_prefill))
+        total, decode = self.predict_raw(shape)
+        return self.correction.seconds(total, decode, high)
 
     # The decision ------------------------------------------------------------------------------
     def budget(

@@ -5,12 +5,14 @@ uses it runs later, with other processes on the CPUs, perhaps a faster kernel, a
 controller picks (steps sized to just fit the ITL target) are not the grid the profile was fitted on.
 So the controller scales its predictions by what it observes: after each executed step the engine
 core reports the step's measured seconds next to the prediction for the step *as scheduled*
-(`Scheduler.observe_step_time`), and this object keeps, per regime, an exponentially weighted mean of
-observed / predicted and its mean absolute deviation:
+(`Scheduler.observe_step_time`), and this object keeps, per part of a step, an exponentially weighted
+mean of observed / predicted and its mean absolute deviation:
 
-- **Regimes**: decode-only steps and steps with prefill rows. Their errors differ (a prefill chunk's
-  GEMMs against many small decodes' per-row overheads), and one ratio for both would mix them. A
-  regime that has not warmed up yet borrows the other's correction, else none (the profile as is).
+- **Two parts**: a step's decode rows with its fixed overhead, and what its prefill rows add. Their
+  errors differ (a prefill chunk's GEMMs against many small decodes' per-row costs; a faster decode
+  kernel changes one only), so each has its factor: decode-only steps measure the first, the other
+  steps what is left of them once the decode part is accounted for. A factor that has not warmed up
+  yet borrows the other's, else none (the profile as is).
 - **Warm-up**: the first WARMUP ratios of a regime only collect; the correction then starts from their
   median, so the engine's first steps (allocations, caches warming) do not set it.
 - **Bounded**: each later ratio is clipped to [mean / CLIP, mean · CLIP] before it enters (a single
@@ -69,28 +71,47 @@ class RegimeCorrection:
 
 @dataclass
 class StepTimeCorrection:
+    """Two factors: `decode` for a step's decode rows with the step's fixed overhead (learnt from
+    decode-only steps), `prefill` for what the prefill rows add on top (learnt from the other steps,
+    once the decode factor is known: (observed - decode factor x decode part) / prefill part). A
+    constant error on every term gives the same factor to both; a runner whose decodes got faster
+    (or a profile that misjudges prefill) moves one of them only."""
+
     decode: RegimeCorrection = field(default_factory=RegimeCorrection)
     prefill: RegimeCorrection = field(default_factory=RegimeCorrection)
 
-    def observe(self, predicted_s: float, observed_s: float, has_prefill: bool) -> None:
-        """One executed step: its predicted and measured seconds (ignored unless both are positive)."""
-        if predicted_s > 0 and observed_s > 0:
-            (self.prefill if has_prefill else self.decode).observe(observed_s / predicted_s)
+    def observe(self, predicted_s: float, decode_s: float, observed_s: float) -> None:
+        """One executed step: the profile's seconds for it and for its decode part (rows of one token
+        plus the overhead; = predicted_s without prefill rows), and its measured seconds. Ignored
+        unless the prediction and the measurement are positive."""
+        if predicted_s <= 0 or observed_s <= 0:
+            return
+        prefill_s = predicted_s - decode_s
+        if prefill_s <= 0:
+            self.decode.observe(observed_s / predicted_s)
+        elif self.decode.warm:
+            self.prefill.observe((observed_s - self.decode.mean * decode_s) / prefill_s)
+        else:  # no decode factor yet: the whole step's ratio stands for the prefill part's
+            self.prefill.observe(observed_s / predicted_s)
 
-    def _regime(self, has_prefill: bool) -> RegimeCorrection | None:
-        own, other = (self.prefill, self.decode) if has_prefill else (self.decode, self.prefill)
-        return own if own.warm else other if other.warm else None
+    def _factors(self, high: bool) -> tuple[float, float]:
+        """(decode, prefill) factors; a regime not warm yet borrows the other's, else none (1)."""
+        d, p = self.decode, self.prefill
+        fd = (d.high if high else d.mean) if d.warm else None
+        fp = (p.high if high else p.mean) if p.warm else None
+        if fd is None and fp is None:
+            return 1.0, 1.0
+        return (fd if fd is not None else fp), (fp if fp is not None else fd)  # type: ignore[return-value]
 
-    def mean(self, has_prefill: bool) -> float:
-        """The factor for a step counted in a sum of many (its expected time)."""
-        r = self._regime(has_prefill)
-        return r.mean if r is not None else 1.0
-
-    def high(self, has_prefill: bool) -> float:
-        """The factor for one step that must stay within a target."""
-        r = self._regime(has_prefill)
-        return r.high if r is not None else 1.0
+    def seconds(self, predicted_s: float, decode_s: float, high: bool) -> float:
+        """A prediction corrected: `high` for one step held to a target (mean + SPREAD deviations),
+        else its expected time (for sums of many steps)."""
+        fd, fp = self._factors(high)
+        if fd == fp:
+            return predicted_s * fd
+        return decode_s * fd + (predicted_s - decode_s) * fp
 
     def summary(self) -> dict[str, float]:
-        """For the step trace: the factors in use."""
-        return {"decode": round(self.high(False), 4), "prefill": round(self.high(True), 4)}
+        """For the step trace: the one-step factors in use."""
+        fd, fp = self._factors(high=True)
+        return {"decode": round(fd, 4), "prefill": round(fp, 4)}
