@@ -14,6 +14,15 @@ as the ceiling, from the same step-time cost model the simulator runs (core/cost
   prompt that would miss it even so never raises the budget: that would cost the decodes and save
   nobody. (A TTFT target alone is refused:
   the ceiling already gives the earliest first tokens; there is nothing to trade.)
+- Decodes alone over the ITL target: the step misses it whatever the budget, and the ITL budget leaves
+  prompts nothing. Such misses are not the controller's choice and do not spend the allowance; with a
+  TTFT target a prompt is fed once it would otherwise miss it (the next steps counted at the ceiling,
+  since each may act again), instead of waiting for the decodes to finish.
+
+Predictions are corrected by measured step times (core/step_time_correction.py): the engine core
+reports each executed step's time (Scheduler.observe_step_time) next to the profile's prediction for
+the step as scheduled (predict_raw). A step held to the ITL target is planned with the correction's
+high factor, first-token times with its mean. Not with the predicted clock (the profile alone).
 
 A candidate budget is predicted by walking the step as the scheduler will build it (running requests
 in order, then waiting ones while sequence slots are free, each chunk capped by the long-prefill
