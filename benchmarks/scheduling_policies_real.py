@@ -274,14 +274,16 @@ class RealRun:
 
 
 def slo_correction(scheduler: Any) -> dict[str, Any] | None:
-    """What the SLO controller learnt from the steps the engine measured: per regime, the steps it
-    observed and the factors it ended with (mean: expected time; high: what one step is planned for)."""
+    """What the SLO controller learnt from the steps the engine measured: per part of a step, the steps
+    it observed and the factors it ended with (mean: expected time; high: what one step is planned for;
+    a part not warmed up borrows the other's)."""
     ctl = getattr(scheduler, "slo_budget", None)
     if ctl is None:
         return None
     c = ctl.correction
-    return {name: {"steps": r.num_observed, "mean": round(r.mean, 4), "high": round(r.high, 4)}
-            for name, r in (("decode", c.decode), ("prefill", c.prefill))}
+    mean, high = c.factors(high=False), c.factors(high=True)
+    return {name: {"steps": r.num_observed, "mean": round(mean[i], 4), "high": round(high[i], 4)}
+            for i, (name, r) in enumerate((("decode", c.decode), ("prefill", c.prefill)))}
 
 
 def run_real(engine: Any, base: tuple[Any, Any], fig: Figure, name: str, overrides: dict[str, Any], repeat: int,

@@ -5,13 +5,18 @@ simulator with a mis-scaled profile keeps the ITL target, and with an exact prof
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.sched_utils import create_requests, step
+from tests.sched_utils import assert_scheduler_empty, create_requests, step
+from tests.test_scheduler_properties import _block_accounting
+from tests.test_slo_budget import LINEAR, _slo_traces
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.cost_model import CostModel
+from tokenloom.core.replay import ReplayRunner
 from tokenloom.core.request import Request
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.step_time_correction import (
@@ -211,3 +216,41 @@ def test_simulator_with_the_exact_profile_is_unchanged() -> None:
     c = sched.slo_budget.correction
     assert c.decode.num_observed > WARMUP and c.prefill.num_observed > WARMUP
     assert (c.decode.mean, c.decode.deviation, c.prefill.mean, c.prefill.deviation) == (1.0, 0.0, 1.0, 0.0)
+
+
+# ------------------------------------------------------------------ random traces, noisy machine
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=_slo_traces(), factors=st.lists(st.floats(0.05, 50.0), min_size=1, max_size=30))
+def test_invariants_hold_whatever_the_measured_steps(trace, factors) -> None:
+    """The engine clock (corrections on), each step measured at a factor of its prediction drawn from
+    a wide range (outliers included): the budget stays within the ceiling and never below the decodes'
+    own tokens, the blocks stay accounted for, every trace drains, and the factors stay bounded."""
+    config, cache, requests = trace
+    cfg = SchedulerConfig(**{**config, "slo_clock": "engine"})
+    sched = make_scheduler(cfg, CacheConfig(**cache), clock=lambda: 0.0, step_cost_model=LINEAR)
+    runner = ReplayRunner(sched)
+    pending = sorted(requests, key=lambda r: (r[1], r[0]))
+    for step_no in range(3000):
+        while pending and pending[0][1] <= step_no:
+            rid, _, prompt, max_tokens, priority = pending.pop(0)
+            with contextlib.suppress(ValueError):
+                sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens), float(step_no), priority))
+        if not pending and not sched.has_unfinished_requests():
+            break
+        decodes = [r for r in sched.running if r.num_output_tokens > 0 and not r.is_prefill]
+        out = sched.schedule()
+        action = out.policy_actions.get("slo_budget")
+        budget = action["budget"] if action else cfg.max_num_batched_tokens
+        assert out.total_num_scheduled_tokens <= budget <= cfg.max_num_batched_tokens
+        if action is not None and not out.preempted_req_ids:
+            assert budget >= len(decodes)
+        _block_accounting(sched)
+        sched.update_from_output(out, runner.execute_model(out))
+        if out.predicted_step is not None:
+            sched.observe_step_time(out, factors[step_no % len(factors)] * out.predicted_step[0])
+    else:
+        raise AssertionError("trace did not drain: some request never finished")
+    assert_scheduler_empty(sched)
+    c = sched.slo_budget.correction
+    for high in (False, True):
+        assert all(MIN_FACTOR <= f <= MAX_FACTOR for f in c.factors(high))

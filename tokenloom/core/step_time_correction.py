@@ -94,7 +94,7 @@ class StepTimeCorrection:
         else:  # no decode factor yet: the whole step's ratio stands for the prefill part's
             self.prefill.observe(observed_s / predicted_s)
 
-    def _factors(self, high: bool) -> tuple[float, float]:
+    def factors(self, high: bool) -> tuple[float, float]:
         """(decode, prefill) factors; a regime not warm yet borrows the other's, else none (1)."""
         d, p = self.decode, self.prefill
         fd = (d.high if high else d.mean) if d.warm else None
@@ -106,12 +106,12 @@ class StepTimeCorrection:
     def seconds(self, predicted_s: float, decode_s: float, high: bool) -> float:
         """A prediction corrected: `high` for one step held to a target (mean + SPREAD deviations),
         else its expected time (for sums of many steps)."""
-        fd, fp = self._factors(high)
+        fd, fp = self.factors(high)
         if fd == fp:
             return predicted_s * fd
         return decode_s * fd + (predicted_s - decode_s) * fp
 
     def summary(self) -> dict[str, float]:
         """For the step trace: the one-step factors in use."""
-        fd, fp = self._factors(high=True)
+        fd, fp = self.factors(high=True)
         return {"decode": round(fd, 4), "prefill": round(fp, 4)}
