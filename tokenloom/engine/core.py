@@ -141,7 +141,8 @@ class EngineCore:
             # placeholder drafts and the runner fills them from the tokens it has when it runs.
             self._post_step(outputs)
         t_end = self.clock()
-        self.scheduler.observe_step_time(scheduler_output, self._step_seconds(step, model_output, t_update, t_end))
+        if not model_output.failed:  # a failed step's time measures nothing the cost model predicts
+            self.scheduler.observe_step_time(scheduler_output, self._step_seconds(step, model_output, t_update, t_end))
         self.num_steps += 1
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         self.last_step_time = t_end - step.t_start
