@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenloom.config import CacheConfig, SchedulerConfig  # noqa: E402
+from tokenloom.core.cost_model import CostModel  # noqa: E402
 from tokenloom.sim.profile import load_profile  # noqa: E402
 from tokenloom.sim.simulate import simulate  # noqa: E402
 from tokenloom.workload.datasets import BenchRequest  # noqa: E402
@@ -162,9 +163,20 @@ def run_slo(profile: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.wrong_profile:  # the controller predicting with another machine's / runner's profile
             variants.append((f"controller: ITL {itl_ms:g} ms, predicting with {Path(args.wrong_profile).name}",
                              {"target_itl_ms": itl_ms, "step_cost_profile": args.wrong_profile}))
+        # The controller predicting with this profile mis-scaled (every step k times what it runs): it
+        # corrects itself from the step times the engine core reports; with the predicted clock it
+        # cannot (the profile alone), which shows what the correction is worth.
+        scaled = CostModel({t: c * args.scaled_profile for t, c in profile.step_model.coefficients.items()})
+        controllers = {}
+        if args.scaled_profile > 0:
+            for clock, how in (("predicted", ", uncorrected"), ("engine", "")):
+                name = f"controller: ITL {itl_ms:g} ms, predicting with the profile x {args.scaled_profile:g}{how}"
+                variants.append((name, {"target_itl_ms": itl_ms, "slo_clock": clock}))
+                controllers[name] = scaled
         rows = []
         for name, knobs in variants:
-            res = simulate(reqs, replace(base, **knobs), cache, profile.step_model)
+            res = simulate(reqs, replace(base, **knobs), cache, profile.step_model,
+                           controller_cost_model=controllers.get(name))
             rows.append(slo_row(name, res, itl_ms / 1000.0, ttft_ms / 1000.0))
         out.append({"rate": rate, "num_requests": len(reqs), "rows": rows})
     return out
@@ -230,6 +242,9 @@ def main() -> None:
     p.add_argument("--wrong-profile", default=str(INT8_PROFILE),
                    help="one more controller row, predicting with this profile while the simulation runs --profile "
                    "('' for none): how a wrong cost model shows")
+    p.add_argument("--scaled-profile", type=float, default=0.6,
+                   help="two more controller rows, predicting with the profile's step times times this (0: none): "
+                   "without and with the correction by the simulated step times")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     profile = load_profile(args.profile)

@@ -269,6 +269,21 @@ class RealRun:
     num_preemptions: int
     wall_s: float
     others_cpu_share: float | None
+    # The SLO controller's correction at the end of the run (measured / predicted step time), if any.
+    slo_correction: dict[str, Any] | None = None
+
+
+def slo_correction(scheduler: Any) -> dict[str, Any] | None:
+    """What the SLO controller learnt from the steps the engine measured: per part of a step, the steps
+    it observed and the factors it ended with (mean: expected time; high: what one step is planned for;
+    a part not warmed up borrows the other's)."""
+    ctl = getattr(scheduler, "slo_budget", None)
+    if ctl is None:
+        return None
+    c = ctl.correction
+    mean, high = c.factors(high=False), c.factors(high=True)
+    return {name: {"steps": r.num_observed, "mean": round(mean[i], 4), "high": round(high[i], 4)}
+            for i, (name, r) in enumerate((("decode", c.decode), ("prefill", c.prefill)))}
 
 
 def run_real(engine: Any, base: tuple[Any, Any], fig: Figure, name: str, overrides: dict[str, Any], repeat: int,
@@ -279,7 +294,8 @@ def run_real(engine: Any, base: tuple[Any, Any], fig: Figure, name: str, overrid
     cpu0, own0 = cpu_times(), time.process_time()
     res = run_on_engine(engine, fig.requests, overrides, seed=seed)
     others = others_share(cpu0, cpu_times(), time.process_time() - own0)
-    return RealRun(name, repeat, res.records, res.num_steps, res.num_preemptions, res.wall_seconds, others)
+    return RealRun(name, repeat, res.records, res.num_steps, res.num_preemptions, res.wall_seconds, others,
+                   slo_correction(engine.engine_core.scheduler))
 
 
 def others_share(before: tuple[int, int] | None, after: tuple[int, int] | None, own_cpu_s: float) -> float | None:
@@ -323,7 +339,8 @@ def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, out: dict[str, A
             run = run_real(engine, base, fig, name, ov, rep, args.seed)
             runs.append(run)
             log(f"  {fig.name} [{rep + 1}/{args.repeats}] {name}: {run.wall_s:.1f} s, {run.num_steps} steps, "
-                f"others' CPU share {run.others_cpu_share}")
+                f"others' CPU share {run.others_cpu_share}"
+                + (f", SLO correction {run.slo_correction}" if run.slo_correction else ""))
     real_rows = []
     for name, _ in fig.variants:
         mine = [r for r in runs if r.policy == name]
@@ -334,7 +351,8 @@ def run_figure(engine: Any, base: tuple[Any, Any], fig: Figure, out: dict[str, A
         real_rows.append(row)
     out["real"] = real_rows
     out["real_runs"] = [{"policy": r.policy, "repeat": r.repeat, "wall_s": round(r.wall_s, 2), "steps": r.num_steps,
-                         "preemptions": r.num_preemptions, "others_cpu_share": r.others_cpu_share} for r in runs]
+                         "preemptions": r.num_preemptions, "others_cpu_share": r.others_cpu_share}
+                        | ({"slo_correction": r.slo_correction} if r.slo_correction else {}) for r in runs]
 
 
 def with_settings(sizes: Sizes, settings: list[str]) -> Sizes:

@@ -77,6 +77,11 @@ def test_real_and_simulated_figures_on_a_tiny_model(bench, tmp_path: Path, capsy
     assert [r["num_requests"] for r in slo["sim"] + slo["real"]] == [slo["num_requests"]] * 4
     ctl = next(c for p, c in slo["configs"].items() if p.startswith("controller"))
     assert ctl["step_cost_profile"] == str(profile)  # the controller predicts with this runner's profile
+    # ... and corrects it with the step times the real engine measured (the fixed budget has no controller).
+    runs = {r["policy"]: r for r in slo["real_runs"]}
+    corrections = [r["slo_correction"] for p, r in runs.items() if p.startswith("controller")]
+    assert corrections and all(c["decode"]["steps"] + c["prefill"]["steps"] > 0 for c in corrections)
+    assert "slo_correction" not in runs["fixed budget 32"]
 
     # The tables went into the docs block (text around it untouched) and render again from the JSON.
     text = docs.read_text()

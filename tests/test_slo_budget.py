@@ -98,6 +98,26 @@ def test_ttft_target_raises_one_step_for_a_prompt_at_risk() -> None:
     assert controller.predicted_now - arrived <= 0.300
 
 
+def test_ttft_target_feeds_a_prompt_near_its_deadline_when_the_decodes_alone_miss_the_itl_target() -> None:
+    # 60 decodes are predicted at 70 ms, over the 50 ms ITL target: every step misses it whatever the
+    # budget, so those misses do not spend the 1 % allowance, and the prompt (which the ITL budget leaves
+    # nothing) is not starved until the decodes finish: it waits while the ceiling could still serve it
+    # in time, then gets its tokens, its first one within the 1 s TTFT target.
+    sched = _decodes_and_a_prompt(num_decodes=60, target_itl_ms=50, target_ttft_ms=1000)
+    controller = sched.slo_budget
+    arrived = controller.arrival["p"]
+    got = []
+    while sched.requests["p"].first_token_time is None:
+        out, _ = step(sched)
+        got.append((out.num_scheduled_tokens.get("p", 0), out.policy_actions.get("slo_budget", {}).get("why")))
+        assert len(got) < 50, "the prompt starved"
+    # Nothing while the ceiling could still serve it in time, then steps past the ITL budget (up to the
+    # ceiling, where the controller does not act).
+    assert got[:6] == [(0, "itl")] * 6 and all(why in ("ttft", None) for n, why in got if n)
+    assert controller.predicted_now - arrived <= 1.0
+    assert controller.num_gaps_over == 0  # none of those misses was the controller's choice
+
+
 def test_ttft_target_does_not_spend_the_allowance_before_it_is_earned() -> None:
     sched = _decodes_and_a_prompt(target_itl_ms=50.5, target_ttft_ms=300)
     out, _ = step(sched)

@@ -68,6 +68,12 @@ class StepShape:
             self.prefill_tokens += n
             self.prefill_attn += n * start + n * (n + 1) // 2
 
+    def decode_part(self) -> StepShape:
+        """The step without its prefill rows: its decodes (each a row that samples) and its overhead."""
+        return StepShape(decode_tokens=self.decode_tokens, decode_max_context=self.decode_max_context,
+                         decode_context_sum=self.decode_context_sum, num_seqs=self.decode_tokens,
+                         num_samples=min(self.decode_tokens, self.num_samples))
+
     @property
     def decode_attn(self) -> int:
         return self.decode_context_sum

@@ -72,6 +72,10 @@ class SchedulerOutput:
     pending_structured_output_tokens: bool = False
     # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
     policy_actions: dict[str, Any] = field(default_factory=dict)
+    # Under the SLO token budget only: the profile's seconds for this step as scheduled, and for its
+    # decode part (StepShape.decode_part); the engine core reports the measured time next to it
+    # (Scheduler.observe_step_time).
+    predicted_step: tuple[float, float] | None = None
 
     @property
     def is_empty(self) -> bool:

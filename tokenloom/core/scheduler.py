@@ -37,7 +37,7 @@ from tokenloom.config import (
     check_draft_slots,
     check_long_prefill_threshold,
 )
-from tokenloom.core.cost_model import CostModel
+from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
@@ -465,6 +465,8 @@ class Scheduler:
             bound_by=bound_by,
             policy_actions=policy_actions,
         )
+        if self.slo_budget is not None and total:
+            output.predicted_step = self._predicted_step(num_scheduled_tokens, scheduled_spec_decode_tokens)
         if self.structured_output_manager is not None:
             self._add_grammar_bitmask(output)
         self._update_after_schedule(output)
@@ -587,6 +589,24 @@ class Scheduler:
         if why is not None:
             actions["slo_budget"] = why
         return budget
+
+    def _predicted_step(self, num_scheduled_tokens: dict[str, int], spec: dict[str, list[int]]) -> tuple[float, float]:
+        """The profile's seconds for the step as scheduled (frontiers not advanced yet), as the
+        runner computes it: a row samples when it reaches its sequence's end, drafts included."""
+        assert self.slo_budget is not None
+        shape = StepShape()
+        for rid, n in num_scheduled_tokens.items():
+            r = self.requests[rid]
+            num_drafts = len(spec.get(rid, ()))
+            shape.add_row(r.num_computed_tokens, n, r.num_computed_tokens + n >= r.num_tokens + num_drafts, num_drafts)
+        return self.slo_budget.predict_raw(shape)
+
+    def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """The engine core reports how long a step took (wall seconds in the engine, virtual ones in the
+        simulator), after update_from_output; the SLO controller corrects its predictions with it.
+        Nothing happens without the controller."""
+        if self.slo_budget is not None and scheduler_output.predicted_step is not None:
+            self.slo_budget.observe_step(scheduler_output.predicted_step, seconds)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner

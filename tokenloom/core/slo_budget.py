@@ -14,6 +14,15 @@ as the ceiling, from the same step-time cost model the simulator runs (core/cost
   prompt that would miss it even so never raises the budget: that would cost the decodes and save
   nobody. (A TTFT target alone is refused:
   the ceiling already gives the earliest first tokens; there is nothing to trade.)
+- Decodes alone over the ITL target: the step misses it whatever the budget, and the ITL budget leaves
+  prompts nothing. Such misses are not the controller's choice and do not spend the allowance; with a
+  TTFT target a prompt is fed once it would otherwise miss it (the next steps counted at the ceiling,
+  since each may act again), instead of waiting for the decodes to finish.
+
+Predictions are corrected by measured step times (core/step_time_correction.py): the engine core
+reports each executed step's time (Scheduler.observe_step_time) next to the profile's prediction for
+the step as scheduled (predict_raw). A step held to the ITL target is planned with the correction's
+high factor, first-token times with its mean. Not with the predicted clock (the profile alone).
 
 A candidate budget is predicted by walking the step as the scheduler will build it (running requests
 in order, then waiting ones while sequence slots are free, each chunk capped by the long-prefill
@@ -39,6 +48,7 @@ from typing import Any
 
 from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.request import Request
+from tokenloom.core.step_time_correction import StepTimeCorrection
 
 
 @dataclass
@@ -71,12 +81,32 @@ class SloBudgetController:
     # Decode gaps scheduled so far, and those in steps predicted over the ITL target.
     num_gaps: int = 0
     num_gaps_over: int = 0
+    # Measured step times against predicted ones (core/step_time_correction.py); only with the engine
+    # clock: the predicted clock is the profile's word alone, deterministic wherever it runs.
+    correction: StepTimeCorrection = field(default_factory=StepTimeCorrection)
 
     def arrived(self, request_id: str) -> None:
         self.arrival[request_id] = self.predicted_now
 
     def forget(self, request_id: str) -> None:
         self.arrival.pop(request_id, None)
+
+    # What executed steps cost ------------------------------------------------------------------
+    def predict_raw(self, shape: StepShape) -> tuple[float, float]:
+        """The profile's seconds for a step as scheduled, and for its decode part (what observe_step
+        compares with)."""
+        total = self.cost_model.predict(shape)
+        return total, self.cost_model.predict(shape.decode_part()) if shape.prefill_tokens else total
+
+    def observe_step(self, predicted: tuple[float, float], observed_s: float) -> None:
+        """A step executed: `observed_s` measured where `predicted` (predict_raw) was expected."""
+        if not self.predicted_clock:
+            self.correction.observe(predicted[0], predicted[1], observed_s)
+
+    def _seconds(self, shape: StepShape, high: bool) -> float:
+        """Corrected prediction: `high` for one step held to the ITL target, else the expected time."""
+        total, decode = self.predict_raw(shape)
+        return self.correction.seconds(total, decode, high)
 
     # The decision ------------------------------------------------------------------------------
     def budget(
@@ -85,33 +115,41 @@ class SloBudgetController:
         """This step's token budget, and why (None when it is the ceiling: the controller did not act)."""
         rows = self._rows(now, running, waiting, threshold, free_slots)
         num_decodes = sum(1 for r in rows if r.decoding)
-        budget, why = self.ceiling, ""
+        budget, why, missed_anyway = self.ceiling, "", False
         if num_decodes:  # without decodes no inter-token gap is at stake: the ceiling
             floor = min(max(1, sum(r.need for r in rows if r.decoding)), self.ceiling)
-            budget, why = self._largest(floor, lambda b: self._walk(rows, b)[0] <= self.target_itl_s), "itl"
-            if budget < self.ceiling and self.target_ttft_s > 0 and self._may_miss_itl(num_decodes):
-                b_ttft = self._ttft_budget(rows, budget)
+            budget, why = self._largest(floor, lambda b: self._step_s(rows, b) <= self.target_itl_s), "itl"
+            # Decodes alone over the target: their gaps miss it whatever the budget. The ITL budget then
+            # leaves prompts nothing, so without this they would wait for the decodes to finish.
+            missed_anyway = self._step_s(rows, floor) > self.target_itl_s
+            if budget < self.ceiling and self.target_ttft_s > 0 and (missed_anyway or self._may_miss_itl(num_decodes)):
+                b_ttft = self._ttft_budget(rows, budget, later=self.ceiling if missed_anyway else budget)
                 if b_ttft > budget:
                     budget, why = b_ttft, "ttft"
-        seconds = self._walk(rows, budget)[0] if rows else 0.0
-        self.predicted_now += seconds
+        seconds = self._step_s(rows, budget) if rows else 0.0
+        self.predicted_now += self._walk(rows, budget)[0] if rows else 0.0
         self.num_gaps += num_decodes
-        if seconds > self.target_itl_s:
+        if seconds > self.target_itl_s and not missed_anyway:  # the allowance counts the misses it chose
             self.num_gaps_over += num_decodes
         if budget >= self.ceiling:
             return self.ceiling, None
-        return budget, {"budget": budget, "why": why, "predicted_ms": round(seconds * 1000, 3)}
+        why_ = {"budget": budget, "why": why, "predicted_ms": round(seconds * 1000, 3)}
+        if self.correction.decode.warm or self.correction.prefill.warm:
+            why_["correction"] = self.correction.summary()
+        return budget, why_
 
     def _may_miss_itl(self, num_decodes: int) -> bool:
         """Whether `num_decodes` more gaps over the ITL target keep the share within ITL_MISS_SHARE."""
         return self.num_gaps_over + num_decodes <= ITL_MISS_SHARE * (self.num_gaps + num_decodes)
 
-    def _ttft_budget(self, rows: list[_Row], b_itl: int) -> int:
-        """The smallest budget from `b_itl` up for this one step (the steps after it at `b_itl`: the
-        allowance of gaps over the ITL target may be spent by then) with which every prompt that could
-        get its first token within the TTFT target is predicted to; `b_itl` when none needs more."""
+    def _ttft_budget(self, rows: list[_Row], b_itl: int, later: int) -> int:
+        """The smallest budget from `b_itl` up for this one step (the steps after it at `later`: `b_itl`,
+        as the allowance of gaps over the ITL target may be spent by then, or the ceiling when the decodes
+        alone miss the target, as every such step may act again) with which every prompt that could get
+        its first token within the TTFT target is predicted to; `b_itl` when none needs more. So a prompt
+        gets more than the ITL budget only once it would otherwise miss: near its deadline."""
         prompts = [r for r in rows if r.prompt]
-        after = self._walk(rows, b_itl)
+        after = self._walk(rows, later)
         at_ceiling = self._first_tokens(rows, self.ceiling, after)
         salvageable = [i for i, t in enumerate(at_ceiling) if prompts[i].age + t <= self.target_ttft_s]
         if not salvageable:
@@ -152,8 +190,17 @@ class SloBudgetController:
         return _Row(start=r.num_computed_tokens, need=need, end=r.num_tokens_with_spec, decoding=decoding,
                     prompt=prompt, age=age)
 
+    def _step_s(self, rows: list[_Row], budget: int) -> float:
+        """Predicted seconds of the step at `budget`, as one step held to the ITL target."""
+        return self._seconds(self._shape(rows, budget)[0], high=True)
+
     def _walk(self, rows: list[_Row], budget: int) -> tuple[float, int]:
-        """Predicted seconds of the step at `budget`, and the prompt tokens it computes."""
+        """Expected seconds of the step at `budget`, and the prompt tokens it computes."""
+        shape, prompt_tokens = self._shape(rows, budget)
+        return self._seconds(shape, high=False), prompt_tokens
+
+    def _shape(self, rows: list[_Row], budget: int) -> tuple[StepShape, int]:
+        """The step at `budget`, and the prompt tokens it computes."""
         shape, left, prompt_tokens = StepShape(), budget, 0
         for row in rows:
             if left <= 0:
@@ -163,7 +210,7 @@ class SloBudgetController:
             left -= n
             if row.prompt:
                 prompt_tokens += n
-        return self.cost_model.predict(shape), prompt_tokens
+        return shape, prompt_tokens
 
     def _first_tokens(self, rows: list[_Row], budget: int, after: tuple[float, int]) -> list[float]:
         """Predicted seconds from now to each prompt's first token: this step at `budget`, the next ones

@@ -141,6 +141,8 @@ class EngineCore:
             # placeholder drafts and the runner fills them from the tokens it has when it runs.
             self._post_step(outputs)
         t_end = self.clock()
+        if not model_output.failed:  # a failed step's time measures nothing the cost model predicts
+            self.scheduler.observe_step_time(scheduler_output, self._step_seconds(step, model_output, t_update, t_end))
         self.num_steps += 1
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         self.last_step_time = t_end - step.t_start
@@ -155,6 +157,17 @@ class EngineCore:
             }
             self.tracer.record(step.t_start, t_end, self.scheduler, scheduler_output, outputs, timing)
         return outputs
+
+    def _step_seconds(self, step: _InFlight, model_output: ModelRunnerOutput, t_update: float, t_end: float) -> float:
+        """What the step cost, as the SLO controller's predictions count it: the scheduler's own time
+        (schedule, update) plus the runner's execution as the runner timed it. Spans of steps in
+        flight together (async scheduling) overlap; these parts do not. In the simulator the clock
+        stands still around the runner, and its execution is the cost model's prediction, exactly."""
+        execute = model_output.execute_time
+        if execute is None:  # a runner that does not time itself: the executor's span, else the wait
+            start, end = model_output.execute_start, model_output.execute_end
+            execute = end - start if start is not None and end is not None else t_update - step.t_scheduled
+        return (step.t_scheduled - step.t_start) + execute + (t_end - t_update)
 
     def _post_step(self, outputs: list[EngineCoreOutput]) -> None:
         """vLLM's EngineCore.post_step: the drafts the runner proposed after this step go to the

@@ -38,13 +38,17 @@ def simulate(
     seed: int = 0,
     speculative_config: SpeculativeConfig | None = None,
     spec_acceptance: float = 0.5,
+    controller_cost_model: CostModel | None = None,
 ) -> WorkloadResult:
-    """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`."""
+    """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`.
+    `controller_cost_model`: what the SLO budget controller predicts with, when not the cost model the
+    simulation runs (a wrong or mis-scaled profile: the engine core still reports the simulated step
+    times to it, as the real engine reports measured ones)."""
     # What the real engine refuses, the simulator refuses too (it would stall where the engine hangs).
     check_verification_budget(scheduler_config.max_num_batched_tokens, speculative_config)
     clock = VirtualClock()
     scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
-                               step_cost_model=cost_model)
+                               step_cost_model=controller_cost_model or cost_model)
     tracer = StepTracer(trace) if trace is not None else None
     k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
     executor = SimulatedExecutor(cost_model, clock, num_spec_tokens=k or 0, spec_acceptance=spec_acceptance,
