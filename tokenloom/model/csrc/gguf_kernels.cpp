@@ -1272,6 +1272,22 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
   run_packed(static_cast<int>(qtype), act, pw.data_ptr<uint8_t>(), tiles, b_ptr, out.data_ptr<float>(), out.stride(0));
 }
 
+// (q int8 [M, K], d [M, K / 32], s [M, K / 32]): x float [M, K] quantized as the kernels see it (tests
+// hold the SIMD quantizer to the plain loop byte for byte).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
+              "x must be contiguous float [M, K] with K a multiple of 32");
+  QAct a;
+  a.set(x.data_ptr<float>(), x.size(0), x.size(1), x.size(1));
+  const int64_t M = x.size(0), G = x.size(1) / 32;
+  at::Tensor q = at::empty({M, x.size(1)}, x.options().dtype(at::kChar)), d = at::empty({M, G}, x.options()),
+             s = at::empty({M, G}, x.options());
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
+  std::memcpy(s.data_ptr<float>(), a.s.data(), a.s.size() * sizeof(float));
+  return {q, d, s};
+}
+
 // out [M, N] (float or bf16, rows may be strided) = x [M, K] @ W.T + bias.
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                  const c10::optional<at::Tensor>& bias) {
@@ -1969,22 +1985,6 @@ bool gguf_type_supported(int64_t qtype) {
     default:
       return false;
   }
-}
-
-// (q int8 [M, K], d [M, K / 32], s [M, K / 32]): x float [M, K] quantized as the kernels see it (tests
-// hold the SIMD quantizer to the plain loop byte for byte).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
-              "x must be contiguous float [M, K] with K a multiple of 32");
-  QAct a;
-  a.set(x.data_ptr<float>(), x.size(0), x.size(1), x.size(1));
-  const int64_t M = x.size(0), G = x.size(1) / 32;
-  at::Tensor q = at::empty({M, x.size(1)}, x.options().dtype(at::kChar)), d = at::empty({M, G}, x.options()),
-             s = at::empty({M, G}, x.options());
-  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
-  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
-  std::memcpy(s.data_ptr<float>(), a.s.data(), a.s.size() * sizeof(float));
-  return {q, d, s};
 }
 
 bool has_avx2() { return TLQ_AVX2; }
