@@ -158,3 +158,25 @@ def test_embedding_rows_from_the_packed_layout(qtype: Q) -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.gguf_embedding_packed(torch.empty(1, k), packed, int(qtype), torch.tensor([n]))
+
+
+def test_activation_quantizer_simd_matches_plain() -> None:
+    """The AVX2 quantizer of the kernels' activations (int8 per 32, d = max|x| / 127) writes the same
+    bytes, d and s as the plain loop and as the torch oracle, ties rounded half to even."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 608, generator=gen) * torch.logspace(-3, 2, 5)[:, None]
+    x[1, 32:64] = 0.0  # an all-zero group: d = 0, q = 0
+    ties = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])
+    x[2, 64:96] = ties.repeat(4)  # amax 127: x * 127 / amax are exact halves
+    got = kernels.gguf_quantize_act(x)
+    kernels.set_force_scalar(True)
+    try:
+        plain = kernels.gguf_quantize_act(x)
+    finally:
+        kernels.set_force_scalar(False)
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    q, d, s = got
+    assert q[2, 64:72].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]
+    assert torch.equal((q.float().reshape(5, -1, 32) * d[..., None]).reshape(5, -1), quantized_activations(x))
+    assert torch.allclose(s, d * q.float().reshape(5, -1, 32).sum(-1))
