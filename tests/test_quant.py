@@ -202,8 +202,9 @@ def test_int8_kernel_path_matches_torch_path(tiny: LoadedModel) -> None:
     assert rel.max() < 0.01, rel
 
 
-def test_smoothing_preserves_the_function(tiny: LoadedModel) -> None:
+def test_smoothing_preserves_the_function(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Folding the factors into norms / v / up rows and the weights' columns changes no output."""
+    monkeypatch.setenv("TOKENLOOM_PACKED_LINEAR", "0")  # smoothing folds into plain weights (as int8 loading does)
     runner = _runner(tiny, cpu_kernels=False)
     ref = _logits(runner, SEQS)
     model = runner.model
@@ -292,10 +293,12 @@ def gemma(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return load_model(path, torch.float32)
 
 
-def test_gemma_smoothing_folds_into_the_pre_feedforward_norm(gemma: LoadedModel) -> None:
+def test_gemma_smoothing_folds_into_the_pre_feedforward_norm(gemma: LoadedModel,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Gemma's MLP reads pre_feedforward_layernorm (its post_attention_layernorm normalises the
     attention output): folding there keeps the function (exaggerated factors, as for Llama above);
     folding into post_attention_layernorm, Llama's wiring, would not."""
+    monkeypatch.setenv("TOKENLOOM_PACKED_LINEAR", "0")
     runner = _runner(gemma, cpu_kernels=False)
     ref = _logits(runner, SEQS)
     model = runner.model
