@@ -191,3 +191,18 @@ def test_old_switch_name_still_works(tiny: Tiny, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("TOKENLOOM_FUSED_DECODE_ROWS", "nine")
     with pytest.raises(ValueError, match="TOKENLOOM_FUSED_DECODE_ROWS"):
         tiny.runner(dtype="float32", path="kernels")
+
+
+def test_bf16_lm_head_kernel(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain bf16 LM head (oneDNN cannot pack it, or packing is off) runs the dense kernel: the
+    logits match F.linear's to bf16 rounding, in float32 or the run dtype."""
+    monkeypatch.setenv("TOKENLOOM_PACKED_LINEAR", "0")
+    model = tiny.runner(dtype="bfloat16", path="kernels").model
+    assert model.head_kernels is not None
+    hidden = torch.randn(5, model.config.hidden_size).to(torch.bfloat16)
+    want = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
+    got = model.compute_logits(hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert model.compute_logits(hidden, fp32=False).dtype == torch.bfloat16
+    assert tiny.runner(dtype="float32", path="kernels").model.head_kernels is None

@@ -99,7 +99,10 @@ def decoder_from_weights(kernels: Any, config: ModelConfig, weights: dict[str, A
         bs = [weights.get(b) for b in biases]
         if all(isinstance(w, GGUFWeight) for w in ws):
             return linear_parts(GGUFLinear.from_weights(ws, bs, kernels), None, None)
-        dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w.float() for w in ws])
+        dense = [w.dequantize() if isinstance(w, GGUFWeight) else w for w in ws]
+        if len({w.dtype for w in dense}) > 1 or dense[0].dtype != torch.bfloat16:  # bf16 stays bf16
+            dense = [w.float() for w in dense]
+        dense = torch.cat(dense)
         bias = None
         if any(b is not None for b in bs):
             bias = torch.cat([b.float() if b is not None else torch.zeros(w.shape[0]) for w, b in zip(ws, bs)])
