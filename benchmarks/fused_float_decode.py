@@ -10,7 +10,7 @@ Settings (each its own process, the order flipped every round):
 Each process: RSS after start-up; decode ms a step at batch 1, 4 and 8 (greedy, ignore_eos: the time
 of 8 + N tokens minus that of 8, over N steps, so prefill is excluded); W1-style batched throughput
 (32 prompts x 48 tokens, tok/s); the greedy texts (compared across settings). `--lm-head` adds, in
-the fp32 fused process, the LM head at M = 1, 4, 8: the model's (oneDNN packed) vs the decoder's
+each fused process, the LM head at M = 1, 4, 8: the model's (oneDNN packed) vs the decoder's
 dense kernel on the plain embedding table (tied).
 
     PYTHONPATH=$PWD python benchmarks/fused_float_decode.py --rounds 1 [--only fp32] [--json out.json]
@@ -97,7 +97,7 @@ def main() -> None:
         order = names if (r % 2 == 0) != args.reverse else names[::-1]
         for name in order:
             t = time.perf_counter()
-            res = run(name, args.steps, args.lm_head and name == "fp32 fused")
+            res = run(name, args.steps, args.lm_head and name.endswith("fused"))
             runs[name].append(res)
             ms = " ".join(f"b{n}={v:.1f}" for n, v in res["ms_per_step"].items())
             print(f"round {r} {name:12s}: ms/step {ms}  W1 {res['w1_tok_s']:.0f} tok/s  RSS {res['rss_mb']:.0f} MB"
