@@ -25,6 +25,7 @@ MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECOD
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -284,7 +285,7 @@ class LlamaModel:
         sizes: packed where packing works and TOKENLOOM_FUSED_FLOAT is not 1 (float32 here: oneDNN's
         packed GEMMs win the batched steps, docs/performance.md), else plain layer weights with the
         fused step for small decode steps (bf16 where oneDNN cannot pack it, e.g. AVX2 without
-        avx_ne_convert; any dtype with packing off). The LM head is packed either way."""
+        avx_ne_convert; any dtype with packing off). The LM head is packed wherever packing works."""
         packing = packing_enabled(self.device, self.dtype)
         if quantization is not None or not fused_float_candidate(self):
             return packing and prepack_linears(self.dense_linears())
@@ -521,8 +522,6 @@ def fused_float_candidate(model: LlamaModel) -> bool:
 def prefer_fused_float() -> bool:
     """TOKENLOOM_FUSED_FLOAT=1: keep an unquantized model's layer weights plain for the fused decode
     step even where oneDNN could pack them (faster small decode steps, slower batched ones)."""
-    import os
-
     return os.environ.get("TOKENLOOM_FUSED_FLOAT", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
