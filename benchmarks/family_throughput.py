@@ -100,7 +100,7 @@ def main() -> None:
             engines[(m, p)] = LLMEngine.from_args(model=file, quantization="gguf" if p == "gguf" else None,
                                                   kv_cache_memory=a.kv_cache_memory)
             eng = engines[(m, p)]
-            fused = getattr(eng.runner.model, "gguf_step", None) is not None
+            fused = getattr(eng.runner.model, "fused_step", None) is not None
             print(f"loaded {m} / {p} in {time.perf_counter() - t0:.1f} s: {eng.model_config.architecture}, "
                   f"{str(eng.dtype).replace('torch.', '')}, {len(eng.scheduler.kv_cache_manager.kv_cache_groups)} "
                   f"KV cache group(s){', fused GGUF decode step' if fused else ''}", flush=True)

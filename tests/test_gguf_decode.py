@@ -119,14 +119,14 @@ def test_engine_gguf_matches_dequantized_greedy() -> None:
     gguf = LLM(quantization="gguf")
     model = gguf.llm_engine.runner.model
     calls = {"n": 0}
-    run = model.gguf_step.run
+    run = model.fused_step.run
 
     def counted(*args, **kwargs):
         out = run(*args, **kwargs)
         calls["n"] += out is not None
         return out
 
-    model.gguf_step.run = counted
+    model.fused_step.run = counted
     got = [o.outputs[0].token_ids for o in gguf.generate(prompts, params)]
     assert calls["n"] >= 7 * len(prompts) // 2  # decode steps took the fused path
     assert model.weight_bytes() < 1.5 * default_model_path().stat().st_size

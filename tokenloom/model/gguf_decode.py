@@ -1,8 +1,10 @@
-"""The batch-1 (and small-batch) decode step of a GGUF model in one compiled call.
+"""The batch-1 (and small-batch) decode step in one compiled call: GGUF models, and unquantized
+float32 / bf16 models whose layer weights stay plain (see LlamaModel._pack_or_fuse).
 
-`GGUFDecoder` (csrc/gguf_kernels.cpp) holds the whole stack: every layer's norms and quantized
-linears (q/k/v and gate/up each one matrix where their GGML types agree; the same tensors the
-model's GGUFLinear layers hold, not copies) and the KV caches; a decode step is one `step()` call,
+`GGUFDecoder` (csrc/gguf_kernels.cpp; the name predates the float parts) holds the whole stack:
+every layer's norms and linears (q/k/v and gate/up each one matrix where their GGML types agree;
+the same tensors the model's GGUFLinear or plain linears hold, not copies: GGUF blocks, float32
+(GGML type F32) or bf16 (BF16) matrices) and the KV caches; a decode step is one `step()` call,
 so no Python runs per op or per layer. `build_decoder` assembles it (the model does, from its
 layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly.
 
@@ -21,14 +23,29 @@ import torch
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight
 
-DENSE = 0  # part type of a float32 matrix
+DENSE = 0  # part type of a float32 matrix (GGML_TYPE_F32)
+BF16 = 30  # part type of a bfloat16 matrix (GGML_TYPE_BF16)
 
 PartSpec = tuple[torch.Tensor, int, "torch.Tensor | None", bool]
 
 
 def max_decode_rows() -> int:
-    """Decode batches up to this size take the fused step (TOKENLOOM_GGUF_FUSED_ROWS; 0 turns it off)."""
-    return int(os.environ.get("TOKENLOOM_GGUF_FUSED_ROWS", "8"))
+    """Decode batches up to this size take the fused step (TOKENLOOM_FUSED_DECODE_ROWS, or its old
+    name TOKENLOOM_GGUF_FUSED_ROWS; 0 turns it off)."""
+    raw = os.environ.get("TOKENLOOM_FUSED_DECODE_ROWS", os.environ.get("TOKENLOOM_GGUF_FUSED_ROWS", "8"))
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"TOKENLOOM_FUSED_DECODE_ROWS must be an integer (0 turns the fused step off), "
+                         f"got {raw!r}") from None
+
+
+def dense_part(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A float weight as a decoder part: bf16 stays bf16 (BF16), anything else float32 (DENSE);
+    already-contiguous tensors of those dtypes are shared, not copied."""
+    if weight.dtype == torch.bfloat16:
+        return weight.contiguous(), BF16
+    return weight.float().contiguous(), DENSE
 
 
 def linear_parts(gguf: GGUFLinear | None, weight: torch.Tensor | None, bias: torch.Tensor | None) -> list[PartSpec]:
@@ -36,7 +53,8 @@ def linear_parts(gguf: GGUFLinear | None, weight: torch.Tensor | None, bias: tor
     not copied), or a float weight."""
     if gguf is None:
         assert weight is not None
-        return [(weight.float().contiguous(), DENSE, None if bias is None else bias.float().contiguous(), False)]
+        data, kind = dense_part(weight)
+        return [(data, kind, None if bias is None else bias.float().contiguous(), False)]
     parts, col = [], 0
     for p in gguf.parts:
         n = p.shape[0]
@@ -63,7 +81,7 @@ def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.T
     if isinstance(embed, GGUFWeight):  # the file's rows, or the 8-row layout a tied LM head shares
         embed_data, embed_type, embed_packed = embed.data, embed.qtype, embed.packed8
     else:
-        embed_data, embed_type, embed_packed = embed.float().contiguous(), DENSE, False
+        (embed_data, embed_type), embed_packed = dense_part(embed), False
     dec = kernels.GGUFDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size, config.rms_norm_eps, embed_data, embed_type,
                               final_norm.float().contiguous(), embed_packed)
@@ -81,7 +99,10 @@ def decoder_from_weights(kernels: Any, config: ModelConfig, weights: dict[str, A
         bs = [weights.get(b) for b in biases]
         if all(isinstance(w, GGUFWeight) for w in ws):
             return linear_parts(GGUFLinear.from_weights(ws, bs, kernels), None, None)
-        dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w.float() for w in ws])
+        dense = [w.dequantize() if isinstance(w, GGUFWeight) else w for w in ws]
+        if len({w.dtype for w in dense}) > 1 or dense[0].dtype != torch.bfloat16:  # bf16 stays bf16
+            dense = [w.float() for w in dense]
+        dense = torch.cat(dense)
         bias = None
         if any(b is not None for b in bs):
             bias = torch.cat([b.float() if b is not None else torch.zeros(w.shape[0]) for w, b in zip(ws, bs)])
@@ -103,7 +124,7 @@ def decoder_from_weights(kernels: Any, config: ModelConfig, weights: dict[str, A
     return build_decoder(kernels, config, weights["model.embed_tokens.weight"], weights["model.norm.weight"], specs)
 
 
-class GGUFDecodeStep:
+class FusedDecodeStep:
     """The model's fast path for small all-decode steps: binds the runner's KV caches to the
     decoder once and runs `step()` when the step qualifies (see `run`)."""
 
@@ -144,4 +165,7 @@ class GGUFDecodeStep:
         out = torch.empty(b, self.hidden_size, dtype=self.dtype)
         self.decoder.step(out, input_ids.long(), positions.long(), slot_mapping.long(), block_tables, cos, sin)
         return out
+
+
+GGUFDecodeStep = FusedDecodeStep  # the name before float models took the step too
 

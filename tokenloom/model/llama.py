@@ -25,6 +25,7 @@ MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECOD
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -263,14 +264,50 @@ class LlamaModel:
         self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
                             if config.architecture.startswith("gemma") else None)
         self.quantization = quantization
-        self.gguf_step: Any = None  # set below for gguf; int8 calibration runs forward before that
+        # Small all-decode steps run the whole stack in one compiled call (gguf_decode.py); set below,
+        # since int8 calibration runs forward before.
+        self.fused_step: Any = None
         if quantization == "int8":
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
-        if quantization == "gguf":  # small all-decode steps run the whole stack in one compiled call
-            self.gguf_step = _gguf_decode_step(self)
-        self.packed_linear = packing_enabled(self.device, dtype) and prepack_linears(self.dense_linears())
+        if quantization == "gguf":
+            self.fused_step = _fused_decode_step(self)
+        self.packed_linear = self._pack_or_fuse(quantization)
+        self.head_kernels = self._bf16_head_kernels()
+
+    def _pack_or_fuse(self, quantization: str | None) -> bool:
+        """Pre-pack the run-dtype linears for oneDNN, and for an unquantized model build the fused
+        decode step over whichever layer weights stay plain. True if the linears were packed.
+
+        The two share no layout (oneDNN's packed copy is opaque; the fused step reads plain [N, K]
+        rows), and keeping both would double the weights' memory, so one layout serves all batch
+        sizes: packed where packing works and TOKENLOOM_FUSED_FLOAT is not 1 (float32 here: oneDNN's
+        packed GEMMs win the batched steps, docs/performance.md), else plain layer weights with the
+        fused step for small decode steps (bf16 where oneDNN cannot pack it, e.g. AVX2 without
+        avx_ne_convert; any dtype with packing off). The LM head is packed wherever packing works."""
+        packing = packing_enabled(self.device, self.dtype)
+        if quantization is not None or not fused_float_candidate(self):
+            return packing and prepack_linears(self.dense_linears())
+        if packing and not prefer_fused_float() and prepack_linears(self.dense_linears()):
+            return True
+        # The layer linears stay plain: the fused step reads them, F.linear runs the bigger steps.
+        self.fused_step = _fused_decode_step(self)
+        return packing and prefer_fused_float() and prepack_linears([self.lm_head])
+
+    def _bf16_head_kernels(self) -> Any:
+        """The GGUF kernels module when the LM head is a plain bf16 matrix (oneDNN could not pack it):
+        its dense kernel (bf16 -> fp32 by a shift, FMA) runs the logits GEMV 1.7x (one row) to 5x
+        (16 rows) faster than F.linear's bf16 path on AVX2 (benchmarks/fused_float_decode.py). None
+        otherwise (packed or float32 heads stay on oneDNN, which measured as fast or faster)."""
+        head = self.lm_head
+        if (self.device.type != "cpu" or self.kernels is None or head.packed is not None or head.bias is not None
+                or head.weight is None or head.weight.dtype != torch.bfloat16 or not head.weight.is_contiguous()
+                or not isinstance(head.quant_method, UnquantizedLinearMethod)):
+            return None
+        from tokenloom.model.gguf_kernels import gguf_kernels
+
+        return gguf_kernels()
 
     def _fall_back_for_unsupported_attention(self) -> None:
         """The fused kernel has no sliding window or soft-capping yet: such models run the torch
@@ -342,8 +379,8 @@ class LlamaModel:
         per_layer = attn_metadata if isinstance(attn_metadata, list) else None
         if per_layer is not None:
             attn_metadata = per_layer[0]
-        elif self.gguf_step is not None and not self.kv_packed:
-            h = self.gguf_step.run_step(input_ids, positions, attn_metadata, kv_caches, self.rope, max_position)
+        elif self.fused_step is not None and not self.kv_packed:  # the fused step reads the plain layout
+            h = self.fused_step.run_step(input_ids, positions, attn_metadata, kv_caches, self.rope, max_position)
             if h is not None:
                 return h
         backend = self.attn_backend
@@ -365,7 +402,13 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
-        logits = self.lm_head(hidden)
+        if self.head_kernels is not None and hidden.shape[0] > 0:
+            logits = torch.empty(hidden.shape[0], self.lm_head.weight.shape[0])
+            self.head_kernels.dense_linear(logits, hidden.float().contiguous(), self.lm_head.weight, None)
+            if not fp32:
+                logits = logits.to(self.dtype)
+        else:
+            logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
@@ -460,22 +503,42 @@ def gguf_embedding(weight: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> 
     return out
 
 
-def _gguf_decode_step(model: LlamaModel) -> Any:
-    """The fused decode step over the model's own GGUF linears (None when the kernels are missing
-    or TOKENLOOM_GGUF_FUSED_ROWS=0)."""
-    from tokenloom.model.gguf_decode import DecoderLayerSpec, GGUFDecodeStep, build_decoder, linear_parts
+def fused_stack_covers(config: ModelConfig) -> bool:
+    """The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE)."""
+    rope = config.rope_scaling or {}
+    return (config.architecture in ("llama", "qwen2") and not config.sliding_window
+            and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
+
+
+def fused_float_candidate(model: LlamaModel) -> bool:
+    """An unquantized model the fused decode step could run: a covered family, float32 or bf16 on
+    CPU with the kernels, the step not switched off."""
+    from tokenloom.model.gguf_decode import max_decode_rows
+
+    return (model.device.type == "cpu" and model.kernels is not None and model.dtype in (torch.float32, torch.bfloat16)
+            and max_decode_rows() > 0 and fused_stack_covers(model.config))
+
+
+def prefer_fused_float() -> bool:
+    """TOKENLOOM_FUSED_FLOAT=1: keep an unquantized model's layer weights plain for the fused decode
+    step even where oneDNN could pack them (faster small decode steps, slower batched ones)."""
+    return os.environ.get("TOKENLOOM_FUSED_FLOAT", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fused_decode_step(model: LlamaModel) -> Any:
+    """The fused decode step over the model's own linears: GGUF blocks, or plain float32 / bf16
+    weights (shared, not copied). None when the kernels are missing, the family is not covered, or
+    TOKENLOOM_FUSED_DECODE_ROWS=0."""
+    from tokenloom.model.gguf_decode import DecoderLayerSpec, FusedDecodeStep, build_decoder, linear_parts
     from tokenloom.model.gguf_kernels import gguf_kernels
 
-    cfg = model.config
-    if cfg.architecture not in ("llama", "qwen2") or cfg.sliding_window or (cfg.rope_scaling or {}).get(
-            "rope_type", (cfg.rope_scaling or {}).get("type")) not in (None, "default", "llama3"):
-        # The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE):
-        # other families run their own layer loop over the same GGUF linears.
-        logger.info("%s: the fused GGUF decode step covers Llama/Qwen2 layers without windows or LongRoPE; "
-                    "this model's layers run per op over the GGUF kernels", cfg.architecture)
+    if not fused_stack_covers(model.config):
+        # Other families run their own layer loop over the same linears.
+        logger.info("%s: the fused decode step covers Llama/Qwen2 layers without windows or LongRoPE; "
+                    "this model's layers run per op", model.config.architecture)
         return None
     kernels = gguf_kernels()
-    step = GGUFDecodeStep(None, model.config.hidden_size, model.dtype)
+    step = FusedDecodeStep(None, model.config.hidden_size, model.dtype)
     if kernels is None or model.kernels is None or step.max_rows <= 0:
         return None
 

@@ -1420,10 +1420,13 @@ void gguf_embedding_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype, 
 // matrices, type 0, for tensors a file stores unquantized). KV caches: the plain head-major layout
 // [Hkv, num_blocks, block_size, D] in float or bf16, shared with the rest of the runner.
 
-constexpr int kDense = 0;  // part type: a float32 [N, K] matrix
+constexpr int kDense = 0;   // part type: a float32 [N, K] matrix (GGML_TYPE_F32)
+constexpr int kBF16 = 30;   // part type: a bfloat16 [N, K] matrix (GGML_TYPE_BF16)
+
+inline bool is_float_part(int t) { return t == kDense || t == kBF16; }
 
 struct Part {
-  at::Tensor w;       // [N, row_bytes] blocks, or float [N, K] (kDense)
+  at::Tensor w;       // [N, row_bytes] blocks, or float / bf16 [N, K] (kDense / kBF16)
   int t;
   c10::optional<at::Tensor> bias;
   at::Tensor packed;  // the 8-row layout of w, when its type has one and N % 8 == 0
@@ -1450,15 +1453,94 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void run_dense_range(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* out, int64_t ldo,
-                     int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n++)
-    for (int64_t m = 0; m < M; m++) out[m * ldo + n] = dot_f32(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+#if TLQ_AVX2
+// 8 weights as floats: a float load, or bf16 -> fp32 by a 16-bit shift (bf16 is fp32's top half).
+inline __m256 load8_w(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_w(const bf16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
 
-void run_dense(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias, float* out,
+// NR weight rows (from w, K apart) against MT activation rows (x, K apart): out[m * ldo + r]. Each
+// weight vector is loaded once for the MT rows; the next NR-row block is prefetched a cache line at a
+// time while this one streams (the hardware prefetcher alone follows only a few of the NR streams).
+template <typename W, int NR, int MT>
+inline void dense_tile(const float* x, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
+                       bool prefetch) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // elements per cache line
+  __m256 acc[MT][NR];
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    if (prefetch && i % kLine == 0)
+      for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + i), _MM_HINT_T0);
+    __m256 wv[NR];
+    for (int r = 0; r < NR; r++) wv[r] = load8_w(w + r * K + i);
+    for (int m = 0; m < MT; m++) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + i);
+      for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < NR; r++) {
+      float s = hsum(acc[m][r]);
+      for (int64_t j = i; j < K; j++) s += x[m * K + j] * static_cast<float>(w[r * K + j]);
+      out[m * ldo + r] = s + (bias ? bias[r] : 0.0f);
+    }
+}
+
+// Rows [n0, n1) of a float / bf16 matrix: 4-row blocks, activation rows two at a time (4 x 2
+// accumulators + 4 weight vectors + 1 activation fit AVX2's 16 registers). Only the first pass over
+// a block's weights prefetches the next block; later activation rows read them from L1/L2.
+template <typename W>
+void dense_range_avx2(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
+                      int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const W* wn = w + n * K;
+    const float* bn = bias ? bias + n : nullptr;
+    const bool pf = n + 8 <= n1;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) dense_tile<W, 4, 2>(x + m * K, K, wn, bn, out + m * ldo + n, ldo, pf && m == 0);
+    if (m < M) dense_tile<W, 4, 1>(x + m * K, K, wn, bn, out + m * ldo + n, ldo, pf && m == 0);
+  }
+  for (; n < n1; n++)
+    for (int64_t m = 0; m < M; m++)
+      dense_tile<W, 1, 1>(x + m * K, K, w + n * K, bias ? bias + n : nullptr, out + m * ldo + n, ldo, false);
+}
+#endif
+
+// Rows [n0, n1) of out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W float or bf16 [N, K]: one
+// thread's share (run_dense splits the rows; the decoder splits them itself).
+template <typename W>
+void run_dense_range(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
+                     int64_t n0, int64_t n1) {
+#if TLQ_AVX2
+  if (!g_force_scalar) return dense_range_avx2(x, M, K, w, bias, out, ldo, n0, n1);
+#endif
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) {
+      const float* xm = x + m * K;
+      const W* wn = w + n * K;
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; k++) s += xm[k] * static_cast<float>(wn[k]);
+      out[m * ldo + n] = s + (bias ? bias[n] : 0.0f);
+    }
+}
+
+// A float part's rows [n0, n1), by its weight type.
+inline void run_float_part_range(const Part& p, const float* x, int64_t M, int64_t K, const float* bias, float* out,
+                                 int64_t ldo, int64_t n0, int64_t n1) {
+  if (p.t == kBF16)
+    run_dense_range(x, M, K, p.w.data_ptr<bf16>(), bias, out, ldo, n0, n1);
+  else
+    run_dense_range(x, M, K, p.w.data_ptr<float>(), bias, out, ldo, n0, n1);
+}
+
+void run_dense(const Part& p, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* out,
                int64_t ldo) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { run_dense_range(x, M, K, w, bias, out, ldo, n0, n1); });
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { run_float_part_range(p, x, M, K, bias, out, ldo, n0, n1); });
 }
 
 // Thread tid's contiguous share [b, e) of n units, nth threads (the decoder's static split).
@@ -1486,9 +1568,10 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
       L.N += 8 * w.size(0);
       continue;
     }
-    if (t == kDense) {
-      TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous() && w.size(1) == K,
-                  "a dense part must be a contiguous float [N, ", K, "] tensor");
+    if (is_float_part(static_cast<int>(t))) {
+      TORCH_CHECK(w.scalar_type() == (t == kBF16 ? at::kBFloat16 : at::kFloat) && w.dim() == 2 && w.is_contiguous() &&
+                      w.size(1) == K, "a dense part must be a contiguous ", t == kBF16 ? "bf16" : "float", " [N, ", K,
+                  "] tensor");
     } else {
       check_weight(w, t, K);
     }
@@ -1497,11 +1580,11 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
                   "a part's bias must be a contiguous float [N] tensor");
     }
     at::Tensor packed;
-    if (t != kDense && packable(t) && w.size(0) % 8 == 0) packed = gguf_repack8(w, t, K);
+    if (!is_float_part(static_cast<int>(t)) && packable(t) && w.size(0) % 8 == 0) packed = gguf_repack8(w, t, K);
     L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
     L.N += w.size(0);
   }
-  for (const auto& p : L.parts) L.quantized |= p.t != kDense;
+  for (const auto& p : L.parts) L.quantized |= !is_float_part(p.t);
   return L;
 }
 
@@ -1515,9 +1598,9 @@ void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float
       thread_share(p.packed.size(0), tid, nth, b, e);
       run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
       col += 8 * p.packed.size(0);
-    } else if (p.t == kDense) {
+    } else if (is_float_part(p.t)) {
       thread_share(p.w.size(0), tid, nth, b, e);
-      run_dense_range(x, M, L.K, p.w.data_ptr<float>(), bias, out + col, L.N, b, e);
+      run_float_part_range(p, x, M, L.K, bias, out + col, L.N, b, e);
       col += p.w.size(0);
     } else {
       thread_share(p.w.size(0), tid, nth, b, e);
@@ -1529,7 +1612,7 @@ void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float
 
 void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
   bool quantized = false;
-  for (const auto& p : L.parts) quantized |= p.t != kDense;
+  for (const auto& p : L.parts) quantized |= !is_float_part(p.t);
   if (quantized) act.set(x, M, L.K, L.K);
   int64_t col = 0;
   for (const auto& p : L.parts) {
@@ -1538,9 +1621,9 @@ void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
     if (p.packed.defined()) {
       n = 8 * p.packed.size(0);
       run_packed(p.t, act, p.packed.data_ptr<uint8_t>(), p.packed.size(0), bias, out + col, L.N);
-    } else if (p.t == kDense) {
+    } else if (is_float_part(p.t)) {
       n = p.w.size(0);
-      run_dense(x, M, L.K, p.w.data_ptr<float>(), n, bias, out + col, L.N);
+      run_dense(p, x, M, L.K, n, bias, out + col, L.N);
     } else {
       n = p.w.size(0);
       run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), n, p.w.size(1), bias, out + col, L.N);
@@ -1699,9 +1782,10 @@ class GGUFDecoder {
       TORCH_CHECK(packable(embed_t_) && embed.scalar_type() == at::kByte && embed.dim() == 2 && embed.is_contiguous() &&
                       H_ % packed_group_elems(embed_t_) == 0 && embed.size(1) == packed_row_bytes(embed_t_, H_),
                   "a packed embedding must be the 8-row layout of a [V, H] weight");
-    } else if (embed_t_ == kDense) {
-      TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.is_contiguous() && embed.size(1) == H_,
-                  "a dense embedding must be a contiguous float [V, H] tensor");
+    } else if (is_float_part(embed_t_)) {
+      TORCH_CHECK(embed.scalar_type() == (embed_t_ == kBF16 ? at::kBFloat16 : at::kFloat) && embed.dim() == 2 &&
+                      embed.is_contiguous() && embed.size(1) == H_,
+                  "a dense embedding must be a contiguous float or bf16 [V, H] tensor (its part type)");
     } else {
       check_weight(embed, embed_t_, H_);
     }
@@ -1813,6 +1897,11 @@ class GGUFDecoder {
     }
     if (embed_t_ == kDense) {
       std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
+      return;
+    }
+    if (embed_t_ == kBF16) {
+      const bf16* row = embed_.data_ptr<bf16>() + id * H_;
+      for (int64_t t = 0; t < H_; t++) out[t] = static_cast<float>(row[t]);
       return;
     }
     const TypeInfo ti = type_info(embed_t_);
@@ -1987,6 +2076,33 @@ bool gguf_type_supported(int64_t qtype) {
   }
 }
 
+// out [M, N] float = x [M, K] float @ w.T (+ bias), w a contiguous float or bf16 [N, K]: the dense
+// kernel the decoder runs, on its own (tests; the LM-head measurement in benchmarks/fused_float_decode.py).
+void dense_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "w must be a contiguous float or bf16 [N, K] tensor");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == K,
+              "x must be a contiguous float [M, K] tensor");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
+                  out.size(1) == N, "out must be a contiguous float [M, N] tensor");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float [N] tensor");
+  }
+  const Part p{w, w.scalar_type() == at::kBFloat16 ? kBF16 : kDense, bias, at::Tensor()};
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    int64_t n0, n1;
+    thread_share(N, omp_get_thread_num(), omp_get_num_threads(), n0, n1);
+    run_float_part_range(p, xp, M, K, b, op, N, n0, n1);
+  }
+}
+
 bool has_avx2() { return TLQ_AVX2; }
 void set_force_scalar(bool on) { g_force_scalar = on; }
 
@@ -2004,6 +2120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_embedding_packed", &gguf_embedding_packed);
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
+  m.def("dense_linear", &dense_linear);
   m.def("set_force_scalar", &set_force_scalar);
   pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
