@@ -95,7 +95,13 @@ def test_decode_step_matches_torch(d: int, kv_dtype: torch.dtype) -> None:
         plain = decode(m, d, ids, cos, sin, kv_dtype)
     finally:
         kernels.set_force_scalar(False)
-    torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
+    # bf16 caches: the SIMD and plain dense kernels sum in different orders, so a K or V value on a
+    # rounding boundary can land one bf16 step apart (~0.4 %): bounded, far below a broken kernel's error.
+    if kv_dtype == torch.float32:
+        torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
+    else:
+        rel = ((got - plain).norm(dim=-1) / plain.norm(dim=-1)).max().item()
+        assert rel < 2e-3, rel
     if want is not None:  # bf16 caches round K and V: only SIMD vs plain is exact enough to hold
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.abs().max() > 0.5  # a real signal, not zeros agreeing with zeros
