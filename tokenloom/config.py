@@ -159,8 +159,7 @@ class SchedulerConfig:
     # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
     # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
     async_scheduling: bool = knob(
-        False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)",
-        simulated=False)
+        False, "schedule step N+1 while step N executes (vLLM's async scheduling, output placeholders)")
 
     @property
     def slo_targets(self) -> bool:

@@ -32,7 +32,7 @@ def simulate_dp(
     assert cache_config.num_blocks is not None
     clocks = [VirtualClock() for _ in range(data_parallel_size)]
     cores = [EngineCore(make_scheduler(scheduler_config, cache_config, clock=c, step_cost_model=cost_model),
-                        SimulatedExecutor(cost_model, c))
+                        SimulatedExecutor(cost_model, c, async_scheduling=scheduler_config.async_scheduling))
              for c in clocks]  # fmt: skip
     router = Router(router_config or RouterConfig(), data_parallel_size, cache_config.block_size,
                     cache_config.num_blocks)

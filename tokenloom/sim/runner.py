@@ -12,6 +12,7 @@ scheduler reads, so every timestamp (first_token_time, finished_time, the step t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,17 +34,35 @@ class SequenceTracker:
 
     def __init__(self) -> None:
         self.lengths: dict[str, int] = {}
+        # Tokens each request has really computed (the real runner's num_computed): under async
+        # scheduling with drafts the scheduler counts the drafts in flight as computed, the
+        # rejected ones are not, so a step starts from here (the real runner's _realign).
+        self.computed: dict[str, int] = {}
+        # Real drafts each request verifies in the last step (its placeholder slots filled).
+        self.num_drafts: dict[str, int] = {}
 
-    def step(self, scheduler_output: SchedulerOutput) -> tuple[StepShape, list[bool]]:
+    def forget(self, rid: str) -> None:
+        self.lengths.pop(rid, None)
+        self.computed.pop(rid, None)
+
+    def clear(self) -> None:
+        self.lengths.clear()
+        self.computed.clear()
+
+    def step(self, scheduler_output: SchedulerOutput,
+             fill: Callable[[str, int, int], int] | None = None) -> tuple[StepShape, list[bool]]:
         """The step's shape and, in num_scheduled_tokens order, whether each request samples.
 
-        A sampling request's length grows by one here; `accept` adds its accepted drafts."""
+        A sampling request's length grows by one here; `accept` adds its accepted drafts.
+        `fill(req_id, length, num_slots)`: how many of a request's placeholder drafts (-1, async
+        scheduling) the runner has real drafts for; the rest are trimmed, as the real runner does."""
         lengths = self.lengths
         # Finished and preempted requests lose their state; a preempted one comes back as new.
         for rid in scheduler_output.finished_req_ids:
-            lengths.pop(rid, None)
+            self.forget(rid)
         for rid in scheduler_output.preempted_req_ids:
-            lengths.pop(rid, None)
+            self.forget(rid)
+        self.num_drafts = {}
         starts: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             lengths[new.req_id] = len(new.prefill_token_ids)
@@ -54,11 +73,18 @@ class SequenceTracker:
         samples: list[bool] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            start = starts[rid]
+            start = min(starts[rid], self.computed.get(rid, starts[rid]))
             length = lengths[rid]
-            num_drafts = len(spec.get(rid, ()))
+            drafts = spec.get(rid, ())
+            num_drafts = len(drafts)
+            if drafts and drafts[0] < 0 and fill is not None:
+                filled = fill(rid, length, num_drafts)
+                n -= num_drafts - filled
+                num_drafts = filled
+                self.num_drafts[rid] = filled
             sample = start + n == length + num_drafts
             shape.add_row(start, n, sample, num_drafts)
+            self.computed[rid] = start + n - num_drafts
             if sample:
                 lengths[rid] = length + 1
             samples.append(sample)
@@ -93,9 +119,12 @@ class SimulatedRunner:
         self.max_model_len = max_model_len
         self.rng = np.random.default_rng(seed)
         self._drafts: SimulatedDrafts | None = None
+        self._proposed: set[str] = set()  # requests that have sampled: they have a proposal
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        shape, samples = self.tracker.step(scheduler_output)
+        for rid in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
+            self._proposed.discard(rid)  # its proposer state goes with it (a preempted one comes back new)
+        shape, samples = self.tracker.step(scheduler_output, self._fill if self.num_spec_tokens else None)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         # An empty step runs no model (the real runner returns at once): it costs no time.
         seconds = self.cost_model.predict(shape) if req_ids else 0.0
@@ -113,19 +142,31 @@ class SimulatedRunner:
     def _verify_and_propose(self, so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> None:
         lengths = self.tracker.lengths
         proposed: list[str] = []
+        filled = self.tracker.num_drafts
         for rid, out in zip(req_ids, sampled):
             if not out:
                 continue
-            drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+            # Async scheduling: the placeholder slots the runner filled with its own drafts.
+            drafts = [self.token_id] * filled[rid] if rid in filled else so.scheduled_spec_decode_tokens.get(rid, ())
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] >= 0 and self.rng.random() < self.spec_acceptance:
                 accepted += 1
             out[:0] = [self.token_id] * accepted
             lengths[rid] += accepted
+            self.tracker.computed[rid] += accepted
             proposed.append(rid)
+            self._proposed.add(rid)
         k, cap = self.num_spec_tokens, self.max_model_len
         lists = [[self.token_id] * max(0, min(k, cap - lengths[r]) if cap else k) for r in proposed]
         self._drafts = SimulatedDrafts(proposed, lists) if proposed else None
+
+    def _fill(self, rid: str, length: int, num_slots: int) -> int:
+        """Async scheduling: the drafts for a request's placeholder slots, from its proposal after its
+        last step (none before it has sampled once), capped at max_model_len as the proposer is."""
+        if rid not in self._proposed:
+            return 0
+        cap = self.max_model_len
+        return max(0, min(num_slots, self.num_spec_tokens, cap - length if cap else num_slots))
 
     def take_draft_token_ids(self) -> SimulatedDrafts | None:
         drafts, self._drafts = self._drafts, None

@@ -11,13 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO, Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_verification_budget
 from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.llm_engine import DEFAULT_CPU_KV_BYTES, engine_config_from_kwargs, sched_max_len_default
+from tokenloom.engine.llm_engine import (
+    DEFAULT_CPU_KV_BYTES,
+    check_async_scheduling,
+    engine_config_from_kwargs,
+    sched_max_len_default,
+)
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
@@ -46,13 +52,15 @@ def simulate(
     times to it, as the real engine reports measured ones)."""
     # What the real engine refuses, the simulator refuses too (it would stall where the engine hangs).
     check_verification_budget(scheduler_config.max_num_batched_tokens, speculative_config)
+    check_async_scheduling(SimpleNamespace(scheduler=scheduler_config, speculative_config=speculative_config))
     clock = VirtualClock()
     scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
                                step_cost_model=controller_cost_model or cost_model)
     tracer = StepTracer(trace) if trace is not None else None
     k = speculative_config.num_speculative_tokens if speculative_config is not None else 0
     executor = SimulatedExecutor(cost_model, clock, num_spec_tokens=k or 0, spec_acceptance=spec_acceptance,
-                                 max_model_len=scheduler_config.max_model_len, seed=seed)
+                                 max_model_len=scheduler_config.max_model_len, seed=seed,
+                                 async_scheduling=scheduler_config.async_scheduling)
     core = EngineCore(scheduler, executor, tracer)
     try:
         return run_workload(requests, core, clock, percentiles=percentiles, seed=seed)

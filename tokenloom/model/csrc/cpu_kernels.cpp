@@ -1243,18 +1243,21 @@ void set_prefetch_blocks(int64_t n) { g_prefetch_blocks = static_cast<int>(n); }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention);
-  m.def("rms_norm", &rms_norm);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm);
-  m.def("silu_and_mul", &silu_and_mul);
-  m.def("rotary_and_cache", &rotary_and_cache);
-  m.def("argmax_rows", &argmax_rows);
-  m.def("skinny_linear", &skinny_linear);
-  m.def("quantize_rows", &quantize_rows);
-  m.def("rms_norm_quant", &rms_norm_quant);
-  m.def("dequant", &dequant);
-  m.def("dequant_add_rms_norm_quant", &dequant_add_rms_norm_quant);
-  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant);
+  // The compute calls release the GIL (as torch's own ops do), so the engine thread's Python runs
+  // beside them under async scheduling instead of waiting for each kernel (docs/async.md).
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, nogil);
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
+  m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("rotary_and_cache", &rotary_and_cache, nogil);
+  m.def("argmax_rows", &argmax_rows, nogil);
+  m.def("skinny_linear", &skinny_linear, nogil);
+  m.def("quantize_rows", &quantize_rows, nogil);
+  m.def("rms_norm_quant", &rms_norm_quant, nogil);
+  m.def("dequant", &dequant, nogil);
+  m.def("dequant_add_rms_norm_quant", &dequant_add_rms_norm_quant, nogil);
+  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, nogil);
   m.def("has_avx512", &has_avx512);
   m.def("packed_layout_supported", &packed_layout_supported);
   m.def("set_force_scalar", &set_force_scalar);

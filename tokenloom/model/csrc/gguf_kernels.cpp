@@ -2109,23 +2109,27 @@ void set_force_scalar(bool on) { g_force_scalar = on; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear);
-  m.def("gguf_quantize_act", &gguf_quantize_act);
-  m.def("gguf_dequantize", &gguf_dequantize);
+  // The compute calls release the GIL (as torch's own ops do): under async scheduling the runner
+  // runs in a worker thread, and a kernel holding the GIL for a whole decode step made the engine
+  // thread's Python wait for it, then run after it, on the step's critical path (docs/async.md).
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("gguf_linear", &gguf_linear, nogil);
+  m.def("gguf_quantize_act", &gguf_quantize_act, nogil);
+  m.def("gguf_dequantize", &gguf_dequantize, nogil);
   m.def("gguf_repack8", &gguf_repack8);
-  m.def("gguf_linear_packed", &gguf_linear_packed);
-  m.def("gguf_dequantize_packed", &gguf_dequantize_packed);
+  m.def("gguf_linear_packed", &gguf_linear_packed, nogil);
+  m.def("gguf_dequantize_packed", &gguf_dequantize_packed, nogil);
   m.def("gguf_packable", &packable);
-  m.def("gguf_embedding", &gguf_embedding);
-  m.def("gguf_embedding_packed", &gguf_embedding_packed);
+  m.def("gguf_embedding", &gguf_embedding, nogil);
+  m.def("gguf_embedding_packed", &gguf_embedding_packed, nogil);
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
-  m.def("dense_linear", &dense_linear);
+  m.def("dense_linear", &dense_linear, nogil);
   m.def("set_force_scalar", &set_force_scalar);
   pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
       .def("add_layer", &GGUFDecoder::add_layer)
       .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
-      .def("step", &GGUFDecoder::step)
+      .def("step", &GGUFDecoder::step, nogil)
       .def("num_layers", &GGUFDecoder::num_layers);
 }
