@@ -43,6 +43,7 @@ from tokenloom.model.linear import (
     packing_enabled,
     prepack_linears,
 )
+from tokenloom.model.platform import return_freed_memory
 from tokenloom.model.quant import check_quantization, get_linear_method
 from tokenloom.model.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq re-exported
 
@@ -274,6 +275,8 @@ class LlamaModel:
         if quantization == "gguf":
             self.fused_step = _fused_decode_step(self)
         self.packed_linear = self._pack_or_fuse(quantization)
+        if self.packed_linear:
+            return_freed_memory()  # the plain weights the packed copies replaced
         self.head_kernels = self._bf16_head_kernels()
 
     def _pack_or_fuse(self, quantization: str | None) -> bool:
