@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_gguf_decode import count_fused_runs
 from tests.test_model_runner import BLOCK, Tiny, new_req, prompt, step
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom.model.gguf_decode import BF16, DENSE, linear_parts
@@ -83,16 +84,7 @@ def _runner(tiny: Tiny, dtype: str, fused: bool, monkeypatch: pytest.MonkeyPatch
         runner = tiny.runner(dtype=dtype, path="kernels")
     model = runner.model
     assert (model.fused_step is not None) == fused
-    calls = {"fused": 0}
-    if fused:
-        run = model.fused_step.run
-
-        def counted(*args, **kwargs):
-            out = run(*args, **kwargs)
-            calls["fused"] += out is not None
-            return out
-
-        model.fused_step.run = counted
+    calls = count_fused_runs(model) if fused else {"n": 0}
     return runner, calls
 
 
@@ -134,7 +126,7 @@ def test_fused_step_matches_per_op(tiny: Tiny, dtype: str, rows: int, monkeypatc
     fused, calls = _runner(tiny, dtype, True, monkeypatch)
     per_op, _ = _runner(tiny, dtype, False, monkeypatch)
     got, want = _decode(fused, reqs, 4), _decode(per_op, reqs, 4)
-    assert calls["fused"] == 4  # every decode step, not the prefill
+    assert calls["n"] == 4  # every decode step, not the prefill
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)  # the prefill ran per op in both
     for g, w in zip(got[1:], want[1:]):
         scale = w.abs().max().item()
@@ -149,7 +141,7 @@ def test_more_rows_than_the_step_takes_run_per_op(tiny: Tiny, monkeypatch: pytes
     per_op, _ = _runner(tiny, "float32", False, monkeypatch)
     for got, want in zip(_decode(fused, reqs, 2), _decode(per_op, reqs, 2)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert calls["fused"] == 0
+    assert calls["n"] == 0
     # Mixed: one decode beside a new prompt's prefill.
     pa, pb = prompt(7, 6), prompt(8, 5)
     outs = []
@@ -159,7 +151,7 @@ def test_more_rows_than_the_step_takes_run_per_op(tiny: Tiny, monkeypatch: pytes
                              return_logits=True)
         outs.append(runner.last_logits.clone())
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-    assert calls["fused"] == 0
+    assert calls["n"] == 0
 
 
 def test_packed_kv_layout_falls_back(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,7 +173,7 @@ def test_packed_kv_layout_falls_back(tiny: Tiny, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(fused.model, "embed", embed)
     with pytest.raises(PerOp):
         fused.execute_model(step({r: 1 for r in reqs}, cached=[(r, [], len(p)) for r, (p, _) in reqs.items()]))
-    assert calls["fused"] == 0
+    assert calls["n"] == 0
 
 
 def test_old_switch_name_still_works(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,14 +217,7 @@ def _greedy_chats(monkeypatch: pytest.MonkeyPatch, dtype: str, fused: bool) -> l
     model = llm.llm_engine.runner.model
     assert (model.fused_step is not None) == fused
     if fused:  # every sequence decodes in the fused step (4 rows a step)
-        run, calls = model.fused_step.run, {"n": 0}
-
-        def counted(*args, **kwargs):
-            out = run(*args, **kwargs)
-            calls["n"] += out is not None
-            return out
-
-        model.fused_step.run = counted
+        calls = count_fused_runs(model)
     outs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
     if fused:
         assert calls["n"] >= 20

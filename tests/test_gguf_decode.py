@@ -56,6 +56,19 @@ def reference_hidden(config, weights, ids: list[int]) -> torch.Tensor:
     return norm(x, "model.norm.weight")
 
 
+def count_fused_runs(model) -> dict[str, int]:
+    """Wrap `model.fused_step.run` so calls["n"] counts the steps it took (it returns None to decline)."""
+    calls, run = {"n": 0}, model.fused_step.run
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls["n"] += out is not None
+        return out
+
+    model.fused_step.run = counted
+    return calls
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_decoder_matches_dense_forward(model, kv_dtype: torch.dtype) -> None:
     config, weights = model
@@ -118,15 +131,7 @@ def test_engine_gguf_matches_dequantized_greedy() -> None:
     prompts = ["The capital of France is", "Water boils at a temperature of"]
     gguf = LLM(quantization="gguf")
     model = gguf.llm_engine.runner.model
-    calls = {"n": 0}
-    run = model.fused_step.run
-
-    def counted(*args, **kwargs):
-        out = run(*args, **kwargs)
-        calls["n"] += out is not None
-        return out
-
-    model.fused_step.run = counted
+    calls = count_fused_runs(model)
     got = [o.outputs[0].token_ids for o in gguf.generate(prompts, params)]
     assert calls["n"] >= 7 * len(prompts) // 2  # decode steps took the fused path
     assert model.weight_bytes() < 1.5 * default_model_path().stat().st_size
