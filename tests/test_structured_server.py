@@ -40,10 +40,16 @@ def client(server):
 
 
 def test_a_slow_compile_does_not_stall_a_streaming_request(server, client) -> None:
-    # The first constrained request also builds the vocabulary table (~2 s) and this schema takes ~1 s
-    # more to compile: all of it in the grammar threads while the other request keeps streaming.
-    fields = {f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]{{2}}x{i}$"} for i in range(200)}
+    # The first constraint after start-up also imports xgrammar and builds the vocabulary table in the
+    # engine (~0.5 s that holds the GIL, docs/structured_outputs.md): a warm-up takes it out of the window.
+    client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ASK, max_completion_tokens=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "warm", "schema": {"type": "object"}}})
+    fields = {f"f{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]{{2}}x{i}$"} for i in range(600)}
     slow = {"type": "object", "properties": fields, "required": list(fields)}
+    # What this compile costs here with nothing else running: compiled on the step loop, it would stop
+    # the stream at least this long.
+    compile_s = _compile_seconds(slow)
     stamps: list[float] = []
     submitted: list[float] = []
     done: list[float] = []
@@ -70,11 +76,21 @@ def test_a_slow_compile_does_not_stall_a_streaming_request(server, client) -> No
     worker.join(120)
     assert submitted and done, "the constrained request did not finish"
     during = [t for t in stamps if submitted[0] <= t <= done[0]]
-    window = done[0] - submitted[0]
-    assert window > 1.0, window  # it did wait for its grammar
-    # Tokens kept coming while the grammar compiled: no gap anywhere near the compile time.
+    assert done[0] - submitted[0] > compile_s / 2  # it did wait for its grammar
+    # Tokens kept coming while the grammar compiled. On 2 cores the compile threads do slow the
+    # decode steps (their OpenMP team shares the cores), but no gap comes near the compile itself.
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if submitted[0] <= b <= done[0]]
-    assert len(during) >= 5 and max(gaps) < window / 2, (len(during), max(gaps), window)
+    assert len(during) >= 5 and max(gaps) < 0.5 * compile_s, (len(during), max(gaps), compile_s)
+
+
+def _compile_seconds(schema: dict) -> float:
+    from tokenloom.model.grammar import XgrammarBackend
+    from tokenloom.model.tokenizer import load_tokenizer
+
+    backend = XgrammarBackend(load_tokenizer(None).hf, 49152)
+    start = time.perf_counter()
+    backend.compile("json", "any|" + json.dumps(schema))
+    return time.perf_counter() - start
 
 
 def test_response_format_json_schema_and_parse(client) -> None:

@@ -11,7 +11,9 @@ Why xgrammar and not llguidance: see docs/structured_outputs.md (per-step cost a
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -51,10 +53,16 @@ class XgrammarMatcher:
 
 
 class XgrammarBackend:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int = 8) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int | None = None) -> None:
         # vocab_size is the model's (its logits' width), which may pad past the tokenizer's.
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        if max_threads is None:
+            # vLLM gives xgrammar 8 threads. On a small CPU that many compile threads take the cores
+            # from the decode kernels' OpenMP team, whose barriers then wait on a descheduled thread:
+            # on 2 cores a running stream stalled up to 0.6 s between tokens while a large schema
+            # compiled. Half the cores (the compile pool's share too): no gap above ~0.2 s there.
+            max_threads = min(8, max(1, (os.cpu_count() or 2) // 2))
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True)
 
     def compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
@@ -98,9 +106,16 @@ def make_xgrammar_backend(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
 # Validation (API side, no tokenizer) -------------------------------------------------------------
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Raise ValueError saying what is wrong with the constraint; cheap (no vocabulary pass)."""
-    kind, spec = params.key
+    _validate_key(*params.key)
+
+
+# Clients send the same tool or response schema with every request; checking a large schema costs
+# ~0.5 ms a property (jsonschema's meta-validation), so a checked (kind, spec) is not checked again.
+# Failures are not cached (lru_cache keeps no exceptions): a bad schema gets its reason every time.
+@functools.lru_cache(maxsize=256)
+def _validate_key(kind: str, spec: str) -> None:
     if kind == "json":
-        schema = json_schema_of(params)
+        schema = _parse_schema(spec.partition("|")[2])
         _check_json_schema(schema)
         try:
             xgr.Grammar.from_json_schema(json.dumps(schema))
@@ -125,13 +140,11 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
             raise ValueError(f"invalid structural_tag: {_short(exc)}") from None
 
 
-def json_schema_of(params: StructuredOutputsParams) -> Any:
-    if isinstance(params.json, str):
-        try:
-            return json.loads(params.json)
-        except ValueError as exc:
-            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-    return params.json
+def _parse_schema(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
 
 
 def _check_json_schema(schema: Any) -> None:

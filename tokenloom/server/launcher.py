@@ -130,6 +130,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     # Spawn the engine(s) first: they load the model while this process loads torch and the tokenizer.
     client = make_engine_client(engine_config, log_level)
+    _import_grammar_checks()
     try:
         engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
                                       config.engine_ready_timeout_s)
@@ -158,3 +159,14 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         client.shutdown()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _import_grammar_checks() -> None:
+    """Import what checks a structured-output request (xgrammar, jsonschema: ~0.4 s) while the engine
+    loads its model, not when the first constrained request arrives: an import holds the GIL, and
+    in this process every stream's tokens pass through the event loop."""
+    try:
+        import jsonschema  # noqa: F401
+        import xgrammar  # noqa: F401
+    except ImportError:  # the request that needs them gets the error
+        pass

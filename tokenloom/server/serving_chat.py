@@ -59,7 +59,10 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     config = state.config
     parser = config.tool_call_parser if config.enable_auto_tool_choice else None
     tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
-    extras = ChatExtras(tools, structured_outputs_of(obj, tools, config.tool_strict_level))
+    # In the tokenizer thread: checking a large schema (and, on the first constraint, importing
+    # xgrammar) must not hold the event loop that relays every other request's stream.
+    extras = ChatExtras(tools, await state.in_tokenizer_thread(
+        structured_outputs_of, obj, tools, config.tool_strict_level))
     if req.use_beam_search:
         check_beam_search(obj, req, extras.structured_outputs, completion=False)
     else:

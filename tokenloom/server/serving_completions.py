@@ -37,7 +37,7 @@ async def create_completion(raw: Request) -> Response:
     req = parse_model(CompletionRequest, obj)
     model = state.model_name(req.model)
     check_completion_request(req, state.vocab_size)
-    structured = structured_outputs_of(obj)
+    structured = await state.in_tokenizer_thread(structured_outputs_of, obj)  # off the event loop
     if req.use_beam_search:
         check_beam_search(obj, req, structured, completion=True)
     else:
