@@ -43,4 +43,5 @@ def _load() -> ModuleType | None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     m = gguf_kernels()
-    print("GGUF kernels:", "unavailable" if m is None else f"loaded (AVX2 path: {m.has_avx2()})")
+    paths = "unavailable" if m is None else f"loaded (AVX2 path: {m.has_avx2()}, VNNI dot products: {m.has_vnni()})"
+    print("GGUF kernels:", paths)
