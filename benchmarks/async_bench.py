@@ -1,7 +1,9 @@
-"""Sync vs async scheduling on one loaded model, alternating, short runs (docs/async.md).
+"""Sync vs async scheduling, alternating, short runs (docs/async.md).
 
-Each round runs both modes back to back (the order flips every round), on the same engine: the
-scheduler is rebuilt with `reset_scheduler` and the runner moves into / out of its worker thread.
+Each round runs both modes back to back (the order flips every round), each in a fresh process
+with its engine built for that mode, as a user gets it (`LLM(async_scheduling=...)`): an engine
+built for async loads and steps its model on one thread (engine/executor.py, ModelThread), which
+switching a sync-built engine with `reset_scheduler` would not reproduce.
 
   single stream   one request, 32-token prompt, --tokens outputs (ignore_eos): TPOT from the
                   engine's first/last token times
@@ -28,12 +30,12 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from tokenloom.config import SchedulerConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.sampling_params import SamplingParams
 
@@ -60,6 +62,48 @@ def host_figures(records: list[dict]) -> dict:
             "wall_ms_per_step": 1e3 * wall / n}  # fmt: skip
 
 
+def measure(args: argparse.Namespace) -> dict:
+    """One mode (args.one) in this process: the single stream, then the W1-style batch."""
+    mode = args.one
+    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
+    llm = LLM(dtype=args.dtype, quantization=args.quantization, trace_steps=str(trace),
+              speculative_config=args.speculative_config, async_scheduling=mode == "async")
+    engine = llm.llm_engine
+    rng = random.Random(20251130)
+    w1 = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(rng.randrange(64, 513))]}
+          for _ in range(args.requests)]  # fmt: skip
+    single = [{"prompt_token_ids": list(range(200, 216)) * 2 if args.speculative_config else list(range(200, 232))}]
+
+    def traced(fn):
+        engine.tracer._file.flush()
+        start = len(trace.read_text().splitlines())
+        value = fn()
+        engine.engine_core.drain()
+        engine.tracer._file.flush()
+        return value, [json.loads(x) for x in trace.read_text().splitlines()[start:]]
+
+    llm.generate(single, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)  # warm-up
+    result: dict = {}
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
+    out, recs = traced(lambda: llm.generate(single, params, use_tqdm=False)[0])
+    m = out.metrics
+    result["tpot_ms"] = 1e3 * (m.last_token_time - m.first_token_time) / (args.tokens - 1)
+    result["single_host"] = host_figures(recs)
+    if args.speculative_config:  # tokens per verifying step, from the step trace's spec field
+        spec = [d_a for r in recs for d_a in (r.get("spec") or {}).values()]
+        result["accepted_per_step"] = sum(a for _, a in spec) / max(len(spec), 1)
+    if not args.no_w1:
+        params = SamplingParams(max_tokens=args.w1_tokens, ignore_eos=True, temperature=0)
+        t0 = time.perf_counter()
+        outs, recs = traced(lambda: llm.generate(w1, params, use_tqdm=False))
+        wall = time.perf_counter() - t0
+        result["w1_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
+        result["w1_host"] = host_figures(recs)
+    result["dtype"] = str(engine.dtype)
+    llm.llm_engine.close()
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
@@ -71,56 +115,35 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--speculative-config", default=None, help="n-gram drafts in both modes (JSON)")
     ap.add_argument("--no-w1", action="store_true", help="single stream only")
+    ap.add_argument("--one", choices=["sync", "async"], default=None, help=argparse.SUPPRESS)  # a child process
     args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(measure(args)), flush=True)
+        return 0
 
-    trace = Path(tempfile.mkdtemp()) / "steps.jsonl"
-    llm = LLM(dtype=args.dtype, quantization=args.quantization, trace_steps=str(trace),
-              speculative_config=args.speculative_config)
-    engine = llm.llm_engine
-    rng = random.Random(20251130)
-    w1 = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(rng.randrange(64, 513))]}
-          for _ in range(args.requests)]  # fmt: skip
-    single = [{"prompt_token_ids": list(range(200, 216)) * 2 if args.speculative_config else list(range(200, 232))}]
-    base = SchedulerConfig(max_model_len=engine.scheduler_config.max_model_len)
+    child_args = list(sys.argv[1:])
+    if "--json" in child_args:  # only the parent writes the report
+        k = child_args.index("--json")
+        del child_args[k:k + 2]
     results: dict[str, dict[str, list]] = {m: {"tpot_ms": [], "w1_tok_s": [], "single_host": [], "w1_host": [],
                                                "accepted_per_step": []}
                                            for m in ("sync", "async")}  # fmt: skip
-
-    def traced(fn):
-        engine.tracer._file.flush()
-        start = len(trace.read_text().splitlines())
-        value = fn()
-        engine.engine_core.drain()
-        engine.tracer._file.flush()
-        return value, [json.loads(x) for x in trace.read_text().splitlines()[start:]]
-
-    # Warm-up (kernels, allocator) in both modes.
-    for mode in (False, True):
-        engine.reset_scheduler(replace(base, async_scheduling=mode))
-        llm.generate(single, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
+    dtype = None
     for rnd in range(args.rounds):
         order = ("sync", "async") if rnd % 2 == 0 else ("async", "sync")
         for mode in order:
-            engine.reset_scheduler(replace(base, async_scheduling=mode == "async"))
-            params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
-            out, recs = traced(lambda p=params: llm.generate(single, p, use_tqdm=False)[0])
-            m = out.metrics
-            results[mode]["tpot_ms"].append(1e3 * (m.last_token_time - m.first_token_time) / (args.tokens - 1))
-            results[mode]["single_host"].append(host_figures(recs))
-            if args.speculative_config:  # tokens per verifying step, from the step trace's spec field
-                spec = [d_a for r in recs for d_a in (r.get("spec") or {}).values()]
-                results[mode]["accepted_per_step"].append(sum(a for _, a in spec) / max(len(spec), 1))
-            if args.no_w1:
-                print(f"round {rnd} {mode:5s}: TPOT {results[mode]['tpot_ms'][-1]:.2f} ms", flush=True)
-                continue
-            params = SamplingParams(max_tokens=args.w1_tokens, ignore_eos=True, temperature=0)
-            t0 = time.perf_counter()
-            outs, recs = traced(lambda p=params: llm.generate(w1, p, use_tqdm=False))
-            wall = time.perf_counter() - t0
-            results[mode]["w1_tok_s"].append(sum(len(o.outputs[0].token_ids) for o in outs) / wall)
-            results[mode]["w1_host"].append(host_figures(recs))
-            print(f"round {rnd} {mode:5s}: TPOT {results[mode]['tpot_ms'][-1]:.2f} ms, "
-                  f"W1-style {results[mode]['w1_tok_s'][-1]:.1f} tok/s", flush=True)
+            done = subprocess.run([sys.executable, __file__, *child_args, "--one", mode], capture_output=True,
+                                  text=True, check=False)  # fmt: skip
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.stderr.write(done.stdout + done.stderr)
+                raise SystemExit(f"the {mode} run failed (exit {done.returncode})")
+            r = json.loads(line[len("RESULT "):])
+            dtype = r.pop("dtype")
+            for key, value in r.items():
+                results[mode][key].append(value)
+            w1 = f", W1-style {r['w1_tok_s']:.1f} tok/s" if "w1_tok_s" in r else ""
+            print(f"round {rnd} {mode:5s}: TPOT {r['tpot_ms']:.2f} ms{w1}", flush=True)
 
     summary = {}
     for mode, r in results.items():
@@ -133,11 +156,11 @@ def main() -> int:
             summary[mode]["w1_host"] = {k: statistics.median(h[k] for h in r["w1_host"]) for k in r["w1_host"][0]}
         if r["accepted_per_step"]:
             summary[mode]["accepted_drafts_per_verifying_step"] = statistics.median(r["accepted_per_step"])
-    report = {"args": vars(args), "dtype": str(engine.dtype), "rounds": results, "summary": summary}
+    report = {"args": vars(args), "dtype": dtype, "processes": "fresh per mode and round", "rounds": results,
+              "summary": summary}  # fmt: skip
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    llm.llm_engine.close()
     return 0
 
 

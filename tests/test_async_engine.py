@@ -191,3 +191,41 @@ def test_step_trace_shows_scheduling_overlapping_execution(llm) -> None:
     assert rows is not None and sum(hidden for _, _, hidden in rows) > 0
     assert "exec / host (ms)" in timeline_html(records)
     _mode(llm, False)
+
+
+def test_an_engine_built_for_async_loads_and_steps_its_model_on_one_thread(monkeypatch) -> None:
+    """One OpenMP team: the weights are loaded, the runner built and every step run (async and, after
+    reset_scheduler, sync) on the engine's model thread, never on the engine thread."""
+    import threading
+
+    import tokenloom.model.loader as loader
+
+    load_idents: list[int] = []
+    real_load = loader.load_model
+
+    def recording_load(*args, **kwargs):
+        load_idents.append(threading.get_ident())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", recording_load)
+    llm = LLM(async_scheduling=True, max_num_batched_tokens=256, num_blocks=128)
+    engine = llm.llm_engine
+    try:
+        owner = engine._model_thread.call(threading.get_ident)
+        assert load_idents == [owner] and owner != threading.get_ident()
+        step_idents: set[int] = set()
+        real_execute = engine.runner.execute_model
+
+        def recording_execute(so, **kw):
+            step_idents.add(threading.get_ident())
+            return real_execute(so, **kw)
+
+        monkeypatch.setattr(engine.runner, "execute_model", recording_execute)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        async_out = llm.generate(["One two three"], params, use_tqdm=False)
+        _mode(llm, False)
+        sync_out = llm.generate(["One two three"], params, use_tqdm=False)
+        assert step_idents == {owner}
+        assert _key(async_out) == _key(sync_out)
+    finally:
+        engine.close()

@@ -12,7 +12,7 @@ from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.executor import Executor, UniProcExecutor
+from tokenloom.engine.executor import Executor, ModelThread, UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.runner import SIM_TOKEN_ID
@@ -121,3 +121,41 @@ def test_reset_drops_the_runners_request_state() -> None:
     assert executor.runner.tracker.lengths
     executor.reset()
     assert not executor.runner.tracker.lengths
+
+
+def test_a_model_thread_runs_calls_on_one_thread_and_raises_their_errors() -> None:
+    import threading
+
+    thread = ModelThread()
+    idents = {thread.call(threading.get_ident) for _ in range(3)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0)
+    thread.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        thread.call(threading.get_ident)
+
+
+def test_an_executor_steps_on_the_model_thread_it_is_given_in_both_modes_and_leaves_it_running() -> None:
+    import threading
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.idents: set[int] = set()
+
+        def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+            self.idents.add(threading.get_ident())
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+    thread, runner = ModelThread(), Recorder()
+    owner = thread.call(threading.get_ident)
+    for worker_thread in (False, True):
+        executor = UniProcExecutor(runner, worker_thread=worker_thread, model_thread=thread)
+        assert executor.max_concurrent_batches == (2 if worker_thread else 1)
+        executor.execute_model(None)  # type: ignore[arg-type]  # the recorder never reads it
+        future = executor.execute_model(None, non_block=True)  # type: ignore[arg-type]
+        assert isinstance(future, Future) and future.result() is not None
+        executor.shutdown()
+    assert runner.idents == {owner}
+    assert thread.call(threading.get_ident) == owner  # not shut down by the executors
+    thread.shutdown()

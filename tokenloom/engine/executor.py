@@ -7,7 +7,8 @@ runner, so where the model runs is the executor's business alone:
     UniProcExecutor     the runner in the calling thread (the torch ModelRunner; any object with
                         `execute_model(SchedulerOutput) -> ModelRunnerOutput`); with
                         `worker_thread=True` (async scheduling) in one worker thread instead, steps
-                        in submission order, two in flight at most (`max_concurrent_batches = 2`)
+                        in submission order, two in flight at most (`max_concurrent_batches = 2`);
+                        with a `ModelThread`, on the thread that loaded the model
     SimulatedExecutor   the simulator's cost-model runner on a virtual clock (tokenloom/sim/executor.py)
 
 Later executors are new classes here, not changes to the engine core: one per data-parallel
@@ -19,13 +20,46 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from tokenloom.config import EngineConfig
+
+
+_T = TypeVar("_T")
+
+
+class ModelThread:
+    """The one thread that owns the model under async scheduling: it loads the weights, builds the
+    runner, and runs every step, so the engine thread never starts an OpenMP parallel region.
+
+    Why it matters: libgomp keeps one thread team per thread that starts parallel regions, and once
+    it manages more threads than the process has cores it stops spinning at barriers (100 spins,
+    then a futex sleep). A model loaded on the engine thread and stepped on a separate worker thread
+    has two teams, so on a 2-core machine every barrier of the decode step (~240 a step) became a
+    sleep and a wake-up: gguf single-stream TPOT 4.4 -> 11.2 ms, 35,000 context switches in 256
+    steps (docs/async.md). With one thread owning the model there is one team."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-model")
+
+    def submit(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> Future[_T]:
+        if self._pool is None:
+            raise RuntimeError("the model thread is shut down")
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run fn on the model thread and wait for it (its exception is raised here)."""
+        return self.submit(fn, *args, **kwargs).result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class Runner(Protocol):
@@ -68,23 +102,33 @@ class UniProcExecutor(Executor):
     kernels release the GIL). One thread keeps the steps in submission order, which is what makes
     async scheduling correct here, as CUDA stream order does in vLLM: step N+1 runs after step N, so
     the runner knows N's sampled token when N+1 needs it as input, and a block freed while a step is
-    in flight is only written again by a later step."""
+    in flight is only written again by a later step.
 
-    def __init__(self, runner: Runner, worker_thread: bool = False) -> None:
+    model_thread: the ModelThread that loaded the model (the engine's, when it was built for async
+    scheduling). Steps then run on it in both modes (sync: one at a time, the caller waiting), and
+    the executor does not shut it down: its owner does. Without one, worker_thread=True starts a
+    thread of the executor's own (the runner moves there from the thread that built it)."""
+
+    def __init__(self, runner: Runner, worker_thread: bool = False, model_thread: ModelThread | None = None) -> None:
         self.runner = runner
-        self._pool: ThreadPoolExecutor | None = None
+        self._owns_thread = model_thread is None and worker_thread
+        self._thread: ModelThread | None = ModelThread() if self._owns_thread else model_thread
         if worker_thread:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-worker")
             self.max_concurrent_batches = 2
 
     @classmethod
     def from_config(cls, config: EngineConfig, loaded: Any, *, worker_thread: bool = False,
-                    **runner_kwargs: Any) -> UniProcExecutor:  # fmt: skip
-        """The torch ModelRunner over a loaded model; runner_kwargs are ModelRunner's (block_size,
-        num_blocks, dtype, device, calibration_token_ids); the quantization comes from the config."""
+                    model_thread: ModelThread | None = None, **runner_kwargs: Any) -> UniProcExecutor:  # fmt: skip
+        """The torch ModelRunner over a loaded model, built on model_thread when given; runner_kwargs
+        are ModelRunner's (block_size, num_blocks, dtype, device, calibration_token_ids); the
+        quantization comes from the config."""
         from tokenloom.model.runner import ModelRunner
 
-        return cls(ModelRunner(loaded, quantization=config.quantization, **runner_kwargs), worker_thread)
+        def build() -> ModelRunner:
+            return ModelRunner(loaded, quantization=config.quantization, **runner_kwargs)
+
+        runner = model_thread.call(build) if model_thread is not None else build()
+        return cls(runner, worker_thread, model_thread)
 
     def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.monotonic()
@@ -95,8 +139,8 @@ class UniProcExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if self._pool is not None:
-            queued = self._pool.submit(self._run, scheduler_output)
+        if self._thread is not None:
+            queued = self._thread.submit(self._run, scheduler_output)
             return queued if non_block else queued.result()
         if not non_block:
             return self._run(scheduler_output)
@@ -120,6 +164,6 @@ class UniProcExecutor(Executor):
             spec_decode.reset()
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        if self._thread is not None and self._owns_thread:
+            self._thread.shutdown()
+        self._thread = None

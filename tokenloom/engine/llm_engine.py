@@ -27,7 +27,7 @@ from tokenloom.core.prompt_fit import max_model_len_that_fits
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.executor import UniProcExecutor
+from tokenloom.engine.executor import ModelThread, UniProcExecutor
 from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
@@ -68,7 +68,12 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype, quantized=config.quantization == "gguf")
+        # Async scheduling: one thread owns the model from the load on and runs every step, so that
+        # the engine thread never starts an OpenMP team of its own (engine/executor.py, ModelThread).
+        async_scheduling = config.scheduler is not None and config.scheduler.async_scheduling
+        self._model_thread = ModelThread() if async_scheduling else None
+        on_model_thread = self._model_thread.call if self._model_thread is not None else _call_here
+        loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.model)
@@ -107,6 +112,7 @@ class LLMEngine:
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
         # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
         self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
+                                                    model_thread=self._model_thread,
                                                     block_size=cache_cfg.block_size,
                                                     num_blocks=num_blocks, dtype=dtype, device=device,
                                                     kv_cache_groups=kv_cache_groups,
@@ -117,7 +123,7 @@ class LLMEngine:
         self.speculative_config = config.speculative_config
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
         if self.speculative_config is not None:
-            self.runner.enable_speculative_decoding(self.speculative_config, sched_cfg.max_model_len)
+            on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler.structured_output_manager = self.structured_output_manager
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -289,9 +295,13 @@ class LLMEngine:
         self.clock = clock or self.clock
         self.executor.reset()
         if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
-            # Sync <-> async on the same loaded model: the runner moves into (or out of) a worker thread.
+            # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
+            # in both modes (sync steps run there one at a time); one built sync moves the runner into
+            # a worker thread of the executor's own, which then has a second OpenMP team (slower
+            # barriers on a small machine: build the engine with async scheduling to measure it).
             self.executor.shutdown()
-            self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling)
+            self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling,
+                                            model_thread=self._model_thread)
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
                                         speculative_config=self.speculative_config)
         self.scheduler.structured_output_manager = self.structured_output_manager
@@ -303,9 +313,15 @@ class LLMEngine:
     def close(self) -> None:
         self.engine_core.drain()
         self.executor.shutdown()
+        if self._model_thread is not None:
+            self._model_thread.shutdown()
         self.structured_output_manager.shutdown()
         if self.tracer is not None:
             self.tracer.close()
+
+
+def _call_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def check_speculative_engine(config: EngineConfig) -> None:
