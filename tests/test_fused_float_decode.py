@@ -237,9 +237,15 @@ def test_default_model_greedy_fp32_identical(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_default_model_greedy_bf16_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16: the fused step keeps activations float32 where the per-op path rounds them to bf16
-    between ops, so greedy text parts after a while (measured on 4 chat prompts x 32 tokens: first
-    divergence at tokens 8, 28, 11, never). Both must agree for the first 4 tokens of every prompt,
-    and the fused step must stay at least as close to the float32 model's text as the per-op path."""
+    between ops, so greedy text parts after a while (measured on an AVX2 CPU, 4 chat prompts x 32
+    tokens: first divergence at tokens 8, 28, 11, never). The fused step must stay at least as close
+    to the float32 model's text as the per-op path. Where both bf16 runs prefill alike (oneDNN cannot
+    pack bf16, so both run F.linear on plain weights) they must also agree for the first 4 tokens of
+    every prompt; where it can (AVX512-BF16), the per-op run's packed bf16 GEMMs round differently
+    from the first token on (measured there: per-op vs float32 parts at token 0 on one prompt, the
+    fused step at 8)."""
+    from tokenloom.model.linear import packing_enabled
+
     fused = _greedy_chats(monkeypatch, "bfloat16", True)
     per_op = _greedy_chats(monkeypatch, "bfloat16", False)
     fp32 = _greedy_chats(monkeypatch, "float32", False)
@@ -247,5 +253,6 @@ def test_default_model_greedy_bf16_close(monkeypatch: pytest.MonkeyPatch) -> Non
     vs_fp32 = {name: [_first_divergence(a, b) for a, b in zip(run, fp32)] for name, run in
                (("fused", fused), ("per-op", per_op))}
     print("bf16 fused vs per-op: first divergence per prompt", firsts, "; vs float32:", vs_fp32)
-    assert min(firsts) >= 4, firsts
+    if not packing_enabled(torch.device("cpu"), torch.bfloat16):
+        assert min(firsts) >= 4, firsts
     assert sum(vs_fp32["fused"]) >= sum(vs_fp32["per-op"]), vs_fp32

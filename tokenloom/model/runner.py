@@ -194,10 +194,12 @@ class ModelRunner:
         self.attn_backend = self.model.attn_backend
         if isinstance(self.attn_backend, CpuKernelAttentionBackend):
             # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
-            # Not with --quantization gguf: its fused decode step reads the plain layout.
+            # Not when the model has a fused decode step (--quantization gguf; plain float layer weights
+            # with TOKENLOOM_FUSED_FLOAT=1 or packing off): it reads the plain layout, and with the
+            # packed one it would decline every step while its plain weights slow the per-op path.
             self.attn_backend.kv_packed = bool(
                 self.dtype == torch.bfloat16
-                and quantization != "gguf"
+                and self.model.fused_step is None
                 and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
                 and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
             )
