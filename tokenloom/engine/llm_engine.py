@@ -73,7 +73,12 @@ class LLMEngine:
         async_scheduling = config.scheduler is not None and config.scheduler.async_scheduling
         self._model_thread = ModelThread() if async_scheduling else None
         on_model_thread = self._model_thread.call if self._model_thread is not None else _call_here
-        loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
+        try:
+            loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
+        except BaseException:
+            if self._model_thread is not None:  # a failed load leaves no idle thread behind
+                self._model_thread.shutdown()
+            raise
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.model)
