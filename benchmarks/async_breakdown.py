@@ -25,7 +25,9 @@ quant = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "none" else None
 dtype = sys.argv[2] if len(sys.argv) > 2 else "auto"
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 trace = Path(tempfile.mkdtemp()) / "s.jsonl"
-llm = LLM(dtype=dtype, quantization=quant, trace_steps=str(trace))
+# Built for async: the model lives on its one model thread, and the sync runs step there too (one
+# thread hop a step), so both modes have one OpenMP team (docs/async.md, "One thread owns the model").
+llm = LLM(dtype=dtype, quantization=quant, trace_steps=str(trace), async_scheduling=True)
 eng = llm.llm_engine
 model = eng.engine_core.executor.runner.model
 F = []
