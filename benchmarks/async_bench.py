@@ -121,10 +121,7 @@ def main() -> int:
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return 0
 
-    child_args = list(sys.argv[1:])
-    if "--json" in child_args:  # only the parent writes the report
-        k = child_args.index("--json")
-        del child_args[k:k + 2]
+    child_args = list(sys.argv[1:])  # a child measures and prints; only this process writes --json
     results: dict[str, dict[str, list]] = {m: {"tpot_ms": [], "w1_tok_s": [], "single_host": [], "w1_host": [],
                                                "accepted_per_step": []}
                                            for m in ("sync", "async")}  # fmt: skip

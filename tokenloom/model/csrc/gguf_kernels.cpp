@@ -869,23 +869,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
     // hardware prefetcher alone left the batch-1 decode step at half the memory bandwidth).
     for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchGroups * TB + o), _MM_HINT_T0);
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    if constexpr (T == kQ8_0 && MT == 1 && TLQ_VNNI) {
-      // Batch 1 with VNNI: the weights flipped to unsigned (w + 128, one xor) go straight into
-      // vpdpbusd against the signed activations: sum((w + 128) x) = sum(w x) + 128 sum(x), and
-      // 128 d_w d_x sum(x) = 128 d_w s_x comes off in the second accumulator. Two ops per vector
-      // instead of the sign trick's three.
-      const int8_t* x = xq[0] + 32 * g;
-      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-      for (int j = 0; j < 8; j += 2) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 48 + 32 * j));
-        s0 = dpbusd(s0, _mm256_xor_si256(w0, flip), bcast4(x + 4 * j));
-        s1 = dpbusd(s1, _mm256_xor_si256(w1, flip), bcast4(x + 4 * j + 4));
-      }
-      acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_mul_ps(dv, _mm256_set1_ps(xd[0][g])), acc[0]);
-      accb[0] = _mm256_fnmadd_ps(dv, _mm256_set1_ps(128.0f * xs[0][g]), accb[0]);
-    } else if constexpr (T == kQ8_0 && MT == 1) {
+    if constexpr (T == kQ8_0 && MT == 1) {
       // Batch 1: each weight vector loaded and used once, two integer chains, and the float sums of
       // even and odd groups in acc / accb (two fmadd chains): 2-3 % over the generic form below in a
       // stand-alone stream of 117 MB, which is within ~10 % of a plain read of the same bytes.
