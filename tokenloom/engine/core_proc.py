@@ -93,13 +93,16 @@ def run_engine_core(
 
 
 def pin_cpus(cpus: list[int]) -> None:
-    """Run on `cpus` only, with one torch thread per core (the runner sizes its pool from the affinity,
-    tokenloom/model/runner.py configure_cpu_threads; OMP_NUM_THREADS, when the user set it, still wins)."""
+    """Run on `cpus` only, with one torch thread per core less VLLM_CPU_NUM_OF_RESERVED_CPU (the runner
+    sizes its pool from the affinity, tokenloom/model/platform.py configure_cpu_threads; OMP_NUM_THREADS,
+    when the user set it, still wins)."""
     os.sched_setaffinity(0, cpus)
     import torch
 
+    from tokenloom.model.platform import model_threads
+
     if not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(len(cpus))
+        torch.set_num_threads(model_threads(len(cpus)))
 
 
 def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:

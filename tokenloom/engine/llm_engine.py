@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -50,7 +51,7 @@ class LLMEngine:
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
         from tokenloom.model.loader import load_model, resolve_model_path
-        from tokenloom.model.platform import resolve_device, resolve_dtype
+        from tokenloom.model.platform import model_threads, resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
         parallel = config.parallel
@@ -66,6 +67,11 @@ class LLMEngine:
         if config.quantization is not None and device.type != "cpu":  # before minutes of loading
             raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
         dtype = resolve_dtype(config.dtype, device)
+        if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+            try:  # a bad VLLM_CPU_NUM_OF_RESERVED_CPU fails here, before the weights load
+                model_threads(len(os.sched_getaffinity(0)))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         # Async scheduling: one thread owns the model from the load on and runs every step, so that

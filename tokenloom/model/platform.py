@@ -3,7 +3,8 @@
 Threads (CPU): torch intra-op threads = usable cores (oneDNN GEMMs scale with them), inter-op
 threads = 1 (nothing runs concurrently); OMP_NUM_THREADS overrides. On an oversubscribed machine
 2 OpenMP threads can be much slower than 1 (every op waits at a barrier for a descheduled thread):
-give the engine its cores, or set OMP_NUM_THREADS=1.
+give the engine its cores, or set OMP_NUM_THREADS=1. VLLM_CPU_NUM_OF_RESERVED_CPU=N (vLLM's) leaves N
+cores out of the model's threads: for async scheduling's engine thread, on a machine with cores to spare.
 """
 
 from __future__ import annotations
@@ -60,12 +61,42 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
 
 
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def reserved_cpus() -> int:
+    """vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU: how many usable cores the model's OpenMP threads leave
+    to the rest of the process (0 when unset, vLLM's default for one engine). With async scheduling
+    the engine thread schedules while the kernels run; a core of its own keeps it from displacing a
+    kernel thread, which stalls the whole parallel region at its next barrier (docs/async.md)."""
+    raw = os.environ.get(RESERVED_CPU_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        reserved = int(raw)
+    except ValueError:
+        raise ValueError(f"{RESERVED_CPU_ENV}={raw!r} is not a whole number of cores") from None
+    if reserved < 0:
+        raise ValueError(f"{RESERVED_CPU_ENV}={reserved} must be 0 or more")
+    return reserved
+
+
+def model_threads(usable_cpus: int) -> int:
+    """OpenMP threads for the model on `usable_cpus` cores: all of them less the reserved ones."""
+    reserved = reserved_cpus()
+    if reserved >= usable_cpus:
+        raise ValueError(f"{RESERVED_CPU_ENV}={reserved} leaves no core for the model: "
+                         f"this process may use {usable_cpus}")  # fmt: skip
+    return usable_cpus - reserved
+
+
 def configure_cpu_threads() -> None:
-    """One intra-op thread per usable core (oneDNN GEMMs scale with it); a single inter-op thread,
-    since the forward never runs two ops concurrently. OMP_NUM_THREADS, when set, wins."""
+    """One intra-op thread per usable core (oneDNN GEMMs scale with it), less the cores reserved by
+    VLLM_CPU_NUM_OF_RESERVED_CPU; a single inter-op thread, since the forward never runs two ops
+    concurrently. OMP_NUM_THREADS, when set, wins."""
     if os.environ.get("OMP_NUM_THREADS"):
         return
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(model_threads(len(os.sched_getaffinity(0))))
     # Raises once the process has done parallel work; whatever was fixed then stays.
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
