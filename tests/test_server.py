@@ -125,7 +125,7 @@ def test_n_completions_and_seed_reproducibility(client) -> None:
 
 def test_batch_of_prompts(client) -> None:
     out = client.completions.create(model=MODEL, prompt=["first prompt", "second"], max_tokens=4, n=2,
-                                    temperature=0.0, extra_body={"ignore_eos": True})
+                                    temperature=0.8, seed=0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
     assert out.usage.completion_tokens == 16
     ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0.0,

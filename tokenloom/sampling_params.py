@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
 _UNLIMITED = 1 << 30
@@ -117,18 +120,25 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM: -1 means no seed
+            self.seed = None
         if self.logit_bias:
-            self.logit_bias = {int(t): min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
+            self.logit_bias = _logit_bias_ids(self.logit_bias)
         self._verify()
 
     def _verify(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
+        verify_num_sequences(self.n, "n")
+        if not math.isfinite(self.temperature):
+            bad(f"temperature must be a finite number, got {self.temperature}.")
         if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}")
+            bad(f"temperature must be non-negative, got {self.temperature}.")
+        if self.temperature > 2.0:
+            bad(f"temperature must be in [0, 2], got {self.temperature}.")
+        if self.greedy and self.n > 1:  # vLLM: n greedy samples would all be the same text
+            bad(f"n must be 1 when using greedy sampling, got {self.n}.")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -139,8 +149,10 @@ class SamplingParams:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not 0.0 < self.repetition_penalty <= 2.0 + 1e-9 and self.repetition_penalty != 1.0:
-            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not math.isfinite(self.repetition_penalty):
+            bad(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -170,6 +182,9 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:
+            check_json_nesting(self.structured_outputs.json)
+            check_json_nesting(self.structured_outputs.structural_tag, structural_tag=True)
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -200,6 +215,76 @@ class SamplingParams:
 
 # vLLM's VLLM_MAX_N_SEQUENCES default: the most beams (or parallel samples) one request may ask for.
 MAX_BEAM_WIDTH = 16384
+# vLLM's bound on nested objects and arrays in a structured-output JSON schema (grammar compilation
+# grows steeply with nesting; OpenAI allows 10 levels), and the extra levels a structural tag's wrapper
+# adds around its schemas.
+MAX_STRUCTURED_OUTPUT_JSON_NESTING = 64
+STRUCTURAL_TAG_WRAPPER_NESTING = 16
+
+
+def max_n_sequences() -> int:
+    """VLLM_MAX_N_SEQUENCES (vLLM's variable, default 16384): the most samples one request may ask for."""
+    raw = os.environ.get("VLLM_MAX_N_SEQUENCES", "").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else MAX_BEAM_WIDTH
+
+
+def verify_num_sequences(value: Any, name: str) -> None:
+    """vLLM's _verify_num_sequences, its messages."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, but is of type {type(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+    cap = max_n_sequences()
+    if value > cap:
+        raise ValueError(f"{name} must be at most {cap}, got {value}. To increase this limit, set the "
+                         "VLLM_MAX_N_SEQUENCES environment variable.")
+
+
+def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:
+    """Token-id keys (JSON gives strings), biases clamped to [-100, 100]; every key that is not an
+    integer named in one error (vLLM's message)."""
+    out: dict[int, float] = {}
+    invalid = []
+    for token, bias in logit_bias.items():
+        try:
+            token_id = int(token)
+        except (ValueError, TypeError):  # also a key of thousands of digits (int()'s digit limit)
+            invalid.append(token)
+            continue
+        out[token_id] = min(max(float(bias), -100.0), 100.0)
+    if invalid:
+        shown = [t[:40] + "..." if isinstance(t, str) and len(t) > 40 else t for t in invalid[:10]]
+        raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}")
+    return out
+
+
+def _exceeds_json_nesting(spec: Any, limit: int) -> bool:
+    """Whether a JSON document (or its text) nests objects and arrays deeper than `limit`, walked level
+    by level (no recursion, so a hostile depth cannot overflow the stack)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except RecursionError:
+            return True
+        except ValueError:  # malformed JSON is the grammar backend's to report
+            return False
+    level: list[Any] = [spec]
+    for _ in range(limit):
+        children = (child for node in level if isinstance(node, (dict, list))
+                    for child in (node.values() if isinstance(node, dict) else node))  # fmt: skip
+        level = [child for child in children if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def check_json_nesting(spec: Any, *, structural_tag: bool = False) -> None:
+    """vLLM's check_json_nesting: refuse a schema nested more than MAX_STRUCTURED_OUTPUT_JSON_NESTING
+    levels (a structural tag gets its wrapper's levels on top)."""
+    limit = MAX_STRUCTURED_OUTPUT_JSON_NESTING + (STRUCTURAL_TAG_WRAPPER_NESTING if structural_tag else 0)
+    if spec and _exceeds_json_nesting(spec, limit):
+        raise ValueError("The JSON schema is nested too deeply: objects and arrays may nest at most "
+                         f"{MAX_STRUCTURED_OUTPUT_JSON_NESTING} levels")
 
 
 @dataclass

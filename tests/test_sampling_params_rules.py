@@ -1,0 +1,83 @@
+"""SamplingParams holds vLLM 0.32's rules (vllm/sampling_params.py) with its messages, so the offline LLM
+and the server refuse and accept the same values vLLM does."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.sampling_params import (
+    MAX_STRUCTURED_OUTPUT_JSON_NESTING,
+    SamplingParams,
+    StructuredOutputsParams,
+    check_json_nesting,
+)
+from tokenloom.server.errors import APIError
+from tokenloom.server.params import check_request_chat_template
+from tokenloom.server.protocol import ChatCompletionRequest
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n": 2, "temperature": 0.0}, "n must be 1 when using greedy sampling, got 2."),
+    ({"temperature": 2.5}, "temperature must be in [0, 2], got 2.5."),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"temperature": -0.1}, "temperature must be non-negative"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be greater than zero"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+    ({"n": 0}, "n must be at least 1, got 0."),
+    ({"n": 20_000}, "VLLM_MAX_N_SEQUENCES"),
+    ({"n": True}, "n must be an int"),
+    ({"logit_bias": {"x": 1.0, "7": 2.0, "9" * 5000: 1.0}}, "cannot be converted to integer token IDs"),
+])  # fmt: skip
+def test_vllm_refusals(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        SamplingParams(**kwargs)
+
+
+def test_vllm_acceptances():
+    assert SamplingParams(seed=-1).seed is None  # -1: no seed
+    assert SamplingParams(repetition_penalty=3.0).repetition_penalty == 3.0  # any finite value > 0
+    assert SamplingParams(temperature=2.0, n=4).n == 4
+    assert SamplingParams(n=1, temperature=0.0).greedy
+    assert SamplingParams(logit_bias={"5": 300.0}).logit_bias == {5: 100.0}  # clamped
+
+
+def test_max_n_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")
+    SamplingParams(n=4, temperature=1.0)
+    with pytest.raises(ValueError, match="n must be at most 4, got 5"):
+        SamplingParams(n=5, temperature=1.0)
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_nesting_bound():
+    # {"type": "object", "properties": {...}}: two JSON levels per schema level.
+    ok = _nested(MAX_STRUCTURED_OUTPUT_JSON_NESTING // 2)
+    check_json_nesting(ok)
+    SamplingParams(structured_outputs=StructuredOutputsParams(json=ok))
+    deep = _nested(MAX_STRUCTURED_OUTPUT_JSON_NESTING)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(json=deep))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        check_json_nesting("[" * 100_000 + "]" * 100_000)  # too deep even for json.loads: no RecursionError
+    check_json_nesting("not json")  # malformed text is the grammar backend's to report
+
+
+def test_request_chat_template_needs_trust():
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template": "{{ 'X' }}"})
+    with pytest.raises(APIError, match="--trust-request-chat-template"):
+        check_request_chat_template(chat, trusted=False)
+    check_request_chat_template(chat, trusted=True)
+    kwargs = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                   "chat_template_kwargs": {"chat_template": "y"}})
+    with pytest.raises(APIError):
+        check_request_chat_template(kwargs, trusted=False)
+    plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    check_request_chat_template(plain, trusted=False)
