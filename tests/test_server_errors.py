@@ -89,6 +89,16 @@ BAD_COMPLETIONS = [
     ({"guided_json": {"type": "strin"}}, "guided_json"),  # not a JSON schema
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
     ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "guided_regex"),  # two constraints
+    # vLLM 0.32's sampling rules (vllm/sampling_params.py), its messages
+    ({"n": 2, "temperature": 0}, "n"),  # n greedy samples would all be the same
+    ({"temperature": 5}, "temperature"),  # [0, 2]
+    ({"temperature": 1e308}, "temperature"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"n": 20_000}, "n"),  # > VLLM_MAX_N_SEQUENCES
+    ({"prompt": ["x"] * 1025}, "prompt"),  # > VLLM_MAX_COMPLETION_PROMPTS
+    ({"prompt": ["x"] * 600, "n": 2}, "n"),  # 1,200 sequences can never fit --max-waiting-requests (1,024)
+    ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),  # beyond int()'s digit limit
+    ({"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0}, "logprob_token_ids"),
 ]
 
 
@@ -116,6 +126,10 @@ BAD_CHATS = [
       "function": {"name": "g"}}}, "tool_choice"),  # not among the tools
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": []}, "tools"),  # vLLM: omit the field instead
+    ({"n": 2, "temperature": 0}, "n"),
+    ({"chat_template": "{{ 'X' }}"}, None),  # needs --trust-request-chat-template
+    ({"chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}, None),
 ]
 
 
@@ -129,6 +143,65 @@ def test_malformed_bodies_are_400(http) -> None:
                 b'{"prompt": "a", "max_tokens": 4, "temperature": 1e999}', b"\xff\xfe", b"[" * 10_000]:
         r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
         _assert_error(r, 400)
+
+
+def test_lone_surrogates_are_400_and_the_connection_stays_usable(http) -> None:
+    """JSON can escape half a UTF-16 pair, which is no character: a 400 naming it (it was a 500 from the
+    tokenizer, or from encoding the 404 body, and each 500 also reset the keep-alive connection)."""
+    bodies = [("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}'),
+              ("/v1/completions", b'{"model": "\\ud800", "prompt": "a", "max_tokens": 2}'),
+              ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+              ("/tokenize", b'{"model": "tiny", "prompt": "\\ud800"}')]
+    for path, raw in bodies:
+        err = _assert_error(http.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
+        assert "surrogate" in err["message"]
+        ok = http.post("/v1/completions", json=CMPL)  # same client, same keep-alive connection
+        assert ok.status_code == 200, ok.text
+    # A real pair is a character (an emoji): accepted.
+    emoji = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'
+    assert http.post("/v1/completions", content=emoji, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+def test_json_bodies_need_the_json_content_type(http) -> None:
+    body = json.dumps(CMPL).encode()
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        err = _assert_error(http.post("/v1/completions", content=body, headers=headers), 400)
+        assert "Only 'application/json' is allowed" in err["message"]
+    ok = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_deeply_nested_schema_is_400(http) -> None:
+    schema: dict = {"type": "string"}
+    for _ in range(200):
+        schema = {"type": "object", "properties": {"a": schema}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    err = _assert_error(http.post("/v1/chat/completions", json={**CHAT, "response_format": fmt}), 400)
+    assert "nested too deeply" in err["message"] or "nest" in err["message"], err
+
+
+def test_what_vllm_accepts_is_accepted(http) -> None:
+    """Values vLLM 0.32 takes that tokenloom once refused (or mis-read)."""
+    accepted = [
+        ("/v1/completions", {**CMPL, "stream_options": {}}),  # empty stream options without a stream
+        ("/v1/completions", {**CMPL, "repetition_penalty": 3.0}),  # vLLM: any finite value > 0
+        ("/v1/completions", {**CMPL, "seed": -1}),  # -1: no seed
+        ("/v1/completions", {**CMPL, "stop": [f"stop{i}" for i in range(40)]}),  # no cap on stop strings
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}),  # 0 without logprobs
+    ]
+    for path, body in accepted:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, (body, r.text)
+    r = http.post("/v1/completions", json={**CMPL, "prompt_logprobs": 0, "stream": True})  # 0 streams
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+
+def test_completion_max_tokens_null_means_16(http) -> None:
+    """vLLM's completions turn an explicit null into the default (16), not 'until the context is full'."""
+    body = {**CMPL, "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16
 
 
 def test_unknown_model_route_and_method(http) -> None:
@@ -152,7 +225,7 @@ def test_oversized_bodies_are_413(http) -> None:
             yield b"y" * 1000
         yield b'"}'
 
-    _assert_error(http.post("/v1/completions", content=chunks()), 413)
+    _assert_error(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
     # Far beyond the socket buffers: the 413 goes out before the body is read, and the rest is drained so
     # the client (which writes everything before reading) reads it instead of a connection reset.
     huge = b'{"prompt": "' + b"z" * (16 << 20) + b'"}'

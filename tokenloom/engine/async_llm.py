@@ -200,11 +200,7 @@ class AsyncLLM:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids, params)
-        if self.max_waiting_requests is not None and self.num_waiting + params.n > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting} requests are waiting "
-                f"(limit {self.max_waiting_requests}); retry later"
-            )
+        self.check_admission(params.n)
         arrival = time.monotonic()
         extra_eos = getattr(self.info, "extra_eos_token_ids", None)
         if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
@@ -219,6 +215,25 @@ class AsyncLLM:
             self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
                                                arrival, priority))
         self._num_sent += len(cores)
+
+    def check_admission(self, num_sequences: int) -> None:
+        """Whether `num_sequences` more sequences (a request's n, times its prompts for a batch) may wait:
+        a request larger than the whole limit can never be admitted (InvalidRequestError, 400: retrying
+        cannot help); one that does not fit now is EngineOverloadedError (429, retry later). A batch
+        checks once before adding any, so it is never half admitted."""
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        if num_sequences > limit:
+            raise InvalidRequestError(
+                f"the request asks for {num_sequences} sequences (prompts x n), more than the server lets wait "
+                f"at once ({limit}, --max-waiting-requests): split it into smaller requests", "n"
+            )
+        if self.num_waiting + num_sequences > limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.num_waiting} requests are waiting "
+                f"(limit {limit}); retry later"
+            )
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """What the scheduler would reject, said up front with vLLM's wording (HTTP 400)."""

@@ -151,6 +151,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(exc_type, handler)
 
     handle(InvalidRequestError, 400)
+    # vLLM's fallbacks for exceptions raised on bad input: a 400 (501 for what is not implemented)
+    # rather than a 500, which Starlette would also re-raise into uvicorn, closing the connection.
+    for bad_input in (ValueError, TypeError, OverflowError, RecursionError):
+        handle(bad_input, 400)
+    handle(NotImplementedError, 501)
     handle(EngineOverloadedError, 429, {"Retry-After": "1"})
     handle(EngineDeadError, 503)
     handle(EngineDrainingError, 503)

@@ -24,6 +24,9 @@ async def read_json(request: Request, limit: int) -> dict:
     cached = getattr(request.state, "body", None)  # /invocations read it already
     if cached is not None:
         return cached
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":  # vLLM's validate_json_request, its message
+        raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -42,7 +45,21 @@ async def read_json(request: Request, limit: int) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(obj).__name__}")
+    _refuse_lone_surrogates(obj)
     return obj
+
+
+def _refuse_lone_surrogates(obj: dict) -> None:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"), which is no Unicode character: the tokenizer and
+    every UTF-8 encoder downstream would raise on it. One encode of the whole body finds any."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"the request body contains a lone UTF-16 surrogate "
+                            f"({exc.object[exc.start:exc.end].encode('unicode_escape').decode()}), which is not "
+                            "valid Unicode text") from None
+    except RecursionError:  # nested deeper than json.dumps recurses; json.loads took it, so refuse it here
+        raise APIError(400, "the request body is nested too deeply") from None
 
 
 def parse_model(cls: type[M], obj: dict) -> M:

@@ -89,6 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "every tool were strict)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="do not show the tools to the chat template when tool_choice is none")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template sent with a request (a Jinja program); refused with 400 otherwise")
     p.set_defaults(func=_serve)
 
 
@@ -114,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_strict_level=args.tool_strict_level,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     try:
         config.validate_tools()

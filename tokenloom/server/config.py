@@ -36,6 +36,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # a name in tokenloom.server.tool_parsers.TOOL_PARSERS
     tool_strict_level: str = "auto"  # "auto" | "function" | "parameter" (vLLM's --tool-strict-level)
     exclude_tools_when_tool_choice_none: bool = False
+    # A request's own chat_template (a Jinja program) is refused unless this is set (vLLM's flag).
+    trust_request_chat_template: bool = False
 
     def usage_details(self, endpoint: str, use_beam_search: bool | None) -> str | None:
         """UsageCounter's `details` for "completion" or "chat": None unless --enable-prompt-tokens-details,

@@ -39,6 +39,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     err_type = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    # A message quoting the client's input may carry a lone surrogate, which UTF-8 cannot encode.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 

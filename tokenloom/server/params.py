@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.generation_config import server_default
-from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 
 if TYPE_CHECKING:
     from tokenloom.model.tokenizer import Tokenizer
 
-# Guards against one request fanning out into an unbounded amount of work.
-MAX_N = 128
-MAX_STOP_STRINGS = 32
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
@@ -36,22 +34,23 @@ def resolve_logprobs(value: int | None, name: str, vocab_size: int, max_logprobs
 
 
 def _check_common(req: SamplingRequest, vocab_size: int) -> None:
-    if not 1 <= req.n <= MAX_N:
-        raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {req.n}", "n")
-    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
-    if req.stream_options is not None and not req.stream:
-        # OpenAI and vLLM: stream_options only make sense on a stream.
-        raise APIError(400, "stream_options can only be set when stream is true", "stream_options")
+    try:  # vLLM's bounds (VLLM_MAX_N_SEQUENCES) and its messages
+        verify_num_sequences(req.n, "n")
+    except ValueError as exc:
+        raise APIError(400, str(exc), "n") from None
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
+        # vLLM: stream options (an empty object aside) only make sense on a stream.
+        raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
     if req.logit_bias:
         bad_keys = [k for k in req.logit_bias if not k.strip().lstrip("-").isdigit()]
         if bad_keys:  # every bad key, not just the first (vLLM)
-            raise APIError(400, f"logit_bias keys must be token ids, got {', '.join(map(repr, bad_keys))}",
+            raise APIError(400, f"logit_bias keys must be token ids, got {', '.join(repr(k[:40]) for k in bad_keys)}",
                            "logit_bias")
-        out = [int(k) for k in req.logit_bias if not 0 <= int(k) < vocab_size]
+        # A key of more digits than any vocabulary has is out of it (and int() refuses >4,300 digits).
+        out = [k.strip() for k in req.logit_bias
+               if len(k.strip().lstrip("-")) > 18 or not 0 <= int(k) < vocab_size]  # fmt: skip
         if out:
-            raise APIError(400, f"logit_bias has token id {out[0]}, out of vocabulary (size {vocab_size})",
+            raise APIError(400, f"logit_bias has token id {out[0][:40]}, out of vocabulary (size {vocab_size})",
                            "logit_bias")
     for name in ("allowed_token_ids", "logprob_token_ids", "stop_token_ids"):
         ids = getattr(req, name) or []
@@ -60,8 +59,8 @@ def _check_common(req: SamplingRequest, vocab_size: int) -> None:
             raise APIError(400, f"{name} has token id {bad}, out of vocabulary (size {vocab_size})", name)
     if req.allowed_token_ids is not None and not req.allowed_token_ids:
         raise APIError(400, "allowed_token_ids must not be empty", "allowed_token_ids")
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    if req.prompt_logprobs is not None and req.stream and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     if req.truncation_side is not None and req.truncate_prompt_tokens is None:
         raise APIError(400, "truncation_side needs truncate_prompt_tokens", "truncation_side")
 
@@ -74,7 +73,8 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
     d = defaults or {}
     try:
         return SamplingParams(
-            n=req.n,
+            # Beam search builds its own BeamSearchParams (width n); these are only its max_tokens.
+            n=1 if getattr(req, "use_beam_search", False) else req.n,
             temperature=server_default(d, "temperature", req.temperature, 1.0),
             top_p=server_default(d, "top_p", req.top_p, 1.0),
             top_k=server_default(d, "top_k", req.top_k, 0),
@@ -132,12 +132,27 @@ def truncate_prompt(ids: list[int], req: SamplingRequest, max_model_len: int) ->
 
 
 # Completions --------------------------------------------------------------------------------------
+def max_completion_prompts() -> int:
+    """VLLM_MAX_COMPLETION_PROMPTS (vLLM's variable, default 1024): the most prompts one request may batch."""
+    raw = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "").strip()
+    return int(raw) if raw.isdigit() else 1024
+
+
 def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt) \
+            and len(prompt) > max_completion_prompts():
+        raise APIError(400, f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                            f"{max_completion_prompts()}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
+                            "environment variable.", "prompt")
     _check_common(req, vocab_size)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (other than equal to n)", "best_of")
+    if req.logprob_token_ids and req.echo and req.max_tokens == 0:
+        raise APIError(400, "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                            "output tokens are generated.", "logprob_token_ids")
     if req.logprob_token_ids and req.logprobs is None:
         raise APIError(400, "when using logprob_token_ids, logprobs must be set", "logprob_token_ids")
     if req.max_tokens == 0 and not req.echo:
@@ -153,6 +168,8 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
     if prompt_logprobs is None and req.echo and logprobs is not None:
         prompt_logprobs = logprobs
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
+    if max_tokens is None:  # vLLM turns an explicit null into the default, 16, not "as many as fit"
+        max_tokens = CompletionRequest.model_fields["max_tokens"].default
     if "max_tokens" not in req.model_fields_set and max_tokens is not None:
         # The default (16), not the client's number: like vLLM, clamp it to the room the context leaves.
         max_tokens = min(max_tokens, max(max_model_len - prompt_len, 1))
@@ -189,12 +206,24 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
 
 
 # Chat ---------------------------------------------------------------------------------------------
+def check_request_chat_template(req: ChatCompletionRequest | Any, trusted: bool) -> None:
+    """vLLM: a chat template sent with the request (a Jinja program the server would run) is refused
+    unless the server was started with --trust-request-chat-template."""
+    kwargs = getattr(req, "chat_template_kwargs", None) or {}
+    if not trusted and (getattr(req, "chat_template", None) is not None or kwargs.get("chat_template") is not None):
+        raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                            "Refused request with untrusted chat template.")
+
+
 def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
     _check_common(req, vocab_size)
     if not req.messages:
         raise APIError(400, "messages must be a non-empty list", "messages")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    if req.top_logprobs is not None and (req.top_logprobs > 0 or req.top_logprobs == -1) and not req.logprobs:
+        raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    if req.tools is not None and not req.tools:
+        raise APIError(400, "`tools` must not be an empty array. Either provide at least one tool or omit the "
+                            "field entirely.", "tools")
     if req.logprob_token_ids and not req.logprobs:
         raise APIError(400, "when using logprob_token_ids, logprobs must be set to true", "logprob_token_ids")
     if req.add_generation_prompt and req.continue_final_message:

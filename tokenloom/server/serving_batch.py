@@ -46,6 +46,7 @@ async def create_batch_chat_completion(raw: Request) -> Response:
     suffix = uuid.uuid4().hex[:8]
     ids = [f"{request_id}_{i}-{suffix}" for i in range(len(parsed))]
     engine = state.engine
+    engine.check_admission(sum(req.n for req, _, _ in parsed))  # the whole batch, before any of it is queued
     stream = engine.open_stream()
     try:
         for rid, (req, prompt_ids, extras) in zip(ids, parsed):

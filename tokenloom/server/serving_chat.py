@@ -23,7 +23,14 @@ from tokenloom.server.beam_search import (
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, request_priority, response_headers
-from tokenloom.server.params import chat_params, check_chat_request, message_text, render_chat, truncate_prompt
+from tokenloom.server.params import (
+    chat_params,
+    check_chat_request,
+    check_request_chat_template,
+    message_text,
+    render_chat,
+    truncate_prompt,
+)
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
@@ -57,6 +64,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     state.model_name(req.model)
     check_chat_request(req, state.vocab_size)
     config = state.config
+    check_request_chat_template(req, config.trust_request_chat_template)
     parser = config.tool_call_parser if config.enable_auto_tool_choice else None
     tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
     # In the tokenizer thread: checking a large schema (and, on the first constraint, importing

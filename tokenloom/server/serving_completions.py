@@ -53,6 +53,8 @@ async def create_completion(raw: Request) -> Response:
     engine = state.engine
     stream: RequestStream | BeamSearchStream
     stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
+    if not req.use_beam_search:  # the whole batch, before any of it is queued
+        engine.check_admission(sum(p.n for p in params))
     try:
         for rid, (text, token_ids), p in zip(ids, prompts, params):
             if isinstance(stream, BeamSearchStream):

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
-from tokenloom.server.params import render_chat
+from tokenloom.server.params import check_request_chat_template, render_chat
 from tokenloom.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from tokenloom.server.state import get_state
 
@@ -21,6 +21,7 @@ async def tokenize(raw: Request) -> JSONResponse:
     if "messages" in obj:
         chat = parse_model(TokenizeChatRequest, obj)
         state.model_name(chat.model)
+        check_request_chat_template(chat, state.config.trust_request_chat_template)
         ids = await state.in_tokenizer_thread(
             render_chat, tok, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
             chat.chat_template_kwargs, chat.add_special_tokens, chat.chat_template,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.sampling_params import StructuredOutputsParams, check_json_nesting
 from tokenloom.server.errors import APIError
 
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace")
@@ -107,8 +107,10 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
     from tokenloom.model.grammar import validate_structured_outputs
 
     try:
+        check_json_nesting(so.json)  # vLLM's bound, before the compiler sees a hostile depth
+        check_json_nesting(so.structural_tag, structural_tag=True)
         validate_structured_outputs(so)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise APIError(400, f"{field}: {exc}", field) from None
     return so
 
