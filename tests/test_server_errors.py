@@ -99,6 +99,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ["x"] * 600, "n": 2}, "n"),  # 1,200 sequences can never fit --max-waiting-requests (1,024)
     ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),  # beyond int()'s digit limit
     ({"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0}, "logprob_token_ids"),
+    ({"suffix": ""}, "suffix"),  # vLLM: any suffix needs FIM rendering
 ]
 
 

@@ -146,8 +146,8 @@ def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
                             f"{max_completion_prompts()}. To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS "
                             "environment variable.", "prompt")
     _check_common(req, vocab_size)
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", "suffix")
+    if req.suffix is not None:  # vLLM: any suffix, "" too, needs a model with FIM rendering (none here)
+        raise APIError(400, "suffix is only supported for models with FIM completion rendering", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (other than equal to n)", "best_of")
     if req.logprob_token_ids and req.echo and req.max_tokens == 0:
