@@ -124,6 +124,35 @@ def test_stop_string_truncates_and_frees(tiny) -> None:
     assert tiny.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
 
 
+def test_min_tokens_holds_back_stop_strings_as_vllm(tiny) -> None:
+    """vLLM checks stop strings only once the output is longer than min_tokens, and only one ending in the
+    text of a token past the first min_tokens: a stop string completed by token m ends the output with
+    min_tokens = m - 1, not with min_tokens = m (it was one token early)."""
+    engine = tiny.llm_engine
+    prompt = "Once upon a"
+    rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    offsets, text = [0], ""  # text length after each token, as the engine's own detokenizer builds it
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                text = out.outputs[0].text
+                offsets.append(len(text))
+    m = next(i for i in range(3, 15) if offsets[i] > offsets[i - 1])  # a token with text of its own
+    stop = text[offsets[m - 1]:offsets[m]]
+
+    def expected(min_tokens: int) -> str:
+        idx = text.find(stop)
+        while idx != -1 and idx + len(stop) <= offsets[min_tokens]:  # ends within the first min_tokens
+            idx = text.find(stop, idx + 1)
+        return text if idx == -1 else text[:idx]
+
+    for min_tokens in (m - 1, m):
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+        got = tiny.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert got.text == expected(min_tokens), (min_tokens, m, stop)
+    assert expected(m - 1) != expected(m)  # the case tells the off-by-one apart
+
+
 def test_streaming_deltas_never_show_a_stop_string(tiny) -> None:
     engine = tiny.llm_engine
     base = tiny.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].text

@@ -186,7 +186,10 @@ class OutputProcessor:
     @staticmethod
     def _find_stop_string(comp: _Completion, old_len: int) -> str | None:
         stops = comp.params.stop
-        if not stops or comp.core_request.num_output_tokens < comp.params.min_tokens:
+        # vLLM (v1/engine/detokenizer.py): stop strings count only once the output is longer than
+        # min_tokens, and only one ending in the text of a token past the first min_tokens (tokens
+        # are folded one at a time when there are stop strings, so old_len is then that boundary).
+        if not stops or len(comp.token_ids) <= comp.params.min_tokens:
             return None
         best: tuple[int, str] | None = None
         for s in stops:
