@@ -112,12 +112,10 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages"),
-    ({"messages": [{"role": "user"}]}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"max_completion_tokens": -3}, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),  # the message names the allowed roles
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # without tools
     ({"logprobs": "yes"}, "logprobs"),
     ({"guided_choice": []}, "guided_choice"),
@@ -128,6 +126,12 @@ BAD_CHATS = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tools": []}, "tools"),  # vLLM: omit the field instead
+    # Assistant tool-call history in OpenAI's shape (id, type "function", function name + arguments text)
+    ({"messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}, {"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "f", "arguments": {"a": 1}}}]}, {"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}, {"role": "user", "content": "hi"}]}, "messages"),
     ({"n": 2, "temperature": 0}, "n"),
     ({"chat_template": "{{ 'X' }}"}, None),  # needs --trust-request-chat-template
     ({"chat_template_kwargs": {"chat_template": "{{ 'X' }}"}}, None),
@@ -189,10 +193,31 @@ def test_what_vllm_accepts_is_accepted(http) -> None:
         ("/v1/completions", {**CMPL, "seed": -1}),  # -1: no seed
         ("/v1/completions", {**CMPL, "stop": [f"stop{i}" for i in range(40)]}),  # no cap on stop strings
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}),  # 0 without logprobs
+        # vLLM's message shapes: any role (the template decides), plain-string parts, refusal parts, a text
+        # part without text (skipped), no content at all, well-formed tool-call history
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": ["hi", "there"]}]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+            {"type": "refusal", "refusal": "no"}, {"type": "text", "text": None},
+            {"type": "input_text", "text": "x"}]}]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user"}]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}),
     ]
     for path, body in accepted:
         r = http.post(path, json=body)
         assert r.status_code == 200, (body, r.text)
+    # Parts render as their texts joined by newlines, as vLLM's "string" content format.
+    def tokens(content) -> list[int]:
+        r = http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    parts = ["hi", {"type": "text", "text": None}, {"type": "refusal", "refusal": "there"}]
+    assert tokens(parts) == tokens("hi\nthere")
     r = http.post("/v1/completions", json={**CMPL, "prompt_logprobs": 0, "stream": True})  # 0 streams
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 

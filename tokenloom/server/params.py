@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
-from tokenloom.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
+from tokenloom.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+    SamplingRequest,
+)
 
 if TYPE_CHECKING:
     from tokenloom.model.tokenizer import Tokenizer
@@ -243,19 +249,30 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int,
                             structured_outputs=structured_outputs)
 
 
+# vLLM's text-like content parts, each with the key that holds its text.
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                   "thinking": "thinking"}
+
+
+def _part_text(i: int, part: ContentPart | str) -> str | None:
+    """A content part's text (None: a text part without text, which vLLM skips); other parts are a 400."""
+    if isinstance(part, str):
+        return part
+    key = _TEXT_PART_KEYS.get(part.type)
+    if key is None:
+        raise APIError(400, f"messages.{i}.content: only text parts are supported (text, input_text, output_text, "
+                            f"refusal, thinking), got {part.type!r}", "messages")
+    value = part.text if key == "text" else (part.model_extra or {}).get(key)
+    if value is not None and not isinstance(value, str):
+        raise APIError(400, f"messages.{i}.content: the {key!r} of a {part.type!r} part must be a string", "messages")
+    return value
+
+
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     content = msg.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise APIError(400, f"messages.{i}.content: only text parts are supported, got {part.type!r}",
-                               "messages")
-            texts.append(part.text)
-        content = "\n".join(texts)
-    if content is None:
-        if msg.role != "assistant":
-            raise APIError(400, f"messages.{i}.content is required for role {msg.role!r}", "messages")
+    if isinstance(content, list):  # joined with newlines, as vLLM's "string" content format
+        content = "\n".join(t for t in (_part_text(i, part) for part in content) if t is not None)
+    if content is None:  # vLLM: no content renders as empty text, for any role
         content = ""
     out: dict[str, Any] = {"role": msg.role, "content": content}
     for key in ("name", "tool_calls", "tool_call_id"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -38,8 +38,6 @@ Int = Annotated[int, BeforeValidator(_integral)]
 Bool = Annotated[bool, BeforeValidator(_bool_string)]
 Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
-# The roles vLLM's chat API takes ("function" is OpenAI's deprecated name for "tool").
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(BaseModel):
@@ -105,13 +103,38 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class _ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class _ToolCall(BaseModel):
+    """OpenAI's ChatCompletionMessageToolCallParam, which vLLM validates assistant history against."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"]
+    function: _ToolCallFunction
+
+
+def _valid_tool_calls(value: Any) -> Any:
+    # Checked, then handed to the chat template as sent (extra keys and all).
+    if isinstance(value, list):
+        for call in value:
+            _ToolCall.model_validate(call)
+    return value
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal[ROLES]  # type: ignore[valid-type]
-    content: str | list[ContentPart] | None = None
+    # Any role, as vLLM (its CustomChatCompletionMessageParam): the chat template decides what it renders.
+    role: str
+    # Plain strings, text-like parts (text, input_text, output_text, refusal, thinking), as vLLM reads them.
+    content: str | list[ContentPart | str] | None = None
     name: str | None = None
-    # History of a tool conversation, handed to the chat template as they are.
-    tool_calls: list[dict[str, Any]] | None = None
+    # History of a tool conversation: shape-checked (vLLM's), then handed to the chat template as they are.
+    tool_calls: Annotated[list[dict[str, Any]] | None, AfterValidator(_valid_tool_calls)] = None
     tool_call_id: str | None = None
 
 
