@@ -96,6 +96,22 @@ def test_chat_echo_continues_the_final_message(http) -> None:
     assert text == full["choices"][0]["message"]["content"]
 
 
+def test_chat_without_generation_prompt_answers_in_the_last_role(http) -> None:
+    """vLLM's get_chat_request_role: without a generation prompt the model goes on with the last turn, so the
+    response carries that message's role, and echo prepends its content."""
+    body = {"messages": [{"role": "user", "content": "Count with me: one, two"}], "max_tokens": 3, "echo": True,
+            "add_generation_prompt": False, **GREEDY}
+    full = _post(http, "/v1/chat/completions", body)
+    message = full["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Count with me: one, two")
+    chunks = _stream(http, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "user"
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert text == message["content"]
+    plain = _post(http, "/v1/chat/completions", {**body, "add_generation_prompt": True, "echo": False})
+    assert plain["choices"][0]["message"]["role"] == "assistant"
+
+
 def test_logit_bias_allowed_tokens_and_tokens_as_ids(http) -> None:
     biased = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 5, "logit_bias": {"77": 100},
                                              "return_token_ids": True, **GREEDY})

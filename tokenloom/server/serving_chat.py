@@ -91,9 +91,18 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     return req, truncate_prompt(prompt_ids, req, state.max_model_len), extras
 
 
+def response_role(req: ChatCompletionRequest) -> str:
+    """vLLM's get_chat_request_role: the assistant's, or, without a generation prompt, the last message's
+    (the model goes on with that turn)."""
+    if req.add_generation_prompt or not req.messages:
+        return ROLE
+    return req.messages[-1].role
+
+
 def echo_text(req: ChatCompletionRequest) -> str:
-    """vLLM's chat echo: the last message's content when it is the assistant's own (continue_final_message)."""
-    if req.echo and req.messages and req.messages[-1].role == ROLE:
+    """vLLM's chat echo: the last message's content when its role is the response's (continue_final_message,
+    or no generation prompt)."""
+    if req.echo and req.messages and req.messages[-1].role == response_role(req):
         return message_text(req.messages[-1])
     return ""
 
@@ -103,11 +112,12 @@ def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
     if comp.finish_reason == "error":
         raise APIError(500, "generation failed")
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
-    message: dict[str, Any] = {"role": ROLE, "content": prefix + comp.text}
+    role = response_role(req)
+    message: dict[str, Any] = {"role": role, "content": prefix + comp.text}
     calls: list[dict[str, Any]] = []
     if tools is not None and tools.parses_calls:
         content, calls = parse_output(comp.text, tools)
-        message = {"role": ROLE, "content": (prefix + content) if content is not None else (prefix or None),
+        message = {"role": role, "content": (prefix + content) if content is not None else (prefix or None),
                    "tool_calls": calls}
     body: dict[str, Any] = {"index": comp.index, "message": message, "logprobs": None,
                             "finish_reason": tool_finish_reason(comp.finish_reason, tools, calls),
@@ -177,11 +187,12 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     as_ids = bool(req.return_tokens_as_token_ids)
     prefix = echo_text(req)
+    role = response_role(req)
 
     def opening(out: RequestOutput) -> list[dict[str, Any]]:
         chunks = []
         for i in range(req.n):
-            chunk = {**head, "choices": [{"index": i, "delta": {"role": ROLE, "content": ""}, "logprobs": None,
+            chunk = {**head, "choices": [{"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
                                           "finish_reason": None}]}
             if req.return_token_ids:  # vLLM: the prompt's ids ride on the role chunk
                 chunk["prompt_token_ids"] = out.prompt_token_ids
