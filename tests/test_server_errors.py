@@ -100,6 +100,9 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias"),  # beyond int()'s digit limit
     ({"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0}, "logprob_token_ids"),
     ({"suffix": ""}, "suffix"),  # vLLM: any suffix needs FIM rendering
+    ({"structured_outputs": {}}, "structured_outputs"),  # vLLM: one kind of constraint is needed
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs"),  # not xgrammar's
+    ({"structured_outputs": {"regex": "a+", "backend": "outlines"}}, "structured_outputs"),  # unknown: not ignored
 ]
 
 
@@ -124,6 +127,10 @@ BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
       "function": {"name": "g"}}}, "tool_choice"),  # not among the tools
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {}}, "response_format"),  # type is required
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),  # no schema
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format"),  # no name
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tools": []}, "tools"),  # vLLM: omit the field instead
     # Assistant tool-call history in OpenAI's shape (id, type "function", function name + arguments text)
@@ -193,6 +200,7 @@ def test_what_vllm_accepts_is_accepted(http) -> None:
         ("/v1/completions", {**CMPL, "seed": -1}),  # -1: no seed
         ("/v1/completions", {**CMPL, "stop": [f"stop{i}" for i in range(40)]}),  # no cap on stop strings
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}),  # 0 without logprobs
+        ("/v1/completions", {**CMPL, "structured_outputs": {"regex": "a+", "disable_additional_properties": True}}),
         # vLLM's message shapes: any role (the template decides), plain-string parts, refusal parts, a text
         # part without text (skipped), no content at all, well-formed tool-call history
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}),

@@ -39,12 +39,28 @@ class ToolSetup:
         return self.parser is not None and self.mode in ("auto", "required", "named")
 
 
+# vLLM's StructuredOutputsParams options for its other backends: disable_additional_properties is what
+# xgrammar's strict JSON mode always does (no property the schema does not name), so either value is taken;
+# whitespace_pattern (outlines/guidance) has no xgrammar counterpart beyond disable_any_whitespace.
+_SO_XGRAMMAR_ALWAYS = ("disable_additional_properties",)
+_SO_UNSUPPORTED = {"whitespace_pattern": "use disable_any_whitespace for compact JSON"}
+
+
 def _so_from_dict(value: Any, field: str) -> StructuredOutputsParams:
     if not isinstance(value, dict):
         raise APIError(400, f"{field} must be an object", field)
-    unknown = [k for k in value if k not in _SO_KEYS and value[k] is not None]
+    for key, hint in _SO_UNSUPPORTED.items():
+        if value.get(key) is not None:
+            raise APIError(400, f"{field}.{key} is not supported by the xgrammar backend ({hint})", field)
+    for key in _SO_XGRAMMAR_ALWAYS:
+        if key in value and not isinstance(value[key], bool):
+            raise APIError(400, f"{field}.{key} must be a boolean", field)
+    unknown = [k for k in value if k not in _SO_KEYS + _SO_XGRAMMAR_ALWAYS and value[k] is not None]
     if unknown:
         raise APIError(400, f"{field}: unknown key {unknown[0]!r} (one of {', '.join(_SO_KEYS)})", field)
+    if not any(value.get(k) not in (None, False) for k in _SO_KEYS if k != "disable_any_whitespace"):
+        raise APIError(400, f"{field}: you must use one kind of structured outputs constraint but none are "
+                            "specified", field)
     try:
         return StructuredOutputsParams(**{k: v for k, v in value.items() if k in _SO_KEYS})
     except (TypeError, ValueError) as exc:
@@ -54,7 +70,10 @@ def _so_from_dict(value: Any, field: str) -> StructuredOutputsParams:
 def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if not isinstance(rf, dict):
         raise APIError(400, "response_format must be an object", "response_format")
-    kind = rf.get("type", "text")
+    kind = rf.get("type")
+    if kind is None:
+        raise APIError(400, "response_format.type is required ('text', 'json_object', 'json_schema' or "
+                            "'structural_tag')", "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -64,10 +83,13 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
         if not isinstance(js, dict):
             raise APIError(400, "response_format.json_schema must be an object when type is 'json_schema'",
                            "response_format")
+        if not isinstance(js.get("name"), str):  # vLLM's JsonSchemaResponseFormat: name is required
+            raise APIError(400, "response_format.json_schema.name is required (a string)", "response_format")
         schema = js.get("schema", js.get("json_schema"))
-        if schema is None:
-            # OpenAI allows a schema-less json_schema: any JSON object.
-            return StructuredOutputsParams(json_object=True)
+        if schema is None:  # vLLM: no constraint at all is its 400, not "any JSON object"
+            raise APIError(400, "response_format.json_schema has no schema: you must use one kind of structured "
+                                "outputs constraint but none are specified (for any JSON object use type "
+                                "'json_object')", "response_format")
         return StructuredOutputsParams(json=schema)
     if kind == "structural_tag":
         import json
@@ -85,7 +107,7 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
         so = _from_response_format(obj["response_format"])
         if so is not None:
             found.append(("response_format", so))
-    if obj.get("structured_outputs") not in (None, {}):
+    if obj.get("structured_outputs") is not None:
         found.append(("structured_outputs", _so_from_dict(obj["structured_outputs"], "structured_outputs")))
     for name, key in _GUIDED.items():
         if obj.get(name) is not None:
