@@ -55,7 +55,7 @@ MALFORMED: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": "no-such-model", "prompt": [5], "max_tokens": 4}),
     ("/v1/completions", {"max_tokens": 4}),
     ("/v1/chat/completions", {"messages": "hello", "max_tokens": 4}),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}], "max_tokens": 4}),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 4}),
     ("/v1/completions", {"prompt": [5, 6], "max_tokens": 4, "n": 0}),
 ]
