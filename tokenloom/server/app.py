@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -153,9 +153,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     handle(InvalidRequestError, 400)
     # vLLM's fallbacks for exceptions raised on bad input: a 400 (501 for what is not implemented)
     # rather than a 500, which Starlette would also re-raise into uvicorn, closing the connection.
+    # Logged, since a server bug raising one of these would otherwise pass for the client's mistake.
+    def fallback(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+        async def handler(request: Request, exc: Exception) -> JSONResponse:
+            logger.info("%s %s: %s from %s: %s", request.method, request.url.path, status, type(exc).__name__,
+                        str(exc)[:200].encode("utf-8", "backslashreplace").decode("utf-8"))
+            return error_response(APIError(status, str(exc) or type(exc).__name__, getattr(exc, "param", None)))
+
+        return handler
+
     for bad_input in (ValueError, TypeError, OverflowError, RecursionError):
-        handle(bad_input, 400)
-    handle(NotImplementedError, 501)
+        app.add_exception_handler(bad_input, fallback(400))
+    app.add_exception_handler(NotImplementedError, fallback(501))
     handle(EngineOverloadedError, 429, {"Retry-After": "1"})
     handle(EngineDeadError, 503)
     handle(EngineDrainingError, 503)
