@@ -59,6 +59,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
+        check_json_nesting(self.structural_tag, structural_tag=True)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -182,9 +184,6 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
-        if self.structured_outputs is not None:
-            check_json_nesting(self.structured_outputs.json)
-            check_json_nesting(self.structured_outputs.structural_tag, structural_tag=True)
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -144,9 +144,14 @@ def _model_card(state: ServerState, name: str) -> dict:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def handle(exc_type: type[Exception], status: int, headers: dict[str, str] | None = None) -> None:
+    def handle(exc_type: type[Exception], status: int, headers: dict[str, str] | None = None,
+               log: bool = False) -> None:
         async def handler(request: Request, exc: Exception) -> JSONResponse:
-            return error_response(APIError(status, str(exc), getattr(exc, "param", None), headers))
+            if log:
+                logger.info("%s %s: %s from %s: %s", request.method, request.url.path, status, type(exc).__name__,
+                            str(exc)[:200].encode("utf-8", "backslashreplace").decode("utf-8"))
+            return error_response(APIError(status, str(exc) or type(exc).__name__, getattr(exc, "param", None),
+                                           headers))
 
         app.add_exception_handler(exc_type, handler)
 
@@ -154,17 +159,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     # vLLM's fallbacks for exceptions raised on bad input: a 400 (501 for what is not implemented)
     # rather than a 500, which Starlette would also re-raise into uvicorn, closing the connection.
     # Logged, since a server bug raising one of these would otherwise pass for the client's mistake.
-    def fallback(status: int) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
-        async def handler(request: Request, exc: Exception) -> JSONResponse:
-            logger.info("%s %s: %s from %s: %s", request.method, request.url.path, status, type(exc).__name__,
-                        str(exc)[:200].encode("utf-8", "backslashreplace").decode("utf-8"))
-            return error_response(APIError(status, str(exc) or type(exc).__name__, getattr(exc, "param", None)))
-
-        return handler
-
     for bad_input in (ValueError, TypeError, OverflowError, RecursionError):
-        app.add_exception_handler(bad_input, fallback(400))
-    app.add_exception_handler(NotImplementedError, fallback(501))
+        handle(bad_input, 400, log=True)
+    handle(NotImplementedError, 501, log=True)
     handle(EngineOverloadedError, 429, {"Retry-After": "1"})
     handle(EngineDeadError, 503)
     handle(EngineDrainingError, 503)

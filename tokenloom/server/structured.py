@@ -12,12 +12,14 @@ Everything is checked here (APIError 400 naming the field) before the request re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from tokenloom.sampling_params import StructuredOutputsParams, check_json_nesting
+from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.server.errors import APIError
 
+_T = TypeVar("_T")
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -67,6 +69,15 @@ def _so_from_dict(value: Any, field: str) -> StructuredOutputsParams:
         raise APIError(400, f"{field}: {exc}", field) from None
 
 
+def _named(field: str, build: Callable[..., _T], *args: Any) -> _T:
+    """build(*args), a ValueError from the StructuredOutputsParams it makes (e.g. a schema nested too
+    deeply) turned into a 400 naming the request field."""
+    try:
+        return build(*args)
+    except ValueError as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+
+
 def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if not isinstance(rf, dict):
         raise APIError(400, "response_format must be an object", "response_format")
@@ -104,7 +115,7 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
     """The request's one constraint (None: free text); 400 for two, or for one that is invalid."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if obj.get("response_format") is not None:
-        so = _from_response_format(obj["response_format"])
+        so = _named("response_format", _from_response_format, obj["response_format"])
         if so is not None:
             found.append(("response_format", so))
     if obj.get("structured_outputs") is not None:
@@ -120,7 +131,7 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
     if tools is not None:
         from tokenloom.server.tool_grammar import tool_structured_outputs
 
-        with_tools = tool_structured_outputs(tools, so, tool_strict_level)
+        with_tools = _named("tools", tool_structured_outputs, tools, so, tool_strict_level)
         if with_tools is not so:
             field, so = "tools", with_tools
     if so is None:
@@ -129,8 +140,6 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
     from tokenloom.model.grammar import validate_structured_outputs
 
     try:
-        check_json_nesting(so.json)  # vLLM's bound, before the compiler sees a hostile depth
-        check_json_nesting(so.structural_tag, structural_tag=True)
         validate_structured_outputs(so)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"{field}: {exc}", field) from None
