@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from tokenloom.model.paths import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -97,8 +99,6 @@ def load_cached_extension(stem: str, source: Path, cflags: list[str], ldflags: l
     module and the build's seconds (None when it came from the cache). Raises on failure: callers
     log one warning and fall back (the torch path; dequantized weights).
     """
-    from tokenloom.model.tokenizer import default_cache_dir
-
     key = _cache_key(source, cflags, ldflags)
     name = f"tl_{stem}_{key}"
     build_dir = default_cache_dir() / "kernels" / f"{stem}-{key}"
@@ -186,11 +186,22 @@ def _build(name: str, source: Path, build_dir: Path, cflags: list[str], ldflags:
 
 def _remove_stale_builds(current: Path) -> None:
     """Builds of older sources (or other torch versions) pile up otherwise. A process still using
-    one keeps its mapped library: unlinking does not unmap it."""
+    one keeps its mapped library: unlinking does not unmap it. A build in progress is left alone
+    (its flock is held): another checkout of a different source, a git worktree say, builds its
+    own entry beside this one, and removing it midway failed that build."""
+    import fcntl
+
     stem = current.name.rsplit("-", 1)[0]
     for entry in current.parent.glob(f"{stem}-*"):
-        if entry != current and entry.is_dir():
+        if entry == current or not entry.is_dir():
+            continue
+        with open(entry.parent / f"{entry.name}.flock", "w") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being built right now
             shutil.rmtree(entry, ignore_errors=True)
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main() -> int:
