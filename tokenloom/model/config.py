@@ -70,6 +70,12 @@ class ModelConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[i] == SLIDING else None
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Qwen3-MoE: layer i is sparse on every decoder_sparse_step-th layer not in mlp_only_layers."""
+        sparse_step = int(self.extra.get("decoder_sparse_step", 1))
+        return (self.num_experts > 0 and i not in self.extra.get("mlp_only_layers", [])
+                and (i + 1) % sparse_step == 0)
+
     @property
     def sliding_windows(self) -> list[int | None]:
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]

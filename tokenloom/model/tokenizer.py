@@ -23,18 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from tokenloom.model.loader import resolve_model_path
+from tokenloom.model.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 # Bumped when the cache layout changes, so old entries are ignored rather than misread.
 _CACHE_FORMAT = 1
-
-
-def default_cache_dir() -> Path:
-    if env := os.environ.get("TOKENLOOM_CACHE_DIR"):
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenloom"
 
 
 class Tokenizer:

@@ -81,7 +81,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
-        if is_moe_layer(config, layer_idx):
+        if config.is_moe_layer(layer_idx):
             return SparseMoeMLP(config, get, prefix, method)
         return LlamaMLP(get, prefix, method)
 
@@ -89,10 +89,3 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         if not isinstance(self.mlp, SparseMoeMLP):
             return super().linears()
         return {"qkv_proj": self.self_attn.qkv_proj, "o_proj": self.self_attn.o_proj, "gate": self.mlp.gate}
-
-
-def is_moe_layer(config: ModelConfig, i: int) -> bool:
-    """Qwen3-MoE: sparse on every decoder_sparse_step-th layer not in mlp_only_layers."""
-    sparse_step = int(config.extra.get("decoder_sparse_step", 1))
-    return (config.num_experts > 0 and i not in config.extra.get("mlp_only_layers", [])
-            and (i + 1) % sparse_step == 0)
