@@ -27,7 +27,9 @@ def test_greedy_equals_transformers_on_8_chat_prompts() -> None:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(None)
-    llm = LLM(dtype="float32", max_num_batched_tokens=256)  # small budget: prompts share steps
+    # The dequantized float path (quantization="none") is what transformers runs; the default keeps the
+    # GGUF blocks and quantizes activations (test_default_quantized_path_follows_float below).
+    llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=256)  # small budget: prompts share steps
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
                for c in CHATS]

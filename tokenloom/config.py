@@ -34,9 +34,12 @@ DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
 # --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
-# quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py).
-Quantization = Literal["int8", "gguf"]
-QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
+# quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py); none =
+# no quantized layers (a quantized GGUF dequantized to --dtype). Unset (None) is auto: gguf for a
+# quantized GGUF on CPU, none otherwise (tokenloom/model/loader.py, resolve_quantization).
+Quantization = Literal["int8", "gguf", "none"]
+# The methods a runner runs: "none" is only a spelling for "no method" in the config.
+QUANTIZATION_METHODS: tuple[str, ...] = ("int8", "gguf")
 
 
 class ConfigError(ValueError):
@@ -561,10 +564,11 @@ class EngineConfig:
                         simulated=False)
     device: Device = knob("auto", "where the model runs", simulated=False)
     quantization: Quantization | None = knob(
-        None, "int8: W8A8 decoder layers (int8 weights per channel, int8 activations per token; oneDNN VNNI "
-        "GEMMs, ~1.4x the bf16 throughput on CPU; the LM head stays in --dtype). gguf: keep a quantized GGUF's "
-        "weights quantized (Q4_0..Q8_0, K-quants; memory ~ the file size) and run single-stream decode "
-        "in one compiled call per step", flags=("-q",), simulated=False)
+        None, "default (auto): gguf for a quantized GGUF file on CPU, none otherwise. gguf: keep a quantized "
+        "GGUF's weights quantized (Q4_0..Q8_0, K-quants; memory ~ the file size; quantized GEMV/GEMM kernels, "
+        "decode in one compiled call per step). none: dequantize a GGUF to --dtype. int8: W8A8 decoder layers "
+        "(int8 weights per channel, int8 activations per token; oneDNN VNNI GEMMs, ~1.4x the bf16 throughput "
+        "on a VNNI CPU; the LM head stays in --dtype)", flags=("-q",), simulated=False)
     # None: 2 GiB on CPU, 90% of free memory on CUDA.
     kv_cache_memory: int | None = knob(
         None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
@@ -595,7 +599,7 @@ class EngineConfig:
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
-        if self.quantization is not None and self.device == "cuda":
+        if self.quantization not in (None, "none") and self.device == "cuda":
             raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)

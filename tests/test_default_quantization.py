@@ -1,0 +1,87 @@
+"""A quantized GGUF keeps its weights quantized by default (`--quantization` unset = auto), as vLLM and
+llama.cpp run a GGUF; `--quantization none` keeps the dequantizing path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
+from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.model.gguf_kernels import gguf_kernels
+from tokenloom.model.loader import resolve_model_path, resolve_quantization
+from tokenloom.sampling_params import SamplingParams
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+needs_kernels = pytest.mark.skipif(gguf_kernels() is None, reason="the GGUF kernels did not build here")
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("auto_quant")
+    hf_dir = make_tiny_hf_model(tmp / "hf", arch="qwen2", seed=7)
+    return {"hf": hf_dir, "q8_0": write_gguf_from_hf(hf_dir, tmp / "q8.gguf", qtype="Q8_0"),
+            "f32": write_gguf_from_hf(hf_dir, tmp / "f32.gguf", qtype="F32")}
+
+
+@needs_kernels
+def test_auto_keeps_a_quantized_gguf_quantized_on_cpu(tiny_files: dict[str, Path]) -> None:
+    assert resolve_quantization(None, tiny_files["q8_0"], CPU) == "gguf"
+    assert resolve_quantization(None, resolve_model_path(None), CPU) == "gguf"  # the default model's Q4_1
+
+
+def test_auto_runs_float_files_devices_and_directories_in_the_run_dtype(tiny_files: dict[str, Path]) -> None:
+    assert resolve_quantization(None, tiny_files["f32"], CPU) is None  # nothing quantized to keep
+    assert resolve_quantization(None, tiny_files["hf"], CPU) is None
+    assert resolve_quantization(None, tiny_files["q8_0"], CUDA) is None
+
+
+def test_explicit_choices_win(tiny_files: dict[str, Path]) -> None:
+    assert resolve_quantization("none", tiny_files["q8_0"], CPU) is None
+    assert resolve_quantization("int8", tiny_files["q8_0"], CPU) == "int8"
+    assert resolve_quantization("gguf", tiny_files["q8_0"], CPU) == "gguf"
+    with pytest.raises(ConfigError, match="quantization must be one of int8, gguf, none"):
+        EngineConfig(quantization="q4")
+    with pytest.raises(ConfigError, match="CPU only"):
+        EngineConfig(quantization="gguf", device="cuda")
+    EngineConfig(quantization="none", device="cuda")  # no method: fine anywhere
+
+
+@needs_kernels
+def test_engine_defaults_and_opt_out(tiny_files: dict[str, Path]) -> None:
+    """The engine reports the method in force; both paths generate, and agree on a tiny Q8_0 model."""
+    from tokenloom.model.gguf_weights import GGUFLinear
+
+    outs = {}
+    for requested, in_force in ((None, "gguf"), ("none", None)):
+        engine = LLMEngine(EngineConfig(model=str(tiny_files["q8_0"]), quantization=requested, dtype="float32",
+                                        max_model_len=64))
+        assert engine.config.quantization == in_force
+        layer = engine.runner.model.layers[0].self_attn.qkv_proj
+        assert isinstance(getattr(layer, "gguf", None), GGUFLinear) == (in_force == "gguf")
+        engine.add_request("r", {"prompt_token_ids": list(range(3, 19))},
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[requested] = out.outputs[0].token_ids
+    assert len(outs[None]) == 4 and outs[None][:2] == outs["none"][:2], outs
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_default_model_keeps_its_blocks_and_answers() -> None:
+    """`LLM()` on the shipped Q4_1 file: weights about the file's size in memory (the dequantized float32
+    model is ~4x), and a sensible greedy answer."""
+    from tokenloom.engine.llm import LLM
+
+    llm = LLM(max_model_len=512)
+    engine = llm.llm_engine
+    assert engine.config.quantization == "gguf"
+    file_bytes = resolve_model_path(None).stat().st_size
+    assert engine.runner.model.weight_bytes() <= 1.1 * file_bytes, (engine.runner.model.weight_bytes(), file_bytes)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in out, out
