@@ -8,10 +8,12 @@ is the wall time of a fresh request with a `--ttft-prompt-len` random prompt and
 over llama-bench's `pp` rate for it (`-p P`). The two run in turns, `--rounds` times, so that a
 shared machine's load hits both alike; medians reported.
 
-    .venv/bin/python benchmarks/single_stream.py [MODEL.gguf] --quantization gguf \\
+    .venv/bin/python benchmarks/single_stream.py [MODEL.gguf] \\
         --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench [--rounds 3] [--json out.json]
 
-Without --llama-bench only tokenloom runs.
+Without --llama-bench only tokenloom runs. `--quantization` defaults to the engine's own default (a
+quantized GGUF stays quantized); `--quantization none` is the dequantized float path. The result also
+has the weights' bytes in memory and the process RSS after the engine is built (before any request).
 """
 
 from __future__ import annotations
@@ -53,10 +55,17 @@ def ttft_ms(engine, prompt_len: int, seed: int) -> float:  # noqa: ANN001 - an L
     return 1e3 * (time.perf_counter() - t0)
 
 
+def rss_now_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None, help="a .gguf file (default: the shipped SmolLM2 Q4_1)")
-    ap.add_argument("--quantization", default="gguf", choices=["gguf", "int8", "none"])
+    ap.add_argument("--quantization", default="default", choices=["default", "gguf", "int8", "none"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -70,8 +79,10 @@ def main() -> None:
     from tokenloom.model.loader import resolve_model_path
 
     model = str(resolve_model_path(a.model))
-    quant = None if a.quantization == "none" else a.quantization
+    quant = None if a.quantization == "default" else a.quantization
     engine = LLMEngine.from_args(model=model, dtype=a.dtype, quantization=quant)
+    weights_mib = engine.runner.model.weight_bytes() / 2**20
+    rss_mib = rss_now_mib()
     ttft_ms(engine, a.ttft_prompt_len, seed=-1)  # warm-up: first prefill builds the dequantized-GEMM path
     ours, theirs, our_ttft, their_ttft = [], [], [], []
     for r in range(a.rounds):
@@ -86,12 +97,18 @@ def main() -> None:
             their_ttft.append(ttft)
             line += f"; llama.cpp {tg:7.1f} tok/s, TTFT {ttft:6.1f} ms"
         print(line, flush=True)
-    result = {"model": Path(model).name, "quantization": a.quantization, "tokenloom_tok_s": statistics.median(ours),
-              "tokenloom_ttft_ms": statistics.median(our_ttft), "ttft_prompt_len": a.ttft_prompt_len}
+    result = {"model": Path(model).name, "quantization": engine.config.quantization or "none",
+              "dtype": str(engine.dtype).replace("torch.", ""), "tokenloom_tok_s": statistics.median(ours),
+              "tokenloom_ttft_ms": statistics.median(our_ttft), "ttft_prompt_len": a.ttft_prompt_len,
+              "tokenloom_prefill_tok_s": 1e3 * a.ttft_prompt_len / statistics.median(our_ttft),
+              "weights_mib": round(weights_mib, 1), "rss_after_start_mib": round(rss_mib, 1),
+              "file_mib": round(Path(model).stat().st_size / 2**20, 1)}
     if theirs:
         result["llamacpp_tok_s"] = statistics.median(theirs)
         result["llamacpp_ttft_ms"] = statistics.median(their_ttft)
         result["ratio"] = result["tokenloom_tok_s"] / result["llamacpp_tok_s"]
+        result["llamacpp_prefill_tok_s"] = 1e3 * a.ttft_prompt_len / result["llamacpp_ttft_ms"]
+        result["prefill_ratio"] = result["tokenloom_prefill_tok_s"] / result["llamacpp_prefill_tok_s"]
     print(json.dumps(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
