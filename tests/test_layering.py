@@ -1,6 +1,6 @@
 """Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
 
-    config, sampling_params  <  core  <  model, router  <  engine  <  server, workload  <  bench, sim  <  explore
+    envs < config, sampling_params < core < model, router < engine < server, workload < bench, sim < explore
 
 Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
 as vLLM's benchmarks share datasets.py). tokenloom/cli.py collects every room's commands by name
@@ -16,6 +16,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
+    "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.model": 2, "tokenloom.router": 2,
@@ -25,7 +26,7 @@ LEVELS = {
     "tokenloom.explore": 6,
     "tokenloom.cli": 7,
 }  # fmt: skip
-NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.core")
+NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.envs", "tokenloom.core")
 
 
 def room(module: str) -> str:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import enum
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenloom import envs
 
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
 _UNLIMITED = 1 << 30
@@ -223,8 +224,7 @@ STRUCTURAL_TAG_WRAPPER_NESTING = 16
 
 def max_n_sequences() -> int:
     """VLLM_MAX_N_SEQUENCES (vLLM's variable, default 16384): the most samples one request may ask for."""
-    raw = os.environ.get("VLLM_MAX_N_SEQUENCES", "").strip()
-    return int(raw) if raw.lstrip("-").isdigit() else MAX_BEAM_WIDTH
+    return envs.VLLM_MAX_N_SEQUENCES
 
 
 def verify_num_sequences(value: Any, name: str) -> None:

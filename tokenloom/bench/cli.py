@@ -11,10 +11,10 @@ import argparse
 import importlib
 import json
 import math
-import os
 import sys
 from typing import Any
 
+from tokenloom import envs
 from tokenloom.workload.options import add_arrival_args, add_dataset_args
 
 BENCH_EXTENSIONS = ["tokenloom.bench.throughput", "tokenloom.bench.sweep"]
@@ -69,7 +69,7 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root")
     g.add_argument("--model", default=None, help="model name; default: the first one /v1/models lists")
     g.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT_COMPLETIONS], help="API")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Authorization: Bearer KEY")
+    g.add_argument("--api-key", default=envs.OPENAI_API_KEY, help="Authorization: Bearer KEY")
     g.add_argument("--request-timeout", type=float, default=600.0, help="hard limit per request, seconds")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 

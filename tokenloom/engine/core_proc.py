@@ -22,6 +22,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
@@ -101,7 +102,7 @@ def pin_cpus(cpus: list[int]) -> None:
 
     from tokenloom.model.platform import model_threads
 
-    if not os.environ.get("OMP_NUM_THREADS"):
+    if not envs.OMP_NUM_THREADS:
         torch.set_num_threads(model_threads(len(cpus)))
 
 

@@ -16,8 +16,9 @@ generated token, so no other request trips it by chance.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from tokenloom import envs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,6 @@ def install_fault_injection(model: Any, poison_token: int) -> None:
 
 def install_from_env(runner: Any) -> None:
     """Called by the engine-core process once its runner is built; a no-op unless ENV_VAR is set."""
-    spec = os.environ.get(ENV_VAR)
+    spec = envs.TOKENLOOM_FAULT_INJECT
     if spec:
         install_fault_injection(runner.model, parse_spec(spec))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from tokenloom import envs
 from tokenloom.config import (
     CacheConfig,
     ConfigError,
@@ -69,7 +70,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         dtype = resolve_dtype(config.dtype, device)
-        if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        if device.type == "cpu" and not envs.OMP_NUM_THREADS:
             try:  # a bad VLLM_CPU_NUM_OF_RESERVED_CPU fails here, before the weights load
                 model_threads(len(os.sched_getaffinity(0)))
             except ValueError as exc:

@@ -14,12 +14,12 @@ plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) run
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tokenloom import envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight
 
@@ -32,12 +32,7 @@ PartSpec = tuple[torch.Tensor, int, "torch.Tensor | None", bool]
 def max_decode_rows() -> int:
     """Decode batches up to this size take the fused step (TOKENLOOM_FUSED_DECODE_ROWS, or its old
     name TOKENLOOM_GGUF_FUSED_ROWS; 0 turns it off)."""
-    raw = os.environ.get("TOKENLOOM_FUSED_DECODE_ROWS", os.environ.get("TOKENLOOM_GGUF_FUSED_ROWS", "8"))
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"TOKENLOOM_FUSED_DECODE_ROWS must be an integer (0 turns the fused step off), "
-                         f"got {raw!r}") from None
+    return envs.TOKENLOOM_FUSED_DECODE_ROWS
 
 
 def dense_part(weight: torch.Tensor) -> tuple[torch.Tensor, int]:

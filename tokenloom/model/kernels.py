@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
+from tokenloom import envs
 from tokenloom.model.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ _state: dict[str, object] = {"tried": False, "module": None, "build_s": None}
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("TOKENLOOM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.TOKENLOOM_CPU_KERNELS
 
 
 def load_once(state: dict[str, object], lock: threading.Lock,

@@ -24,7 +24,6 @@ Without the kernels (`kernels=None`: CUDA, or no compiler) the same hooks run pl
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 from types import ModuleType
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tokenloom import envs
 from tokenloom.core.gemm_rows import packed_rows
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
     float32 used to stay on F.linear (MKL). Measured on an AVX2 AMD EPYC, oneDNN's packed float32
     GEMMs are 1.3-3x MKL's at decode-sized M (the default model's LM head at M=8: 19.6 -> 6.5 ms) and
     equal from M=128: single-stream decode 44 -> 29 ms a token, 32 streams 1.24x (docs/performance.md)."""
-    if os.environ.get("TOKENLOOM_PACKED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not envs.TOKENLOOM_PACKED_LINEAR:
         return False
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
             and torch.backends.mkldnn.is_available())

@@ -25,13 +25,13 @@ MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECOD
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tokenloom import envs
 from tokenloom.model.attention import AttentionLayerSpec, AttentionMetadata, KVCache
 from tokenloom.model.attention_backends import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
@@ -525,7 +525,7 @@ def fused_float_candidate(model: LlamaModel) -> bool:
 def prefer_fused_float() -> bool:
     """TOKENLOOM_FUSED_FLOAT=1: keep an unquantized model's layer weights plain for the fused decode
     step even where oneDNN could pack them (faster small decode steps, slower batched ones)."""
-    return os.environ.get("TOKENLOOM_FUSED_FLOAT", "0").strip().lower() in ("1", "true", "yes", "on")
+    return envs.TOKENLOOM_FUSED_FLOAT
 
 
 def _fused_decode_step(model: LlamaModel) -> Any:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tokenloom import envs
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -69,16 +71,7 @@ def reserved_cpus() -> int:
     to the rest of the process (0 when unset, vLLM's default for one engine). With async scheduling
     the engine thread schedules while the kernels run; a core of its own keeps it from displacing a
     kernel thread, which stalls the whole parallel region at its next barrier (docs/async.md)."""
-    raw = os.environ.get(RESERVED_CPU_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        reserved = int(raw)
-    except ValueError:
-        raise ValueError(f"{RESERVED_CPU_ENV}={raw!r} is not a whole number of cores") from None
-    if reserved < 0:
-        raise ValueError(f"{RESERVED_CPU_ENV}={reserved} must be 0 or more")
-    return reserved
+    return envs.VLLM_CPU_NUM_OF_RESERVED_CPU
 
 
 def model_threads(usable_cpus: int) -> int:
@@ -94,7 +87,7 @@ def configure_cpu_threads() -> None:
     """One intra-op thread per usable core (oneDNN GEMMs scale with it), less the cores reserved by
     VLLM_CPU_NUM_OF_RESERVED_CPU; a single inter-op thread, since the forward never runs two ops
     concurrently. OMP_NUM_THREADS, when set, wins."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    if envs.OMP_NUM_THREADS:
         return
     torch.set_num_threads(model_threads(len(os.sched_getaffinity(0))))
     # Raises once the process has done parallel work; whatever was fixed then stays.

@@ -38,7 +38,6 @@ thread): give the engine its cores, or set OMP_NUM_THREADS=1.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenloom import envs
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
@@ -201,7 +201,7 @@ class ModelRunner:
                 self.dtype == torch.bfloat16
                 and self.model.fused_step is None
                 and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
-                and os.environ.get("TOKENLOOM_KV_PACKED", "1") != "0"
+                and envs.TOKENLOOM_KV_PACKED
             )
         self.vocab_size = self.model.vocab_size
         self.block_size = block_size

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from tokenloom import envs
 from tokenloom.engine.args import add_engine_args, cli_type, engine_config_from_args, parse_bytes
 
 
@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
     g.add_argument("--port", type=int, default=8000)
-    env_key = os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    env_key = envs.TOKENLOOM_API_KEY
     g.add_argument("--api-key", nargs="+", default=[env_key] if env_key else None,
                    help="require 'Authorization: Bearer KEY', one of these keys (except /health, /metrics, /version, "
                         "/ping, /load); default $TOKENLOOM_API_KEY, else $VLLM_API_KEY")
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cut")
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   default=os.environ.get("TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+                   default=envs.TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH,
                    help="when the engine process dies, keep answering 503 instead of exiting with code 1 "
                         "(vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH); default $TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH")
     g.add_argument("--uvicorn-log-level", default="info",

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
 import signal
 import time
 from types import FrameType
 
 import uvicorn
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
@@ -40,17 +40,7 @@ ENGINE_DEATH_LINGER_S = 1.0
 
 def http_keep_alive_s() -> float:
     """$TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE, else vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5 s (vLLM's)."""
-    for name in ("TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
-        raw = os.environ.get(name)
-        if raw:
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
-            if value <= 0:
-                raise ValueError(f"${name} must be > 0 seconds, got {raw!r}")
-            return value
-    return 5.0
+    return envs.TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE
 
 
 class GracefulServer(uvicorn.Server):

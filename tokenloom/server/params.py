@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from tokenloom import envs
 from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
@@ -140,8 +140,7 @@ def truncate_prompt(ids: list[int], req: SamplingRequest, max_model_len: int) ->
 # Completions --------------------------------------------------------------------------------------
 def max_completion_prompts() -> int:
     """VLLM_MAX_COMPLETION_PROMPTS (vLLM's variable, default 1024): the most prompts one request may batch."""
-    raw = os.environ.get("VLLM_MAX_COMPLETION_PROMPTS", "").strip()
-    return int(raw) if raw.isdigit() else 1024
+    return envs.VLLM_MAX_COMPLETION_PROMPTS
 
 
 def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:

@@ -1,0 +1,127 @@
+"""Every environment variable tokenloom reads, in one place (vLLM's `vllm/envs.py`).
+
+The engine chooses its execution paths itself, per CPU and per step shape (quantized GEMV or GEMM,
+fused decode step, packed float GEMMs, KV layout): each TOKENLOOM_* variable below is an override
+for measuring or working around a path, never something a user must set. The VLLM_* variables are
+vLLM's own names with vLLM's defaults, read because users of vLLM set them.
+
+Values are read when asked for (`envs.TOKENLOOM_CPU_KERNELS`), not at import, so a test or a
+launcher may change the environment first; a malformed value is a ValueError naming the variable.
+Not here: the OpenMP/oneDNN variables tokenloom sets for those libraries before torch loads
+(tokenloom/__init__.py), which the libraries themselves read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    return raw not in _OFF if default else raw in _ON
+
+
+def _int(name: str, default: int, what: str, *, minimum: int | None = None, fallback: str | None = None) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw and fallback is not None:  # an older spelling of the same variable
+        name, raw = fallback, os.environ.get(fallback, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be {minimum} or more")
+    return value
+
+
+def _lenient_int(name: str, default: int) -> int:
+    """vLLM's reading of its limits: a value that is not a number is ignored."""
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else default
+
+
+def _digits(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() else default
+
+
+def _cache_dir() -> Path:
+    if env := os.environ.get("TOKENLOOM_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenloom"
+
+
+def _keep_alive_s() -> float:
+    for name in ("TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
+            if value <= 0:
+                raise ValueError(f"${name} must be > 0 seconds, got {raw!r}")
+            return value
+    return 5.0
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # ---- where things are kept
+    # Compiled kernels, converted tokenizers, the benchmarks' real models: $TOKENLOOM_CACHE_DIR, else
+    # $XDG_CACHE_HOME/tokenloom, else ~/.cache/tokenloom (a Path).
+    "TOKENLOOM_CACHE_DIR": _cache_dir,
+    # ---- execution-path overrides (the engine picks each itself; see docs/model.md)
+    # 0: never build or use the compiled CPU / GGUF kernels (the pure-torch path, same results, slower).
+    "TOKENLOOM_CPU_KERNELS": lambda: _flag("TOKENLOOM_CPU_KERNELS", True),
+    # Decode batches up to this many rows run the whole stack as one compiled call (0: never).
+    "TOKENLOOM_FUSED_DECODE_ROWS": lambda: _int(
+        "TOKENLOOM_FUSED_DECODE_ROWS", 8, "an integer (0 turns the fused step off)",
+        fallback="TOKENLOOM_GGUF_FUSED_ROWS"),
+    # 1: float32/bf16 models keep plain layer weights for the fused decode step (off: oneDNN-packed).
+    "TOKENLOOM_FUSED_FLOAT": lambda: _flag("TOKENLOOM_FUSED_FLOAT", False),
+    # 0: float GEMMs stay on F.linear instead of oneDNN pre-packed weights.
+    "TOKENLOOM_PACKED_LINEAR": lambda: _flag("TOKENLOOM_PACKED_LINEAR", True),
+    # 0: keep the bf16 KV cache in the plain layout where the CPU could use the packed one.
+    "TOKENLOOM_KV_PACKED": lambda: _flag("TOKENLOOM_KV_PACKED", True),
+    # ---- threads
+    # vLLM's: cores left out of the model's OpenMP threads (for async scheduling's engine thread).
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": lambda: _int(
+        "VLLM_CPU_NUM_OF_RESERVED_CPU", 0, "a whole number of cores", minimum=0),
+    # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
+    "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
+    # ---- serving
+    "TOKENLOOM_API_KEY": lambda: os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+    # 1: the server stays up answering 503 after its engine dies (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
+    "TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH": lambda: os.environ.get("TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
+    # Seconds an idle HTTP keep-alive connection stays open (also vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+    "TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE": _keep_alive_s,
+    # vLLM's limits: prompts in one completions request; samples (n, beam width) of one request.
+    "VLLM_MAX_COMPLETION_PROMPTS": lambda: _digits("VLLM_MAX_COMPLETION_PROMPTS", 1024),
+    "VLLM_MAX_N_SEQUENCES": lambda: _lenient_int("VLLM_MAX_N_SEQUENCES", 16384),
+    # The OpenAI SDK's: `tokenloom bench serve`'s default --api-key.
+    "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
+    # ---- tests only
+    # 'first_token=N': steps prefilling a prompt that starts with token N fail (chaos tests).
+    "TOKENLOOM_FAULT_INJECT": lambda: os.environ.get("TOKENLOOM_FAULT_INJECT") or None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)
