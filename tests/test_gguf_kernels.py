@@ -180,3 +180,47 @@ def test_activation_quantizer_simd_matches_plain() -> None:
     assert q[2, 64:72].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]
     assert torch.equal((q.float().reshape(5, -1, 32) * d[..., None]).reshape(5, -1), quantized_activations(x))
     assert torch.allclose(s, d * q.float().reshape(5, -1, 32).sum(-1))
+
+
+PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
+    """gguf_gemm_packed (the prefill GEMM: weights unpacked to int8 chunks on the fly, register-blocked
+    rows x tile pairs) against the dequantized float reference on the kernel's own quantized
+    activations, and against the small-batch kernel: row counts around the crossover and a prefill
+    size (tails of the 2-row micro-kernel and of the row blocks), an odd number of 8-row tiles (a
+    single-tile tail after the pairs), K spanning several unpacked chunks plus a partial one, bias."""
+    kernels.set_force_scalar(scalar)
+    try:
+        kquant = qtype in (Q.Q4_K, Q.Q6_K)
+        n, k = (40, 256 * 5) if kquant else (40, 32 * 37)  # 5 tiles; K = 2.5 / 2.3 chunks of 16 groups
+        raw = torch.from_numpy(random_blocks(qtype, n, k, seed=7))
+        packed = kernels.gguf_repack8(raw, int(qtype), k)
+        w = torch.empty(n, k)
+        kernels.gguf_dequantize(w, raw, int(qtype))
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        rows = (1, 31, 32, 33, 100) if scalar else (1, 31, 32, 33, 100, 512)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            got, small = torch.empty(m, n), torch.empty(m, n)
+            kernels.gguf_gemm_packed(got, x, packed, int(qtype), bias)
+            want = quantized_activations(x).double() @ w.double().T + bias.double()
+            scale = (x.abs() @ w.abs().T).double() + bias.abs().double() + 1e-3
+            err = ((got.double() - want).abs() / scale).max().item()
+            assert err < 1e-5, f"{qtype.name} m={m}: error {err:.2e}"
+            kernels.gguf_linear_packed(small, x, packed, int(qtype), bias)
+            size = float((x.abs() @ w.abs().T).max())
+            torch.testing.assert_close(got, small, rtol=0, atol=1e-5 * max(size, 1.0))
+        # Strided output (a part's columns of a fused linear's output), no bias.
+        x = torch.randn(33, k, generator=torch.Generator().manual_seed(5))
+        wide = torch.full((33, n + 16), 7.0)
+        kernels.gguf_gemm_packed(wide[:, 8 : 8 + n], x, packed, int(qtype), None)
+        want = quantized_activations(x).double() @ w.double().T
+        scale = (x.abs() @ w.abs().T).double() + 1e-3
+        assert ((wide[:, 8 : 8 + n].double() - want).abs() / scale).max().item() < 1e-5
+        assert bool((wide[:, :8] == 7.0).all()) and bool((wide[:, 8 + n :] == 7.0).all())
+    finally:
+        kernels.set_force_scalar(False)

@@ -38,6 +38,14 @@ KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, 
 _ROPE_FREQS = "rope_freqs.weight"
 
 
+def gemm_min_rows() -> int:
+    """Batches of at least this many rows over an 8-row layout run the batched GEMM
+    (`gguf_gemm_packed`: weights converted to int8 chunks on the fly, register-blocked micro-kernel)
+    instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS, the
+    crossover measured with benchmarks/gguf_prefill_gemm.py (docs/performance.md)."""
+    return int(os.environ.get("TOKENLOOM_GGUF_GEMM_ROWS", "32"))
+
+
 def dequant_min_rows(packed8: bool = False) -> int:
     """Batches of at least this many rows dequantize the weight and run a float GEMM instead of the
     quantized kernel. The row-at-a-time kernel reads its weights once per 4 activation rows: 32
@@ -203,6 +211,8 @@ class GGUFLinear:
             bias = None if self.bias is None else self.bias[col : col + n]
             if m >= dequant_min_rows(p.packed8):  # this part's float GEMM
                 out[:, col : col + n] = F.linear(xf, p.dequantize(torch.float32), bias)
+            elif p.packed8 and m >= gemm_min_rows():
+                k.gguf_gemm_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             elif p.packed8:
                 k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             else:

@@ -1322,6 +1322,302 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
   run_packed(static_cast<int>(qtype), act, pw.data_ptr<uint8_t>(), tiles, b_ptr, out.data_ptr<float>(), out.stride(0));
 }
 
+// ------------------------------------------------------------- batched GEMM (prefill) over the 8-row layouts
+// For M >= ~32 rows (prefill) the tile kernels above re-unpack every weight group for each 4
+// activation rows and re-read all M x K activation bytes per 8-row tile. gguf_gemm_packed instead
+// converts the weights on the fly, a chunk of kGemmChunk groups (32 columns each) of one or two
+// tiles at a time, into "R8" int8 form in a small thread-local buffer (the idea of ik_llama.cpp's
+// Q8_0_R8 tiles; nothing persistent, the memory stays the file's size):
+//   q   per group 8 vectors of 32 bytes, vector j byte 4r + i = w[r][4j + i] (packed Q8_0's order,
+//       and load_nibbles' output): the type's integers (unsigned 0..15 / 0..31, or signed)
+//   a   per group and row the factor of the integer dot product (Q6_K: of columns 0..15; a2 16..31)
+//   b   per group and row the factor of the activation group's s = d_x * sum(q_x) (offset / min)
+// so every group's value is  a * d_x * sum(w * q_x) (+ a2 ...) + b * s_x,  the same integers and the
+// same float formula as the tile kernels. A register-blocked micro-kernel then runs kGemmMR
+// activation rows x kGemmNT tiles (16 weight rows) over the chunk: each weight vector loaded once
+// for the rows, each broadcast activation word used for both tiles. The loops: activation rows in
+// blocks that stay in L2 (gemm_row_block), tiles (pairs) inside, chunks of K inside that (L1), so a
+// chunk is unpacked once per row block and a row block's activations are read from L2 once per tile
+// pair. Threads: at::parallel_for over the tiles, as run_packed.
+constexpr int kGemmChunk = 16;  // groups of 32 columns per unpacked chunk (a multiple of 8: whole K-quant super-blocks)
+constexpr int kGemmMR = 2;      // activation rows per micro-kernel call
+constexpr int kGemmNT = 2;      // tiles per micro-kernel call
+
+// Activation rows per block: the block's int8 rows (rows x K bytes) within ~192 KB of L2.
+int64_t gemm_row_block(int64_t K) {
+  return std::max<int64_t>(16, std::min<int64_t>(128, (192 * 1024 / K) & ~int64_t{3}));
+}
+
+#if TLQ_AVX2
+struct R8Chunk {
+  alignas(32) uint8_t q[kGemmChunk * 256];
+  alignas(32) float a[kGemmChunk * 8];
+  alignas(32) float a2[kGemmChunk * 8];
+  alignas(32) float b[kGemmChunk * 8];
+};
+
+// Per-type knowledge of the batched GEMM, in one place.
+//   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (Q8_0, Q6_K)
+//   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q6_K
+//   kHasB       an s_x term (offset or min)
+//   kChain      vpmaddubsw results summed in int16 before vpmaddwd (AVX2): 8 for 4-bit quants
+//               (< 8 * 2 * 15 * 127 = 30480), 4 for 5-bit and Q6_K (< 4 * 2 * 32 * 127 = 32512),
+//               1 for Q8_0 (one product pair already reaches 2 * 128 * 127)
+//   unpack      groups [g0, g0 + n) of one tile (its first byte: tp) into the chunk
+template <int T>
+struct R8Type {
+  static constexpr bool kSigned = T == kQ8_0 || T == kQ6_K;
+  static constexpr bool kTwoScales = T == kQ6_K;
+  static constexpr bool kHasB = !kSigned;
+  static constexpr int kChain = T == kQ8_0 ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ6_K) ? 4 : 8;
+
+  static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
+    constexpr int TB = packed_tile_bytes(T);
+    for (int i = 0; i < n; i++) {
+      const int64_t g = g0 + i;
+      __m256i* q = reinterpret_cast<__m256i*>(c.q + 256 * i);
+      float* a = c.a + 8 * i;
+      float* b = c.b + 8 * i;
+      __m256i w[8];
+      if constexpr (T == kQ4_K || T == kQ6_K) {
+        const uint8_t* p = tp + (g / 8) * TB;
+        const int s = static_cast<int>(g % 8);
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        if constexpr (T == kQ4_K) {
+          auto bytes8 = [&](int off) {
+            return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * s))));
+          };
+          const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+          _mm256_store_ps(a, _mm256_mul_ps(dv, bytes8(kK4Scales)));
+          _mm256_store_ps(b, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, bytes8(kK4Mins))));
+          load_nibbles(p + kK4Quants + 128 * s, w);
+        } else {
+          const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
+          auto scale8 = [&](int sub) {
+            return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)))));
+          };
+          _mm256_store_ps(a, scale8(2 * s));
+          _mm256_store_ps(c.a2 + 8 * i, scale8(2 * s + 1));
+          const __m256i m3 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+          const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
+          const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
+          load_nibbles(v, w);
+          w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
+          w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m3));
+          w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h0, m3));
+          w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m3));
+          w[4] = _mm256_or_si256(w[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m3));
+          w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m3));
+          w[6] = _mm256_or_si256(w[6], _mm256_and_si256(h1, m3));
+          w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m3));
+          for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], c32);
+        }
+      } else {
+        const uint8_t* p = tp + g * TB;
+        const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        _mm256_store_ps(a, dv);
+        if constexpr (T == kQ8_0) {
+          for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
+        } else {
+          constexpr int off = packed_nibble_offset(T);
+          constexpr bool five = packed_five_bit(T);
+          load_nibbles(p + off, w);
+          if constexpr (five) {  // vector v's fifth bits are bit v of each byte: to bit 4
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 128));
+            const __m256i b4 = _mm256_set1_epi8(0x10);
+            w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+            w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+            w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), b4));
+            w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), b4));
+            w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, b4));
+            w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), b4));
+            w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), b4));
+            w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
+          }
+          // Q4_1 / Q5_1: + m * s_x; Q4_0 / Q5_0: quants offset by 8 / 16, so - 8 d * s_x / - 16 d * s_x.
+          _mm256_store_ps(b, packed_has_min(T) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
+                                               : _mm256_mul_ps(dv, _mm256_set1_ps(five ? -16.0f : -8.0f)));
+        }
+      }
+      for (int j = 0; j < 8; j++) _mm256_store_si256(q + j, w[j]);
+    }
+  }
+};
+
+// MT activation rows x NT unpacked tiles over a chunk's n groups. acc [MT][kGemmNT][8]: the float
+// sums so far (zeroed when `first`), updated. xq / xd / xs: the rows' bytes, d and s at the chunk.
+template <int T, int MT, int NT>
+inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const float* const* xd,
+                      const float* const* xs, float* acc, bool first) {
+  using R = R8Type<T>;
+  __m256 f[MT][NT];
+  for (int m = 0; m < MT; m++)
+    for (int t = 0; t < NT; t++) f[m][t] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + (m * kGemmNT + t) * 8);
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int g = 0; g < n; g++) {
+    // s: int32 sums per (row, tile); for Q6_K s holds columns 0..15 and s2 16..31.
+    __m256i s[MT][NT], s2[MT][NT];
+    for (int m = 0; m < MT; m++)
+      for (int t = 0; t < NT; t++) s[m][t] = s2[m][t] = _mm256_setzero_si256();
+#if TLQ_VNNI
+    for (int j = 0; j < 8; j++) {
+      __m256i w[NT], wa[NT];
+      for (int t = 0; t < NT; t++) {
+        w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c[t].q + 256 * g + 32 * j));
+        wa[t] = R::kSigned ? _mm256_sign_epi8(w[t], w[t]) : w[t];
+      }
+      for (int m = 0; m < MT; m++) {
+        const __m256i xb = bcast4(xq[m] + 32 * g + 4 * j);
+        for (int t = 0; t < NT; t++) {
+          const __m256i xv = R::kSigned ? _mm256_sign_epi8(xb, w[t]) : xb;
+          if (R::kTwoScales && j >= 4)
+            s2[m][t] = dpbusd(s2[m][t], wa[t], xv);
+          else
+            s[m][t] = dpbusd(s[m][t], wa[t], xv);
+        }
+      }
+    }
+#else
+    for (int j0 = 0; j0 < 8; j0 += R::kChain) {
+      __m256i s16[MT][NT];
+      for (int j = j0; j < j0 + R::kChain; j++) {
+        __m256i w[NT], wa[NT];
+        for (int t = 0; t < NT; t++) {
+          w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c[t].q + 256 * g + 32 * j));
+          wa[t] = R::kSigned ? _mm256_sign_epi8(w[t], w[t]) : w[t];
+        }
+        for (int m = 0; m < MT; m++) {
+          const __m256i xb = bcast4(xq[m] + 32 * g + 4 * j);
+          for (int t = 0; t < NT; t++) {
+            const __m256i pr = _mm256_maddubs_epi16(wa[t], R::kSigned ? _mm256_sign_epi8(xb, w[t]) : xb);
+            s16[m][t] = j == j0 ? pr : _mm256_add_epi16(s16[m][t], pr);
+          }
+        }
+      }
+      for (int m = 0; m < MT; m++)
+        for (int t = 0; t < NT; t++) {
+          const __m256i part = _mm256_madd_epi16(s16[m][t], one);
+          if (R::kTwoScales && j0 >= 4)
+            s2[m][t] = _mm256_add_epi32(s2[m][t], part);
+          else
+            s[m][t] = _mm256_add_epi32(s[m][t], part);
+        }
+    }
+#endif
+    for (int m = 0; m < MT; m++) {
+      const __m256 dx = _mm256_set1_ps(xd[m][g]);
+      for (int t = 0; t < NT; t++) {
+        f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][t]), _mm256_mul_ps(_mm256_load_ps(c[t].a + 8 * g), dx), f[m][t]);
+        if constexpr (R::kTwoScales)
+          f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[m][t]), _mm256_mul_ps(_mm256_load_ps(c[t].a2 + 8 * g), dx), f[m][t]);
+        if constexpr (R::kHasB) f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b + 8 * g), _mm256_set1_ps(xs[m][g]), f[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int t = 0; t < NT; t++) _mm256_storeu_ps(acc + (m * kGemmNT + t) * 8, f[m][t]);
+}
+
+template <int T, int NT>
+inline void r8_rows(const R8Chunk* c, int n, int mt, const int8_t* const* xq, const float* const* xd,
+                    const float* const* xs, float* acc, bool first) {
+  static_assert(kGemmMR == 2, "r8_rows dispatches row counts 1 and 2");
+  if (mt == 2)
+    r8_kernel<T, 2, NT>(c, n, xq, xd, xs, acc, first);
+  else
+    r8_kernel<T, 1, NT>(c, n, xq, xd, xs, acc, first);
+}
+
+// Tiles [t0, t1) of out = x @ W.T + bias over all M rows: one thread's share.
+template <int T>
+void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                       int64_t t1) {
+  const int64_t M = a.M, K = a.K, G = K / 32, tile_bytes = K / packed_group_elems(T) * packed_tile_bytes(T);
+  const int64_t MB = gemm_row_block(K);
+  thread_local R8Chunk chunks[kGemmNT];
+  thread_local std::vector<float> accbuf;
+  accbuf.resize(MB * kGemmNT * 8);
+  float* acc = accbuf.data();
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t mb = std::min(MB, M - m0);
+    for (int64_t tile = t0; tile < t1; tile += kGemmNT) {
+      const int nt = static_cast<int>(std::min<int64_t>(kGemmNT, t1 - tile));
+      for (int64_t g0 = 0; g0 < G; g0 += kGemmChunk) {
+        const int n = static_cast<int>(std::min<int64_t>(kGemmChunk, G - g0));
+        for (int t = 0; t < nt; t++) R8Type<T>::unpack(pw + (tile + t) * tile_bytes, g0, n, chunks[t]);
+        for (int64_t m = 0; m < mb; m += kGemmMR) {
+          const int mt = static_cast<int>(std::min<int64_t>(kGemmMR, mb - m));
+          const int8_t* xq[kGemmMR];
+          const float* xd[kGemmMR];
+          const float* xs[kGemmMR];
+          for (int i = 0; i < mt; i++) {
+            const int64_t row = m0 + m + i;
+            xq[i] = a.q.data() + row * K + 32 * g0;
+            xd[i] = a.d.data() + row * G + g0;
+            xs[i] = a.s.data() + row * G + g0;
+          }
+          float* ac = acc + m * kGemmNT * 8;
+          if (nt == 2)
+            r8_rows<T, 2>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
+          else
+            r8_rows<T, 1>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
+        }
+      }
+      for (int64_t m = 0; m < mb; m++)
+        for (int t = 0; t < nt; t++) {
+          __m256 v = _mm256_loadu_ps(acc + (m * kGemmNT + t) * 8);
+          if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + (tile + t) * 8));
+          _mm256_storeu_ps(out + (m0 + m) * ldo + (tile + t) * 8, v);
+        }
+    }
+  }
+}
+#endif
+
+// out [M, 8 * tiles] = x @ W.T + bias, W in the 8-row layout: the batched GEMM above (the plain C++
+// path: run_packed_range's, the same sums).
+void gguf_gemm_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw, int64_t qtype,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x must be float [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = pw.size(0);
+  const int t = static_cast<int>(qtype);
+  TORCH_CHECK(packable(qtype) && K % packed_group_elems(t) == 0 && pw.scalar_type() == at::kByte && pw.is_contiguous() &&
+                  pw.size(1) == packed_row_bytes(t, K), "bad packed weight");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 && out.size(0) == M &&
+                  out.size(1) == 8 * tiles, "out must be float [M, 8 * tiles]");
+  const float* b_ptr = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 8 * tiles,
+                "bias must be a contiguous float [N] tensor");
+    b_ptr = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  thread_local QAct tl_act;
+  tl_act.set(x.data_ptr<float>(), M, K, x.stride(0));
+  const QAct& act = tl_act;  // the caller's: a thread_local named in the lambda would be each worker's own
+  const uint8_t* w = pw.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+#if TLQ_AVX2
+    if (!g_force_scalar) {
+      switch (t) {
+        case kQ8_0: return gemm_packed_range<kQ8_0>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ4_0: return gemm_packed_range<kQ4_0>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ4_1: return gemm_packed_range<kQ4_1>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ5_0: return gemm_packed_range<kQ5_0>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ5_1: return gemm_packed_range<kQ5_1>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ4_K: return gemm_packed_range<kQ4_K>(act, w, b_ptr, o, ldo, t0, t1);
+        case kQ6_K: return gemm_packed_range<kQ6_K>(act, w, b_ptr, o, ldo, t0, t1);
+        default: break;
+      }
+    }
+#endif
+    run_packed_range(t, act, w, b_ptr, o, ldo, t0, t1);
+  });
+}
+
 // (q int8 [M, K], d [M, K / 32], s [M, K / 32]): x float [M, K] quantized as the kernels see it (tests
 // hold the SIMD quantizer to the plain loop byte for byte).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
@@ -2169,6 +2465,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, nogil);
   m.def("gguf_repack8", &gguf_repack8);
   m.def("gguf_linear_packed", &gguf_linear_packed, nogil);
+  m.def("gguf_gemm_packed", &gguf_gemm_packed, nogil);
   m.def("gguf_dequantize_packed", &gguf_dequantize_packed, nogil);
   m.def("gguf_packable", &packable);
   m.def("gguf_embedding", &gguf_embedding, nogil);
