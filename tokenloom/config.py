@@ -550,6 +550,13 @@ def token_budget_text(sched: SchedulerConfig) -> str:
     return f"token budget {sched.token_budget_ceiling}"
 
 
+def token_budget_labels(sched: SchedulerConfig) -> dict[str, str]:
+    """The token budget in force as metric labels: mode auto / fixed / slo, the ceiling, the prefill bound."""
+    mode = "auto" if sched.auto_token_budget else "slo" if sched.slo_targets else "fixed"
+    return {"mode": mode, "max_num_batched_tokens": str(sched.token_budget_ceiling),
+            "auto_budget_prefill_ms": f"{sched.auto_budget_prefill_ms:g}" if mode == "auto" else ""}
+
+
 def check_draft_slots(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
     """vLLM's start-up check of the drafting slots (VllmConfig._set_max_num_scheduled_tokens,
     config/vllm.py:2254): the scheduler may issue max_num_scheduled_tokens = max_num_batched_tokens
