@@ -112,9 +112,22 @@ def _check_choice(name: str, value: Any, choices: Any, hint: str = "") -> None:
 # ------------------------------------------------------------------------------------------ configs
 
 
+# vLLM's token budget per step (its default for online serving); the automatic budget's ceiling.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def parse_token_budget(text: str) -> int | None:
+    """--max-num-batched-tokens: a number of tokens, or 'auto' (None: the default)."""
+    return None if text.strip().lower() == "auto" else int(text)
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = knob(2048, "token budget per step")
+    # None (the default): the automatic budget (core/auto_budget.py); a number: vLLM's fixed budget.
+    max_num_batched_tokens: int | None = knob(
+        None, "token budget per step. Default auto: 2048, except that while requests decode a step takes at most "
+        "--auto-budget-prefill-ms of prompt work at this machine's measured rate; a number (2048 included) is "
+        "vLLM's fixed budget", parse=parse_token_budget)
     max_num_seqs: int = knob(128, "most running requests")
     # Set by the engine from EngineConfig.max_model_len (the model's context by default), so not a knob here.
     max_model_len: int = 2048
@@ -159,6 +172,10 @@ class SchedulerConfig:
     step_cost_profile: str | None = knob(
         None, "profile JSON (tokenloom profile; shipped ones in tokenloom/sim/profiles/) whose cost model the "
         "SLO controller predicts step times with; the simulator uses its own profile when unset")
+    auto_budget_prefill_ms: float = knob(
+        2000.0, "with the automatic token budget (no --max-num-batched-tokens): the prompt work, in ms at the "
+        "measured prefill rate, that a step carrying decodes may take, so each decode waits at most about this "
+        "much for prompts (0: the fixed 2048)")
     # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
     # executes (docs/async.md). Off by default: on this CPU it is not faster everywhere (docs/async.md).
     async_scheduling: bool = knob(
@@ -169,8 +186,24 @@ class SchedulerConfig:
         """Whether the SLO budget controller runs (a target is set)."""
         return self.target_itl_ms > 0
 
+    @property
+    def token_budget_ceiling(self) -> int:
+        """The most tokens a step may hold: max_num_batched_tokens, or 2048 when it is automatic. What
+        the KV pool, max_model_len and the speculative-decoding checks are sized by."""
+        if self.max_num_batched_tokens is None:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return self.max_num_batched_tokens
+
+    @property
+    def auto_token_budget(self) -> bool:
+        """Whether the automatic budget runs: no explicit max_num_batched_tokens, a prefill bound, continuous
+        batching, and no SLO target (the SLO controller then sets the budget under the same ceiling)."""
+        return (self.max_num_batched_tokens is None and self.auto_budget_prefill_ms > 0
+                and self.batching == "continuous" and not self.slo_targets)
+
     def __post_init__(self) -> None:
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
@@ -182,10 +215,10 @@ class SchedulerConfig:
         _check_int("max_prefill_wait_steps", self.max_prefill_wait_steps, 0)
         _check_int("min_prefill_chunk", self.min_prefill_chunk, 1)
         wait_bound = self.max_prefill_wait_ms > 0 or self.max_prefill_wait_steps > 0
-        if wait_bound and self.min_prefill_chunk >= self.max_num_batched_tokens:
+        if wait_bound and self.min_prefill_chunk >= self.token_budget_ceiling:
             raise ConfigError(
                 f"min_prefill_chunk ({self.min_prefill_chunk}) must be < max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) when a prefill wait bound is set, or a waiting prompt "
+                f"({self.token_budget_ceiling}) when a prefill wait bound is set, or a waiting prompt "
                 "could take the whole budget from the running requests")
         _check_int("priority_preemption_protection_steps", self.priority_preemption_protection_steps, 0)
         for name in ("target_itl_ms", "target_ttft_ms"):
@@ -193,6 +226,9 @@ class SchedulerConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name} must be a number >= 0 (0: off), got {value!r}")
         _check_choice("slo_clock", self.slo_clock, SloClock)
+        value = self.auto_budget_prefill_ms
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise ConfigError(f"auto_budget_prefill_ms must be a number >= 0 (0: the fixed 2048), got {value!r}")
         if self.step_cost_profile is not None and not isinstance(self.step_cost_profile, str):
             raise ConfigError(f"step_cost_profile must be a path, got {self.step_cost_profile!r}")
         if self.target_ttft_ms > 0 and not self.target_itl_ms > 0:
@@ -218,14 +254,14 @@ class SchedulerConfig:
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= max_model_len "
                 f"({self.max_model_len})"
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.token_budget_ceiling < self.max_num_seqs:
             raise ConfigError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"max_num_batched_tokens ({self.token_budget_ceiling}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs at least one token per step"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.token_budget_ceiling < self.max_model_len:
             raise ConfigError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"with chunked prefill off, max_num_batched_tokens ({self.token_budget_ceiling}) "
                 f"must be >= max_model_len ({self.max_model_len}), or a long prompt could never be "
                 "scheduled; raise max_num_batched_tokens, lower max_model_len, or enable chunked prefill"
             )
@@ -505,6 +541,23 @@ def _check_spec_int(name: str, value: Any, minimum: int | None) -> None:
             raise ConfigError(f"speculative_config.{name} must be an integer, got {value!r}")
         return
     _check_int(f"speculative_config.{name}", value, minimum)
+
+
+def token_budget_text(sched: SchedulerConfig) -> str:
+    """What token budget a scheduler config runs, in words (the engine's start-up log line)."""
+    if sched.auto_token_budget:
+        return (f"token budget auto (at most {sched.token_budget_ceiling}; while requests decode, "
+                f"{sched.auto_budget_prefill_ms:g} ms of prompt work a step at the measured rate)")
+    if sched.slo_targets:
+        return f"token budget set by the SLO targets (at most {sched.token_budget_ceiling})"
+    return f"token budget {sched.token_budget_ceiling}"
+
+
+def token_budget_labels(sched: SchedulerConfig) -> dict[str, str]:
+    """The token budget in force as metric labels: mode auto / fixed / slo, the ceiling, the prefill bound."""
+    mode = "auto" if sched.auto_token_budget else "slo" if sched.slo_targets else "fixed"
+    return {"mode": mode, "max_num_batched_tokens": str(sched.token_budget_ceiling),
+            "auto_budget_prefill_ms": f"{sched.auto_budget_prefill_ms:g}" if mode == "auto" else ""}
 
 
 def check_draft_slots(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:

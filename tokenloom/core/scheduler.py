@@ -37,6 +37,7 @@ from tokenloom.config import (
     check_draft_slots,
     check_long_prefill_threshold,
 )
+from tokenloom.core.auto_budget import AutoTokenBudget
 from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -99,14 +100,14 @@ class Scheduler:
         self.cache_config = cache_config
         self.clock = clock
         self.max_num_running_reqs = scheduler_config.max_num_seqs
-        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_scheduled_tokens = scheduler_config.token_budget_ceiling
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.policy
         # Speculative decoding (n-gram or suffix drafts): up to K drafts per request per step, no
         # lookahead KV slots and no drafting slots in the budget (vLLM's sizing for both methods).
         check_long_prefill_threshold(scheduler_config.long_prefill_token_threshold, speculative_config)
-        check_draft_slots(scheduler_config.max_num_batched_tokens, speculative_config)
+        check_draft_slots(scheduler_config.token_budget_ceiling, speculative_config)
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
@@ -129,7 +130,7 @@ class Scheduler:
             watermark=scheduler_config.watermark,
             kv_cache_groups=make_kv_cache_groups(cache_config.layer_windows, 1,
                                                  hybrid=not cache_config.disable_hybrid_kv_cache_manager),
-            max_num_batched_tokens=max_in_flight_tokens(scheduler_config.max_num_batched_tokens,
+            max_num_batched_tokens=max_in_flight_tokens(scheduler_config.token_budget_ceiling,
                                                         scheduler_config.async_scheduling),
         )
         self.requests: dict[str, Request] = {}
@@ -150,8 +151,15 @@ class Scheduler:
                     "target_itl_ms needs a step cost model: set step_cost_profile to a profile JSON "
                     "(`tokenloom profile` writes one; shipped: tokenloom/sim/profiles/); the simulator uses its own")
             self.slo_budget = SloBudgetController(
-                step_cost_model, scheduler_config.max_num_batched_tokens, scheduler_config.target_itl_ms / 1000.0,
+                step_cost_model, scheduler_config.token_budget_ceiling, scheduler_config.target_itl_ms / 1000.0,
                 scheduler_config.target_ttft_ms / 1000.0, predicted_clock=scheduler_config.slo_clock == "predicted")
+        # The default, automatic budget (core/auto_budget.py): None with an explicit max_num_batched_tokens,
+        # which keeps vLLM's fixed budget, or when the SLO controller above sets the budget.
+        self.auto_budget = (
+            AutoTokenBudget(scheduler_config.token_budget_ceiling, scheduler_config.auto_budget_prefill_ms / 1000.0,
+                            self.num_spec_tokens)
+            if scheduler_config.auto_token_budget else None
+        )
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -266,6 +274,8 @@ class Scheduler:
             bound_by = self._preempt_for_waiting(now, preempted_reqs, policy_actions)
         if self.slo_budget is not None:
             token_budget = self._slo_token_budget(now, threshold, preempted_reqs, policy_actions)
+        elif self.auto_budget is not None:
+            token_budget = self._auto_token_budget(preempted_reqs, policy_actions)
         reserve, starved = 0, set()
         if self.prefill_wait_bound is not None:
             reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
@@ -590,6 +600,15 @@ class Scheduler:
             actions["slo_budget"] = why
         return budget
 
+    def _auto_token_budget(self, preempted_reqs: list[Request], actions: dict[str, Any]) -> int:
+        """The automatic budget (no explicit max_num_batched_tokens): this step's, at most the ceiling."""
+        assert self.auto_budget is not None
+        free_slots = 0 if preempted_reqs else self.max_num_running_reqs - len(self.running)
+        budget, why = self.auto_budget.budget(self.running, self.waiting if free_slots > 0 else (), free_slots)
+        if why is not None:
+            actions["auto_budget"] = why
+        return budget
+
     def _predicted_step(self, num_scheduled_tokens: dict[str, int], spec: dict[str, list[int]]) -> tuple[float, float]:
         """The profile's seconds for the step as scheduled (frontiers not advanced yet), as the
         runner computes it: a row samples when it reaches its sequence's end, drafts included."""
@@ -604,9 +623,12 @@ class Scheduler:
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """The engine core reports how long a step took (wall seconds in the engine, virtual ones in the
         simulator), after update_from_output; the SLO controller corrects its predictions with it.
-        Nothing happens without the controller."""
+        The automatic budget learns this machine's rate from it. Nothing happens without either."""
         if self.slo_budget is not None and scheduler_output.predicted_step is not None:
             self.slo_budget.observe_step(scheduler_output.predicted_step, seconds)
+        if self.auto_budget is not None:
+            self.auto_budget.observe(sum(scheduler_output.num_prefill_tokens.values()),
+                                     scheduler_output.total_num_scheduled_tokens, seconds)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner

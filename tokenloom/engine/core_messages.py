@@ -58,6 +58,8 @@ class EngineReady:
     # sliding group's cap.
     kv_cache_group_windows: list[int | None] = field(default_factory=lambda: [None])
     max_in_flight_tokens: int = 0
+    # The token budget in force (config.token_budget_labels): /metrics' tokenloom:token_budget_info.
+    token_budget: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

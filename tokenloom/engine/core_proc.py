@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from tokenloom import envs
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, token_budget_labels
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
 from tokenloom.engine.core_messages import (
@@ -128,6 +128,7 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
         kv_cache_group_windows=[g.sliding_window for g in engine.scheduler.kv_cache_manager.kv_cache_groups],
         max_in_flight_tokens=engine.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
+        token_budget=token_budget_labels(engine.scheduler_config),
     )
     return engine, ready
 

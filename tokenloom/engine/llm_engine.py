@@ -23,6 +23,7 @@ from tokenloom.config import (
     check_draft_slots,
     check_verification_budget,
     engine_config_from_kwargs,
+    token_budget_text,
 )
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.prompt_fit import max_model_len_that_fits
@@ -109,7 +110,7 @@ class LLMEngine:
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
         sched_in = config.scheduler or SchedulerConfig()
         pool_tokens = max_model_len_that_fits(num_blocks, cache_cfg.block_size, loaded.config.max_position_embeddings,
-                                              kv_cache_groups, max_in_flight_tokens(sched_in.max_num_batched_tokens,
+                                              kv_cache_groups, max_in_flight_tokens(sched_in.token_budget_ceiling,
                                                                                     sched_in.async_scheduling))
         sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings, pool_tokens)
         cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
@@ -147,10 +148,11 @@ class LLMEngine:
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
             "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
-            "(%.0f MiB), max_model_len %d%s", time.perf_counter() - t0, self.model_name, path.name,
+            "(%.0f MiB), max_model_len %d, %s%s", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
             f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
             cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            token_budget_text(sched_cfg),
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )
 
@@ -205,9 +207,9 @@ class LLMEngine:
                 f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})"
             )
         updates: dict[str, Any] = {"max_model_len": max_model_len}
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        if not sched.enable_chunked_prefill and sched.token_budget_ceiling < max_model_len:
             raise ConfigError(
-                f"with chunked prefill off, max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= "
+                f"with chunked prefill off, max_num_batched_tokens ({sched.token_budget_ceiling}) must be >= "
                 f"max_model_len ({max_model_len}); raise it or pass --max-model-len"
             )
         return replace(sched, **updates)
@@ -304,7 +306,7 @@ class LLMEngine:
                 "a new scheduler can use fewer blocks, not other sizes"
             )
         self.scheduler_config = scheduler_config or self.scheduler_config
-        check_verification_budget(self.scheduler_config.max_num_batched_tokens, self.speculative_config)
+        check_verification_budget(self.scheduler_config.token_budget_ceiling, self.speculative_config)
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
@@ -344,8 +346,8 @@ def check_speculative_engine(config: EngineConfig) -> None:
     if spec is None:
         return
     sched = config.scheduler or SchedulerConfig()
-    check_draft_slots(sched.max_num_batched_tokens, spec)
-    check_verification_budget(sched.max_num_batched_tokens, spec)
+    check_draft_slots(sched.token_budget_ceiling, spec)
+    check_verification_budget(sched.token_budget_ceiling, spec)
 
 
 def check_async_scheduling(config: EngineConfig) -> None:
@@ -376,5 +378,5 @@ def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens:
     sched = config.scheduler or SchedulerConfig()
     cap = min(model_max_len, _DEFAULT_MAX_MODEL_LEN, pool_tokens)
     if not sched.enable_chunked_prefill:
-        cap = min(cap, sched.max_num_batched_tokens)
+        cap = min(cap, sched.token_budget_ceiling)
     return max(cap, 2)

@@ -28,8 +28,10 @@ def step_record(
     """The trace record of one step, read off the scheduler right after update_from_output."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    # The step's budget: max_num_batched_tokens, or less where the SLO budget controller set it.
-    budget = output.policy_actions.get("slo_budget", {}).get("budget", scheduler.max_num_scheduled_tokens)
+    # The step's budget: max_num_batched_tokens, or less where the SLO budget controller or the automatic
+    # budget set it.
+    acted = output.policy_actions.get("slo_budget") or output.policy_actions.get("auto_budget") or {}
+    budget = acted.get("budget", scheduler.max_num_scheduled_tokens)
     used = output.total_num_scheduled_tokens
     prefill = dict(output.num_prefill_tokens)
     decode = {rid: n for rid, n in output.num_scheduled_tokens.items() if rid not in prefill}

@@ -106,6 +106,10 @@ class ServerMetrics:
             for p in prefixes:
                 Gauge(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache),
                       registry=r).labels(**cache).set(1)
+            budget = getattr(info, "token_budget", None)
+            if budget:  # tokenloom's own: which token budget runs (docs/scheduler.md, "The token budget")
+                Gauge("tokenloom:token_budget_info", "The token budget in force: mode auto (bounded by step time), "
+                      "fixed or slo; its ceiling", list(budget), registry=r).labels(**budget).set(1)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)

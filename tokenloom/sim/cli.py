@@ -214,7 +214,7 @@ def _print_sim_line(run: _Run) -> None:
     sched, cache = run.sched, run.cache
     print(f"simulated {r.metrics['duration']:.1f} s of serving in {r.wall_seconds:.2f} s: {r.num_steps} steps, "
           f"{r.num_preemptions} preemptions; {cache.num_blocks} KV blocks of {cache.block_size}, "
-          f"max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}")
+          f"max_num_seqs {sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens or 'auto'}")
     if (dp := _dp_figures(r)) is not None:
         print(f"data parallel: {dp['data_parallel_size']} engines ({cache.num_blocks} KV blocks each), "
               f"routing {dp['routing_policy']}: prefix-cache hit rate {dp['prefix_cache_hit_rate']:.3f}, "

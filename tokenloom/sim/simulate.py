@@ -51,7 +51,7 @@ def simulate(
     simulation runs (a wrong or mis-scaled profile: the engine core still reports the simulated step
     times to it, as the real engine reports measured ones)."""
     # What the real engine refuses, the simulator refuses too (it would stall where the engine hangs).
-    check_verification_budget(scheduler_config.max_num_batched_tokens, speculative_config)
+    check_verification_budget(scheduler_config.token_budget_ceiling, speculative_config)
     check_async_scheduling(SimpleNamespace(scheduler=scheduler_config, speculative_config=speculative_config))
     clock = VirtualClock()
     scheduler = make_scheduler(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
