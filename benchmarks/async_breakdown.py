@@ -21,7 +21,7 @@ from tokenloom.config import SchedulerConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.sampling_params import SamplingParams
 
-quant = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "none" else None
+quant = sys.argv[1] if len(sys.argv) > 1 else None  # "none": dequantized; unset: the engine's default
 dtype = sys.argv[2] if len(sys.argv) > 2 else "auto"
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 trace = Path(tempfile.mkdtemp()) / "s.jsonl"

@@ -97,7 +97,7 @@ def main() -> None:
         file = model_path(m, a.gemma)
         for p in paths:
             t0 = time.perf_counter()
-            engines[(m, p)] = LLMEngine.from_args(model=file, quantization="gguf" if p == "gguf" else None,
+            engines[(m, p)] = LLMEngine.from_args(model=file, quantization="gguf" if p == "gguf" else "none",
                                                   kv_cache_memory=a.kv_cache_memory)
             eng = engines[(m, p)]
             fused = getattr(eng.runner.model, "fused_step", None) is not None

@@ -49,7 +49,7 @@ def llamacpp_tokens(binary: str, model: str, prompts: list[list[int]], max_token
         proc.wait(timeout=30)
 
 
-def tokenloom_tokens(model: str, quantization: str | None, prompts: list[list[int]],
+def tokenloom_tokens(model: str, quantization: str, prompts: list[list[int]],
                      max_tokens: int) -> list[list[int]]:
     from tokenloom.engine.llm import LLM
     from tokenloom.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHATS]
     theirs = llamacpp_tokens(a.llama_server, model, prompts, a.max_tokens, a.threads)
     rows = {}
-    for name, quant in (("gguf", "gguf"), ("dequantized", None)):
+    for name, quant in (("gguf", "gguf"), ("dequantized", "none")):
         ours = tokenloom_tokens(model, quant, prompts, a.max_tokens)
         rows[name] = [common_prefix(o, t) for o, t in zip(ours, theirs)]
     for i, c in enumerate(CHATS):

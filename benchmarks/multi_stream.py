@@ -1,4 +1,4 @@
-"""A few concurrent streams: `tokenloom serve --quantization gguf` vs llama.cpp's `llama-server`, alternating.
+"""A few concurrent streams: `tokenloom serve` (defaults) vs llama.cpp's `llama-server`, alternating.
 
 Both servers get the same closed-loop load: S client threads, each sending its share of
 `--requests` streamed /v1/completions requests one after another (a random `--prompt-len`-token
@@ -147,7 +147,8 @@ def main() -> None:
         for name in servers:
             port = free_port()
             if name == "tokenloom":
-                cmd = [str(Path(sys.executable).parent / "tokenloom"), "serve", model, "--quantization", "gguf",
+                # The engine's defaults: a quantized GGUF's weights stay quantized.
+                cmd = [str(Path(sys.executable).parent / "tokenloom"), "serve", model,
                        "--port", str(port), "--served-model-name", "m"]
                 health = "/health"
             else:

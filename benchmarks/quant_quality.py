@@ -105,7 +105,7 @@ def main() -> None:
         print(f"  {name:20s} " + "  ".join(f"{n} {c:+6.2f} %" for n, c in change.items()))
 
     if not args.skip_chats:
-        ref = greedy_chats(None, args.dtype, args.model)
+        ref = greedy_chats("none", args.dtype, args.model)  # the dequantized model
         got = greedy_chats(args.greedy_method, args.dtype, args.model)
         prefixes = [common_prefix(a, b) for a, b in zip(ref, got)]
         same = sum(a == b for a, b in zip(ref, got))
