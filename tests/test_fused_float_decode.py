@@ -213,7 +213,7 @@ def _greedy_chats(monkeypatch: pytest.MonkeyPatch, dtype: str, fused: bool) -> l
     with monkeypatch.context() as m:
         m.setenv("TOKENLOOM_FUSED_FLOAT", "1" if fused else "0")
         m.setenv("TOKENLOOM_FUSED_DECODE_ROWS", "8" if fused else "0")
-        llm = LLM(dtype=dtype)
+        llm = LLM(dtype=dtype, quantization="none")  # the float model: the default keeps the GGUF blocks
     model = llm.llm_engine.runner.model
     assert (model.fused_step is not None) == fused
     if fused:  # every sequence decodes in the fused step (4 rows a step)

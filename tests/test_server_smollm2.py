@@ -23,14 +23,15 @@ def test_default_model_answers_a_chat_request(server) -> None:
     [model] = client.models.list().data
     assert model.id == "SmolLM2-135M-Instruct" and model.model_extra["max_model_len"] == 8192
     reply = client.chat.completions.create(
-        model=model.id, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        model=model.id, messages=[{"role": "user", "content": "What is the capital city of Germany?"}],
         temperature=0.0, max_completion_tokens=40,
     )
     text = reply.choices[0].message.content
-    assert "Paris" in text, text
+    # A question the 135M model answers on every path (it calls Paris "Le Grand Château" on some).
+    assert "Berlin" in text, text
     assert reply.usage.completion_tokens <= 40 and reply.choices[0].finish_reason in ("stop", "length")
     streamed = client.chat.completions.create(
-        model=model.id, messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        model=model.id, messages=[{"role": "user", "content": "What is the capital city of Germany?"}],
         temperature=0.0, max_completion_tokens=40, stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text

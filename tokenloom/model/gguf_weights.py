@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from tokenloom import envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf import (
     config_from_gguf,
@@ -43,7 +44,7 @@ def gemm_min_rows() -> int:
     (`gguf_gemm_packed`: weights converted to int8 chunks on the fly, register-blocked micro-kernel)
     instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS, the
     crossover measured with benchmarks/gguf_prefill_gemm.py (docs/performance.md)."""
-    return int(os.environ.get("TOKENLOOM_GGUF_GEMM_ROWS", "32"))
+    return envs.TOKENLOOM_GGUF_GEMM_ROWS
 
 
 def dequant_min_rows(packed8: bool = False) -> int:
@@ -53,9 +54,7 @@ def dequant_min_rows(packed8: bool = False) -> int:
     while all rows pass over it, and stayed ahead of dequantize + fp32 GEMM at every size measured
     (128-token prefill: TTFT 231-253 vs 514-754 ms; 1,024 tokens: 5.4 vs 6.3 s, Q4_1): 4096
     (TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS), above any default step."""
-    if packed8:
-        return int(os.environ.get("TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS", "4096"))
-    return int(os.environ.get("TOKENLOOM_GGUF_DEQUANT_ROWS", "32"))
+    return envs.TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS if packed8 else envs.TOKENLOOM_GGUF_DEQUANT_ROWS
 
 
 @dataclass
