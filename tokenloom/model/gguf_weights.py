@@ -7,10 +7,11 @@ Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K) stays as its raw blocks, a `GGUFWeight` viewing 
 copies). Norms, biases and unquantized (F32/F16/BF16) tensors come out as float32 tensors. Memory use
 is then about the file's size plus the KV cache, instead of 2-4 bytes per weight.
 
-`GGUFLinear` is the linear layer over such weights: the compiled GEMV / small-batch GEMM
-(activations quantized to int8 on the fly) for up to `DEQUANT_MIN_ROWS - 1` rows, and for larger
-batches (prefill) dequantize-then-GEMM, which is faster there (see docs/performance.md for the
-crossover measurement).
+`GGUFLinear` is the linear layer over such weights (activations quantized to int8 on the fly): for
+the 8-row layouts the tile kernel below `gemm_min_rows()` rows and the batched quantized GEMM
+(weights converted to int8 chunks on the fly) from there on (prefill); for the row-at-a-time types
+the GEMV / small-batch kernel up to `dequant_min_rows() - 1` rows, then dequantize-then-GEMM (see
+docs/performance.md for the crossover measurements).
 """
 
 from __future__ import annotations
