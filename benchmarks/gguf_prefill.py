@@ -35,7 +35,7 @@ def main() -> None:
     model = str(resolve_model_path(a.model))
     engine = LLMEngine.from_args(model=model, quantization="gguf")
     default = os.environ.get("TOKENLOOM_GGUF_GEMM_ROWS")
-    settings = {"gemm": default or "32"}
+    settings = {"gemm": default or "64"}
     if not a.only_gemm:
         settings = {"tiles": str(10 * a.prompt_len + 1), **settings}
     rates: dict[str, list[float]] = {k: [] for k in settings}

@@ -7,10 +7,11 @@ Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K) stays as its raw blocks, a `GGUFWeight` viewing 
 copies). Norms, biases and unquantized (F32/F16/BF16) tensors come out as float32 tensors. Memory use
 is then about the file's size plus the KV cache, instead of 2-4 bytes per weight.
 
-`GGUFLinear` is the linear layer over such weights: the compiled GEMV / small-batch GEMM
-(activations quantized to int8 on the fly) for up to `DEQUANT_MIN_ROWS - 1` rows, and for larger
-batches (prefill) dequantize-then-GEMM, which is faster there (see docs/performance.md for the
-crossover measurement).
+`GGUFLinear` is the linear layer over such weights (activations quantized to int8 on the fly): for
+the 8-row layouts the tile kernel below `gemm_min_rows()` rows and the batched quantized GEMM
+(weights converted to int8 chunks on the fly) from there on (prefill); for the row-at-a-time types
+the GEMV / small-batch kernel up to `dequant_min_rows() - 1` rows, then dequantize-then-GEMM (see
+docs/performance.md for the crossover measurements).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 def gemm_min_rows() -> int:
     """Batches of at least this many rows over an 8-row layout run the batched GEMM
     (`gguf_gemm_packed`: weights converted to int8 chunks on the fly, register-blocked micro-kernel)
-    instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS, the
-    crossover measured with benchmarks/gguf_prefill_gemm.py (docs/performance.md)."""
+    instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS. 64: on
+    SmolLM2's Q4_1 linears (K = 576 / 1536, one thread, benchmarks/gguf_prefill_gemm.py) the two
+    are even at 32-64 rows (the tile kernel's 4-bit unpack is cheap there); on the 0.5B's Q5_0 / Q6_K
+    the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
     return envs.TOKENLOOM_GGUF_GEMM_ROWS
 
 

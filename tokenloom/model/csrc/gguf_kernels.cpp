@@ -1340,8 +1340,14 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
 // chunk is unpacked once per row block and a row block's activations are read from L2 once per tile
 // pair. Threads: at::parallel_for over the tiles, as run_packed.
 constexpr int kGemmChunk = 16;  // groups of 32 columns per unpacked chunk (a multiple of 8: whole K-quant super-blocks)
-constexpr int kGemmMR = 2;      // activation rows per micro-kernel call
-constexpr int kGemmNT = 2;      // tiles per micro-kernel call
+#ifndef TLQ_GEMM_MR
+#define TLQ_GEMM_MR 2
+#endif
+#ifndef TLQ_GEMM_NT
+#define TLQ_GEMM_NT 2
+#endif
+constexpr int kGemmMR = TLQ_GEMM_MR;  // activation rows per micro-kernel call
+constexpr int kGemmNT = TLQ_GEMM_NT;  // tiles per micro-kernel call (1 or 2)
 
 // Activation rows per block: the block's int8 rows (rows x K bytes) within ~192 KB of L2.
 int64_t gemm_row_block(int64_t K) {
@@ -1519,14 +1525,16 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
     for (int t = 0; t < NT; t++) _mm256_storeu_ps(acc + (m * kGemmNT + t) * 8, f[m][t]);
 }
 
-template <int T, int NT>
+// r8_kernel for mt (1..MT) rows.
+template <int T, int NT, int MT = kGemmMR>
 inline void r8_rows(const R8Chunk* c, int n, int mt, const int8_t* const* xq, const float* const* xd,
                     const float* const* xs, float* acc, bool first) {
-  static_assert(kGemmMR == 2, "r8_rows dispatches row counts 1 and 2");
-  if (mt == 2)
-    r8_kernel<T, 2, NT>(c, n, xq, xd, xs, acc, first);
-  else
+  if constexpr (MT == 1) {
     r8_kernel<T, 1, NT>(c, n, xq, xd, xs, acc, first);
+  } else {
+    if (mt == MT) return r8_kernel<T, MT, NT>(c, n, xq, xd, xs, acc, first);
+    r8_rows<T, NT, MT - 1>(c, n, mt, xq, xd, xs, acc, first);
+  }
 }
 
 // Tiles [t0, t1) of out = x @ W.T + bias over all M rows: one thread's share.
@@ -1558,8 +1566,8 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
             xs[i] = a.s.data() + row * G + g0;
           }
           float* ac = acc + m * kGemmNT * 8;
-          if (nt == 2)
-            r8_rows<T, 2>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
+          if (nt == kGemmNT)
+            r8_rows<T, kGemmNT>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
           else
             r8_rows<T, 1>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
         }
