@@ -51,7 +51,7 @@ def main() -> None:
     from tokenloom.model.loader import resolve_model_path
 
     model = str(resolve_model_path(a.model))
-    kwargs: dict = {"dtype": a.dtype, "max_model_len": max(a.lengths) + 16}
+    kwargs: dict = {"dtype": a.dtype}  # max_model_len: the model's context (a prompt of context - 1 fits)
     if a.quantization != "none":
         kwargs["quantization"] = a.quantization
     if a.max_num_batched_tokens:
