@@ -171,6 +171,29 @@ def test_long_context_and_many_sequences() -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (9, 3, 64), (8, 8, 40)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_long_prefill_chunks_match_reference(dtype, block_size, heads) -> None:
+    """Long prefill chunks (the tiled kernel: many 16-row query tiles x 32-key tiles, a partial last
+    tile of each, GQA groups of 7, 3 and 1): a first chunk, one continuing 700 cached tokens, and a
+    decode beside them, against fp64 attention; the plain loops agree too."""
+    hq, hkv, d = heads
+    seqs = [(700, 1), (0, 203), (700, 150)]
+    k_cache, v_cache, tables, qkv = _case(13, dtype, block_size, hq, hkv, d, seqs)
+    meta = _kernel_meta(tables, seqs)
+    fused = paged_attention_fused(K, qkv, hq, (k_cache, v_cache), meta, False)
+    reference = _dense_reference(qkv, k_cache, v_cache, tables, seqs, hq, hkv, d)
+    torch.testing.assert_close(fused.double(), reference, **TOL[dtype])
+    K.set_force_scalar(True)
+    try:
+        scalar = paged_attention_fused(K, qkv, hq, (k_cache, v_cache), meta, False)
+    finally:
+        K.set_force_scalar(False)
+    torch.testing.assert_close(fused.float(), scalar.float(), **TOL[dtype])
+
+
+@needs_kernels
 def test_large_scores_do_not_overflow() -> None:
     seqs = [(40, 1), (0, 9)]
     k_cache, v_cache, tables, qkv = _case(5, torch.float32, 16, 3, 1, 64, seqs)

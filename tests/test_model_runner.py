@@ -352,3 +352,33 @@ def test_kv_cache_bytes_per_block(llama: Tiny) -> None:
     runner = llama.runner()
     total = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
     assert total == kv_cache_bytes_per_block(cfg, BLOCK, torch.float32) * NUM_BLOCKS
+
+
+@PATHS
+def test_long_chunked_prefill_matches_one_chunk(llama: Tiny, path: str) -> None:
+    """A long prompt prefilled in uneven chunks (each attending to the earlier chunks through the
+    paged cache, across many query/key tiles of the kernel) gives the logits of one unchunked
+    prefill and of transformers, and the same greedy tokens after it."""
+    tokens = prompt(21, 230)
+    blocks = [(5 * i + 3) % NUM_BLOCKS for i in range(60)]  # scattered: 60 blocks of 4 hold 240 slots
+    whole = _run_request(llama.runner(path=path), tokens, blocks, decodes=4)
+    runner = llama.runner(path=path)
+    done = 0
+    for i, size in enumerate([37, 100, 1, 92]):  # one chunk of one token: a prefill row on its own
+        so = (step({"R": size}, new=[new_req("R", tokens, blocks)]) if i == 0
+              else step({"R": size}, cached=[("R", [], done)]))
+        out = runner.execute_model(so, return_logits=True)
+        done += size
+    assert done == len(tokens)
+    torch.testing.assert_close(runner.last_logits[0], whole[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(runner.last_logits[0], llama.last_logits(tokens), atol=ATOL, rtol=0)
+    n, chunked = done, [runner.last_logits[0].clone()]
+    for _ in range(4):
+        t = out.sampled_token_ids[0][0]
+        out = runner.execute_model(step({"R": 1}, cached=[("R", [], n)]), return_logits=True)
+        chunked.append(runner.last_logits[0].clone())
+        n += 1
+        assert t == int(chunked[-2].argmax())
+    for x, y in zip(chunked, whole):
+        assert int(x.argmax()) == int(y.argmax())
+        torch.testing.assert_close(x, y, atol=ATOL, rtol=0)

@@ -42,6 +42,9 @@ def step_record(
         "t_end": t_end,
         "scheduled": dict(output.num_scheduled_tokens),
         "prefill": prefill,
+        # Where each prefill chunk starts (tokens already in the KV cache): a chunk's attention reads
+        # prefill_start + its tokens keys per query, so step time against it is prefill cost vs context.
+        "prefill_start": _chunk_starts(output, prefill),
         "decode": decode,
         "budget": budget,
         "budget_used": used,
@@ -62,6 +65,13 @@ def step_record(
     if output.policy_actions:  # only when an opt-in policy acted: default traces stay as they were
         record["policy"] = output.policy_actions
     return record
+
+
+def _chunk_starts(output: SchedulerOutput, prefill: dict[str, int]) -> dict[str, int]:
+    starts = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs if r.req_id in prefill}
+    cached = output.scheduled_cached_reqs
+    starts.update({rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in prefill})
+    return starts
 
 
 class StepTracer:

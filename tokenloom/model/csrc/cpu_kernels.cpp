@@ -498,6 +498,288 @@ void attend_packed_scalar(const AttnArgs<bf16>& a, int64_t row, int kvh, int n, 
   }
 }
 
+#if TL_AVX2
+// ------------------------------------------------------------------------------ tiled (flash) attention, AVX2
+// A tile of query rows of one sequence x one kv head, against its keys 16 at a time (a "key tile",
+// whatever the block size: each key's row is found through the block table), with an online
+// softmax (running max and sum per query row), so K and V are each read once per tile of rows
+// instead of once per row, and no score row longer than 16 is ever stored. The tile's M = rows x G
+// query vectors (the G query heads of the kv head share every K/V load: GQA) are the rows of two
+// small GEMMs per key tile: S[M x 16] = Q K^T against the key tile transposed to [D][16] fp32,
+// then O[M x D] = alpha O + P V. fp32 throughout (bf16 K/V converted once per key tile).
+constexpr int kFlashKeys = 32;      // keys per key tile (a multiple of 16)
+constexpr int kFlashRows = 16;      // query rows per tile of a prefill chunk (x G query heads; x2 when G <= 4)
+
+inline __m256 exp8(__m256 x) {
+  // exp(x), x <= 0 here (scores minus their running max); clamped so 2^n stays a normal float.
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// dst[d * 16 + j] = rows[j][d] for 8 rows (j = j0 .. j0 + 7) and 8 dims (d = d0 .. d0 + 7).
+template <typename T>
+inline void transpose8(const T* const* rows, int d0, float* dst) {
+  __m256 r[8];
+  for (int j = 0; j < 8; j++) r[j] = load8f(rows[j] + d0);
+  __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm256_storeu_ps(dst + 0 * kFlashKeys, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(dst + 1 * kFlashKeys, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(dst + 2 * kFlashKeys, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(dst + 3 * kFlashKeys, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(dst + 4 * kFlashKeys, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(dst + 5 * kFlashKeys, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(dst + 6 * kFlashKeys, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(dst + 7 * kFlashKeys, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+// S[r][0..15] = q_r . k_j for R query vectors (q rows at q + r * D, fp32, already scaled) against
+// the transposed key tile kt [D][16].
+template <int R>
+inline void flash_qk(const float* q, const float* kt, int D, float* s) {  // kt, s: at the tile's 16-key half
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d++) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kFlashKeys), k1 = _mm256_loadu_ps(kt + d * kFlashKeys + 8);
+    for (int r = 0; r < R; r++) {
+      const __m256 qv = _mm256_broadcast_ss(q + r * D + d);
+      a0[r] = _mm256_fmadd_ps(qv, k0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(qv, k1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm256_storeu_ps(s + r * kFlashKeys, a0[r]);
+    _mm256_storeu_ps(s + r * kFlashKeys + 8, a1[r]);
+  }
+}
+
+// O[r][d0 .. d0 + 15] = alpha[r] O[r][...] + sum_{j < nk} P[r][j] V[j][...] for R query vectors.
+template <int R, typename T>
+inline void flash_pv(float* o, const float* p, const float* alpha, const T* const* v, int nk, int D, int d0) {
+  __m256 a0[R], a1[R];
+  for (int r = 0; r < R; r++) {
+    const __m256 al = _mm256_broadcast_ss(alpha + r);
+    a0[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0));
+    a1[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0 + 8));
+  }
+  for (int j = 0; j < nk; j++) {
+    const __m256 v0 = load8f(v[j] + d0), v1 = load8f(v[j] + d0 + 8);
+    for (int r = 0; r < R; r++) {
+      const __m256 pv = _mm256_broadcast_ss(p + r * kFlashKeys + j);
+      a0[r] = _mm256_fmadd_ps(pv, v0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(pv, v1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    _mm256_storeu_ps(o + r * D + d0, a0[r]);
+    _mm256_storeu_ps(o + r * D + d0 + 8, a1[r]);
+  }
+}
+// The same for 8 dims (D % 16 == 8: the last 8).
+template <int R, typename T>
+inline void flash_pv8(float* o, const float* p, const float* alpha, const T* const* v, int nk, int D, int d0) {
+  __m256 a0[R];
+  for (int r = 0; r < R; r++) a0[r] = _mm256_mul_ps(_mm256_broadcast_ss(alpha + r), _mm256_loadu_ps(o + r * D + d0));
+  for (int j = 0; j < nk; j++) {
+    const __m256 v0 = load8f(v[j] + d0);
+    for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kFlashKeys + j), v0, a0[r]);
+  }
+  for (int r = 0; r < R; r++) _mm256_storeu_ps(o + r * D + d0, a0[r]);
+}
+
+// Per-thread scratch of the tiled kernel.
+struct FlashScratch {
+  std::vector<float> q, o, s, m, l, alpha, kt;
+  std::vector<float> vf;  // bf16 V tile converted to fp32
+  void reserve(int max_m, int D) {
+    q.resize(static_cast<size_t>(max_m) * D);
+    o.resize(static_cast<size_t>(max_m) * D);
+    s.resize(static_cast<size_t>(max_m) * kFlashKeys);
+    m.resize(max_m);
+    l.resize(max_m);
+    alpha.resize(max_m);
+    kt.resize(static_cast<size_t>(D) * kFlashKeys);
+    vf.resize(static_cast<size_t>(D) * kFlashKeys);
+  }
+};
+
+// Rows row0 .. row0 + nrows - 1 of one sequence (row i at position pos0 + i sees keys
+// max(0, pos0 + i - window + 1) .. pos0 + i; window <= 0: no window), the G query heads of kv head
+// `kvh`. Query vector r of the tile: row r / G, head kvh * G + r % G. D % 8 == 0.
+template <typename T>
+void attend_flash(const AttnArgs<T>& a, int64_t row0, int nrows, int kvh, int pos0, const int32_t* table,
+                  int window, FlashScratch& sc) {
+  const int D = a.D, G = a.Hq / a.Hkv, bs = a.block_size;
+  const int M = nrows * G;
+  const int64_t block_elems = static_cast<int64_t>(bs) * D;
+  const T* kb = a.k_cache + kvh * a.head_stride;
+  const T* vb = a.v_cache + kvh * a.head_stride;
+  const T* zero = reinterpret_cast<const T*>(kZeros);
+  float* q = sc.q.data();
+  float* o = sc.o.data();
+  float* s = sc.s.data();
+  float* mx = sc.m.data();
+  float* l = sc.l.data();
+  float* alpha = sc.alpha.data();
+  float* kt = sc.kt.data();
+  // Scaled fp32 queries; O, running max and sum reset.
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int r = 0; r < M; r++) {
+    const T* src = a.q + (row0 + r / G) * a.q_row_stride + static_cast<int64_t>(kvh * G + r % G) * D;
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(q + r * D + d, _mm256_mul_ps(load8f(src + d), scale));
+    mx[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  std::fill(o, o + static_cast<size_t>(M) * D, 0.f);
+  const int last = pos0 + nrows - 1;  // the last row's position: keys 0 .. last are written
+  int first_key = window > 0 ? std::max(0, pos0 - window + 1) : 0;
+  first_key -= first_key % kFlashKeys;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const T* krow[kFlashKeys];
+  for (int t0 = first_key; t0 <= last; t0 += kFlashKeys) {
+    const int nk = std::min(kFlashKeys, last + 1 - t0);  // keys of this tile that were written
+    for (int j = 0; j < kFlashKeys; j++) {
+      const int t = t0 + j;
+      krow[j] = j < nk ? kb + table[t / bs] * block_elems + static_cast<int64_t>(t % bs) * D : zero;
+    }
+    for (int d0 = 0; d0 < D; d0 += 8)
+      for (int j0 = 0; j0 < kFlashKeys; j0 += 8) transpose8(krow + j0, d0, kt + d0 * kFlashKeys + j0);
+    // S = Q K^T, four query vectors x sixteen keys at a time.
+    for (int h = 0; h < kFlashKeys; h += 16) {
+      int r = 0;
+      for (; r + 4 <= M; r += 4) flash_qk<4>(q + r * D, kt + h, D, s + r * kFlashKeys + h);
+      switch (M - r) {
+        case 3: flash_qk<3>(q + r * D, kt + h, D, s + r * kFlashKeys + h); break;
+        case 2: flash_qk<2>(q + r * D, kt + h, D, s + r * kFlashKeys + h); break;
+        case 1: flash_qk<1>(q + r * D, kt + h, D, s + r * kFlashKeys + h); break;
+        default: break;
+      }
+    }
+    // Online softmax: mask, new running max, P = exp(S - max) (0 where masked), alpha = exp(old - new).
+    // Only tiles reaching past the first row's position (or before its window) need the mask.
+    const bool masked = t0 + kFlashKeys - 1 > pos0 || (window > 0 && t0 <= last - window);
+    constexpr int NV = kFlashKeys / 8;
+    __m256i key[NV];
+    for (int c = 0; c < NV; c++) key[c] = _mm256_add_epi32(lane, _mm256_set1_epi32(t0 + 8 * c));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int rr = 0; rr < M; rr++) {
+      float* sr = s + rr * kFlashKeys;
+      __m256 sv[NV], ok[NV];
+      if (masked) {
+        const int p = pos0 + rr / G;
+        const __m256i hi = _mm256_set1_epi32(p + 1);
+        const __m256i lo = _mm256_set1_epi32(window > 0 ? p - window : -1);
+        for (int c = 0; c < NV; c++) {
+          ok[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(hi, key[c]), _mm256_cmpgt_epi32(key[c], lo)));
+          sv[c] = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sr + 8 * c), ok[c]);
+        }
+      } else {
+        for (int c = 0; c < NV; c++) sv[c] = _mm256_loadu_ps(sr + 8 * c);
+      }
+      __m256 vmax = sv[0];
+      for (int c = 1; c < NV; c++) vmax = _mm256_max_ps(vmax, sv[c]);
+      const float tile_max = hmax8(vmax);
+      const float m_old = mx[rr];
+      if (tile_max == -INFINITY) {  // nothing visible in this tile for this row
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(sr + 8 * c, _mm256_setzero_ps());
+        alpha[rr] = 1.f;
+        continue;
+      }
+      const float m_new = std::max(m_old, tile_max);
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int c = 0; c < NV; c++) {
+        __m256 e = exp8(_mm256_sub_ps(sv[c], mv));
+        if (masked) e = _mm256_and_ps(e, ok[c]);
+        _mm256_storeu_ps(sr + 8 * c, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      const float al = m_new == m_old ? 1.f : m_old == -INFINITY ? 0.f : std::exp(m_old - m_new);
+      alpha[rr] = al;
+      l[rr] = l[rr] * al + hsum8(sum);
+      mx[rr] = m_new;
+    }
+    // O = alpha O + P V over the written keys (unwritten slots may hold NaN: never touched).
+    const float* vrow[kFlashKeys];
+    for (int j = 0; j < nk; j++) {
+      const int t = t0 + j;
+      const T* v = vb + table[t / bs] * block_elems + static_cast<int64_t>(t % bs) * D;
+      if constexpr (std::is_same<T, float>::value) {
+        vrow[j] = v;
+      } else {  // bf16: converted once per key tile, not once per four query vectors
+        float* vf = sc.vf.data() + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vf + d, load8f(v + d));
+        vrow[j] = vf;
+      }
+    }
+    for (int r = 0; r < M; r += 4) {
+      const int R = std::min(4, M - r);
+      float* orow = o + r * D;
+      const float* prow = s + r * kFlashKeys;
+      int d0 = 0;
+      for (; d0 + 16 <= D; d0 += 16) {
+        switch (R) {
+          case 4: flash_pv<4>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          case 3: flash_pv<3>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          case 2: flash_pv<2>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          default: flash_pv<1>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+        }
+      }
+      if (d0 < D) {
+        switch (R) {
+          case 4: flash_pv8<4>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          case 3: flash_pv8<3>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          case 2: flash_pv8<2>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+          default: flash_pv8<1>(orow, prow, alpha + r, vrow, nk, D, d0); break;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < M; r++) {
+    T* dst = a.out + (row0 + r / G) * a.out_row_stride + static_cast<int64_t>(kvh * G + r % G) * D;
+    const float inv = 1.0f / l[r];
+    for (int d = 0; d < D; d++) dst[d] = from_f<T>(o[r * D + d] * inv);
+  }
+}
+#endif  // TL_AVX2
+
 bool packed_layout_supported(int64_t block_size, int64_t head_dim) {
   return TL_PACKED && block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 512;
 }
@@ -505,8 +787,17 @@ bool packed_layout_supported(int64_t block_size, int64_t head_dim) {
 template <typename T>
 void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const int32_t* pos_start, int64_t num_seqs,
                           bool packed) {
-  // Work items: (a tile of rows of one sequence) x (kv head). Plain layout: one row per tile.
-  const int tile = packed ? kTileRows : 1;
+  // Work items: (a tile of rows of one sequence) x (kv head). Packed layout: kTileRows rows per
+  // tile; plain layout with AVX2: the tiled kernel (attend_flash), kFlashRows rows of a prefill
+  // chunk per tile; otherwise one row per tile.
+  const int G = a.Hq / a.Hkv;
+  bool flash = false;
+#if TL_AVX2
+  flash = !packed && !g_force_scalar && a.D % 8 == 0 && a.D <= 512;
+#endif
+  // Tiled kernel: each tile streams its rows' keys once, so larger tiles read K/V less often (a long
+  // context's K/V outgrow L2); ~100 query vectors per tile keep Q and O in L2.
+  const int tile = packed ? kTileRows : flash ? (G <= 4 ? 2 * kFlashRows : kFlashRows) : 1;
   struct Tile {
     int32_t row0, nrows, seq, n0;  // n0: keys of the first row
   };
@@ -520,7 +811,6 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
       max_ctx = std::max(max_ctx, tiles.back().n0 + nr - 1);
     }
   }
-  const int G = a.Hq / a.Hkv;
   const int64_t items = static_cast<int64_t>(tiles.size()) * a.Hkv;
   bool simd = false;
 #if TL_AVX512
@@ -529,9 +819,15 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
   std::atomic<int64_t> next{0};
   // One task per thread, items handed out dynamically: contexts differ, so static chunks would not balance.
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores(static_cast<size_t>(tile) * G * ((max_ctx + 15) & ~15) + 16);
+#if TL_AVX2
+    FlashScratch fs;
+    if (flash) fs.reserve(tile * G, a.D);
+#endif
+    // Rows left to the per-row kernels (all of them without the tiled one; decodes on AVX-512).
+    const bool per_row = !flash || TL_AVX512;
+    std::vector<float> scores(per_row ? static_cast<size_t>(tile) * G * ((max_ctx + 15) & ~15) + 16 : 0);
     std::vector<uint16_t> probs(packed ? scores.size() : 0);
-    std::vector<int64_t> offs(packed ? 0 : max_ctx);
+    std::vector<int64_t> offs(packed || !per_row ? 0 : max_ctx);
     int64_t cached_seq = -1;
     int cached_n = 0;
     for (;;) {
@@ -540,6 +836,12 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
       const Tile& tl = tiles[i / a.Hkv];
       const int kvh = static_cast<int>(i % a.Hkv);
       const int32_t* table = a.block_tables + static_cast<int64_t>(tl.seq) * a.bt_stride;
+#if TL_AVX2
+      if (flash && (tl.nrows > 1 || !TL_AVX512)) {  // AVX-512 CPUs keep their decode kernel
+        attend_flash<T>(a, tl.row0, tl.nrows, kvh, tl.n0 - 1, table, 0, fs);
+        continue;
+      }
+#endif
       if constexpr (std::is_same<T, bf16>::value) {
         if (packed) {
 #if TL_PACKED
