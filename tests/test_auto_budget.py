@@ -146,7 +146,7 @@ def _run(scheduler, seconds_per_token: float) -> list:
 
 
 def test_the_scheduler_bounds_steps_that_carry_decodes() -> None:
-    steps = _run(_scheduler(), seconds_per_token=0.005)  # 400 tokens in 2 s
+    steps = _run(_scheduler(auto_budget_prefill_ms=2000), seconds_per_token=0.005)  # 400 tokens in 2 s
     assert steps[0] == (2000, None)  # no decodes yet: the ceiling (everything fits)
     # step 1: the 4 decodes, the long prompt gets 2 s of prompt work
     assert steps[1] == (404, {"budget": 404, "chunk": 400, "ms_per_token": 5.0})

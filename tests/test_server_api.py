@@ -191,7 +191,7 @@ def test_request_id_orca_header_and_extra_routes(server, http) -> None:
                  'vllm:num_requests_waiting_by_reason{model_name="tiny",reason="capacity"}'):
         assert name in metrics, name
     # the default token budget is automatic under a 2,048 ceiling, and /metrics says so
-    assert 'tokenloom:token_budget_info{auto_budget_prefill_ms="2000",max_num_batched_tokens="2048",mode="auto"} 1.0' \
+    assert 'tokenloom:token_budget_info{auto_budget_prefill_ms="1500",max_num_batched_tokens="2048",mode="auto"} 1.0' \
         in metrics
 
 

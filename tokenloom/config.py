@@ -173,7 +173,7 @@ class SchedulerConfig:
         None, "profile JSON (tokenloom profile; shipped ones in tokenloom/sim/profiles/) whose cost model the "
         "SLO controller predicts step times with; the simulator uses its own profile when unset")
     auto_budget_prefill_ms: float = knob(
-        2000.0, "with the automatic token budget (no --max-num-batched-tokens): the prompt work, in ms at the "
+        1500.0, "with the automatic token budget (no --max-num-batched-tokens): the prompt work, in ms at the "
         "measured prefill rate, that a step carrying decodes may take, so each decode waits at most about this "
         "much for prompts (0: the fixed 2048)")
     # vLLM's AsyncScheduler + the engine's batch queue of depth 2: step N+1 is scheduled while step N
