@@ -85,3 +85,37 @@ def test_default_model_keeps_its_blocks_and_answers() -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital city of Germany?"}],
                    SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0].text
     assert "Berlin" in out, out
+
+
+@pytest.mark.slow
+@needs_kernels
+@pytest.mark.parametrize("engine_kwargs", [
+    {"async_scheduling": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+], ids=["async", "ngram"])
+def test_default_path_combines_with_structured_outputs(engine_kwargs: dict) -> None:
+    """The quantized default under async scheduling and under n-gram drafts, a JSON-schema request
+    batched with a free one: the constrained output parses and follows the schema, drafts (when on)
+    are accepted, no KV block is left behind."""
+    import json
+
+    from tokenloom.engine.llm import LLM
+    from tokenloom.sampling_params import StructuredOutputsParams
+
+    llm = LLM(max_model_len=512, **engine_kwargs)
+    engine = llm.llm_engine
+    assert engine.config.quantization == "gguf"
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    outs = llm.generate(["Is water wet? Answer as JSON:", "Repeat: the cat sat on the mat, the cat sat on the mat,"],
+                        params, use_tqdm=False)
+    assert isinstance(json.loads(outs[0].outputs[0].text)["answer"], bool), outs[0].outputs[0].text
+    assert len(outs[1].outputs[0].token_ids) == 24
+    if "speculative_config" in engine_kwargs:
+        assert engine.scheduler.make_stats().spec_decoding.num_accepted_tokens > 0
+    engine.engine_core.drain()
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
+    engine.close()
