@@ -37,8 +37,9 @@ def llama_bench_pp(binary: str, model: str, threads: int, prompt_len: int) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=None, help="a .gguf file (default: the shipped SmolLM2 Q4_1)")
-    ap.add_argument("--quantization", default="none", choices=["gguf", "int8", "none"],
-                    help="none: the engine's default for the file")
+    ap.add_argument("--quantization", default="default", choices=["default", "gguf", "int8", "none"],
+                    help="default: the engine's default for the file (a quantized GGUF stays quantized); "
+                         "none: dequantized to --dtype")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the token budget (default: the engine's)")
@@ -52,7 +53,7 @@ def main() -> None:
 
     model = str(resolve_model_path(a.model))
     kwargs: dict = {"dtype": a.dtype}  # max_model_len: the model's context (a prompt of context - 1 fits)
-    if a.quantization != "none":
+    if a.quantization != "default":
         kwargs["quantization"] = a.quantization
     if a.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
