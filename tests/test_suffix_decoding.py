@@ -236,7 +236,10 @@ def test_a_repeated_request_accepts_the_drafts_ngram_lacks():
     second time, suffix decoding drafts from the first output and accepts most of it."""
     conv = [[{"role": "user", "content": "Write a short poem about autumn leaves."}]]
     params = SamplingParams(temperature=0.0, max_tokens=64)
-    knobs = dict(kv_cache_memory=256 << 20)
+    # Token identity with and without drafts holds for the float path; the quantized kernels
+    # verify k+1 rows in other accumulation orders than one-row decode, so on some CPUs a near
+    # tie flips (seen on CI's machine).
+    knobs = dict(kv_cache_memory=256 << 20, quantization="none")
     want = LLM(**knobs).chat(conv, params, use_tqdm=False)[0].outputs[0].token_ids
     accepted = {}
     for name, cfg in (("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
