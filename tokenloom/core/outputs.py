@@ -70,6 +70,9 @@ class SchedulerOutput:
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
     pending_structured_output_tokens: bool = False
+    # Async scheduling with drafts: per request, how many of its placeholder drafts the grammar cut
+    # (padded back with -1 by Scheduler.update_draft_token_ids_in_output; not counted as drafted).
+    num_invalid_spec_tokens: dict[str, int] = field(default_factory=dict)
     # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
     policy_actions: dict[str, Any] = field(default_factory=dict)
     # Under the SLO token budget only: the profile's seconds for this step as scheduled, and for its

@@ -727,7 +727,8 @@ class Scheduler:
                 # Stale output (async: scheduled before a preemption) still counts in the stats, but
                 # its rejections predate the preemption's reset and roll nothing back (S:2113-2135).
                 spec_stats = self._rollback_rejected(request, spec, generated, spec_stats,
-                                                     rollback=not output_is_stale)
+                                                     rollback=not output_is_stale,
+                                                     num_invalid=scheduler_output.num_invalid_spec_tokens.get(req_id, 0))
 
             is_stopped = False
             if generated:
@@ -798,11 +799,13 @@ class Scheduler:
 
     def _rollback_rejected(
         self, request: Request, spec: list[int], generated: list[int], stats: SpecDecodingStats | None,
-        rollback: bool = True,
+        rollback: bool = True, num_invalid: int = 0,
     ) -> SpecDecodingStats:
         """Rejected drafts were counted as computed at schedule time: take them back (their KV
         slots stay allocated and are overwritten). Counted from the untrimmed output, as vLLM.
-        Under async scheduling the drafts were placeholders counted in num_output_placeholders too."""
+        Under async scheduling the drafts were placeholders counted in num_output_placeholders too.
+        Drafts the grammar cut (`num_invalid`, padded with -1) roll back like rejected ones but were
+        never drafted: the stats leave them out (vLLM's make_spec_decoding_stats)."""
         num_accepted = max(len(generated) - self.num_sampled_tokens_per_step, 0)
         num_rejected = len(spec) - num_accepted
         if rollback:
@@ -812,7 +815,7 @@ class Scheduler:
                 request.num_output_placeholders -= num_rejected
         if stats is None:
             stats = SpecDecodingStats.new(self.num_spec_tokens)
-        stats.observe_draft(len(spec), num_accepted)
+        stats.observe_draft(len(spec) - num_invalid, num_accepted)
         self.spec_decoding_per_request[request.request_id] = [len(spec), num_accepted]
         request.num_drafts += 1
         request.num_draft_tokens += len(spec)
@@ -833,6 +836,29 @@ class Scheduler:
             if request.use_structured_output and self.structured_output_manager is not None:
                 drafts = self.structured_output_manager.validate_tokens(request, drafts)
             request.spec_token_ids = list(drafts)
+
+    def update_draft_token_ids_in_output(self, req_ids: Iterable[str], draft_token_ids: Iterable[list[int]],
+                                         output: SchedulerOutput) -> None:
+        """Async scheduling: a step was scheduled with K placeholder drafts per request; once the step
+        before it has landed, the runner's drafts replace them in `output` (vLLM's method of this name,
+        called by the engine core before the deferred bitmask). Each list is cut to the slots
+        scheduled and, for a constrained request, to the prefix its grammar accepts; the cut ones are
+        padded back with -1 (the runner trims them; the step's token counts stay as scheduled) and
+        counted in `num_invalid_spec_tokens`. The bitmask is then built over the real drafts."""
+        scheduled = output.scheduled_spec_decode_tokens
+        for req_id, drafts in zip(req_ids, draft_token_ids):
+            request = self.requests.get(req_id)
+            placeholders = scheduled.get(req_id)
+            if request is None or request.is_finished() or not placeholders:
+                continue
+            drafts = list(drafts[: len(placeholders)])
+            if request.use_structured_output and self.structured_output_manager is not None:
+                drafts = self.structured_output_manager.validate_tokens(request, drafts)
+            num_invalid = len(placeholders) - len(drafts)
+            if num_invalid:
+                drafts.extend([-1] * num_invalid)
+                output.num_invalid_spec_tokens[req_id] = num_invalid
+            scheduled[req_id] = drafts
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int], is_stale: bool = False

@@ -109,6 +109,13 @@ class EngineCore:
                 # vLLM runs the forward pass and defers only the sampling; here the runner does both
                 # in one call, so the step waits for the one in flight (only steps with such a request).
                 finished = self.drain()
+                if self.scheduler.num_spec_tokens:
+                    # The drafts proposed after the step just drained replace this step's
+                    # placeholders, cut by the grammar, so the bitmask covers the drafts that run.
+                    drafts = self.executor.take_draft_token_ids()
+                    if drafts is not None:
+                        self.scheduler.update_draft_token_ids_in_output(
+                            drafts.req_ids, drafts.draft_token_ids, scheduler_output)
                 self.scheduler.fill_grammar_bitmask(scheduler_output)
             future = self.executor.execute_model(scheduler_output, non_block=True)
             queue.append(_InFlight(scheduler_output, future, t_start, t_scheduled))  # type: ignore[arg-type]

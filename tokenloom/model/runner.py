@@ -467,12 +467,21 @@ class ModelRunner:
             filled = self._placeholder_drafts(state, len(drafts))
             n -= len(drafts) - len(filled)
             drafts = filled
+        elif any(t < 0 for t in drafts):
+            # Real drafts padded with -1 where the grammar cut them (update_draft_token_ids_in_output):
+            # verify the real ones only.
+            real = next(i for i, t in enumerate(drafts) if t < 0)
+            if any(t >= 0 for t in drafts[real:]):
+                return start, n, drafts, f"request {state.req_id!r} has a real draft after a placeholder"
+            n -= len(drafts) - real
+            drafts = drafts[:real]
         return start - excess, n, drafts, None
 
     def _placeholder_drafts(self, state: _RequestState, num_slots: int) -> list[int]:
         """Drafts for a request's placeholder slots: its latest proposal, up to `num_slots`.
-        Constrained requests are not speculated on (as in sync mode: their drafts would be verified
-        without grammar rows)."""
+        A constrained request's placeholders stay empty: its bitmask rows were built over the
+        placeholders, so drafts filled here would be verified against rows made for no draft (under
+        async scheduling the engine core fills them, grammar-checked, before it builds the bitmask)."""
         if self.spec_decode is None or getattr(state.params, "structured_outputs", None) is not None:
             return []
         return self.spec_decode.latest_drafts(state.req_id)[:num_slots]
@@ -592,7 +601,10 @@ def grammar_rows(so: SchedulerOutput, sample_reqs: list[Any],
                  sample_drafts: list[list[int]] | None = None) -> GrammarRows | None:
     """The step's grammar bitmask, paired with the logits rows it constrains (None: no constraint).
     With drafts, a request's 1 + d output rows each have their bitmask row (the scheduler made one per
-    draft position and one more), in the same order."""
+    scheduled draft position and one more), in the same order. The runner may verify fewer drafts
+    than were scheduled (placeholders it has no draft for, or -1 padding where the grammar cut them):
+    the drafts it keeps are then a prefix of the scheduled ones, never a replacement (a constrained
+    request's placeholders are not filled, `_placeholder_drafts`), so its first 1 + d rows are right."""
     if so.grammar_bitmask is None:
         return None
     width = [1 + len(d) for d in sample_drafts] if sample_drafts is not None else [1] * len(sample_reqs)
@@ -607,9 +619,9 @@ def grammar_rows(so: SchedulerOutput, sample_reqs: list[Any],
         n = 1 + len(so.scheduled_spec_decode_tokens.get(rid) or ())
         if rid in first_row:  # else: it failed validation this step and samples nothing
             start, width_here = first_row[rid]
-            assert width_here == n, f"{rid}: {n} bitmask rows for {width_here} output rows"
-            keep += range(b, b + n)
-            rows += range(start, start + n)
+            assert width_here <= n, f"{rid}: {n} bitmask rows for {width_here} output rows"
+            keep += range(b, b + width_here)
+            rows += range(start, start + width_here)
         b += n
     if not keep:
         return None
