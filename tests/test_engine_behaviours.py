@@ -115,7 +115,7 @@ def test_priority_preemption_with_prefix_caching_keeps_tokens(tiny_dir, roomy) -
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals[low].metrics.num_preemptions >= 1
-    assert engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+    assert engine.scheduler.kv_cache_manager.prefix_cache_totals.hits > 0
     assert finals[low].outputs[0].token_ids == _tokens(roomy, shared + [3, 4], params)
     for i, h in enumerate(highs):
         assert finals[h].outputs[0].token_ids == _tokens(roomy, shared + _ids(10 + i, 6), params)

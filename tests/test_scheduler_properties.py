@@ -132,7 +132,7 @@ def _check_trace(trace: dict, aborts: list[tuple[int, int]]) -> Counter:
     seen["cases"] += 1
     seen["admitted"] += len(admitted)
     seen["cases_with_preemption"] += sched.num_preemptions_total > 0
-    seen["cases_with_prefix_hit"] += kv.prefix_cache_stats.hits > 0
+    seen["cases_with_prefix_hit"] += kv.prefix_cache_totals.hits > 0
     return seen
 
 

@@ -61,6 +61,16 @@ class PrefixCacheStats:
         self.queries += num_tokens
         self.hits += num_hits
 
+    def merge(self, other: PrefixCacheStats) -> None:
+        """Fold a later interval into this one (several steps' intervals into one report)."""
+        self.reset = self.reset or other.reset
+        self.requests += other.requests
+        self.queries += other.queries
+        self.hits += other.hits
+        self.preempted_requests += other.preempted_requests
+        self.preempted_queries += other.preempted_queries
+        self.preempted_hits += other.preempted_hits
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0

@@ -70,7 +70,7 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
-    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats() (vLLM)
+    prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats()
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
 
@@ -166,6 +166,9 @@ class Scheduler:
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # Each update_from_output ends the KV cache manager's lookup interval (vLLM's make_stats at
+        # the end of every step); the steps' intervals gather here until make_stats() reports them.
+        self._prefix_cache_since_report = PrefixCacheStats()
         # Grammars of constrained requests (set by the engine, which knows the tokenizer); None:
         # constrained requests are rejected. Requests whose grammar failed to compile, with why.
         self.structured_output_manager: StructuredOutputManager | None = None
@@ -774,6 +777,8 @@ class Scheduler:
             self.spec_decoding_totals.add(spec_stats)
         if self.grammar_compile_errors:
             outputs.extend(self._finish_grammar_errors())
+        # One step, one interval of prefix-cache lookups (vLLM: update_from_output -> make_stats).
+        self._prefix_cache_since_report.merge(self.kv_cache_manager.make_prefix_cache_stats())
         return outputs
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
@@ -911,9 +916,15 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_totals.queries,
             prefix_cache_hits=kv.prefix_cache_totals.hits,
-            prefix_cache_stats=kv.make_prefix_cache_stats(),
+            prefix_cache_stats=self._take_prefix_cache_stats(),
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )
+
+    def _take_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The lookups since the previous report: the steps' intervals plus the open one."""
+        stats, self._prefix_cache_since_report = self._prefix_cache_since_report, PrefixCacheStats()
+        stats.merge(self.kv_cache_manager.make_prefix_cache_stats())
+        return stats
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting

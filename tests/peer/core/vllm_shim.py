@@ -23,7 +23,7 @@ from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 EOS_TOKEN_ID = 50256
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue"]
+           "FreeKVCacheBlockQueue", "_step_until_done"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -184,3 +184,19 @@ def create_requests_with_priority(
                 params, arrival_time=arrival_times[i], priority=priorities[i], block_size=block_size)
         for i in range(num_requests)
     ]
+
+
+def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput,
+                     model_runner_output: tl_outputs.ModelRunnerOutput) -> None:
+    """vLLM's helper of this name in test_scheduler.py: update, then schedule and update until every
+    request finished. Its KV-connector assert has no counterpart (no connector), and tokenloom's
+    update_from_output returns the outputs as a list where vLLM's returns them by client index."""
+    all_finished = False
+    scheduler.update_from_output(output, model_runner_output)
+    while not all_finished:
+        output = scheduler.schedule()
+        assert len(scheduler.running)
+        for num_scheduled_tokens in output.num_scheduled_tokens.values():
+            assert num_scheduled_tokens == 1  # in the decode phase now
+        outputs = scheduler.update_from_output(output, model_runner_output)
+        all_finished = all(o.finish_reason is not None for o in outputs)
