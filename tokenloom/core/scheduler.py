@@ -729,9 +729,9 @@ class Scheduler:
             if spec and generated:
                 # Stale output (async: scheduled before a preemption) still counts in the stats, but
                 # its rejections predate the preemption's reset and roll nothing back (S:2113-2135).
+                num_invalid = scheduler_output.num_invalid_spec_tokens.get(req_id, 0)
                 spec_stats = self._rollback_rejected(request, spec, generated, spec_stats,
-                                                     rollback=not output_is_stale,
-                                                     num_invalid=scheduler_output.num_invalid_spec_tokens.get(req_id, 0))
+                                                     rollback=not output_is_stale, num_invalid=num_invalid)
 
             is_stopped = False
             if generated:

@@ -7,13 +7,13 @@ import pytest
 
 from tests.peer.core.vllm_shim import (
     EOS_TOKEN_ID,
-    _step_until_done,
     CachedRequestData,
     ModelRunnerOutput,
     Request,
     RequestStatus,
     SamplingParams,
     SchedulerOutput,
+    _step_until_done,
     check_stop,
     create_requests,
     create_requests_with_priority,
