@@ -75,7 +75,13 @@ setup: $(STAMP) $(VENV)/.kernels
 serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
-test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium
+# Every ISA branch of the kernels compiles (AVX-512, BF16, VNNI, AVX-VNNI, none), not only the ones this
+# CPU has: -fsyntax-only per -march target, ~1 min on 2 cores, again only when a source changes.
+$(VENV)/.isa-checked: $(STAMP) tokenloom/model/csrc/cpu_kernels.cpp tokenloom/model/csrc/gguf_kernels.cpp tokenloom/model/isa_check.py
+	$(BIN)/python -m tokenloom.model.isa_check
+	touch $@
+
+test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/python -m pytest -q
 

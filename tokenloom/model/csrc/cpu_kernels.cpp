@@ -498,6 +498,10 @@ void attend_packed_scalar(const AttnArgs<bf16>& a, int64_t row, int kvh, int n, 
   }
 }
 
+// Query rows per tile of a prefill chunk in the tiled kernel (x G query heads; x2 when G <= 4). Outside the
+// AVX2 block: the tiling below names it whatever the ISA (isa_check caught a build without AVX2 failing).
+constexpr int kFlashRows = 16;
+
 #if TL_AVX2
 // ------------------------------------------------------------------------------ tiled (flash) attention, AVX2
 // A tile of query rows of one sequence x one kv head, against its keys 16 at a time (a "key tile",
@@ -508,7 +512,6 @@ void attend_packed_scalar(const AttnArgs<bf16>& a, int64_t row, int kvh, int n, 
 // small GEMMs per key tile: S[M x 16] = Q K^T against the key tile transposed to [D][16] fp32,
 // then O[M x D] = alpha O + P V. fp32 throughout (bf16 K/V converted once per key tile).
 constexpr int kFlashKeys = 32;      // keys per key tile (a multiple of 16)
-constexpr int kFlashRows = 16;      // query rows per tile of a prefill chunk (x G query heads; x2 when G <= 4)
 
 inline __m256 exp8(__m256 x) {
   // exp(x), x <= 0 here (scores minus their running max); clamped so 2^n stays a normal float.
