@@ -9,6 +9,7 @@ test asserts is tokenloom's own answer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -21,9 +22,10 @@ from tokenloom.core.scheduler import Scheduler as _TLScheduler
 from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 
 EOS_TOKEN_ID = 50256
+_MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the models the tests name
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue", "_step_until_done"]
+           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -31,8 +33,36 @@ class SamplingParams(_TLSamplingParams):
         self.eos_token_id = model_eos_token_id
 
 
+@dataclass
+class DraftTokenIds:
+    """vLLM's vllm.v1.outputs.DraftTokenIds: the proposer's drafts after a step."""
+
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
+
+
+@dataclass
+class EngineCoreOutputs:
+    """vLLM's per-client batch of outputs, with the step's scheduler stats."""
+
+    outputs: list = field(default_factory=list)
+    scheduler_stats: Any = None
+
+
 class _Scheduler(_TLScheduler):
-    """tokenloom's Scheduler (NewRequestData.block_ids is already vLLM's one list per KV cache group)."""
+    """tokenloom's Scheduler (NewRequestData.block_ids is already vLLM's one list per KV cache group),
+    with vLLM's shapes at two seams: update_from_output returns the outputs by client index (one client,
+    0) with the stats vLLM's make_stats attaches there, the step's own spec-decoding stats among them;
+    update_draft_token_ids takes vLLM's DraftTokenIds."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        stats = self.make_stats()
+        stats.spec_decoding_stats = self.spec_decoding_stats  # type: ignore[attr-defined]
+        return {0: EngineCoreOutputs(outputs=outputs, scheduler_stats=stats)}
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:  # type: ignore[override]
+        super().update_draft_token_ids(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)
 
 
 def create_scheduler(
@@ -60,6 +90,9 @@ def create_scheduler(
     # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
     spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
         if num_speculative_tokens else None
+    # The helper's max_model_len (default: the token budget) only reaches vLLM's SchedulerConfig and its
+    # checks, made above; vLLM's scheduler takes max_model_len from the model config (opt-125m: 2,048).
+    object.__setattr__(sched, "max_model_len", _MODEL_MAX_LEN[model])
     return _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
 
 
@@ -189,8 +222,7 @@ def create_requests_with_priority(
 def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput,
                      model_runner_output: tl_outputs.ModelRunnerOutput) -> None:
     """vLLM's helper of this name in test_scheduler.py: update, then schedule and update until every
-    request finished. Its KV-connector assert has no counterpart (no connector), and tokenloom's
-    update_from_output returns the outputs as a list where vLLM's returns them by client index."""
+    request finished. Its KV-connector asserts have no counterpart (no connector)."""
     all_finished = False
     scheduler.update_from_output(output, model_runner_output)
     while not all_finished:
@@ -198,5 +230,5 @@ def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput
         assert len(scheduler.running)
         for num_scheduled_tokens in output.num_scheduled_tokens.values():
             assert num_scheduled_tokens == 1  # in the decode phase now
-        outputs = scheduler.update_from_output(output, model_runner_output)
-        all_finished = all(o.finish_reason is not None for o in outputs)
+        ecos = scheduler.update_from_output(output, model_runner_output)[0]
+        all_finished = all(eco.finish_reason is not None for eco in ecos.outputs)
