@@ -368,3 +368,33 @@ ASYNC_STALL = {'config': {'async_scheduling': True,
                               'max_tokens': 1,
                               'priority': 2,
                               'prompt_token_ids': [101, 102, 102, 103, 101, 100]}]}
+
+
+def test_sliding_window_keeps_the_blocks_a_rolled_back_draft_still_reads() -> None:
+    """Async + drafts + an 8-token window: the scheduler runs ahead of the step in flight, whose K
+    drafts may all be rejected and roll num_computed_tokens back. A block may be freed only once no
+    future query can read it: the window is measured from what is computed for sure (computed less
+    the in-flight placeholders), not from the optimistic frontier (vLLM main's fix: free "on the
+    processed-token basis"). Every schedule checks the blocks under the window of the lowest position
+    the request can still compute."""
+    from tokenloom.core.block_pool import NULL_BLOCK
+
+    k, window, bs = 3, 8, 4
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128, async_scheduling=True)
+    cache = CacheConfig(block_size=bs, num_blocks=64, enable_prefix_caching=False, layer_windows=(window, window))
+    s = make_scheduler(sched, cache, clock=lambda: 0.0,
+                       speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=k))
+    (req,) = create_requests(1, num_tokens=10, max_tokens=60)
+    s.add_request(req)
+    pending = [s.schedule()]
+    for _ in range(20):
+        pending.append(s.schedule())
+        # The lowest position a future step may compute: every draft of the steps not yet landed rejected.
+        sure = req.num_computed_tokens - sum(len(p.scheduled_spec_decode_tokens.get("0", ())) for p in pending)
+        blocks = s.kv_cache_manager.req_to_blocks[req.request_id]
+        first_read = max(0, sure - window + 1)
+        for pos in range(first_read, sure):
+            assert blocks[pos // bs] is not NULL_BLOCK, (
+                f"block {pos // bs} (position {pos}) freed; computed for sure {sure}")
+        prev = pending.pop(0)
+        s.update_from_output(prev, out(prev, {"0": [12]}))  # every draft rejected

@@ -254,8 +254,14 @@ class KVCacheManager:
                 return None
 
         num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        # Free what left the window even if the allocation below fails (as vLLM), measured from the tokens
+        # computed for sure: under async scheduling num_computed_tokens already counts the drafts of steps
+        # in flight, which rejection rolls back, and the step after computes from there, reading W - 1
+        # tokens behind it. The in-flight placeholders (1 + drafts a step) bound that roll-back (vLLM
+        # main frees "on the processed-token basis"; vLLM 0.32 freed from the optimistic frontier).
+        num_sure = max(0, total_computed - request.num_output_placeholders)
         for manager in self._sliding_managers:
-            manager.remove_skipped_blocks(rid, total_computed)  # even if the allocation below fails (as vLLM)
+            manager.remove_skipped_blocks(rid, num_sure)
         need = self._num_blocks_to_allocate(rid, num_tokens_need_slot, new_computed, total_computed)
         if need + watermark > self.block_pool.get_num_free_blocks():
             return None
