@@ -8,6 +8,7 @@ A local Ray cluster (ray.init(num_cpus=2)) is started and stopped here; skipped 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -57,4 +58,76 @@ def test_ray_backend_serves_the_same_tokens(tiny_dir, local_ray):
     # The placement group is gone with the engines.
     from ray.util import placement_group_table
 
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+def test_a_killed_ray_actor_fails_only_its_requests(tiny_dir, local_ray):
+    """ray.kill on one engine actor mid-run: its requests end with EngineDeadError naming the engine,
+    the other actor's finish, /health's view names the dead one, and new requests go to the live one."""
+    from tokenloom.engine.async_llm import EngineDeadError
+
+    config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray", routing_policy="round_robin")
+    client = make_engine_client(config, "warning")
+    engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def run() -> dict:
+        engine.attach()
+        outcomes: dict[str, object] = {}
+
+        async def one(rid: str) -> None:
+            stream = engine.open_stream()
+            engine.add_request(rid, PROMPTS[1], long, stream)
+            try:
+                async for out in stream:
+                    outcomes[rid] = out
+            except EngineDeadError as exc:
+                outcomes[rid] = exc
+
+        tasks = [asyncio.ensure_future(one(f"r{i}")) for i in range(4)]
+        await asyncio.sleep(0)
+        owner = dict(client.router.owner)
+        while not all(rid in outcomes for rid in owner):  # every request has produced a token
+            await asyncio.sleep(0.01)
+        ray.kill(client.clients[0].process.actor)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return {"owner": owner, "outcomes": outcomes}
+
+    try:
+        result = asyncio.run(run())
+        owner, outcomes = result["owner"], result["outcomes"]
+        assert sorted(owner.values()) == [0, 0, 1, 1]
+        for rid, e in owner.items():
+            if e == 0:
+                assert isinstance(outcomes[rid], EngineDeadError) and "engine 0" in str(outcomes[rid]), rid
+            else:
+                assert outcomes[rid].finished and len(outcomes[rid].outputs[0].token_ids) == 200, rid
+        assert [h["alive"] for h in engine.engine_health()] == [False, True]
+        assert engine.dead_reason is None and engine.accepting
+        before = client.router.num_routed[1]
+        got = asyncio.run(_generate(engine, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3)))
+        assert all(len(t) == 3 for t in got.values()) and client.router.num_routed[1] == before + 2
+    finally:
+        engine.shutdown()
+
+
+def test_ray_placement_timeout_and_actor_start_failure_are_clear_errors(tiny_dir, local_ray):
+    """More CPUs per engine than the cluster has: EngineStartError naming the placement and the cluster,
+    after the start timeout, the placement group removed. An actor whose engine cannot load its model:
+    EngineStartError carrying the actor's own error."""
+    from ray.util import placement_group_table
+
+    from tokenloom.engine.core_client import EngineStartError
+    from tokenloom.engine.ray_engine import start_ray_engines
+
+    config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(EngineStartError, match="could not place 2 engines with 64 CPUs each"):
+        start_ray_engines(config, 2, "warning", cpus_per_engine=64, start_timeout_s=2.0)
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+    broken = _config(tiny_dir, data_parallel_size=1, distributed_executor_backend="ray")
+    broken = dataclasses.replace(broken, model=str(tiny_dir / "no-such-model"))
+    with pytest.raises(EngineStartError, match="engine 0: engine start-up failed: FileNotFoundError: model"):
+        client = make_engine_client(broken, "warning")
+        AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=120).shutdown()
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())

@@ -127,7 +127,10 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(raw: Request) -> Response:
-        return Response(get_state(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        state = get_state(raw)
+        if state.metrics.engines is not None and (engines := state.engine.engine_health()) is not None:
+            state.metrics.engines.record_health(engines)  # which data-parallel engine died, if one did
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def server_version() -> JSONResponse:
