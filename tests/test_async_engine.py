@@ -32,7 +32,8 @@ def llm(tmp_path_factory):
     # The dequantized path: sync and async runs of one engine are compared token for token, the second
     # with the first's prompts in the prefix cache, which the default quantized kernels do not promise
     # to compute alike (docs/speculative.md, "Greedy outputs and the quantized default").
-    llm = LLM(max_num_batched_tokens=512, num_blocks=512, trace_steps=str(trace), quantization="none")
+    llm = LLM(max_num_batched_tokens=512, num_blocks=512, trace_steps=str(trace), quantization="none",
+              dtype="float32")
     llm.trace_path = trace
     yield llm
     llm.llm_engine.close()

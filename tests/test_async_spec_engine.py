@@ -92,9 +92,9 @@ def llms():
     # The dequantized path, whose rows do not depend on the batch they share: token-identical outputs
     # are the claim here. The default quantized path sums in a different float order in its fused decode
     # step than in the verification GEMMs, so near-ties may break differently (docs/speculative.md).
-    plain = LLM(max_num_batched_tokens=512, num_blocks=512, quantization="none")
+    plain = LLM(max_num_batched_tokens=512, num_blocks=512, quantization="none", dtype="float32")
     spec = LLM(max_num_batched_tokens=512, num_blocks=512, speculative_config=NGRAM, async_scheduling=True,
-               quantization="none")
+               quantization="none", dtype="float32")
     yield plain, spec
     plain.llm_engine.close()
     spec.llm_engine.close()

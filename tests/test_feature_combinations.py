@@ -194,7 +194,7 @@ def test_drafts_on_gguf_quantized_weights(tiny_llama, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def roomy_default() -> list[list[int]]:
     """Four constrained requests on the default model with room for all: the reference tokens."""
-    llm = LLM(quantization="none", max_model_len=512, num_blocks=256, block_size=16)
+    llm = LLM(quantization="none", dtype="float32", max_model_len=512, num_blocks=256, block_size=16)
     try:
         return [r[0] for r in _run(llm, _json_prompts(llm), _json_params())]
     finally:
@@ -216,7 +216,7 @@ def test_structured_outputs_survive_preemption(roomy_default) -> None:
     """A KV cache too small for four constrained requests at once preempts some mid-generation; on
     resume the grammar matcher must continue from the tokens kept (not restart, not double-advance):
     the same tokens as the roomy run, each a valid document."""
-    llm = LLM(quantization="none", max_model_len=512, num_blocks=9, block_size=16)
+    llm = LLM(quantization="none", dtype="float32", max_model_len=512, num_blocks=9, block_size=16)
     try:
         got = [r[0] for r in _run(llm, _json_prompts(llm), _json_params())]
         assert llm.llm_engine.scheduler.num_preemptions_total > 0
@@ -231,7 +231,7 @@ def test_structured_outputs_survive_preemption(roomy_default) -> None:
 def test_structured_outputs_with_n_completions() -> None:
     """n = 3 sampled completions of one constrained request: each child has its own matcher, each
     completion a valid document, and they differ."""
-    llm = LLM(quantization="none", max_model_len=512, num_blocks=128, block_size=16)
+    llm = LLM(quantization="none", dtype="float32", max_model_len=512, num_blocks=128, block_size=16)
     try:
         prompt = _json_prompts(llm)[0]
         out = llm.generate([{"prompt_token_ids": prompt}],
@@ -249,8 +249,8 @@ def test_structured_outputs_with_n_completions() -> None:
 def test_data_parallel_with_async_scheduling_drafts_and_structured_outputs(roomy_default) -> None:
     """Two engine processes, each with async scheduling and n-gram drafts, serving constrained and free
     requests: the constrained ones give the single engine's tokens, the free ones finish."""
-    llm = LLM(quantization="none", max_model_len=512, num_blocks=256, block_size=16, data_parallel_size=2,
-              routing_policy="round_robin", async_scheduling=True, speculative_config=NGRAM)
+    llm = LLM(quantization="none", dtype="float32", max_model_len=512, num_blocks=256, block_size=16,
+              data_parallel_size=2, routing_policy="round_robin", async_scheduling=True, speculative_config=NGRAM)
     try:
         tok = llm.get_tokenizer()
         prompts = [tok.encode(f"Write {p} as JSON with name and age, then describe them at length: ")

@@ -62,8 +62,9 @@ def test_busy_batch_greedy_identical(tiny_dir, monkeypatch, kernels, quantizatio
 def llms():
     # The dequantized path: token-identical outputs with and without drafts need batch-invariant rows,
     # which the default quantized path does not promise (docs/speculative.md).
-    return (LLM(kv_cache_memory=256 << 20, quantization="none"),
-            LLM(kv_cache_memory=256 << 20, speculative_config=NGRAM, quantization="none"))
+    return (LLM(kv_cache_memory=256 << 20, quantization="none", dtype="float32"),
+            LLM(kv_cache_memory=256 << 20, speculative_config=NGRAM, quantization="none",
+                dtype="float32"))
 
 
 @pytest.mark.slow

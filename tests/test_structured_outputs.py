@@ -109,9 +109,9 @@ def test_async_scheduling_gives_the_same_constrained_output(llm) -> None:
         json=SCHEMAS["nested"])) for _ in range(2)] + [SamplingParams(temperature=0.0, max_tokens=20)]
     # Two fresh engines on the dequantized path: token identity needs the same prefix-cache state and
     # rows computed alike whatever the batch, which the default quantized kernels do not promise.
-    sync_llm = LLM(max_model_len=512, quantization="none")
+    sync_llm = LLM(max_model_len=512, quantization="none", dtype="float32")
     want = [o.outputs[0] for o in sync_llm.generate(prompts, params, use_tqdm=False)]
-    async_llm = LLM(max_model_len=512, async_scheduling=True, quantization="none")
+    async_llm = LLM(max_model_len=512, async_scheduling=True, quantization="none", dtype="float32")
     got = [o.outputs[0] for o in async_llm.generate(prompts, params, use_tqdm=False)]
     assert [(o.finish_reason, o.token_ids) for o in got] == [(o.finish_reason, o.token_ids) for o in want]
 

@@ -36,7 +36,7 @@ RECORD = {"type": "object", "properties": {
 EXAMPLE = '{"name": "Alice Smith", "city": "Paris"}'
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-KNOBS = dict(max_model_len=512, quantization="none", num_blocks=256, block_size=16)
+KNOBS = dict(max_model_len=512, quantization="none", dtype="float32", num_blocks=256, block_size=16)
 
 
 def _requests() -> tuple[list[str], list[SamplingParams]]:

@@ -38,8 +38,8 @@ def _params(i: int, **kw) -> SamplingParams:
 def engines():
     # The dequantized path: token-identical outputs with and without drafts need batch-invariant rows,
     # which the default quantized path does not promise (docs/speculative.md).
-    return (LLM(max_model_len=512, quantization="none"),
-            LLM(max_model_len=512, speculative_config=NGRAM, quantization="none"))
+    return (LLM(max_model_len=512, quantization="none", dtype="float32"),
+            LLM(max_model_len=512, speculative_config=NGRAM, quantization="none", dtype="float32"))
 
 
 def test_greedy_constrained_output_is_identical_with_drafts(engines) -> None:

@@ -239,7 +239,7 @@ def test_a_repeated_request_accepts_the_drafts_ngram_lacks():
     # Token identity with and without drafts holds for the float path; the quantized kernels
     # verify k+1 rows in other accumulation orders than one-row decode, so on some CPUs a near
     # tie flips (seen on CI's machine).
-    knobs = dict(kv_cache_memory=256 << 20, quantization="none")
+    knobs = dict(kv_cache_memory=256 << 20, quantization="none", dtype="float32")
     want = LLM(**knobs).chat(conv, params, use_tqdm=False)[0].outputs[0].token_ids
     accepted = {}
     for name, cfg in (("ngram", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
