@@ -30,8 +30,23 @@ from dataclasses import dataclass, field
 from tokenloom.core.request import Request
 
 
+class RequestLifecycle:
+    """What a policy beyond vLLM's hears of a request's life: its arrival, its admission into the
+    running batch, and its end. The scheduler calls every hook on every policy it runs (its
+    `lifecycle_policies`), in one place each; a hook does nothing unless the policy overrides it."""
+
+    def arrived(self, request_id: str, step: int) -> None:
+        """Queued by add_request at scheduler step `step`."""
+
+    def admitted(self, request_id: str, step: int) -> None:
+        """Moved from waiting to running (first admission or a resume) at step `step`."""
+
+    def forget(self, request_id: str) -> None:
+        """Finished or aborted: drop what the policy keeps about it."""
+
+
 @dataclass
-class PrefillWaitBound:
+class PrefillWaitBound(RequestLifecycle):
     """Reserve `min_chunk` tokens of the budget for prompts that have waited past a bound.
 
     The bound is in seconds (`max_wait_s`, from --max-prefill-wait-ms: what an SLO is written in)
@@ -78,7 +93,7 @@ class PrefillWaitBound:
 
 
 @dataclass
-class PriorityPreemption:
+class PriorityPreemption(RequestLifecycle):
     """Preempt strictly lower-priority running requests for a blocked higher-priority waiting one."""
 
     protection_steps: int

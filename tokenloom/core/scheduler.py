@@ -15,7 +15,10 @@ the first catches up with the second:
    (the "computed frontier"), so a prefill chunk can be scheduled again before its output returns.
 
 The line-by-line reference is `vllm/v1/core/sched/scheduler.py` (vLLM 0.32); differences are listed
-in docs/scheduler.md.
+in docs/scheduler.md. `schedule()` reads as those three parts: `_apply_policies` (the opt-in policies
+beyond vLLM, off by default), `_schedule_running`, `_schedule_waiting`, then `_make_output`; what the
+step has decided so far travels in one `_StepPlan`. The policies hear of a request's arrival,
+admission and end through one hook set (`RequestLifecycle`, core/policies.py).
 
 This class is the continuous scheduler only. Variants subclass it, as vLLM's AsyncScheduler does:
 the comparison batching modes (static, request-level) in core/batch_scheduler.py override the two
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.config import (
@@ -48,7 +51,7 @@ from tokenloom.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption
+from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption, RequestLifecycle
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
@@ -73,6 +76,35 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats()
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far: the budget left and the step's accumulators, filled
+    by the running pass and the waiting pass, turned into the SchedulerOutput at the end."""
+
+    now: float
+    token_budget: int
+    threshold: int  # long_prefill_token_threshold in force this step (0: none)
+    hold_decodes: bool  # the comparison batching modes: prefills only this step
+    scheduled_new_reqs: list[Request] = field(default_factory=list)
+    scheduled_resumed_reqs: list[Request] = field(default_factory=list)
+    scheduled_running_reqs: list[Request] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
+    req_to_new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    policy_actions: dict[str, Any] = field(default_factory=dict)
+    bound_by: str | None = None  # what stopped the step (the step trace's reason)
+    reserve: int = 0  # tokens held back from running requests for starved prompts
+    starved: set[str] = field(default_factory=set)
+    prefill_scheduled: bool = False  # a running prefill chunk is in the step: no first-decode padding
+
+    def take(self, req_id: str, num_new_tokens: int, block_ids: tuple[list[int], ...]) -> None:
+        self.req_to_new_block_ids[req_id] = block_ids
+        self.num_scheduled_tokens[req_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
 
 
 class Scheduler:
@@ -160,6 +192,9 @@ class Scheduler:
                             self.num_spec_tokens)
             if scheduler_config.auto_token_budget else None
         )
+        # The policies above that run, for the request-lifecycle hooks (core/policies.py RequestLifecycle).
+        self.lifecycle_policies: list[RequestLifecycle] = [
+            p for p in (self.prefill_wait_bound, self.priority_preemption, self.slo_budget) if p is not None]
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -189,10 +224,8 @@ class Scheduler:
             self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
-        if self.prefill_wait_bound is not None:
-            self.prefill_wait_bound.arrived(request.request_id, self.num_schedule_calls)
-        if self.slo_budget is not None:
-            self.slo_budget.arrived(request.request_id)
+        for policy in self.lifecycle_policies:
+            policy.arrived(request.request_id, self.num_schedule_calls)
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id
@@ -243,209 +276,224 @@ class Scheduler:
             self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        if self.priority_preemption is not None:
-            self.priority_preemption.forget(request.request_id)
-        if self.prefill_wait_bound is not None:
-            self.prefill_wait_bound.forget(request.request_id)
-        if self.slo_budget is not None:
-            self.slo_budget.forget(request.request_id)
+        for policy in self.lifecycle_policies:
+            policy.forget(request.request_id)
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg = self.scheduler_config
-        kv = self.kv_cache_manager
-        now = self.clock()
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
-        scheduled_running_reqs: list[Request] = []
-        preempted_reqs: list[Request] = []
-        req_to_new_block_ids: dict[str, tuple[list[int], ...]] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        cached_tokens: dict[str, int] = {}
-        token_budget = self.max_num_scheduled_tokens
-        bound_by: str | None = None
-
         # The threshold exists to stop one long prefill starving others; alone, it may take all.
         num_eligible = len(self.running) + len(self.waiting)
-        threshold = cfg.long_prefill_token_threshold if num_eligible > 1 else 0
-        hold_decodes = self._hold_decodes()
-
-        # Opt-in policies (off by default): why they act goes into the step's policy_actions.
-        policy_actions: dict[str, Any] = {}
-        if self.priority_preemption is not None and self.waiting and self.running:
-            bound_by = self._preempt_for_waiting(now, preempted_reqs, policy_actions)
-        if self.slo_budget is not None:
-            token_budget = self._slo_token_budget(now, threshold, preempted_reqs, policy_actions)
-        elif self.auto_budget is not None:
-            token_budget = self._auto_token_budget(preempted_reqs, policy_actions)
-        reserve, starved = 0, set()
-        if self.prefill_wait_bound is not None:
-            reserve, starved = self._prefill_reserve(now, token_budget, preempted_reqs, policy_actions)
-
+        plan = _StepPlan(
+            now=self.clock(),
+            token_budget=self.max_num_scheduled_tokens,
+            threshold=self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0,
+            hold_decodes=self._hold_decodes(),
+        )
+        self._apply_policies(plan)
         # 1. RUNNING first.
-        # A running prefill chunk in this step stops first-decode padding (below).
-        prefill_scheduled = False
+        self._schedule_running(plan)
+        # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
+        if plan.preempted_reqs:
+            plan.bound_by = plan.bound_by or "kv_blocks"
+        else:
+            self._schedule_waiting(plan)
+        # 3. The output, from the progress before the step; then the frontier advances.
+        output = self._make_output(plan)
+        if self.structured_output_manager is not None:
+            self._add_grammar_bitmask(output)
+        self._update_after_schedule(output)
+        self.num_schedule_calls += 1
+        return output
+
+    def _apply_policies(self, plan: _StepPlan) -> None:
+        """The opt-in policies (off by default) act before the passes: priority preemption frees room for
+        the waiting head, the SLO controller or the automatic budget sets this step's budget, the
+        bounded prefill wait holds tokens back for starved prompts. Why they act goes into
+        plan.policy_actions (the step trace shows it)."""
+        if self.priority_preemption is not None and self.waiting and self.running:
+            plan.bound_by = self._preempt_for_waiting(plan.now, plan.preempted_reqs, plan.policy_actions)
+        if self.slo_budget is not None:
+            plan.token_budget = self._slo_token_budget(plan.now, plan.threshold, plan.preempted_reqs,
+                                                       plan.policy_actions)
+        elif self.auto_budget is not None:
+            plan.token_budget = self._auto_token_budget(plan.preempted_reqs, plan.policy_actions)
+        if self.prefill_wait_bound is not None:
+            plan.reserve, plan.starved = self._prefill_reserve(plan.now, plan.token_budget, plan.preempted_reqs,
+                                                               plan.policy_actions)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Each running request in order takes min(deficit, threshold, budget left); when its slots do
+        not fit, victims are preempted until they do or the request itself is the victim."""
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            if (
-                request.num_output_placeholders > 0
-                and request.num_computed_tokens + 2 - request.num_output_placeholders
-                >= request.num_prompt_tokens + request.max_tokens
-            ):
-                # Async scheduling (vLLM's guard, scheduler.py:663-678): the step in flight already
-                # yields the last token even if all its drafts are rejected; schedule nothing more.
-                # (computed + 1) - (placeholders - 1): placeholders count in computed, drafts aside.
-                req_index += 1
-                continue
-            num_new_tokens = (
-                request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
-            )
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget - (0 if request.request_id in starved else reserve))
-            # Never compute a position at or past max_model_len (with drafts: one draft short of
-            # the proposer's cap, as vLLM).
-            num_new_tokens = min(
-                num_new_tokens, self.max_model_len - self.num_sampled_tokens_per_step - request.num_computed_tokens
-            )
-            if hold_decodes and not request.is_prefill:
-                num_new_tokens = 0
+            num_new_tokens = self._num_new_running_tokens(request, plan)
             if num_new_tokens <= 0:
                 # `continue`, not `break`: a request with nothing to do never blocks the others.
                 req_index += 1
                 continue
-
-            while True:
-                new_blocks = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
-                if new_blocks is not None:
-                    break
-                if self.policy == "priority":
-                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-                    victim_index = self.running.index(victim)
-                    del self.running[victim_index]
-                    if victim_index < req_index:
-                        req_index -= 1
-                    if victim in scheduled_running_reqs:
-                        # Undo its share of this step before its blocks go back to the pool.
-                        scheduled_running_reqs.remove(victim)
-                        token_budget += num_scheduled_tokens.pop(victim.request_id)
-                        req_to_new_block_ids.pop(victim.request_id)
-                        scheduled_spec_decode_tokens.pop(victim.request_id, None)
-                else:
-                    victim = self.running.pop()
-                self._preempt_request(victim, now)
-                preempted_reqs.append(victim)
-                if victim is request:
-                    break
+            new_blocks, req_index = self._allocate_or_preempt(request, num_new_tokens, req_index, plan)
             if new_blocks is None:
-                bound_by = "kv_blocks"
+                plan.bound_by = "kv_blocks"
+                break
+            plan.scheduled_running_reqs.append(request)
+            plan.prefill_scheduled |= request.is_prefill_chunk
+            plan.take(request.request_id, num_new_tokens, new_blocks.get_block_ids())
+            req_index += 1
+            if request.request_id in plan.starved:
+                plan.starved.discard(request.request_id)
+                plan.reserve = max(0, plan.reserve - num_new_tokens) if plan.starved else 0
+            self._schedule_spec_tokens(request, num_new_tokens, plan.scheduled_spec_decode_tokens)
+
+    def _num_new_running_tokens(self, request: Request, plan: _StepPlan) -> int:
+        """A running request's share of this step (0: nothing to do now)."""
+        if (
+            request.num_output_placeholders > 0
+            and request.num_computed_tokens + 2 - request.num_output_placeholders
+            >= request.num_prompt_tokens + request.max_tokens
+        ):
+            # Async scheduling (vLLM's guard, scheduler.py:663-678): the step in flight already
+            # yields the last token even if all its drafts are rejected; schedule nothing more.
+            # (computed + 1) - (placeholders - 1): placeholders count in computed, drafts aside.
+            return 0
+        num_new_tokens = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+        if 0 < plan.threshold < num_new_tokens:
+            num_new_tokens = plan.threshold
+        reserve = 0 if request.request_id in plan.starved else plan.reserve
+        num_new_tokens = min(num_new_tokens, plan.token_budget - reserve)
+        # Never compute a position at or past max_model_len (with drafts: one draft short of the
+        # proposer's cap, as vLLM).
+        num_new_tokens = min(
+            num_new_tokens, self.max_model_len - self.num_sampled_tokens_per_step - request.num_computed_tokens
+        )
+        if plan.hold_decodes and not request.is_prefill:
+            return 0
+        return num_new_tokens
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, req_index: int, plan: _StepPlan
+    ) -> tuple[Any, int]:
+        """allocate_slots for a running request, preempting victims (FCFS: the last of running;
+        priority: the largest (priority, arrival_time)) until it fits; None if the request itself
+        was preempted. Returns the new blocks and the request's index in running after removals."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens,
+                                                              num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks, req_index
+            if self.policy == "priority":
+                victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:
+                    req_index -= 1
+                if victim in plan.scheduled_running_reqs:
+                    # Undo its share of this step before its blocks go back to the pool.
+                    plan.scheduled_running_reqs.remove(victim)
+                    plan.token_budget += plan.num_scheduled_tokens.pop(victim.request_id)
+                    plan.req_to_new_block_ids.pop(victim.request_id)
+                    plan.scheduled_spec_decode_tokens.pop(victim.request_id, None)
+            else:
+                victim = self.running.pop()
+            self._preempt_request(victim, plan.now)
+            plan.preempted_reqs.append(victim)
+            if victim is request:
+                return None, req_index
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in policy order while budget and slots last. A request whose grammar
+        still compiles is stepped over; with chunked prefill off, a prompt that does not fit the budget
+        left stops admission (break, not skip)."""
+        cfg = self.scheduler_config
+        kv = self.kv_cache_manager
+        skipped_waiting: list[Request] = []
+        while plan.token_budget > 0 and self.waiting:
+            if len(self.running) >= self.max_num_running_reqs:
+                plan.bound_by = "max_num_seqs"
+                break
+            request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                # Still compiling (or failed): step over it, the others are not held up.
+                skipped_waiting.append(self.waiting.pop_request())
+                continue
+            if not self._admission_open(request):
+                plan.bound_by = plan.bound_by or "batch"
                 break
 
-            scheduled_running_reqs.append(request)
-            prefill_scheduled |= request.is_prefill_chunk
-            req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            req_index += 1
-            if request.request_id in starved:
-                starved.discard(request.request_id)
-                reserve = max(0, reserve - num_new_tokens) if starved else 0
-            self._schedule_spec_tokens(request, num_new_tokens, scheduled_spec_decode_tokens)
+            if request.num_computed_tokens == 0:
+                new_computed_blocks, num_new_local_computed = kv.get_computed_blocks(request)
+            else:
+                new_computed_blocks, num_new_local_computed = [], 0
+            num_computed_tokens = request.num_computed_tokens + num_new_local_computed
+            # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            pad_spec_decode = False
+            if (
+                self.num_spec_tokens > 0
+                and num_new_tokens == 1
+                and not plan.prefill_scheduled
+                and (plan.scheduled_running_reqs or num_computed_tokens > 0)
+            ):
+                # vLLM pads a first decode to 1 + K tokens with K placeholder drafts (always
+                # rejected) to keep decode shapes uniform, and prefers admitting nothing more
+                # to admitting it unpadded (scheduler.py:1131-1153).
+                padded = 1 + self.num_spec_tokens
+                if num_computed_tokens + padded + self.num_sampled_tokens_per_step <= self.max_model_len:
+                    if padded > plan.token_budget:
+                        plan.bound_by = "budget"
+                        break
+                    num_new_tokens = padded
+                    pad_spec_decode = True
+            if 0 < plan.threshold < num_new_tokens:
+                num_new_tokens = plan.threshold
+            if not cfg.enable_chunked_prefill and num_new_tokens > plan.token_budget:
+                plan.bound_by = "budget"
+                break
+            num_new_tokens = min(num_new_tokens, plan.token_budget)
 
-        # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
-        skipped_waiting: list[Request] = []
-        if preempted_reqs:
-            bound_by = bound_by or "kv_blocks"
-        else:
-            while token_budget > 0 and self.waiting:
-                if len(self.running) >= self.max_num_running_reqs:
-                    bound_by = "max_num_seqs"
-                    break
-                request = self.waiting.peek_request()
-                if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
-                    # Still compiling (or failed): step over it, the others are not held up.
-                    skipped_waiting.append(self.waiting.pop_request())
-                    continue
-                if not self._admission_open(request):
-                    bound_by = bound_by or "batch"
-                    break
+            new_blocks = kv.allocate_slots(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens=num_new_local_computed,
+                new_computed_blocks=new_computed_blocks,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+                full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running),
+            )
+            if new_blocks is None:
+                plan.bound_by = "kv_blocks"
+                break
+            kv.record_prefix_cache_stats(request, num_new_local_computed)
 
-                if request.num_computed_tokens == 0:
-                    new_computed_blocks, num_new_local_computed = kv.get_computed_blocks(request)
-                else:
-                    new_computed_blocks, num_new_local_computed = [], 0
-                num_computed_tokens = request.num_computed_tokens + num_new_local_computed
-                # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                pad_spec_decode = False
-                if (
-                    self.num_spec_tokens > 0
-                    and num_new_tokens == 1
-                    and not prefill_scheduled
-                    and (scheduled_running_reqs or num_computed_tokens > 0)
-                ):
-                    # vLLM pads a first decode to 1 + K tokens with K placeholder drafts (always
-                    # rejected) to keep decode shapes uniform, and prefers admitting nothing more
-                    # to admitting it unpadded (scheduler.py:1131-1153).
-                    padded = 1 + self.num_spec_tokens
-                    if num_computed_tokens + padded + self.num_sampled_tokens_per_step <= self.max_model_len:
-                        if padded > token_budget:
-                            bound_by = "budget"
-                            break
-                        num_new_tokens = padded
-                        pad_spec_decode = True
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
-                    bound_by = "budget"
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
-
-                new_blocks = kv.allocate_slots(
-                    request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_new_local_computed,
-                    new_computed_blocks=new_computed_blocks,
-                    num_lookahead_tokens=self.num_lookahead_tokens,
-                    full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
-                    has_scheduled_reqs=bool(self.running),
-                )
-                if new_blocks is None:
-                    bound_by = "kv_blocks"
-                    break
-                kv.record_prefix_cache_stats(request, num_new_local_computed)
-
-                request = self.waiting.pop_request()
-                self.running.append(request)
-                if request.status == RequestStatus.WAITING:
-                    scheduled_new_reqs.append(request)
-                else:
-                    scheduled_resumed_reqs.append(request)
-                req_to_new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = now
-                if self.priority_preemption is not None:
-                    self.priority_preemption.admitted(request.request_id, self.num_schedule_calls)
-                cached_tokens[request.request_id] = num_new_local_computed
-                if pad_spec_decode:
-                    scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
+            request = self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.WAITING:
+                plan.scheduled_new_reqs.append(request)
+            else:
+                plan.scheduled_resumed_reqs.append(request)
+            plan.take(request.request_id, num_new_tokens, kv.get_block_ids(request.request_id))
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = plan.now
+            for policy in self.lifecycle_policies:
+                policy.admitted(request.request_id, self.num_schedule_calls)
+            plan.cached_tokens[request.request_id] = num_new_local_computed
+            if pad_spec_decode:
+                plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
             self.waiting.prepend_requests(skipped_waiting)
 
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The SchedulerOutput of the plan: new and resumed requests whole, running ones as deltas."""
+        num_scheduled_tokens = plan.num_scheduled_tokens
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
         assert len(self.running) <= self.max_num_running_reqs
-        if bound_by is None:
-            bound_by = self._bound_by_at_end(token_budget, num_scheduled_tokens)
-
+        bound_by = plan.bound_by or self._bound_by_at_end(plan.token_budget, num_scheduled_tokens)
+        running = plan.scheduled_running_reqs
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
@@ -453,37 +501,33 @@ class Scheduler:
                     prompt_token_ids=r.prompt_token_ids,
                     prefill_token_ids=list(r.all_token_ids),
                     sampling_params=r.sampling_params,
-                    block_ids=req_to_new_block_ids[r.request_id],
+                    block_ids=plan.req_to_new_block_ids[r.request_id],
                     num_computed_tokens=r.num_computed_tokens,
                 )
-                for r in scheduled_new_reqs + scheduled_resumed_reqs
+                for r in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs
             ],
             scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running_reqs],
-                new_block_ids=[req_to_new_block_ids[r.request_id] for r in scheduled_running_reqs],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running_reqs],
+                req_ids=[r.request_id for r in running],
+                new_block_ids=[plan.req_to_new_block_ids[r.request_id] for r in running],
+                num_computed_tokens=[r.num_computed_tokens for r in running],
             ),
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_spec_decode_tokens=plan.scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
-            resumed_req_ids={r.request_id for r in scheduled_resumed_reqs},
-            cached_tokens=cached_tokens,
+            preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+            resumed_req_ids={r.request_id for r in plan.scheduled_resumed_reqs},
+            cached_tokens=plan.cached_tokens,
             num_prefill_tokens={
                 rid: n
                 for rid, n in num_scheduled_tokens.items()
                 if self.requests[rid].num_computed_tokens < self.requests[rid].num_tokens - 1
             },
             bound_by=bound_by,
-            policy_actions=policy_actions,
+            policy_actions=plan.policy_actions,
         )
         if self.slo_budget is not None and total:
-            output.predicted_step = self._predicted_step(num_scheduled_tokens, scheduled_spec_decode_tokens)
-        if self.structured_output_manager is not None:
-            self._add_grammar_bitmask(output)
-        self._update_after_schedule(output)
-        self.num_schedule_calls += 1
+            output.predicted_step = self._predicted_step(num_scheduled_tokens, plan.scheduled_spec_decode_tokens)
         return output
 
     def _grammar_ready(self, request: Request) -> bool:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.cost_model import CostModel, StepShape
+from tokenloom.core.policies import RequestLifecycle
 from tokenloom.core.request import Request
 from tokenloom.core.step_time_correction import StepTimeCorrection
 
@@ -69,7 +70,7 @@ ITL_MISS_SHARE = 0.01
 
 
 @dataclass
-class SloBudgetController:
+class SloBudgetController(RequestLifecycle):
     cost_model: CostModel
     ceiling: int  # max_num_batched_tokens
     target_itl_s: float
@@ -85,7 +86,7 @@ class SloBudgetController:
     # clock: the predicted clock is the profile's word alone, deterministic wherever it runs.
     correction: StepTimeCorrection = field(default_factory=StepTimeCorrection)
 
-    def arrived(self, request_id: str) -> None:
+    def arrived(self, request_id: str, step: int = 0) -> None:
         self.arrival[request_id] = self.predicted_now
 
     def forget(self, request_id: str) -> None:
