@@ -130,11 +130,9 @@ def test_completions_structured_outputs_choice_and_guided_regex(client) -> None:
     ({"structured_outputs": {"regex": "(ab"}}, "regex does not compile"),
     ({"guided_grammar": "root ::= ("}, "EBNF"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
-    # This server runs without --enable-auto-tool-choice: vLLM's 400s, word for word.
+    # This server runs without --enable-auto-tool-choice: vLLM's 400 for "auto", word for word (required and
+    # named need no parser: tests/test_tool_choice_forced.py).
     ({"tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
-    ({"tools": [WEATHER], "tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser to be set'),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     'tool_choice=function "get_weather" requires --tool-call-parser to be set'),
     ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "only one kind"),
 ])
 def test_bad_input_is_a_400_with_the_reason(server, body, reason: str) -> None:
