@@ -102,14 +102,18 @@ def _limit_to_single_call(node: Any) -> None:
 def _json_forms(tools: ToolSetup, requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
     """vLLM's ToolParser.adjust_request for a parser without a structural tag: required / named are
     forced with a JSON schema (json_calls.py), replacing the request's own format unless that is a
-    structural tag; auto is left free."""
+    structural tag; auto is left free.
+
+    Unlike vLLM, the JSON is compact (disable_any_whitespace): with JSON's "any whitespace" a small model
+    can write newlines inside `{}` until max_tokens (SmolLM2 did, for a function without parameters),
+    and a forced call must always parse."""
     if requested is not None and requested.structural_tag is not None:
         return requested
     try:
         schema = json_schema_from_tools(tools.tools, tools.mode, tools.named, tools.parallel_tool_calls)
     except ValueError as exc:
         raise APIError(400, str(exc), "tools") from None
-    return requested if schema is None else StructuredOutputsParams(json=schema)
+    return requested if schema is None else StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
