@@ -33,7 +33,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenloom import envs
-from tokenloom.engine.async_llm import EngineDeadError, RequestStream
+from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.body import parse_model, read_json
@@ -388,6 +388,9 @@ async def create_response(raw: Request) -> Response:
     stream = engine.open_stream()
     try:
         engine.add_request(engine_id, prompt_ids, params, stream, priority=request_priority(raw, req.priority))
+    except InvalidRequestError as exc:  # e.g. no room left to generate: the prompt is the input
+        stream.close()
+        raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
     except BaseException:
         stream.close()
         raise
