@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.test_server_harness import ServerProcess
-from tokenloom.server.serving_responses import ResponseStore, StoredResponse
+from tokenloom.server.response_store import ResponseStore, StoredResponse
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",

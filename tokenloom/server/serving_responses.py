@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +31,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom import envs
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -41,6 +39,7 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.headers import request_priority, response_headers
 from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import ResponsesRequest
+from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses import chat_logprobs
 from tokenloom.server.serving_chat import parse_chat
 from tokenloom.server.state import get_state
@@ -53,46 +52,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from.
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                 "messages": "input", "truncate_prompt_tokens": "truncation", "logprobs": "include"}
-
-
-# The store -------------------------------------------------------------------------------------------
-@dataclass
-class StoredResponse:
-    body: dict[str, Any]  # the response object, as sent
-    messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation, its output included
-
-
-class ResponseStore:
-    """Stored responses by id, in memory, at most `capacity` (the least recently used go first)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        item = self._items.get(response_id)
-        if item is not None:
-            self._items.move_to_end(response_id)
-        return item
-
-    def put(self, response_id: str, item: StoredResponse) -> None:
-        if self.capacity <= 0:
-            return
-        self._items[response_id] = item
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def response_store(raw: Request) -> ResponseStore:
-    state = get_state(raw)
-    store = getattr(state, "responses", None)
-    if store is None:
-        store = state.responses = ResponseStore(envs.TOKENLOOM_RESPONSES_STORE_SIZE)
-    return store
 
 
 def _not_found(response_id: str, param: str = "response_id") -> APIError:
@@ -368,7 +327,7 @@ async def create_response(raw: Request) -> Response:
     obj = await read_json(raw, state.config.max_request_body_bytes)
     reject_unsupported_responses(obj)
     req = parse_model(ResponsesRequest, obj)
-    store = response_store(raw)
+    store = get_state(raw).responses
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
@@ -412,14 +371,14 @@ async def retrieve_response(raw: Request, response_id: str) -> JSONResponse:
     if raw.query_params.get("stream", "false").lower() not in ("false", "0") or "starting_after" in raw.query_params:
         raise APIError(400, "only background responses can be streamed again, and background is not supported",
                        "stream")
-    stored = response_store(raw).get(response_id)
+    stored = get_state(raw).responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
     return JSONResponse(stored.body)
 
 
 async def cancel_response(raw: Request, response_id: str) -> JSONResponse:
-    stored = response_store(raw).get(response_id)
+    stored = get_state(raw).responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
     # vLLM's rule: only a queued or in-progress (background) response can be cancelled.
