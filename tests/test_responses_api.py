@@ -8,6 +8,7 @@ the API's error shape, unsupported fields refused by name. docs/responses.md."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import jsonschema
@@ -164,3 +165,27 @@ class TestServer:
         error = r.json()["error"]
         assert r.status_code == (404 if param == "model" else 400), r.text
         assert error["param"] == param and words in error["message"] and error["code"] == r.status_code
+
+    def test_fuzzed_fields_never_500(self, server) -> None:
+        values = [None, True, False, -1, 0, 3, 2**70, 1.5, "", "x", [], [1], ["a"], {}, {"a": 1}, {"type": "text"},
+                  {"format": {"type": "json_schema"}}, {"type": "function"}, [{"type": "function"}],
+                  [{"type": "function_call"}], [{"role": "user"}], [{"type": "function_call_output", "call_id": 1}],
+                  [{"role": "user", "content": [{"type": "input_text"}]}]]
+        fields = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                  "tool_choice", "store", "stream", "previous_response_id", "include", "top_logprobs", "truncation",
+                  "metadata", "parallel_tool_calls", "service_tier", "stop", "structured_outputs", "background"]
+        rng = random.Random(35)
+        statuses: dict[int, int] = {}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            for field in fields:
+                for value in rng.sample(values, 6):
+                    body = {"input": "Hi", "max_output_tokens": 2, field: value}
+                    with http.stream("POST", "/v1/responses", json=body) as r:
+                        r.read()
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    assert r.status_code in (200, 400, 404), (body, r.status_code, r.text[:300])
+                    assert b"server_error" not in r.content and b'"code":500' not in r.content, (body, r.text[:300])
+                    if r.status_code != 200:
+                        error = r.json()["error"]
+                        assert error["code"] == r.status_code and error["message"], r.text
+        assert statuses.get(200) and statuses.get(400)
