@@ -49,9 +49,12 @@ from tokenloom.server.tool_calls import StreamingToolParser, parse_output
 from tokenloom.server.unsupported import reject_unsupported_responses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# Chat fields (what parse_chat's 400s name) → the Responses fields they came from.
+# Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
+# words of the message (longest first; not "messages" or "logprobs", which are common words there).
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                 "messages": "input", "truncate_prompt_tokens": "truncation", "logprobs": "include"}
+_MESSAGE_NAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                  ("max_completion_tokens", "max_output_tokens"), ("truncate_prompt_tokens", "truncation"))
 
 
 def _not_found(response_id: str, param: str = "response_id") -> APIError:
@@ -227,9 +230,8 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
 def _renamed(exc: APIError) -> APIError:
     """A chat 400 in the Responses request's own field names."""
     message = exc.message
-    for chat_name, name in _FIELD_NAMES.items():
-        if chat_name != "messages":
-            message = message.replace(chat_name, name)
+    for chat_name, name in _MESSAGE_NAMES:
+        message = message.replace(chat_name, name)
     return APIError(exc.status, message, _FIELD_NAMES.get(exc.param or "", exc.param), exc.headers)
 
 
