@@ -329,7 +329,7 @@ async def create_response(raw: Request) -> Response:
     obj = await read_json(raw, state.config.max_request_body_bytes)
     reject_unsupported_responses(obj)
     req = parse_model(ResponsesRequest, obj)
-    store = get_state(raw).responses
+    store = state.responses
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
