@@ -145,6 +145,12 @@ def test_mixtral_logprobs_in_one_batch_match_transformers(tmp_path: Path) -> Non
             assert abs(entry[tok].logprob - logprobs[len(p) - 1 + i, tok].item()) < 2e-3, (i, tok)
 
 
+def test_mixtral_int8_is_refused_as_qwen3_moe(tmp_path: Path) -> None:
+    loaded = load_model(make_tiny_hf_model(tmp_path, arch="mixtral", seed=8), torch.float32)
+    with pytest.raises(ValueError, match="not implemented for mixtral"):
+        ModelRunner(loaded, block_size=BLOCK, num_blocks=8, dtype="float32", device="cpu", quantization="int8")
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"])
 def test_gguf_matches_hf_dir(arch: str, tmp_path: Path) -> None:
     """A GGUF written with gguf's writer under llama.cpp's names and conventions (stacked experts,
