@@ -207,17 +207,15 @@ def test_named_tool_choice_without_a_parser(client, tool) -> None:
     _valid(calls[0])
 
 
-@pytest.mark.parametrize("parallel", [False, None])
-def test_required_tool_choice_without_a_parser(client, parallel) -> None:
+def test_required_tool_choice_without_a_parser(client) -> None:
+    # parallel_tool_calls false: exactly one call (the default, several allowed, runs in
+    # tests/test_responses_api.py through the same chat path).
     kwargs = dict(model="SmolLM2-135M-Instruct", messages=FORCED_ASK, tools=[BOOK, CITY], tool_choice="required",
-                  max_completion_tokens=300, temperature=0.0)
-    if parallel is not None:
-        kwargs["parallel_tool_calls"] = parallel
+                  max_completion_tokens=300, temperature=0.0, parallel_tool_calls=False)
     reply = client.chat.completions.create(**kwargs)
     calls = reply.choices[0].message.tool_calls
     assert calls and reply.choices[0].finish_reason == "tool_calls", reply
-    if parallel is False:
-        assert len(calls) == 1
+    assert len(calls) == 1
     for call in calls:
         _valid(call)
     content, s_calls, finish, _ = streamed(client, **kwargs)
