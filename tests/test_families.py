@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, Gemma 2/3, Phi-3 and Mistral against transformers, on tiny random models built
+"""Qwen3, Qwen3-MoE, Mixtral, Gemma 2/3, Phi-3 and Mistral against transformers, on tiny random models built
 from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64, sliding window 8
 = two blocks of 4 where the family has one).
 
@@ -7,7 +7,8 @@ from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64
   prompt longer than the window; for Mistral (every layer windowed) the KV blocks a request holds
   stay bounded by the window while it runs, for Gemma those of its sliding KV cache group (hybrid
   groups; more in tests/test_hybrid_kv.py);
-* MoE routing: ties go to the lower expert (torch.topk), an expert with no token costs nothing.
+* MoE routing: ties go to the lower expert (torch.topk), an expert with no token costs nothing;
+* Mixtral: logprobs of 16 greedy tokens, 3 prompts in one batch through LLM, within 2e-3 of transformers'.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from tokenloom.model.models.qwen3_moe import grouped_experts, route
 from tokenloom.model.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 
-FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3", "mistral"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3", "mistral"]
+# llama.cpp writes Mixtral as a "llama" GGUF with experts and no sliding window: its HF twin has none either.
+GGUF_OVERRIDES = {"mixtral": {"sliding_window": None}}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -115,13 +118,46 @@ def test_moe_routing_ties_and_idle_expert() -> None:
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"])
+def test_mixtral_logprobs_in_one_batch_match_transformers(tmp_path: Path) -> None:
+    """A tiny random Mixtral (4 experts, top-2, sliding window 8) through the engine: 3 prompts in one
+    batch, 16 greedy tokens each, the same tokens as transformers' and each token's logprob within 2e-3."""
+    from tokenloom import LLM
+
+    path = make_tiny_hf_model(tmp_path, arch="mixtral", seed=7)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [prompt(50, 5), prompt(51, 11), prompt(52, 17)]
+    llm = LLM(str(path), dtype="float32", quantization="none", num_blocks=64, block_size=4)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.close()
+    for p, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        ids = torch.tensor([p + comp.token_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+        want = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist()
+        assert comp.token_ids == want
+        for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            assert abs(entry[tok].logprob - logprobs[len(p) - 1 + i, tok].item()) < 2e-3, (i, tok)
+
+
+def test_mixtral_int8_is_refused_as_qwen3_moe(tmp_path: Path) -> None:
+    loaded = load_model(make_tiny_hf_model(tmp_path, arch="mixtral", seed=8), torch.float32)
+    with pytest.raises(ValueError, match="not implemented for mixtral"):
+        ModelRunner(loaded, block_size=BLOCK, num_blocks=8, dtype="float32", device="cpu", quantization="int8")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"])
 def test_gguf_matches_hf_dir(arch: str, tmp_path: Path) -> None:
     """A GGUF written with gguf's writer under llama.cpp's names and conventions (stacked experts,
     Gemma's 1 + w norms, Phi-3's fused tensors) loads to the same weights and config, so the same
     logits, as its HF directory. (llama.cpp writes Mistral as a plain "llama" GGUF, without its
     window: covered by test_loader's Llama GGUF tests.)"""
-    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4)
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4, **GGUF_OVERRIDES.get(arch, {}))
     from_hf = load_model(hf_dir, torch.float32)
     from_gguf = load_model(write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf"), torch.float32)
     for field in ("architecture", "sliding_windows", "hidden_act", "attn_logit_softcapping",
@@ -174,7 +210,7 @@ def test_bad_config_fields_named(change: dict, message: str, tmp_path: Path) -> 
         load_model(hf_dir, torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3"])
 def test_gguf_quantization_keeps_the_family_blocks(arch: str, tmp_path: Path) -> None:
     """`--quantization gguf` on a Q8_0 GGUF of each family: the quantized loader applies the family's
     names and conventions as the dequantizing one does (it used Llama's names: Gemma 3's q/k norms were
@@ -183,7 +219,7 @@ def test_gguf_quantization_keeps_the_family_blocks(arch: str, tmp_path: Path) ->
     (the kernels quantize activations to int8) stay within 5% of the dequantized model's logit range."""
     from tokenloom.model.gguf_weights import GGUFWeight
 
-    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4)
+    hf_dir = make_tiny_hf_model(tmp_path / "hf", arch=arch, seed=4, **GGUF_OVERRIDES.get(arch, {}))
     path = write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf", qtype="Q8_0")
     plain, quant = load_model(path, torch.float32), load_model(path, torch.float32, quantized=True)
     assert quant.weights.keys() == plain.weights.keys()
@@ -207,7 +243,8 @@ def test_gguf_quantization_keeps_the_family_blocks(arch: str, tmp_path: Path) ->
 
 @pytest.mark.parametrize("arch, ops", [("gemma3", "GELU-tanh MLP activation, the post-attention / post-MLP norms, "
                                                   "the q/k RMSNorm"),
-                                       ("qwen3_moe", "the q/k RMSNorm, the routed experts"), ("llama", None)])
+                                       ("qwen3_moe", "the q/k RMSNorm, the routed experts"),
+                                       ("mixtral", "the routed experts"), ("llama", None)])
 def test_the_log_names_what_runs_as_torch_ops(arch: str, ops: str | None, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     """Where a family's op has no compiled CPU kernel yet the torch op runs, and the load says so."""

@@ -1,7 +1,8 @@
 """Structured outputs and tool calls through the server with the official openai client (default model):
 response_format json_schema and beta.chat.completions.parse, completions with structured_outputs, 400s
-with the reason (tool_choice without --enable-auto-tool-choice among them), and a slow grammar compile
-that does not stall a request already streaming. Tool calls: tests/test_tool_calls_server.py."""
+with the reason ("auto" tool_choice without --enable-auto-tool-choice among them), a slow grammar compile
+that does not stall a request already streaming, and named / required tool_choice without a tool parser.
+Tool calls with a parser: tests/test_tool_calls_server.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.test_server_harness import ServerProcess
+from tests.test_tool_calls_server import streamed
 
 pytestmark = pytest.mark.slow
 
@@ -130,11 +132,9 @@ def test_completions_structured_outputs_choice_and_guided_regex(client) -> None:
     ({"structured_outputs": {"regex": "(ab"}}, "regex does not compile"),
     ({"guided_grammar": "root ::= ("}, "EBNF"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
-    # This server runs without --enable-auto-tool-choice: vLLM's 400s, word for word.
+    # This server runs without --enable-auto-tool-choice: vLLM's 400 for "auto", word for word (required and
+    # named need no parser: the end of this file).
     ({"tools": [WEATHER]}, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
-    ({"tools": [WEATHER], "tool_choice": "required"}, 'tool_choice="required" requires --tool-call-parser to be set'),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     'tool_choice=function "get_weather" requires --tool-call-parser to be set'),
     ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "only one kind"),
 ])
 def test_bad_input_is_a_400_with_the_reason(server, body, reason: str) -> None:
@@ -150,3 +150,75 @@ def test_max_tokens_cuts_a_grammar_with_length_and_partial_text(client) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {
             "type": "array", "items": {"type": "integer"}, "minItems": 30}}})
     assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content.startswith("[")
+
+
+# Named and "required" tool_choice without --enable-auto-tool-choice / --tool-call-parser (this server has
+# neither), as vLLM serves them: the grammar forces the named function's arguments (named) or vLLM's list
+# `[{"name": ..., "parameters": ...}]` (required), and the reply carries `tool_calls` built from that JSON,
+# whole and streamed. Every forced call's arguments validate against the tool's `parameters`, over schemas
+# of every JSON type, nested objects, enums, arrays and `required`; none of them is "strict" (issue 35).
+FORCED_ASK = [{"role": "user", "content": "Book a table for two at a restaurant in Paris tonight."}]
+# Not "strict": the forced call must follow the schema anyway (issue 35).
+BOOK = {"type": "function", "function": {"name": "book_table", "description": "Book a restaurant table",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "guests": {"type": "integer", "minimum": 1, "maximum": 9},
+                "budget": {"type": "number", "minimum": 0, "maximum": 500},
+                "outdoor": {"type": "boolean"},
+                "note": {"type": "null"},
+                "cuisine": {"enum": ["french", "italian", "thai"]},
+                "dishes": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+                "when": {"type": "object", "properties": {"day": {"type": "string", "enum": ["today", "tomorrow"]},
+                                                          "hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+                         "required": ["day", "hour"], "additionalProperties": False},
+            },
+            "required": ["city", "guests", "budget", "outdoor", "note", "cuisine", "dishes", "when"],
+            "additionalProperties": False}}}
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"]}}}
+NO_PARAMS = {"type": "function", "function": {"name": "ping", "description": "Is the service up?"}}
+SCHEMAS = {"book_table": BOOK["function"]["parameters"], "get_weather": CITY["function"]["parameters"],
+           "ping": {"type": "object", "properties": {}, "additionalProperties": False}}
+
+
+def _valid(call) -> None:
+    name = call.function.name if hasattr(call, "function") else call["name"]
+    arguments = call.function.arguments if hasattr(call, "function") else call["arguments"]
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("tool", [BOOK, CITY, NO_PARAMS], ids=lambda t: t["function"]["name"])
+def test_named_tool_choice_without_a_parser(client, tool) -> None:
+    name = tool["function"]["name"]
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=FORCED_ASK, tools=[BOOK, CITY, NO_PARAMS],
+                  max_completion_tokens=200, tool_choice={"type": "function", "function": {"name": name}},
+                  temperature=0.0)
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == name and call.id
+    assert choice.finish_reason == "stop" and not choice.message.content  # a named call keeps "stop"
+    _valid(call)
+    content, calls, finish, _ = streamed(client, **kwargs)
+    assert content == "" and finish == "stop" and len(calls) == 1 and calls[0]["name"] == name
+    _valid(calls[0])
+
+
+def test_required_tool_choice_without_a_parser(client) -> None:
+    # parallel_tool_calls false: exactly one call (the default, several allowed, runs in
+    # tests/test_responses_api.py through the same chat path).
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=FORCED_ASK, tools=[BOOK, CITY], tool_choice="required",
+                  max_completion_tokens=300, temperature=0.0, parallel_tool_calls=False)
+    reply = client.chat.completions.create(**kwargs)
+    calls = reply.choices[0].message.tool_calls
+    assert calls and reply.choices[0].finish_reason == "tool_calls", reply
+    assert len(calls) == 1
+    for call in calls:
+        _valid(call)
+    content, s_calls, finish, _ = streamed(client, **kwargs)
+    assert finish == "tool_calls" and not content and s_calls
+    for call in s_calls:
+        _valid(call)

@@ -96,6 +96,22 @@ def test_named_call_streams_its_arguments_and_round_trips(client) -> None:
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
 
 
+def test_a_forced_call_of_a_non_strict_tool_follows_its_schema(client) -> None:
+    # Issue 35: named get_weather(city: string), not strict, came back as {"city": {"type": "string",
+    # "description": "Paris"}} when the forced call's arguments were any JSON value.
+    plain = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                       "required": ["city"]}}}
+    for choice in (NAMED, "required"):
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[plain], tool_choice=choice,
+                                               max_completion_tokens=60, temperature=0.0)
+        [call] = reply.choices[0].message.tool_calls[:1]
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, plain["function"]["parameters"])
+        assert isinstance(args["city"], str)
+
+
 @pytest.mark.parametrize("parallel", [False, None])
 def test_required_calls_whole_and_streamed(client, parallel) -> None:
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",

@@ -108,15 +108,16 @@ def test_parallel_tool_calls_false_streams_only_the_first_call() -> None:
     assert [c["name"] for c in calls] == ["get_weather"]
 
 
-def test_tool_choice_without_a_parser_is_vllms_400() -> None:
+def test_auto_tool_choice_without_a_parser_is_vllms_400() -> None:
     with pytest.raises(APIError, match='"auto" tool choice requires --enable-auto-tool-choice and '
                                        "--tool-call-parser to be set") as err:
         tool_setup([WEATHER], None, None, None, tool_choice_given=False)  # tools given: "auto"
     assert err.value.status == 400
-    with pytest.raises(APIError, match='tool_choice="required" requires --tool-call-parser to be set'):
-        tool_setup([WEATHER], "required", None, None)
-    with pytest.raises(APIError, match='tool_choice=function "get_weather" requires --tool-call-parser'):
-        tool_setup([WEATHER], NAMED, None, None)
+    # vLLM: "required" and a named function need no parser (structured outputs force them, JSON reads them).
+    required = tool_setup([WEATHER], "required", None, None)
+    named = tool_setup([WEATHER], NAMED, None, None)
+    assert (required.mode, named.mode, named.named) == ("required", "named", "get_weather")
+    assert required.parses_calls and named.parses_calls and required.parser is None
     # "none", and an explicit null (vLLM keeps it None: the tools are shown, nothing is parsed), are fine.
     assert tool_setup([WEATHER], "none", None, None).mode == "none"
     assert tool_setup([WEATHER], None, None, None, tool_choice_given=True).mode == "none"
@@ -152,9 +153,12 @@ def test_required_and_named_are_forced_with_a_structural_tag() -> None:
     two = one + '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'
     assert _accepts(required, one) and _accepts(required, two)
     assert not _accepts(required, "Sure.") and not _accepts(required, one.replace("get_weather", "get_wether"))
-    # get_time is strict: its arguments must fit its schema; get_weather is not: any JSON value.
+    # A forced call's arguments fit the tool's schema, strict tool (get_time) or not (get_weather): issue 35's
+    # non-strict get_weather(city) wrote {"city": {"type": "string", ...}} when they were any JSON value.
     assert not _accepts(required, '<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>')
-    assert _accepts(required, '<tool_call>{"name": "get_weather", "arguments": [1, 2]}</tool_call>')
+    assert not _accepts(required, '<tool_call>{"name": "get_weather", "arguments": [1, 2]}</tool_call>')
+    assert not _accepts(required, '<tool_call>{"name": "get_weather", "arguments": {"city": {"type": "string"}}}'
+                                  '</tool_call>')
     strict = structured_outputs_of({}, tool_setup([WEATHER, TIME], "required", None, "hermes"), "parameter")
     assert not _accepts(strict, '<tool_call>{"name": "get_weather", "arguments": [1, 2]}</tool_call>')
     single = structured_outputs_of({}, tool_setup([WEATHER, TIME], "required", False, "hermes"))

@@ -349,7 +349,8 @@ def test_llama_required_and_named_are_forced_with_xgrammars_llama_tag() -> None:
     assert _accepts(so, one) and _accepts(so, two) and not _accepts(so, "Sure.")
     assert not _accepts(so, one.replace("get_weather", "get_wether"))
     assert not _accepts(so, '{"name": "get_time", "parameters": {"zone": 1}}')  # strict tool: its schema
-    assert _accepts(so, '{"name": "get_weather", "parameters": [1]}')  # non-strict: any JSON value
+    # A forced call fits the tool's schema, strict or not (issue 35).
+    assert not _accepts(so, '{"name": "get_weather", "parameters": [1]}')
     # What the grammar lets through, the parser reads back: calls, content "". Calls written back to back
     # stay content, as in vLLM (its raw_decode loop skips a `{` right at the previous object's end).
     assert _accepts(so, one + "; " + two[len(one):])

@@ -98,6 +98,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(head_dim=16),
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True),
+    "mixtral": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
     "gemma2": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]),
     "gemma3": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
@@ -119,6 +120,7 @@ def make_tiny_hf_model(
     classes = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+               "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
                "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
                "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM), "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM)}
     config_cls, model_cls = classes[arch]
@@ -160,7 +162,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
 
 
 # convert_hf_to_gguf.py's architecture names and the tensor names its families add or rename.
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "mixtral": "llama"}  # Mixtral: llama + experts
 _GGUF_FAMILY_BLOCK = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "self_attn.qkv_proj.weight": "attn_qkv.weight",
@@ -182,10 +184,15 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
 
 def _stack_experts(tensors: dict[str, torch.Tensor], num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
     """Per-expert HF tensors -> llama.cpp's stacked ffn_{gate,up,down}_exps (what the converter writes)."""
-    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    mixtral = any(".block_sparse_moe." in n for n in tensors)
+    out = {n: t for n, t in tensors.items() if ".experts." not in n}
+    if mixtral:  # the router too: block_sparse_moe.gate -> ffn_gate_inp
+        out = {n.replace(".block_sparse_moe.gate.", ".mlp.gate."): t for n, t in out.items()}
     for i in range(num_layers):
         for proj, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-            names = [f"model.layers.{i}.mlp.experts.{j}.{proj}.weight" for j in range(num_experts)]
+            mx = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+            names = [f"model.layers.{i}.block_sparse_moe.experts.{j}.{mx}.weight" if mixtral else
+                     f"model.layers.{i}.mlp.experts.{j}.{proj}.weight" for j in range(num_experts)]
             out[f"blk.{i}.ffn_{short}_exps.weight"] = torch.stack([tensors[n] for n in names])
     return out
 
@@ -210,7 +217,7 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
     for file in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(file))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    if arch == "qwen3moe":
+    if arch == "qwen3moe" or cfg["model_type"] == "mixtral":
         tensors = _stack_experts(tensors, cfg["num_hidden_layers"], cfg.get("num_experts") or cfg["num_local_experts"])
     for name, tensor in tensors.items():
         data = tensor.float().numpy()
@@ -219,7 +226,7 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
         if name.startswith("blk."):  # already llama.cpp-named (stacked experts)
             _add_tensor(writer, name, data, qtype)
             continue
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):  # Mixtral's too
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_cpp_permute(data, heads, kv_heads)
@@ -255,7 +262,7 @@ def _write_model_metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], name: st
     if rope.get("rope_type", rope.get("type")) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    if cfg.get("sliding_window") and cfg["model_type"] != "mistral":
+    if cfg.get("sliding_window") and cfg["model_type"] not in ("mistral", "mixtral"):  # llama.cpp keeps none
         writer.add_sliding_window(cfg["sliding_window"])
     if cfg["model_type"] == "gemma3_text":  # one bool per layer: sliding or not
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -263,6 +270,9 @@ def _write_model_metadata(writer: gguf.GGUFWriter, cfg: dict[str, Any], name: st
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
     if cfg.get("final_logit_softcapping") is not None:
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if cfg["model_type"] == "mixtral":
+        writer.add_expert_count(cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg["model_type"] == "qwen3_moe":
         writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         writer.add_expert_used_count(cfg["num_experts_per_tok"])

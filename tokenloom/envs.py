@@ -114,6 +114,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH": lambda: os.environ.get("TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
     # Seconds an idle HTTP keep-alive connection stays open (also vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
     "TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE": _keep_alive_s,
+    # /v1/responses with store: the most responses kept in memory for previous_response_id and GET
+    # (least recently used go first; 0 stores none). vLLM keeps them in memory too, without a bound.
+    "TOKENLOOM_RESPONSES_STORE_SIZE": lambda: _int(
+        "TOKENLOOM_RESPONSES_STORE_SIZE", 1000, "a number of responses", minimum=0),
     # vLLM's limits: prompts in one completions request; samples (n, beam width) of one request.
     "VLLM_MAX_COMPLETION_PROMPTS": lambda: _digits("VLLM_MAX_COMPLETION_PROMPTS", 1024),
     "VLLM_MAX_N_SEQUENCES": lambda: _lenient_int("VLLM_MAX_N_SEQUENCES", 16384),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Llama and Qwen2 run LlamaDecoderLayer as is; the other families are in tokenloom/model/models/.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 
@@ -42,7 +42,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local_base_freq: float | None = None
-    # Mixture of experts (qwen3_moe).
+    # Mixture of experts (qwen3_moe; mixtral: every layer, renormalised top-k, experts of intermediate_size).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

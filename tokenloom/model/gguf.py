@@ -26,8 +26,10 @@ from tokenloom.model.gguf_families import (
     BLOCK_NAMES,
     GGUF_ARCHITECTURES,
     ROPE_FACTOR_TENSORS,
+    ROPE_PERMUTED,
     family_config_fields,
     finish_family_weights,
+    gguf_model_architecture,
 )
 
 Q = GGMLQuantizationType
@@ -272,9 +274,9 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
             continue
         hf_name = hf_name_from_gguf(name, config.architecture)
         value = dequantize(tensor)
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if config.architecture in ROPE_PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             value = unpermute_rope_rows(value, config.num_attention_heads)
-        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif config.architecture in ROPE_PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             value = unpermute_rope_rows(value, config.num_key_value_heads)
         weights[hf_name] = value.to(dtype)
     return config, finish_family_weights(config, weights)
@@ -317,9 +319,10 @@ def config_from_gguf(gguf: GGUFFile, name: str = "model") -> ModelConfig:
         raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim}) are not supported")
     if "token_embd.weight" not in gguf.tensors:
         raise ValueError("GGUF has no token_embd.weight tensor")
-    family = family_config_fields(meta, arch, GGUF_ARCHITECTURES[arch], key("block_count"), head_dim, gguf.tensors)
+    model_arch = gguf_model_architecture(meta, arch)
+    family = family_config_fields(meta, arch, model_arch, key("block_count"), head_dim, gguf.tensors)
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=model_arch,
         vocab_size=gguf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),

@@ -11,6 +11,10 @@ Conventions undone at load:
 * Phi-3: the fused attn_qkv / ffn_up (gate then up) are split like the HF checkpoint's.
 * Mistral: llama.cpp's converter writes Mistral as a "llama" GGUF and keeps no sliding window, so a
   Mistral GGUF loads as Llama (full attention).
+* Mixtral: a "llama" GGUF with `llama.expert_count` (llama.cpp's converter subclasses Llama: q/k rows
+  permuted, no sliding window kept); its experts come stacked as Qwen3-MoE's, of feed_forward_length,
+  and llama.cpp renormalises the top-k weights. GGUFs from before the stacked layout (one tensor per
+  expert, `ffn_gate.N`) are refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -26,21 +30,30 @@ GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwe
                       "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 
 _QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_EXPERTS = {"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+            "ffn_up_exps.weight": "mlp.experts.up_proj.weight", "ffn_down_exps.weight": "mlp.experts.down_proj.weight"}
 _GEMMA = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
           "post_attention_norm.weight": "post_attention_layernorm.weight",
           "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # Per architecture: llama.cpp block tensor names that differ from (or add to) Llama's.
 BLOCK_NAMES: dict[str, dict[str, str]] = {
     "qwen3": _QK_NORMS,
-    "qwen3_moe": {**_QK_NORMS, "ffn_gate_inp.weight": "mlp.gate.weight",
-                  "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
-                  "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
-                  "ffn_down_exps.weight": "mlp.experts.down_proj.weight"},
+    "qwen3_moe": {**_QK_NORMS, **_EXPERTS},
+    "mixtral": _EXPERTS,
     "gemma2": _GEMMA,
     "gemma3": {**_GEMMA, **_QK_NORMS},
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Families whose llama.cpp converter permutes the q/k rows (LlamaModel.permute), undone at load.
+ROPE_PERMUTED = ("llama", "mixtral")
+
+
+def gguf_model_architecture(meta: dict[str, Any], gguf_arch: str) -> str:
+    """ModelConfig.architecture of a GGUF: its general.architecture's, but a "llama" with experts is Mixtral."""
+    if gguf_arch == "llama" and int(meta.get("llama.expert_count") or 0) > 0:
+        return "mixtral"
+    return GGUF_ARCHITECTURES[gguf_arch]
 
 
 def family_config_fields(meta: dict[str, Any], gguf_arch: str, arch: str, num_layers: int, head_dim: int,
@@ -75,6 +88,12 @@ def family_config_fields(meta: dict[str, Any], gguf_arch: str, arch: str, num_la
         fields.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
                       moe_intermediate_size=int(key("expert_feed_forward_length")),
                       norm_topk_prob=bool(key("expert_weights_norm", True)))
+    if arch == "mixtral":
+        if key("expert_used_count") is None:
+            raise ValueError(f"GGUF metadata lacks required key '{gguf_arch}.expert_used_count'")
+        fields.update(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                      moe_intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length")),
+                      norm_topk_prob=True)
     if arch == "phi3" and all(t in tensors for t in ROPE_FACTOR_TENSORS):
         original = key("rope.scaling.original_context_length")
         if original is None:
@@ -90,7 +109,7 @@ def finish_family_weights(config: Any, weights: dict[str, torch.Tensor]) -> dict
         for name in weights:
             if name.endswith("norm.weight"):
                 weights[name] = weights[name] - 1.0
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "mixtral"):
         for name in [n for n in weights if ".mlp.experts." in n]:
             stacked = weights.pop(name)
             prefix, proj = name.split(".mlp.experts.")

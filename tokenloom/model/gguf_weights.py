@@ -33,7 +33,7 @@ from tokenloom.model.gguf import (
     read_gguf,
     unpermute_rope_rows,
 )
-from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, finish_family_weights
+from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, ROPE_PERMUTED, finish_family_weights
 
 Q = GGMLQuantizationType
 KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -133,9 +133,9 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
             continue
         hf_name = hf_name_from_gguf(name, config.architecture)
         heads = None
-        if config.architecture == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if config.architecture in ROPE_PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
-        elif config.architecture == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif config.architecture in ROPE_PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_key_value_heads
         if tensor.qtype in KERNEL_TYPES and len(tensor.shape) == 2:
             n, k = tensor.shape

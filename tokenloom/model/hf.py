@@ -13,7 +13,8 @@ from tokenloom.model.rotary import rope_inv_freq
 
 _HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
 }
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
@@ -22,6 +23,7 @@ _ACTIVATION = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}
 # Fields a family cannot run without (beyond the Llama ones every config has).
 _REQUIRED = {
     "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "gemma2": ("query_pre_attn_scalar",),
     "gemma3": ("query_pre_attn_scalar",),
 }
@@ -43,7 +45,27 @@ def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, 
                 weights[name] = f.get_tensor(name).to(dtype)
     if config.architecture == "phi3":
         weights = split_phi3_fused(weights, config)
+    if config.architecture == "mixtral":
+        weights = rename_mixtral(weights)
     return config, weights
+
+
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def rename_mixtral(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's `block_sparse_moe.gate` / `.experts.N.w1|w3|w2` → the names the MoE MLP reads
+    (`mlp.gate`, `mlp.experts.N.gate_proj|up_proj|down_proj`, as Qwen3-MoE's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if ".block_sparse_moe." in name:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            head, _, tail = name.rpartition(".experts.")
+            if head:
+                index, proj, rest = tail.split(".", 2)
+                name = f"{head}.experts.{index}.{_MIXTRAL_EXPERT.get(proj, proj)}.{rest}"
+        out[name] = t
+    return out
 
 
 def split_phi3_fused(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -128,10 +150,13 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "gemma2" else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping") if arch.startswith("gemma") else None,
         rope_local_base_freq=local_theta if arch == "gemma3" else None,
-        num_experts=int(cfg["num_experts"]) if arch == "qwen3_moe" else 0,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if arch == "qwen3_moe" else 0,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if arch == "qwen3_moe" else 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        num_experts=int(cfg["num_experts"]) if arch == "qwen3_moe" else
+        int(cfg["num_local_experts"]) if arch == "mixtral" else 0,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if arch in ("qwen3_moe", "mixtral") else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if arch == "qwen3_moe" else
+        int(cfg["intermediate_size"]) if arch == "mixtral" else 0,
+        # Mixtral always renormalises the top-k weights (transformers' MixtralSparseMoeBlock, vLLM's renormalize).
+        norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         extra=extra,
     )
     rope_inv_freq(config)  # an unknown rope_scaling type fails here, naming it, before any weight is read

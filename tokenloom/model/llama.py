@@ -183,8 +183,8 @@ class LlamaDecoderLayer:
 
 
 # Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into the norms that feed
-# qkv and gate/up: Qwen3-MoE's experts are no gate/up linear).
-INT8_UNSUPPORTED = ("qwen3_moe",)
+# qkv and gate/up: Qwen3-MoE's and Mixtral's experts are no gate/up linear).
+INT8_UNSUPPORTED = ("qwen3_moe", "mixtral")
 
 # Decoder-layer class per ModelConfig.architecture; the other families register theirs from
 # tokenloom/model/models/ (imported on first use: they subclass the classes above).

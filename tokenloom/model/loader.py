@@ -168,7 +168,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _mlp_shapes(config: ModelConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
     hidden, inter = config.hidden_size, config.intermediate_size
-    if config.architecture == "qwen3_moe" and config.is_moe_layer(i):
+    if config.architecture in ("qwen3_moe", "mixtral") and config.is_moe_layer(i):
         e, n, moe = p + "mlp.experts.", config.num_experts, config.moe_intermediate_size
         shapes = {p + "mlp.gate.weight": (n, hidden)}
         for j in range(n):

@@ -31,6 +31,7 @@ from tokenloom.server.request_id import RequestIdMiddleware
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
+from tokenloom.server.serving_responses import cancel_response, create_response, retrieve_response
 from tokenloom.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 from tokenloom.server.state import ServerState, get_state
 
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 # Paths any client may read, API key or not (probes and scrapers), as in vLLM.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load"})
 # Generation routes counted by GET /load (vLLM's server_load_metrics).
-LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/invocations"})
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses",
+                        "/invocations"})
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
@@ -77,6 +79,9 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions/batch", create_batch_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])

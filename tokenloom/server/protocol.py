@@ -182,3 +182,44 @@ class DetokenizeRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
     tokens: list[Int]
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (OpenAI's Responses API as vLLM 0.32 serves it: tokenloom/server/serving_responses.py).
+    Items, tools and text.format are checked there, field by field; fields vLLM knows that tokenloom does
+    not implement are refused by unsupported.RESPONSES."""
+
+    model_config = _CONFIG
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = True
+    store: Bool | None = True
+    stream: Bool | None = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    include: list[str] | None = None
+    top_logprobs: Int | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    service_tier: Literal["auto", "default"] | None = "auto"
+    prompt_cache_key: str | None = None  # a routing hint; prefix caching needs no key
+    # vLLM's extensions
+    request_id: str | None = None
+    priority: Int64 = 0
+    top_k: Int | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict[str, Any] | None = None

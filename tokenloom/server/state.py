@@ -10,10 +10,12 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.response_store import ResponseStore
 
 T = TypeVar("T")
 
@@ -27,6 +29,7 @@ class ServerState:
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.server_load = 0  # generation requests in flight (GET /load)
+        self.responses = ResponseStore(envs.TOKENLOOM_RESPONSES_STORE_SIZE)  # /v1/responses with store
         # The model's generation_config.json defaults (empty with --generation-config vllm).
         self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())

@@ -38,7 +38,11 @@ class ToolSetup:
 
     @property
     def parses_calls(self) -> bool:
-        return self.parser is not None and self.mode in ("auto", "required", "named")
+        """Whether the output is read as tool calls: any mode but "none" with a parser; "required" and a
+        named function without one too (vLLM: forced calls use structured outputs, no parser needed)."""
+        if self.parser is None:
+            return self.mode in ("required", "named")
+        return self.mode in ("auto", "required", "named")
 
 
 # vLLM's StructuredOutputsParams options for its other backends: disable_additional_properties is what
@@ -194,16 +198,14 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
 
 
 def _check_parser(setup: ToolSetup) -> ToolSetup:
-    """vLLM's 400s (its words) for a tool_choice that needs a tool parser the server was not given."""
-    if setup.mode == "required" and setup.parser is not None and not setup.tools:
+    """vLLM's 400s (its words): "auto" needs --enable-auto-tool-choice and a parser; "required" and a named
+    function do not (their calls are forced by structured outputs and read as JSON, vLLM's rule)."""
+    if setup.mode == "required" and not setup.tools:
         raise APIError(400, "tool_choice requires a function call, but tools contains no function tool the "
                             "model can call.", "tool_choice")
-    if setup.parser is not None or setup.mode == "none":
-        return setup
-    if setup.mode == "auto":
+    if setup.mode == "auto" and setup.parser is None:
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
-    desc = f'function "{setup.named}"' if setup.mode == "named" else f'"{setup.mode}"'
-    raise APIError(400, f"tool_choice={desc} requires --tool-call-parser to be set")
+    return setup
 
 
 def render_tools(tools: ToolSetup | None, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:

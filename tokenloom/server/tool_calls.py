@@ -6,6 +6,9 @@ reads "auto" output and the output a structural tag forced under "required" or a
 parser without a structural tag (pythonic) has its forced calls written in vLLM's JSON forms and read by
 their rules (tool_parsers/json_calls.py), as vLLM's supports_required_and_named path does.
 
+Without --tool-call-parser, "required" and a named function still work (vLLM's rule): forced in those
+JSON forms and read by their rules; only "auto" needs a parser.
+
 Whole response: "required" / named give `content` "" and the calls; "auto" gives the text before the
 first call as content (None when only whitespace), or the whole text when no call parsed.
 finish_reason: "tool_calls" when "auto" called a tool, or under "required" when the model stopped;
@@ -46,10 +49,11 @@ def _parser(tools: ToolSetup) -> ToolParser:
 
 
 def _json_form(tools: ToolSetup) -> bool:
-    """Forced calls of a parser without a structural tag: written in vLLM's JSON forms, read by their
-    rules (tool_parsers/json_calls.py), not by the parser."""
-    assert tools.parser is not None
-    return tools.mode in ("required", "named") and get_tool_parser(tools.parser).supports_required_and_named()
+    """Forced calls of a parser without a structural tag, or of a server without a parser: written in
+    vLLM's JSON forms, read by their rules (tool_parsers/json_calls.py), not by a parser."""
+    if tools.mode not in ("required", "named"):
+        return False
+    return tools.parser is None or get_tool_parser(tools.parser).supports_required_and_named()
 
 
 def parse_output(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
@@ -87,7 +91,7 @@ class StreamingToolParser:
 
     def __init__(self, tools: ToolSetup) -> None:
         self.tools = tools
-        self.parser = _parser(tools)
+        self.parser = _parser(tools) if tools.parser is not None else None
         self.json_form = _json_form(tools)
         self.named = NamedCallStreamer(tools.named) if self.json_form and tools.named else None
         self.text = ""
@@ -101,8 +105,9 @@ class StreamingToolParser:
         elif self.json_form:
             delta = required_call_deltas(previous, self.text)
         else:
+            assert self.parser is not None
             delta = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text)
-        if final and delta is not None and delta.get("tool_calls"):
+        if final and self.parser is not None and delta is not None and delta.get("tool_calls"):
             remaining = self.parser.get_remaining_unstreamed_args()
             if remaining:
                 fn = delta["tool_calls"][-1].setdefault("function", {})

@@ -7,15 +7,18 @@
 - "auto": unconstrained, unless a tool says `"strict": true` (or `--tool-strict-level` is above auto):
   then free text until the format's trigger, and the call after it constrained.
 
-Each call's envelope (the tags and the function name) is always enforced; its arguments follow the
-function's `parameters` schema only for strict tools (`"strict": true`, or `--tool-strict-level
-parameter`), else they are any JSON value (vLLM's resolve_tool_strictness). A request's own
+Each call's envelope (the tags and the function name) is always enforced. The arguments of a forced call
+(required / named) always follow the function's `parameters` schema (an empty object when it has none): a
+forced call parses and validates, strict or not. Under "auto" they follow it only for strict tools
+(`"strict": true`, or `--tool-strict-level parameter`), else they are any JSON value (vLLM's
+resolve_tool_strictness). A request's own
 response_format / structured_outputs is replaced under required / named (vLLM logs that it is
 ignored) and, under a constrained "auto", allowed as the alternative to calling.
 
 Formats: "hermes" (built here, as vLLM's registry builds it) and "llama" (xgrammar's builtin, the function
 vLLM calls). A parser without a structural tag (pythonic) gets vLLM's JSON forms under required / named
-(`_json_forms`, tokenloom/server/tool_parsers/json_calls.py) and nothing under auto.
+(`_json_forms`, tokenloom/server/tool_parsers/json_calls.py) and nothing under auto; so does a server
+without --tool-call-parser (vLLM: named and required need no parser, "auto" does).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_parsers import get_tool_parser
+from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools, params_or_empty_object
 
 STRICT_LEVELS = ("auto", "function", "parameter")  # vLLM's ToolStrictLevel, weakest first
 
@@ -37,8 +41,8 @@ def _hermes_tags(tools: dict[str, dict[str, Any]], strict: dict[str, bool]) -> l
     tags = []
     for name, fn in tools.items():
         params: Any = True  # any JSON value
-        if strict[name] and fn.get("parameters") is not None:
-            params = fn["parameters"]
+        if strict[name]:
+            params = params_or_empty_object(fn.get("parameters"))
         for begin, end in forms:
             tags.append({"type": "tag", "begin": f'{begin}{name}", "arguments": ',
                          "content": {"type": "json_schema", "json_schema": params}, "end": end})
@@ -98,23 +102,27 @@ def _limit_to_single_call(node: Any) -> None:
 def _json_forms(tools: ToolSetup, requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
     """vLLM's ToolParser.adjust_request for a parser without a structural tag: required / named are
     forced with a JSON schema (json_calls.py), replacing the request's own format unless that is a
-    structural tag; auto is left free."""
-    from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools
+    structural tag; auto is left free.
 
+    Unlike vLLM, the JSON is compact (disable_any_whitespace): with JSON's "any whitespace" a small model
+    can write newlines inside `{}` until max_tokens (SmolLM2 did, for a function without parameters),
+    and a forced call must always parse."""
     if requested is not None and requested.structural_tag is not None:
         return requested
     try:
         schema = json_schema_from_tools(tools.tools, tools.mode, tools.named, tools.parallel_tool_calls)
     except ValueError as exc:
         raise APIError(400, str(exc), "tools") from None
-    return requested if schema is None else StructuredOutputsParams(json=schema)
+    return requested if schema is None else StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
                             strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's constraint once its tools are taken into account (`requested` when they add none)."""
-    if tools.parser is None or tools.mode == "none" or tools.choice_null:
+    if tools.mode == "none" or tools.choice_null:
         return requested
+    if tools.parser is None:  # vLLM without a parser: required / named by JSON schema, "auto" is refused earlier
+        return _json_forms(tools, requested) if tools.mode in ("required", "named") else requested
     parser = get_tool_parser(tools.parser)
     model = parser.structural_tag_model
     if model is None:
@@ -124,7 +132,11 @@ def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams
     if single_call and not (tools.mode == "auto" and requested is not None):
         level = max(level, STRICT_LEVELS.index("function"))  # the call count needs the envelope
     chosen = {tools.named: tools.tools[tools.named]} if tools.mode == "named" and tools.named else tools.tools
-    strict = {name: level >= STRICT_LEVELS.index("parameter") or fn.get("strict") is True
+    # A forced call (required / named) always holds its arguments to the tool's parameters: the call must
+    # parse and validate (issue 35: a non-strict named get_weather(city) wrote the schema back as
+    # arguments, {"city": {"type": "string", ...}}). Under "auto" the strictness rules above decide.
+    forced = tools.mode in ("required", "named")
+    strict = {name: forced or level >= STRICT_LEVELS.index("parameter") or fn.get("strict") is True
               for name, fn in tools.tools.items()}
     if tools.mode == "auto" and level == 0 and not any(strict.values()):
         return requested  # vLLM: no structural tag, the model writes freely

@@ -53,6 +53,26 @@ CHAT: dict[str, Unsupported] = {
 
 COMPLETION: dict[str, Unsupported] = {}
 
+# POST /v1/responses: what vLLM's ResponsesRequest knows and tokenloom does not serve.
+RESPONSES: dict[str, Unsupported] = {
+    "background": Unsupported("background responses are not supported (responses run while the request is "
+                              "open; store keeps them for previous_response_id and GET)", (False,)),
+    "reasoning": Unsupported("reasoning needs a reasoning parser, which tokenloom lacks", ({},)),
+    "prompt": Unsupported("prompt template is not supported"),
+    "max_tool_calls": Unsupported("max_tool_calls limits built-in tools, which tokenloom does not run"),
+    "conversation": Unsupported("conversations are not supported; use previous_response_id"),
+    "previous_input_messages": Unsupported("previous_input_messages (Harmony messages) is not supported; use "
+                                           "previous_response_id or input items", ([],)),
+    "previous_response": Unsupported("previous_response (stateless multi-turn for Harmony models) is not "
+                                     "supported; use previous_response_id"),
+    "enable_response_messages": Unsupported("enable_response_messages is not supported", (False,)),
+    "stream_options": Unsupported("stream_options is not supported on /v1/responses", ({},)),
+    "context_management": Unsupported("context_management is not supported", ([],)),
+    "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
+                                          "what its blocks hold)"),
+    "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+}
+
 
 def reject_unsupported(body: dict[str, Any], table: dict[str, Unsupported]) -> None:
     for name, rule in table.items():
@@ -71,3 +91,8 @@ def reject_unsupported_chat(body: dict[str, Any]) -> None:
 def reject_unsupported_completion(body: dict[str, Any]) -> None:
     reject_unsupported(body, COMMON)
     reject_unsupported(body, COMPLETION)
+
+
+def reject_unsupported_responses(body: dict[str, Any]) -> None:
+    reject_unsupported(body, COMMON)
+    reject_unsupported(body, RESPONSES)

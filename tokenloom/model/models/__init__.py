@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tokenloom.model.llama import DECODER_LAYERS, LlamaDecoderLayer
 from tokenloom.model.models.gemma import Gemma2DecoderLayer, Gemma3DecoderLayer
+from tokenloom.model.models.mixtral import MixtralDecoderLayer
 from tokenloom.model.models.qwen3 import Qwen3DecoderLayer
 from tokenloom.model.models.qwen3_moe import Qwen3MoeDecoderLayer
 
@@ -16,6 +17,7 @@ DECODER_LAYERS.update({
     "phi3": LlamaDecoderLayer,
     "qwen3": Qwen3DecoderLayer,
     "qwen3_moe": Qwen3MoeDecoderLayer,
+    "mixtral": MixtralDecoderLayer,
     "gemma2": Gemma2DecoderLayer,
     "gemma3": Gemma3DecoderLayer,
 })

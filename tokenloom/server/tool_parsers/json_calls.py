@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from tokenloom.server.tool_parsers.base import make_call, make_tool_call_id
 
 
-def _params_or_empty_object(params: dict[str, Any] | None) -> dict[str, Any]:
+def params_or_empty_object(params: dict[str, Any] | None) -> dict[str, Any]:
     # Empty or missing parameters still hold the arguments to a JSON object.
     return params if params else {"type": "object", "properties": {}}
 
@@ -28,7 +28,7 @@ def json_schema_from_tools(tools: dict[str, dict[str, Any]], mode: str, named: s
     """The schema forcing `mode` ("required" | "named"), None otherwise. ValueError: two tools define one
     `$defs` name differently (vLLM's message)."""
     if mode == "named" and named is not None:
-        return _params_or_empty_object(tools[named].get("parameters"))
+        return params_or_empty_object(tools[named].get("parameters"))
     if mode != "required":
         return None
     any_of = []
@@ -46,7 +46,7 @@ def json_schema_from_tools(tools: dict[str, dict[str, Any]], mode: str, named: s
                                      "supported.")
                 all_defs[def_name] = def_schema
         any_of.append({"properties": {"name": {"type": "string", "enum": [name]},
-                                      "parameters": _params_or_empty_object(params)},
+                                      "parameters": params_or_empty_object(params)},
                        "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": any_of}}
     if not parallel_tool_calls:

@@ -1,0 +1,193 @@
+"""POST /v1/responses (and GET / cancel) through the official openai client against `tokenloom serve` on
+the default model, a server without tool flags: text whole and streamed (the client's own event
+accumulator checks the sequence and the item ids), text.format json_schema, named and required function
+tools (function_call items, whole and streamed, arguments valid), a follow-up with previous_response_id
+(and one answering a function call with function_call_output), the bounded store, and the 400s / 404s in
+the API's error shape, unsupported fields refused by name. docs/responses.md."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.test_server_harness import ServerProcess
+from tokenloom.server.response_store import ResponseStore, StoredResponse
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"]}}
+ASK = "What is the weather in Paris?"
+TEXT_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added", "response.output_text.delta"]
+TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.completed"]
+
+
+def test_the_store_keeps_the_most_recently_used() -> None:
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(f"r{i}", StoredResponse({"id": f"r{i}"}))
+        store.get("r0")  # r0 is used, so r1 goes when r2 comes
+    assert store.get("r1") is None and store.get("r0") is not None and store.get("r2") is not None
+    assert len(store) == 2
+    off = ResponseStore(0)
+    off.put("r", StoredResponse({}))
+    assert off.get("r") is None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # No prefix caching: a whole and a streamed reply are compared token for token (a prefix-cache hit
+    # computes the prompt's tail in another batch shape; see tests/test_tool_calls_server.py).
+    with ServerProcess("--host", "127.0.0.1", "--max-model-len", "1024", "--no-enable-prefix-caching",
+                       log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.slow
+class TestServer:
+    def test_text_whole_and_streamed(self, client) -> None:
+        kwargs = dict(model=MODEL, input="Say hello.", instructions="Answer in English.", max_output_tokens=8,
+                      temperature=0.0)
+        whole = client.responses.create(**kwargs)
+        assert whole.object == "response" and whole.id.startswith("resp_") and whole.model == MODEL
+        [item] = whole.output
+        assert item.type == "message" and item.role == "assistant" and whole.output_text
+        assert whole.status in ("completed", "incomplete") and whole.instructions == "Answer in English."
+        assert whole.usage.output_tokens <= 8 and whole.usage.input_tokens > 5
+        assert whole.usage.total_tokens == whole.usage.input_tokens + whole.usage.output_tokens
+        if whole.status == "incomplete":
+            assert whole.usage.output_tokens == 8 and whole.incomplete_details.reason == "max_output_tokens"
+        # The client's stream helper accumulates the events (it raises on an event out of order or an
+        # item whose id changes between added, done and the final response).
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        types = [e.type for e in events]
+        deltas = types.count("response.output_text.delta")
+        assert types == TEXT_EVENTS + ["response.output_text.delta"] * (deltas - 1) + TEXT_END
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+        assert final.output_text == whole.output_text and final.status == whole.status
+        assert final.output[0].id == events[2].item.id and final.usage.output_tokens == whole.usage.output_tokens
+        # stream=True gives the same events, parsed by the client's plain stream.
+        raw = list(client.responses.create(**kwargs, stream=True))
+        assert [e.type for e in raw] == types and raw[-1].response.output_text == whole.output_text
+
+    def test_json_schema_format(self, client) -> None:
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["city", "rank"], "additionalProperties": False}
+        r = client.responses.create(model=MODEL, input="The capital of France, as JSON.", max_output_tokens=40,
+                                    temperature=0.0, text={"format": {"type": "json_schema", "name": "city",
+                                                                      "schema": schema, "strict": True}})
+        assert r.status == "completed" and r.text.format.type == "json_schema"
+        jsonschema.validate(json.loads(r.output_text), schema)
+
+    @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}],
+                             ids=["required", "named"])
+    def test_function_tool_whole_streamed_and_answered(self, client, choice) -> None:
+        kwargs = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice=choice, max_output_tokens=60,
+                      temperature=0.0)
+        r = client.responses.create(**kwargs)
+        [call] = r.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+        assert call.call_id and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        types = [e.type for e in events]
+        assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+        assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                              "response.completed"]
+        [s_call] = final.output
+        pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        assert s_call.type == "function_call" and s_call.arguments == pieces
+        assert json.loads(pieces) == json.loads(call.arguments)
+        # The call answered: the conversation goes on from the stored response.
+        answer = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[WEATHER], tool_choice="none",
+                                         input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                 "output": "18 degrees, sunny"}], max_output_tokens=16,
+                                         temperature=0.0)
+        assert answer.output[0].type == "message" and answer.output_text
+        assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
+
+    def test_previous_response_id_get_and_cancel(self, client, server) -> None:
+        first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)
+        follow = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                         max_output_tokens=6, temperature=0.0)
+        # The follow-up's prompt holds the first turn, its answer and the new question.
+        alone = client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=1, store=False)
+        assert follow.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens
+        got = client.responses.retrieve(first.id)
+        assert got.id == first.id and got.output_text == first.output_text
+        with pytest.raises(openai.NotFoundError) as err:
+            client.responses.retrieve(alone.id)  # store: false
+        assert err.value.body["param"] == "response_id" and alone.id in err.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model=MODEL, input="x", previous_response_id="resp_unknown", max_output_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+            client.responses.cancel(first.id)
+        assert httpx.post(f"{server.url}/v1/responses/resp_unknown/cancel", timeout=30).status_code == 404
+
+    @pytest.mark.parametrize("body, param, words", [
+        ({"background": True}, "background", "background responses are not supported"),
+        ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning parser"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
+        ({"tools": [WEATHER]}, None, '"auto" tool choice requires --enable-auto-tool-choice'),
+        ({"include": ["file_search_call.results"]}, "include", "not supported"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format",
+         "text.format.name is required"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", "top_logprobs must be"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+         "only text parts"),
+        ({"max_output_tokens": "many"}, "max_output_tokens", "max_output_tokens"),
+        ({"temperature": -1}, "temperature", "temperature"),
+        ({"top_logprobs": 3}, "top_logprobs", "include"),
+        ({"service_tier": "flex"}, "service_tier", "service_tier"),
+        ({"model": "nope"}, "model", "does not exist"),
+    ])
+    def test_errors_in_the_apis_shape(self, server, body, param, words) -> None:
+        r = httpx.post(server.url + "/v1/responses", timeout=60, json={"input": "Hi", "max_output_tokens": 2, **body})
+        error = r.json()["error"]
+        assert r.status_code == (404 if param == "model" else 400), r.text
+        assert error["param"] == param and words in error["message"] and error["code"] == r.status_code
+
+    def test_fuzzed_fields_never_500(self, server) -> None:
+        values = [None, True, False, -1, 0, 3, 2**70, 1.5, "", "x", [], [1], ["a"], {}, {"a": 1}, {"type": "text"},
+                  {"format": {"type": "json_schema"}}, {"type": "function"}, [{"type": "function"}],
+                  [{"type": "function_call"}], [{"role": "user"}], [{"type": "function_call_output", "call_id": 1}],
+                  [{"role": "user", "content": [{"type": "input_text"}]}]]
+        fields = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
+                  "tool_choice", "store", "stream", "previous_response_id", "include", "top_logprobs", "truncation",
+                  "metadata", "parallel_tool_calls", "service_tier", "stop", "structured_outputs", "background"]
+        rng = random.Random(35)
+        statuses: dict[int, int] = {}
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            for field in fields:
+                for value in rng.sample(values, 6):
+                    body = {"input": "Hi", "max_output_tokens": 2, field: value}
+                    with http.stream("POST", "/v1/responses", json=body) as r:
+                        r.read()
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    assert r.status_code in (200, 400, 404), (body, r.status_code, r.text[:300])
+                    assert b"server_error" not in r.content and b'"code":500' not in r.content, (body, r.text[:300])
+                    if r.status_code != 200:
+                        error = r.json()["error"]
+                        assert error["code"] == r.status_code and error["message"], r.text
+        assert statuses.get(200) and statuses.get(400)

@@ -1,0 +1,515 @@
+"""POST /v1/responses, GET /v1/responses/{id}, POST /v1/responses/{id}/cancel: OpenAI's Responses API as
+vLLM 0.32 serves it for a model without Harmony (vLLM: entrypoints/openai/responses/serving.py, its
+SimpleContext path; docs/responses.md).
+
+A Responses request is a chat request in other words, and runs as one: its `instructions`, the stored
+conversation of `previous_response_id` and its `input` (text, or message / function_call /
+function_call_output items) become chat messages, its fields the chat fields they mean (`max_output_tokens`
+→ max_completion_tokens, `text.format` → response_format, flat function `tools` → chat tools, ...), and
+`parse_chat` / `chat_params` render and check it (chat template, structured outputs, tool grammar, limits).
+The generation comes back as output items: a `message` with one `output_text` part, and a `function_call`
+item per tool call (read by the same tool-call code as chat: tool_calls.py). Streamed, as vLLM's events:
+response.created, response.in_progress, then per item output_item.added, content_part.added,
+output_text.delta..., output_text.done, content_part.done, output_item.done (function calls:
+function_call_arguments.delta / .done), and response.completed carrying the whole response.
+
+`store` (default true, as OpenAI) keeps the response and its conversation in memory for
+`previous_response_id` and GET, bounded by TOKENLOOM_RESPONSES_STORE_SIZE (least recently used go first);
+vLLM keeps them in memory too (behind VLLM_ENABLE_RESPONSES_API_STORE, unbounded). Cancel is vLLM's: only a
+background response can be cancelled, and background is refused, so a stored response answers vLLM's 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
+from tokenloom.engine.outputs import CompletionOutput, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.server.body import parse_model, read_json
+from tokenloom.server.errors import APIError
+from tokenloom.server.headers import request_priority, response_headers
+from tokenloom.server.params import chat_params
+from tokenloom.server.protocol import ResponsesRequest
+from tokenloom.server.response_store import ResponseStore, StoredResponse
+from tokenloom.server.responses import chat_logprobs
+from tokenloom.server.serving_chat import parse_chat
+from tokenloom.server.state import get_state
+from tokenloom.server.streaming import SSEResponse, collect
+from tokenloom.server.structured import ToolSetup
+from tokenloom.server.tool_calls import StreamingToolParser, parse_output
+from tokenloom.server.unsupported import reject_unsupported_responses
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
+# words of the message (longest first; not "messages" or "logprobs", which are common words there).
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                "messages": "input", "truncate_prompt_tokens": "truncation", "logprobs": "include"}
+_MESSAGE_NAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                  ("max_completion_tokens", "max_output_tokens"), ("truncate_prompt_tokens", "truncation"))
+
+
+def _not_found(response_id: str, param: str = "response_id") -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param)
+
+
+# Request → chat messages and chat fields ------------------------------------------------------------
+def _text_of(content: Any, where: str) -> str:
+    """A message's content (a string, or input_text / output_text / refusal parts) as text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", "input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}.get(kind or "")
+        if key is None:
+            raise APIError(400, f"{where}.content.{j}: only text parts are supported (input_text, output_text, "
+                                f"refusal), got {kind!r}", "input")
+        value = part.get(key)
+        if not isinstance(value, str):
+            raise APIError(400, f"{where}.content.{j}.{key} must be a string", "input")
+        texts.append(value)
+    return "\n".join(texts)
+
+
+def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
+    """A function call joins the assistant message before it, as vLLM merges them."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
+    where = f"input.{i}"
+    if not isinstance(item, dict):
+        raise APIError(400, f"{where} must be an object", "input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got {role!r}",
+                           "input")
+        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+    elif kind == "function_call":
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+            raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
+        _add_call(messages, {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    elif kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str):
+            raise APIError(400, f"{where}: a function_call_output item needs call_id (a string)", "input")
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
+    else:
+        raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
+                            "function_call_output)", "input")
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a follow-up continues from (reasoning aside)."""
+    messages: list[dict[str, Any]] = []
+    for item in output:
+        if item["type"] == "message":
+            messages.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
+        elif item["type"] == "function_call":
+            _add_call(messages, {"id": item["call_id"], "type": "function",
+                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+    return messages
+
+
+def build_messages(req: ResponsesRequest, previous: StoredResponse | None) -> list[dict[str, Any]]:
+    """vLLM's construct_input_messages: instructions (not carried over), the previous conversation, the input."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if previous is not None:
+        messages += [dict(m) for m in previous.messages if m["role"] != "system"]
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        for i, item in enumerate(req.input):
+            _add_item(messages, i, item)
+    if not messages:
+        raise APIError(400, "input must not be empty", "input")
+    return messages
+
+
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses' flat function tools → chat's {"type": "function", "function": {...}}."""
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function tools (built-in tools "
+                                "such as web_search, file_search, code_interpreter and mcp need a tool server)",
+                           "tools")
+        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat's shape, leniently
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters",
+                                                                          "strict") if fn.get(k) is not None}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    raise APIError(400, f"tool_choice {kind!r} is not supported: 'none', 'auto', 'required' or "
+                        '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """text.format → chat's response_format (the json_schema fields sit one level up in Responses)."""
+    if text is None:
+        return None
+    unknown = [k for k in text if k not in ("format", "verbosity")]
+    if unknown:
+        raise APIError(400, f"text.{unknown[0]} is not supported", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise APIError(400, "text.verbosity is not supported (other than 'medium')", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    raise APIError(400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   "text.format")
+
+
+def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat request this Responses request means (parse_chat checks and renders it)."""
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
+        "stop": req.stop, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
+        "priority": req.priority, "logit_bias": req.logit_bias, "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
+    }
+    if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
+        raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
+    if req.tools:
+        body["tools"] = _chat_tools(req.tools)
+    if "tool_choice" in obj:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    include = req.include or []
+    unknown = [x for x in include if x != LOGPROBS_INCLUDE]
+    if unknown:
+        raise APIError(400, f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include")
+    if LOGPROBS_INCLUDE in include:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise APIError(400, f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
+    if req.truncation == "auto":  # vLLM: keep the prompt's end, room for one output token
+        body["truncate_prompt_tokens"] = -1
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _renamed(exc: APIError) -> APIError:
+    """A chat 400 in the Responses request's own field names."""
+    message = exc.message
+    for chat_name, name in _MESSAGE_NAMES:
+        message = message.replace(chat_name, name)
+    return APIError(exc.status, message, _FIELD_NAMES.get(exc.param or "", exc.param), exc.headers)
+
+
+# Output items ---------------------------------------------------------------------------------------
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None,
+                 ) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": logprobs or []}]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+@dataclass
+class ResponseContext:
+    """One Responses request on its way: what the response object echoes, and what the store keeps."""
+
+    req: ResponsesRequest
+    obj: dict[str, Any]
+    response_id: str
+    model: str
+    params: SamplingParams
+    tools: ToolSetup | None
+    messages: list[dict[str, Any]]
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.req.include or [])
+
+    def logprobs(self, token_ids: list[int], entries: Any) -> list[dict[str, Any]] | None:
+        if not self.wants_logprobs or entries is None:
+            return None
+        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0)["content"]
+
+    def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None) -> dict[str, Any]:
+        req = self.req
+        usage = None
+        if out is not None:
+            prompt = len(out.prompt_token_ids)
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt + generated}
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": self.params.max_tokens, "max_tool_calls": None,
+            "metadata": req.metadata, "model": self.model, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "service_tier": req.service_tier or "auto", "store": bool(req.store),
+            "temperature": self.params.temperature, "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice if "tool_choice" in self.obj else "auto", "tools": req.tools or [],
+            "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
+            "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
+        }
+
+    def store(self, store: ResponseStore, body: dict[str, Any]) -> None:
+        if self.req.store:
+            store.put(self.response_id, StoredResponse(body, self.messages + output_messages(body["output"])))
+
+
+def _status(comp: CompletionOutput) -> str:
+    return {"length": "incomplete", "abort": "cancelled"}.get(comp.finish_reason or "", "completed")
+
+
+def whole_output(ctx: ResponseContext, comp: CompletionOutput) -> list[dict[str, Any]]:
+    """vLLM's _make_response_output_items: the text as a message, each tool call as a function_call item."""
+    tools = ctx.tools
+    calls: list[dict[str, Any]] = []
+    content: str | None = comp.text
+    if tools is not None and tools.parses_calls:
+        content, calls = parse_output(comp.text, tools)
+    items = []
+    if content or not calls:  # vLLM: no text (and no call) is a message without content parts
+        logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if not calls else None
+        items.append(message_item(_item_id("msg"), content or None, "completed", logprobs))
+    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
+              for c in calls]
+    return items
+
+
+# Routes ---------------------------------------------------------------------------------------------
+async def create_response(raw: Request) -> Response:
+    state = get_state(raw)
+    obj = await read_json(raw, state.config.max_request_body_bytes)
+    reject_unsupported_responses(obj)
+    req = parse_model(ResponsesRequest, obj)
+    store = state.responses
+    previous = None
+    if req.previous_response_id is not None:
+        previous = store.get(req.previous_response_id)
+        if previous is None:
+            raise _not_found(req.previous_response_id, "previous_response_id")
+    messages = build_messages(req, previous)
+    try:
+        chat_req, prompt_ids, extras = await parse_chat(state, chat_body(req, obj, messages))
+        params = chat_params(chat_req, len(prompt_ids), state.max_model_len, state.vocab_size,
+                             state.config.max_logprobs, state.sampling_defaults, extras.structured_outputs)
+    except APIError as exc:
+        raise _renamed(exc) from None
+    ctx = ResponseContext(req, obj, req.request_id or _item_id("resp"), state.model_name(req.model), params,
+                          extras.tools, messages)
+    engine_id = f"{ctx.response_id}-{uuid.uuid4().hex[:8]}"
+    engine = state.engine
+    stream = engine.open_stream()
+    try:
+        engine.add_request(engine_id, prompt_ids, params, stream, priority=request_priority(raw, req.priority))
+    except InvalidRequestError as exc:  # e.g. no room left to generate: the prompt is the input
+        stream.close()
+        raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
+    except BaseException:
+        stream.close()
+        raise
+    if req.stream:
+        return SSEResponse(_events(ctx, stream, store), stream)
+    finals = await collect(raw, stream)
+    if finals is None:  # the client went away; its request was aborted
+        return Response(status_code=499)
+    out = finals[engine_id]
+    comp = out.outputs[0]
+    if comp.finish_reason == "error":
+        raise APIError(500, out.error or "generation failed")
+    body = ctx.response(_status(comp), whole_output(ctx, comp), out)
+    ctx.store(store, body)
+    return JSONResponse(body, headers=response_headers(state, raw, out))
+
+
+async def retrieve_response(raw: Request, response_id: str) -> JSONResponse:
+    if raw.query_params.get("stream", "false").lower() not in ("false", "0") or "starting_after" in raw.query_params:
+        raise APIError(400, "only background responses can be streamed again, and background is not supported",
+                       "stream")
+    stored = get_state(raw).responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return JSONResponse(stored.body)
+
+
+async def cancel_response(raw: Request, response_id: str) -> JSONResponse:
+    stored = get_state(raw).responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    # vLLM's rule: only a queued or in-progress (background) response can be cancelled.
+    raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+
+
+# Streaming ------------------------------------------------------------------------------------------
+class _EventWriter:
+    """The stream's events, numbered, in SSE's `event:` / `data:` framing (vLLM's)."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, event: dict[str, Any]) -> str:
+        event["sequence_number"] = self.sequence_number
+        self.sequence_number += 1
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {event['type']}\ndata: {data}\n\n"
+
+
+@dataclass
+class _OpenItem:
+    index: int
+    item: dict[str, Any]
+    text: str = ""  # the message's text, or the call's arguments, so far
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _ItemStream:
+    """Output items as their events: at most one open at a time (vLLM's SimpleStreamingEventProcessor)."""
+
+    def __init__(self, ctx: ResponseContext) -> None:
+        self.ctx = ctx
+        self.done: list[dict[str, Any]] = []
+        self.open: _OpenItem | None = None
+
+    def text(self, delta: str, logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        events = []
+        if self.open is None or self.open.item["type"] != "message":
+            events += self.close()
+            item = message_item(_item_id("msg"), None, "in_progress")
+            self.open = _OpenItem(len(self.done), item)
+            events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": self.open.index, "content_index": 0,
+                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+        self.open.text += delta
+        self.open.logprobs += logprobs or []
+        events.append({"type": "response.output_text.delta", "item_id": self.open.item["id"],
+                       "output_index": self.open.index, "content_index": 0, "delta": delta,
+                       "logprobs": logprobs or []})
+        return events
+
+    def call(self, call_id: str, name: str) -> list[dict[str, Any]]:
+        events = self.close()
+        item = call_item(_item_id("fc"), call_id, name, "", "in_progress")
+        self.open = _OpenItem(len(self.done), item)
+        events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
+        return events
+
+    def arguments(self, delta: str) -> list[dict[str, Any]]:
+        if self.open is None or self.open.item["type"] != "function_call" or not delta:
+            return []
+        self.open.text += delta
+        return [{"type": "response.function_call_arguments.delta", "item_id": self.open.item["id"],
+                 "output_index": self.open.index, "delta": delta}]
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        o, self.open = self.open, None
+        item_id, index = o.item["id"], o.index
+        if o.item["type"] == "message":
+            item = message_item(item_id, o.text, "completed", o.logprobs if self.ctx.wants_logprobs else None)
+            part = item["content"][0]
+            events = [{"type": "response.output_text.done", "item_id": item_id, "output_index": index,
+                       "content_index": 0, "text": o.text, "logprobs": part["logprobs"]},
+                      {"type": "response.content_part.done", "item_id": item_id, "output_index": index,
+                       "content_index": 0, "part": part}]
+        else:
+            item = {**o.item, "arguments": o.text, "status": "completed"}
+            events = [{"type": "response.function_call_arguments.done", "item_id": item_id, "output_index": index,
+                       "name": item["name"], "arguments": o.text}]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+        self.done.append(item)
+        return events
+
+
+async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> AsyncIterator[str]:
+    write = _EventWriter()
+    initial = ctx.response("in_progress", [], None)
+    yield write({"type": "response.created", "response": initial})
+    yield write({"type": "response.in_progress", "response": initial})
+    items = _ItemStream(ctx)
+    parser = StreamingToolParser(ctx.tools) if ctx.tools is not None and ctx.tools.parses_calls else None
+    last: RequestOutput | None = None
+    status = "completed"
+    try:
+        async for out in stream:
+            last = out
+            comp = out.outputs[0]
+            if comp.finish_reason == "error":
+                yield write({"type": "error", "code": "server_error", "message": out.error or "generation failed",
+                             "param": None})
+                return
+            final = comp.finish_reason is not None
+            if parser is None:
+                delta: dict[str, Any] = {"content": comp.delta_text} if comp.delta_text else {}
+            else:
+                delta = parser.feed(comp.delta_text, final) or {}
+            if delta.get("content"):
+                # Logprobs follow the tokens only while the text is the model's own (no parser holding any back).
+                logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if parser is None else None
+                for event in items.text(delta["content"], logprobs):
+                    yield write(event)
+            for tc in delta.get("tool_calls") or []:
+                fn = tc.get("function") or {}
+                if tc.get("id"):
+                    for event in items.call(tc["id"], fn.get("name") or ""):
+                        yield write(event)
+                for event in items.arguments(fn.get("arguments") or ""):
+                    yield write(event)
+            if final:
+                status = _status(comp)
+        for event in items.close():
+            yield write(event)
+        body = ctx.response(status, items.done, last)
+        ctx.store(store, body)
+        # vLLM sends response.completed whatever the status ("incomplete" at max_output_tokens included).
+        yield write({"type": "response.completed", "response": body})
+    except EngineDeadError as exc:
+        yield write({"type": "error", "code": "server_error", "message": str(exc), "param": None})
