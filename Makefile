@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test lint bench bench-setup bench-models clean
+.PHONY: setup serve test lint bench-setup bench-models clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)

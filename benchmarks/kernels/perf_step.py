@@ -105,7 +105,8 @@ def split_budget(rng: np.random.Generator, budget: int, lo: int = 64, hi: int = 
 def make_runner(dtype: str, num_blocks: int, block_size: int = 16, kernels: bool | None = None,
                 quantization: str | None = None):
     from tokenloom.model.loader import load_model
-    from tokenloom.model.runner import ModelRunner, resolve_dtype
+    from tokenloom.model.platform import resolve_dtype
+    from tokenloom.model.runner import ModelRunner
 
     dt = resolve_dtype(dtype, torch.device("cpu"))
     runner = ModelRunner(load_model(MODEL, dt), block_size=block_size, num_blocks=num_blocks, dtype=dt, device="cpu",

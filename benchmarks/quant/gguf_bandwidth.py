@@ -30,7 +30,7 @@ def main() -> None:
     from tokenloom.model.gguf_decode import decoder_from_weights
     from tokenloom.model.gguf_kernels import gguf_kernels
     from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
-    from tokenloom.model.llama import rope_inv_freq
+    from tokenloom.model.rotary import rope_inv_freq
 
     torch.set_num_threads(a.threads)
     k = gguf_kernels()

@@ -1,4 +1,5 @@
-"""Scheduler: vLLM V1's unified, iteration-level scheduler.
+"""The Scheduler class itself (vLLM V1's unified, iteration-level scheduler); core/schedulers.py only picks
+which scheduler class a configuration runs.
 
 There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
 `num_tokens_with_spec`; every step the scheduler hands out tokens from one shared budget so that

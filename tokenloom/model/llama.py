@@ -45,7 +45,7 @@ from tokenloom.model.linear import (
 )
 from tokenloom.model.platform import return_freed_memory
 from tokenloom.model.quant import check_quantization, get_linear_method
-from tokenloom.model.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq re-exported
+from tokenloom.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
