@@ -125,6 +125,7 @@ def plain_gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, min_time: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="HF model dir (default: $TOKENLOOM_ANCHORS_DIR/smollm2-hf)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None, choices=["int8"])
     ap.add_argument("--iters", type=int, default=5)
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--scenarios", default="decode,prefill,mixed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    runner = make_runner(a.dtype, 8192, kernels=True, quantization=a.quantization)
+    runner = make_runner(a.dtype, 8192, kernels=True, quantization=a.quantization, model=a.model)
     rng = np.random.default_rng(1)
     scn = Scenario(runner)
     report = {"dtype": a.dtype, "quantization": a.quantization, "threads": torch.get_num_threads(), "scenarios": {}}

@@ -26,7 +26,12 @@ import torch
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
 
-MODEL = os.path.expanduser("~/.cache/tokenloom-anchors/smollm2-hf")
+
+def default_model() -> str:
+    """The anchors' HF copy of SmolLM2-135M-Instruct ($TOKENLOOM_ANCHORS_DIR/smollm2-hf)."""
+    from tokenloom import envs
+
+    return str(envs.TOKENLOOM_ANCHORS_DIR / "smollm2-hf")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
 
@@ -103,13 +108,14 @@ def split_budget(rng: np.random.Generator, budget: int, lo: int = 64, hi: int = 
 
 
 def make_runner(dtype: str, num_blocks: int, block_size: int = 16, kernels: bool | None = None,
-                quantization: str | None = None):
+                quantization: str | None = None, model: str | None = None):
     from tokenloom.model.loader import load_model
     from tokenloom.model.platform import resolve_dtype
     from tokenloom.model.runner import ModelRunner
 
     dt = resolve_dtype(dtype, torch.device("cpu"))
-    runner = ModelRunner(load_model(MODEL, dt), block_size=block_size, num_blocks=num_blocks, dtype=dt, device="cpu",
+    runner = ModelRunner(load_model(model or default_model(), dt), block_size=block_size, num_blocks=num_blocks,
+                         dtype=dt, device="cpu",
                          cpu_kernels=kernels, quantization=quantization)
     with torch.no_grad():
         for k, v in runner.kv_caches:  # random KV: realistic values for the softmax
@@ -130,6 +136,7 @@ def time_steps(runner, make_so, iters: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="HF model dir (default: $TOKENLOOM_ANCHORS_DIR/smollm2-hf)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--ctx-offset", type=int, default=0, help="added to every decode context")
@@ -141,7 +148,8 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=8192)
     a = ap.parse_args()
 
-    runner = make_runner(a.dtype, a.num_blocks, kernels={"auto": None, "on": True, "off": False}[a.kernels])
+    runner = make_runner(a.dtype, a.num_blocks, kernels={"auto": None, "on": True, "off": False}[a.kernels],
+                         model=a.model)
     rng = np.random.default_rng(1)
     print(f"dtype {runner.dtype}, threads {torch.get_num_threads()}, kernels {runner.use_kernels}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)

@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -57,7 +58,7 @@ def main() -> None:
                     help="models to run dequantized too (the 1.5B in float32 needs ~6 GiB and minutes)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    tmp = Path("/tmp/tokenloom_defaults")
+    tmp = Path(tempfile.gettempdir()) / "tokenloom_defaults"
     tmp.mkdir(exist_ok=True)
     rows = []
     for name in a.models.split(","):

@@ -29,10 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ANCHORS = Path(os.environ.get("ANCHORS", Path.home() / ".cache/tokenloom-anchors"))
-W1 = ANCHORS / "workloads/w1_n128_s20251129.jsonl"
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared" / "anchors"
+sys.path.insert(0, str(REPO))
+from tokenloom import envs  # noqa: E402
+
+ANCHORS = envs.TOKENLOOM_ANCHORS_DIR  # $TOKENLOOM_ANCHORS_DIR (or $ANCHORS), else ~/.cache/tokenloom-anchors
+W1 = ANCHORS / "workloads/w1_n128_s20251129.jsonl"
+SHARED = envs.TOKENLOOM_ANCHORS_SCRIPTS  # vllm_offline.py; else shared/anchors beside the checkout
 
 GENERATE_SCRIPT = r"""
 import json, sys, time
@@ -86,7 +89,7 @@ def command(engine: str, model: str, dtype: str, out: str) -> list[str]:
         return [str(REPO / ".venv/bin/python"), "-c", GENERATE_SCRIPT, model, dtype, str(W1), out]
     if engine == "vllm":
         vmodel = str(ANCHORS / ("smollm2-hf" if dtype == "bfloat16" else "smollm2-hf-fp32"))
-        return [str(ANCHORS / "vllm-venv/bin/python"), str(SHARED / "vllm_offline.py"), "--model", vmodel,
+        return [envs.TOKENLOOM_VLLM_PYTHON, str(SHARED / "vllm_offline.py"), "--model", vmodel,
                 "--dtype", dtype, "--workload", str(W1), "--out", out]  # fmt: skip
     raise ValueError(engine)
 
@@ -110,7 +113,7 @@ def run_once(engine: str, model: str, dtype: str, max_load: float, lock: Path) -
             cmd = ["flock", str(lock), *cmd]
         ru0, busy0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), busy_jiffies(), time.time()
         load0 = os.getloadavg()[0]
-        proc = subprocess.run(cmd, cwd="/tmp", capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=tempfile.gettempdir(), capture_output=True, text=True)
         wall = time.time() - t0
         ru1, busy1 = resource.getrusage(resource.RUSAGE_CHILDREN), busy_jiffies()
         if proc.returncode != 0:

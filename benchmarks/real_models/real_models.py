@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
@@ -119,7 +118,9 @@ def greedy_check(path: Path) -> str:
 
 
 def setup(names: list[str], check: bool) -> None:
-    anchors = Path(os.environ.get("ANCHORS", os.path.expanduser("~/.cache/tokenloom-anchors")))
+    from tokenloom import envs
+
+    anchors = envs.TOKENLOOM_ANCHORS_DIR  # $TOKENLOOM_ANCHORS_DIR (or $ANCHORS), else ~/.cache/tokenloom-anchors
     for name in names or list(MODELS):
         path = model_path(name)  # exits on an unknown name
         model = MODELS[name]
