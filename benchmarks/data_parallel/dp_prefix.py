@@ -15,13 +15,12 @@ import asyncio
 import json
 import time
 
-import numpy as np
-
 from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.workload.datasets import assign_arrivals
+from tokenloom.workload.metrics import percentile
 from tokenloom.workload.shared_prefix import shared_prefix_requests
 
 
@@ -63,8 +62,8 @@ def run(policy: str, args: argparse.Namespace, requests) -> dict:
         engine.shutdown()
     return {"policy": policy, "dp": args.data_parallel_size,
             "hit_rate": round(stats.prefix_cache_hits / max(1, stats.prefix_cache_queries), 3),
-            "ttft_p50_ms": round(1000 * float(np.percentile(ttfts, 50)), 1),
-            "ttft_p99_ms": round(1000 * float(np.percentile(ttfts, 99)), 1),
+            "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+            "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
             "wall_s": round(wall, 1), "shares": [round(s, 2) for s in shares]}
 
 

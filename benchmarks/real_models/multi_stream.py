@@ -28,6 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tokenloom.workload.metrics import percentile as pct
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -48,13 +50,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> No
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo = int(k)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
 
 
 def stream_one(port: int, prompt: list[int], max_tokens: int) -> dict:

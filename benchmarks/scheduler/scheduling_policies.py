@@ -32,13 +32,14 @@ from tokenloom.core.cost_model import CostModel  # noqa: E402
 from tokenloom.sim.profile import load_profile  # noqa: E402
 from tokenloom.sim.simulate import simulate  # noqa: E402
 from tokenloom.workload.datasets import BenchRequest  # noqa: E402
+from tokenloom.workload.metrics import percentile  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parents[2] / "tokenloom/sim/profiles/smollm2-135m-instruct-cpu.json"
 INT8_PROFILE = PROFILE.with_name("smollm2-135m-instruct-cpu-int8.json")
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+    return round(percentile(values, q) * 1000, 1) if values else None
 
 
 def starvation_workload(seed: int, duration_s: float, decode_rate: float, long_every_s: float,
