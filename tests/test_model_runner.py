@@ -17,7 +17,8 @@ from tests.tiny_models import TINY_VOCAB, make_tiny_hf_model
 from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenloom.model.attention import kv_cache_bytes_per_block
 from tokenloom.model.loader import LoadedModel, load_model
-from tokenloom.model.runner import ModelRunner, cpu_supports_bf16, resolve_device, resolve_dtype
+from tokenloom.model.platform import cpu_supports_bf16, resolve_device, resolve_dtype
+from tokenloom.model.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -1,4 +1,4 @@
-"""benchmarks/scheduling_policies_real.py's plumbing on a tiny model, in seconds (no timing asserted):
+"""benchmarks/scheduler/scheduling_policies_real.py's plumbing on a tiny model, in seconds (no timing asserted):
 profile the engine's own runner, run each figure's configurations on the real engine and on the simulator
 over the same trace, write the JSON and the tables into a docs block, render them again from the JSON."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def bench():
-    path = ROOT / "benchmarks" / "scheduling_policies_real.py"
+    path = ROOT / "benchmarks" / "scheduler" / "scheduling_policies_real.py"
     spec = importlib.util.spec_from_file_location("tokenloom_scheduling_policies_real", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -1,4 +1,4 @@
-"""The soak of benchmarks/soak.py, short: ~100 mixed requests through a live server (streamed or not,
+"""The soak of benchmarks/serving/soak.py, short: ~100 mixed requests through a live server (streamed or not,
 10 % dropped by the client mid-way, malformed ones interleaved, mixed priorities, a KV pool that cycles
 and preempts), then: every completed request has the tokens it gets alone, no KV block leaked, no 5xx,
 flat RSS. The long run (5,000 requests) and its figures: docs/reliability.md."""
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def _soak_module():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serving" / "soak.py"
     spec = importlib.util.spec_from_file_location("tokenloom_soak", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

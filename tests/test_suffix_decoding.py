@@ -17,7 +17,6 @@ from tokenloom.config import (
     ConfigError,
     SchedulerConfig,
     SpeculativeConfig,
-    check_draft_slots,
     check_verification_budget,
     has_arctic_inference,
 )
@@ -68,7 +67,6 @@ def test_suffix_defaults_are_vllms():
             c.suffix_decoding_max_spec_factor, c.suffix_decoding_min_token_prob) == (24, 10000, 1.0, 0.1)
     assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=8).num_speculative_tokens == 8
     assert SpeculativeConfig(method="suffix", num_speculative_tokens=4).num_speculative_tokens == 4
-    assert c.num_lookahead_tokens == 0 and c.max_num_new_slots_for_drafting == 0
 
 
 @needs_arctic
@@ -92,19 +90,6 @@ def test_budget_below_one_verification_is_refused_by_the_engine(tmp_path):
     with pytest.raises(ConfigError, match="max_num_batched_tokens=4 is below"):
         simulate([], SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=4), CacheConfig(num_blocks=10),
                  None, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
-
-
-def test_vllms_draft_slot_check():
-    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-    check_draft_slots(1, ngram)  # n-gram and suffix need no drafting slots: vLLM accepts any budget
-
-    class DraftModelSizing(SpeculativeConfig):  # vLLM's draft-model row: 1 extra slot per request
-        @property
-        def max_num_new_slots_for_drafting(self) -> int:
-            return 1
-
-    with pytest.raises(ConfigError, match="max_num_batched_tokens=1 and scheduled_token_delta=1"):
-        check_draft_slots(1, DraftModelSizing(method="ngram", num_speculative_tokens=4))
 
 
 def test_replay_keeps_vllms_stall_for_a_budget_below_one_verification():

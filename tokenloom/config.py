@@ -499,16 +499,6 @@ class SpeculativeConfig:
         if self.model is None:
             self.model = "suffix"
 
-    # vLLM's sizing (config/speculative.py:1888, config/vllm.py:615): n-gram drafts need no
-    # lookahead KV slots and no extra drafting slots in the input budget.
-    @property
-    def num_lookahead_tokens(self) -> int:
-        return 0
-
-    @property
-    def max_num_new_slots_for_drafting(self) -> int:
-        return 0
-
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """A config from a SpeculativeConfig, a dict, a JSON string, or None (no speculation)."""
@@ -558,22 +548,6 @@ def token_budget_labels(sched: SchedulerConfig) -> dict[str, str]:
     mode = "auto" if sched.auto_token_budget else "slo" if sched.slo_targets else "fixed"
     return {"mode": mode, "max_num_batched_tokens": str(sched.token_budget_ceiling),
             "auto_budget_prefill_ms": f"{sched.auto_budget_prefill_ms:g}" if mode == "auto" else ""}
-
-
-def check_draft_slots(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:
-    """vLLM's start-up check of the drafting slots (VllmConfig._set_max_num_scheduled_tokens,
-    config/vllm.py:2254): the scheduler may issue max_num_scheduled_tokens = max_num_batched_tokens
-    tokens a step, and the runner must still fit each request's extra drafting slots. n-gram and
-    suffix drafts need none (max_num_new_slots_for_drafting = 0), so for them this never fires;
-    kept so the sizing rule lives where vLLM has it."""
-    if spec is None:
-        return
-    delta = spec.max_num_new_slots_for_drafting
-    if max_num_batched_tokens <= delta:
-        raise ConfigError(
-            "VllmConfig does not have enough slots to schedule a token and support the speculative decoding "
-            f"settings. Got max_num_batched_tokens={max_num_batched_tokens} and scheduled_token_delta={delta}."
-        )
 
 
 def check_verification_budget(max_num_batched_tokens: int, spec: SpeculativeConfig | None) -> None:

@@ -62,6 +62,24 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenloom"
 
 
+def _anchors_dir() -> Path:
+    for name in ("TOKENLOOM_ANCHORS_DIR", "ANCHORS"):  # ANCHORS: the name the benchmarks read before
+        if env := os.environ.get(name):
+            return Path(env).expanduser()
+    return Path.home() / ".cache" / "tokenloom-anchors"
+
+
+def _anchors_scripts() -> Path:
+    if env := os.environ.get("TOKENLOOM_ANCHORS_SCRIPTS"):
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2] / "shared" / "anchors"  # beside the repository checkout
+
+
+def _vllm_python() -> str:
+    return (os.environ.get("TOKENLOOM_VLLM_PYTHON") or os.environ.get("VLLM_PYTHON")  # VLLM_PYTHON: the older name
+            or str(_anchors_dir() / "vllm-venv" / "bin" / "python"))
+
+
 def _keep_alive_s() -> float:
     for name in ("TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
         raw = os.environ.get(name)
@@ -123,6 +141,17 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MAX_N_SEQUENCES": lambda: _lenient_int("VLLM_MAX_N_SEQUENCES", 16384),
     # The OpenAI SDK's: `tokenloom bench serve`'s default --api-key.
     "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
+    # ---- benchmarks only (benchmarks/README.md): where the reference set-up outside the repository lives
+    # The anchors: vLLM's CPU build (vllm-venv/), the HF model dirs (smollm2-hf, smollm2-hf-fp32), the W1
+    # workload (workloads/), llama.cpp's build, the bench lock: $TOKENLOOM_ANCHORS_DIR, else $ANCHORS,
+    # else ~/.cache/tokenloom-anchors (a Path).
+    "TOKENLOOM_ANCHORS_DIR": _anchors_dir,
+    # The anchors' scripts (vllm_offline.py, workloads.py, serve_client.py): else shared/anchors beside
+    # the repository checkout (a Path).
+    "TOKENLOOM_ANCHORS_SCRIPTS": _anchors_scripts,
+    # The python of vLLM's CPU build, for the benchmarks and conformance runs that drive vLLM (also
+    # $VLLM_PYTHON): else <anchors>/vllm-venv/bin/python.
+    "TOKENLOOM_VLLM_PYTHON": _vllm_python,
     # ---- tests only
     # 'first_token=N': steps prefilling a prompt that starts with token N fail (chaos tests).
     "TOKENLOOM_FAULT_INJECT": lambda: os.environ.get("TOKENLOOM_FAULT_INJECT") or None,

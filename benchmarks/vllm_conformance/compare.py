@@ -28,10 +28,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CASES_DIR = HERE / "cases"
-VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/root/.cache/tokenloom-anchors/vllm-venv/bin/python")
 STEP_FIELDS = ("scheduled", "preempted", "finished", "num_free_blocks", "cached_tokens")
 
 sys.path.insert(0, str(REPO))
+from tokenloom import envs  # noqa: E402
 from tokenloom.config import ConfigError  # noqa: E402
 from tokenloom.core.replay import replay as tokenloom_replay  # noqa: E402
 
@@ -133,7 +133,10 @@ def run_vllm_batch(traces: list[dict[str, Any]], timeout: float = 3600) -> list[
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
         env.pop("PYTHONPATH", None)
         proc = subprocess.run(
-            [VLLM_PYTHON, str(HERE / "vllm_replay.py"), "--batch", str(src), "-o", str(dst)],
+            # vLLM's python: $TOKENLOOM_VLLM_PYTHON (or $VLLM_PYTHON), else the anchors' vllm-venv; the model
+            # dir (its config and tokenizer only): the anchors' smollm2-hf
+            [envs.TOKENLOOM_VLLM_PYTHON, str(HERE / "vllm_replay.py"), "--batch", str(src), "-o", str(dst),
+             "--model-dir", str(envs.TOKENLOOM_ANCHORS_DIR / "smollm2-hf")],
             cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout,
         )
         if proc.returncode != 0 or not dst.exists():

@@ -3,8 +3,8 @@
 Run it with the python of a vLLM install (0.32), from a directory that does not shadow packages:
 
     cd /tmp && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \\
-        /root/.cache/tokenloom-anchors/vllm-venv/bin/python \\
-        /work/main/benchmarks/vllm_conformance/vllm_replay.py TRACE.json [-o STEPS.json]
+        ~/.cache/tokenloom-anchors/vllm-venv/bin/python \\
+        /path/to/tokenloom/benchmarks/vllm_conformance/vllm_replay.py TRACE.json [-o STEPS.json] [--model-dir DIR]
 
     # many traces in one process (vLLM's import takes seconds):
     ... vllm_replay.py --batch IN.json -o OUT.json     # IN: [TRACE, ...] -> OUT: [STEPS | {"error": ...}, ...]
@@ -37,7 +37,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
-DEFAULT_MODEL_DIR = "/root/.cache/tokenloom-anchors/smollm2-hf"
+# The HF dir of SmolLM2-135M-Instruct (its config and tokenizer): --model-dir; compare.py passes
+# $TOKENLOOM_ANCHORS_DIR/smollm2-hf. This script runs under vLLM's python, without tokenloom.envs.
+DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/tokenloom-anchors/smollm2-hf")
 REPLAY_TOKEN_ID = 7
 _KNOWN_KEYS = {
     "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "long_prefill_token_threshold",

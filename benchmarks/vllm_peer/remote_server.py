@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,7 +101,7 @@ class RemoteOpenAIServer:
         cmd = [sys.executable, "-m", "tokenloom.cli", "serve", *([peer_model] if peer_model else []), *args,
                "--host", self.host, "--port", str(self.port), "--uvicorn-log-level", "warning",
                *(["--seed", str(seed)] if seed is not None and "--seed" not in args else [])]
-        log_dir = Path(os.environ.get("TOKENLOOM_PEER_LOGS", "/tmp"))
+        log_dir = Path(os.environ.get("TOKENLOOM_PEER_LOGS") or tempfile.gettempdir())
         self.log_path = log_dir / f"tokenloom-peer-{self.port}.log"
         self.log = self.log_path.open("w")
         self.log.write(f"# {' '.join(cmd)}\n# vLLM flags dropped: {self.dropped}\n")

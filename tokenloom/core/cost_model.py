@@ -1,4 +1,7 @@
-"""Step-time cost model: seconds of one engine step as a linear function of the step's shape.
+"""The step-time cost model itself, pure Python (predicting a step; used by the scheduler and the simulator);
+sim/cost_model.py only fits it to profiled steps (numpy).
+
+Seconds of one engine step as a linear function of the step's shape:
 
     t = overhead + a·prefill_tokens + b·decode_tokens + g·gemm_rows + c_p·prefill_attn + c_d·decode_attn
         + d·num_seqs + e·num_samples

@@ -1,4 +1,5 @@
-"""Scheduler: vLLM V1's unified, iteration-level scheduler.
+"""The Scheduler class itself (vLLM V1's unified, iteration-level scheduler); core/schedulers.py only picks
+which scheduler class a configuration runs.
 
 There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
 `num_tokens_with_spec`; every step the scheduler hands out tokens from one shared budget so that
@@ -37,7 +38,6 @@ from tokenloom.config import (
     ConfigError,
     SchedulerConfig,
     SpeculativeConfig,
-    check_draft_slots,
     check_long_prefill_threshold,
 )
 from tokenloom.core.auto_budget import AutoTokenBudget
@@ -136,14 +136,17 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = scheduler_config.policy
-        # Speculative decoding (n-gram or suffix drafts): up to K drafts per request per step, no
-        # lookahead KV slots and no drafting slots in the budget (vLLM's sizing for both methods).
+        # Speculative decoding (n-gram or suffix drafts): up to K drafts per request per step.
         check_long_prefill_threshold(scheduler_config.long_prefill_token_threshold, speculative_config)
-        check_draft_slots(scheduler_config.token_budget_ceiling, speculative_config)
         self.speculative_config = speculative_config
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
-        # Every step that completes a sequence samples one token (plus accepted drafts).
+        # vLLM's names, kept so the scheduler reads side by side with vLLM's (and vLLM's own tests that set
+        # them still apply). Lookahead KV slots are for draft-model / EAGLE drafts, which tokenloom does
+        # not run: n-gram and suffix drafts need none (vLLM's num_lookahead_tokens is 0 for them too), and
+        # for the same reason vLLM's start-up check of drafting slots in the budget never applies here.
+        self.num_lookahead_tokens = 0
+        # Tokens every step that completes a sequence samples, beyond accepted drafts: 1 for every
+        # autoregressive model (vLLM sets 0 only for diffusion models, which tokenloom does not run).
         self.num_sampled_tokens_per_step = 1
         # This step's acceptance figures (None when no output carried drafts) and the totals.
         self.spec_decoding_stats: SpecDecodingStats | None = None

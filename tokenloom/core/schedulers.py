@@ -1,4 +1,5 @@
-"""Which scheduler class runs a configuration (vLLM: SchedulerConfig.get_scheduler_cls).
+"""Which scheduler class runs a configuration, and `make_scheduler` (vLLM: SchedulerConfig.get_scheduler_cls);
+the scheduler itself is core/scheduler.py.
 
 Build schedulers with `make_scheduler`: continuous batching is the vLLM Scheduler itself, the
 comparison modes its BatchScheduler subclass, async scheduling vLLM's AsyncScheduler subclass.

@@ -20,7 +20,6 @@ from tokenloom.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
-    check_draft_slots,
     check_verification_budget,
     engine_config_from_kwargs,
     token_budget_text,
@@ -346,7 +345,6 @@ def check_speculative_engine(config: EngineConfig) -> None:
     if spec is None:
         return
     sched = config.scheduler or SchedulerConfig()
-    check_draft_slots(sched.token_budget_ceiling, spec)
     check_verification_budget(sched.token_budget_ceiling, spec)
 
 

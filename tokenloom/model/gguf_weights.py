@@ -44,7 +44,7 @@ def gemm_min_rows() -> int:
     """Batches of at least this many rows over an 8-row layout run the batched GEMM
     (`gguf_gemm_packed`: weights converted to int8 chunks on the fly, register-blocked micro-kernel)
     instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS. 64: on
-    SmolLM2's Q4_1 linears (K = 576 / 1536, one thread, benchmarks/gguf_prefill_gemm.py) the two
+    SmolLM2's Q4_1 linears (K = 576 / 1536, one thread, benchmarks/quant/gguf_prefill_gemm.py) the two
     are even at 32-64 rows (the tile kernel's 4-bit unpack is cheap there); on the 0.5B's Q5_0 / Q6_K
     the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
     return envs.TOKENLOOM_GGUF_GEMM_ROWS

@@ -45,7 +45,7 @@ from tokenloom.model.linear import (
 )
 from tokenloom.model.platform import return_freed_memory
 from tokenloom.model.quant import check_quantization, get_linear_method
-from tokenloom.model.rotary import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq re-exported
+from tokenloom.model.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ class LlamaModel:
     def _bf16_head_kernels(self) -> Any:
         """The GGUF kernels module when the LM head is a plain bf16 matrix (oneDNN could not pack it):
         its dense kernel (bf16 -> fp32 by a shift, FMA) runs the logits GEMV 1.7x (one row) to 5x
-        (16 rows) faster than F.linear's bf16 path on AVX2 (benchmarks/fused_float_decode.py). None
+        (16 rows) faster than F.linear's bf16 path on AVX2 (benchmarks/kernels/fused_float_decode.py). None
         otherwise (packed or float32 heads stay on oneDNN, which measured as fast or faster)."""
         head = self.lm_head
         if (self.device.type != "cpu" or self.kernels is None or head.packed is not None or head.bias is not None

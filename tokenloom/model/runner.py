@@ -56,7 +56,6 @@ from tokenloom.model.llama import LlamaModel
 from tokenloom.model.platform import (
     configure_cpu_threads,
     cpu_has_fast_int8,
-    cpu_supports_bf16,
     keep_freed_memory_in_process,
     resolve_device,
     resolve_dtype,
@@ -75,10 +74,6 @@ from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, verific
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Moved to platform.py; re-exported here for callers that import them from the runner.
-__all__ = ["ModelRunner", "configure_cpu_threads", "cpu_supports_bf16", "keep_freed_memory_in_process",
-           "resolve_device", "resolve_dtype", "single_threaded"]
 
 
 # --------------------------------------------------------------------------- per-request state

@@ -1,4 +1,5 @@
-"""Fitting the step-time cost model (tokenloom/core/cost_model.py) to profiled steps.
+"""Fitting the step-time cost model to profiled steps (numpy); the model itself, which predicts a step, is
+tokenloom/core/cost_model.py.
 
 Least squares on relative error (weights 1/t), so a 5 ms decode step counts as much as a 500 ms
 prefill step, and with non-negative coefficients (a negative cost per token is an artefact of

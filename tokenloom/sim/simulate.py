@@ -1,7 +1,7 @@
 """Discrete-event simulation of a workload: the real scheduler and EngineCore over a SimulatedExecutor.
 
 The driver (`tokenloom.workload.driver.run_workload`) is shared with the real engine
-(benchmarks/sim_accuracy.py and `bench throughput|sweep` run it over EngineCore + ModelRunner with a
+(benchmarks/scheduler/sim_accuracy.py and `bench throughput|sweep` run it over EngineCore + ModelRunner with a
 wall clock); only the runner and the clock differ. A simulation gives the same JSON keys as
 `tokenloom bench serve`, and the optional step trace is the engine's (StepTracer).
 """

@@ -7,7 +7,7 @@ A workload is a list of `BenchRequest`. Three sources:
   estimated).
 - `load_sharegpt`: first human turn as the prompt, first assistant turn's length as max_tokens.
 - `load_jsonl`: one request per line (`id, arrival_s, prompt_token_ids, max_tokens, ignore_eos`), so a
-  frozen workload (`--save-workload`, benchmarks/mixed_workload.py) is replayed exactly, arrival times
+  frozen workload (`--save-workload`, benchmarks/scheduler/mixed_workload.py) is replayed exactly, arrival times
   included.
 
 Arrival times are a separate step (`assign_arrivals`), so any workload can be replayed at any rate.

@@ -2,7 +2,7 @@
 
 Shared by the simulator (SimulatedRunner on a VirtualClock, tokenloom/sim/simulate.py) and the real
 engine in this process (ModelRunner on a WallClock, tokenloom/bench/engine_runs.py and
-benchmarks/sim_accuracy.py): before each step every request whose arrival time has come is added, as
+benchmarks/scheduler/sim_accuracy.py): before each step every request whose arrival time has come is added, as
 in the engine's loop, so one that arrives while a step runs waits for the next schedule(); when
 nothing is in flight the clock waits for the next arrival (a virtual clock jumps). Per-request
 figures come from the scheduler's timestamps and from the time of each output token, recorded here,

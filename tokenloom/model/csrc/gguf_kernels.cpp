@@ -2431,7 +2431,7 @@ bool gguf_type_supported(int64_t qtype) {
 }
 
 // out [M, N] float = x [M, K] float @ w.T (+ bias), w a contiguous float or bf16 [N, K]: the dense
-// kernel the decoder runs, on its own (tests; the LM-head measurement in benchmarks/fused_float_decode.py).
+// kernel the decoder runs, on its own (tests; the LM-head measurement in benchmarks/kernels/fused_float_decode.py).
 void dense_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "w must be a contiguous float or bf16 [N, K] tensor");

@@ -1,0 +1,1 @@
+"""benchmarks/async_scheduling: see benchmarks/README.md."""

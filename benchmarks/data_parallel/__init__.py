@@ -1,0 +1,1 @@
+"""benchmarks/data_parallel: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/kernels: see benchmarks/README.md."""

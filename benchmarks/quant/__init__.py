@@ -1,0 +1,1 @@
+"""benchmarks/quant: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/real_models: see benchmarks/README.md."""

@@ -1,0 +1,87 @@
+"""Prefill tok/s against context length: tokenloom vs llama.cpp's `llama-bench -p N -n 0`, alternating.
+
+For each prompt length N, tokenloom's figure is N over the wall time of one fresh request with a
+random N-token prompt and max_tokens=1 (add_request to finished: every prefill chunk the token
+budget splits it into, then one sampled token; see single_stream.ttft_ms); llama.cpp's is
+llama-bench's `pp` rate for `-p N` (`-t` threads, one repetition per round). The two run in turns,
+`--rounds` times per length, so that a shared machine's load hits both alike; medians reported.
+
+    .venv/bin/python benchmarks/real_models/prefill_context.py [MODEL.gguf] [--quantization gguf] \\
+        --lengths 1024 4096 8192 [--max-num-batched-tokens 512] \\
+        --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench [--rounds 2] [--json out.json]
+
+Without --llama-bench only tokenloom runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from single_stream import ttft_ms  # noqa: E402
+
+
+def llama_bench_pp(binary: str, model: str, threads: int, prompt_len: int) -> float:
+    """llama-bench's prompt-processing tok/s for a prompt_len prompt (one repetition)."""
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", str(prompt_len), "-n", "0", "-r", "1",
+                          "-o", "json"], check=True, capture_output=True, text=True).stdout
+    rows = [r for r in json.loads(out) if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0]
+    return float(rows[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default=None, help="a .gguf file (default: the shipped SmolLM2 Q4_1)")
+    ap.add_argument("--quantization", default="default", choices=["default", "gguf", "int8", "none"],
+                    help="default: the engine's default for the file (a quantized GGUF stays quantized); "
+                         "none: dequantized to --dtype")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the token budget (default: the engine's)")
+    ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.model.loader import resolve_model_path
+
+    model = str(resolve_model_path(a.model))
+    kwargs: dict = {"dtype": a.dtype}  # max_model_len: the model's context (a prompt of context - 1 fits)
+    if a.quantization != "default":
+        kwargs["quantization"] = a.quantization
+    if a.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+    engine = LLMEngine.from_args(model=model, **kwargs)
+    budget = engine.scheduler_config.max_num_batched_tokens
+    ttft_ms(engine, 64, seed=-1)  # warm-up: kernels, the first prefill's one-off work
+    results = []
+    for n in a.lengths:
+        ours, theirs = [], []
+        for r in range(a.rounds):
+            ours.append(n / ttft_ms(engine, n, seed=1000 * n + r) * 1e3)
+            line = f"N={n} round {r}: tokenloom {ours[-1]:7.1f} tok/s"
+            if a.llama_bench:
+                theirs.append(llama_bench_pp(a.llama_bench, model, a.threads, n))
+                line += f", llama-bench {theirs[-1]:7.1f} tok/s"
+            print(line, flush=True)
+        row = {"tokens": n, "tokenloom_tok_s": round(statistics.median(ours), 1)}
+        if theirs:
+            row["llamacpp_tok_s"] = round(statistics.median(theirs), 1)
+            row["ratio"] = round(row["tokenloom_tok_s"] / row["llamacpp_tok_s"], 2)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    out = {"model": Path(model).name, "quantization": a.quantization, "max_num_batched_tokens": budget,
+           "results": results}
+    print(json.dumps(out))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""benchmarks/scheduler: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/serving: see benchmarks/README.md."""

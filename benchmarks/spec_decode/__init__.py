@@ -1,0 +1,1 @@
+"""benchmarks/spec_decode: see benchmarks/README.md."""

@@ -1,0 +1,1 @@
+"""benchmarks/structured: see benchmarks/README.md."""
