@@ -37,8 +37,15 @@ def local_ray():
         ray.shutdown()
 
 
-def test_ray_backend_serves_the_same_tokens(tiny_dir, local_ray):
+def test_ray_backend_serves_the_same_tokens_and_survives_a_killed_actor(tiny_dir, local_ray):
+    """Two engine actors serve the in-process engine's greedy tokens; then ray.kill on one actor mid-run:
+    its requests end with EngineDeadError naming the engine, the other actor's finish, the health view
+    names the dead one, new requests go to the live one; the placement group is gone after shutdown.
+    One deployment for both halves (a Ray start-up costs more than either)."""
+    from ray.util import placement_group_table
+
     from tokenloom import LLM
+    from tokenloom.engine.async_llm import EngineDeadError
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_dir), dtype="float32", device="cpu", num_blocks=256, block_size=4)
@@ -49,29 +56,9 @@ def test_ray_backend_serves_the_same_tokens(tiny_dir, local_ray):
     client = make_engine_client(config, "warning")
     assert isinstance(client, DPEngineCoreClient)
     engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
-    try:
-        got = asyncio.run(_generate(engine, PROMPTS, params))
-        assert client.router.num_routed == [4, 4]  # both actors served
-    finally:
-        engine.shutdown()
-    assert got == reference
-    # The placement group is gone with the engines.
-    from ray.util import placement_group_table
-
-    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
-
-
-def test_a_killed_ray_actor_fails_only_its_requests(tiny_dir, local_ray):
-    """ray.kill on one engine actor mid-run: its requests end with EngineDeadError naming the engine,
-    the other actor's finish, /health's view names the dead one, and new requests go to the live one."""
-    from tokenloom.engine.async_llm import EngineDeadError
-
-    config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray", routing_policy="round_robin")
-    client = make_engine_client(config, "warning")
-    engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
-    async def run() -> dict:
+    async def kill_mid_run() -> tuple[dict, dict]:
         engine.attach()
         outcomes: dict[str, object] = {}
 
@@ -84,18 +71,21 @@ def test_a_killed_ray_actor_fails_only_its_requests(tiny_dir, local_ray):
             except EngineDeadError as exc:
                 outcomes[rid] = exc
 
-        tasks = [asyncio.ensure_future(one(f"r{i}")) for i in range(4)]
+        tasks = [asyncio.ensure_future(one(f"k{i}")) for i in range(4)]
         await asyncio.sleep(0)
         owner = dict(client.router.owner)
         while not all(rid in outcomes for rid in owner):  # every request has produced a token
             await asyncio.sleep(0.01)
         ray.kill(client.clients[0].process.actor)
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        return {"owner": owner, "outcomes": outcomes}
+        return owner, outcomes
 
     try:
-        result = asyncio.run(run())
-        owner, outcomes = result["owner"], result["outcomes"]
+        got = asyncio.run(_generate(engine, PROMPTS, params))
+        assert client.router.num_routed == [4, 4]  # both actors served
+        assert got == reference
+
+        owner, outcomes = asyncio.run(kill_mid_run())
         assert sorted(owner.values()) == [0, 0, 1, 1]
         for rid, e in owner.items():
             if e == 0:
@@ -105,10 +95,11 @@ def test_a_killed_ray_actor_fails_only_its_requests(tiny_dir, local_ray):
         assert [h["alive"] for h in engine.engine_health()] == [False, True]
         assert engine.dead_reason is None and engine.accepting
         before = client.router.num_routed[1]
-        got = asyncio.run(_generate(engine, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3)))
-        assert all(len(t) == 3 for t in got.values()) and client.router.num_routed[1] == before + 2
+        after = asyncio.run(_generate(engine, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=3)))
+        assert all(len(t) == 3 for t in after.values()) and client.router.num_routed[1] == before + 2
     finally:
         engine.shutdown()
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
 
 
 def test_ray_placement_timeout_and_actor_start_failure_are_clear_errors(tiny_dir, local_ray):
