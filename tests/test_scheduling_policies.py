@@ -203,8 +203,8 @@ def _policy_traces(draw):
 
 
 # One full slot: r0 (priority 3) is preempted for hi0 at step 2, resumes once hi0 is done, and hi1 (priority 0)
-# arrives inside its protection; "huge" can never fit 20 blocks of 2 tokens. Random traces reach these
-# cases only now and then.
+# arrives inside its protection; "over" needs 21 of the 20 blocks of 2 tokens (41 tokens of KV) and is
+# refused, "edge" needs all 20 and is served. Random traces reach these cases only now and then.
 _PROTECTION_TRACE = {
     "config": {"max_num_batched_tokens": 16, "max_num_seqs": 1, "block_size": 2, "num_blocks": 20,
                "max_model_len": 128, "policy": "priority", "enable_prefix_caching": False,
@@ -214,7 +214,26 @@ _PROTECTION_TRACE = {
         {"id": "r0", "arrival_step": 0, "prompt_token_ids": [1] * 4, "max_tokens": 25, "priority": 3},
         {"id": "hi0", "arrival_step": 2, "prompt_token_ids": [2] * 4, "max_tokens": 2, "priority": 0},
         {"id": "hi1", "arrival_step": 7, "prompt_token_ids": [3] * 4, "max_tokens": 2, "priority": 0},
-        {"id": "huge", "arrival_step": 1, "prompt_token_ids": [0] * 30, "max_tokens": 25, "priority": 1},
+        {"id": "over", "arrival_step": 1, "prompt_token_ids": [0] * 30, "max_tokens": 12, "priority": 1},
+        {"id": "edge", "arrival_step": 12, "prompt_token_ids": [0] * 30, "max_tokens": 11, "priority": 3},
+    ],
+}
+
+
+# Two short blockers fill both slots; s (priority 3) waits from step 0 and is starved long before a slot
+# frees; h (priority 0, arrives at step 4) is admitted first and stays ahead of s in the running order,
+# within its own wait bound. Without the reserve h's 60-token prompt takes the whole budget: s is not
+# admitted when it could be, then trickles behind h.
+_STARVED_BEHIND_TRACE = {
+    "config": {"max_num_batched_tokens": 16, "max_num_seqs": 2, "block_size": 4, "num_blocks": 80,
+               "max_model_len": 128, "policy": "priority", "enable_prefix_caching": False,
+               "max_prefill_wait_steps": 6, "min_prefill_chunk": 6, "enable_priority_preemption": False,
+               "priority_preemption_protection_steps": 0},
+    "requests": [
+        {"id": "b1", "arrival_step": 0, "prompt_token_ids": [3], "max_tokens": 6, "priority": 0},
+        {"id": "b2", "arrival_step": 0, "prompt_token_ids": [3], "max_tokens": 6, "priority": 0},
+        {"id": "s", "arrival_step": 0, "prompt_token_ids": [2] * 60, "max_tokens": 4, "priority": 3},
+        {"id": "h", "arrival_step": 4, "prompt_token_ids": [1] * 60, "max_tokens": 4, "priority": 0},
     ],
 }
 
@@ -223,19 +242,20 @@ def test_policies_keep_the_invariants_and_their_guarantees() -> None:
     """Random priority traces with both policies on. Each guarantee is checked against state the test
     keeps itself (arrival steps, the policy's victims and when they resumed), not the scheduler's own,
     and each check must be reached often enough across the examples to mean something."""
-    reached = {"starved": 0, "policy_preempted": 0, "protection_tested": 0, "rejected": 0}
+    reached = {"starved": 0, "starved_head": 0, "policy_preempted": 0, "protection_tested": 0, "rejected": 0}
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None,
               derandomize=True)
     @given(_policy_traces())
     @example(_PROTECTION_TRACE)
+    @example(_STARVED_BEHIND_TRACE)
     def check(trace) -> None:
         _check_policy_trace(trace, reached)
 
     check()
     # The 150 derandomized examples and _PROTECTION_TRACE reach each branch (starved hundreds of times, the
     # others a few to tens): the floors catch a strategy or a policy that stopped producing the case.
-    assert reached["starved"] >= 20 and reached["policy_preempted"] >= 5, reached
+    assert reached["starved"] >= 20 and reached["starved_head"] >= 1 and reached["policy_preempted"] >= 5, reached
     assert reached["protection_tested"] >= 3 and reached["rejected"] >= 1, reached
 
 
@@ -275,6 +295,9 @@ def _check_policy_trace(trace: dict, reached: dict[str, int]) -> None:
         if head is not None and any(r.priority > head.priority and protected_from.get(r.request_id, -1) > step_no
                                     for r in sched.running):
             reached["protection_tested"] += 1
+        starved_head = (head if head is not None and head.first_token_time is None
+                        and head.num_tokens > head.num_computed_tokens and len(sched.running) < cfg.max_num_seqs
+                        and step_no - arrival[head.request_id] > cfg.max_prefill_wait_steps else None)
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
@@ -289,6 +312,16 @@ def _check_policy_trace(trace: dict, reached: dict[str, int]) -> None:
             left = first.num_tokens - first.num_computed_tokens + got  # schedule() advanced num_computed_tokens
             assert got >= min(cfg.min_prefill_chunk, left), (first.request_id, got, left, out.num_scheduled_tokens)
             reached["starved"] += 1
+        # ... and when no running prompt is starved, a starved waiting head with a free slot is admitted
+        # with the reserve (unless the step preempted, or the pool has no blocks for it).
+        elif starved_head is not None and not out.preempted_req_ids:
+            got = out.num_scheduled_tokens.get(starved_head.request_id, 0)
+            if got == 0:
+                assert out.bound_by == "kv_blocks", (starved_head.request_id, out.num_scheduled_tokens, out.bound_by)
+            else:
+                left = starved_head.num_tokens - starved_head.num_computed_tokens + got
+                assert got >= min(cfg.min_prefill_chunk, left), (starved_head.request_id, got, left)
+            reached["starved_head"] += 1
         # Guarantee 2: the policy preempts only strictly lower priorities, and not a request it preempted
         # before within priority_preemption_protection_steps of that request's resumption.
         action = out.policy_actions.get("priority_preemption")
