@@ -178,9 +178,11 @@ _PROMPT = [5, 9, 5, 11]
 
 def _step_logits(ctx: list[int], vocab: int, boost: float) -> torch.Tensor:
     """A flat, noisy next-token distribution (so a top-p nucleus spans hundreds of tokens) with the
-    drafter's guess for this context raised by `boost` (so drafts are often accepted)."""
+    drafter's guess for this context raised by `boost` (so drafts are often accepted) and the last token
+    by 4 (a tendency to repeat, which the penalties act on: the drafts before a row count as its outputs)."""
     g = torch.Generator().manual_seed(hash((vocab, *ctx)) & 0xFFFFFFFF)
     logits = torch.randn(vocab, generator=g) * 0.3
+    logits[ctx[-1]] += 4.0
     logits[_guess(ctx, vocab)] += boost
     return logits
 
@@ -266,7 +268,7 @@ PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty
 # (params, vocab, boost): every case has a vocabulary over 64, the sampler's first top-p window.
 STEP_CASES = {
     "top_p-second_window": (SamplingParams(temperature=1.0, top_p=0.9), 300, 6.0),
-    "top_p-whole_vocab": (SamplingParams(temperature=1.0, top_p=0.97), 1100, 5.5),
+    "top_p-whole_vocab": (SamplingParams(temperature=1.0, top_p=0.98), 1100, 5.5),
     "min_p": (SamplingParams(temperature=1.0, min_p=0.003), 300, 6.0),
     "min_p-top_p": (SamplingParams(temperature=0.8, min_p=0.002, top_p=0.9), 300, 5.0),
     "top_k-top_p": (SamplingParams(temperature=0.7, top_k=150, top_p=0.95), 300, 4.0),
