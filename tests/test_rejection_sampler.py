@@ -218,12 +218,18 @@ def _reference_probs(logits: torch.Tensor, params: SamplingParams, prompt: list[
     return p / p.sum()
 
 
+def _step_rows(prompt: list[int], vocab: int, boost: float) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The 3 target rows after `prompt`, prompt + x1, prompt + x1 + x2, and the drafts [x1, x2]."""
+    x1 = _guess(prompt, vocab)
+    x2 = _guess(prompt + [x1], vocab)
+    rows = torch.stack([_step_logits(prompt, vocab, boost), _step_logits(prompt + [x1], vocab, boost),
+                        _step_logits(prompt + [x1, x2], vocab, boost)])
+    return rows, (x1, x2)
+
+
 def _verify_batch(params_list: list[SamplingParams], vocab: int, boost: float, generators=None):
     """One verification step for len(params_list) requests on the same context with drafts [x1, x2]."""
-    x1 = _guess(_PROMPT, vocab)
-    x2 = _guess(_PROMPT + [x1], vocab)
-    rows = torch.stack([_step_logits(_PROMPT, vocab, boost), _step_logits(_PROMPT + [x1], vocab, boost),
-                        _step_logits(_PROMPT + [x1, x2], vocab, boost)])
+    rows, (x1, x2) = _step_rows(_PROMPT, vocab, boost)
     gens = generators or [None] * len(params_list)
     reqs = [VerifyRequest(SamplingRow(p, list(_PROMPT), len(_PROMPT), g), [x1, x2]) for p, g in zip(params_list, gens)]
     out = RejectionSampler()(rows.repeat(len(reqs), 1), reqs)
@@ -295,22 +301,28 @@ def test_one_step_keeps_plain_sampling_distribution(case):
 
 def test_a_batch_mixing_greedy_seeded_and_random_rows():
     """Greedy rows take the argmax chain; the random rows (half of them seeded, each with its own generator)
-    keep the plain distribution, whatever their neighbours: the random rows are a subset of the batch's."""
+    keep the plain distribution, whatever their neighbours. The greedy requests have another context (their
+    own logits), so a random row reading a greedy row's logits shows."""
     params, vocab, boost = STEP_CASES["penalties-top_p"]
     greedy = SamplingParams(temperature=0.0, **PENALTIES)
-    seeded = [replace(params, seed=s) for s in range(1000)]
-    kinds = [greedy, params, None] * 1000  # None: the next seeded one
-    batch, gens, it = [], [], iter(seeded)
-    for k in kinds:
-        p = next(it) if k is None else k
-        batch.append(p)
-        gens.append(None if p.seed is None else make_generator("cpu"))
+    greedy_prompt = [6, 9, 5, 12]
+    rows, (x1, x2) = _step_rows(_PROMPT, vocab, boost)
+    g_rows, (g1, g2) = _step_rows(greedy_prompt, vocab, boost)
+    reqs, logits = [], []
+    for i in range(3000):
+        if i % 3 == 0:
+            reqs.append(VerifyRequest(SamplingRow(greedy, list(greedy_prompt), 4), [g1, g2]))
+            logits.append(g_rows)
+        else:
+            p, gen = (params, None) if i % 3 == 1 else (replace(params, seed=i), make_generator("cpu"))
+            reqs.append(VerifyRequest(SamplingRow(p, list(_PROMPT), 4, gen), [x1, x2]))
+            logits.append(rows)
     torch.manual_seed(2)
-    out, rows, (x1, x2) = _verify_batch(batch, vocab, boost, gens)
+    out = RejectionSampler()(torch.cat(logits), reqs)
     # Greedy: the argmax after the penalties, row by row, while it equals the draft.
     want, outputs = [], []
-    for j, d in enumerate((x1, x2, None)):
-        t = int(_reference_probs(rows[j], replace(greedy, temperature=1.0), _PROMPT, outputs).argmax())
+    for j, d in enumerate((g1, g2, None)):
+        t = int(_reference_probs(g_rows[j], replace(greedy, temperature=1.0), greedy_prompt, outputs).argmax())
         want.append(t)
         if t != d:
             break
@@ -319,9 +331,11 @@ def test_a_batch_mixing_greedy_seeded_and_random_rows():
     random_rows = [out.token_ids[i] for i in range(3000) if i % 3]
     assert sum(len(e) > 1 for e in random_rows) > 200
     assert _step_p_value(random_rows, _step_cells(params, rows, (x1, x2))) > 1e-4
-    # Seeded rows are reproducible: the same seeds in another batch give the same tokens.
-    again, _, _ = _verify_batch(seeded[:10], vocab, boost, [make_generator("cpu") for _ in range(10)])
-    assert again.token_ids == [out.token_ids[3 * i + 2] for i in range(10)]
+    # Seeded rows are reproducible: the same seeds alone in another batch give the same tokens.
+    again = RejectionSampler()(rows.repeat(10, 1), [
+        VerifyRequest(SamplingRow(replace(params, seed=i), list(_PROMPT), 4, make_generator("cpu")), [x1, x2])
+        for i in range(2, 32, 3)])
+    assert again.token_ids == [out.token_ids[i] for i in range(2, 32, 3)]
 
 
 @pytest.mark.parametrize("params", [
