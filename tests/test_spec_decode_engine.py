@@ -126,3 +126,20 @@ class TestDefaultModel:
         n = len(a_out.prompt_token_ids)
         want = [ref[n + i][t].logprob for i, t in enumerate(a.token_ids)]
         assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_allowed_token_ids_and_logit_bias_hold_with_drafts(tiny_dir):
+    """The n-gram drafts come from the prompt, outside the allowed set: verification must mask them as the
+    plain sampler does (it once skipped allowed_token_ids and logit_bias). Greedy, so the tokens equal the
+    run without drafts."""
+    knobs = dict(dtype="float32", num_blocks=64, block_size=4, quantization="none")
+    prompts = [{"prompt_token_ids": [(7 * j) % 40 + 50 for j in range(24)]} for _ in range(2)]
+    allowed = list(range(100, 140))
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={60: 100.0})]
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), **knobs).generate(prompts, params, use_tqdm=False)]
+    spec_llm = LLM(str(tiny_dir), speculative_config=NGRAM, **knobs)
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert all(t in allowed for t in spec[0]) and spec[1] == [60] * 16
+    assert spec == plain
+    assert spec_llm.llm_engine.scheduler.spec_decoding_totals.num_draft_tokens > 0  # drafts were verified
