@@ -1,6 +1,9 @@
 """The rejection sampler: vLLM 0.32's greedy rows (tests/v1/sample/test_rejection_sampler.py), seeded
-determinism, and a chi-square test that random sampling with drafts draws plain sampling's
-distribution (failing on a planted bias)."""
+determinism, a chi-square test that random sampling with drafts draws plain sampling's distribution
+(failing on a planted bias), and one verification step against an independent reference of the plain
+sampler's distribution for top-p past each window, min-p, top-k, penalties, allowed tokens and logit bias
+(vocabularies of 300 and 1100), a batch mixing greedy, seeded and random rows, and logprob records
+(docs/reliability.md, "The rejection sampler's distributions")."""
 
 from __future__ import annotations
 
