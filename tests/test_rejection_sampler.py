@@ -175,7 +175,8 @@ def test_chi_square_catches_a_planted_bias(monkeypatch):
 # sampler's distribution there), computed by an independent float64 reference. A token the reference
 # gives zero probability fails at once; the rest is a Pearson chi-square over the outcome cells (cells
 # expected below 5 pooled). Seeds are fixed, so each test is deterministic; the threshold (p > 1e-4)
-# would fail a correct sampler once in 10,000 seeds, and every planted bug below gives p < 1e-12.
+# would fail a correct sampler once in 10,000 seeds; the planted bugs of docs/reliability.md give p < 1e-80 or
+# impossible tokens.
 _PROMPT = [5, 9, 5, 11]
 
 
