@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from tests.sched_utils import create_requests
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.async_scheduler import AsyncScheduler
@@ -241,21 +238,31 @@ def _random_trace(rng: random.Random) -> dict:
     return {"config": cfg, "requests": reqs}
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.integers(min_value=0, max_value=10**9))
-def test_random_async_spec_traces_keep_the_invariants(seed: int) -> None:
+def test_random_async_spec_traces_keep_the_invariants() -> None:
+    """150 fixed seeds (deterministic). A trace may stop at a fixed point (summary.stalled: a request whose
+    padded first decode after a prefix hit can never fit the pool, in vLLM too), but a stalled trace is
+    checked for leaks like the others, and stalls stay rare: 2 of these 150 seeds (5 of the first 300)."""
+    stalled = [seed for seed in range(150) if _check_async_spec_trace(seed)]
+    assert len(stalled) <= 6, f"{len(stalled)} of 150 traces stalled: {stalled}"
+
+
+def _check_async_spec_trace(seed: int) -> bool:
+    """The invariants of one random trace; True if it stalled."""
     trace = _random_trace(random.Random(seed))
     cfg, k = trace["config"], trace["config"]["num_speculative_tokens"]
     result = replay(trace)
     steps, summary = result["steps"], result["summary"]
     accepted = sorted(r["id"] for r in trace["requests"] if r["id"] not in summary["rejected"])
-    # Everyone finishes once, unless the replay reached a fixed point: a request whose padded
-    # first decode (1 + K slots) can never fit the pool blocks admission for good, in vLLM too.
+    # Everyone finishes once, unless the replay reached a fixed point.
     done = sorted(f for s in steps for f in s["finished"])
-    assert sorted(done + summary["unfinished"]) == accepted
+    assert sorted(done + summary["unfinished"]) == accepted, seed
+    assert summary["stalled"] == bool(summary["unfinished"]), seed
     last = steps[-1] if steps else None
-    if last is not None and not summary["stalled"]:
-        assert last["num_free_blocks"] == cfg["num_blocks"] and last["placeholders"] == {}  # nothing leaked
+    if last is not None:  # nothing leaked, stalled or not: the stuck requests wait, holding no block
+        assert last["num_free_blocks"] == cfg["num_blocks"] and last["placeholders"] == {}, (seed, last)
+        assert last["pending_drafts"] == {}, (seed, last)
+    if summary["stalled"]:  # the known fixed point: nothing scheduled, and it needs a prefix hit
+        assert last is not None and last["scheduled"] == {} and cfg["enable_prefix_caching"], (seed, last)
     for s in steps:
         assert sum(s["scheduled"].values()) <= cfg["max_num_batched_tokens"]
         assert all(v > 0 for v in s["placeholders"].values())
@@ -270,6 +277,7 @@ def test_random_async_spec_traces_keep_the_invariants(seed: int) -> None:
     assert all(x >= y for x, y in zip(per_pos, per_pos[1:])) and sum(per_pos) == stats["num_accepted_tokens"]
     # The stats never count more verifications than were run.
     assert stats["num_drafts"] <= sum(len(s["spec"]) for s in steps)
+    return summary["stalled"]
 
 
 def test_a_fixed_point_stops_the_replay_with_the_stuck_requests() -> None:

@@ -155,19 +155,29 @@ def test_fused_attention_matches_torch_path(dtype, block_size, heads, force_scal
     torch.testing.assert_close(fused.float(), plain.float(), **TOL[dtype])
 
 
+# The three KV layouts; the packed one runs where the CPU has AVX512-BF16 and is a visible skip elsewhere
+# (it was a silent `continue` inside each test).
+LAYOUTS = pytest.mark.parametrize("dtype, packed", [(torch.float32, False), (torch.bfloat16, False),
+                                                    (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-packed"])
+
+
+def _skip_unless_packed_runs(packed: bool, block_size: int = 16, head_dim: int = 64) -> None:
+    if packed and not K.packed_layout_supported(block_size, head_dim):
+        pytest.skip("the packed layout is for bf16, block_size % 16 == 0, head_dim % 32 == 0 on AVX512-BF16")
+
+
 @needs_kernels
-def test_long_context_and_many_sequences() -> None:
+@LAYOUTS
+def test_long_context_and_many_sequences(dtype, packed) -> None:
     """Contexts past the 16-key tiles' and the scratch buffers' first sizes; all threads busy."""
+    _skip_unless_packed_runs(packed)
     seqs = [(int(s), 1) for s in torch.randint(0, 1500, (40,), generator=torch.Generator().manual_seed(3))]
     seqs += [(1000, 64), (0, 300)]
-    for dtype, packed in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        if packed and not K.packed_layout_supported(16, 64):
-            continue
-        k_cache, v_cache, tables, qkv = _case(11, dtype, 16, 9, 3, 64, seqs)
-        cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
-        fused = paged_attention_fused(K, qkv, 9, cache, _kernel_meta(tables, seqs), packed)
-        reference = _dense_reference(qkv, k_cache, v_cache, tables, seqs, 9, 3, 64)
-        torch.testing.assert_close(fused.double(), reference, **TOL[dtype])
+    k_cache, v_cache, tables, qkv = _case(11, dtype, 16, 9, 3, 64, seqs)
+    cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
+    fused = paged_attention_fused(K, qkv, 9, cache, _kernel_meta(tables, seqs), packed)
+    reference = _dense_reference(qkv, k_cache, v_cache, tables, seqs, 9, 3, 64)
+    torch.testing.assert_close(fused.double(), reference, **TOL[dtype])
 
 
 @needs_kernels
@@ -379,21 +389,20 @@ def test_argmax_rows_equals_torch(dtype) -> None:
 
 
 @needs_kernels
-def test_unwritten_slots_never_reach_the_result() -> None:
+@LAYOUTS
+def test_unwritten_slots_never_reach_the_result(dtype, packed) -> None:
     """The fused path's KV cache is not zeroed: NaN in every slot past a row's context (within its
     blocks) must not change anything."""
+    _skip_unless_packed_runs(packed)
     seqs = [(20, 1), (0, 7), (33, 3)]
-    for dtype, packed in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-        if packed and not K.packed_layout_supported(16, 64):
-            continue
-        k_cache, v_cache, tables, qkv = _case(9, dtype, 16, 6, 2, 64, seqs)
-        meta = _kernel_meta(tables, seqs)
-        cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
-        clean = paged_attention_fused(K, qkv, 6, cache, meta, packed)
-        for table, (s, n) in zip(tables, seqs):  # poison the tail of each sequence's last block
-            for pos in range(s + n, -(-(s + n) // 16) * 16):
-                k_cache[:, table[pos // 16], pos % 16] = float("nan")
-                v_cache[:, table[pos // 16], pos % 16] = float("nan")
-        cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
-        poisoned = paged_attention_fused(K, qkv, 6, cache, meta, packed)
-        assert torch.equal(clean, poisoned), (dtype, packed)
+    k_cache, v_cache, tables, qkv = _case(9, dtype, 16, 6, 2, 64, seqs)
+    meta = _kernel_meta(tables, seqs)
+    cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
+    clean = paged_attention_fused(K, qkv, 6, cache, meta, packed)
+    for table, (s, n) in zip(tables, seqs):  # poison the tail of each sequence's last block
+        for pos in range(s + n, -(-(s + n) // 16) * 16):
+            k_cache[:, table[pos // 16], pos % 16] = float("nan")
+            v_cache[:, table[pos // 16], pos % 16] = float("nan")
+    cache = pack_kv_layout(k_cache, v_cache) if packed else (k_cache, v_cache)
+    poisoned = paged_attention_fused(K, qkv, 6, cache, meta, packed)
+    assert torch.equal(clean, poisoned), (dtype, packed)

@@ -121,43 +121,43 @@ def test_priority_preemption_with_prefix_caching_keeps_tokens(tiny_dir, roomy) -
         assert finals[h].outputs[0].token_ids == _tokens(roomy, shared + _ids(10 + i, 6), params)
 
 
-def _multi_token_stop(llm: LLM, prompt: list[int]) -> tuple[str, str]:
-    """(full greedy text, a stop string spanning at least two of its tokens, not at the start)."""
-    out = llm.generate([{"prompt_token_ids": prompt}], replace(GREEDY, max_tokens=24), use_tqdm=False)[0]
-    tok = llm.get_tokenizer()
-    ids = out.outputs[0].token_ids
-    pieces = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
-    for k in range(2, len(ids) - 2):
-        start, end = len(pieces[k]), len(pieces[k + 2])
-        text = pieces[-1]
-        stop = text[start - 1:end - 1] if start > 0 else ""
-        # spans the end of token k-1 and the whole of token k, and first occurs there
-        if len(stop) >= 2 and text.find(stop) == start - 1 and pieces[k].endswith(stop[:1]):
-            return text, stop
-    pytest.skip("no multi-token stop string in this generation")
-
-
-def test_stop_string_spanning_several_tokens(roomy) -> None:
-    prompt = _ids(8, 10)
-    text, stop = _multi_token_stop(roomy, prompt)
-    out = roomy.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+@pytest.mark.parametrize("stop, before", [("e th", " th"), ("he the t", " t"), (" the the", "")])
+def test_stop_string_spanning_several_tokens(roomy, stop, before) -> None:
+    """The case is built, not searched for: with only " the" allowed the text is " the the the ...", whatever
+    the model's weights, so each stop string spans two or three tokens at a known place."""
+    tok = roomy.get_tokenizer()
+    [the] = tok.encode(" the", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, allowed_token_ids=[the])
+    free = roomy.generate([{"prompt_token_ids": _ids(8, 10)}], params, use_tqdm=False)[0].outputs[0]
+    assert free.text == " the" * 12 and free.finish_reason == "length"
+    out = roomy.generate([{"prompt_token_ids": _ids(8, 10)}], replace(params, stop=[stop]),
                          use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[: text.find(stop)]
+    assert out.text == before
+    assert len(out.token_ids) == (len(before) + len(stop) + 3) // 4  # generation ended at the stop's last token
     assert _pool(roomy).get_num_free_blocks() == _pool(roomy).num_blocks
+
+
+def _unique_stop(texts: list[str]) -> str:
+    """The shortest substring of texts[0] that starts after its first character, first occurs there, ends
+    at least 4 characters before its end and is in no other text: seeded, so the same on every run."""
+    first = texts[0]
+    for length in range(2, len(first)):
+        for i in range(1, len(first) - length - 3):
+            stop = first[i:i + length]
+            if first.find(stop) == i and all(stop not in t for t in texts[1:]):
+                return stop
+    raise AssertionError(f"no stop string only child 0 produces: {texts}")
 
 
 def test_one_child_of_n_stops_early_the_others_run_on(roomy) -> None:
     params = SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=11, ignore_eos=True)
     free = roomy.generate(["Once"], params, use_tqdm=False)[0].outputs
     texts = [c.text for c in free]
-    # a stop string in child 0's text that the other two never produce
-    stop = next((texts[0][i:i + 2] for i in range(1, len(texts[0]) - 1)
-                 if all(texts[0][i:i + 2] not in t for t in texts[1:])), None)
-    if stop is None:
-        pytest.skip("the children's texts overlap everywhere")
+    stop = _unique_stop(texts)  # a stop string in child 0's text that the other two never produce
     outs = roomy.generate(["Once"], replace(params, stop=[stop]), use_tqdm=False)[0].outputs
     assert outs[0].finish_reason == "stop" and outs[0].text == texts[0][: texts[0].find(stop)]
+    assert len(outs[0].token_ids) < 16
     assert [(c.finish_reason, c.token_ids) for c in outs[1:]] == [("length", c.token_ids) for c in free[1:]]
     assert _pool(roomy).get_num_free_blocks() == _pool(roomy).num_blocks
 

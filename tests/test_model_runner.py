@@ -310,8 +310,8 @@ def test_finished_state_dropped_and_empty_step(llama: Tiny) -> None:
 def test_greedy_generation_through_scheduler(llama: Tiny) -> None:
     """The real scheduler drives the runner (chunked prefill, prefix caching, a tight block pool);
     every request must generate exactly what transformers generates greedily."""
-    scheduler_mod = pytest.importorskip("tokenloom.core.scheduler")
     from tokenloom.config import CacheConfig, SchedulerConfig
+    from tokenloom.core import scheduler as scheduler_mod  # always there: an import error must fail, not skip
     from tokenloom.core.request import Request
 
     sched = scheduler_mod.Scheduler(

@@ -1,17 +1,21 @@
 """The rejection sampler: vLLM 0.32's greedy rows (tests/v1/sample/test_rejection_sampler.py), seeded
-determinism, and a chi-square test that random sampling with drafts draws plain sampling's
-distribution (failing on a planted bias)."""
+determinism, a chi-square test that random sampling with drafts draws plain sampling's distribution
+(failing on a planted bias), and one verification step against an independent reference of the plain
+sampler's distribution for top-p past each window, min-p, top-k, penalties, allowed tokens and logit bias
+(vocabularies of 300 and 1100), a batch mixing greedy, seeded and random rows, and logprob records
+(docs/reliability.md, "The rejection sampler's distributions")."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tokenloom.model import rejection_sampler as rs
 from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
-from tokenloom.model.sampler import SamplingRow, make_generator
+from tokenloom.model.sampler import Sampler, SamplingRow, make_generator
 from tokenloom.sampling_params import SamplingParams
 
 V = 6
@@ -160,3 +164,225 @@ def test_chi_square_catches_a_planted_bias(monkeypatch):
     n = 4000
     params = SamplingParams(temperature=1.0)
     assert _chi_square_p(_sample_with_spec(params, n), params, n) < 1e-6
+
+
+# ------------------------------------------- one verification step against a reference (issue 32 item 8)
+# vLLM's tests/v1/sample/test_rejection_sampler.py checks that the output distribution approaches the
+# target as samples grow (test_rejection_sampling_approximates_target_distribution) and that masked tokens
+# never come out (test_top_k / test_top_p). Here both, exactly, for one verification step: n identical
+# requests verify drafts [x1, x2]; the emitted tokens must be [y] with y ~ p0 unless y == x1, then x1 and
+# y ~ p1, then x2 and a bonus y ~ p2, where p_j is the target after the context and x_1..x_j (the plain
+# sampler's distribution there), computed by an independent float64 reference. A token the reference
+# gives zero probability fails at once; the rest is a Pearson chi-square over the outcome cells (cells
+# expected below 5 pooled). Seeds are fixed, so each test is deterministic; the threshold (p > 1e-4)
+# would fail a correct sampler once in 10,000 seeds; the planted bugs of docs/reliability.md give p < 1e-80 or
+# impossible tokens.
+_PROMPT = [5, 9, 5, 11]
+
+
+def _step_logits(ctx: list[int], vocab: int, boost: float) -> torch.Tensor:
+    """A flat, noisy next-token distribution (so a top-p nucleus spans hundreds of tokens) with the
+    drafter's guess for this context raised by `boost` (so drafts are often accepted) and the last token
+    by 4 (a tendency to repeat, which the penalties act on: the drafts before a row count as its outputs)."""
+    g = torch.Generator().manual_seed(hash((vocab, *ctx)) & 0xFFFFFFFF)
+    logits = torch.randn(vocab, generator=g) * 0.3
+    logits[ctx[-1]] += 4.0
+    logits[_guess(ctx, vocab)] += boost
+    return logits
+
+
+def _guess(ctx: list[int], vocab: int) -> int:
+    return (ctx[-1] * 7 + 3) % vocab
+
+
+def _reference_probs(logits: torch.Tensor, params: SamplingParams, prompt: list[int], outputs: list[int]):
+    """The plain sampler's distribution, written out: allowed tokens, logit bias, repetition penalty (prompt
+    and outputs), frequency and presence penalties (outputs), temperature, min-p, top-k, top-p."""
+    x = logits.double().clone()
+    vocab = x.shape[0]
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[params.allowed_token_ids] = True
+        x[~keep] = float("-inf")
+    for t, b in (params.logit_bias or {}).items():
+        x[t] += b
+    for t in set(prompt) | set(outputs):
+        x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t in set(outputs):
+        x[t] -= params.frequency_penalty * outputs.count(t) + params.presence_penalty
+    p = torch.softmax(x / params.temperature, dim=0)
+    if params.min_p > 0:
+        p[p < params.min_p * p.max()] = 0.0
+    if 0 < params.top_k < vocab:
+        p[p < p.topk(params.top_k).values[-1]] = 0.0
+    if params.top_p < 1.0:
+        vals, idx = p.sort(descending=True)
+        above = vals.cumsum(0) - vals  # the mass strictly more likely than each token
+        p[idx[above >= params.top_p * vals.sum()]] = 0.0
+    return p / p.sum()
+
+
+def _step_rows(prompt: list[int], vocab: int, boost: float) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The 3 target rows after `prompt`, prompt + x1, prompt + x1 + x2, and the drafts [x1, x2]."""
+    x1 = _guess(prompt, vocab)
+    x2 = _guess(prompt + [x1], vocab)
+    rows = torch.stack([_step_logits(prompt, vocab, boost), _step_logits(prompt + [x1], vocab, boost),
+                        _step_logits(prompt + [x1, x2], vocab, boost)])
+    return rows, (x1, x2)
+
+
+def _verify_batch(params_list: list[SamplingParams], vocab: int, boost: float, generators=None):
+    """One verification step for len(params_list) requests on the same context with drafts [x1, x2]."""
+    rows, (x1, x2) = _step_rows(_PROMPT, vocab, boost)
+    gens = generators or [None] * len(params_list)
+    reqs = [VerifyRequest(SamplingRow(p, list(_PROMPT), len(_PROMPT), g), [x1, x2]) for p, g in zip(params_list, gens)]
+    out = RejectionSampler()(rows.repeat(len(reqs), 1), reqs)
+    return out, rows, (x1, x2)
+
+
+def _step_cells(params: SamplingParams, rows: torch.Tensor, drafts: tuple[int, int]) -> dict[tuple, float]:
+    """Probability of each possible emitted list under plain sampling."""
+    x1, x2 = drafts
+    p0 = _reference_probs(rows[0], params, _PROMPT, [])
+    p1 = _reference_probs(rows[1], params, _PROMPT, [x1])
+    p2 = _reference_probs(rows[2], params, _PROMPT, [x1, x2])
+    cells = {(y,): float(p0[y]) for y in range(rows.shape[1]) if y != x1}
+    cells.update({(x1, y): float(p0[x1] * p1[y]) for y in range(rows.shape[1]) if y != x2})
+    cells.update({(x1, x2, y): float(p0[x1] * p1[x2] * p2[y]) for y in range(rows.shape[1])})
+    return cells
+
+
+def _step_p_value(emitted: list[list[int]], cells: dict[tuple, float]) -> float:
+    counts: dict[tuple, int] = {}
+    for toks in emitted:
+        counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+    impossible = {c: k for c, k in counts.items() if cells.get(c, 0.0) == 0.0}
+    assert not impossible, f"outcomes plain sampling never gives: {sorted(impossible.items())[:5]}"
+    n = len(emitted)
+    big = [c for c, p in cells.items() if p * n >= 5]
+    obs = torch.tensor([counts.get(c, 0) for c in big], dtype=torch.float64)
+    exp = torch.tensor([cells[c] * n for c in big], dtype=torch.float64)
+    rest_obs, rest_exp = n - obs.sum(), n - exp.sum()
+    stat = ((obs - exp) ** 2 / exp).sum()
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+    df = len(big) - (0 if rest_exp >= 5 else 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+def _nucleus_size(params: SamplingParams, vocab: int, boost: float) -> int:
+    return int((_reference_probs(_step_logits(_PROMPT, vocab, boost), params, _PROMPT, []) > 0).sum())
+
+
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+# (params, vocab, boost): every case has a vocabulary over 64, the sampler's first top-p window.
+STEP_CASES = {
+    "top_p-second_window": (SamplingParams(temperature=1.0, top_p=0.9), 300, 6.0),
+    "top_p-whole_vocab": (SamplingParams(temperature=1.0, top_p=0.98), 1100, 5.5),
+    "min_p": (SamplingParams(temperature=1.0, min_p=0.003), 300, 6.0),
+    "min_p-top_p": (SamplingParams(temperature=0.8, min_p=0.002, top_p=0.9), 300, 5.0),
+    "top_k-top_p": (SamplingParams(temperature=0.7, top_k=150, top_p=0.95), 300, 4.0),
+    "penalties-top_p": (SamplingParams(temperature=1.0, top_p=0.9, **PENALTIES), 300, 6.0),
+    "penalties": (SamplingParams(temperature=1.0, **PENALTIES), 300, 6.0),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_one_step_keeps_plain_sampling_distribution(case):
+    params, vocab, boost = STEP_CASES[case]
+    if case.startswith("top_p"):  # the nucleus is past the first window (64), or the second (1024)
+        assert _nucleus_size(params, vocab, boost) > (1024 if vocab > 1024 else 64)
+    torch.manual_seed(1)
+    n = 6000
+    emitted: list[list[int]] = []
+    for _ in range(3):  # 3 x 2000 requests: bounded memory for the 1100-token vocabulary
+        out, rows, drafts = _verify_batch([params] * (n // 3), vocab, boost)
+        emitted += out.token_ids
+    cells = _step_cells(params, rows, drafts)
+    assert sum(len(e) > 1 for e in emitted) > n // 10  # the drafts are accepted often: rows 1 and 2 are tested
+    assert _step_p_value(emitted, cells) > 1e-4
+
+
+def test_a_batch_mixing_greedy_seeded_and_random_rows():
+    """Greedy rows take the argmax chain; the random rows (half of them seeded, each with its own generator)
+    keep the plain distribution, whatever their neighbours. The greedy requests have another context (their
+    own logits), so a random row reading a greedy row's logits shows."""
+    params, vocab, boost = STEP_CASES["penalties-top_p"]
+    greedy = SamplingParams(temperature=0.0, **PENALTIES)
+    greedy_prompt = [6, 9, 5, 12]
+    rows, (x1, x2) = _step_rows(_PROMPT, vocab, boost)
+    g_rows, (g1, g2) = _step_rows(greedy_prompt, vocab, boost)
+    reqs, logits = [], []
+    for i in range(3000):
+        if i % 3 == 0:
+            reqs.append(VerifyRequest(SamplingRow(greedy, list(greedy_prompt), 4), [g1, g2]))
+            logits.append(g_rows)
+        else:
+            p, gen = (params, None) if i % 3 == 1 else (replace(params, seed=i), make_generator("cpu"))
+            reqs.append(VerifyRequest(SamplingRow(p, list(_PROMPT), 4, gen), [x1, x2]))
+            logits.append(rows)
+    torch.manual_seed(2)
+    out = RejectionSampler()(torch.cat(logits), reqs)
+    # Greedy: the argmax after the penalties, row by row, while it equals the draft.
+    want, outputs = [], []
+    for j, d in enumerate((g1, g2, None)):
+        t = int(_reference_probs(g_rows[j], replace(greedy, temperature=1.0), greedy_prompt, outputs).argmax())
+        want.append(t)
+        if t != d:
+            break
+        outputs.append(d)
+    assert all(out.token_ids[i] == want for i in range(0, 3000, 3))
+    random_rows = [out.token_ids[i] for i in range(3000) if i % 3]
+    assert sum(len(e) > 1 for e in random_rows) > 200
+    assert _step_p_value(random_rows, _step_cells(params, rows, (x1, x2))) > 1e-4
+    # Seeded rows are reproducible: the same seeds alone in another batch give the same tokens.
+    again = RejectionSampler()(rows.repeat(10, 1), [
+        VerifyRequest(SamplingRow(replace(params, seed=i), list(_PROMPT), 4, make_generator("cpu")), [x1, x2])
+        for i in range(2, 32, 3)])
+    assert again.token_ids == [out.token_ids[i] for i in range(2, 32, 3)]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, logprobs=3),
+    SamplingParams(temperature=0.0, logprobs=3, **PENALTIES),
+    SamplingParams(temperature=0.9, top_p=0.9, min_p=0.001, logprobs=3, **PENALTIES),
+], ids=["greedy", "greedy-penalties", "random"])
+def test_logprobs_under_speculation_are_plain_decodings(params):
+    """Each emitted token's logprob record (value, rank, top-n) is the one the plain sampler gives for that
+    token at that position: raw logprobs of the target logits after the same context (vLLM's default
+    raw_logprobs), whatever drafts were accepted before it."""
+    vocab, boost = 300, 6.0
+    torch.manual_seed(3)
+    out, rows, (x1, x2) = _verify_batch([params] * 200, vocab, boost)
+    assert any(len(t) == 3 for t in out.token_ids) or params.temperature == 0.0
+    sampler = Sampler()
+    for toks, records in zip(out.token_ids, out.logprobs):
+        assert [r.token_id for r in records] == toks
+        for j, (tok, rec) in enumerate(zip(toks, records)):
+            ctx = _PROMPT + [x1, x2][:j]
+            raw = torch.log_softmax(rows[j].double(), dim=0)
+            assert rec.logprob == pytest.approx(float(raw[tok]), abs=1e-5)
+            assert rec.rank == int((raw >= raw[tok]).sum())
+            assert [t for t, _ in rec.top] == raw.topk(3).indices.tolist()
+            if params.temperature == 0.0:  # the plain sampler on this row emits the same token and record
+                plain = sampler(rows[j : j + 1].clone(), [SamplingRow(params, ctx, len(_PROMPT))])
+                assert plain.token_ids == [tok] and plain.logprobs[0] == rec
+
+
+def test_allowed_token_ids_and_logit_bias_hold_under_speculation():
+    """The plain sampler applies allowed_token_ids and logit_bias; verification must too (the recovered
+    and bonus tokens, and whether a draft can be accepted at all)."""
+    vocab, boost = 300, 6.0
+    x1 = _guess(_PROMPT, vocab)
+    allowed = [t for t in range(0, vocab, 3) if t != x1][:40]
+    for params in (SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, logit_bias={7: 100.0})):
+        torch.manual_seed(4)
+        out, rows, drafts = _verify_batch([params] * 300, vocab, boost)
+        if params.logit_bias:
+            assert all(t == [7] for t in out.token_ids)  # x1 != 7 is never accepted; 7 always comes out
+        else:
+            assert all(len(t) == 1 and t[0] in allowed for t in out.token_ids)  # x1 is not allowed
+            if params.temperature > 0:
+                assert _step_p_value(out.token_ids, _step_cells(params, rows, drafts)) > 1e-4

@@ -4,7 +4,7 @@ that it stays off by default, and the design's invariants with it on."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.sched_utils import (
@@ -18,6 +18,7 @@ from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import ConfigError, SchedulerConfig
 from tokenloom.core.replay import ReplayRunner, parse_trace, replay
 from tokenloom.core.request import Request
+from tokenloom.core.scheduler import RequestRejected
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
@@ -190,18 +191,75 @@ def _policy_traces(draw):
         "enable_priority_preemption": draw(st.booleans()),
         "priority_preemption_protection_steps": draw(st.integers(0, 6)),
     }
+    # Lengths drawn as integers first: hypothesis keeps lists short, and short prompts are never starved.
     requests = [
         {"id": f"r{i}", "arrival_step": draw(st.integers(0, 15)),
-         "prompt_token_ids": draw(st.lists(st.integers(0, 3), min_size=1, max_size=60)),
+         "prompt_token_ids": draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
          "max_tokens": draw(st.integers(1, 25)), "priority": draw(st.integers(0, 3))}
         for i in range(draw(st.integers(1, 10)))
+        for n in [draw(st.integers(1, 60))]
     ]
     return {"config": config, "requests": requests}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_policy_traces())
-def test_policies_keep_the_invariants_and_their_guarantees(trace) -> None:
+# One full slot: r0 (priority 3) is preempted for hi0 at step 2, resumes once hi0 is done, and hi1 (priority 0)
+# arrives inside its protection; "over" needs 21 of the 20 blocks of 2 tokens (41 tokens of KV) and is
+# refused, "edge" needs all 20 and is served. Random traces reach these cases only now and then.
+_PROTECTION_TRACE = {
+    "config": {"max_num_batched_tokens": 16, "max_num_seqs": 1, "block_size": 2, "num_blocks": 20,
+               "max_model_len": 128, "policy": "priority", "enable_prefix_caching": False,
+               "max_prefill_wait_steps": 2, "min_prefill_chunk": 4, "enable_priority_preemption": True,
+               "priority_preemption_protection_steps": 6},
+    "requests": [
+        {"id": "r0", "arrival_step": 0, "prompt_token_ids": [1] * 4, "max_tokens": 25, "priority": 3},
+        {"id": "hi0", "arrival_step": 2, "prompt_token_ids": [2] * 4, "max_tokens": 2, "priority": 0},
+        {"id": "hi1", "arrival_step": 7, "prompt_token_ids": [3] * 4, "max_tokens": 2, "priority": 0},
+        {"id": "over", "arrival_step": 1, "prompt_token_ids": [0] * 30, "max_tokens": 12, "priority": 1},
+        {"id": "edge", "arrival_step": 12, "prompt_token_ids": [0] * 30, "max_tokens": 11, "priority": 3},
+    ],
+}
+
+
+# Two short blockers fill both slots; s (priority 3) waits from step 0 and is starved long before a slot
+# frees; h (priority 0, arrives at step 4) is admitted first and stays ahead of s in the running order,
+# within its own wait bound. Without the reserve h's 60-token prompt takes the whole budget: s is not
+# admitted when it could be, then trickles behind h.
+_STARVED_BEHIND_TRACE = {
+    "config": {"max_num_batched_tokens": 16, "max_num_seqs": 2, "block_size": 4, "num_blocks": 80,
+               "max_model_len": 128, "policy": "priority", "enable_prefix_caching": False,
+               "max_prefill_wait_steps": 6, "min_prefill_chunk": 6, "enable_priority_preemption": False,
+               "priority_preemption_protection_steps": 0},
+    "requests": [
+        {"id": "b1", "arrival_step": 0, "prompt_token_ids": [3], "max_tokens": 6, "priority": 0},
+        {"id": "b2", "arrival_step": 0, "prompt_token_ids": [3], "max_tokens": 6, "priority": 0},
+        {"id": "s", "arrival_step": 0, "prompt_token_ids": [2] * 60, "max_tokens": 4, "priority": 3},
+        {"id": "h", "arrival_step": 4, "prompt_token_ids": [1] * 60, "max_tokens": 4, "priority": 0},
+    ],
+}
+
+
+def test_policies_keep_the_invariants_and_their_guarantees() -> None:
+    """Random priority traces with both policies on. Each guarantee is checked against state the test
+    keeps itself (arrival steps, the policy's victims and when they resumed), not the scheduler's own,
+    and each check must be reached often enough across the examples to mean something."""
+    reached = {"starved": 0, "starved_head": 0, "policy_preempted": 0, "protection_tested": 0, "rejected": 0}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None,
+              derandomize=True)
+    @given(_policy_traces())
+    @example(_PROTECTION_TRACE)
+    @example(_STARVED_BEHIND_TRACE)
+    def check(trace) -> None:
+        _check_policy_trace(trace, reached)
+
+    check()
+    # The 150 derandomized examples and _PROTECTION_TRACE reach each branch (starved hundreds of times, the
+    # others a few to tens): the floors catch a strategy or a policy that stopped producing the case.
+    assert reached["starved"] >= 20 and reached["starved_head"] >= 1 and reached["policy_preempted"] >= 5, reached
+    assert reached["protection_tested"] >= 3 and reached["rejected"] >= 1, reached
+
+
+def _check_policy_trace(trace: dict, reached: dict[str, int]) -> None:
     t = parse_trace(trace)
     cfg = t.scheduler_config
     sched = make_scheduler(cfg, t.cache_config, clock=lambda: 0.0)
@@ -209,45 +267,75 @@ def test_policies_keep_the_invariants_and_their_guarantees(trace) -> None:
     pending = sorted(t.requests, key=lambda r: (r.arrival_step, r.id))
     arrival: dict[str, int] = {}
     protected_from: dict[str, int] = {}  # request → step from which the policy may preempt it again
+    victims: set[str] = set()  # preempted by the policy, not yet resumed
+    block_size, num_blocks = t.cache_config.block_size, t.cache_config.num_blocks
     for step_no in range(3000):
         while pending and pending[0].arrival_step <= step_no:
             tr = pending.pop(0)
+            # Refused exactly when it could never fit the pool: the KV of prompt + max_tokens - 1 tokens.
+            never_fits = -(-(len(tr.prompt_token_ids) + tr.max_tokens - 1) // block_size) > num_blocks
             try:
                 sched.add_request(Request(tr.id, tr.prompt_token_ids, SamplingParams(max_tokens=tr.max_tokens),
                                           float(step_no) + len(arrival) * 1e-3, tr.priority))
-                arrival[tr.id] = step_no
-            except ValueError:
-                pass
+            except RequestRejected as exc:
+                assert never_fits, exc
+                assert "could never finish" in str(exc), exc
+                reached["rejected"] += 1
+                continue
+            assert not never_fits, f"{tr.id} can never fit {num_blocks} blocks of {block_size} but was accepted"
+            arrival[tr.id] = step_no
         if not pending and not sched.has_unfinished_requests():
             break
         # Independently of the scheduler: which requests are starved going into this step?
         starved_running = [r for r in sched.running
                            if r.first_token_time is None and r.num_tokens > r.num_computed_tokens
                            and step_no - arrival[r.request_id] > cfg.max_prefill_wait_steps]
+        # ... and is a request the policy may not preempt running below a blocked higher-priority head?
+        head = sched.waiting.peek_request() if sched.waiting else None
+        if head is not None and any(r.priority > head.priority and protected_from.get(r.request_id, -1) > step_no
+                                    for r in sched.running):
+            reached["protection_tested"] += 1
+        starved_head = (head if head is not None and head.first_token_time is None
+                        and head.num_tokens > head.num_computed_tokens and len(sched.running) < cfg.max_num_seqs
+                        and step_no - arrival[head.request_id] > cfg.max_prefill_wait_steps else None)
         out = sched.schedule()
         assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
         if out.preempted_req_ids:
             assert not out.scheduled_new_reqs, "a step that preempted admitted someone"
-        # Guarantee 1: a starved running prompt is never left with 0 tokens unless the step preempted
-        # (KV pressure) or an earlier starved prompt took the reserve.
+        # Guarantee 1: unless the step preempted (KV pressure), the first starved running prompt gets the
+        # whole reserve, min_prefill_chunk tokens (or all the prompt work it has left, if less), whatever
+        # the other running requests want.
         if starved_running and not out.preempted_req_ids:
-            got = sum(out.num_scheduled_tokens.get(r.request_id, 0) for r in starved_running)
-            need = min(cfg.min_prefill_chunk, starved_running[0].num_tokens - starved_running[0].num_computed_tokens
-                       + out.num_scheduled_tokens.get(starved_running[0].request_id, 0))
-            assert got >= min(need, 1)
-        # Guarantee 2: the policy preempts only strictly lower priorities, and not a protected request.
+            first = starved_running[0]
+            got = out.num_scheduled_tokens.get(first.request_id, 0)
+            left = first.num_tokens - first.num_computed_tokens + got  # schedule() advanced num_computed_tokens
+            assert got >= min(cfg.min_prefill_chunk, left), (first.request_id, got, left, out.num_scheduled_tokens)
+            reached["starved"] += 1
+        # ... and when no running prompt is starved, a starved waiting head with a free slot is admitted
+        # with the reserve (unless the step preempted, or the pool has no blocks for it).
+        elif starved_head is not None and not out.preempted_req_ids:
+            got = out.num_scheduled_tokens.get(starved_head.request_id, 0)
+            if got == 0:
+                assert out.bound_by == "kv_blocks", (starved_head.request_id, out.num_scheduled_tokens, out.bound_by)
+            else:
+                left = starved_head.num_tokens - starved_head.num_computed_tokens + got
+                assert got >= min(cfg.min_prefill_chunk, left), (starved_head.request_id, got, left)
+            reached["starved_head"] += 1
+        # Guarantee 2: the policy preempts only strictly lower priorities, and not a request it preempted
+        # before within priority_preemption_protection_steps of that request's resumption.
         action = out.policy_actions.get("priority_preemption")
         if action:
             head_priority = sched.requests[action["for"]].priority
             for rid in action["preempted"]:
                 assert sched.requests[rid].priority > head_priority
-                assert protected_from.get(rid, -1) <= step_no
-        for new in out.scheduled_new_reqs:
-            if action is None and new.req_id in protected_from:
-                pass
-        if sched.priority_preemption is not None:
-            protected_from = dict(sched.priority_preemption.protected_until)
+                assert protected_from.get(rid, -1) <= step_no, (rid, step_no, protected_from)
+                victims.add(rid)
+                reached["policy_preempted"] += 1
+        for new in out.scheduled_new_reqs:  # new and resumed requests alike
+            if new.req_id in victims:  # resumed: protected from this step on
+                victims.discard(new.req_id)
+                protected_from[new.req_id] = step_no + cfg.priority_preemption_protection_steps
         _block_accounting(sched)
         sched.update_from_output(out, runner.execute_model(out))
         _block_accounting(sched)

@@ -103,7 +103,7 @@ def _drive_by_step(core: EngineCore, trace_reqs: list[dict], max_steps: int = 50
 def test_simulated_runner_schedules_like_the_real_runner(tmp_path: Path) -> None:
     """Same trace through EngineCore with the torch ModelRunner (tiny random model) and with the
     SimulatedRunner: identical steps, because both sample exactly when a request reaches its length."""
-    tiny_models = pytest.importorskip("tests.tiny_models")
+    from tests import tiny_models  # a hard dependency (transformers): an import error must fail, not skip
     from tokenloom.model.loader import load_model
     from tokenloom.model.runner import ModelRunner
 
@@ -342,7 +342,7 @@ def test_profile_round_trip(tmp_path: Path) -> None:
 
 
 def test_profile_command_on_a_tiny_model(tmp_path: Path) -> None:
-    tiny_models = pytest.importorskip("tests.tiny_models")
+    from tests import tiny_models  # a hard dependency (transformers): an import error must fail, not skip
     model_dir = tiny_models.make_tiny_hf_model(tmp_path, "llama")
     out = tmp_path / "tiny.json"
     assert cli_main(["profile", str(model_dir), "--quick", "--dtype", "float32", "--repeats", "2", "--warmup", "1",
@@ -366,7 +366,7 @@ def test_shipped_profiles_are_current_and_say_what_they_measured() -> None:
 
 
 def test_profile_command_records_quantization(tmp_path: Path) -> None:
-    tiny_models = pytest.importorskip("tests.tiny_models")
+    from tests import tiny_models  # a hard dependency (transformers): an import error must fail, not skip
     model_dir = tiny_models.make_tiny_hf_model(tmp_path, "llama")
     out = tmp_path / "tiny-int8.json"
     assert cli_main(["profile", str(model_dir), "--quick", "--dtype", "float32", "--quantization", "int8",

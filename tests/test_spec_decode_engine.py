@@ -98,10 +98,49 @@ class TestDefaultModel:
             assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), kwargs
         assert _free_all(spec)
 
-    def test_seeded_sampling_is_reproducible(self, llms):
-        _, spec = llms
+    def test_seeded_sampling_is_reproducible(self):
+        """A seeded request gives the same tokens and logprobs on two engines, alone on one and behind three
+        other requests (random, greedy, seeded) on the other, and each logprob is the model's: the plain
+        engine's prompt logprob of that token after the same context.
+
+        float32: in bfloat16 a prefill split differently (a prefix-cache hit, another batch) moves the
+        logits by ~1e-2 and the seeded draws part ways within 48 tokens, with or without drafts."""
+        engine = dict(kv_cache_memory=256 << 20, quantization="none", dtype="float32")
         conv = grounded_messages(1, offset=2)
         p = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=48, logprobs=1)
-        a = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
-        b = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
-        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+        first = LLM(speculative_config=NGRAM, **engine)
+        a_out = first.chat(conv, p, use_tqdm=False)[0]
+        a = a_out.outputs[0]
+        assert first.llm_engine.scheduler.spec_decoding_totals.num_accepted_tokens > 0  # drafts were verified
+        del first
+        second = LLM(speculative_config=NGRAM, **engine)
+        others = [SamplingParams(temperature=1.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=30),
+                  SamplingParams(temperature=0.7, seed=5, max_tokens=20)]
+        b = second.chat(grounded_messages(3, offset=5) + conv, others + [p], use_tqdm=False)[-1].outputs[0]
+        del second
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 48
+        got = [lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)]
+        assert got == pytest.approx([lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)], abs=1e-3)
+        plain = LLM(**engine)
+        ref = plain.generate([{"prompt_token_ids": a_out.prompt_token_ids + list(a.token_ids)}],
+                             SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
+        n = len(a_out.prompt_token_ids)
+        want = [ref[n + i][t].logprob for i, t in enumerate(a.token_ids)]
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_allowed_token_ids_and_logit_bias_hold_with_drafts(tiny_dir):
+    """The n-gram drafts come from the prompt, outside the allowed set: verification must mask them as the
+    plain sampler does (it once skipped allowed_token_ids and logit_bias). Greedy, so the tokens equal the
+    run without drafts."""
+    knobs = dict(dtype="float32", num_blocks=64, block_size=4, quantization="none")
+    prompts = [{"prompt_token_ids": [(7 * j) % 40 + 50 for j in range(24)]} for _ in range(2)]
+    allowed = list(range(100, 140))
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias={60: 100.0})]
+    plain = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), **knobs).generate(prompts, params, use_tqdm=False)]
+    spec_llm = LLM(str(tiny_dir), speculative_config=NGRAM, **knobs)
+    spec = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    assert all(t in allowed for t in spec[0]) and spec[1] == [60] * 16
+    assert spec == plain
+    assert spec_llm.llm_engine.scheduler.spec_decoding_totals.num_draft_tokens > 0  # drafts were verified

@@ -19,7 +19,9 @@ from tokenloom.core.replay import replay
 
 CASES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_conformance" / "cases_spec_async"
 CASES = sorted(CASES_DIR.glob("*.json"))
-FIELDS = ("scheduled", "preempted", "finished", "num_free_blocks", "spec", "events", "placeholders")
+FIELDS = ("step", "scheduled", "preempted", "finished", "num_free_blocks")
+SPEC_FIELDS = ("spec", "pending_drafts")  # with drafts (num_speculative_tokens > 0)
+ASYNC_FIELDS = ("events", "placeholders")  # with async scheduling
 
 
 def test_the_cases_cover_async_with_drafts() -> None:
@@ -39,11 +41,17 @@ def test_replay_matches_vllm(path: Path) -> None:
     trace, expected = case["trace"], case["expected"]
     result = replay(trace)
     ours, theirs = result["steps"], expected["steps"]
-    prefix = trace["config"].get("enable_prefix_caching", True)
+    cfg = trace["config"]
+    # Every field the configuration calls for is compared, and must be in both records: a field missing
+    # from vLLM's recording or from tokenloom's replay is a failure, not a skip.
+    fields = (FIELDS + (SPEC_FIELDS if cfg["num_speculative_tokens"] > 0 else ())
+              + (ASYNC_FIELDS if cfg["async_scheduling"] else ())
+              + (("cached_tokens",) if cfg.get("enable_prefix_caching", True) else ()))
     for i, (a, b) in enumerate(zip(ours, theirs)):
-        for field in FIELDS + (("cached_tokens",) if prefix else ()):
-            if field in b:
-                assert a[field] == b[field], f"step {i}, {field}: tokenloom {a[field]!r} != vLLM {b[field]!r}"
+        for field in fields:
+            assert field in b, f"step {i}: vLLM's recording has no {field!r}"
+            assert field in a, f"step {i}: tokenloom's replay has no {field!r}"
+            assert a[field] == b[field], f"step {i}, {field}: tokenloom {a[field]!r} != vLLM {b[field]!r}"
         assert list(a["scheduled"]) == list(b["scheduled"]), f"step {i}: scheduling order differs"
     assert len(ours) == len(theirs), f"tokenloom ran {len(ours)} steps, vLLM {len(theirs)}"
     assert result["summary"]["rejected"] == expected["summary"]["rejected"]

@@ -3,8 +3,10 @@ for drafts without draft probabilities.
 
 A request with d drafts x_1..x_d contributes d + 1 logits rows; row j is the target model's
 distribution after the context plus x_1..x_j, processed exactly as the plain sampler would process
-it for that context (min_tokens, penalties over the outputs including the drafts before it,
-temperature, min-p, top-k, top-p: the same code, tokenloom/model/sampler.py).
+it for that context (allowed_token_ids, min_tokens, logit_bias, penalties over the outputs including
+the drafts before it, temperature, min-p, top-k, top-p: the same code, tokenloom/model/sampler.py).
+allowed_token_ids and logit_bias were once skipped here: under speculation a request could get a token
+outside its allowed set (tests/test_rejection_sampler.py).
 
 * Greedy: emit argmax_j at each row, stopping after the first j with x_{j+1} != argmax_j; when
   every draft matched, the last row's argmax is the bonus token. (The output equals plain greedy
@@ -39,8 +41,11 @@ from tokenloom.model.sampler import (
     SamplingRow,
     _gather_logprobs,
     _has_penalties,
+    _has_processors,
     _min_tokens_active,
     all_plain_greedy,
+    apply_allowed_token_ids,
+    apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -134,9 +139,12 @@ class RejectionSampler:
         if all_plain_greedy(rows):
             return RejectionOutput(greedy_accept(logits.argmax(dim=-1).tolist(), reqs), None)
         processed = logits
-        if any(_min_tokens_active(r) or _has_penalties(r.params) for r in rows):
+        if any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params) for r in rows):
+            # The plain sampler's order (sampler.py): allowed tokens, min_tokens, logit bias, penalties.
             processed = logits.clone()
+            apply_allowed_token_ids(processed, rows)
             apply_min_tokens(processed, rows)
+            apply_logit_bias(processed, rows)
             apply_penalties(processed, rows)
         argmax = processed.argmax(dim=-1).tolist()
         random_idx = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
