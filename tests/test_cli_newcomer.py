@@ -4,6 +4,7 @@ Fast: nothing here loads a model (the chat loop runs against a stand-in engine).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,35 @@ def test_python_dash_m_tokenloom_runs_the_cli() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage: tokenloom" in out.stdout and "serve" in out.stdout
+
+
+# ------------------------------------------------------------------ serve: a port in use fails first
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_anything(tmp_path: Path) -> None:
+    """Before: the model loaded (32 s for the default one) and then uvicorn failed on the port. The model
+    here does not exist, so the old order failed on the model and never named the port."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tokenloom", "serve", str(tmp_path / "no-such-model"),
+                              "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "already in use" in out.stderr and "--port" in out.stderr
+    assert "no-such-model" not in out.stderr  # nothing about the model: it was never looked at
+
+
+def test_bind_socket_names_the_address_in_use_and_binds_a_free_one() -> None:
+    from tokenloom.server.listen import PortUnavailableError, bind_socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(PortUnavailableError, match=f"127.0.0.1:{port}: .*already in use"):
+            bind_socket("127.0.0.1", port)
+    sock = bind_socket("127.0.0.1", 0)
+    assert sock.getsockname()[1] > 0
+    sock.close()

@@ -18,6 +18,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
@@ -29,6 +30,7 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
 from tokenloom.server.app import build_app
 from tokenloom.server.config import ServerConfig
+from tokenloom.server.listen import bind_socket
 from tokenloom.server.tool_parsers import check_tokenizer
 
 logger = logging.getLogger("tokenloom.server")
@@ -63,12 +65,17 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             info = self.engine.info
-            logger.info("tokenloom serve ready in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
-                        "max_model_len %d, %d KV blocks of %d tokens", time.perf_counter() - self.t_launch,
+            logger.info("tokenloom serve ready on %s in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
+                        "max_model_len %d, %d KV blocks of %d tokens", self._url(),
+                        time.perf_counter() - self.t_launch,
                         info.load_time_s, info.model_name,
                         info.dtype + (f" + {info.quantization} layers" if info.quantization else ""),
                         info.device, info.max_model_len,
                         info.num_blocks, info.block_size)
+
+    def _url(self) -> str:
+        host = self.config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self._loop is not None:
@@ -108,9 +115,13 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket | None = None) -> int:
+    """Serve until stopped; `sock`: the address, bound already (tokenloom/server/listen.py), else bound here
+    before the model loads."""
     t_launch = time.perf_counter()
     keep_alive_s = http_keep_alive_s()  # a bad value fails here, before the model loads
+    if sock is None:
+        sock = bind_socket(config.host, config.port)
     log_level = "DEBUG" if config.uvicorn_log_level == "trace" else config.uvicorn_log_level.upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host):
@@ -143,7 +154,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         # uvicorn re-raises the signal that stopped it once it is done; by then the drain has happened.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: None)
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
         return 0 if server.started and not server.engine_died else 1
     finally:
         client.shutdown()
