@@ -75,3 +75,88 @@ def test_bind_socket_names_the_address_in_use_and_binds_a_free_one() -> None:
     sock = bind_socket("127.0.0.1", 0)
     assert sock.getsockname()[1] > 0
     sock.close()
+
+
+# ------------------------------------------------------------------ chat: how to leave, empty lines
+
+
+class _Out:
+    def __init__(self, request_id: str, text: str) -> None:
+        self.request_id = request_id
+        self.outputs = [type("Completion", (), {"delta_text": text})()]
+
+
+class _FakeEngine:
+    """The slice of LLMEngine that `tokenloom chat` uses; answers every message with 'ok N'."""
+
+    model_name = "fake-model"
+
+    def __init__(self, interrupt_on: str | None = None) -> None:
+        self.prompts: list[list[dict]] = []
+        self.pending: list[str] = []
+        self.interrupt_on = interrupt_on
+        self.tokenizer = self
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.prompts.append([dict(m) for m in messages])
+        return [1, 2, 3]
+
+    def add_request(self, request_id, prompt, params) -> str:
+        rid = f"r{len(self.prompts)}"
+        self.pending.append(rid)
+        return rid
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[_Out]:
+        if self.interrupt_on and self.prompts[-1][-1]["content"] == self.interrupt_on:
+            raise KeyboardInterrupt
+        rid = self.pending.pop()
+        return [_Out(rid, f"ok {len(self.prompts)}")]
+
+
+def _chat(monkeypatch, capsys, stdin: str, engine: _FakeEngine | None = None) -> tuple[int, _FakeEngine, str, str]:
+    import io
+
+    import tokenloom.engine.cli as engine_cli
+
+    engine = engine or _FakeEngine()
+    monkeypatch.setattr(engine_cli, "_make_llm", lambda args: type("LLM", (), {"llm_engine": engine})())
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    rc = cli_main(["chat"])
+    out = capsys.readouterr()
+    return rc, engine, out.out, out.err
+
+
+@pytest.mark.parametrize("word", ["/exit", "/quit", "/bye", "exit", "quit", ":q", "  /EXIT  "])
+def test_chat_leaves_on_the_usual_words_without_sending_them(word: str, monkeypatch, capsys) -> None:
+    rc, engine, out, err = _chat(monkeypatch, capsys, f"hello\n{word}\nnot read\n")
+    assert rc == 0
+    assert [p[-1]["content"] for p in engine.prompts] == ["hello"]  # the exit word never reached the model
+    assert "ok 1" in out
+
+
+def test_chat_banner_says_how_to_leave(monkeypatch, capsys) -> None:
+    rc, _, _, err = _chat(monkeypatch, capsys, "")
+    assert rc == 0
+    assert "fake-model" in err and "/exit" in err and "Ctrl-D" in err and "Ctrl-C" in err
+
+
+def test_chat_ignores_empty_lines_and_ends_cleanly_at_eof(monkeypatch, capsys) -> None:
+    rc, engine, out, _ = _chat(monkeypatch, capsys, "\n   \nfirst\n\nsecond\n")  # EOF after: Ctrl-D
+    assert rc == 0
+    assert [p[-1]["content"] for p in engine.prompts] == ["first", "second"]
+    assert engine.prompts[1][1] == {"role": "assistant", "content": "ok 1"}  # the history goes on
+
+
+def test_chat_ctrl_c_leaves_cleanly(monkeypatch, capsys) -> None:
+    import tokenloom.engine.cli as engine_cli
+
+    def interrupted(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    assert engine_cli.chat_loop(_FakeEngine(), None, [], read=interrupted) == 0  # at the prompt
+    rc, engine, out, _ = _chat(monkeypatch, capsys, "hi\nboom\nnever\n", _FakeEngine(interrupt_on="boom"))
+    assert rc == 0 and "[interrupted]" in out  # while the model answers
+    assert [p[-1]["content"] for p in engine.prompts] == ["hi", "boom"]
