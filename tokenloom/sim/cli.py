@@ -188,13 +188,15 @@ def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, A
     from tokenloom.router import RouterConfig
     from tokenloom.sim.dp_simulate import simulate_dp
     from tokenloom.sim.simulate import engine_configs, simulate, speculative_config_of
+    from tokenloom.workload.progress import Progress
 
     sched, cache = engine_configs(profile, kwargs)
     spec = speculative_config_of(kwargs)
     parallel = ParallelConfig(**split_engine_kwargs(kwargs)["parallel"])
     if parallel.data_parallel_size == 1:
-        result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
-                          speculative_config=spec, spec_acceptance=spec_acceptance)
+        with Progress("simulate", len(requests)) as progress:
+            result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles,
+                              seed=seed, speculative_config=spec, spec_acceptance=spec_acceptance, progress=progress)
         return _Run(result, sched, cache)
     if trace:
         raise ValueError("--trace-steps traces one engine; it is not available with --data-parallel-size > 1")
