@@ -1,8 +1,9 @@
 """Start-up stays fast (issue 32 item 9): what `tokenloom serve` must not import before it needs it.
 
-The API process parses the command line without torch, FastAPI or transformers, and loads a cached
-GGUF tokenizer without torch (2 s) and without AutoTokenizer's registry (1 to 4 s); the engine's runner
-does not import numba (0.5 s) unless n-gram drafts are on. One subprocess checks all three."""
+The API process parses the command line and starts the engine process before importing torch,
+FastAPI, uvicorn or transformers, and loads a cached GGUF tokenizer without torch (2 s) and without
+AutoTokenizer's registry (1 to 4 s); the engine's runner does not import numba (0.5 s) unless n-gram
+drafts are on. One subprocess checks them all."""
 
 from __future__ import annotations
 
@@ -26,6 +27,20 @@ from tokenloom.cli import parse_args
 parse_args(build_parser(), ["serve", "--port", "1"])
 heavy = [m for m in ("torch", "fastapi", "uvicorn", "transformers") if m in sys.modules]
 assert not heavy, f"parsing the command line imported {heavy}"
+
+import tokenloom.server.launcher as launcher
+from tokenloom.config import EngineConfig
+from tokenloom.server.config import ServerConfig
+class Spawned(Exception):
+    pass
+def spawn(config, log_level):
+    heavy = [m for m in ("torch", "fastapi", "uvicorn", "transformers") if m in sys.modules]
+    raise Spawned(heavy)
+launcher.make_engine_client = spawn
+try:
+    launcher.run_server(EngineConfig(), ServerConfig(port=0))
+except Spawned as exc:
+    assert not exc.args[0], f"the server imported {exc.args[0]} before it started the engine"
 
 from tokenloom.model.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1], cache_dir=sys.argv[2])
