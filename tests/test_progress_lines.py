@@ -92,3 +92,17 @@ def test_bench_serve_prints_lines_when_stderr_is_not_a_terminal(monkeypatch) -> 
     assert isinstance(bar, tqdm)
     bar.close()
     assert not isinstance(progress_bar(10, disable=True), Progress)  # --disable-tqdm: silent
+
+
+def test_profile_says_when_it_waits_for_a_busy_cpu(monkeypatch) -> None:
+    """Before: up to --max-wait (120 s) of silence before each shape on a busy machine."""
+    import tokenloom.sim.quiet as quiet
+    from tokenloom.sim.profiler import _busy_note
+
+    monkeypatch.setattr(quiet, "others_busy", lambda interval=0.3: 0.9)
+    lines: list[str] = []
+    assert quiet.wait_for_quiet(0.0, on_busy=_busy_note(lines.append, 120.0)) is False
+    assert lines == ["the CPUs are 90% busy with other work: waiting up to 120 s for them to quiet before timing "
+                     "the next shape (--max-wait)"]
+    monkeypatch.setattr(quiet, "others_busy", lambda interval=0.3: 0.0)
+    assert quiet.wait_for_quiet(5.0, on_busy=lines.append) is True and len(lines) == 1  # quiet: no line

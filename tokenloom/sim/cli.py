@@ -49,12 +49,15 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from tokenloom.sim.profiler import QUICK_GRID, Grid, run_profile
 
+    print(f"profile: loading {args.model or 'the default model'}; a line per timed shape follows", file=sys.stderr,
+          flush=True)
+
     profile = run_profile(
         args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         block_size=args.block_size,
         grid=QUICK_GRID if args.quick else Grid(), warmup=args.warmup, repeats=args.repeats, passes=args.passes,
         max_wait_s=args.max_wait,
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
     profile.save(args.output)
     f = profile.fit
