@@ -113,7 +113,10 @@ class LoadHeartbeat(logging.Handler):
         self._thread.start()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.stage = record.getMessage()[:200]
+        try:
+            self.stage = record.getMessage()[:200]
+        except Exception:  # a malformed record is logging's problem, never the load's
+            self.handleError(record)
 
     def stop(self) -> None:
         logging.getLogger().removeHandler(self)
