@@ -25,6 +25,7 @@ LEVELS = {
     "tokenloom.bench": 5, "tokenloom.sim": 5,
     "tokenloom.explore": 6,
     "tokenloom.cli": 7,
+    "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
 NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.envs", "tokenloom.core")
 

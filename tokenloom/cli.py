@@ -34,9 +34,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """argparse's parse_args, except that an unknown flag is reported with the usage of the (sub-)command
+    it was given to (`tokenloom serve --prot 1` shows serve's usage, not the list of commands)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest sub-command parser that `args` selected (`bench throughput`: the throughput parser)."""
+    while True:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                name = getattr(args, action.dest, None)
+                if name in action.choices:
+                    parser = action.choices[name]
+                    break
+        else:
+            return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

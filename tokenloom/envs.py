@@ -55,6 +55,19 @@ def _digits(name: str, default: int) -> int:
     return int(raw) if raw.isdigit() else default
 
 
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw} must be 0 (no limit) or more")
+    return value
+
+
 def _cache_dir() -> Path:
     if env := os.environ.get("TOKENLOOM_CACHE_DIR"):
         return Path(env).expanduser()
@@ -126,6 +139,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "VLLM_CPU_NUM_OF_RESERVED_CPU", 0, "a whole number of cores", minimum=0),
     # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
     "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
+    # ---- start-up
+    # Seconds an engine process may go without progress (no CPU used by it or its kernel compilers,
+    # nothing logged) before start-up fails; a slow load that keeps moving is never cut. 0: no limit.
+    "TOKENLOOM_ENGINE_READY_TIMEOUT": lambda: _seconds("TOKENLOOM_ENGINE_READY_TIMEOUT", 600.0),
     # ---- serving
     "TOKENLOOM_API_KEY": lambda: os.environ.get("TOKENLOOM_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
     # 1: the server stays up answering 503 after its engine dies (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).

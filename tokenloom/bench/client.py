@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from tokenloom.workload.metrics import (
     compute_metrics,
     parse_goodput,
 )
+from tokenloom.workload.progress import Progress
 from tokenloom.workload.result import BenchResult
 
 COMPLETIONS = "/v1/completions"
@@ -314,7 +316,7 @@ async def arun_benchmark(
             warm = await send_request(session, url, warmup_request(reqs[i]), t0=time.perf_counter(), **send)
             if not warm.success:
                 raise ValueError(f"warm-up request failed: {warm.error}")
-        bar = tqdm(total=len(reqs), disable=disable_tqdm, desc="bench", unit="req")
+        bar = progress_bar(len(reqs), disable_tqdm)
         t0 = time.perf_counter()
 
         async def one(req: BenchRequest) -> RequestRecord:
@@ -347,6 +349,16 @@ async def arun_benchmark(
     }
     metrics = compute_metrics(records, slos_ms=slos or None, percentiles=percentiles)
     return BenchResult(config=config, records=records, metrics=metrics)
+
+
+def progress_bar(total: int, disable: bool = False) -> Any:
+    """tqdm's bar on a terminal; elsewhere (a log file, a pipe) a plain line every few seconds, which a
+    file shows as it comes (tqdm's carriage returns make one line of it). Both go to stderr."""
+    if disable:
+        return tqdm(total=total, disable=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc="bench", unit="req")
+    return Progress("bench serve", total)
 
 
 def run_benchmark(

@@ -19,17 +19,23 @@ from tokenloom.workload.datasets import BenchRequest
 from tokenloom.workload.metrics import percentile
 
 
-def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest]) -> tuple[dict[str, Any], Any]:
-    """One run on freshly started engines: (the throughput table's row, what the table's title needs)."""
+def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest],
+                      label: str | None = None) -> tuple[dict[str, Any], Any]:  # fmt: skip
+    """One run on freshly started engines: (the throughput table's row, what the table's title needs).
+    `label`: print progress lines under it while the requests run."""
     from tokenloom.engine.dp_llm import DataParallelLLMEngine
+    from tokenloom.workload.progress import Progress
 
     engine = DataParallelLLMEngine(config)
     try:
         prompts = [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+        progress = Progress(label, len(requests)) if label else None
         t0 = time.monotonic()
-        outs = engine.generate(prompts, params)
+        outs = engine.generate(prompts, params, on_finished=progress.update if progress else None)
         duration = time.monotonic() - t0
+        if progress is not None:
+            progress.close()
         info = engine.engine.info
         routed = list(engine.engine.client.router.num_routed)
     finally:

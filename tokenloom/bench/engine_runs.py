@@ -17,11 +17,13 @@ from tokenloom.workload.datasets import BenchRequest
 
 
 def run_on_engine(engine: Any, requests: Sequence[BenchRequest], overrides: dict[str, Any] | None = None,
-                  trace: str | None = None, seed: int = 0) -> Any:  # fmt: skip
-    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a WorkloadResult."""
+                  trace: str | None = None, seed: int = 0, label: str | None = None) -> Any:  # fmt: skip
+    """Run `requests` on `engine` (an LLMEngine) with scheduler/cache `overrides`; returns a WorkloadResult.
+    `label`: print progress lines under it while the run lasts (tokenloom/workload/progress.py)."""
     from tokenloom.engine.trace import StepTracer
     from tokenloom.workload.clock import WallClock
     from tokenloom.workload.driver import run_workload
+    from tokenloom.workload.progress import Progress
 
     overrides = dict(overrides or {})
     reload = sorted(k for k in overrides if engine_arg(k).reload)
@@ -39,9 +41,12 @@ def run_on_engine(engine: Any, requests: Sequence[BenchRequest], overrides: dict
     engine.reset_scheduler(sched, cache, clock)
     tracer = StepTracer(trace) if trace else None
     engine.engine_core.tracer = tracer
+    progress = Progress(label, len(requests)) if label else None
     try:
-        return run_workload(requests, engine.engine_core, clock, seed=seed)
+        return run_workload(requests, engine.engine_core, clock, seed=seed, progress=progress)
     finally:
+        if progress is not None:
+            progress.close()
         if tracer is not None:
             tracer.close()
             engine.engine_core.tracer = None

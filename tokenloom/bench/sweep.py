@@ -54,12 +54,15 @@ def _run(args: argparse.Namespace) -> int:
     requests = engine_workload(args.dataset_path, num_prompts=args.num_prompts, input_len=args.input_len,
                                output_len=args.output_len, range_ratio=args.range_ratio, seed=args.workload_seed,
                                request_rate=args.request_rate)
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    print(f"bench sweep: loading {config.model or 'the default model'}", file=sys.stderr, flush=True)
+    engine = LLMEngine(config)
     per_point: dict[str, list[Any]] = {label: [] for label in sweep.labels}
     for rep in range(args.repeats):
         for value, label in zip(sweep.values, sweep.labels):
             trace = f"{args.trace_prefix}.{sweep.knob}={label}.jsonl" if args.trace_prefix and rep == 0 else None
-            res = run_on_engine(engine, requests, {sweep.knob: value}, trace=trace)
+            res = run_on_engine(engine, requests, {sweep.knob: value}, trace=trace,
+                                label=f"bench sweep [{rep + 1}/{args.repeats}] {sweep.knob}={label}")
             per_point[label].append(res)
             print(f"[{rep + 1}/{args.repeats}] {sweep.knob}={label}: {res.metrics['duration']:.1f} s, "
                   f"{res.num_preemptions} preemptions", file=sys.stderr)

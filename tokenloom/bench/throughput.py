@@ -55,6 +55,8 @@ def _run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     dp = config.parallel is not None and (config.parallel.data_parallel_size > 1
                                           or config.parallel.distributed_executor_backend == "ray")
+    if not dp:
+        print(f"bench throughput: loading {config.model or 'the default model'}", file=sys.stderr, flush=True)
     engine = None if dp else LLMEngine(config)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(args.repeats):
@@ -63,13 +65,15 @@ def _run(args: argparse.Namespace) -> int:
                 from tokenloom.bench.dp_runs import run_on_dp_engines
 
                 kwargs = {**engine_kwargs_from_args(args), "batching": mode}
-                row, engine_info = run_on_dp_engines(engine_config_from_kwargs(args.model, **kwargs), requests)
+                row, engine_info = run_on_dp_engines(engine_config_from_kwargs(args.model, **kwargs), requests,
+                                                     label=f"bench throughput [{rep + 1}/{args.repeats}] {mode}")
                 runs[mode].append(row)
                 print(f"[{rep + 1}/{args.repeats}] {mode} on {len(row['requests_per_engine'])} engines "
                       f"{row['requests_per_engine']}: {row['duration_s']:.1f} s, "
                       f"{row['output_tok_s']:.0f} output tok/s", file=sys.stderr)
                 continue
-            res = run_on_engine(engine, requests, {"batching": mode})
+            res = run_on_engine(engine, requests, {"batching": mode},
+                                label=f"bench throughput [{rep + 1}/{args.repeats}] {mode}")
             m = res.metrics
             row = {
                 "duration_s": m["duration"], "requests_per_s": m["request_throughput"],

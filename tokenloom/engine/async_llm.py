@@ -132,10 +132,12 @@ class AsyncLLM:
         client: EngineCoreClient | DPEngineCoreClient,
         model: str | None,
         max_waiting_requests: int | None = None,
-        ready_timeout_s: float = 600.0,
+        ready_timeout_s: float | None = None,
     ) -> AsyncLLM:
         """Load the tokenizer here while the (already spawned) engine process loads the model, then wait
-        for the engine to be ready. Stops the engine process if anything fails."""
+        for the engine to be ready: as long as it makes progress, a stall of at most `ready_timeout_s`
+        (default $TOKENLOOM_ENGINE_READY_TIMEOUT; EngineCoreClient.wait_ready). Stops the engine process if
+        anything fails."""
         from tokenloom.model.tokenizer import load_tokenizer
 
         try:

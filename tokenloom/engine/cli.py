@@ -72,6 +72,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# What ends `tokenloom chat` (compared lower-cased, surrounding spaces ignored); so do Ctrl-D and Ctrl-C.
+EXIT_WORDS = ("/exit", "/quit", "/bye", "exit", "quit", ":q")
+CHAT_BANNER = ("tokenloom chat with {model}: type a message and press Enter. To leave: /exit (or /quit, /bye, "
+               "exit, quit, :q), Ctrl-D or Ctrl-C.")
+
+
 def _chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
     llm = _make_llm(args)
@@ -79,25 +85,38 @@ def _chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("tokenloom chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    print(CHAT_BANNER.format(model=engine.model_name), file=sys.stderr)
+    return chat_loop(engine, params, messages)
+
+
+def chat_loop(engine, params, messages: list[dict[str, str]], read=input) -> int:
+    """Read a line, answer it, until an exit word, EOF (Ctrl-D) or Ctrl-C; an empty line is not sent.
+    Ctrl-C during an answer ends the chat too (after the partial answer): a step cut in the middle is not
+    one to go on from."""
     while True:
         try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
+            line = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)  # leave the terminal on a fresh line
+            return 0
         if not line:
-            break
+            continue
+        if line.lower() in EXIT_WORDS:
+            return 0
         messages.append({"role": "user", "content": line})
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         rid = engine.add_request(None, {"prompt_token_ids": ids}, params)
         reply = ""
         print("model> ", end="", flush=True)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid:
-                    delta = out.outputs[0].delta_text
-                    reply += delta
-                    print(delta, end="", flush=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == rid:
+                        delta = out.outputs[0].delta_text
+                        reply += delta
+                        print(delta, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+            return 0
         print()
         messages.append({"role": "assistant", "content": reply})
-    return 0

@@ -18,11 +18,15 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core_messages import EngineCoreOutputs, EngineFailed, EngineReady, Shutdown
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineFailed, EngineProgress, EngineReady, Shutdown
 from tokenloom.engine.core_proc import run_engine_core
 
 logger = logging.getLogger(__name__)
+
+_now = time.monotonic  # the start-up wait's clock (tests drive a fake one)
+WAIT_NOTE_EVERY_S = 30.0  # how often a long start-up says what the engine is doing
 
 
 class EngineStartError(RuntimeError):
@@ -68,9 +72,17 @@ class EngineCoreClient:
         self._closed = False
 
     # Start-up (synchronous: before the server binds) ---------------------------------------------
-    def wait_ready(self, timeout_s: float) -> EngineReady:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
+        """Wait for EngineReady for as long as the engine makes progress: its heartbeats (EngineProgress)
+        show CPU used or a new log line. Fails when the process dies, reports a failure, or goes
+        `timeout_s` (default $TOKENLOOM_ENGINE_READY_TIMEOUT, 600 s; 0: no limit) without progress. A
+        load that takes minutes on a busy machine is slow, not stuck, and is not cut."""
+        if timeout_s is None:
+            timeout_s = envs.TOKENLOOM_ENGINE_READY_TIMEOUT
+        start = last_progress = _now()
+        next_note = start + WAIT_NOTE_EVERY_S
+        cpu_s, stage = -1.0, "starting the engine process"
+        while not timeout_s or _now() - last_progress <= timeout_s:
             if self._from_engine.poll(0.05):
                 try:
                     msg = self._from_engine.recv()
@@ -80,10 +92,19 @@ class EngineCoreClient:
                     return msg
                 if isinstance(msg, EngineFailed):
                     raise EngineStartError(msg.message)
+                if isinstance(msg, EngineProgress) and (msg.cpu_s > cpu_s + 0.01 or msg.stage != stage):
+                    cpu_s, stage, last_progress = msg.cpu_s, msg.stage, _now()
             elif not self.process.is_alive():
                 break
+            if _now() >= next_note:
+                logger.info("engine %d still loading after %.0f s (%.0f CPU s so far; last: %s)",
+                            self.engine_index, _now() - start, max(cpu_s, 0.0), stage)
+                next_note += WAIT_NOTE_EVERY_S
         if self.process.is_alive():
-            raise EngineStartError(f"the engine was not ready after {timeout_s:g} s")
+            raise EngineStartError(
+                f"the engine made no progress for {timeout_s:g} s (no CPU used, nothing logged; last: {stage}); "
+                f"it was still running after {_now() - start:.0f} s. TOKENLOOM_ENGINE_READY_TIMEOUT sets how "
+                f"long a stall may last (0: no limit)")
         self.process.join(1.0)
         raise EngineStartError(f"the engine process exited during start-up (exit code {self.process.exitcode})")
 

@@ -1,10 +1,10 @@
 """What crosses the pipes between the API process and the engine-core process.
 
 API → engine: EngineCoreRequest (one per core request; `n > 1` is already fanned out), AbortRequests,
-Shutdown. Engine → API: EngineReady once (or EngineFailed), then one EngineCoreOutputs per loop
-iteration that did something, and EngineFailed if the loop dies. All are plain dataclasses, pickled
-by multiprocessing.Connection; timestamps are `time.monotonic()`, which is one clock for every
-process on the machine, so the API process can subtract them from its own.
+Shutdown. Engine → API: EngineProgress while loading, EngineReady once (or EngineFailed), then one
+EngineCoreOutputs per loop iteration that did something, and EngineFailed if the loop dies. All are
+plain dataclasses, pickled by multiprocessing.Connection; timestamps are `time.monotonic()`, which is
+one clock for every process on the machine, so the API process can subtract them from its own.
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ class EngineReady:
     max_in_flight_tokens: int = 0
     # The token budget in force (config.token_budget_labels): /metrics' tokenloom:token_budget_info.
     token_budget: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineProgress:
+    """While the model loads, about once a second: the CPU seconds the engine and its child processes
+    (kernel compilers) have used so far, and the last thing it logged. The API process waits as long as
+    either moves (TOKENLOOM_ENGINE_READY_TIMEOUT bounds a stall, not the load)."""
+
+    cpu_s: float
+    stage: str
 
 
 @dataclass

@@ -31,6 +31,7 @@ from tokenloom.engine.core_messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
+    EngineProgress,
     EngineReady,
     Shutdown,
     StepInfo,
@@ -66,13 +67,16 @@ def run_engine_core(
     # before torch: see tokenloom/__init__.py.
     tag = "engine" if engine_index == 0 and cpus is None else f"engine {engine_index}"
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+    heartbeat = LoadHeartbeat(outbox)
     try:
         if cpus:
             pin_cpus(cpus)
         engine, ready = _load(config)
     except Exception as exc:  # report any start-up failure to the API process, which prints it
+        heartbeat.stop()
         _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
         sys.exit(1)
+    heartbeat.stop()  # before `ready`: one thread at a time on the pipe
     orphaned = False
     try:
         outbox.send(ready)
@@ -91,6 +95,73 @@ def run_engine_core(
         # which takes seconds on a busy machine, so the process is gone within a second of its parent.
         logging.shutdown()
         os._exit(0)
+
+
+class LoadHeartbeat(logging.Handler):
+    """While the model loads, every `interval_s` an EngineProgress to the API process: the CPU seconds this
+    process and its children have used (a kernel build runs in compiler processes) and the last message
+    logged here, so the API process can tell a slow load on a busy machine from a stuck one."""
+
+    def __init__(self, outbox: Connection, interval_s: float = 1.0) -> None:
+        super().__init__(level=logging.INFO)
+        self.outbox = outbox
+        self.interval_s = interval_s
+        self.stage = "starting"
+        self._stop = threading.Event()
+        logging.getLogger().addHandler(self)
+        self._thread = threading.Thread(target=self._run, name="engine-load-heartbeat", daemon=True)
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stage = record.getMessage()[:200]
+        except Exception:  # a malformed record is logging's problem, never the load's
+            self.handleError(record)
+
+    def stop(self) -> None:
+        logging.getLogger().removeHandler(self)
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.outbox.send(EngineProgress(process_tree_cpu_s(), self.stage))
+            except OSError:  # the API process is gone; the main thread finds out on its own
+                return
+
+
+def process_tree_cpu_s() -> float:
+    """CPU seconds used by this process and its descendants, live (Linux /proc) and reaped."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    todo = _children(os.getpid())
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile, or no /proc
+            continue
+        total += sum(int(v) for v in fields[11:15]) / ticks  # utime stime cutime cstime
+        todo += _children(pid)
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    return out
 
 
 def pin_cpus(cpus: list[int]) -> None:

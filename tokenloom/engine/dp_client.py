@@ -78,7 +78,7 @@ class DPEngineCoreClient:
         return len(self.clients)
 
     # Start-up -----------------------------------------------------------------------------------
-    def wait_ready(self, timeout_s: float) -> EngineReady:
+    def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
         """Every engine ready (they load in parallel); returns engine 0's report. Engines must agree."""
         readies = []
         for i, client in enumerate(self.clients):

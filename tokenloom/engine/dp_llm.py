@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenloom.config import EngineConfig
@@ -46,11 +46,13 @@ class DataParallelLLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     def generate(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:  # fmt: skip
-        """Every prompt's final output, in prompt order (raises the first request's error, if any)."""
-        return self._loop.run_until_complete(self._generate(prompts, params, priority))
+                 priority: Sequence[int] | None = None,
+                 on_finished: Callable[[], None] | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Every prompt's final output, in prompt order (raises the first request's error, if any).
+        `on_finished`: called as each request finishes (a caller's progress)."""
+        return self._loop.run_until_complete(self._generate(prompts, params, priority, on_finished))
 
-    async def _generate(self, prompts, params, priority) -> list[RequestOutput]:
+    async def _generate(self, prompts, params, priority, on_finished=None) -> list[RequestOutput]:
         stream = self.engine.open_stream()
         ids = []
         try:
@@ -64,6 +66,8 @@ class DataParallelLLMEngine:
             async for out in stream:
                 if out.finished:
                     finals[out.request_id] = out
+                    if on_finished is not None:
+                        on_finished()
         finally:
             stream.close()  # aborts whatever did not finish (an error, Ctrl-C)
         return [finals[i] for i in ids]

@@ -66,6 +66,9 @@ _SCALAR_FORMATS = {
 }
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential little-endian reads over the memory-mapped file."""
 
@@ -83,6 +86,21 @@ class _Cursor:
         self.pos += n
         return self.buf[self.pos - n : self.pos].decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary: ~50k of them twice, tokens and merges), read in one loop
+        without the per-element dispatch: a third of the time, on the server's start-up path."""
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out = []
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > len(buf):
+                raise struct.error("string runs past the end of the file")
+            out.append(buf[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -95,6 +113,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += arr.nbytes
                 return arr.tolist()
+            if etype == GGUFValueType.STRING:
+                return self._strings(count)
             return [self.value(etype) for _ in range(count)]
         if vtype not in _SCALAR_FORMATS:
             raise ValueError(f"corrupt GGUF: unknown metadata value type {vtype}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +23,10 @@ from tokenloom.config import SpeculativeConfig
 from tokenloom.core.outputs import SampleLogprobs
 from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest, greedy_accept
 from tokenloom.model.sampler import GrammarRows, SamplingRow, all_plain_greedy, apply_grammar_bitmask
-from tokenloom.spec_decode.ngram_proposer import NgramProposer
 from tokenloom.spec_decode.suffix_proposer import SuffixProposer
+
+if TYPE_CHECKING:
+    from tokenloom.spec_decode.ngram_proposer import NgramProposer
 
 
 def verification_input_ids(token_ids: Sequence[int], start: int, num_tokens: int, drafts: Sequence[int]) -> list[int]:
@@ -114,4 +117,7 @@ def make_proposer(config: SpeculativeConfig, max_model_len: int) -> NgramPropose
     """The proposer of `config.method`: vLLM's NgramProposer or SuffixDecodingProposer."""
     if config.method == "suffix":
         return SuffixProposer.from_config(config, max_model_len)
+    # Imported here: it imports numba (~0.5 s), which a server without n-gram drafts never needs.
+    from tokenloom.spec_decode.ngram_proposer import NgramProposer
+
     return NgramProposer.from_config(config, max_model_len)

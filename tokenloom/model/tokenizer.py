@@ -9,11 +9,19 @@ under `<cache>/tokenizers/<file stem>-<key>/` and later loads take ~0.3 s. The k
 resolved path, size and mtime plus the transformers version, so an edited file or a transformers upgrade
 converts afresh. `<cache>` is `$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else
 `~/.cache/tokenloom`; deleting it is always safe.
+
+A cached conversion is loaded through the class its tokenizer_config.json names (the plain fast
+tokenizer), not AutoTokenizer: AutoTokenizer's probing imports transformers' model registry, 1 to 4 s
+of a server's start-up (twice: the API process and the engine process both load the tokenizer), to pick
+that same class for a directory without config.json. Hugging Face model directories still go through
+AutoTokenizer, which may choose a model-specific class over the one their tokenizer_config.json names.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import json
 import logging
 import os
 import shutil
@@ -22,8 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenloom.model.loader import resolve_model_path
-from tokenloom.model.paths import default_cache_dir
+from tokenloom.model.paths import default_cache_dir, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -147,16 +154,50 @@ def _hf_dir_tokenizer(path: Path) -> Any:
 
 
 def _gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
     entry = cache_dir / "tokenizers" / f"{path.stem}-{_cache_key(path)}"
     if (entry / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+        return _from_saved(entry)
+    from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     if not _save_to_cache(hf, entry):
         return hf
     # Serve the cached copy even now, so the first run behaves exactly like every later one.
-    return AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    return _from_saved(entry)
+
+
+# The fast-tokenizer classes a tokenizer_config.json may name that load straight from tokenizer.json,
+# and their modules (transformers 5 calls the class TokenizersBackend; PreTrainedTokenizerFast is its alias).
+_DIRECT_CLASSES = {
+    "TokenizersBackend": "transformers.tokenization_utils_tokenizers",
+    "PreTrainedTokenizerFast": "transformers.tokenization_utils_fast",
+}
+
+
+def _from_saved(directory: Path) -> Any:
+    """A cached conversion (no config.json beside it) through the class its tokenizer_config.json names when
+    that is the plain fast tokenizer (what AutoTokenizer picks there, without its probing), else AutoTokenizer."""
+    cls = saved_tokenizer_class(directory)
+    if cls is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    return cls.from_pretrained(str(directory), local_files_only=True)
+
+
+def saved_tokenizer_class(directory: Path) -> Any:
+    """The directly loadable class a saved tokenizer names, or None (another class, no tokenizer.json)."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if name not in _DIRECT_CLASSES or not (directory / "tokenizer.json").is_file():
+        return None
+    try:
+        return getattr(importlib.import_module(_DIRECT_CLASSES[name]), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 def _cache_key(path: Path) -> str:

@@ -95,6 +95,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tokenloom.server.listen import PortUnavailableError, bind_socket
+
+    # The address first: a port in use fails now, not after the model has loaded.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except PortUnavailableError as exc:
+        print(f"tokenloom serve: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _serve_on(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sock) -> int:
     from tokenloom.engine.core_client import EngineStartError
     from tokenloom.server.config import ServerConfig
     from tokenloom.server.launcher import run_server
@@ -124,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tokenloom serve: {exc}", file=sys.stderr)
         return 1
     try:
-        return run_server(engine_config_from_args(args), config)
+        return run_server(engine_config_from_args(args), config, sock)
     except (EngineStartError, ToolParserTokenizerError) as exc:
         print(f"tokenloom serve: error: {exc}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     uvicorn_log_level: str = "info"
     access_log: bool = True
-    engine_ready_timeout_s: float = 600.0
+    engine_ready_timeout_s: float | None = None  # None: $TOKENLOOM_ENGINE_READY_TIMEOUT (a stall, not the load)
     root_path: str = ""  # behind a path-based proxy (vLLM's --root-path)
     enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), vLLM's flag

@@ -18,83 +18,22 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
-import uvicorn
-
 from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.dp_client import make_engine_client
-from tokenloom.server.app import build_app
 from tokenloom.server.config import ServerConfig
-from tokenloom.server.tool_parsers import check_tokenizer
+from tokenloom.server.listen import bind_socket
 
 logger = logging.getLogger("tokenloom.server")
-
-# Between the engine's death and the exit: long enough for the in-flight requests' 503s to be written
-# and for a probe to read /health's 503, short enough that a supervisor restarts the server promptly.
-ENGINE_DEATH_LINGER_S = 1.0
 
 
 def http_keep_alive_s() -> float:
     """$TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE, else vLLM's $VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else 5 s (vLLM's)."""
     return envs.TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE
-
-
-class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace_s: float, t_launch: float,
-                 keep_alive_on_engine_death: bool = False) -> None:
-        super().__init__(config)
-        self.engine = engine
-        self.grace_s = grace_s
-        self.t_launch = t_launch
-        self.keep_alive_on_engine_death = keep_alive_on_engine_death
-        self.engine_died = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        engine.failure_listeners.append(self._on_engine_death)
-
-    async def serve(self, sockets: list | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            info = self.engine.info
-            logger.info("tokenloom serve ready in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
-                        "max_model_len %d, %d KV blocks of %d tokens", time.perf_counter() - self.t_launch,
-                        info.load_time_s, info.model_name,
-                        info.dtype + (f" + {info.quantization} layers" if info.quantization else ""),
-                        info.device, info.max_model_len,
-                        info.num_blocks, info.block_size)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._begin_drain)
-        super().handle_exit(sig, frame)
-
-    def _on_engine_death(self, message: str) -> None:
-        """On the event loop, after AsyncLLM failed every request in flight."""
-        if self.keep_alive_on_engine_death:
-            logger.critical("the engine process died; answering 503 until stopped (--keep-alive-on-engine-death)")
-            return
-        self.engine_died = True
-        logger.critical("the engine process died; the server exits with code 1 in %.0f s", ENGINE_DEATH_LINGER_S)
-        asyncio.get_running_loop().call_later(ENGINE_DEATH_LINGER_S, self._exit_after_engine_death)
-
-    def _exit_after_engine_death(self) -> None:
-        self.should_exit = True
-
-    def _begin_drain(self) -> None:
-        self.engine.stop_accepting()
-        n = self.engine.num_unfinished
-        if n:
-            logger.info("shutting down: %d requests in flight get %.0f s to finish", n, self.grace_s)
-            assert self._loop is not None
-            self._loop.call_later(self.grace_s, self.engine.abort_all,
-                                  f"the server shut down; the request was cut after a {self.grace_s:g} s grace period")
 
 
 def _interrupt(sig: int, frame: FrameType | None) -> None:
@@ -108,9 +47,13 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.socket | None = None) -> int:
+    """Serve until stopped; `sock`: the address, bound already (tokenloom/server/listen.py), else bound here
+    before the model loads."""
     t_launch = time.perf_counter()
     keep_alive_s = http_keep_alive_s()  # a bad value fails here, before the model loads
+    if sock is None:
+        sock = bind_socket(config.host, config.port)
     log_level = "DEBUG" if config.uvicorn_log_level == "trace" else config.uvicorn_log_level.upper()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not _is_loopback(config.host):
@@ -118,10 +61,20 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
                        "" if config.api_key else " and has no --api-key")
     # Until uvicorn takes over the signals, SIGTERM unwinds like Ctrl-C, so the engine process is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
-    # Spawn the engine(s) first: they load the model while this process loads torch and the tokenizer.
+    # Spawn the engine(s) first: they load the model while this process imports the HTTP side and loads
+    # the tokenizer (never torch: tests/test_startup.py).
     client = make_engine_client(engine_config, log_level)
-    _import_grammar_checks()
     try:
+        # The HTTP side's imports (FastAPI, uvicorn, pydantic models: ~1 s on a busy machine) after the
+        # spawn, so they overlap the engine's load instead of delaying it.
+        import uvicorn
+
+        from tokenloom.engine.async_llm import AsyncLLM
+        from tokenloom.server.app import build_app
+        from tokenloom.server.graceful import GracefulServer
+        from tokenloom.server.tool_parsers import check_tokenizer
+
+        _import_grammar_checks()
         engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
                                       config.engine_ready_timeout_s)
         if config.enable_auto_tool_choice and config.tool_call_parser:
@@ -143,7 +96,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
         # uvicorn re-raises the signal that stopped it once it is done; by then the drain has happened.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: None)
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
         return 0 if server.started and not server.engine_died else 1
     finally:
         client.shutdown()

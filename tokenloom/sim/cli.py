@@ -49,12 +49,15 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace) -> int:
     from tokenloom.sim.profiler import QUICK_GRID, Grid, run_profile
 
+    print(f"profile: loading {args.model or 'the default model'}; a line per timed shape follows", file=sys.stderr,
+          flush=True)
+
     profile = run_profile(
         args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         block_size=args.block_size,
         grid=QUICK_GRID if args.quick else Grid(), warmup=args.warmup, repeats=args.repeats, passes=args.passes,
         max_wait_s=args.max_wait,
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
     )  # fmt: skip
     profile.save(args.output)
     f = profile.fit
@@ -188,13 +191,15 @@ def _run_one(profile: Profile, requests: list[BenchRequest], kwargs: dict[str, A
     from tokenloom.router import RouterConfig
     from tokenloom.sim.dp_simulate import simulate_dp
     from tokenloom.sim.simulate import engine_configs, simulate, speculative_config_of
+    from tokenloom.workload.progress import Progress
 
     sched, cache = engine_configs(profile, kwargs)
     spec = speculative_config_of(kwargs)
     parallel = ParallelConfig(**split_engine_kwargs(kwargs)["parallel"])
     if parallel.data_parallel_size == 1:
-        result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles, seed=seed,
-                          speculative_config=spec, spec_acceptance=spec_acceptance)
+        with Progress("simulate", len(requests)) as progress:
+            result = simulate(requests, sched, cache, profile.step_model, trace=trace, percentiles=percentiles,
+                              seed=seed, speculative_config=spec, spec_acceptance=spec_acceptance, progress=progress)
         return _Run(result, sched, cache)
     if trace:
         raise ValueError("--trace-steps traces one engine; it is not available with --data-parallel-size > 1")

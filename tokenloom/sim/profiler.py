@@ -271,7 +271,7 @@ def time_grid(
         # A new order each pass, so that no shape always runs right after the same neighbour.
         order = list(range(len(shapes))) if p == 0 else [int(i) for i in rng.permutation(len(shapes))]
         for k, i in enumerate(order):
-            quiet = wait_for_quiet(max_wait_s) if max_wait_s > 0 else True
+            quiet = wait_for_quiet(max_wait_s, on_busy=_busy_note(progress, max_wait_s)) if max_wait_s > 0 else True
             noisy += not quiet
             sample = driver.time_shape(shapes[i], warmup, repeats)
             timed[i].append(sample)
@@ -281,6 +281,15 @@ def time_grid(
                          f"{s.decode_tokens:3d} decodes (ctx {s.decode_max_context:4d}), {s.num_seqs:3d} seqs: "
                          f"{sample.seconds * 1e3:8.2f} ms" + ("" if quiet else "  (machine busy)"))  # fmt: skip
     return [sorted(samples, key=lambda x: x.seconds)[(len(samples) - 1) // 2] for samples in timed if samples], noisy
+
+
+def _busy_note(progress: Callable[[str], None] | None, max_wait_s: float) -> Callable[[float], None] | None:
+    """A progress line before a wait for the CPU (up to --max-wait seconds), so a busy machine is not
+    mistaken for a hung profile."""
+    if progress is None:
+        return None
+    return lambda busy: progress(f"the CPUs are {busy:.0%} busy with other work: waiting up to {max_wait_s:g} s "
+                                 f"for them to quiet before timing the next shape (--max-wait)")
 
 
 def run_profile(

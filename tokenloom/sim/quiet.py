@@ -9,6 +9,7 @@ samples, so what it sees busy is other work. Off Linux, it cannot tell and does 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 _STAT = Path("/proc/stat")
@@ -36,14 +37,20 @@ def others_busy(interval: float = 0.3) -> float | None:
     return busy / (busy + idle) if busy + idle > 0 else 0.0
 
 
-def wait_for_quiet(max_wait_s: float, threshold: float = 0.1) -> bool:
-    """Block until the CPUs are (nearly) idle twice in a row, or max_wait_s passes. True when quiet."""
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.1,
+                   on_busy: Callable[[float], None] | None = None) -> bool:
+    """Block until the CPUs are (nearly) idle twice in a row, or max_wait_s passes. True when quiet.
+    `on_busy(fraction)`: called once, when the first look finds the CPUs busy (a wait is coming)."""
     deadline = time.monotonic() + max_wait_s
     calm = 0
+    first = True
     while True:
         busy = others_busy()
         if busy is None:
             return True
+        if first and busy > threshold and on_busy is not None:
+            on_busy(busy)
+        first = False
         calm = calm + 1 if busy <= threshold else 0
         if calm >= 2:
             return True

@@ -31,6 +31,7 @@ from tokenloom.workload.clock import VirtualClock
 from tokenloom.workload.datasets import BenchRequest
 from tokenloom.workload.driver import WorkloadResult, run_workload
 from tokenloom.workload.metrics import DEFAULT_PERCENTILES
+from tokenloom.workload.progress import Progress
 
 
 def simulate(
@@ -45,6 +46,7 @@ def simulate(
     speculative_config: SpeculativeConfig | None = None,
     spec_acceptance: float = 0.5,
     controller_cost_model: CostModel | None = None,
+    progress: Progress | None = None,
 ) -> WorkloadResult:
     """`speculative_config`: simulate n-gram drafts, each accepted with probability `spec_acceptance`.
     `controller_cost_model`: what the SLO budget controller predicts with, when not the cost model the
@@ -63,7 +65,7 @@ def simulate(
                                  async_scheduling=scheduler_config.async_scheduling)
     core = EngineCore(scheduler, executor, tracer)
     try:
-        return run_workload(requests, core, clock, percentiles=percentiles, seed=seed)
+        return run_workload(requests, core, clock, percentiles=percentiles, seed=seed, progress=progress)
     finally:
         if tracer is not None:
             tracer.close()

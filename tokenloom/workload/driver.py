@@ -26,6 +26,7 @@ from tokenloom.workload.metrics import DEFAULT_PERCENTILES, RequestRecord, compu
 
 if TYPE_CHECKING:
     from tokenloom.engine.core import EngineCore
+    from tokenloom.workload.progress import Progress
 
 # Consecutive empty steps with work left and no arrival to wait for: the scheduler is stuck.
 _MAX_EMPTY_STEPS = 1000
@@ -77,8 +78,10 @@ def run_workload(
     percentiles: Iterable[float] = DEFAULT_PERCENTILES,
     seed: int = 0,
     make_request: Callable[[BenchRequest, list[int]], Request] = to_request,
+    progress: Progress | None = None,
 ) -> WorkloadResult:
-    """Feed the requests to the engine core at their arrival times and step it until all are done."""
+    """Feed the requests to the engine core at their arrival times and step it until all are done.
+    `progress`: told after every step how many requests are done and how many tokens came out."""
     wall_start = time.perf_counter()
     scheduler = core.scheduler
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)  # stable: ties keep list order
@@ -89,6 +92,7 @@ def run_workload(
     rejected: dict[str, str] = {}
     next_i = 0
     empty_steps = 0
+    num_tokens = 0
     # Unfinished, not has_requests(): finished ids reach the runner with the next real step, so no
     # empty step is traced at the end or in an idle gap.
     while next_i < len(pending) or scheduler.has_unfinished_requests():
@@ -113,6 +117,9 @@ def run_workload(
         for out in outputs:
             if out.new_token_ids:
                 token_times[out.request_id].extend([now] * len(out.new_token_ids))
+                num_tokens += len(out.new_token_ids)
+        if progress is not None:
+            progress.update(done=next_i - scheduler.get_num_unfinished_requests(), tokens=num_tokens)
         if core.last_step_tokens:
             empty_steps = 0
             continue
