@@ -6,7 +6,7 @@ used by then, read from /proc — a figure that depends much less on what else t
 the wall time does. Each tree runs with PYTHONPATH set to it, so a second checkout of an older commit
 (`git worktree add /tmp/old HEAD~5`) is the "before" side.
 
-    flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/startup_time.py --runs 7 /tmp/old $PWD
+    flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/serving/startup_time.py --runs 7 /tmp/old $PWD
 
 Anything after `--` goes to `tokenloom serve` (a model, engine options). Linux only (/proc).
 """
