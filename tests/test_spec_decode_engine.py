@@ -76,7 +76,7 @@ class TestDefaultModel:
             for q in ("Which city is the capital of France?", "Write a haiku about the sea.",
                       "List the days of the week.", "Explain what a hash map is in two sentences.")
         ]
-        params = SamplingParams(temperature=0.0, max_tokens=128)
+        params = SamplingParams(temperature=0.0, max_tokens=64)
         want = [o.outputs[0].token_ids for o in plain.chat(convs, params, use_tqdm=False)]
         got = [o.outputs[0].token_ids for o in spec.chat(convs, params, use_tqdm=False)]
         assert got == want
@@ -87,12 +87,12 @@ class TestDefaultModel:
     def test_stop_string_and_eos_inside_accepted_drafts(self, llms):
         plain, spec = llms
         conv = grounded_messages(1, offset=1)
-        params = SamplingParams(temperature=0.0, max_tokens=96)
+        params = SamplingParams(temperature=0.0, max_tokens=64)
         full = plain.chat(conv, params, use_tqdm=False)[0].outputs[0]
         stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 6]
         for kwargs in ({"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True},
                        {"stop_token_ids": [full.token_ids[40]]}, {"max_tokens": 37}):
-            p = SamplingParams(temperature=0.0, **{"max_tokens": 96, **kwargs})
+            p = SamplingParams(temperature=0.0, **{"max_tokens": 64, **kwargs})
             a = plain.chat(conv, p, use_tqdm=False)[0].outputs[0]
             b = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
             assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), kwargs
