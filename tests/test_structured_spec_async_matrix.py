@@ -23,8 +23,8 @@ import pytest
 
 from tokenloom import LLM, SamplingParams, StructuredOutputsParams
 from tokenloom.config import ConfigError, has_arctic_inference
-from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_grammar import tool_structured_outputs
+from tokenloom.server.tools import ToolSetup
 
 pytestmark = pytest.mark.slow
 

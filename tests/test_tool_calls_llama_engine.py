@@ -15,8 +15,9 @@ import pytest
 
 from tests.test_tool_calls_server import TIME, TOOLS, WEATHER
 from tokenloom import LLM, SamplingParams
-from tokenloom.server.structured import structured_outputs_of, tool_setup
+from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output, tools_system_prompt
+from tokenloom.server.tools import tool_setup
 
 pytestmark = pytest.mark.slow
 

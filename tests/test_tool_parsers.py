@@ -9,8 +9,9 @@ import random
 import pytest
 
 from tokenloom.server.errors import APIError
-from tokenloom.server.structured import structured_outputs_of, tool_setup
+from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import StreamingToolParser, finish_reason, parse_output
+from tokenloom.server.tools import tool_setup
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tokenloom.server.errors import APIError
-from tokenloom.server.structured import structured_outputs_of, tool_setup
+from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
 from tokenloom.server.tool_parsers import (
     Llama3JsonToolParser,
@@ -23,6 +23,7 @@ from tokenloom.server.tool_parsers import (
     check_tokenizer,
 )
 from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools, required_call_deltas
+from tokenloom.server.tools import tool_setup
 
 
 class Reconstructor:

@@ -35,7 +35,7 @@ from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
-from tokenloom.server.structured import ToolSetup, render_tools, structured_outputs_of, tool_setup
+from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import (
     StreamingToolParser,
     parse_output,
@@ -44,6 +44,7 @@ from tokenloom.server.tool_calls import (
 )
 from tokenloom.server.tool_calls import finish_reason as tool_finish_reason
 from tokenloom.server.tool_parsers import get_tool_parser
+from tokenloom.server.tools import ToolSetup, render_tools, tool_setup
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 ROLE = "assistant"

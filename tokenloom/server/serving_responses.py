@@ -44,8 +44,8 @@ from tokenloom.server.responses import chat_logprobs
 from tokenloom.server.serving_chat import parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect
-from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
+from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_parsers import ToolParser, get_tool_parser
 from tokenloom.server.tool_parsers.json_calls import (
     NamedCallStreamer,
@@ -31,6 +30,7 @@ from tokenloom.server.tool_parsers.json_calls import (
     parse_required,
     required_call_deltas,
 )
+from tokenloom.server.tools import ToolSetup
 
 
 def tools_system_prompt(tools: list[dict[str, Any]], parser: str = "hermes") -> str:

@@ -28,9 +28,9 @@ from typing import Any
 
 from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.server.errors import APIError
-from tokenloom.server.structured import ToolSetup
 from tokenloom.server.tool_parsers import get_tool_parser
 from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools, params_or_empty_object
+from tokenloom.server.tools import ToolSetup
 
 STRICT_LEVELS = ("auto", "function", "parameter")  # vLLM's ToolStrictLevel, weakest first
 
