@@ -77,7 +77,7 @@ def _never_fits(tr, cfg: SchedulerConfig, block_size: int, num_blocks: int) -> b
 
 def _check_trace(trace: dict, aborts: list[tuple[int, int]]) -> Counter:
     """Run one trace, asserting the invariants at every step; returns what the case exercised."""
-    from tokenloom.core.replay import parse_trace
+    from tokenloom.core.replay_trace import parse_trace
 
     t = parse_trace(trace)
     sched = make_scheduler(t.scheduler_config, t.cache_config, clock=lambda: 0.0)

@@ -5,6 +5,8 @@ Trace:  {"config": {...scheduler and cache knobs...},
 Before step k every request with arrival_step == k is added, in list order. Every request that
 samples in a step samples token id 7; requests stop by max_tokens (or max_model_len).
 Output: one entry per step from step 0 until the last request finishes, idle steps included.
+The trace format itself (parsing, validation, the scripts) is core/replay_trace.py; this module is the
+model-less runner and the synchronous driver; core/replay_async.py drives the AsyncScheduler.
 
 Speculative decoding (shared/reference/replay-spec-async.md): config `num_speculative_tokens` = K
 (n-gram-style: no lookahead slots); per request a `drafts` script (drafts offered after each step
@@ -21,12 +23,12 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.replay_trace import ScriptCycle, Trace, TraceRequest, parse_trace
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.core.schedulers import make_scheduler
@@ -35,96 +37,6 @@ from tokenloom.sampling_params import SamplingParams
 
 REPLAY_TOKEN_ID = 7
 DRAFT_TOKEN_ID = 9
-
-# A trace's "config" holds SchedulerConfig and CacheConfig fields by their field names, plus the
-# speculative-decoding extension's keys (shared/reference replay format).
-_SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
-_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
-_SPEC_KEYS = {"num_speculative_tokens", "async_scheduling"}
-
-
-@dataclass
-class TraceRequest:
-    id: str
-    arrival_step: int
-    prompt_token_ids: list[int]
-    max_tokens: int
-    priority: int = 0
-    drafts: list[int] = field(default_factory=list)  # empty: [K]
-    accept: list[int] = field(default_factory=list)  # empty: [0]
-
-
-@dataclass
-class Trace:
-    scheduler_config: SchedulerConfig
-    cache_config: CacheConfig
-    requests: list[TraceRequest] = field(default_factory=list)
-    num_speculative_tokens: int = 0
-    async_scheduling: bool = False
-
-    @property
-    def speculative_config(self) -> SpeculativeConfig | None:
-        k = self.num_speculative_tokens
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=k) if k > 0 else None
-
-
-def _script(r: dict[str, Any], key: str, rid: str) -> list[int]:
-    value = r.get(key) or []
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
-        raise ConfigError(f"trace request {rid!r}: {key} must be a list of integers >= 0, got {value!r}")
-    return list(value)
-
-
-def parse_trace(data: dict[str, Any]) -> Trace:
-    if not isinstance(data, dict) or "config" not in data or "requests" not in data:
-        raise ConfigError('a trace is a JSON object with "config" and "requests"')
-    config = dict(data["config"])
-    unknown = sorted(set(config) - _SCHEDULER_KEYS - _CACHE_KEYS - _SPEC_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown config key(s) in trace: {', '.join(unknown)}")
-    if "num_blocks" not in config:
-        raise ConfigError("trace config needs num_blocks (usable KV blocks in the pool)")
-    sched = SchedulerConfig(**{k: v for k, v in config.items() if k in _SCHEDULER_KEYS})
-    cache = CacheConfig(**{k: v for k, v in config.items() if k in _CACHE_KEYS})
-    k = config.get("num_speculative_tokens", 0)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ConfigError(f"trace config num_speculative_tokens must be an integer >= 0, got {k!r}")
-    async_scheduling = config.get("async_scheduling", False)
-    if not isinstance(async_scheduling, bool):
-        raise ConfigError(f"trace config async_scheduling must be true or false, got {async_scheduling!r}")
-    requests = []
-    for i, r in enumerate(data["requests"]):
-        try:
-            requests.append(
-                TraceRequest(
-                    id=str(r["id"]),
-                    arrival_step=int(r.get("arrival_step", 0)),
-                    prompt_token_ids=[int(t) for t in r["prompt_token_ids"]],
-                    max_tokens=int(r["max_tokens"]),
-                    priority=int(r.get("priority", 0)),
-                    drafts=_script(r, "drafts", str(r.get("id"))),
-                    accept=_script(r, "accept", str(r.get("id"))),
-                )
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"trace request #{i} is malformed: {exc!r}") from exc
-        if requests[-1].arrival_step < 0:
-            raise ConfigError(f"trace request {requests[-1].id!r}: arrival_step must be >= 0")
-    return Trace(sched, cache, requests, num_speculative_tokens=k, async_scheduling=async_scheduling)
-
-
-class _Cycle:
-    """A per-request script, cycled; each use advances its cursor."""
-
-    def __init__(self, values: list[int], default: int) -> None:
-        self.values = values or [default]
-        self.cursor = 0
-
-    def next(self) -> int:
-        value = self.values[self.cursor % len(self.values)]
-        self.cursor += 1
-        return value
-
 
 class ReplayRunner:
     """A runner with no model: a request samples REPLAY_TOKEN_ID when its computed tokens reach
@@ -135,7 +47,7 @@ class ReplayRunner:
     AsyncScheduler's K placeholders, which the scripted runner "fills" with 9s the same way."""
 
     def __init__(self, scheduler: Scheduler, token_id: int = REPLAY_TOKEN_ID,
-                 accept: dict[str, _Cycle] | None = None) -> None:
+                 accept: dict[str, ScriptCycle] | None = None) -> None:
         self.scheduler = scheduler
         self.token_id = token_id
         self.accept = accept or {}
@@ -156,7 +68,7 @@ class ReplayRunner:
             d = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
             a = 0
             if d and rid not in admitted:
-                script = self.accept.setdefault(rid, _Cycle([], 0))
+                script = self.accept.setdefault(rid, ScriptCycle([], 0))
                 a = min(script.next(), d)
             if d:
                 self.spec[rid] = [d, a]
@@ -201,8 +113,8 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
     scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
                                speculative_config=trace.speculative_config)
     k = trace.num_speculative_tokens
-    drafts = {r.id: _Cycle(r.drafts, k) for r in trace.requests}
-    runner = ReplayRunner(scheduler, accept={r.id: _Cycle(r.accept, 0) for r in trace.requests})
+    drafts = {r.id: ScriptCycle(r.drafts, k) for r in trace.requests}
+    runner = ReplayRunner(scheduler, accept={r.id: ScriptCycle(r.accept, 0) for r in trace.requests})
     by_step: dict[int, list[TraceRequest]] = {}
     for r in trace.requests:
         by_step.setdefault(r.arrival_step, []).append(r)
@@ -237,7 +149,7 @@ def unfinished_ids(scheduler: Scheduler) -> list[str]:
     return [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
 
 
-def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, _Cycle], k: int) -> None:
+def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, ScriptCycle], k: int) -> None:
     """The scripted proposer (vLLM's post_step): every request of the batch takes its next value."""
     req_ids = list(output.num_scheduled_tokens)
     lists = []

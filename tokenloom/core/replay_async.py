@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.replay import ReplayRunner, Trace, _Cycle, admit_arrivals, pending_drafts, unfinished_ids
+from tokenloom.core.replay import ReplayRunner, admit_arrivals, pending_drafts, unfinished_ids
+from tokenloom.core.replay_trace import ScriptCycle, Trace
 from tokenloom.core.scheduler import RequestRejected
 from tokenloom.core.schedulers import make_scheduler
 
@@ -50,7 +51,7 @@ def run_steps_async(trace: Trace, max_steps: int = 1_000_000) -> Iterator[AsyncS
     """Drive the AsyncScheduler over the trace in the batch queue's call order."""
     scheduler = make_scheduler(trace.scheduler_config, trace.cache_config, clock=lambda: 0.0,
                                speculative_config=trace.speculative_config)
-    runner = ReplayRunner(scheduler, accept={r.id: _Cycle(r.accept, 0) for r in trace.requests})
+    runner = ReplayRunner(scheduler, accept={r.id: ScriptCycle(r.accept, 0) for r in trace.requests})
     by_step: dict[int, list] = {}
     for r in trace.requests:
         by_step.setdefault(r.arrival_step, []).append(r)
