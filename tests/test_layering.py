@@ -104,3 +104,69 @@ def test_the_checker_sees_upward_sibling_relative_and_torch_imports() -> None:
     assert violations("import torch\n", "tokenloom.core.block_pool")
     assert not violations("from tokenloom.core.request import Request\nimport torch\n", "tokenloom.model.runner")
     assert not violations("from . import datasets\n", "tokenloom.workload", is_package=True)
+
+
+def module_level_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The tokenloom modules one module imports when it is imported: module-level statements only (an
+    import inside a function is a deliberate deferral, one under `if` a TYPE_CHECKING or optional one)."""
+    out: set[str] = set()
+    for node in ast.parse(source).body:
+        body = node.body if isinstance(node, ast.Try) else [node]
+        for stmt in body:
+            if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                targets = {name for _, name in imports(ast.unparse(stmt), module, is_package)}
+                out |= targets
+                if isinstance(stmt, ast.ImportFrom):  # `from tokenloom.server import structured`: the module
+                    out |= {f"{t}.{alias.name}" for t in targets for alias in stmt.names}
+    return out & known
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circle_inside_a_room() -> None:
+    """Within a room too, modules import each other one way (issue 31: server/structured.py and
+    tool_grammar.py imported each other, one of them from inside a function to dodge the circle)."""
+    modules = package_modules()
+    known = {name for name, _ in modules}
+    graph = {name: module_level_imports(path.read_text(), name, path.name == "__init__.py", known)
+             for name, path in modules}
+    assert import_cycles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
