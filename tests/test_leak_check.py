@@ -8,7 +8,7 @@ INNER_CONFTEST = "from tests.conftest import engine_leak_check  # noqa: F401\n"
 
 INNER_TESTS = '''
 from tests.sched_utils import create_requests, create_scheduler
-from tokenloom.core.replay import ReplayRunner
+from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 

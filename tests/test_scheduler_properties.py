@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.replay import ReplayRunner
+from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.core.schedulers import make_scheduler

@@ -16,7 +16,8 @@ from tests.sched_utils import (
 )
 from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import ConfigError, SchedulerConfig
-from tokenloom.core.replay import ReplayRunner, replay
+from tokenloom.core.replay import replay
+from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.replay_trace import parse_trace
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected

@@ -17,7 +17,8 @@ from tests.sched_utils import assert_scheduler_empty, create_requests, decodes_t
 from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.cost_model import CostModel, StepShape, load_step_cost_model
-from tokenloom.core.replay import ReplayRunner, replay
+from tokenloom.core.replay import replay
+from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from tests.test_scheduler_properties import _block_accounting
 from tests.test_slo_budget import LINEAR, _slo_traces
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.cost_model import CostModel
-from tokenloom.core.replay import ReplayRunner
+from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.step_time_correction import (

@@ -5,8 +5,9 @@ Trace:  {"config": {...scheduler and cache knobs...},
 Before step k every request with arrival_step == k is added, in list order. Every request that
 samples in a step samples token id 7; requests stop by max_tokens (or max_model_len).
 Output: one entry per step from step 0 until the last request finishes, idle steps included.
-The trace format itself (parsing, validation, the scripts) is core/replay_trace.py; this module is the
-model-less runner and the synchronous driver; core/replay_async.py drives the AsyncScheduler.
+The trace format itself (parsing, validation, the scripts) is core/replay_trace.py, the model-less runner
+core/replay_runner.py; this module is the synchronous driver and the entry point; core/replay_async.py
+drives the AsyncScheduler.
 
 Speculative decoding (shared/reference/replay-spec-async.md): config `num_speculative_tokens` = K
 (n-gram-style: no lookahead slots); per request a `drafts` script (drafts offered after each step
@@ -22,60 +23,23 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenloom.core.outputs import SchedulerOutput
+from tokenloom.core.replay_runner import (
+    DRAFT_TOKEN_ID,
+    ReplayRunner,
+    admit_arrivals,
+    pending_drafts,
+    unfinished_ids,
+)
 from tokenloom.core.replay_trace import ScriptCycle, Trace, TraceRequest, parse_trace
-from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
-from tokenloom.sampling_params import SamplingParams
-
-REPLAY_TOKEN_ID = 7
-DRAFT_TOKEN_ID = 9
-
-class ReplayRunner:
-    """A runner with no model: a request samples REPLAY_TOKEN_ID when its computed tokens reach
-    its full length (the same rule the real runner follows). With drafts scheduled, a running
-    request accepts the next value of its `accept` script (9s, then the bonus 7); a request admitted
-    in this batch carries first-decode padding, always rejected. `spec` records [drafts, accepted].
-    Under async scheduling it runs right after each schedule() (replay_async.py); its drafts are the
-    AsyncScheduler's K placeholders, which the scripted runner "fills" with 9s the same way."""
-
-    def __init__(self, scheduler: Scheduler, token_id: int = REPLAY_TOKEN_ID,
-                 accept: dict[str, ScriptCycle] | None = None) -> None:
-        self.scheduler = scheduler
-        self.token_id = token_id
-        self.accept = accept or {}
-        self.spec: dict[str, list[int]] = {}
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        admitted = {new.req_id for new in scheduler_output.scheduled_new_reqs}
-        self.spec = {}
-        sampled = []
-        for rid in req_ids:
-            request = self.scheduler.requests[rid]
-            # A partial prefill samples nothing: vLLM's is_prefill_chunk, set by this schedule()
-            # (computed < num_tokens + the placeholders before it; placeholders are 0 in sync mode).
-            if request.is_prefill_chunk:
-                sampled.append([])
-                continue
-            d = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
-            a = 0
-            if d and rid not in admitted:
-                script = self.accept.setdefault(rid, ScriptCycle([], 0))
-                a = min(script.next(), d)
-            if d:
-                self.spec[rid] = [d, a]
-            sampled.append([DRAFT_TOKEN_ID] * a + [self.token_id])
-        return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
-        )
 
 
 @dataclass
@@ -88,24 +52,6 @@ class StepRecord:
     pending_drafts: dict[str, int] = field(default_factory=dict)
     observed: dict[str, list[int]] | None = None  # async: [drafts, accepted] the update counted
     stalled: list[str] | None = None  # a fixed point: the stuck requests (the replay stops here)
-
-
-def pending_drafts(scheduler: Scheduler) -> dict[str, int]:
-    """{id: len(spec_token_ids)} for every request with pending drafts (async: K placeholders)."""
-    return {r.request_id: len(r.spec_token_ids) for r in scheduler.requests.values() if r.spec_token_ids}
-
-
-def admit_arrivals(scheduler: Scheduler, arrivals: Iterable[TraceRequest],
-                   arrival_seq: Iterator[int]) -> Iterator[RequestRejected]:
-    """Add a step's arriving requests to the scheduler, yielding each rejection (named by its id).
-    Arrival order is the FCFS order and the priority tie-break, as time.time() is in vLLM."""
-    for tr in arrivals:
-        params = SamplingParams(max_tokens=tr.max_tokens, temperature=0.0)
-        try:
-            scheduler.add_request(Request(tr.id, tr.prompt_token_ids, params, float(next(arrival_seq)), tr.priority))
-        except RequestRejected as exc:
-            exc.request_id = tr.id  # type: ignore[attr-defined]
-            yield exc
 
 
 def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord | RequestRejected]:
@@ -142,11 +88,6 @@ def run_steps(trace: Trace, max_steps: int = 1_000_000) -> Iterator[StepRecord |
         if stuck:
             return
         step += 1
-
-
-def unfinished_ids(scheduler: Scheduler) -> list[str]:
-    """Running then waiting requests, in the scheduler's order."""
-    return [r.request_id for r in scheduler.running] + [r.request_id for r in scheduler.waiting]
 
 
 def _propose(scheduler: Scheduler, output: SchedulerOutput, drafts: dict[str, ScriptCycle], k: int) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
-from tokenloom.core.replay import ReplayRunner, admit_arrivals, pending_drafts, unfinished_ids
+from tokenloom.core.replay_runner import ReplayRunner, admit_arrivals, pending_drafts, unfinished_ids
 from tokenloom.core.replay_trace import ScriptCycle, Trace
 from tokenloom.core.scheduler import RequestRejected
 from tokenloom.core.schedulers import make_scheduler
