@@ -96,6 +96,7 @@ class _RequestState:
     # sampled token). The scheduler's num_computed_tokens can be ahead of it by the drafts a step
     # still in flight will reject (async scheduling with drafts: it counts them optimistically).
     num_computed: int = 0
+    pooling_params: Any = None  # a pooling request: pooled at its prompt's end instead of sampled
 
 
 @dataclass
@@ -224,6 +225,9 @@ class ModelRunner:
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
         self.last_logits_index: dict[str, int] = {}
+        # A pooling engine over a decoder (--runner pooling): its PoolerConfig (LAST pooling); the
+        # requests that reach their prompt's end are pooled, not sampled (tokenloom/model/pooler.py).
+        self.pooler: Any = None
 
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
         """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
@@ -244,7 +248,10 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
         prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = {}
-        if scheduled:
+        pooled: dict[str, Any] = {}
+        if scheduled and self.pooler is not None:
+            self._run_pooling(self._prepare_inputs(scheduled), pooled)
+        elif scheduled:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
@@ -259,7 +266,28 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs or None,
             failed=failed,
             execute_time=time.perf_counter() - t0,
+            pooler_output=pooled or None,
         )
+
+    def _run_pooling(self, inputs: _StepInputs, pooled: dict[str, Any]) -> None:
+        """A decoder as a pooling model: the last row of each prompt that ends this step, LAST-pooled
+        (a chunk that stops short of its prompt's end pools nothing; its KV stays for the next)."""
+        from tokenloom.model.pooling_runner import pool_request
+
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.layer_attn or inputs.attn, self.kv_caches,
+                inputs.max_position
+            )
+            if not inputs.sample_reqs:
+                return
+            if hidden.shape[0] != inputs.sample_indices.shape[0]:
+                hidden = hidden.index_select(0, inputs.sample_indices)
+            for state, row in zip(inputs.sample_reqs, hidden):
+                params = state.pooling_params
+                if params is None:
+                    raise RuntimeError(f"request {state.req_id!r} is a generation request in a pooling engine")
+                pooled[state.req_id] = pool_request(row.unsqueeze(0), state.token_ids, params, self.pooler)
 
     def _run(
         self,
@@ -406,6 +434,7 @@ class ModelRunner:
             params=params,
             generator=generator,
             num_computed=new.num_computed_tokens,
+            pooling_params=new.pooling_params,
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))
