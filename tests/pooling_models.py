@@ -49,14 +49,23 @@ def minilm_available() -> bool:
 
 
 def _tokenizer(out: Path) -> Any:
-    from transformers import BertTokenizerFast
+    """A lower-casing WordPiece tokenizer over WORDS and letters, BERT's [CLS] a [SEP] b [SEP] template
+    (token type 1 for the pair's second text)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS + list("abcdefghijklmnopqrstuvwxyz.,?!")
-    vocab_file = out / "vocab.txt"
-    vocab_file.write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=True)
-    tok.save_pretrained(out)
-    return tok
+    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+                               + list("abcdefghijklmnopqrstuvwxyz.,?!")))
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]", cls_token="[CLS]",
+                                   pad_token="[PAD]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    fast.save_pretrained(out)
+    return fast
 
 
 def make_tiny_bert(tmp_path: Path, classifier: bool = False, num_labels: int = 3, seed: int = 0,

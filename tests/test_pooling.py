@@ -223,3 +223,36 @@ def test_encoder_scheduling_is_prefill_only_without_chunks(tmp_path):
         assert sum(step.values()) <= 64 and len(step) <= 8
         assert all(n == lens[r] for r, n in step.items())
     assert len(steps) < len(texts)
+
+
+def test_quantized_gguf_decoder_embeds(tmp_path):
+    """A decoder from a quantized GGUF (its weights kept quantized, the default) as a LAST-pooling embedder:
+    close to the float model's last hidden state."""
+    from transformers import AutoModel
+
+    from tests.tiny_models import write_gguf_from_hf
+
+    hf_dir = make_tiny_hf_model(tmp_path, "llama", seed=9)
+    gguf_path = write_gguf_from_hf(hf_dir, tmp_path / "q8.gguf", qtype="Q8_0")
+    llm = LLM(str(gguf_path), runner="pooling", num_blocks=64)
+    assert llm.llm_engine.config.quantization == "gguf"
+    prompt = list(range(5, 30))
+    out = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)[0].outputs.embedding
+    with torch.no_grad():
+        ref = AutoModel.from_pretrained(str(hf_dir)).eval()(torch.tensor([prompt])).last_hidden_state[0, -1]
+    assert _cos(out, ref) > 0.99
+
+
+def test_step_pooling(tmp_path):
+    """STEP: every token's hidden state, kept at the step tag (vLLM's process-reward pooling)."""
+    path = make_tiny_bert(tmp_path, seed=10)
+    llm = LLM(str(path), dtype="float32", pooler_config={"pooling_type": "STEP"})
+    ids = llm.get_tokenizer().encode("the cat . the dog . the mat .")
+    tag = llm.get_tokenizer().encode(".", add_special_tokens=False)[0]
+    params = PoolingParams(normalize=False, step_tag_id=tag, returned_token_ids=[0, 3])
+    out = llm.encode({"prompt_token_ids": ids}, params, pooling_task="token_embed", use_tqdm=False)[0]
+    every = llm.encode({"prompt_token_ids": ids}, PoolingParams(normalize=False), pooling_task="token_embed",
+                       use_tqdm=False)[0].outputs.data
+    rows = [i for i, t in enumerate(ids) if t == tag]
+    assert len(rows) == 3
+    torch.testing.assert_close(out.outputs.data, every[rows][:, [0, 3]])

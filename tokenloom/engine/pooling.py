@@ -141,7 +141,7 @@ def cross_encoder_pair(tokenizer: Any, text_1: str, text_2: str) -> tuple[list[i
     """A cross-encoder's input for one pair: the tokenizer's (text, text_pair) encoding, and where
     token type 1 starts (vLLM's compressed_token_type_ids; None when the tokenizer gives no types)."""
     hf = getattr(tokenizer, "hf", tokenizer)
-    enc = hf(text_1, text_pair=text_2)
+    enc = hf(text_1, text_pair=text_2, return_token_type_ids=True)
     ids = list(enc["input_ids"])
     types = enc.get("token_type_ids")
     split = types.index(1) if types and 1 in types else None
