@@ -245,7 +245,7 @@ class AsyncLLM:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "input")
-        self.check_admission(1)
+        # Admission (--max-waiting-requests) is checked once per batch by the caller (check_admission).
         arrival = time.monotonic()
         core = Request(request_id, prompt_token_ids, None, arrival_time=arrival, priority=priority,
                        pooling_params=params)
