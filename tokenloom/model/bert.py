@@ -5,13 +5,16 @@ cross-encoders (`BertForSequenceClassification`: BERT's pooler, dense + tanh ove
 classifier). No KV cache is kept: a prompt is computed whole in one step (vLLM disables chunked
 prefill for encoders: attention sees the whole sequence).
 
-The step's sequences arrive flattened ([T] token ids, one segment per sequence); every linear layer
-runs on the flat [T, H] rows (no padding), and only the attention scores are computed on a padded
-[B, heads, L, L] view with a key mask, by torch's SDPA.
+The step's sequences arrive flattened ([T] token ids, one segment per sequence, sorted by length by
+the runner); every linear layer runs on the flat [T, H] rows (no padding), and attention runs per
+run of equal-length sequences on a [n, heads, L, L] view of those rows (torch's SDPA, no mask, no
+copy). A first version padded the whole step to its longest sequence with a key mask; grouping by
+length with gathers cost more in index copies than it saved (see docs/pooling.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,30 +198,26 @@ class BertEncoder:
         h = (F.embedding(input_ids, self.word) + F.embedding(positions, self.pos)
              + F.embedding(token_type_ids, self.type))
         h = F.layer_norm(h, (cfg.hidden_size,), *self.emb_ln, eps)
-        b, max_len = len(seq_lens), max(seq_lens)
-        nh, hd = cfg.num_attention_heads, cfg.head_dim
-        single = b == 1
-        if not single:
-            lens = torch.tensor(seq_lens, device=h.device)
-            starts = torch.cumsum(lens, 0) - lens
-            # Padded slot of each flat row: seq * max_len + position in its sequence.
-            seq = torch.repeat_interleave(torch.arange(b, device=h.device), lens)
-            slot = seq * max_len + (torch.arange(h.shape[0], device=h.device) - starts[seq])
-            key_mask = (torch.arange(max_len, device=h.device)[None, :] < lens[:, None])[:, None, None, :]
+        nh, hd, hs = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        # Runs of equal-length sequences attend as one [n, heads, L, L] batch: a view of the flat rows,
+        # no padding, no mask, no copies. The runner sorts a step's sequences by length, so a step has
+        # one run per distinct length.
+        runs: list[tuple[int, int, int]] = []  # (first row, sequences, length)
+        row = 0
+        for length, group in itertools.groupby(seq_lens):
+            n = sum(1 for _ in group)
+            runs.append((row, n, length))
+            row += n * length
         for qkv_w, qkv_b, o_w, o_b, ln1_w, ln1_b, i_w, i_b, d_w, d_b, ln2_w, ln2_b in self.layers:
             qkv = F.linear(h, qkv_w, qkv_b)  # [T, 3H]
-            if single:
-                q, k, v = qkv.view(1, -1, 3, nh, hd).permute(2, 0, 3, 1, 4)
-                ctx = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, cfg.hidden_size)
-            else:
-                padded = qkv.new_zeros(b * max_len, qkv.shape[1])
-                padded.index_copy_(0, slot, qkv)
-                q, k, v = padded.view(b, max_len, 3, nh, hd).permute(2, 0, 3, 1, 4)
-                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-                ctx = ctx.transpose(1, 2).reshape(b * max_len, cfg.hidden_size).index_select(0, slot)
-            h = F.layer_norm(F.linear(ctx, o_w, o_b) + h, (cfg.hidden_size,), ln1_w, ln1_b, eps)
+            parts = []
+            for first, n, length in runs:
+                q, k, v = qkv[first : first + n * length].view(n, length, 3, nh, hd).permute(2, 0, 3, 1, 4)
+                parts.append(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n * length, hs))
+            ctx = parts[0] if len(parts) == 1 else torch.cat(parts)
+            h = F.layer_norm(F.linear(ctx, o_w, o_b) + h, (hs,), ln1_w, ln1_b, eps)
             inter = self.act(F.linear(h, i_w, i_b))
-            h = F.layer_norm(F.linear(inter, d_w, d_b) + h, (cfg.hidden_size,), ln2_w, ln2_b, eps)
+            h = F.layer_norm(F.linear(inter, d_w, d_b) + h, (hs,), ln2_w, ln2_b, eps)
         return h
 
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,8 @@ class EncoderRunner:
         )
 
     def _run(self, batch: list[Any]) -> dict[str, Any]:
+        # Sorted by length: the encoder attends each run of equal lengths as one batch (bert.py).
+        batch = sorted(batch, key=lambda new: len(new.prefill_token_ids))
         ids: list[int] = []
         positions: list[int] = []
         types: list[int] = []
