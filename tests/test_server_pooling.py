@@ -87,7 +87,12 @@ def test_raw_endpoints(minilm_server, reference):
         assert [x["index"] for x in results] == list(np.argsort(ref)[::-1][:3])
         assert results[0]["document"]["text"] == docs[results[0]["index"]]
         assert r.json()["usage"]["total_tokens"] > 0
+    metrics = minilm_server.metrics()
+    assert metrics['tokenloom:prompt_tokens_total{model_name="minilm"}'] > 0
+    assert metrics['tokenloom:request_success_total{finished_reason="stop",model_name="minilm"}'] > 0
     for path, body in (("/classify", {"input": "hi"}), ("/v1/embeddings", {"input": []}),
+                       ("/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}),  # no chat template
+                       ("/v1/embeddings", {"input": [[1, 2], "text"]}), ("/v1/embeddings", {"input": [-1]}),
                        ("/rerank", {"query": "q", "documents": []}), ("/score", {"text_1": "", "text_2": "x"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         r = httpx.post(url + path, json=body, timeout=30)
