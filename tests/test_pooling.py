@@ -182,6 +182,43 @@ def test_tiny_decoder_last_pooling_matches_transformers(tmp_path):
         llm.generate("hello")
 
 
+def _kernels_build() -> bool:
+    from tokenloom.model.kernels import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_tiny_decoder_mean_cls_all_over_chunks(tmp_path, monkeypatch, kernels):
+    """Pooling that reads every row on a decoder: each chunk's rows kept until the prompt ends (with
+    the compiled kernels, whose last layer otherwise computes the sampling rows only, and without)."""
+    from transformers import AutoModel
+
+    if kernels == "0":  # the torch path: as if TOKENLOOM_CPU_KERNELS=0 (read once per process)
+        from tokenloom.model import kernels as kernels_module
+
+        monkeypatch.setitem(kernels_module._state, "tried", True)
+        monkeypatch.setitem(kernels_module._state, "module", None)
+    path = make_tiny_hf_model(tmp_path, "llama", seed=13)
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=16, max_num_seqs=4,
+              num_blocks=64, block_size=4, pooler_config={"pooling_type": "MEAN"})
+    engine = llm.llm_engine
+    assert engine.runner.use_kernels == (kernels == "1" and _kernels_build())
+    assert not engine.cache_config.enable_prefix_caching  # a cached prefix would have no rows to pool
+    assert engine.pooling_info.tasks == ["embed", "token_embed"]
+    prompts = [list(range(3, 3 + n)) for n in (37, 5, 20)]
+    model = AutoModel.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        refs = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    items = [{"prompt_token_ids": p} for p in prompts]
+    means = llm.encode(items, PoolingParams(normalize=False), pooling_task="embed", use_tqdm=False)
+    alls = llm.encode(items, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    for m, a, r in zip(means, alls, refs):
+        torch.testing.assert_close(m.outputs.data, r.mean(0), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.outputs.data, r, atol=1e-4, rtol=1e-4)
+    assert not any(s.pooling_rows for s in engine.runner.requests.values())
+
+
 def test_runner_flags(tmp_path):
     path = make_tiny_hf_model(tmp_path, "llama", seed=6)
     gen = LLM(str(path), dtype="float32", num_blocks=32)
@@ -195,8 +232,9 @@ def test_runner_flags(tmp_path):
         LLM(str(bert), convert="classify")
     with pytest.raises(ConfigError, match="async"):
         LLM(str(bert), async_scheduling=True)
-    with pytest.raises(ConfigError, match="LAST"):
-        LLM(str(path), runner="pooling", pooler_config={"pooling_type": "MEAN"}, num_blocks=32)
+    last = LLM(str(path), runner="pooling", num_blocks=32)
+    assert last.llm_engine.cache_config.enable_prefix_caching  # sound for LAST: the last token is recomputed
+    assert last.llm_engine.pooling_info.tasks == ["embed"]
 
 
 def test_encoder_scheduling_is_prefill_only_without_chunks(tmp_path):

@@ -155,7 +155,8 @@ class LLMEngine:
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
         if self.runner_type == "pooling":
-            self._pool_decoder(path, loaded_config=self.model_config)
+            caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
+            cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
         self.speculative_config = config.speculative_config
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
         if self.speculative_config is not None:
@@ -241,21 +242,24 @@ class LLMEngine:
                     " + normalize" if pooler.normalize else "", ",".join(tasks), max_model_len,
                     token_budget_text(sched_cfg))
 
-    def _pool_decoder(self, path: Any, loaded_config: Any) -> None:
-        """A decoder as an embedding model (--runner pooling / --convert embed): LAST pooling of the
-        final-norm hidden state of the prompt's last token, in the ModelRunner over its KV cache."""
+    def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool) -> bool:
+        """A decoder as an embedding model (--runner pooling / --convert embed), in the ModelRunner over
+        its KV cache: LAST pooling by default (the final-norm hidden state of the prompt's last token);
+        MEAN / CLS / ALL / STEP (--pooler-config, or the token_embed task) keep each chunk's rows until
+        the prompt ends. Returns whether prefix caching stays on: only with LAST pooling and no
+        token_embed task (a cached prefix has no hidden states to pool; vLLM keeps it for LAST)."""
         from tokenloom.model.pooler import PoolingType, resolve_pooler_config
 
         if self.convert != "embed":
             raise ConfigError("a decoder runs as a pooling model with --convert embed only")
         pooler = resolve_pooler_config(path if path.is_dir() else path.parent / "_none", is_encoder=False,
                                        override=self.config.pooler_config)
-        if pooler.pooling_type is not PoolingType.LAST:
-            raise ConfigError(f"{pooler.pooling_type.value} pooling of a decoder is not supported: decoders pool "
-                              "LAST (the causal summary; its hidden state is computed in the prompt's last chunk)")
+        keep_prefix_caching = prefix_caching and pooler.pooling_type is PoolingType.LAST
         self.runner.pooler = pooler
-        self.pooling_info = PoolingInfo(tasks=["embed"], hidden_size=loaded_config.hidden_size, is_encoder=False,
-                                        pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
+        self.pooling_info = PoolingInfo(
+            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"], hidden_size=loaded_config.hidden_size,
+            is_encoder=False, pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
+        return keep_prefix_caching
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         """Grammars for structured outputs; the xgrammar backend is built on the first constrained

@@ -97,6 +97,8 @@ class _RequestState:
     # still in flight will reject (async scheduling with drafts: it counts them optimistically).
     num_computed: int = 0
     pooling_params: Any = None  # a pooling request: pooled at its prompt's end instead of sampled
+    # A pooling request that needs every prompt row (MEAN, CLS, ALL, STEP): its chunks' hidden states.
+    pooling_rows: list = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +137,8 @@ class _StepInputs:
     prompt_rows: list[tuple[_RequestState, int, np.ndarray]] = field(default_factory=list)
     # Speculative decoding: the drafts each sampling request verifies (its 1 + d output rows).
     sample_drafts: list[list[int]] | None = None
+    # Each scheduled request's rows in the flat batch: (state, first row, rows), in batch order.
+    row_spans: list[tuple[_RequestState, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -270,24 +274,48 @@ class ModelRunner:
         )
 
     def _run_pooling(self, inputs: _StepInputs, pooled: dict[str, Any]) -> None:
-        """A decoder as a pooling model: the last row of each prompt that ends this step, LAST-pooled
-        (a chunk that stops short of its prompt's end pools nothing; its KV stays for the next)."""
+        """A decoder as a pooling model. LAST: the last row of each prompt that ends this step. Pooling
+        that reads every row (MEAN, CLS, ALL, STEP, token_* tasks): each chunk's rows are kept until
+        the chunk that ends the prompt, then pooled together (the engine turns prefix caching off for
+        these: a cached prefix has no hidden states). A chunk that stops short pools nothing."""
+        from tokenloom.model.pooler import PoolingType, pooling_type_for
         from tokenloom.model.pooling_runner import pool_request
 
+        def needs_rows(state: _RequestState) -> bool:
+            task = state.pooling_params.task or "embed"
+            return pooling_type_for(task, self.pooler.pooling_type) is not PoolingType.LAST
+
+        for state, _, _ in inputs.row_spans:
+            if state.pooling_params is None:
+                raise RuntimeError(f"request {state.req_id!r} is a generation request in a pooling engine")
+        keep = [span for span in inputs.row_spans if needs_rows(span[0])]
+        if keep:
+            for meta in [inputs.attn, *(inputs.layer_attn or [])]:
+                if getattr(meta, "output_rows", None) is not None:
+                    meta.output_rows = None  # every row's last-layer output, as prompt_logprobs asks
+                    meta.output_kernel = None
         with torch.inference_mode():
             hidden = self.model.forward(
                 inputs.input_ids, inputs.positions, inputs.layer_attn or inputs.attn, self.kv_caches,
                 inputs.max_position
             )
+            for state, first, n in keep:
+                state.pooling_rows.append(hidden[first : first + n].float().clone())
             if not inputs.sample_reqs:
                 return
-            if hidden.shape[0] != inputs.sample_indices.shape[0]:
-                hidden = hidden.index_select(0, inputs.sample_indices)
-            for state, row in zip(inputs.sample_reqs, hidden):
-                params = state.pooling_params
-                if params is None:
-                    raise RuntimeError(f"request {state.req_id!r} is a generation request in a pooling engine")
-                pooled[state.req_id] = pool_request(row.unsqueeze(0), state.token_ids, params, self.pooler)
+            last = hidden
+            if last.shape[0] != inputs.sample_indices.shape[0]:
+                last = last.index_select(0, inputs.sample_indices)
+            for state, row in zip(inputs.sample_reqs, last):
+                if needs_rows(state):
+                    rows = torch.cat(state.pooling_rows)
+                    state.pooling_rows = []
+                    if rows.shape[0] != state.num_prompt_tokens:
+                        raise RuntimeError(f"request {state.req_id!r}: {rows.shape[0]} rows kept for a "
+                                           f"{state.num_prompt_tokens}-token prompt")
+                else:
+                    rows = row.unsqueeze(0)
+                pooled[state.req_id] = pool_request(rows, state.token_ids, state.pooling_params, self.pooler)
 
     def _run(
         self,
@@ -599,6 +627,7 @@ class ModelRunner:
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
             prompt_rows=prompt_rows,
             sample_drafts=[s.drafts for s, smp in zip(scheduled, samples.tolist()) if smp] if has_drafts else None,
+            row_spans=[(s.state, int(q_start[i]), s.num_tokens) for i, s in enumerate(scheduled)],
         )
 
     # Bounds on the decodes sharing one padded attention call: the torch backend's (see
