@@ -228,8 +228,8 @@ class LLM:
         embs = self.encode(texts, pooling_params, use_tqdm, pooling_task="embed",
                            truncate_prompt_tokens=truncate_prompt_tokens)
         by_text = dict(zip(texts, embs))
-        return [ScoringRequestOutput(by_text[a].request_id, ScoringOutput(cosine(by_text[a].outputs.data,
-                                                                                 by_text[b].outputs.data)),
+        return [ScoringRequestOutput(f"{by_text[a].request_id}_{by_text[b].request_id}",
+                                     ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
                                      by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
                 for a, b in pairs]
 
