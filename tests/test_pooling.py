@@ -71,7 +71,18 @@ def test_minilm_truncation_and_errors(minilm):
     with pytest.raises(ValueError, match="maximum context length is 256"):
         llm.embed(long_text, use_tqdm=False)
     out = llm.embed(long_text, use_tqdm=False, truncate_prompt_tokens=16)[0]
-    assert len(out.prompt_token_ids) == 16
+    # Text is truncated by the tokenizer (right, [CLS] ... [SEP] kept), as vLLM's renderer does and as
+    # sentence-transformers' max_seq_length does: the same embedding.
+    assert len(out.prompt_token_ids) == 16 and out.prompt_token_ids[0] == 101 and out.prompt_token_ids[-1] == 102
+    st = minilm[1]
+    saved, st.max_seq_length = st.max_seq_length, 16
+    try:
+        assert _cos(out.outputs.embedding, st.encode(long_text)) >= 0.99999
+    finally:
+        st.max_seq_length = saved
+    ids = llm.get_tokenizer().encode(long_text)
+    kept = llm.embed({"prompt_token_ids": ids}, use_tqdm=False, truncate_prompt_tokens=8)[0].prompt_token_ids
+    assert kept == ids[-8:]  # token ids keep their last k (vLLM)
     with pytest.raises(ValueError, match="empty"):
         llm.embed({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="matryoshka"):

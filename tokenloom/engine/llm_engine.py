@@ -39,6 +39,7 @@ from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.pooling import (
     PoolingInfo,
     check_pooling_engine,
+    encode_text,
     prepare_pooling_params,
     resolve_runner,
     sentence_bert_max_seq_length,
@@ -394,8 +395,13 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.scheduler_config.max_model_len)
+        max_len = self.scheduler_config.max_model_len
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, max_len)
         arrival = self.clock() if arrival_time is None else arrival_time
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
         self.engine_core.add_request(core)

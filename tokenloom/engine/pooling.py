@@ -170,3 +170,20 @@ def cosine(a: Any, b: Any) -> float:
     b = np.asarray(b, dtype=np.float32)
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     return float(np.dot(a, b) / max(na * nb, 1e-8))
+
+
+def encode_text(tokenizer: Any, text: str, truncate_prompt_tokens: int | None, max_model_len: int,
+                add_special_tokens: bool = True) -> list[int]:
+    """A text input's token ids. With truncate_prompt_tokens, as vLLM's renderer does for text: the
+    tokenizer truncates (its truncation side, right for BERT: [CLS] ... [SEP] kept, as
+    sentence-transformers' max_seq_length does); token-id inputs keep their last k (truncate_prompt)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                         "Please request a smaller truncation size.")
+    hf = getattr(tokenizer, "hf", tokenizer)
+    return list(hf(text, add_special_tokens=add_special_tokens, truncation=True, max_length=k)["input_ids"])

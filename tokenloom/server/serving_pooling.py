@@ -33,6 +33,7 @@ from tokenloom.engine.pooling import (
     PoolingInfo,
     cosine,
     cross_encoder_pair,
+    encode_text,
     prepare_pooling_params,
     score_pairs,
     truncate_prompt,
@@ -100,8 +101,10 @@ def _info(state: ServerState) -> PoolingInfo:
     return info
 
 
-def _token_lists(state: ServerState, inp: Any, add_special_tokens: bool = True) -> list[tuple[str | None, list[int]]]:
-    """(text, token ids) per input: a string, strings, token ids, or lists of token ids."""
+def _token_lists(state: ServerState, inp: Any, add_special_tokens: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per input: a string, strings, token ids, or lists of token ids (texts are
+    truncated by the tokenizer, as vLLM's renderer does; token ids later, keeping the last k)."""
     if inp is None:
         raise APIError(400, "input is required", "input")
     if isinstance(inp, str):
@@ -115,7 +118,12 @@ def _token_lists(state: ServerState, inp: Any, add_special_tokens: bool = True) 
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "input must not contain empty strings", "input")
-            out.append((item, state.tokenizer.encode(item, add_special_tokens=add_special_tokens)))
+            try:
+                ids = encode_text(state.tokenizer, item, truncate_prompt_tokens, state.max_model_len,
+                                  add_special_tokens)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "truncate_prompt_tokens") from None
+            out.append((item, ids))
         elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             if not item:
                 raise APIError(400, "input must not contain empty token lists", "input")
@@ -194,7 +202,8 @@ async def create_embedding(raw: Request) -> Response:
     if req.messages is not None:
         prompts = await state.in_tokenizer_thread(_messages_tokens, state, req)
     else:
-        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens)
+        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
+                                                  req.truncate_prompt_tokens)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "embd", request_priority(raw, req.priority))
     if outs is None:
         return Response(status_code=499)
@@ -220,7 +229,8 @@ async def create_pooling(raw: Request) -> Response:
     if req.messages is not None:
         prompts = await state.in_tokenizer_thread(_messages_tokens, state, req)
     else:
-        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens)
+        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
+                                                  req.truncate_prompt_tokens)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "pool", request_priority(raw, req.priority))
     if outs is None:
         return Response(status_code=499)
@@ -237,7 +247,8 @@ async def create_classify(raw: Request) -> Response:
     model = state.model_name(req.model)
     info = _info(state)
     params = _params(info, "classify", req, use_activation=req.use_activation)
-    prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens)
+    prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
+                                                  req.truncate_prompt_tokens)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "classify", request_priority(raw, req.priority))
     if outs is None:
         return Response(status_code=499)
@@ -279,7 +290,7 @@ async def _scores(raw: Request, state: ServerState, req: Any, text_1: Any, text_
                             "label)")
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     params = _params(info, "embed", req)
-    prompts = await state.in_tokenizer_thread(_token_lists, state, texts)
+    prompts = await state.in_tokenizer_thread(_token_lists, state, texts, True, req.truncate_prompt_tokens)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "score", priority)
     if outs is None:
         return None
