@@ -81,6 +81,9 @@ class LLMEngine:
             from tokenloom.model.bert import is_encoder_checkpoint
 
             if is_encoder_checkpoint(path):
+                if config.quantization not in (None, "none"):
+                    raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
+                                      "(quantized weights are the decoders' GGUF path)")
                 self._init_encoder(config, path, clock)
                 return
         device = resolve_device(config.device)
