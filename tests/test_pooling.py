@@ -243,6 +243,17 @@ def test_runner_flags(tmp_path):
         LLM(str(bert), convert="classify")
     with pytest.raises(ConfigError, match="async"):
         LLM(str(bert), async_scheduling=True)
+    with pytest.raises(ConfigError, match="speculative"):
+        LLM(str(path), runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                             "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match="int8"):
+        LLM(str(path), runner="pooling", quantization="int8")
+    with pytest.raises(ConfigError, match="encoder runs in --dtype"):
+        LLM(str(bert), quantization="gguf")
+    dp = LLM.__new__(LLM)  # offline data parallel (engine processes) refuses pooling, before starting any
+    dp._dp, dp.llm_engine = object(), None
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        dp.embed("x", use_tqdm=False)
     last = LLM(str(path), runner="pooling", num_blocks=32)
     assert last.llm_engine.cache_config.enable_prefix_caching  # sound for LAST: the last token is recomputed
     assert last.llm_engine.pooling_info.tasks == ["embed"]
