@@ -316,3 +316,16 @@ def test_step_pooling(tmp_path):
     rows = [i for i, t in enumerate(ids) if t == tag]
     assert len(rows) == 3
     torch.testing.assert_close(out.outputs.data, every[rows][:, [0, 3]])
+
+
+def test_matryoshka_dimensions(tmp_path):
+    """`dimensions` on a model that declares matryoshka embeddings: the first k components, then normalised."""
+    path = make_tiny_bert(tmp_path, seed=14, is_matryoshka=True)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.pooling_info.is_matryoshka
+    full = llm.embed("the cat sat", PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    cut = llm.embed("the cat sat", PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    assert len(cut) == 8
+    torch.testing.assert_close(torch.tensor(cut), torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0))
+    with pytest.raises(ValueError, match="larger than the model"):
+        llm.embed("x", PoolingParams(dimensions=64), use_tqdm=False)
