@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
-    "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
+    "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.model": 2, "tokenloom.router": 2,
     "tokenloom.engine": 3,
@@ -27,7 +27,8 @@ LEVELS = {
     "tokenloom.cli": 7,
     "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
-NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.envs", "tokenloom.core")
+NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params", "tokenloom.envs",
+            "tokenloom.core")
 
 
 def room(module: str) -> str:

@@ -410,3 +410,30 @@ def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None
         sample = driver.time_shape(rows, warmup=2, repeats=5)
         predicted = prof.cost_model.predict(sample.shape)
         assert abs(sample.seconds / predicted - 1) <= tolerance, (rows[0], len(rows), sample.seconds, predicted)
+
+
+def test_pooling_steps_are_priced_as_prefill_and_finish_there() -> None:
+    """Pooling requests through the simulator (issue 33): prefill rows without an LM-head row, pooled
+    in the step that ends the prompt, finished there by the scheduler (blocks back in the pool)."""
+    from tokenloom.pooling_params import PoolingParams
+
+    cost = CostModel(TRUE_COEFFICIENTS)
+    clock = VirtualClock(0.0)
+    runner = SimulatedRunner(cost, clock)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+                      CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False), clock=clock)
+    for i, n in enumerate((10, 30, 40)):
+        sched.add_request(Request(f"p{i}", [3] * n, pooling_params=PoolingParams(task="embed")))
+    steps = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        out = runner.execute_model(so)
+        steps.append((dict(so.num_scheduled_tokens), out.execute_time,
+                      [o.request_id for o in sched.update_from_output(so, out) if o.finished]))
+    # Step 1: 10 + 30 whole and 24 of the 40 (chunked: causal pooling), no LM head anywhere.
+    assert steps[0][0] == {"p0": 10, "p1": 30, "p2": 24} and steps[0][2] == ["p0", "p1"]
+    assert steps[0][1] == pytest.approx(cost.predict(StepShape.of_rows([(0, 10, False), (0, 30, False),
+                                                                         (0, 24, False)])))
+    assert steps[1][0] == {"p2": 16} and steps[1][2] == ["p2"] and len(steps) == 2
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks

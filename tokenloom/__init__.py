@@ -50,6 +50,11 @@ _LAZY = {
     "BeamSearchParams": "tokenloom.sampling_params",
     "RequestOutput": "tokenloom.engine.outputs",
     "CompletionOutput": "tokenloom.engine.outputs",
+    "PoolingParams": "tokenloom.pooling_params",
+    "PoolingRequestOutput": "tokenloom.engine.outputs",
+    "EmbeddingRequestOutput": "tokenloom.engine.outputs",
+    "ClassificationRequestOutput": "tokenloom.engine.outputs",
+    "ScoringRequestOutput": "tokenloom.engine.outputs",
 }
 
 

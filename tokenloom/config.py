@@ -38,6 +38,8 @@ GenerationConfigMode = Literal["auto", "vllm"]
 # no quantized layers (a quantized GGUF dequantized to --dtype). Unset (None) is auto: gguf for a
 # quantized GGUF on CPU, none otherwise (tokenloom/model/loader.py, resolve_quantization).
 Quantization = Literal["int8", "gguf", "none"]
+RunnerType = Literal["auto", "generate", "pooling"]
+ConvertType = Literal["auto", "none", "embed", "classify"]
 # The methods a runner runs: "none" is only a spelling for "no method" in the config.
 QUANTIZATION_METHODS: tuple[str, ...] = ("int8", "gguf")
 
@@ -616,9 +618,22 @@ class EngineConfig:
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)', flags=("-sc",))
 
+    # vLLM's --runner / --convert: one runner type per engine, detected from the checkpoint (auto: a
+    # BERT-style encoder or a *ForSequenceClassification is a pooling model; a causal LM generates).
+    runner: RunnerType = knob("auto", "generate or pooling (embeddings, classification, scoring); auto: from "
+                              "the checkpoint's architecture, as vLLM", simulated=False, reload=True)
+    convert: ConvertType = knob("auto", "what a pooling runner makes of the model: embed (LAST pooling for a "
+                                "decoder) or classify (a classification head); auto: from the checkpoint",
+                                simulated=False, reload=True)
+    pooler_config: dict | None = knob(None, 'override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+                                      '"normalize": false}\' (vLLM\'s --pooler-config)', simulated=False,
+                                      reload=True)
+
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        _check_choice("runner", self.runner, RunnerType)
+        _check_choice("convert", self.convert, ConvertType)
         _check_choice("dtype", self.dtype, DType,
                       " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
                       if self.dtype == "float16" else "")  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -28,6 +29,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    # A pooling request (embed, classify, ...): the runner pools its hidden states when its prompt is
+    # fully computed instead of sampling; None for generation.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -113,6 +117,9 @@ class ModelRunnerOutput:
     # async scheduling it overlaps the scheduling of the next step.
     execute_start: float | None = None
     execute_end: float | None = None
+    # Pooling requests whose prompt this step completed: req_id -> the pooled output (a float32 numpy
+    # array: [H], [L, H], or the class probabilities). vLLM's ModelRunnerOutput.pooler_output.
+    pooler_output: dict[str, Any] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -132,6 +139,7 @@ class EngineCoreOutput:
     num_cache_creation_tokens: int = 0  # prompt tokens written to the prefix cache (vLLM's PrefillStats)
     error: str | None = None
     new_prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # see ModelRunnerOutput
+    pooling_output: Any = None  # a pooling request's result (it finishes in the same output)
 
     @property
     def finished(self) -> bool:

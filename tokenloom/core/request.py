@@ -11,6 +11,7 @@ import enum
 from typing import Any
 
 from tokenloom.core.structured_output import StructuredOutputRequest
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -60,9 +61,15 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         block_size: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # A pooling request (vLLM's Request.pooling_params): prefill only, it finishes when its prompt
+        # is computed and pooled; it samples nothing (its SamplingParams are the defaults, max_tokens 1).
+        self.pooling_params = pooling_params
+        if pooling_params is not None and sampling_params is None:
+            sampling_params = SamplingParams(max_tokens=1)
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = arrival_time
         self.priority = priority

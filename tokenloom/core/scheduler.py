@@ -239,7 +239,13 @@ class Scheduler:
                          kv.num_blocks, kv.kv_cache_groups, kv.max_in_flight_tokens)  # fmt: skip
         if fit.empty:
             raise RequestRejected(f"request {rid!r}: the prompt is empty")
-        if fit.no_room_to_generate:
+        if request.pooling_params is not None:
+            # Prefill only: the whole prompt may use the context (vLLM's pooling models).
+            if request.num_prompt_tokens > self.max_model_len:
+                raise RequestRejected(
+                    f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                    f"max_model_len={self.max_model_len}")
+        elif fit.no_room_to_generate:
             raise RequestRejected(
                 f"request {rid!r}: prompt of {fit.num_prompt_tokens} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
@@ -366,9 +372,9 @@ class Scheduler:
         num_new_tokens = min(num_new_tokens, plan.token_budget - reserve)
         # Never compute a position at or past max_model_len (with drafts: one draft short of the
         # proposer's cap, as vLLM).
-        num_new_tokens = min(
-            num_new_tokens, self.max_model_len - self.num_sampled_tokens_per_step - request.num_computed_tokens
-        )
+        # A pooling request samples nothing: its prompt may fill the context.
+        num_sampled = 0 if request.pooling_params is not None else self.num_sampled_tokens_per_step
+        num_new_tokens = min(num_new_tokens, self.max_model_len - num_sampled - request.num_computed_tokens)
         if plan.hold_decodes and not request.is_prefill:
             return 0
         return num_new_tokens
@@ -506,6 +512,7 @@ class Scheduler:
                     sampling_params=r.sampling_params,
                     block_ids=plan.req_to_new_block_ids[r.request_id],
                     num_computed_tokens=r.num_computed_tokens,
+                    pooling_params=r.pooling_params,
                 )
                 for r in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs
             ],
@@ -745,6 +752,7 @@ class Scheduler:
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        pooler_output = model_runner_output.pooler_output or {}
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             output_is_stale = False
@@ -768,6 +776,17 @@ class Scheduler:
                     EngineCoreOutput(req_id, [], finish_reason="error", error=request.error,
                                      num_cached_tokens=max(request.num_cached_tokens, 0))
                 )
+                continue
+            if request.pooling_params is not None:
+                # Prefill only (vLLM's pooling requests): finished, blocks freed, once the runner pooled it.
+                if req_id in pooler_output:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    request.first_token_time = request.last_token_time = now
+                    self._free_request(request)
+                    stopped.add(id(request))
+                    outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop",
+                                                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                                                    pooling_output=pooler_output[req_id]))
                 continue
             i = index.get(req_id)
             generated = list(sampled[i]) if i is not None and sampled else []

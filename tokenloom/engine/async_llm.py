@@ -30,8 +30,9 @@ from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, Eng
 from tokenloom.engine.dp_client import DPEngineCoreClient
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads it only with the tokenizer
@@ -201,6 +202,10 @@ class AsyncLLM:
             raise EngineDrainingError("the server is shutting down and accepts no new requests")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.info.pooling is not None:
+            raise InvalidRequestError(
+                f"The model `{self.info.model_name}` is a pooling model (tasks: {', '.join(self.info.pooling.tasks)}) "
+                "and does not support generation: use /v1/embeddings, /pooling, /classify, /score or /rerank")
         self.check_prompt(prompt_token_ids, params)
         self.check_admission(params.n)
         arrival = time.monotonic()
@@ -217,6 +222,42 @@ class AsyncLLM:
             self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
                                                arrival, priority))
         self._num_sent += len(cores)
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        stream: RequestStream,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        """A pooling request (params verified, the task set: engine/pooling.py prepare_pooling_params);
+        its PoolingRequestOutput arrives on `stream`. Raises as add_request does."""
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+        if not self.accepting:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if self.info.pooling is None:
+            raise InvalidRequestError(f"The model `{self.info.model_name}` is a generation model and does not "
+                                      "support pooling (embeddings, classification, scores): serve a pooling model")
+        vocab = self.info.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "input")
+        # Admission (--max-waiting-requests) is checked once per batch by the caller (check_admission).
+        arrival = time.monotonic()
+        core = Request(request_id, prompt_token_ids, None, arrival_time=arrival, priority=priority,
+                       pooling_params=params)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, [core], arrival)
+        self._requests[request_id] = _Tracked(stream, [core])
+        stream.pending.add(request_id)
+        self._mirrors[core.request_id] = core
+        self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
+                                           priority, pooling_params=params))
+        self._num_sent += 1
 
     def check_admission(self, num_sequences: int) -> None:
         """Whether `num_sequences` more sequences (a request's n, times its prompts for a batch) may wait:
@@ -336,6 +377,8 @@ class AsyncLLM:
             if out.finished:
                 mirror.finished_time = ts
                 mirror.num_preemptions = batch.num_preemptions.get(out.request_id, 0)
+                if mirror.pooling_params is not None and out.finish_reason == "stop":
+                    stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stop strings ended these: free their blocks now
             self.client.send(AbortRequests(to_abort))
@@ -373,6 +416,20 @@ class AsyncLLM:
     # Figures --------------------------------------------------------------------------------------
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, stats: IterationStats) -> None:
         """Stats for each completion of `out` that just finished; its mirror is dropped."""
+        if isinstance(out, PoolingRequestOutput):
+            core = tracked.cores[0]
+            if not out.finished or self._mirrors.pop(core.request_id, None) is None:
+                return
+            end = core.finished_time or stats.timestamp
+            queued = core.first_scheduled_time
+            reason = "stop" if out.error is None else ("abort" if "abort" in out.error else "error")
+            stats.finished.append(FinishedRequestStats(
+                finish_reason=reason, e2e_latency=end - core.arrival_time,
+                queue_time=None if queued is None else queued - core.arrival_time,
+                num_prompt_tokens=core.num_prompt_tokens, num_generation_tokens=0,
+                inference_time=None if queued is None else end - queued,
+                prefill_time=None if queued is None else end - queued, decode_time=0.0, n_param=1))
+            return
         for comp, core in zip(out.outputs, tracked.cores):
             if comp.finish_reason is None or self._mirrors.pop(core.request_id, None) is None:
                 continue

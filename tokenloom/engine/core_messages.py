@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.scheduler import SchedulerStats
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
+    pooling_params: PoolingParams | None = None  # a pooling request (prefill only, pooled output)
 
 
 @dataclass
@@ -60,6 +62,8 @@ class EngineReady:
     max_in_flight_tokens: int = 0
     # The token budget in force (config.token_budget_labels): /metrics' tokenloom:token_budget_info.
     token_budget: dict[str, str] = field(default_factory=dict)
+    # A pooling model (--runner pooling): its tasks and defaults (engine/pooling.py); None: generation.
+    pooling: Any = None
 
 
 @dataclass

@@ -200,6 +200,7 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         kv_cache_group_windows=[g.sliding_window for g in engine.scheduler.kv_cache_manager.kv_cache_groups],
         max_in_flight_tokens=engine.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
         token_budget=token_budget_labels(engine.scheduler_config),
+        pooling=engine.pooling_info,
     )
     return engine, ready
 
@@ -263,7 +264,7 @@ class EngineCoreProc:
     def _add(self, msg: EngineCoreRequest) -> None:
         self.num_received += 1
         request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                          arrival_time=msg.arrival_time, priority=msg.priority)
+                          arrival_time=msg.arrival_time, priority=msg.priority, pooling_params=msg.pooling_params)
         try:
             self.core.add_request(request)
         except ValueError as exc:  # RequestRejected: the API process validates first, so this is rare

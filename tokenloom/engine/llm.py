@@ -13,7 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
 from tokenloom.engine.llm_engine import LLMEngine, PromptType, engine_config_from_kwargs
-from tokenloom.engine.outputs import RequestOutput
+from tokenloom.engine.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenloom.engine.pooling import cosine, cross_encoder_pair, score_pairs
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -132,6 +142,127 @@ class LLM:
 
         return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
                                    eos, concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
+
+    # Pooling models (vLLM's LLM.encode / embed / classify / score) ---------------------------------
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt (`pooling_task`: embed, classify, score, token_embed, token_classify; the
+        model's first task when None); `outputs.data` is a torch tensor, as vLLM's."""
+        import torch
+
+        engine = self._pooling_engine()
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params_list = ([pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams)
+                       else list(pooling_params))
+        if len(params_list) != len(prompts):
+            raise ValueError("pooling_params must be one PoolingParams or one per prompt")
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                params = params.clone()
+                if truncate_prompt_tokens is not None:
+                    params.truncate_prompt_tokens = truncate_prompt_tokens
+                if pooling_task is not None:
+                    if params.task not in (None, pooling_task):
+                        raise ValueError(f"the PoolingParams' task {params.task!r} is not {pooling_task!r}")
+                    params.task = pooling_task
+                ids.append(engine.add_pooling_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        outs = self._run_pooling(ids, use_tqdm)
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            out.outputs = PoolingOutput(torch.from_numpy(out.outputs.data))
+        return outs
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`, a list of floats)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """The class probabilities of each prompt (`outputs.probs`), from a classification model."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one query against N documents (or N pairs). A cross-encoder scores each
+        pair in one pass (token type ids mark the second text); an embedding model scores the cosine
+        of the two embeddings."""
+        engine = self._pooling_engine()
+        info = engine.pooling_info
+        pairs = score_pairs(data_1, data_2)
+        if info.is_cross_encoder:
+            prompts, params_list = [], []
+            for a, b in pairs:
+                ids, split = cross_encoder_pair(engine.tokenizer, a, b)
+                params = (pooling_params or PoolingParams()).clone()
+                params.extra_kwargs = {"compressed_token_type_ids": split}
+                prompts.append({"prompt_token_ids": ids})
+                params_list.append(params)
+            outs = self.encode(prompts, params_list, use_tqdm, pooling_task="score",
+                               truncate_prompt_tokens=truncate_prompt_tokens)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.reshape(-1)[0])),
+                                         o.prompt_token_ids) for o in outs]
+        if not info.is_embedding_model:
+            raise ValueError("score needs an embedding model or a cross-encoder")
+        texts = list(dict.fromkeys([t for pair in pairs for t in pair]))  # each text embedded once
+        embs = self.encode(texts, pooling_params, use_tqdm, pooling_task="embed",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
+        by_text = dict(zip(texts, embs))
+        return [ScoringRequestOutput(f"{by_text[a].request_id}_{by_text[b].request_id}",
+                                     ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
+                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+                for a, b in pairs]
+
+    def _pooling_engine(self) -> LLMEngine:
+        if self._dp is not None:
+            raise ValueError("pooling models run on one engine: data_parallel_size > 1 is not supported with them")
+        return self.llm_engine
+
+    def _run_pooling(self, ids: list[str], use_tqdm: bool) -> list[PoolingRequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        finals: dict[str, PoolingRequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(finals) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finals])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finals[i] for i in ids]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -26,6 +26,7 @@ from tokenloom.config import (
 )
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.prompt_fit import max_model_len_that_fits
+from tokenloom.core.request import Request
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
@@ -34,7 +35,17 @@ from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
+from tokenloom.engine.pooling import (
+    PoolingInfo,
+    check_pooling_engine,
+    encode_text,
+    prepare_pooling_params,
+    resolve_runner,
+    sentence_bert_max_seq_length,
+    truncate_prompt,
+)
 from tokenloom.engine.trace import StepTracer
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,6 +73,18 @@ class LLMEngine:
         check_async_scheduling(config)
         check_speculative_engine(config)
         path = resolve_model_path(config.model)
+        self.runner_type, self.convert = resolve_runner(config, path)
+        self.pooling_info: PoolingInfo | None = None
+        if self.runner_type == "pooling":
+            check_pooling_engine(config)
+            from tokenloom.model.bert import is_encoder_checkpoint
+
+            if is_encoder_checkpoint(path):
+                if config.quantization not in (None, "none"):
+                    raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
+                                      "(quantized weights are the decoders' GGUF path)")
+                self._init_encoder(config, path, clock)
+                return
         device = resolve_device(config.device)
         if config.quantization not in (None, "none") and device.type != "cpu":  # before minutes of loading
             raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
@@ -134,6 +157,9 @@ class LLMEngine:
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
         self.dtype, self.device = self.runner.dtype, self.runner.device
+        if self.runner_type == "pooling":
+            caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
+            cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
         self.speculative_config = config.speculative_config
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
         if self.speculative_config is not None:
@@ -154,6 +180,89 @@ class LLMEngine:
             token_budget_text(sched_cfg),
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )
+
+    def _init_encoder(self, config: EngineConfig, path: Any, clock: Callable[[], float]) -> None:
+        """A BERT-style encoder as a pooling model: the EncoderRunner (no KV cache), chunked prefill
+        off (bidirectional attention: a prompt is computed in one step, as vLLM), prefix caching off,
+        a block pool that only accounts for one step's tokens (requests finish in the step they run)."""
+        from tokenloom.model.bert import load_bert
+        from tokenloom.model.platform import resolve_device, resolve_dtype
+        from tokenloom.model.pooler import resolve_pooler_config
+        from tokenloom.model.pooling_runner import EncoderRunner
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        self.config = config
+        self.clock = clock
+        self._model_thread = None
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        bert_config, weights = load_bert(path, dtype)
+        self.model_config = bert_config
+        self.model_name = config.model or path.name
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = None
+        self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
+        pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)
+        model_len = bert_config.max_position_embeddings
+        st_len = sentence_bert_max_seq_length(path)
+        if st_len:
+            model_len = min(model_len, st_len)
+        max_model_len = config.max_model_len or model_len
+        if max_model_len > bert_config.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
+                              f"{bert_config.max_position_embeddings} positions")
+        sched_in = config.scheduler or SchedulerConfig()
+        sched_cfg = replace(sched_in, max_model_len=max_model_len, enable_chunked_prefill=False)
+        cache_in = config.cache or CacheConfig()
+        bs = cache_in.block_size
+        num_blocks = cache_in.num_blocks or (-(-sched_cfg.token_budget_ceiling // bs) + sched_cfg.max_num_seqs + 1)
+        cache_cfg = replace(cache_in, num_blocks=num_blocks, enable_prefix_caching=False, layer_windows=None)
+        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        runner = EncoderRunner(path, pooler, block_size=bs, num_blocks=num_blocks, dtype=dtype, device=device,
+                               loaded=(bert_config, weights))
+        del weights
+        self.executor = UniProcExecutor(runner)
+        self.runner = runner
+        self.dtype, self.device = runner.dtype, runner.device
+        self.speculative_config = None
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.structured_output_manager = StructuredOutputManager(lambda: None)
+        self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
+        self.pooling_info = PoolingInfo(
+            tasks=tasks, hidden_size=bert_config.hidden_size, is_encoder=True, pooling_type=pooler.pooling_type.value,
+            normalize=pooler.normalize, is_matryoshka=bool(bert_config.extra.get("is_matryoshka")
+                                                            or bert_config.extra.get("matryoshka_dimensions")),
+            num_labels=bert_config.num_labels, id2label=dict(bert_config.id2label),
+            is_cross_encoder=bert_config.is_classifier)
+        logger.info("tokenloom pooling engine ready in %.1f s: %s (%s, %s) on %s, %s, %s pooling%s, tasks %s, "
+                    "max_model_len %d, %s", time.perf_counter() - t0, self.model_name, bert_config.architecture,
+                    path.name, self.device, str(self.dtype).replace("torch.", ""), pooler.pooling_type.value,
+                    " + normalize" if pooler.normalize else "", ",".join(tasks), max_model_len,
+                    token_budget_text(sched_cfg))
+
+    def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool) -> bool:
+        """A decoder as an embedding model (--runner pooling / --convert embed), in the ModelRunner over
+        its KV cache: LAST pooling by default (the final-norm hidden state of the prompt's last token);
+        MEAN / CLS / ALL / STEP (--pooler-config, or the token_embed task) keep each chunk's rows until
+        the prompt ends. Returns whether prefix caching stays on: only with LAST pooling and no
+        token_embed task (a cached prefix has no hidden states to pool; vLLM keeps it for LAST)."""
+        from tokenloom.model.pooler import PoolingType, resolve_pooler_config
+
+        if self.convert != "embed":
+            raise ConfigError("a decoder runs as a pooling model with --convert embed only")
+        pooler = resolve_pooler_config(path if path.is_dir() else path.parent / "_none", is_encoder=False,
+                                       override=self.config.pooler_config)
+        keep_prefix_caching = prefix_caching and pooler.pooling_type is PoolingType.LAST
+        self.runner.pooler = pooler
+        self.pooling_info = PoolingInfo(
+            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"], hidden_size=loaded_config.hidden_size,
+            is_encoder=False, pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
+        return keep_prefix_caching
 
     def _structured_output_manager(self) -> StructuredOutputManager:
         """Grammars for structured outputs; the xgrammar backend is built on the first constrained
@@ -245,6 +354,9 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
+        if self.pooling_info is not None:
+            raise ValueError(f"{self.model_name} is a pooling model (tasks: {', '.join(self.pooling_info.tasks)}): "
+                             "it does not generate text; use embed / classify / score / encode")
         params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
         if params.structured_outputs is not None:
             from tokenloom.model.grammar import validate_structured_outputs
@@ -265,6 +377,37 @@ class LLMEngine:
             self.engine_core.abort_requests(added)
             raise
         self.output_processor.add_request(request_id, text, token_ids, cores, arrival)
+        return request_id
+
+    def add_pooling_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a pooling request (params.task set: embed, classify, score, token_embed, ...); it
+        finishes with a PoolingRequestOutput once its prompt is computed. ValueError for bad input."""
+        info = self.pooling_info
+        if info is None:
+            raise ValueError(f"{self.model_name} is a generation model: pooling (embed, classify, score) needs a "
+                             "pooling model (--runner pooling)")
+        params = prepare_pooling_params(params, info)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_len = self.scheduler_config.max_model_len
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, max_len)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
+        self.engine_core.add_request(core)
+        self.output_processor.add_request(request_id, text, token_ids, [core], arrival)
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

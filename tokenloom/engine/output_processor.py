@@ -8,11 +8,18 @@ completions into one RequestOutput.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.outputs import EngineCoreOutput, SampleLogprobs
 from tokenloom.core.request import Request
-from tokenloom.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -37,6 +44,7 @@ class _Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    pooling_output: Any = None  # a pooling request's result (a float32 numpy array)
 
     @property
     def finished(self) -> bool:
@@ -73,7 +81,7 @@ class OutputProcessor:
         for i, core in enumerate(core_requests):
             params = core.sampling_params
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and core.pooling_params is None:
                 from tokenloom.model.tokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(
@@ -162,6 +170,8 @@ class OutputProcessor:
         return self._apply_one(comp, out)
 
     def _apply_one(self, comp: _Completion, out: EngineCoreOutput) -> bool:
+        if out.pooling_output is not None:
+            comp.pooling_output = out.pooling_output
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:
@@ -221,9 +231,11 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        outs = [self._completion_output(c) for c in parent.completions]
+    def _make_output(self, parent: _Parent) -> RequestOutput | PoolingRequestOutput:
         first = parent.completions[0].core_request
+        if first.pooling_params is not None:
+            return self._pooling_output(parent)
+        outs = [self._completion_output(c) for c in parent.completions]
         cores = [c.core_request for c in parent.completions]
         finished_times = [r.finished_time for r in cores if r.finished_time is not None]
         metrics = RequestMetrics(
@@ -246,6 +258,24 @@ class OutputProcessor:
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
             error=errors[0] if errors else None,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+        )
+
+    @staticmethod
+    def _pooling_output(parent: _Parent) -> PoolingRequestOutput:
+        comp = parent.completions[0]
+        core = comp.core_request
+        return PoolingRequestOutput(
+            request_id=parent.request_id,
+            outputs=PoolingOutput(comp.pooling_output),
+            prompt_token_ids=parent.prompt_token_ids,
+            num_cached_tokens=max(core.num_cached_tokens, 0),
+            finished=comp.finished,
+            prompt=parent.prompt,
+            error=comp.error if comp.error else (None if comp.finish_reason in (None, "stop") else
+                                                 f"the request ended: {comp.finish_reason}"),
+            metrics=RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=core.first_scheduled_time,
+                                   first_token_time=core.first_token_time, last_token_time=core.last_token_time,
+                                   finished_time=core.finished_time, num_preemptions=core.num_preemptions),
         )
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -69,3 +70,86 @@ class RequestOutput:
     error: str | None = None
     # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+# Pooling models (vLLM's vllm/outputs.py shapes) -----------------------------------------------------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: `data` is a torch tensor ([H], [L, H] or the class probabilities)."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+    prompt: str | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        if data.dim() != 1:
+            raise ValueError("an embedding is one vector per prompt")
+        return cls(out.request_id, EmbeddingOutput(data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -25,7 +25,9 @@ from tokenloom.model.paths import (  # noqa: F401  (re-exported: where the model
     DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_FILE,
     DEFAULT_MODEL_PACKAGE,
+    MINILM_ALIASES,
     default_model_path,
+    minilm_model_path,
     resolve_model_path,
 )
 from tokenloom.model.platform import single_threaded

