@@ -22,16 +22,20 @@ from tests.tiny_models import make_tiny_hf_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-MAX_TOKENS = 160
+MAX_TOKENS = 1000
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+    # Wider, deeper and with a longer context than the other tests' tiny model, so that a request runs
+    # long enough on a quiet machine (~1,000 tokens, seconds) for the kill to land while every stream runs.
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5, hidden_size=256,
+                              intermediate_size=1024, num_hidden_layers=6, max_position_embeddings=2048)
 
 
-def _stream(url: str, prompt: list[int], result: dict) -> None:
-    """One streamed completion: the number of tokens, the finish reason and any error event."""
+def _stream(url: str, prompt: list[int], result: dict, started: threading.Event) -> None:
+    """One streamed completion: the number of tokens, the finish reason and any error event; `started` is
+    set at its first chunk."""
     tokens, finish, error = 0, None, None
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
@@ -42,6 +46,7 @@ def _stream(url: str, prompt: list[int], result: dict) -> None:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                started.set()
                 if "error" in chunk:
                     error = chunk["error"]
                     continue
@@ -69,18 +74,20 @@ def _wait(cond, timeout_s: float = 60.0) -> None:
 def test_engine_deaths_behind_the_router(tiny_dir, tmp_path):
     # --keep-alive-on-engine-death: the server stays up with every engine dead, so the test reads its
     # answers (without it the server exits with code 1: tests/test_chaos.py).
-    args = [str(tiny_dir), "--dtype", "float32", "--num-blocks", "256", "--block-size", "4",
+    args = [str(tiny_dir), "--dtype", "float32", "--num-blocks", "1100", "--block-size", "4",
             "--data-parallel-size", "2", "--routing-policy", "round_robin", "--keep-alive-on-engine-death"]
     with ServerProcess(*args, log_path=tmp_path / "server.log") as server:
         pids = _engine_pids(server)
         assert len(pids) == 2
         results = [{} for _ in range(4)]
-        threads = [threading.Thread(target=_stream, args=(server.url, [5 + i, 17, 33, 61, 90], results[i]))
-                   for i in range(4)]
+        started = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=_stream, args=(server.url, [5 + i, 17, 33, 61, 90], results[i],
+                                                          started[i])) for i in range(4)]
         for t in threads:
             t.start()
             time.sleep(0.05)  # arrival order = round-robin order
-        _wait(lambda: metric(server.metrics(), "tokenloom:num_requests_running") == 4)
+        for event in started:  # every stream has its first tokens: all four are running
+            assert event.wait(120), "a stream never started"
         os.kill(pids[0], signal.SIGKILL)
         for t in threads:
             t.join(180)
