@@ -25,7 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+    # Deeper and with a longer context than the other tests' tiny model: a 480-token request runs long
+    # enough on a quiet machine for ray.kill to land while it runs.
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5, hidden_size=256,
+                              intermediate_size=1024, num_hidden_layers=6, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def test_ray_backend_serves_the_same_tokens_and_survives_a_killed_actor(tiny_dir
     client = make_engine_client(config, "warning")
     assert isinstance(client, DPEngineCoreClient)
     engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # two per engine fit its 256 blocks
 
     async def kill_mid_run() -> tuple[dict, dict]:
         engine.attach()
@@ -91,7 +94,7 @@ def test_ray_backend_serves_the_same_tokens_and_survives_a_killed_actor(tiny_dir
             if e == 0:
                 assert isinstance(outcomes[rid], EngineDeadError) and "engine 0" in str(outcomes[rid]), rid
             else:
-                assert outcomes[rid].finished and len(outcomes[rid].outputs[0].token_ids) == 200, rid
+                assert outcomes[rid].finished and len(outcomes[rid].outputs[0].token_ids) == 480, rid
         assert [h["alive"] for h in engine.engine_health()] == [False, True]
         assert engine.dead_reason is None and engine.accepting
         before = client.router.num_routed[1]
