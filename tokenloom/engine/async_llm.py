@@ -196,12 +196,7 @@ class AsyncLLM:
     ) -> None:
         """Validate and enqueue; raises InvalidRequestError, EngineOverloadedError, EngineDeadError or
         EngineDrainingError before anything is sent. Outputs arrive on `stream`."""
-        if (reason := self.dead_reason) is not None:
-            raise EngineDeadError(reason)
-        if not self.accepting:
-            raise EngineDrainingError("the server is shutting down and accepts no new requests")
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_can_take(request_id)
         if self.info.pooling is not None:
             raise InvalidRequestError(
                 f"The model `{self.info.model_name}` is a pooling model (tasks: {', '.join(self.info.pooling.tasks)}) "
@@ -223,6 +218,16 @@ class AsyncLLM:
                                                arrival, priority))
         self._num_sent += len(cores)
 
+    def _check_can_take(self, request_id: str) -> None:
+        """What every new request needs, generation or pooling: a live engine that still accepts work,
+        and an id not in use."""
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+        if not self.accepting:
+            raise EngineDrainingError("the server is shutting down and accepts no new requests")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+
     def add_pooling_request(
         self,
         request_id: str,
@@ -234,12 +239,7 @@ class AsyncLLM:
     ) -> None:
         """A pooling request (params verified, the task set: engine/pooling.py prepare_pooling_params);
         its PoolingRequestOutput arrives on `stream`. Raises as add_request does."""
-        if (reason := self.dead_reason) is not None:
-            raise EngineDeadError(reason)
-        if not self.accepting:
-            raise EngineDrainingError("the server is shutting down and accepts no new requests")
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._check_can_take(request_id)
         if self.info.pooling is None:
             raise InvalidRequestError(f"The model `{self.info.model_name}` is a generation model and does not "
                                       "support pooling (embeddings, classification, scores): serve a pooling model")

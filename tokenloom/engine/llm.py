@@ -180,7 +180,7 @@ class LLM:
         except Exception:
             engine.abort_request(ids)
             raise
-        outs = self._run_pooling(ids, use_tqdm)
+        outs = self._run(ids, use_tqdm)
         for out in outs:
             if out.error is not None:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
@@ -238,33 +238,9 @@ class LLM:
             raise ValueError("pooling models run on one engine: data_parallel_size > 1 is not supported with them")
         return self.llm_engine
 
-    def _run_pooling(self, ids: list[str], use_tqdm: bool) -> list[PoolingRequestOutput]:
-        engine = self.llm_engine
-        wanted = set(ids)
-        finals: dict[str, PoolingRequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        try:
-            while len(finals) < len(ids):
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError("the engine stopped with requests unfinished")
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finals[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        except BaseException:
-            engine.abort_request([i for i in ids if i not in finals])
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [finals[i] for i in ids]
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
+        """Step the engine until every request of `ids` finished; their final outputs in that order
+        (RequestOutput, or PoolingRequestOutput for a pooling model). The bar shows generated tok/s."""
         engine = self.llm_engine
         wanted = set(ids)
         finals: dict[str, RequestOutput] = {}
@@ -281,7 +257,8 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         finals[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         if bar is not None:
                             bar.update(1)
                             elapsed = bar.format_dict["elapsed"] or 1e-9

@@ -192,6 +192,14 @@ def _encode(vec: np.ndarray, encoding_format: str) -> Any:
     return vec.tolist()
 
 
+async def _prompts(state: Any, req: Any) -> list[list[int]]:
+    """The token ids of an embeddings or pooling request: its chat `messages`, else its `input`."""
+    if req.messages is not None:
+        return await state.in_tokenizer_thread(_messages_tokens, state, req)
+    return await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
+                                           req.truncate_prompt_tokens)
+
+
 async def create_embedding(raw: Request) -> Response:
     state = get_state(raw)
     obj = await read_json(raw, state.config.max_request_body_bytes)
@@ -199,11 +207,7 @@ async def create_embedding(raw: Request) -> Response:
     model = state.model_name(req.model)
     info = _info(state)
     params = _params(info, "embed", req, dimensions=req.dimensions, normalize=req.normalize)
-    if req.messages is not None:
-        prompts = await state.in_tokenizer_thread(_messages_tokens, state, req)
-    else:
-        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
-                                                  req.truncate_prompt_tokens)
+    prompts = await _prompts(state, req)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "embd", request_priority(raw, req.priority))
     if outs is None:
         return Response(status_code=499)
@@ -226,11 +230,7 @@ async def create_pooling(raw: Request) -> Response:
     elif req.use_activation is not None:
         fields = {"use_activation": req.use_activation}
     params = _params(info, task, req, **fields)
-    if req.messages is not None:
-        prompts = await state.in_tokenizer_thread(_messages_tokens, state, req)
-    else:
-        prompts = await state.in_tokenizer_thread(_token_lists, state, req.input, req.add_special_tokens,
-                                                  req.truncate_prompt_tokens)
+    prompts = await _prompts(state, req)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "pool", request_priority(raw, req.priority))
     if outs is None:
         return Response(status_code=499)
