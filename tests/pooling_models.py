@@ -98,3 +98,50 @@ def make_tiny_bert(tmp_path: Path, classifier: bool = False, num_labels: int = 3
             "pooling_mode_cls_token": sentence_transformers_pooling == "cls",
         }))
     return out
+
+
+def _roberta_tokenizer(out: Path) -> Any:
+    """A WordPiece tokenizer with RoBERTa's specials and ids (<s> 0, <pad> 1, </s> 2, <unk> 3) and its
+    templates (<s> A </s>; <s> A </s></s> B </s>), no token type ids (RoBERTa has one type)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = list(dict.fromkeys(["<s>", "<pad>", "</s>", "<unk>", "<mask>"] + WORDS
+                               + list("abcdefghijklmnopqrstuvwxyz.,?!")))
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   sep_token="</s>", cls_token="<s>", pad_token="<pad>", mask_token="<mask>",
+                                   model_input_names=["input_ids", "attention_mask"])
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_tiny_roberta(tmp_path: Path, classifier: bool = False, num_labels: int = 1, seed: int = 0,
+                      xlm: bool = True) -> Path:
+    """A random tiny XLMRobertaModel / XLMRobertaForSequenceClassification (or the Roberta* ones): the
+    architecture of bge-m3, multilingual-e5 and the bge rerankers, every weight random."""
+    import transformers as tf
+
+    out = Path(tmp_path) / f"tiny-{'xlm-' if xlm else ''}roberta-{'cls' if classifier else 'emb'}-s{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _roberta_tokenizer(out)
+    config_cls = tf.XLMRobertaConfig if xlm else tf.RobertaConfig
+    # RoBERTa's table holds padding_idx + 1 unused rows before position 0: 66 rows serve 64 tokens.
+    config = config_cls(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=66, type_vocab_size=1, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2, num_labels=num_labels)
+    if classifier:
+        model_cls = tf.XLMRobertaForSequenceClassification if xlm else tf.RobertaForSequenceClassification
+    else:
+        model_cls = tf.XLMRobertaModel if xlm else tf.RobertaModel
+    model = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.1 if "LayerNorm" in name else 0.2, generator=gen)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pooling_models import SENTENCES, make_tiny_bert, minilm_available
+from tests.pooling_models import SENTENCES, make_tiny_bert, make_tiny_roberta, minilm_available
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, PoolingParams
 from tokenloom.config import ConfigError
@@ -166,6 +166,55 @@ def test_tiny_cross_encoder_classify_and_score(tmp_path):
     with torch.no_grad():
         ref = [torch.sigmoid(hf1(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
     assert np.allclose(scores, ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- tiny random (XLM-)RoBERTa
+
+
+@pytest.mark.parametrize("xlm", [True, False])
+def test_tiny_roberta_matches_transformers(tmp_path, xlm):
+    """RoBERTa's positions start after the padding id: an encoder that counted from 0 (BERT's rule) would
+    read the wrong position rows and fail this by far more than the tolerance."""
+    path = make_tiny_roberta(tmp_path, seed=5, xlm=xlm)
+    texts = ["the cat sat on the mat", "hello world", "a quick brown fox jumps over the lazy dog " * 3, "paris"]
+    ref = _hf_hidden(path, texts)
+    llm = LLM(str(path), dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    assert llm.llm_engine.scheduler_config.max_model_len == 64  # 66 position rows, 2 before position 0
+    outs = llm.encode(texts, PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    for o, r in zip(outs, ref):
+        torch.testing.assert_close(o.outputs.data, r, atol=2e-5, rtol=1e-4)
+    cls = LLM(str(path), dtype="float32").embed(texts[:1], use_tqdm=False)[0].outputs.embedding
+    assert _cos(cls, ref[0][0]) > 0.99999  # CLS (<s>) pooling by default, as for BERT
+    # A pad id inside a sequence keeps position padding_idx and does not advance the count (transformers'
+    # create_position_ids_from_input_ids); token ids in, so no tokenizer hides it.
+    from transformers import AutoModel
+
+    ids = [0, 20, 1, 21, 22, 2]
+    with torch.no_grad():
+        want = AutoModel.from_pretrained(str(path)).eval()(torch.tensor([ids])).last_hidden_state[0]
+    got = llm.encode({"prompt_token_ids": ids}, PoolingParams(normalize=False), pooling_task="token_embed",
+                     use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="64"):
+        llm.embed("the " * 70, use_tqdm=False)
+
+
+def test_tiny_xlm_roberta_reranker_scores(tmp_path):
+    """XLMRobertaForSequenceClassification (the bge-reranker shape): dense + tanh + out_proj over <s>, pairs
+    as <s> a </s></s> b </s> with no token types; scores equal transformers' sigmoid(logit)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = make_tiny_roberta(tmp_path, classifier=True, num_labels=1, seed=6)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.pooling_info.tasks == ["classify", "score"]
+    query, docs = "what is the capital of france", ["paris is the capital of france", "the dog sat", "berlin"]
+    scores = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    with torch.no_grad():
+        ref = [torch.sigmoid(hf(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+    assert np.allclose(scores, ref, atol=1e-5)
+    assert len(set(np.round(scores, 4))) == 3  # random weights still tell the three pairs apart
 
 
 # ----------------------------------------------------------------------------- decoders, LAST pooling

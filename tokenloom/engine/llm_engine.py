@@ -204,14 +204,14 @@ class LLMEngine:
         self.eos_token_id = None
         self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
         pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)
-        model_len = bert_config.max_position_embeddings
+        model_len = bert_config.max_positions
         st_len = sentence_bert_max_seq_length(path)
         if st_len:
             model_len = min(model_len, st_len)
         max_model_len = config.max_model_len or model_len
-        if max_model_len > bert_config.max_position_embeddings:
+        if max_model_len > bert_config.max_positions:
             raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
-                              f"{bert_config.max_position_embeddings} positions")
+                              f"{bert_config.max_positions} positions")
         sched_in = config.scheduler or SchedulerConfig()
         sched_cfg = replace(sched_in, max_model_len=max_model_len, enable_chunked_prefill=False)
         cache_in = config.cache or CacheConfig()

@@ -5,6 +5,8 @@ checks that refuse what pooling does not combine with.
     BertModel (sentence-transformers)         pooling runner, embed: the encoder runner, no KV cache,
                                               pooling from modules.json / 1_Pooling (else CLS)
     BertForSequenceClassification             pooling runner, classify + score (a cross-encoder)
+    Roberta* / XLMRoberta* (bge-m3, e5, the   the same two, with RoBERTa's positions and head
+    bge rerankers)
     *ForCausalLM with --runner pooling        the decoder's runner over its paged KV cache, LAST pooling
     (or --convert embed)                      (chunked prefill and prefix caching stay: both are sound
                                               for a causal model's last token)
@@ -72,7 +74,7 @@ def resolve_runner(config: EngineConfig, path: Path) -> tuple[str, str]:
                           f"(*ForSequenceClassification); {path.name} is {', '.join(archs) or 'not one'}")
     if classifier and not encoder:
         raise ConfigError(f"{', '.join(archs)}: decoder classification heads are not supported; "
-                          "BertForSequenceClassification cross-encoders are")
+                          "BERT / RoBERTa / XLM-RoBERTa *ForSequenceClassification cross-encoders are")
     if convert == "embed" and classifier:
         convert = "classify"  # the head is what the checkpoint is for
     return "pooling", convert

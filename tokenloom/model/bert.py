@@ -2,8 +2,13 @@
 
 Enough for sentence-transformers checkpoints such as all-MiniLM-L6-v2 (`BertModel`) and for
 cross-encoders (`BertForSequenceClassification`: BERT's pooler, dense + tanh over [CLS], then the
-classifier). No KV cache is kept: a prompt is computed whole in one step (vLLM disables chunked
-prefill for encoders: attention sees the whole sequence).
+classifier). RoBERTa and XLM-RoBERTa (bge-m3, multilingual-e5, the bge rerankers) are the same network
+with two differences, both taken from transformers' modeling_roberta: positions start after the padding
+id (`padding_idx + 1`, and a pad token inside a sequence keeps position `padding_idx` without advancing
+the count), and the classification head is dense + tanh + out_proj over <s> with no BERT pooler.
+
+No KV cache is kept: a prompt is computed whole in one step (vLLM disables chunked prefill for
+encoders: attention sees the whole sequence).
 
 The step's sequences arrive flattened ([T] token ids, one segment per sequence, sorted by length by
 the runner); every linear layer runs on the flat [T, H] rows (no padding), and attention runs per
@@ -23,8 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
-ENCODER_MODEL_TYPES = ("bert",)
+ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
+                         "RobertaForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+_ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")
 
 
 def is_encoder_checkpoint(path: Path) -> bool:
@@ -50,7 +57,10 @@ class BertConfig:
     hidden_act: str = "gelu"
     pad_token_id: int = 0
     architecture: str = "BertModel"
-    num_labels: int = 0  # > 0: BertForSequenceClassification
+    # RoBERTa's positions start at pad_token_id + 1 (its embedding table keeps the first rows unused);
+    # BERT's at 0.
+    roberta_positions: bool = False
+    num_labels: int = 0  # > 0: *ForSequenceClassification
     id2label: dict[int, str] = field(default_factory=dict)
     # Classification activation read from the checkpoint (sentence-transformers' CrossEncoder
     # config, else the problem type): "sigmoid" | "softmax" | "identity" | None (vLLM's rule).
@@ -66,9 +76,32 @@ class BertConfig:
     def is_classifier(self) -> bool:
         return self.num_labels > 0
 
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the position table serves (RoBERTa: 514 rows, 512 tokens)."""
+        if self.roberta_positions:
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
+
+    def position_ids(self, token_ids: list[int]) -> list[int]:
+        """A sequence's position ids, as transformers computes them for this architecture."""
+        if not self.roberta_positions:
+            return list(range(len(token_ids)))
+        # modeling_roberta.create_position_ids_from_input_ids: cumsum over non-pad tokens, offset by the
+        # padding id; a pad token sits at padding_idx.
+        pad, out, count = self.pad_token_id, [], 0
+        for t in token_ids:
+            if t == pad:
+                out.append(pad)
+            else:
+                count += 1
+                out.append(pad + count)
+        return out
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> BertConfig:
-        archs = cfg.get("architectures") or ["BertModel"]
+        roberta = cfg.get("model_type") in _ROBERTA_MODEL_TYPES
+        archs = cfg.get("architectures") or ["RobertaModel" if roberta else "BertModel"]
         arch = next((a for a in archs if a in ENCODER_ARCHITECTURES), archs[0])
         if arch not in ENCODER_ARCHITECTURES:
             raise ValueError(f"unsupported encoder architecture {arch!r}; tokenloom runs "
@@ -80,7 +113,7 @@ class BertConfig:
             raise ValueError(f"unsupported hidden_act {act!r} for a BERT encoder")
         id2label = {int(k): v for k, v in (cfg.get("id2label") or {}).items()}
         num_labels = 0
-        if arch == "BertForSequenceClassification":
+        if arch.endswith("ForSequenceClassification"):
             num_labels = int(cfg.get("num_labels") or len(id2label) or 2)
         st_act = (cfg.get("sentence_transformers") or {}).get("activation_fn") or ""
         activation = None
@@ -93,15 +126,16 @@ class BertConfig:
             num_attention_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 512),
             type_vocab_size=cfg.get("type_vocab_size", 2), layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
-            hidden_act=act, pad_token_id=cfg.get("pad_token_id") or 0, architecture=arch, num_labels=num_labels,
+            hidden_act=act, pad_token_id=cfg.get("pad_token_id") or 0, architecture=arch,
+            roberta_positions=roberta or arch.startswith(("Roberta", "XLMRoberta")), num_labels=num_labels,
             id2label=id2label, activation=activation, name=name,
             extra={k: cfg[k] for k in ("is_matryoshka", "matryoshka_dimensions") if k in cfg},
         )
 
 
 def load_bert(path: Path, dtype: torch.dtype = torch.float32) -> tuple[BertConfig, dict[str, torch.Tensor]]:
-    """Config and weights of a BERT directory, named without the `bert.` prefix (checkpoints save
-    both spellings); `position_ids` buffers are dropped."""
+    """Config and weights of a BERT / RoBERTa directory, named without the `bert.` / `roberta.` prefix
+    (checkpoints save both spellings); `position_ids` buffers are dropped."""
     from safetensors import safe_open
 
     config = BertConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
@@ -112,9 +146,9 @@ def load_bert(path: Path, dtype: torch.dtype = torch.float32) -> tuple[BertConfi
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith("position_ids"):
+                if name.endswith(("position_ids", "token_type_ids")):  # buffers, not weights
                     continue
-                weights[name.removeprefix("bert.")] = f.get_tensor(name).to(dtype)
+                weights[name.removeprefix("bert.").removeprefix("roberta.")] = f.get_tensor(name).to(dtype)
     _check_bert_weights(config, weights, path)
     return config, weights
 
@@ -134,7 +168,10 @@ def _check_bert_weights(config: BertConfig, weights: dict[str, torch.Tensor], pa
         expected[p + "attention.output.dense.weight"] = (h, h)
         expected[p + "intermediate.dense.weight"] = (i, h)
         expected[p + "output.dense.weight"] = (h, i)
-    if config.is_classifier:
+    if config.is_classifier and config.roberta_positions:  # RobertaClassificationHead
+        expected["classifier.dense.weight"] = (h, h)
+        expected["classifier.out_proj.weight"] = (config.num_labels, h)
+    elif config.is_classifier:
         expected["classifier.weight"] = (config.num_labels, h)
     for name, shape in expected.items():
         t = weights.get(name)
@@ -180,7 +217,11 @@ class BertEncoder:
         self.act = _act(config.hidden_act)
         self.pooler = None
         self.classifier = None
-        if config.is_classifier:
+        if config.is_classifier and config.roberta_positions:
+            # RobertaClassificationHead: dense + tanh over <s>, then out_proj (it plays BERT's pooler role).
+            self.pooler = (w["classifier.dense.weight"], w["classifier.dense.bias"])
+            self.classifier = (w["classifier.out_proj.weight"], w["classifier.out_proj.bias"])
+        elif config.is_classifier:
             if "pooler.dense.weight" in w:
                 self.pooler = (w["pooler.dense.weight"], w["pooler.dense.bias"])
             self.classifier = (w["classifier.weight"], w["classifier.bias"])
@@ -221,7 +262,8 @@ class BertEncoder:
         return h
 
     def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
-        """BertForSequenceClassification's head over the [CLS] rows: pooler (dense + tanh), classifier."""
+        """The classification head over the [CLS] / <s> rows: dense + tanh (BERT's pooler or RoBERTa's
+        classifier.dense), then the classifier (RoBERTa's out_proj)."""
         assert self.classifier is not None
         x = cls_hidden
         if self.pooler is not None:

@@ -86,7 +86,7 @@ class EncoderRunner:
             failed[req_id] = (f"request {req_id!r} is scheduled in chunks; an encoder computes a prompt in one "
                               "step (chunked prefill must be off)")
         batch = []
-        max_pos = self.model_config.max_position_embeddings
+        max_pos = self.model_config.max_positions
         for new in so.scheduled_new_reqs:
             n = so.num_scheduled_tokens.get(new.req_id, 0)
             tokens = new.prefill_token_ids
@@ -123,14 +123,17 @@ class EncoderRunner:
         positions: list[int] = []
         types: list[int] = []
         lens = []
+        cfg = self.model_config
         for new in batch:
             tokens = new.prefill_token_ids
             n = len(tokens)
             ids.extend(tokens)
-            positions.extend(range(n))
+            positions.extend(cfg.position_ids(tokens))
             # Cross-encoder pairs: the second text's token type is 1 from this index on (vLLM's
-            # compressed_token_type_ids).
+            # compressed_token_type_ids); a model with one token type (RoBERTa) has none.
             split = (new.pooling_params.extra_kwargs or {}).get("compressed_token_type_ids")
+            if cfg.type_vocab_size < 2:
+                split = None
             types.extend([0] * n if split is None else [0] * split + [1] * (n - split))
             lens.append(n)
         dev = self.device
