@@ -145,3 +145,26 @@ def make_tiny_roberta(tmp_path: Path, classifier: bool = False, num_labels: int 
             p.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.1 if "LayerNorm" in name else 0.2, generator=gen)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def add_st_dense(path: Path, layers: list[tuple[int, int, str]], normalize: bool = True, seed: int = 0) -> None:
+    """Turn a tiny BERT saved with sentence-transformers mean pooling into one with Dense projection
+    modules after the pooling ((in, out, activation class path) each, random weights) and a Normalize."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    modules = json.loads((path / "modules.json").read_text())[:2]
+    for i, (fan_in, fan_out, act) in enumerate(layers):
+        folder = f"{2 + i}_Dense"
+        (path / folder).mkdir(exist_ok=True)
+        (path / folder / "config.json").write_text(json.dumps({
+            "in_features": fan_in, "out_features": fan_out, "bias": True, "activation_function": act}))
+        save_file({"linear.weight": torch.randn(fan_out, fan_in, generator=gen) * 0.3,
+                   "linear.bias": torch.randn(fan_out, generator=gen) * 0.1}, str(path / folder / "model.safetensors"))
+        modules.append({"idx": 2 + i, "name": str(2 + i), "path": folder, "type": "sentence_transformers.models.Dense"})
+    if normalize:
+        folder = f"{2 + len(layers)}_Normalize"
+        (path / folder).mkdir(exist_ok=True)
+        modules.append({"idx": 2 + len(layers), "name": str(2 + len(layers)), "path": folder,
+                        "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))

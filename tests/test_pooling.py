@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.pooling_models import SENTENCES, make_tiny_bert, make_tiny_roberta, minilm_available
+from tests.pooling_models import SENTENCES, add_st_dense, make_tiny_bert, make_tiny_roberta, minilm_available
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, PoolingParams
 from tokenloom.config import ConfigError
@@ -166,6 +166,29 @@ def test_tiny_cross_encoder_classify_and_score(tmp_path):
     with torch.no_grad():
         ref = [torch.sigmoid(hf1(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
     assert np.allclose(scores, ref, atol=1e-5)
+
+
+def test_sentence_transformers_dense_modules_match_sentence_transformers(tmp_path):
+    """Dense projections after the pooling (two of them, Tanh then Identity, 32 -> 24 -> 16) and a
+    Normalize: embeddings equal SentenceTransformer.encode, their size is the last out_features, and
+    `dimensions` cuts after the projection."""
+    import sentence_transformers as st_mod  # the test extra: a missing package fails here, never skips
+    path = make_tiny_bert(tmp_path, seed=7, sentence_transformers_pooling="mean")
+    add_st_dense(path, [(32, 24, "torch.nn.modules.activation.Tanh"), (24, 16, "torch.nn.modules.linear.Identity")])
+    texts = ["the cat sat on the mat", "hello world", "a quick brown fox jumps over the lazy dog"]
+    ref = st_mod.SentenceTransformer(str(path), device="cpu").encode(texts, convert_to_numpy=True)
+    assert ref.shape == (3, 16)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.llm_engine.pooling_info.hidden_size == 16
+    got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    assert np.allclose(got, ref, atol=2e-5)
+    # The hidden states are not projected (token_embed), and a bad Dense file is refused by name.
+    rows = llm.encode(texts[:1], PoolingParams(normalize=False), pooling_task="token_embed", use_tqdm=False)
+    assert rows[0].outputs.data.shape[-1] == 32
+    (path / "2_Dense" / "config.json").write_text('{"in_features": 32, "out_features": 24, '
+                                                  '"activation_function": "torch.nn.modules.activation.Softsign"}')
+    with pytest.raises(ValueError, match="Softsign"):
+        LLM(str(path), dtype="float32")
 
 
 # ----------------------------------------------------------------------------- tiny random (XLM-)RoBERTa

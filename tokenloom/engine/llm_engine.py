@@ -234,7 +234,8 @@ class LLMEngine:
         self._ids = itertools.count()
         tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
         self.pooling_info = PoolingInfo(
-            tasks=tasks, hidden_size=bert_config.hidden_size, is_encoder=True, pooling_type=pooler.pooling_type.value,
+            tasks=tasks, hidden_size=pooler.embedding_size(bert_config.hidden_size), is_encoder=True,
+            pooling_type=pooler.pooling_type.value,
             normalize=pooler.normalize, is_matryoshka=bool(bert_config.extra.get("is_matryoshka")
                                                             or bert_config.extra.get("matryoshka_dimensions")),
             num_labels=bert_config.num_labels, id2label=dict(bert_config.id2label),
@@ -260,7 +261,8 @@ class LLMEngine:
         keep_prefix_caching = prefix_caching and pooler.pooling_type is PoolingType.LAST
         self.runner.pooler = pooler
         self.pooling_info = PoolingInfo(
-            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"], hidden_size=loaded_config.hidden_size,
+            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"],
+            hidden_size=pooler.embedding_size(loaded_config.hidden_size),
             is_encoder=False, pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
         return keep_prefix_caching
 

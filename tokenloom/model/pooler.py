@@ -8,8 +8,9 @@ model_executor/layers/pooler.py: the pooling types, the heads' normalisation and
     STEP   ALL, kept at the tokens equal to step_tag_id (process reward models), restricted to
            returned_token_ids' columns
 
-Heads: embed -> first `dimensions` components (matryoshka), then L2 normalisation when
-`normalize`; classify -> the classification head, then softmax (sigmoid with one label) when
+Heads: embed -> the checkpoint's sentence-transformers Dense projections (linear + activation,
+in modules.json order, as vLLM's ST projector), the first `dimensions` components (matryoshka), then
+L2 normalisation when `normalize`; classify -> the classification head, then softmax (sigmoid with one label) when
 `use_activation`. The model's default pooling comes from its sentence-transformers files
 (modules.json, 1_Pooling/config.json, the Normalize module) as vLLM reads them, else from the
 architecture (encoder embed: CLS; decoder: LAST).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,26 @@ class PoolingType(enum.Enum):
     STEP = "STEP"
 
 
+# sentence-transformers saves a Dense module's activation as its torch class path
+# ("torch.nn.modules.activation.Tanh"); the class name picks the function.
+_DENSE_ACTIVATIONS = {
+    "identity": lambda x: x, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": F.relu, "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+@dataclass
+class DenseLayer:
+    """One sentence-transformers Dense module: activation(x @ weight.T + bias), on the pooled vector."""
+
+    weight: torch.Tensor  # [out_features, in_features], float32
+    bias: torch.Tensor | None
+    activation: str = "identity"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _DENSE_ACTIVATIONS[self.activation](F.linear(x, self.weight, self.bias))
+
+
 @dataclass
 class PoolerConfig:
     """vLLM's PoolerConfig (the fields tokenloom reads): the pooling type and the embed default."""
@@ -45,6 +66,44 @@ class PoolerConfig:
     normalize: bool = True
     # Where the default came from (for the log and the docs): "sentence-transformers" | "architecture".
     source: str = "architecture"
+    # The checkpoint's sentence-transformers Dense projections, applied to embed's pooled vector.
+    dense: list[DenseLayer] = field(default_factory=list)
+
+    def embedding_size(self, hidden_size: int) -> int:
+        """The size of an embedding: the last projection's out_features, else the hidden size."""
+        return int(self.dense[-1].weight.shape[0]) if self.dense else hidden_size
+
+
+def _load_dense(path: Path, folder: str) -> DenseLayer:
+    """A Dense module's config.json and weights (model.safetensors, else pytorch_model.bin), with the key
+    spellings vLLM accepts (`linear.weight`, `weight`, `dense.weight`)."""
+    where = path / folder
+    cfg_file = where / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path}: Dense module {folder!r} has no config.json")
+    cfg = json.loads(cfg_file.read_text())
+    act_path = cfg.get("activation_function") or "torch.nn.modules.linear.Identity"
+    activation = act_path.rsplit(".", 1)[-1].lower()
+    if activation not in _DENSE_ACTIVATIONS:
+        raise ValueError(f"{path}: Dense module {folder!r}: activation {act_path!r} is not supported "
+                         f"({', '.join(sorted(_DENSE_ACTIVATIONS))})")
+    if (where / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(where / "model.safetensors"))
+    elif (where / "pytorch_model.bin").is_file():
+        state = torch.load(str(where / "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path}: Dense module {folder!r} has no model.safetensors or pytorch_model.bin")
+    key = next((k for k in ("linear.weight", "weight", "dense.weight") if k in state), None)
+    if key is None:
+        raise ValueError(f"{path}: Dense module {folder!r}: no linear.weight among {sorted(state)}")
+    weight = state[key].float()
+    bias = state.get(key.replace("weight", "bias"))
+    shape = (cfg.get("out_features"), cfg.get("in_features"))
+    if None not in shape and tuple(weight.shape) != shape:
+        raise ValueError(f"{path}: Dense module {folder!r}: weight {tuple(weight.shape)}, config says {shape}")
+    return DenseLayer(weight, None if bias is None else bias.float(), activation)
 
 
 _ST_MODES = {  # 1_Pooling/config.json flag -> pooling type (vLLM's get_pooling_config)
@@ -56,13 +115,16 @@ _ST_MODES = {  # 1_Pooling/config.json flag -> pooling type (vLLM's get_pooling_
 
 def sentence_transformers_pooling(path: Path) -> PoolerConfig | None:
     """The pooling a sentence-transformers checkpoint declares (modules.json), or None without one.
-    Raises for what tokenloom does not run (max pooling, Dense projection layers)."""
+    Raises for what tokenloom does not run (max, mean_sqrt_len and weighted mean pooling)."""
     modules_file = path / "modules.json"
     if not path.is_dir() or not modules_file.is_file():
         return None
     modules = json.loads(modules_file.read_text())
     pooling_type = None
     normalize = False
+    dense: list[DenseLayer] = []
+    if isinstance(modules, dict):  # some checkpoints wrap the list (vLLM reads both)
+        modules = modules.get("modules", [])
     for module in modules:
         kind = module.get("type", "")
         if kind.endswith("models.Pooling"):
@@ -80,10 +142,14 @@ def sentence_transformers_pooling(path: Path) -> PoolerConfig | None:
         elif kind.endswith("models.Normalize"):
             normalize = True
         elif kind.endswith("models.Dense"):
-            raise ValueError(f"{path}: sentence-transformers Dense projection modules are not supported")
+            dense.append(_load_dense(path, module.get("path", "")))
+    for first, second in zip(dense, dense[1:]):
+        if second.weight.shape[1] != first.weight.shape[0]:
+            raise ValueError(f"{path}: Dense modules do not chain ({tuple(first.weight.shape)} then "
+                             f"{tuple(second.weight.shape)})")
     if pooling_type is None:
         return None
-    return PoolerConfig(pooling_type, normalize, source="sentence-transformers")
+    return PoolerConfig(pooling_type, normalize, source="sentence-transformers", dense=dense)
 
 
 def resolve_pooler_config(path: Path, is_encoder: bool, override: dict[str, Any] | None = None) -> PoolerConfig:
@@ -118,8 +184,10 @@ def pool_rows(hidden: torch.Tensor, pooling_type: PoolingType) -> torch.Tensor:
     return hidden
 
 
-def embed_head(x: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+def embed_head(x: torch.Tensor, params: PoolingParams, dense: list[DenseLayer] | None = None) -> torch.Tensor:
     x = x.float()
+    for layer in dense or ():
+        x = layer(x)
     if params.dimensions is not None:
         x = x[..., : params.dimensions]
     if params.normalize:

@@ -53,7 +53,10 @@ def pool_request(rows: torch.Tensor, token_ids: list[int], params: PoolingParams
     pooled = pool_rows(rows, ptype)
     if ptype is PoolingType.STEP:
         pooled = step_select(pooled, token_ids, params)
-    return to_output(embed_head(pooled, params))
+    # sentence-transformers' Dense modules project the sentence embedding only (token_embed's ALL rows
+    # stay the encoder's hidden states, as its `output_value="token_embeddings"`).
+    per_token = ptype in (PoolingType.ALL, PoolingType.STEP)
+    return to_output(embed_head(pooled, params, None if per_token else pooler.dense))
 
 
 class EncoderRunner:
