@@ -62,6 +62,11 @@ def test_openai_embeddings_create(minilm_server, reference):
         client.embeddings.create(model="other", input="hi")
     with pytest.raises(openai.BadRequestError, match="does not support generation"):
         client.completions.create(model="minilm", prompt="hello", max_tokens=4)
+    # Chat and Responses say the same, not that the encoder has no chat template.
+    with pytest.raises(openai.BadRequestError, match="does not support generation"):
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="does not support generation"):
+        client.responses.create(model="minilm", input="hi")
 
 
 def test_raw_endpoints(minilm_server, reference):

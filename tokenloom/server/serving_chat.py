@@ -63,6 +63,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     reject_unsupported_chat(obj)
     req = parse_model(ChatCompletionRequest, obj)
     state.model_name(req.model)
+    state.check_generates()
     check_chat_request(req, state.vocab_size)
     config = state.config
     check_request_chat_template(req, config.trust_request_chat_template)

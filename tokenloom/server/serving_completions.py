@@ -36,6 +36,7 @@ async def create_completion(raw: Request) -> Response:
     reject_unsupported_completion(obj)
     req = parse_model(CompletionRequest, obj)
     model = state.model_name(req.model)
+    state.check_generates()
     check_completion_request(req, state.vocab_size)
     structured = await state.in_tokenizer_thread(structured_outputs_of, obj)  # off the event loop
     if req.use_beam_search:

@@ -48,6 +48,15 @@ class ServerState:
             raise APIError(404, f"The model `{requested}` does not exist.", "model")
         return requested
 
+    def check_generates(self) -> None:
+        """A generation endpoint on a pooling model: 400 naming the endpoints it serves, before any chat
+        template or tokenization can fail with a less useful message (an encoder has no chat template)."""
+        pooling = getattr(self.engine.info, "pooling", None)
+        if pooling is not None:
+            raise APIError(400, f"The model `{self.model_names[0]}` is a pooling model (tasks: "
+                                f"{', '.join(pooling.tasks)}) and does not support generation: use /v1/embeddings, "
+                                "/pooling, /classify, /score or /rerank", "model")
+
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, lambda: fn(*args, **kwargs))
