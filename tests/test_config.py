@@ -78,3 +78,34 @@ def test_a_json_and_a_bool_knob_get_their_cli_kinds() -> None:
     with pytest.raises(ValueError, match="not JSON"):
         cfg.parse_json("{3")
     assert Extra().speculative_config is None
+
+
+def test_server_options_come_from_server_config_knobs(monkeypatch) -> None:
+    """`tokenloom serve`'s server flags are ServerConfig's knob fields (issue 31): every field but the
+    flagless engine_ready_timeout_s has one, no flag is hand-written in server/cli.py, no server flag
+    shadows an engine flag, and the parsed flags build the ServerConfig their values say."""
+    import dataclasses
+    import inspect
+
+    from tokenloom import envs
+    from tokenloom.server import cli as serve_cli
+    from tokenloom.server.config import ServerConfig, server_args
+
+    knobs = {a.field for a in server_args()}
+    assert knobs == {f.name for f in dataclasses.fields(ServerConfig)} - {"engine_ready_timeout_s"}
+    assert "add_argument(" not in inspect.getsource(serve_cli)
+    assert not {a.flag for a in server_args()} & {a.flag for a in engine_args()}
+    monkeypatch.setattr(envs, "TOKENLOOM_API_KEY", "from-env")
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--port", "9", "--served-model-name", "a", "b", "--max-waiting-requests", "0",
+                              "--max-request-body-bytes", "1MiB", "--shutdown-grace-period", "2.5",
+                              "--allowed-origins", '["http://x"]', "--disable-uvicorn-access-log",
+                              "--tool-strict-level", "parameter"])
+    config = ServerConfig(**{a.field: getattr(args, a.name) for a in server_args()})
+    assert config == ServerConfig(port=9, served_model_names=["a", "b"], max_waiting_requests=None,
+                                  max_request_body_bytes=1 << 20, shutdown_grace_s=2.5, allowed_origins=["http://x"],
+                                  disable_uvicorn_access_log=True, tool_strict_level="parameter", api_key=["from-env"])
+    assert not config.access_log
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--allowed-origins", "not json"])

@@ -82,17 +82,19 @@ def parse_json(text: str) -> Any:
 
 
 def knob(default: Any, help: str, *, arg: str | None = None, parse: Callable[[str], Any] | None = None,
-         flags: tuple[str, ...] = (), simulated: bool = True, reload: bool = False) -> Any:  # fmt: skip
-    """A config field that is also an engine argument.
+         flags: tuple[str, ...] = (), simulated: bool = True, reload: bool = False,
+         nargs: str | None = None) -> Any:  # fmt: skip
+    """A config field that is also an engine (or server) argument.
 
     arg: the keyword / CLI name when vLLM's differs from the field's (`scheduling_policy`);
     parse: text → value for the CLI and sweeps when the type does not say it (sizes);
     flags: extra CLI spellings (`-q`); simulated: False when the simulator does not model it;
-    reload: True when changing it needs a new model load (a sweep on a loaded engine cannot vary it).
+    reload: True when changing it needs a new model load (a sweep on a loaded engine cannot vary it);
+    nargs: argparse's, for a list given as several words (`--api-key k1 k2`; each word through parse).
     A mutable default (a dict) is copied per instance.
     """
     meta = {"knob": True, "help": help, "arg": arg, "parse": parse, "flags": flags, "simulated": simulated,
-            "reload": reload}  # fmt: skip
+            "reload": reload, "nargs": nargs}  # fmt: skip
     if isinstance(default, dict | list):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -665,6 +667,7 @@ class EngineArg:
     flags: tuple[str, ...]  # extra CLI spellings
     simulated: bool  # the simulator models it (tokenloom simulate has the option)
     reload: bool  # changing it needs a new model load
+    nargs: str | None = None  # argparse's nargs for a list of words (then parse reads one word)
 
     @property
     def flag(self) -> str:
@@ -706,7 +709,7 @@ def knobs_of(cls: type, section: str) -> list[EngineArg]:
         out.append(EngineArg(
             name=meta["arg"] or f.name, field=f.name, section=section, default=default, help=meta["help"],
             kind=kind, choices=choices, parse=meta["parse"] or _PARSERS[kind], flags=meta["flags"],
-            simulated=meta["simulated"], reload=meta["reload"] or section == "engine",
+            simulated=meta["simulated"], reload=meta["reload"] or section == "engine", nargs=meta["nargs"],
         ))  # fmt: skip
     return out
 

@@ -36,12 +36,15 @@ def add_engine_arg(group: Any, a: EngineArg, *, field_default: bool = False) -> 
     None ("not given") so the config's own default applies, and their help says what it is."""
     default = a.default if (field_default or a.section == "engine") else None
     text = a.help.replace("%", "%%")
-    if default is None and a.default is not None and a.kind != "bool":
+    if (default is None or field_default) and a.default not in (None, "", []) and a.kind != "bool":
         text += f" (default: {a.default})"
     kwargs: dict[str, Any] = {"default": default, "help": text, "dest": a.name}
     if a.kind == "bool":
         kwargs["action"] = argparse.BooleanOptionalAction
         kwargs["help"] += f" (default: {'on' if a.default else 'off'})"
+    elif a.nargs is not None:
+        kwargs["nargs"] = a.nargs
+        kwargs["type"] = cli_type(a.parse)
     elif a.choices is not None:
         kwargs["choices"] = list(a.choices)
     else:

@@ -2,42 +2,104 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from tokenloom.config import EngineArg, knob, knobs_of, parse_bytes
+
+
+def _json_strings(text: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {text!r} ({exc.msg}); expected a list such as '[\"*\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"  # loopback unless --host says otherwise
-    port: int = 8000
-    api_key: str | list[str] | None = None  # any of several keys will do (vLLM's --api-key k1 k2)
-    served_model_names: list[str] | None = None  # None: the model's name
-    max_waiting_requests: int | None = 1024  # None: unbounded
-    max_request_body_bytes: int = 4 << 20
-    shutdown_grace_s: float = 30.0
-    uvicorn_log_level: str = "info"
-    access_log: bool = True
-    engine_ready_timeout_s: float | None = None  # None: $TOKENLOOM_ENGINE_READY_TIMEOUT (a stall, not the load)
-    root_path: str = ""  # behind a path-based proxy (vLLM's --root-path)
-    enable_force_include_usage: bool = False  # usage on every stream, as if stream_options asked for it
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), vLLM's flag
-    enable_request_id_headers: bool = False  # X-Request-Id on every response (vLLM's middleware)
+    """The server's options. Each `knob(...)` field is a `tokenloom serve` flag (server/cli.py derives the
+    flags from these fields, as engine/args.py does for the engine's): a new option needs no CLI edit."""
+
+    host: str = knob("127.0.0.1", "address to bind (default loopback; 0.0.0.0 exposes the server to the network)")
+    port: int = knob(8000, "port to listen on")
+    # Any of several keys will do (vLLM's --api-key k1 k2); the CLI's default is $TOKENLOOM_API_KEY.
+    api_key: str | list[str] | None = knob(
+        None, "require 'Authorization: Bearer KEY', one of these keys (except /health, /metrics, /version, "
+              "/ping, /load); default $TOKENLOOM_API_KEY, else $VLLM_API_KEY", nargs="+", parse=str)
+    served_model_names: list[str] | None = knob(
+        None, "name(s) clients use in 'model' (default: the model's name)", arg="served_model_name", nargs="+",
+        parse=str)
+    max_waiting_requests: int | None = knob(
+        1024, "answer 429 while this many requests wait to be scheduled (0 or None: no limit)")
+    max_request_body_bytes: int = knob(4 << 20, "answer 413 to larger request bodies, e.g. 4MiB", parse=parse_bytes)
+    shutdown_grace_s: float = knob(
+        30.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cut",
+        arg="shutdown_grace_period")
+    uvicorn_log_level: UvicornLogLevel = knob("info", "uvicorn's log level")
+    disable_uvicorn_access_log: bool = knob(False, "no access log line per request")
+    # A stall, not the load: None reads $TOKENLOOM_ENGINE_READY_TIMEOUT (no flag).
+    engine_ready_timeout_s: float | None = None
+    root_path: str = knob("", "serve under this path prefix too (behind a proxy), e.g. /llm (vLLM's --root-path)")
+    enable_force_include_usage: bool = knob(
+        False, "usage on every streamed chunk and at the end, as if stream_options asked for it")
+    enable_prompt_tokens_details: bool = knob(
+        False, "usage.prompt_tokens_details: cached_tokens (prefix-cache hit) and, in chat, created_cache_tokens "
+               "(vLLM's flag; off: null)")
+    enable_request_id_headers: bool = knob(
+        False, "an X-Request-Id header on every response: the request's own, else a fresh id (vLLM's flag)")
     # CORS, vLLM's flags and defaults: no cross-origin browser access unless origins are listed.
-    allowed_origins: list[str] = field(default_factory=list)
-    allow_credentials: bool = False
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
-    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (it shows the chat template)
-    metrics_prefix: str = "both"  # "vllm", "tokenloom" or "both": the prefix of the Prometheus names
-    max_logprobs: int = 20  # cap on logprobs / top_logprobs / prompt_logprobs (-1: none, and -1 = all tokens)
+    allowed_origins: list[str] = knob(
+        [], "CORS: origins a browser may call from, a JSON list, e.g. '[\"http://localhost:3000\"]' or '[\"*\"]' "
+            "(vLLM's flag; default none: no cross-origin access)", parse=_json_strings)
+    allow_credentials: bool = knob(False, "CORS: allow credentials (vLLM's flag)")
+    allowed_methods: list[str] = knob(["*"], "CORS: allowed methods, a JSON list", parse=_json_strings)
+    allowed_headers: list[str] = knob(["*"], "CORS: allowed request headers, a JSON list", parse=_json_strings)
+    enable_tokenizer_info_endpoint: bool = knob(
+        False, "serve GET /tokenizer_info (it exposes the chat template)")
+    enable_server_load_tracking: bool = knob(False, "accepted for vLLM compatibility: GET /load is always served")
+    metrics_prefix: Literal["both", "vllm", "tokenloom"] = knob(
+        "both", "Prometheus names: vLLM's (vllm:...), tokenloom's (tokenloom:...), or both")
+    max_logprobs: int = knob(
+        20, "the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); -1 (or at "
+            "least the vocabulary) also allows -1, every token")
     # Exit (code 1) when the engine process dies, as vLLM does; True keeps answering 503 instead.
-    keep_alive_on_engine_death: bool = False
+    keep_alive_on_engine_death: bool = knob(
+        False, "when the engine process dies, keep answering 503 instead of exiting with code 1 (vLLM's "
+               "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH); the CLI's default is $TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH")
     # Tool calling (vLLM's flags): tool_choice other than "none" needs both of the first two.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None  # a name in tokenloom.server.tool_parsers.TOOL_PARSERS
-    tool_strict_level: str = "auto"  # "auto" | "function" | "parameter" (vLLM's --tool-strict-level)
-    exclude_tools_when_tool_choice_none: bool = False
+    enable_auto_tool_choice: bool = knob(
+        False, "let the model call tools (tool_choice auto, required, a named function); needs --tool-call-parser "
+               "(vLLM's flag: without it those tool_choice values are a 400)")
+    tool_call_parser: str | None = knob(
+        None, "the model family's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5: <tool_call> JSON blocks) or its "
+              "alias qwen3_json; pythonic (Llama 3.2/4: [f(a=1), ...]); llama3_json / llama4_json (needs "
+              "<|python_tag|> in the vocabulary); mistral is known and refused")
+    tool_strict_level: Literal["auto", "function", "parameter"] = knob(
+        "auto", "grammar floor for tool calls: auto (required / named calls and strict tools constrained), "
+                "function (every call's envelope), parameter (arguments too, as if every tool were strict)")
+    exclude_tools_when_tool_choice_none: bool = knob(
+        False, "do not show the tools to the chat template when tool_choice is none")
     # A request's own chat_template (a Jinja program) is refused unless this is set (vLLM's flag).
-    trust_request_chat_template: bool = False
+    trust_request_chat_template: bool = knob(
+        False, "run a chat_template sent with a request (a Jinja program); refused with 400 otherwise")
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests == 0:  # the CLI's "no limit"
+            self.max_waiting_requests = None
+        if isinstance(self.api_key, list) and not self.api_key:
+            self.api_key = None
+
+    @property
+    def access_log(self) -> bool:
+        return not self.disable_uvicorn_access_log
 
     def usage_details(self, endpoint: str, use_beam_search: bool | None) -> str | None:
         """UsageCounter's `details` for "completion" or "chat": None unless --enable-prompt-tokens-details,
@@ -58,3 +120,8 @@ class ServerConfig:
         if self.tool_strict_level not in ("auto", "function", "parameter"):
             raise ValueError(f"Unknown tool strict level {self.tool_strict_level!r}; expected one of "
                              "auto, function, parameter.")
+
+
+def server_args() -> list[EngineArg]:
+    """The server's options as arguments (the `knob(...)` fields of ServerConfig), in declaration order."""
+    return knobs_of(ServerConfig, "server")
