@@ -1,0 +1,250 @@
+"""--kv-cache-dtype int8 (docs/kv_cache.md): int8 K/V with a float32 scale per token and kv head.
+
+* the arithmetic: quantize then dequantize is within half a step of every value; the kernels' writers
+  (rotary_and_cache, the fused decode step) store what the torch writer stores;
+* every reader against an fp64 reference on the dequantized cache: the fused paged-attention kernel
+  (SIMD and plain loops: AVX-512 decode rows, the tiled AVX2 kernel for chunks, fp32 and bf16 q) and
+  the torch path (padded decode groups, SDPA prefill chunks, sliding windows);
+* the engine: greedy agreement with float KV on the default model (SmolLM2 GGUF, float32: prefill,
+  the fused decode step) and on a sliding-window tiny family; speculative decoding, async scheduling,
+  structured outputs, prefix caching and preemption combined with it; the pool holds ~2x the blocks of
+  bf16 at the same memory and the never-fits check counts them; bad values are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenloom.config import CacheConfig, ConfigError, EngineConfig, kv_cache_row_bytes
+from tokenloom.model import kernels as kernels_mod
+from tokenloom.model.attention import (
+    AttentionLayerSpec,
+    DecodeMetadata,
+    KernelMetadata,
+    PrefillMetadata,
+    TorchAttentionMetadata,
+    causal_offset_mask,
+    dequantize_kv,
+    paged_attention,
+    paged_attention_fused,
+    quantize_kv,
+    write_kv,
+)
+
+K = kernels_mod.cpu_kernels()
+needs_kernels = pytest.mark.skipif(K is None, reason="compiled CPU kernels unavailable on this machine")
+
+
+# --------------------------------------------------------------------------- the arithmetic
+
+
+def test_quantize_dequantize_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 64, generator=g) * torch.logspace(-3, 2, 7)[:, None, None]
+    x[2, 1] = 0.0  # an all-zero row: scale 0, values 0 (no division by zero)
+    x[4, 0, 5] = 300.0  # an outlier sets its row's step
+    q, s = quantize_kv(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == x.shape[:-1]
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    back = dequantize_kv(q, s, torch.float32)
+    err = (back - x).abs()
+    assert bool((err <= s.unsqueeze(-1) * 0.5 * (1 + 1e-5) + 1e-30).all())
+    assert bool((back[2, 1] == 0).all()) and float(s[2, 1]) == 0.0
+
+
+def _int8_cache(seed: int, hkv: int, num_blocks: int, block_size: int, d: int, outlier: float = 20.0):
+    """A random int8 cache (values and scales) from random float K/V."""
+    g = torch.Generator().manual_seed(seed)
+    kf = torch.randn(hkv, num_blocks, block_size, d, generator=g)
+    vf = torch.randn(hkv, num_blocks, block_size, d, generator=g) * 3
+    kf[:, :, :, 3] *= outlier  # a large channel, as RoPE'd keys have
+    kq, ks = quantize_kv(kf)
+    vq, vs = quantize_kv(vf)
+    return kq, vq, ks, vs
+
+
+def _tables(seed: int, num_seqs: int, max_blocks: int, num_blocks: int) -> list[list[int]]:
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    return [perm[i * max_blocks : (i + 1) * max_blocks].tolist() for i in range(num_seqs)]
+
+
+def _reference(qkv, cache, tables, seqs, hq, hkv, d, window=None):
+    """fp64 attention over the dequantized contexts: the ground truth every reader is held to."""
+    kq, vq, ks, vs = cache
+    block_size = kq.shape[2]
+    k_all = dequantize_kv(kq, ks, torch.float64).reshape(hkv, -1, d)
+    v_all = dequantize_kv(vq, vs, torch.float64).reshape(hkv, -1, d)
+    out, row = [], 0
+    for table, (s, n) in zip(tables, seqs):
+        pos = torch.arange(s + n)
+        idx = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        k = k_all[:, idx].repeat_interleave(hq // hkv, 0)
+        v = v_all[:, idx].repeat_interleave(hq // hkv, 0)
+        q = qkv[row : row + n, : hq * d].double().view(n, hq, d).transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * d**-0.5
+        qpos = (s + torch.arange(n))[:, None]
+        visible = pos[None, :] <= qpos
+        if window is not None:
+            visible &= pos[None, :] > qpos - window
+        out.append((scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1).reshape(n, hq * d))
+        row += n
+    return torch.cat(out)
+
+
+# Decodes (one row), a verification-like 4-row chunk, prefill chunks from 0 and continuing a prefix.
+SEQS = [(0, 1), (37, 1), (300, 1), (16, 1), (20, 4), (0, 23), (41, 17), (64, 33)]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 3, 48), (4, 4, 32)],
+                         ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("force_scalar", [False, True], ids=["simd", "scalar"])
+def test_fused_kernel_reads_int8_cache(dtype, block_size, heads, force_scalar) -> None:
+    """The fused paged-attention kernel on an int8 cache vs fp64 attention over its dequantized values."""
+    hq, hkv, d = heads
+    max_blocks = max(-(-(s + n) // block_size) for s, n in SEQS)
+    num_blocks = len(SEQS) * max_blocks + 3
+    cache = _int8_cache(block_size + d, hkv, num_blocks, block_size, d)
+    tables = _tables(1, len(SEQS), max_blocks, num_blocks)
+    total = sum(n for _, n in SEQS)
+    qkv = torch.randn(total, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    q_start = [0]
+    for _, n in SEQS:
+        q_start.append(q_start[-1] + n)
+    meta = KernelMetadata(block_tables=torch.tensor(tables, dtype=torch.int32),
+                          q_start=torch.tensor(q_start, dtype=torch.int32),
+                          pos_start=torch.tensor([s + 0 for s, _ in SEQS], dtype=torch.int32))
+    # The kernel's rows see keys 0 .. pos (the K/V of the step already in the cache).
+    K.set_force_scalar(force_scalar)
+    try:
+        out = paged_attention_fused(K, qkv, hq, cache, meta)
+    finally:
+        K.set_force_scalar(False)
+    ref = _reference(qkv, cache, tables, SEQS, hq, hkv, d)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_torch_path_reads_int8_cache(dtype, window) -> None:
+    """The torch path (decode groups, SDPA / masked prefill chunks, a sliding window) on an int8 cache:
+    write_kv quantizes this step's K/V, the readers dequantize the gathered blocks."""
+    hq, hkv, d, bs = 6, 2, 32, 4
+    seqs = [(5, 1), (30, 1), (12, 1), (0, 11), (17, 6)]
+    max_blocks = max(-(-(s + n) // bs) for s, n in seqs)
+    num_blocks = len(seqs) * max_blocks + 2
+    # No outlier channel here: this path's bf16 GEMMs round the scores to bf16, which a x20 channel
+    # turns into errors of the float path, not of the int8 cache.
+    cache = _int8_cache(5, hkv, num_blocks, bs, d, outlier=1.0)
+    tables = _tables(6, len(seqs), max_blocks, num_blocks)
+    g = torch.Generator().manual_seed(7)
+    total = sum(n for _, n in seqs)
+    q = torch.randn(total, hq, d, generator=g).to(dtype)
+    k = torch.randn(total, hkv, d, generator=g).to(dtype)
+    v = torch.randn(total, hkv, d, generator=g).to(dtype)
+    slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, (s, n) in enumerate(seqs)
+                          for p in range(s, s + n)])
+    dec = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    mb = max(seqs[i][0] // bs + 1 for i in dec)
+    bt = torch.zeros(len(dec), mb, dtype=torch.long)
+    bias = torch.full((1, len(dec), 1, mb * bs), float("-inf"))
+    for j, i in enumerate(dec):
+        s = seqs[i][0]
+        bt[j, : s // bs + 1] = torch.tensor(tables[i][: s // bs + 1])
+        bias[0, j, 0, : s + 1] = 0.0
+    decodes = [DecodeMetadata(0, len(dec), bt.reshape(-1), mb, bias,
+                              query_pos=torch.tensor([seqs[i][0] for i in dec]))]
+    prefills, offset = [], len(dec)
+    for i, (s, n) in enumerate(seqs):
+        if n > 1:
+            mask = causal_offset_mask(s, n, "cpu") if s > 0 else None
+            prefills.append(PrefillMetadata(offset, n, s + n, torch.tensor(tables[i][: -(-(s + n) // bs)]), mask))
+            offset += n
+    meta = TorchAttentionMetadata(slot_mapping=slots, decodes=decodes, prefills=prefills)
+    out = paged_attention(q, k, v, cache, meta, AttentionLayerSpec(window=window))
+    # The step's own K/V went in quantized: the reference reads the cache as written.
+    qkv = torch.cat([q.reshape(total, -1), k.reshape(total, -1), v.reshape(total, -1)], dim=1)
+    ref = _reference(qkv, cache, tables, seqs, hq, hkv, d, window)
+    kq, _ = quantize_kv(k.transpose(0, 1))
+    assert torch.equal(cache[0].view(hkv, -1, d)[:, slots], kq)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_writer_stores_what_the_torch_writer_stores(dtype) -> None:
+    """rotary_and_cache on an int8 cache: V (not rotated) byte for byte as write_kv; K within one step
+    where the kernel's rotation rounds differently from torch's."""
+    from tokenloom.model.config import ModelConfig
+    from tokenloom.model.rotary import RotaryEmbedding
+
+    hq, hkv, d, bs, nb, t = 9, 3, 64, 16, 6, 19
+    config = ModelConfig("llama", vocab_size=32, hidden_size=hq * d, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d)
+    rope = RotaryEmbedding(config, torch.device("cpu"), dtype)
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    positions = torch.randint(0, 500, (t,), generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    cache = (torch.zeros(hkv, nb, bs, d, dtype=torch.int8), torch.zeros(hkv, nb, bs, d, dtype=torch.int8),
+             torch.zeros(hkv, nb, bs), torch.zeros(hkv, nb, bs))
+    expected = tuple(torch.zeros_like(c) for c in cache)
+    cos, sin = rope.tables(positions, int(positions.max()))
+    qk = RotaryEmbedding.apply(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+    write_kv(expected, qk[:, hq:], qkv[:, (hq + hkv) * d :].view(t, hkv, d), slots)
+    cos_t, sin_t = rope.full_tables(int(positions.max()))
+    fused = qkv.clone()
+    K.rotary_and_cache(fused, positions, cos_t, sin_t, hq, cache[0], cache[1], slots, False, cache[2], cache[3])
+    assert torch.equal(cache[1], expected[1]) and torch.equal(cache[3], expected[3])
+    # K: the kernel rotates in its own rounding (checked in test_attention_kernel.py); what it stores is
+    # exactly the torch quantization of the rows it rotated.
+    kq, ks = quantize_kv(fused[:, hq * d : (hq + hkv) * d].view(t, hkv, d).transpose(0, 1))
+    assert torch.equal(cache[0].view(hkv, -1, d)[:, slots], kq)
+    assert torch.equal(cache[2].view(hkv, -1)[:, slots], ks)
+
+
+@needs_kernels
+def test_kernels_refuse_mismatched_scales() -> None:
+    kq = torch.zeros(2, 3, 4, 16, dtype=torch.int8)
+    out, qkv = torch.empty(1, 32), torch.zeros(1, 96)
+    meta = [torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32)]
+    with pytest.raises(RuntimeError, match="int8 KV caches need their k_scale"):
+        K.paged_attention(out, qkv, kq, kq, *meta, 0.25, False)
+    with pytest.raises(RuntimeError, match="float32 \\[Hkv, num_blocks, block_size\\]"):
+        K.paged_attention(out, qkv, kq, kq, *meta, 0.25, False, torch.zeros(2, 3, 5), torch.zeros(2, 3, 5))
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_spellings_refused_by_name(value) -> None:
+    with pytest.raises(ConfigError, match=f"kv_cache_dtype='{value}'.*not built.*supported: auto, int8"):
+        CacheConfig(cache_dtype=value)
+
+
+@pytest.mark.parametrize("value", ["int4", "bf16", "", None, 8])
+def test_other_values_refused(value) -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8"):
+        CacheConfig(cache_dtype=value)
+
+
+def test_engine_args_and_cli_spell_it_as_vllm() -> None:
+    from tokenloom.config import engine_config_from_kwargs
+
+    config = engine_config_from_kwargs(kv_cache_dtype="int8")
+    assert isinstance(config, EngineConfig) and config.cache is not None and config.cache.cache_dtype == "int8"
+    with pytest.raises(ConfigError, match="not built"):
+        engine_config_from_kwargs(kv_cache_dtype="fp8_e5m2")
+
+
+def test_block_bytes_count_values_and_scales() -> None:
+    """A (token, layer, K or V, head) row: D bytes + a 4-byte scale; ~2x the blocks of bf16 (1.88x at
+    D = 64, as llama.cpp's q8_0), ~3.8x of float32."""
+    assert kv_cache_row_bytes(64, 2, "int8") == 68 and kv_cache_row_bytes(64, 2) == 128
+    assert kv_cache_row_bytes(128, 4) / kv_cache_row_bytes(128, 4, "int8") == pytest.approx(3.88, abs=0.01)
