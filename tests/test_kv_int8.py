@@ -482,3 +482,22 @@ def test_data_parallel_engines_take_the_option(tiny_llama) -> None:
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_simulator_sizes_the_int8_pool_as_the_engine() -> None:
+    """`tokenloom simulate --kv-cache-dtype int8` sizes its pool with the engine's int8 block (values +
+    scales): the shipped SmolLM2 profile (bf16, 23040 bytes a token) gives 1.88x the blocks; a profile
+    without the head size refuses int8 by name instead of guessing."""
+    from tokenloom.sim.profile import Profile, load_profile
+    from tokenloom.sim.simulate import engine_configs
+
+    prof = load_profile("default")
+    assert isinstance(prof, Profile) and prof.kv_head_dim == 64
+    _, plain = engine_configs(prof, {"kv_cache_memory": 256 << 20})
+    _, int8 = engine_configs(prof, {"kv_cache_memory": 256 << 20, "kv_cache_dtype": "int8"})
+    assert prof.kv_bytes_per_token_for("int8") == 30 * 2 * 3 * 68
+    assert int8.num_blocks == (256 << 20) // (30 * 2 * 3 * 68 * 16)
+    assert int8.num_blocks / plain.num_blocks == pytest.approx(128 / 68, rel=0.01)
+    prof.kv_head_dim = 0
+    with pytest.raises(ValueError, match="KV head size"):
+        engine_configs(prof, {"kv_cache_dtype": "int8"})
