@@ -134,6 +134,57 @@ def test_fused_kernel_reads_int8_cache(dtype, block_size, heads, force_scalar) -
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels():
+    """The CPU kernels built for an AVX2-only CPU (-march=haswell): on this machine the AVX-512 decode
+    kernel serves one-row queries; on AVX2 CPUs the tiled kernel serves them too, with its int8 tile
+    dequantization. Built once per source change into the kernel cache (~1 min)."""
+    from tokenloom.model.kernels import LDFLAGS, SOURCE, load_cached_extension
+
+    if K is None:
+        pytest.skip("compiled CPU kernels unavailable")
+    module, _ = load_cached_extension("cpu_kernels_haswell", SOURCE,
+                                      ["-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"], LDFLAGS,
+                                      "AVX2-only CPU kernels")
+    assert not module.has_avx512()
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (6, 3, 40)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_avx2_only_build_reads_int8_cache(avx2_kernels, dtype, heads) -> None:
+    """The same reference check on the kernels as an AVX2-only CPU runs them (decodes, verification
+    rows and chunks all through the tiled kernel), and its writer against the torch writer."""
+    hq, hkv, d = heads
+    bs = 16
+    max_blocks = max(-(-(s + n) // bs) for s, n in SEQS)
+    num_blocks = len(SEQS) * max_blocks + 3
+    cache = _int8_cache(d, hkv, num_blocks, bs, d)
+    tables = _tables(3, len(SEQS), max_blocks, num_blocks)
+    total = sum(n for _, n in SEQS)
+    qkv = torch.randn(total, (hq + 2 * hkv) * d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    q_start = [0]
+    for _, n in SEQS:
+        q_start.append(q_start[-1] + n)
+    meta = KernelMetadata(block_tables=torch.tensor(tables, dtype=torch.int32),
+                          q_start=torch.tensor(q_start, dtype=torch.int32),
+                          pos_start=torch.tensor([s for s, _ in SEQS], dtype=torch.int32))
+    out = paged_attention_fused(avx2_kernels, qkv, hq, cache, meta)
+    torch.testing.assert_close(out.double(), _reference(qkv, cache, tables, SEQS, hq, hkv, d), **TOL[dtype])
+    slots = torch.arange(total) * 3 % (num_blocks * bs)
+    written = tuple(torch.zeros_like(c) for c in cache)
+    expected = tuple(torch.zeros_like(c) for c in cache)
+    positions = torch.arange(total)
+    cos = torch.ones(total, d // 2, dtype=dtype)
+    avx2_kernels.rotary_and_cache(qkv.clone(), positions, cos, torch.zeros_like(cos), hq, written[0], written[1],
+                                  slots, False, written[2], written[3])
+    # cos 1, sin 0: the rotation leaves k as it is, so both writers quantize the same rows.
+    k, v = qkv[:, hq * d : (hq + hkv) * d].view(total, hkv, d), qkv[:, (hq + hkv) * d :].view(total, hkv, d)
+    write_kv(expected, k, v, slots)
+    assert all(torch.equal(a, b) for a, b in zip(written, expected))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 9])
 def test_torch_path_reads_int8_cache(dtype, window) -> None:
