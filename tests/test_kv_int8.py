@@ -300,6 +300,18 @@ def test_engine_args_and_cli_spell_it_as_vllm() -> None:
         engine_config_from_kwargs(kv_cache_dtype="fp8_e5m2")
 
 
+@pytest.mark.parametrize("value, said", [("fp8_e4m3", "not built in tokenloom; supported: auto, int8"),
+                                         ("q8_0", "must be one of auto, int8")])
+def test_cli_refuses_before_loading_a_model(value, said, capsys) -> None:
+    from tokenloom.cli import main as cli_main
+
+    try:
+        code = cli_main(["generate", "hi", "--kv-cache-dtype", value])
+    except SystemExit as exc:
+        code = exc.code
+    assert code not in (0, None) and said in capsys.readouterr().err
+
+
 def test_block_bytes_count_values_and_scales() -> None:
     """A (token, layer, K or V, head) row: D bytes + a 4-byte scale; ~2x the blocks of bf16 (1.88x at
     D = 64, as llama.cpp's q8_0), ~3.8x of float32."""
