@@ -378,10 +378,13 @@ def test_greedy_agreement_with_float_kv_on_the_default_model(capsys) -> None:
     assert top1 >= 0.93 * total
 
 
-@pytest.fixture(scope="module")
-def tiny_mistral(tmp_path_factory) -> str:
-    # Mistral's tiny config slides an 8-token window on every layer (the torch attention backend).
-    return str(make_tiny_hf_model(tmp_path_factory.mktemp("mistral"), arch="mistral", seed=12))
+@pytest.fixture(scope="module", params=["mistral", "gemma2"])
+def windowed(request, tmp_path_factory) -> tuple[str, str]:
+    """Sliding-window tiny families (the torch attention backend): Mistral slides an 8-token window on
+    every layer; Gemma 2 alternates windowed and full layers (hybrid KV cache groups: two block tables)
+    and soft-caps its scores."""
+    path = make_tiny_hf_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=12)
+    return request.param, str(path)
 
 
 @pytest.fixture(scope="module")
@@ -403,22 +406,23 @@ def _tiny_run(path: str, prompts, params, **kw) -> tuple[list[list[int]], object
         _close(llm)
 
 
-def test_sliding_window_family_agrees_with_float_kv(tiny_mistral, capsys) -> None:
-    """A sliding-window family (Mistral, 8-token window on every layer, 4-token blocks; the torch
-    attention backend): 48 greedy tokens (6 windows) per prompt with int8 KV against float KV, reported
+def test_sliding_window_family_agrees_with_float_kv(windowed, capsys) -> None:
+    """Sliding-window families (8-token windows, 4-token blocks; the torch attention backend): 48
+    greedy tokens (6 windows) per prompt with int8 KV against float KV, reported
     (a random tiny model's logits are full of near-ties, so one flip changes the rest); the claim is
     teacher-forced: on the float run's prompt + outputs every logprob is within 0.05 nats of the float
     cache's, and the float run's token is the int8 run's top-1 at >= 95 % of the generated positions."""
+    arch, path = windowed
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    want, _ = _tiny_run(tiny_mistral, TINY_PROMPTS, params)
-    got, sched = _tiny_run(tiny_mistral, TINY_PROMPTS, params, kv_cache_dtype="int8")
+    want, _ = _tiny_run(path, TINY_PROMPTS, params)
+    got, sched = _tiny_run(path, TINY_PROMPTS, params, kv_cache_dtype="int8")
     assert sched.kv_cache_manager.kv_cache_groups[0].sliding_window == 8
     agree = [_agreement(w, g) for w, g in zip(want, got)]
     score = SamplingParams(max_tokens=1, prompt_logprobs=1)
     full = [p + w for p, w in zip(TINY_PROMPTS, want)]
     scored = {}
     for kvd in ("auto", "int8"):
-        llm = LLM(tiny_mistral, kv_cache_dtype=kvd, **TINY)
+        llm = LLM(path, kv_cache_dtype=kvd, **TINY)
         try:
             scored[kvd] = llm.generate([{"prompt_token_ids": p} for p in full], score, use_tqdm=False)
         finally:
@@ -432,7 +436,7 @@ def test_sliding_window_family_agrees_with_float_kv(tiny_mistral, capsys) -> Non
                 top1 += b.prompt_logprobs[pos][t].rank == 1
                 total += 1
     with capsys.disabled():
-        print(f"\nint8 vs float KV, tiny Mistral (window 8): free-running agreement {agree} of 48; teacher-forced "
+        print(f"\nint8 vs float KV, tiny {arch} (window 8): free-running agreement {agree} of 48; teacher-forced "
               f"top-1 {top1}/{total}, worst logprob change {worst:.4f}")
     assert worst < 0.05
     assert top1 >= 0.95 * total
