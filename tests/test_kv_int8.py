@@ -568,3 +568,11 @@ def test_simulator_sizes_the_int8_pool_as_the_engine() -> None:
     prof.kv_head_dim = 0
     with pytest.raises(ValueError, match="KV head size"):
         engine_configs(prof, {"kv_cache_dtype": "int8"})
+
+
+def test_an_encoder_refuses_it(tmp_path) -> None:
+    """A BERT-style encoder keeps no KV cache: int8 KV is refused by name, not silently ignored."""
+    from tests.pooling_models import make_tiny_bert
+
+    with pytest.raises(ConfigError, match="an encoder .* keeps no KV cache"):
+        LLM(str(make_tiny_bert(tmp_path, seed=1)), runner="pooling", dtype="float32", kv_cache_dtype="int8")

@@ -83,6 +83,9 @@ class LLMEngine:
                 if config.quantization not in (None, "none"):
                     raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
                                       "(quantized weights are the decoders' GGUF path)")
+                if config.cache is not None and config.cache.cache_dtype != "auto":
+                    raise ConfigError(f"--kv-cache-dtype {config.cache.cache_dtype}: an encoder (BERT-style) keeps "
+                                      "no KV cache; leave it at auto")
                 self._init_encoder(config, path, clock)
                 return
         device = resolve_device(config.device)
