@@ -83,6 +83,9 @@ class LLMEngine:
                 if config.quantization not in (None, "none"):
                     raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
                                       "(quantized weights are the decoders' GGUF path)")
+                if config.cache is not None and config.cache.cache_dtype != "auto":
+                    raise ConfigError(f"--kv-cache-dtype {config.cache.cache_dtype}: an encoder (BERT-style) keeps "
+                                      "no KV cache; leave it at auto")
                 self._init_encoder(config, path, clock)
                 return
         device = resolve_device(config.device)
@@ -126,7 +129,8 @@ class LLMEngine:
                                                hybrid=not cache_cfg.disable_hybrid_kv_cache_manager)
         # A block holds the K/V of one group's layers (all of them with one group).
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype,
-                                               num_layers=layers_per_block(kv_cache_groups))
+                                               num_layers=layers_per_block(kv_cache_groups),
+                                               cache_dtype=cache_cfg.cache_dtype)
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         # The default max_model_len is capped at the longest request the pool can hold, every KV cache
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
@@ -153,6 +157,7 @@ class LLMEngine:
                                                     block_size=cache_cfg.block_size,
                                                     num_blocks=num_blocks, dtype=dtype, device=device,
                                                     kv_cache_groups=kv_cache_groups,
+                                                    kv_cache_dtype=cache_cfg.cache_dtype,
                                                     calibration_token_ids=calibration)
         del loaded
         self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
@@ -173,10 +178,11 @@ class LLMEngine:
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         logger.info(
             "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
-            "(%.0f MiB), max_model_len %d, %s%s", time.perf_counter() - t0, self.model_name, path.name,
+            "(%.0f MiB%s), max_model_len %d, %s%s", time.perf_counter() - t0, self.model_name, path.name,
             self.device, str(self.dtype).replace("torch.", ""),
             f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
-            cache_cfg.block_size, num_blocks * block_bytes / 2**20, sched_cfg.max_model_len,
+            cache_cfg.block_size, num_blocks * block_bytes / 2**20,
+            ", int8 KV" if cache_cfg.cache_dtype == "int8" else "", sched_cfg.max_model_len,
             token_budget_text(sched_cfg),
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )

@@ -45,6 +45,14 @@ as the reference and the fallback (CUDA, or no compiler).
 
 Which of the two a model runs, and the metadata each builds, is an `AttentionBackend`
 (tokenloom/model/attention_backends.py); this module holds the arithmetic and the metadata types.
+
+int8 KV cache (--kv-cache-dtype int8, docs/kv_cache.md): K and V hold int8 values in the same
+[Hkv, num_blocks, block_size, D] shape and each layer's KVCache carries two more tensors, the
+float32 scales [Hkv, num_blocks, block_size] of K and V, one per (token, kv head): value = q * scale,
+scale = absmax / 127 of the row, rounded to nearest even. Both are indexed by block id on dim 1, so
+a block's KV is (values, scales) at one index of a fixed set of tensors. The writers quantize
+(`quantize_kv` here, the kernels' rotary_and_cache and the fused decode step); the torch path
+dequantizes whole gathered blocks, the kernels fold the scales into scores and probabilities.
 """
 
 from __future__ import annotations
@@ -56,10 +64,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenloom.config import kv_cache_row_bytes
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, layers_per_block
 from tokenloom.model.config import ModelConfig
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]
+# (K, V), each [num_kv_heads, num_blocks, block_size, head_dim]; an int8 cache adds (K scales, V scales),
+# each [num_kv_heads, num_blocks, block_size] float32.
+KVCache = tuple[torch.Tensor, ...]
+KV_SCALE_DTYPE = torch.float32  # config.KV_SCALE_BYTES per scale
 
 
 @dataclass(frozen=True)
@@ -213,11 +225,13 @@ class CommonAttentionMetadata:
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                             num_layers: int | None = None) -> int:
-    """Bytes one block takes, K and V, across all layers or the `num_layers` one block holds (with
-    hybrid KV cache groups, the layers of one group: tokenloom/core/kv_cache_groups.py)."""
+                             num_layers: int | None = None, cache_dtype: str = "auto") -> int:
+    """Bytes one block takes, K and V (and an int8 cache's scales), across all layers or the
+    `num_layers` one block holds (with hybrid KV cache groups, the layers of one group:
+    tokenloom/core/kv_cache_groups.py)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * elem
+    row = kv_cache_row_bytes(config.head_dim, elem, cache_dtype)
+    per_layer = 2 * block_size * config.num_key_value_heads * row
     return per_layer * (config.num_hidden_layers if num_layers is None else num_layers)
 
 
@@ -229,8 +243,10 @@ def allocate_kv_cache(
     device: torch.device | str,
     zeroed: bool = True,
     kv_cache_groups: list[KVCacheGroupSpec] | None = None,
+    cache_dtype: str = "auto",
 ) -> list[KVCache]:
-    """One allocation, handed out as a (K, V) pair of views per layer.
+    """One allocation, handed out as a (K, V) pair of views per layer (`cache_dtype` "int8": int8
+    values, and a second allocation of float32 scales handed out as (K scales, V scales) after them).
 
     With KV cache groups (tokenloom/core/kv_cache_groups.py) a block holds one group's layers:
     the allocation has `layers_per_block` slots and layer `group.layer_ids[j]` of every group uses
@@ -247,14 +263,45 @@ def allocate_kv_cache(
     if sorted(slot_of) != list(range(config.num_hidden_layers)):
         raise ValueError(f"the KV cache groups must cover each of the {config.num_hidden_layers} layers once")
     shape = (layers_per_block(groups), 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    full = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
+    make = torch.zeros if zeroed else torch.empty
+    if cache_dtype == "int8":
+        values = make(shape, dtype=torch.int8, device=device)
+        scales = make(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
+        return [(values[slot_of[i], 0], values[slot_of[i], 1], scales[slot_of[i], 0], scales[slot_of[i], 1])
+                for i in range(config.num_hidden_layers)]
+    full = make(shape, dtype=dtype, device=device)
     return [(full[slot_of[i], 0], full[slot_of[i], 1]) for i in range(config.num_hidden_layers)]
 
 
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] rows -> (int8 [..., D], float32 scales [...]): symmetric per row, scale = absmax / 127,
+    round to nearest even; the kernels' quantize_kv_row in the same float32 arithmetic, so either
+    writer stores the same bytes."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    # A float32 tensor / tensor division: `127.0 / amax` (a Python scalar over a tensor) takes a path that
+    # can land an ulp off the IEEE quotient the kernels compute, flipping a .5 tie now and then.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 [..., D] x float32 scales [...] -> [..., D] in `dtype` (the run dtype)."""
+    return (values.float() * scales.unsqueeze(-1)).to(dtype)
+
+
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V ([T, num_kv_heads, head_dim]) at their slots."""
-    k_cache, v_cache = kv_cache
+    """Store this step's K/V ([T, num_kv_heads, head_dim]) at their slots (an int8 cache: quantized,
+    with their scales)."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    if len(kv_cache) == 4:
+        for cache, scales, x in ((k_cache, kv_cache[2], k), (v_cache, kv_cache[3], v)):
+            q, s = quantize_kv(x.transpose(0, 1))
+            cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, q)
+            scales.view(num_heads, -1).index_copy_(1, slot_mapping, s)
+        return
     k_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -287,12 +334,13 @@ def paged_attention_fused(
 ) -> torch.Tensor:
     """Fused CPU kernel: q heads read from the fused qkv rows [T, (Hq + 2 Hkv) * D] (already
     rotated, K/V already in the cache) -> attention output [T, Hq * D]. `packed`: the cache holds
-    the packed bf16 layout (see `pack_kv_layout`)."""
-    k_cache, v_cache = kv_cache
+    the packed bf16 layout (see `pack_kv_layout`). An int8 cache's scales go with it."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_scale, v_scale = (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else (None, None)
     head_dim = k_cache.shape[-1]
     out = torch.empty(qkv.shape[0], num_q_heads * head_dim, dtype=qkv.dtype)
     kernels.paged_attention(out, qkv, k_cache, v_cache, meta.block_tables, meta.q_start, meta.pos_start,
-                            head_dim**-0.5 if scale is None else scale, packed)
+                            head_dim**-0.5 if scale is None else scale, packed, k_scale, v_scale)
     return out
 
 
@@ -307,22 +355,35 @@ def pack_kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCache:
     return k, v
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[Hkv, num_blocks, bs, D] -> [Hkv, len(block_ids) * bs, D], whole blocks at a time."""
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] -> [Hkv, len(block_ids) * bs, D], whole blocks at a time; an int8
+    cache's blocks are dequantized with their `scales` into `dtype` (the gathered copy is made anyway)."""
     num_heads, _, block_size, head_dim = cache.shape
-    return cache.index_select(1, block_ids).view(num_heads, block_ids.numel() * block_size, head_dim)
+    out = cache.index_select(1, block_ids)
+    if scales is not None:
+        assert dtype is not None
+        out = dequantize_kv(out, scales.index_select(1, block_ids), dtype)
+    return out.view(num_heads, block_ids.numel() * block_size, head_dim)
+
+
+def _gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context's K and V blocks, [Hkv, len(block_ids) * bs, D] each, in `dtype`."""
+    if len(kv_cache) == 4:
+        return (_gather_blocks(kv_cache[0], block_ids, kv_cache[2], dtype),
+                _gather_blocks(kv_cache[1], block_ids, kv_cache[3], dtype))
+    return _gather_blocks(kv_cache[0], block_ids), _gather_blocks(kv_cache[1], block_ids)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata,
                       spec: AttentionLayerSpec) -> torch.Tensor:
     """Unfused matmul-softmax-matmul: with q_len of one, SDPA's CPU flash kernel spends its time on
     per-(request, head) overhead; plain batched GEMMs were ~2x faster here."""
-    k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    num_kv_heads, head_dim = kv_cache[0].shape[0], kv_cache[0].shape[-1]
     b = meta.num_seqs
     group = q.shape[1] // num_kv_heads
-    k = _gather_blocks(k_cache, meta.block_tables).view(num_kv_heads, b, -1, head_dim)
-    v = _gather_blocks(v_cache, meta.block_tables).view(num_kv_heads, b, -1, head_dim)
+    k, v = _gather_kv(kv_cache, meta.block_tables, q.dtype)
+    k, v = k.view(num_kv_heads, b, -1, head_dim), v.view(num_kv_heads, b, -1, head_dim)
     # [B, Hq, D] -> [Hkv, B, G, D]: the G query heads sharing a kv head are the rows of one small
     # GEMM against that head's keys, so GQA needs no repeat of K/V.
     qh = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
@@ -340,11 +401,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata,
 
 def _prefill_attention(q: torch.Tensor, kv_cache: KVCache, meta: PrefillMetadata,
                        spec: AttentionLayerSpec) -> torch.Tensor:
-    k_cache, v_cache = kv_cache
     n, num_q_heads, head_dim = q.shape
     # 4-D inputs: with 3-D ones torch's CPU dispatcher falls back to the unfused math kernel.
-    k = _gather_blocks(k_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
-    v = _gather_blocks(v_cache, meta.block_ids)[:, : meta.context_len].unsqueeze(0)
+    k, v = _gather_kv(kv_cache, meta.block_ids, q.dtype)
+    k, v = k[:, : meta.context_len].unsqueeze(0), v[:, : meta.context_len].unsqueeze(0)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     mask = meta.mask_for(spec.window)
     if spec.softcap is not None:

@@ -229,8 +229,9 @@ class CpuKernelAttentionBackend(AttentionBackend):
         assert spec is None or self.supports(spec), "the fused kernel has no sliding window or soft-capping"
         cos, sin = rope_tables
         hq = self.num_q_heads
+        scales = (kv_cache[2], kv_cache[3]) if len(kv_cache) == 4 else (None, None)  # an int8 cache's
         self.kernels.rotary_and_cache(qkv, positions, cos, sin, hq, kv_cache[0], kv_cache[1], meta.slot_mapping,
-                                      self.kv_packed)
+                                      self.kv_packed, *scales)
         kernel_meta, rows = meta.kernel, None
         if last_layer and meta.output_rows is not None:
             rows = meta.output_rows

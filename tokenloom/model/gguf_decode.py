@@ -155,6 +155,8 @@ class FusedDecodeStep:
         k0 = kv_caches[0][0]
         if self._bound != k0.data_ptr():
             self.decoder.set_kv_caches([kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches])
+            if len(kv_caches[0]) == 4:  # int8 caches: their scales (the decoder quantizes as it writes)
+                self.decoder.set_kv_scales([kv[2] for kv in kv_caches], [kv[3] for kv in kv_caches])
             self._bound = k0.data_ptr()
         cos, sin = rope.full_tables(max_position)
         out = torch.empty(b, self.hidden_size, dtype=self.dtype)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from tokenloom import envs
+from tokenloom.config import check_kv_cache_dtype
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
@@ -149,6 +150,7 @@ class ModelRunner:
         quantization: str | None = None,
         calibration_token_ids: list[int] | None = None,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`model`: a LoadedModel (anything with .config and .weights), or a path / None for the
         loader (None: the default SmolLM2-135M-Instruct GGUF).
@@ -162,7 +164,12 @@ class ModelRunner:
         tokenloom/data/calibration.txt).
 
         `kv_cache_groups`: the scheduler's KV cache groups (tokenloom/core/kv_cache_groups.py); each
-        layer reads its group's block table. None: one group of every layer."""
+        layer reads its group's block table. None: one group of every layer.
+
+        `kv_cache_dtype`: "auto" (the run dtype) or "int8" (int8 values + float32 scales per token and
+        kv head, read by every attention path; tokenloom/model/attention.py, docs/kv_cache.md)."""
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
@@ -199,6 +206,7 @@ class ModelRunner:
             # packed one it would decline every step while its plain weights slow the per-op path.
             self.attn_backend.kv_packed = bool(
                 self.dtype == torch.bfloat16
+                and kv_cache_dtype == "auto"  # the packed layout is of bf16 elements
                 and self.model.fused_step is None
                 and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
                 and envs.TOKENLOOM_KV_PACKED
@@ -216,7 +224,7 @@ class ModelRunner:
                 self.layer_group[layer] = g
         self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, self.device,
                                            zeroed=self.attn_backend.zeroed_kv_cache,
-                                           kv_cache_groups=self.kv_cache_groups)
+                                           kv_cache_groups=self.kv_cache_groups, cache_dtype=kv_cache_dtype)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         # Speculative decoding (enable_speculative_decoding): proposer + rejection sampler.

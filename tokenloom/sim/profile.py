@@ -14,6 +14,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
+from tokenloom.config import kv_cache_row_bytes
 from tokenloom.core.cost_model import PROFILE_FORMAT, CostModel, StepShape
 from tokenloom.sim.cost_model import FitError, Sample
 
@@ -22,6 +23,9 @@ DEFAULT_PROFILE = "smollm2-135m-instruct-cpu.json"
 # Profiles shipped with tokenloom, by the name `--profile` accepts.
 SHIPPED_PROFILES = {"default": DEFAULT_PROFILE, "int8": "smollm2-135m-instruct-cpu-int8.json"}
 _SOURCE_SUFFIXES = (".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu")
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -40,10 +44,26 @@ class Profile:
     # the KV cache's bytes per token (the engine's default pool is its KV memory / this).
     max_model_len: int = 2048
     kv_bytes_per_token: int = 0
+    # The model's head size: with --kv-cache-dtype int8 a (token, layer, K or V, head) row is this
+    # many bytes plus its scale (kv_bytes_per_token_for). 0: not recorded (profiles before int8 KV).
+    kv_head_dim: int = 0
     runner_fingerprint: str = ""  # runner_fingerprint() when profiled
     quantization: str | None = None  # the runner's --quantization when profiled
     created: str = ""
     tokenloom_version: str = ""
+
+    def kv_bytes_per_token_for(self, cache_dtype: str = "auto") -> int:
+        """The KV bytes per token of the engine's pool with this --kv-cache-dtype: the profiled dtype's
+        (auto), or the same rows stored as int8 values + float32 scales (the engine's block bytes,
+        model/attention.kv_cache_bytes_per_block). The step costs stay the profiled cache's."""
+        if cache_dtype == "auto" or not self.kv_bytes_per_token:
+            return self.kv_bytes_per_token
+        elem = _DTYPE_BYTES.get(self.dtype)
+        if not self.kv_head_dim or elem is None:
+            raise ValueError(f"the profile of {self.model} does not say its KV head size (profiled before int8 KV); "
+                             f"re-profile it, or pass --num-blocks, to simulate --kv-cache-dtype {cache_dtype}")
+        rows = self.kv_bytes_per_token // (self.kv_head_dim * elem)
+        return rows * kv_cache_row_bytes(self.kv_head_dim, elem, cache_dtype)
 
     def is_stale(self) -> bool:
         """True when the runner's code differs from the code that was profiled."""
@@ -64,6 +84,7 @@ class Profile:
             "hardware": self.hardware,
             "max_model_len": self.max_model_len,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_head_dim": self.kv_head_dim,
             "runner_fingerprint": self.runner_fingerprint,
             "created": self.created,
             "tokenloom_version": self.tokenloom_version or tokenloom_version(),
@@ -93,6 +114,7 @@ class Profile:
             samples=samples,
             max_model_len=int(data.get("max_model_len", 2048)),
             kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
+            kv_head_dim=int(data.get("kv_head_dim", 0)),
             runner_fingerprint=data.get("runner_fingerprint", ""),
             created=data.get("created", ""),
             tokenloom_version=data.get("tokenloom_version", ""),

@@ -378,6 +378,7 @@ def profile_runner(
         scheduler_overhead=overhead,
         max_model_len=model_config.max_position_embeddings,
         kv_bytes_per_token=kv_cache_bytes_per_block(model_config, 1, runner.dtype),
+        kv_head_dim=model_config.head_dim,
         runner_fingerprint=fingerprint,
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         tokenloom_version=tokenloom_version(),

@@ -91,7 +91,8 @@ def engine_configs(profile: Profile, engine_kwargs: dict[str, Any]) -> tuple[Sch
     if cache.num_blocks is None:
         if not profile.kv_bytes_per_token:
             raise ValueError("the profile does not say the KV bytes per token; pass --num-blocks")
-        num_blocks = kv_memory // (profile.kv_bytes_per_token * cache.block_size)
+        # --kv-cache-dtype int8: the engine's block holds values + scales (~2x the blocks of bf16).
+        num_blocks = kv_memory // (profile.kv_bytes_per_token_for(cache.cache_dtype) * cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={kv_memory} bytes holds no KV block; give it more memory")
         cache = replace(cache, num_blocks=num_blocks)

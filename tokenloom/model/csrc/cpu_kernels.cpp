@@ -56,6 +56,7 @@ using bf16 = c10::BFloat16;
 
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
+inline float to_f(int8_t x) { return static_cast<float>(x); }  // an int8 KV cache's value (times its scale)
 template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }
 template <> inline bf16 from_f<bf16>(float x) { return bf16(x); }  // round to nearest even
@@ -75,6 +76,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
@@ -157,16 +161,43 @@ inline __m512 dot_lanes(const bf16* q, const bf16* k, int D) {
   return acc;
 #endif
 }
+// q . k for an int8 key (its scale applied to the sum by the caller), q float or bf16; D % 16 == 0.
+template <int D_, typename T>
+inline __m512 dot_lanes(const T* q, const int8_t* k, int D) {
+  const int n = D_ ? D_ : D;
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int j = 16; j < n; j += 16) acc = _mm512_fmadd_ps(load16(q + j), load16(k + j), acc);
+  return acc;
+}
 #endif  // TL_AVX512
+
+// ------------------------------------------------------------------------------ int8 KV cache
+// --kv-cache-dtype int8: each (token, kv head) row of K or V is stored as D int8 values q and one
+// float32 scale s = absmax / 127 (symmetric, round to nearest even), value = q * s. Scales live in
+// their own [Hkv, num_blocks, block_size] tensors, so a slot's scale is at the slot's index. The
+// readers fold the scales into the scores (K) and the probabilities (V) instead of dequantizing rows
+// where they can. The torch path (attention.py, quantize_kv / dequantize) does the same arithmetic.
+template <typename T>
+inline void quantize_kv_row(const T* x, int D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int d = 0; d < D; d++) amax = std::max(amax, std::fabs(to_f(x[d])));
+  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+  for (int d = 0; d < D; d++) {
+    const float r = std::nearbyint(to_f(x[d]) * inv);  // the default rounding mode: to nearest even
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+  *scale = amax / 127.0f;
+}
 
 // ------------------------------------------------------------------------------ paged attention
 
-template <typename T>
+// T: q and out; KT: the caches' elements (T, or int8_t with scales).
+template <typename T, typename KT = T>
 struct AttnArgs {
   const T* q;             // row r, head h at q + r * q_row_stride + h * D
   int64_t q_row_stride;
-  const T* k_cache;       // [Hkv, num_blocks, block_size, D] contiguous
-  const T* v_cache;
+  const KT* k_cache;      // [Hkv, num_blocks, block_size, D] contiguous
+  const KT* v_cache;
   int64_t head_stride;    // num_blocks * block_size * D
   const int32_t* block_tables;  // [S, bt_stride]
   int64_t bt_stride;
@@ -174,6 +205,10 @@ struct AttnArgs {
   int64_t out_row_stride;
   int block_size, D, Hq, Hkv;
   float scale;
+  // int8 caches: [Hkv, num_blocks, block_size] float32 scales (a slot's at its index); else null.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_head_stride = 0;  // num_blocks * block_size
 };
 
 // Slot offsets (in elements, relative to a head's base) of tokens 0..n-1 of one sequence.
@@ -187,21 +222,24 @@ inline void token_offsets(const int32_t* table, int block_size, int D, int n, in
 
 // One query row against keys 0..n-1, for the G query heads of kv head `kvh`: exact two-pass softmax
 // over a score buffer (each K and V row is read once per row), fp32 throughout.
-template <typename T>
-void attend_scalar(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
+template <typename T, typename KT>
+void attend_scalar(const AttnArgs<T, KT>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
   const int D = a.D, G = a.Hq / a.Hkv;
-  const T* kb = a.k_cache + kvh * a.head_stride;
-  const T* vb = a.v_cache + kvh * a.head_stride;
+  const KT* kb = a.k_cache + kvh * a.head_stride;
+  const KT* vb = a.v_cache + kvh * a.head_stride;
+  // int8: a token's scale is at its slot (offs / D); the K scale multiplies its score, the V scale its weight.
+  const float* ks = a.k_scale ? a.k_scale + kvh * a.scale_head_stride : nullptr;
+  const float* vs = a.v_scale ? a.v_scale + kvh * a.scale_head_stride : nullptr;
   std::vector<float> acc(D);
   for (int g = 0; g < G; g++) {
     const int h = kvh * G + g;
     const T* q = a.q + row * a.q_row_stride + static_cast<int64_t>(h) * D;
     float mx = -INFINITY;
     for (int t = 0; t < n; t++) {
-      const T* k = kb + offs[t];
+      const KT* k = kb + offs[t];
       float s = 0.f;
       for (int d = 0; d < D; d++) s += to_f(q[d]) * to_f(k[d]);
-      scores[t] = s * a.scale;
+      scores[t] = s * a.scale * (ks ? ks[offs[t] / D] : 1.f);
       mx = std::max(mx, scores[t]);
     }
     float sum = 0.f;
@@ -211,8 +249,9 @@ void attend_scalar(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int6
     }
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int t = 0; t < n; t++) {
-      const T* v = vb + offs[t];
-      for (int d = 0; d < D; d++) acc[d] += scores[t] * to_f(v[d]);
+      const KT* v = vb + offs[t];
+      const float w = scores[t] * (vs ? vs[offs[t] / D] : 1.f);
+      for (int d = 0; d < D; d++) acc[d] += w * to_f(v[d]);
     }
     T* o = a.out + row * a.out_row_stride + static_cast<int64_t>(h) * D;
     for (int d = 0; d < D; d++) o[d] = from_f<T>(acc[d] / sum);
@@ -220,26 +259,35 @@ void attend_scalar(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int6
 }
 
 #if TL_AVX512
-template <typename T, int D_>
-void attend_avx512(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
+template <typename T, typename KT, int D_>
+void attend_avx512(const AttnArgs<T, KT>& a, int64_t row, int kvh, int n, const int64_t* offs, float* scores) {
   const int D = D_ ? D_ : a.D;
   const int G = a.Hq / a.Hkv;
   const int npad = (n + 15) & ~15;
-  const T* kb = a.k_cache + kvh * a.head_stride;
-  const T* vb = a.v_cache + kvh * a.head_stride;
-  const T* zero = reinterpret_cast<const T*>(kZeros);
+  const KT* kb = a.k_cache + kvh * a.head_stride;
+  const KT* vb = a.v_cache + kvh * a.head_stride;
+  const KT* zero = reinterpret_cast<const KT*>(kZeros);
+  constexpr bool q8 = std::is_same<KT, int8_t>::value;
+  const float* ks = q8 ? a.k_scale + kvh * a.scale_head_stride : nullptr;
+  const float* vs = q8 ? a.v_scale + kvh * a.scale_head_stride : nullptr;
   const T* qrow = a.q + row * a.q_row_stride + static_cast<int64_t>(kvh) * G * D;
   const __m512 scale = _mm512_set1_ps(a.scale);
 
   // Scores: sixteen keys at a time, reduced together.
   for (int c0 = 0; c0 < n; c0 += 16) {
-    const T* kp[16];
+    const KT* kp[16];
     for (int i = 0; i < 16; i++) kp[i] = c0 + i < n ? kb + offs[c0 + i] : zero;
+    __m512 kscale = scale;  // int8: the sixteen keys' scales folded in (padding: 0, masked below anyway)
+    if constexpr (q8) {
+      alignas(64) float sk[16];
+      for (int i = 0; i < 16; i++) sk[i] = c0 + i < n ? ks[offs[c0 + i] / D] : 0.f;
+      kscale = _mm512_mul_ps(scale, _mm512_load_ps(sk));
+    }
     for (int g = 0; g < G; g++) {
       const T* q = qrow + g * D;
       __m512 acc[16];
       for (int i = 0; i < 16; i++) acc[i] = dot_lanes<D_>(q, kp[i], D);
-      _mm512_storeu_ps(scores + g * npad + c0, _mm512_mul_ps(reduce16(acc), scale));
+      _mm512_storeu_ps(scores + g * npad + c0, _mm512_mul_ps(reduce16(acc), kscale));
     }
   }
   // Softmax numerators in place; keep 1 / sum per head.
@@ -268,13 +316,14 @@ void attend_avx512(const AttnArgs<T>& a, int64_t row, int kvh, int n, const int6
     for (int h = 0; h < HT; h++)
       for (int c = 0; c < NC; c++) acc[h][c] = _mm512_setzero_ps();
     for (int t = 0; t < n; t++) {
-      const T* v = vb + offs[t];
+      const KT* v = vb + offs[t];
+      const float vscale = q8 ? vs[offs[t] / D] : 1.f;  // int8: folded into the token's weight
       __m512 vv[NC];
       for (int c = 0; c < NC; c++)
         if (c < nc) vv[c] = load16(v + 16 * c);
       for (int h = 0; h < HT; h++) {
         if (h >= nh) break;
-        const __m512 p = _mm512_set1_ps(scores[(g0 + h) * npad + t]);
+        const __m512 p = _mm512_set1_ps(q8 ? scores[(g0 + h) * npad + t] * vscale : scores[(g0 + h) * npad + t]);
         for (int c = 0; c < NC; c++)
           if (c < nc) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
       }
@@ -545,6 +594,9 @@ inline float hsum8(__m256 v) {
 }
 
 inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m256 load8f(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -630,8 +682,10 @@ inline void flash_pv8(float* o, const float* p, const float* alpha, const T* con
 // Per-thread scratch of the tiled kernel.
 struct FlashScratch {
   std::vector<float> q, o, s, m, l, alpha, kt;
-  std::vector<float> vf;  // bf16 V tile converted to fp32
+  std::vector<float> vf;  // bf16 / int8 V tile converted to fp32 (int8: times its scales)
+  std::vector<float> kf;  // int8 K tile dequantized to fp32 rows before the transpose
   void reserve(int max_m, int D) {
+    kf.resize(static_cast<size_t>(D) * kFlashKeys);
     q.resize(static_cast<size_t>(max_m) * D);
     o.resize(static_cast<size_t>(max_m) * D);
     s.resize(static_cast<size_t>(max_m) * kFlashKeys);
@@ -646,15 +700,19 @@ struct FlashScratch {
 // Rows row0 .. row0 + nrows - 1 of one sequence (row i at position pos0 + i sees keys
 // max(0, pos0 + i - window + 1) .. pos0 + i; window <= 0: no window), the G query heads of kv head
 // `kvh`. Query vector r of the tile: row r / G, head kvh * G + r % G. D % 8 == 0.
-template <typename T>
-void attend_flash(const AttnArgs<T>& a, int64_t row0, int nrows, int kvh, int pos0, const int32_t* table,
+template <typename T, typename KT>
+void attend_flash(const AttnArgs<T, KT>& a, int64_t row0, int nrows, int kvh, int pos0, const int32_t* table,
                   int window, FlashScratch& sc) {
   const int D = a.D, G = a.Hq / a.Hkv, bs = a.block_size;
   const int M = nrows * G;
   const int64_t block_elems = static_cast<int64_t>(bs) * D;
-  const T* kb = a.k_cache + kvh * a.head_stride;
-  const T* vb = a.v_cache + kvh * a.head_stride;
-  const T* zero = reinterpret_cast<const T*>(kZeros);
+  const KT* kb = a.k_cache + kvh * a.head_stride;
+  const KT* vb = a.v_cache + kvh * a.head_stride;
+  const KT* zero = reinterpret_cast<const KT*>(kZeros);
+  // int8 caches: each key tile's rows are dequantized (times their scales) once, for all M query vectors.
+  constexpr bool q8 = std::is_same<KT, int8_t>::value;
+  const float* ks = q8 ? a.k_scale + kvh * a.scale_head_stride : nullptr;
+  const float* vs = q8 ? a.v_scale + kvh * a.scale_head_stride : nullptr;
   float* q = sc.q.data();
   float* o = sc.o.data();
   float* s = sc.s.data();
@@ -675,15 +733,32 @@ void attend_flash(const AttnArgs<T>& a, int64_t row0, int nrows, int kvh, int po
   int first_key = window > 0 ? std::max(0, pos0 - window + 1) : 0;
   first_key -= first_key % kFlashKeys;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const T* krow[kFlashKeys];
+  const KT* krow[kFlashKeys];
+  const float* kfrow[kFlashKeys];
   for (int t0 = first_key; t0 <= last; t0 += kFlashKeys) {
     const int nk = std::min(kFlashKeys, last + 1 - t0);  // keys of this tile that were written
     for (int j = 0; j < kFlashKeys; j++) {
       const int t = t0 + j;
       krow[j] = j < nk ? kb + table[t / bs] * block_elems + static_cast<int64_t>(t % bs) * D : zero;
     }
-    for (int d0 = 0; d0 < D; d0 += 8)
-      for (int j0 = 0; j0 < kFlashKeys; j0 += 8) transpose8(krow + j0, d0, kt + d0 * kFlashKeys + j0);
+    if constexpr (q8) {
+      for (int j = 0; j < kFlashKeys; j++) {
+        if (j >= nk) {
+          kfrow[j] = kZeros;
+          continue;
+        }
+        const int t = t0 + j;
+        const __m256 sv = _mm256_set1_ps(ks[static_cast<int64_t>(table[t / bs]) * bs + t % bs]);
+        float* dst = sc.kf.data() + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8f(krow[j] + d), sv));
+        kfrow[j] = dst;
+      }
+      for (int d0 = 0; d0 < D; d0 += 8)
+        for (int j0 = 0; j0 < kFlashKeys; j0 += 8) transpose8(kfrow + j0, d0, kt + d0 * kFlashKeys + j0);
+    } else {
+      for (int d0 = 0; d0 < D; d0 += 8)
+        for (int j0 = 0; j0 < kFlashKeys; j0 += 8) transpose8(krow + j0, d0, kt + d0 * kFlashKeys + j0);
+    }
     // S = Q K^T, four query vectors x sixteen keys at a time.
     for (int h = 0; h < kFlashKeys; h += 16) {
       int r = 0;
@@ -743,9 +818,14 @@ void attend_flash(const AttnArgs<T>& a, int64_t row0, int nrows, int kvh, int po
     const float* vrow[kFlashKeys];
     for (int j = 0; j < nk; j++) {
       const int t = t0 + j;
-      const T* v = vb + table[t / bs] * block_elems + static_cast<int64_t>(t % bs) * D;
-      if constexpr (std::is_same<T, float>::value) {
+      const KT* v = vb + table[t / bs] * block_elems + static_cast<int64_t>(t % bs) * D;
+      if constexpr (std::is_same<KT, float>::value) {
         vrow[j] = v;
+      } else if constexpr (q8) {  // dequantized once per key tile
+        const __m256 sv = _mm256_set1_ps(vs[static_cast<int64_t>(table[t / bs]) * bs + t % bs]);
+        float* vf = sc.vf.data() + static_cast<size_t>(j) * D;
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vf + d, _mm256_mul_ps(load8f(v + d), sv));
+        vrow[j] = vf;
       } else {  // bf16: converted once per key tile, not once per four query vectors
         float* vf = sc.vf.data() + static_cast<size_t>(j) * D;
         for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vf + d, load8f(v + d));
@@ -787,9 +867,9 @@ bool packed_layout_supported(int64_t block_size, int64_t head_dim) {
   return TL_PACKED && block_size % 16 == 0 && head_dim % 32 == 0 && head_dim <= 512;
 }
 
-template <typename T>
-void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const int32_t* pos_start, int64_t num_seqs,
-                          bool packed) {
+template <typename T, typename KT>
+void paged_attention_impl(const AttnArgs<T, KT>& a, const int32_t* q_start, const int32_t* pos_start,
+                          int64_t num_seqs, bool packed) {
   // Work items: (a tile of rows of one sequence) x (kv head). Packed layout: kTileRows rows per
   // tile; plain layout with AVX2: the tiled kernel (attend_flash), kFlashRows rows of a prefill
   // chunk per tile; otherwise one row per tile.
@@ -841,11 +921,11 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
       const int32_t* table = a.block_tables + static_cast<int64_t>(tl.seq) * a.bt_stride;
 #if TL_AVX2
       if (flash && (tl.nrows > 1 || !TL_AVX512)) {  // AVX-512 CPUs keep their decode kernel
-        attend_flash<T>(a, tl.row0, tl.nrows, kvh, tl.n0 - 1, table, 0, fs);
+        attend_flash<T, KT>(a, tl.row0, tl.nrows, kvh, tl.n0 - 1, table, 0, fs);
         continue;
       }
 #endif
-      if constexpr (std::is_same<T, bf16>::value) {
+      if constexpr (std::is_same<T, bf16>::value && std::is_same<KT, bf16>::value) {
         if (packed) {
 #if TL_PACKED
           if (!g_force_scalar) {
@@ -869,13 +949,13 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
       }
 #if TL_AVX512
       if (simd) {
-        if (a.D == 64) attend_avx512<T, 64>(a, row, kvh, n, offs.data(), scores.data());
-        else if (a.D == 128) attend_avx512<T, 128>(a, row, kvh, n, offs.data(), scores.data());
-        else attend_avx512<T, 0>(a, row, kvh, n, offs.data(), scores.data());
+        if (a.D == 64) attend_avx512<T, KT, 64>(a, row, kvh, n, offs.data(), scores.data());
+        else if (a.D == 128) attend_avx512<T, KT, 128>(a, row, kvh, n, offs.data(), scores.data());
+        else attend_avx512<T, KT, 0>(a, row, kvh, n, offs.data(), scores.data());
         continue;
       }
 #endif
-      attend_scalar<T>(a, row, kvh, n, offs.data(), scores.data());
+      attend_scalar<T, KT>(a, row, kvh, n, offs.data(), scores.data());
     }
   });
 }
@@ -884,13 +964,31 @@ void paged_attention_impl(const AttnArgs<T>& a, const int32_t* q_start, const in
 // caches: [Hkv, num_blocks, block_size, D]; block_tables [S, max_blocks] int32; q_start [S + 1] int32
 // (rows of sequence s: q_start[s] .. q_start[s+1]-1); pos_start [S] int32 (position of each
 // sequence's first row: row j of s sees keys 0 .. pos_start[s] + j).
+// int8 caches (--kv-cache-dtype int8) come with k_scale / v_scale, float32 [Hkv, num_blocks, block_size].
+void check_kv_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
+  if (k_cache.scalar_type() != at::kChar) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "KV scales come only with int8 caches");
+    return;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "int8 KV caches need their k_scale and v_scale");
+  for (const at::Tensor* sc : {&*k_scale, &*v_scale})
+    TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                sc->size(0) == k_cache.size(0) && sc->size(1) == k_cache.size(1) && sc->size(2) == k_cache.size(2),
+                "KV scales must be contiguous float32 [Hkv, num_blocks, block_size]");
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& pos_start,
-                     double scale, bool packed) {
+                     double scale, bool packed, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [Hkv, num_blocks, block_size, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "q, caches and out must share a dtype");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (q8 || q.scalar_type() == k_cache.scalar_type()), "q, caches and out must share a dtype (or int8 caches)");
+  check_kv_scales(k_cache, k_scale, v_scale);
+  TORCH_CHECK(!(q8 && packed), "the packed KV layout is bf16 only");
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "q and out must be 2-D rows");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_start.scalar_type() == at::kInt &&
               pos_start.scalar_type() == at::kInt, "block_tables, q_start and pos_start must be int32");
@@ -905,6 +1003,27 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                           Hq / Hkv <= 64), "the packed KV layout needs bf16, block_size % 16 == 0, D % 32 == 0");
   const int32_t* qs = q_start.data_ptr<int32_t>();
   TORCH_CHECK(qs[0] == 0 && qs[S] <= q.size(0) && qs[S] <= out.size(0), "q_start out of range");
+  if (q8) {
+    const float* ks = k_scale->data_ptr<float>();
+    const float* vs = v_scale->data_ptr<float>();
+    const int64_t sstride = k_scale->stride(0);
+    AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention_int8",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        AttnArgs<float, int8_t> a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<int8_t>(),
+                                  v_cache.data_ptr<int8_t>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
+                                  block_tables.stride(0), out.data_ptr<float>(), out.stride(0), bs, D, Hq, Hkv,
+                                  static_cast<float>(scale), ks, vs, sstride};
+        paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        AttnArgs<bf16, int8_t> a{q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<int8_t>(),
+                                 v_cache.data_ptr<int8_t>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
+                                 block_tables.stride(0), out.data_ptr<bf16>(), out.stride(0), bs, D, Hq, Hkv,
+                                 static_cast<float>(scale), ks, vs, sstride};
+        paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
+      }));
+    return;
+  }
   AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       AttnArgs<float> a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
@@ -1095,7 +1214,9 @@ void rotate_head(T* x, const T* cos, const T* sin, int half) {
 template <typename T>
 void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t* positions, const T* cos,
                            const T* sin, int Hq, int Hkv, int D, T* kc, T* vc, int64_t head_stride,
-                           const int64_t* slots, int block_size, bool packed) {
+                           const int64_t* slots, int block_size, bool packed, int8_t* kq = nullptr,
+                           int8_t* vq = nullptr, float* ks = nullptr, float* vs = nullptr, int64_t sstride = 0) {
+  // kq set: an int8 cache (kc, vc unused): each k / v head row quantized with its scale (quantize_kv_row).
   const int half = D / 2;
   at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; t++) {
@@ -1117,6 +1238,14 @@ void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t
         }
         continue;
       }
+      if (kq != nullptr) {
+        for (int h = 0; h < Hkv; h++) {
+          const int64_t slot = h * sstride + slots[t];
+          quantize_kv_row(row + static_cast<int64_t>(Hq + h) * D, D, kq + slot * D, ks + slot);
+          quantize_kv_row(row + static_cast<int64_t>(Hq + Hkv + h) * D, D, vq + slot * D, vs + slot);
+        }
+        continue;
+      }
       for (int h = 0; h < Hkv; h++) {
         std::memcpy(kc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + h) * D, D * sizeof(T));
         std::memcpy(vc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + Hkv + h) * D,
@@ -1129,16 +1258,22 @@ void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t
 // qkv: [T, (Hq + 2 Hkv) * D] rows (q heads, k heads, v heads); cos/sin: [P, D / 2] tables in qkv's
 // dtype; positions, slot_mapping: [T] int64. Rotates q and k in place, then writes k and v to the
 // caches ([Hkv, num_blocks, block_size, D]) at their slots.
+// int8 caches (--kv-cache-dtype int8): k_scale / v_scale [Hkv, num_blocks, block_size] float32 take
+// each written row's scale.
 void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                       int64_t num_q_heads, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                      bool packed) {
+                      bool packed, const c10::optional<at::Tensor>& k_scale,
+                      const c10::optional<at::Tensor>& v_scale) {
   const int Hkv = k_cache.size(0), D = k_cache.size(3);
   const int Hq = static_cast<int>(num_q_heads);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (Hq + 2 * Hkv) * D, "qkv shape");
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == D / 2 &&
               cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope tables");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-              v_cache.scalar_type() == qkv.scalar_type(), "caches");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (q8 || k_cache.scalar_type() == qkv.scalar_type()), "caches");
+  check_kv_scales(k_cache, k_scale, v_scale);
+  TORCH_CHECK(!(q8 && packed), "the packed KV layout is bf16 only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
               positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == qkv.size(0) &&
               slot_mapping.numel() == qkv.size(0), "positions and slot_mapping: [T] int64");
@@ -1152,6 +1287,25 @@ void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Ten
   for (int64_t t = 0; t < T_; t++) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of the rope table");
     TORCH_CHECK(slots[t] < max_slot, "slot out of the cache");
+  }
+  if (q8) {
+    int8_t* kq = k_cache.data_ptr<int8_t>();
+    int8_t* vq = v_cache.data_ptr<int8_t>();
+    float* ks = k_scale->data_ptr<float>();
+    float* vs = v_scale->data_ptr<float>();
+    const int64_t sstride = k_scale->stride(0);
+    AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_and_cache_int8",
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        rotary_and_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), T_, pos, cos.data_ptr<float>(),
+                                     sin.data_ptr<float>(), Hq, Hkv, D, nullptr, nullptr, 0, slots, bs, false, kq, vq,
+                                     ks, vs, sstride);
+      })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        rotary_and_cache_impl<bf16>(qkv.data_ptr<bf16>(), qkv.stride(0), T_, pos, cos.data_ptr<bf16>(),
+                                    sin.data_ptr<bf16>(), Hq, Hkv, D, nullptr, nullptr, 0, slots, bs, false, kq, vq,
+                                    ks, vs, sstride);
+      }));
+    return;
   }
   AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_and_cache",
     AT_DISPATCH_CASE(at::kFloat, [&] {
@@ -1551,11 +1705,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute calls release the GIL (as torch's own ops do), so the engine thread's Python runs
   // beside them under async scheduling instead of waiting for each kernel (docs/async.md).
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
-  m.def("paged_attention", &paged_attention, nogil);
+  using pybind11::arg;  // the int8 caches' scales are optional: callers of float caches pass neither
+  m.def("paged_attention", &paged_attention, nogil, arg("out"), arg("q"), arg("k_cache"), arg("v_cache"),
+        arg("block_tables"), arg("q_start"), arg("pos_start"), arg("scale"), arg("packed"),
+        arg("k_scale") = pybind11::none(), arg("v_scale") = pybind11::none());
   m.def("rms_norm", &rms_norm, nogil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
-  m.def("rotary_and_cache", &rotary_and_cache, nogil);
+  m.def("rotary_and_cache", &rotary_and_cache, nogil, arg("qkv"), arg("positions"), arg("cos"), arg("sin"),
+        arg("num_q_heads"), arg("k_cache"), arg("v_cache"), arg("slot_mapping"), arg("packed"),
+        arg("k_scale") = pybind11::none(), arg("v_scale") = pybind11::none());
   m.def("argmax_rows", &argmax_rows, nogil);
   m.def("skinny_linear", &skinny_linear, nogil);
   m.def("quantize_rows", &quantize_rows, nogil);

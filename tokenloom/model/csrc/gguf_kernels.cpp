@@ -2035,13 +2035,19 @@ inline __m256 load8(const bf16* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
+inline __m256 load8(const int8_t* p) {  // an int8 KV cache's values (its scales applied by the caller)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // attend() for head_dim 8 * ND: the query and the output held in registers over all positions
 // (the generic loop re-read and re-wrote o [D] per position and converted bf16 one at a time), the
 // softmax's exp eight scores at a time.
+// int8 caches: ksc / vsc are the cache's scales [Hkv, nb, bs] (a slot's at its index): the K scale
+// multiplies a score, the V scale a weight. Null for float caches.
 template <int ND, typename KT>
 void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int64_t n,
-                 const int32_t* table, float scale, std::vector<float>& scores, float* o) {
+                 const int32_t* table, float scale, std::vector<float>& scores, float* o, const float* ksc,
+                 const float* vsc) {
   constexpr int64_t D = 8 * ND;
   scores.resize(n + 8);
   __m256 qv[ND];
@@ -2054,7 +2060,7 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
       a0 = _mm256_fmadd_ps(qv[j], load8(k + 8 * j), a0);
       a1 = _mm256_fmadd_ps(qv[j + 1], load8(k + 8 * j + 8), a1);
     }
-    scores[t] = hsum(_mm256_add_ps(a0, a1)) * scale;
+    scores[t] = hsum(_mm256_add_ps(a0, a1)) * (ksc ? scale * ksc[(h * nb + table[t / bs]) * bs + t % bs] : scale);
     mx = std::max(mx, scores[t]);
   }
   const __m256 mv = _mm256_set1_ps(mx);
@@ -2073,8 +2079,9 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
   __m256 acc[ND];
   for (int j = 0; j < ND; j++) acc[j] = _mm256_setzero_ps();
   for (t = 0; t < n; t++) {
-    const KT* v = vc + ((h * nb + table[t / bs]) * bs + t % bs) * D;
-    const __m256 w = _mm256_set1_ps(scores[t]);
+    const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
+    const KT* v = vc + slot * D;
+    const __m256 w = _mm256_set1_ps(vsc ? scores[t] * vsc[slot] : scores[t]);
     for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
   }
   const __m256 inv = _mm256_set1_ps(1.0f / sum);
@@ -2102,6 +2109,10 @@ template <typename T>
 inline float dot_cache(const float* q, const T* k, int64_t D) {
   if constexpr (std::is_same_v<T, float>) {
     return dot_f32(q, k, D);
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // the caller applies the scale
+    float s = 0.0f;
+    for (int64_t i = 0; i < D; i++) s += q[i] * static_cast<float>(k[i]);
+    return s;
   } else {
     int64_t i = 0;
     float s = 0.0f;
@@ -2121,6 +2132,17 @@ inline float dot_cache(const float* q, const T* k, int64_t D) {
 template <typename T>
 inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
   for (int64_t i = 0; i < D; i++) o[i] += a * static_cast<float>(v[i]);
+}
+
+// One (token, kv head) row into an int8 KV cache: symmetric, scale = absmax / 127, round to nearest
+// even (the arithmetic of cpu_kernels.cpp's quantize_kv_row and attention.py's quantize_kv).
+inline void quantize_kv_row(const float* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(x[d]));
+  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+  for (int64_t d = 0; d < D; d++)
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * inv))));
+  *scale = amax / 127.0f;
 }
 
 class GGUFDecoder {
@@ -2153,7 +2175,7 @@ class GGUFDecoder {
     check_vec(attn_norm, H_, "attn_norm");
     check_vec(ffn_norm, H_, "ffn_norm");
     Layer L{attn_norm, ffn_norm, make_qlin(qkv, H_), make_qlin(o, Hq_ * D_), make_qlin(gate_up, H_),
-            make_qlin(down, I_), {}, {}};
+            make_qlin(down, I_), {}, {}, {}, {}};
     TORCH_CHECK(L.qkv.N == (Hq_ + 2 * Hkv_) * D_ && L.o.N == H_ && L.gate_up.N == 2 * I_ && L.down.N == H_,
                 "layer ", layers_.size(), ": linear shapes do not match the configuration");
     layers_.push_back(std::move(L));
@@ -2166,12 +2188,33 @@ class GGUFDecoder {
         TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(0) == Hkv_ && c->size(3) == D_,
                     "KV caches must be contiguous [Hkv, num_blocks, block_size, D]");
         TORCH_CHECK(c->scalar_type() == k[0].scalar_type() &&
-                        (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16),
-                    "KV caches must all be float or all bf16");
+                        (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16 ||
+                         c->scalar_type() == at::kChar),
+                    "KV caches must all be float, all bf16 or all int8");
       }
       layers_[i].k_cache = k[i];
       layers_[i].v_cache = v[i];
+      layers_[i].k_scale = at::Tensor();
+      layers_[i].v_scale = at::Tensor();
     }
+    scales_pending_ = k[0].scalar_type() == at::kChar;
+  }
+
+  // int8 caches (--kv-cache-dtype int8): each layer's float32 [Hkv, num_blocks, block_size] scales,
+  // after set_kv_caches.
+  void set_kv_scales(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V scale tensor per layer");
+    for (size_t i = 0; i < k.size(); i++) {
+      const at::Tensor& c = layers_[i].k_cache;
+      TORCH_CHECK(c.defined() && c.scalar_type() == at::kChar, "KV scales come only with int8 caches");
+      for (const at::Tensor* t : {&k[i], &v[i]})
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == Hkv_ &&
+                        t->size(1) == c.size(1) && t->size(2) == c.size(2),
+                    "KV scales must be contiguous float32 [Hkv, num_blocks, block_size]");
+      layers_[i].k_scale = k[i];
+      layers_[i].v_scale = v[i];
+    }
+    scales_pending_ = false;
   }
 
   // out [B, H] (float or bf16) = final-norm hidden states after the step's tokens ids [B] at positions
@@ -2187,6 +2230,7 @@ class GGUFDecoder {
             const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin) {
     const int64_t B = ids.numel();
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "GGUFDecoder: layers and KV caches not set");
+    TORCH_CHECK(!scales_pending_, "GGUFDecoder: int8 KV caches without their scales (set_kv_scales)");
     TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
                     slots.scalar_type() == at::kLong && ids.is_contiguous() && positions.is_contiguous() &&
                     slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
@@ -2219,7 +2263,12 @@ class GGUFDecoder {
     if (Hq_ * D_ % 32 == 0) act_att_.shape(B, Hq_ * D_);
     if (I_ % 32 == 0) act_ffn_.shape(B, I_);
     const bool f32_rope = cos.scalar_type() == at::kFloat, f32_kv = layers_[0].k_cache.scalar_type() == at::kFloat;
-    if (f32_rope && f32_kv)
+    if (layers_[0].k_cache.scalar_type() == at::kChar) {
+      if (f32_rope)
+        run_step<float, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+      else
+        run_step<bf16, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+    } else if (f32_rope && f32_kv)
       run_step<float, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
     else if (f32_rope)
       run_step<float, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
@@ -2236,6 +2285,7 @@ class GGUFDecoder {
     at::Tensor attn_norm, ffn_norm;
     QLin qkv, o, gate_up, down;
     at::Tensor k_cache, v_cache;
+    at::Tensor k_scale, v_scale;  // int8 caches only
   };
 
   static void check_vec(const at::Tensor& t, int64_t n, const char* what) {
@@ -2294,6 +2344,12 @@ class GGUFDecoder {
         const Layer& L = layers_[l];
         KT* kc = L.k_cache.data_ptr<KT>();
         KT* vc = L.v_cache.data_ptr<KT>();
+        float* ksc = nullptr;
+        float* vsc = nullptr;
+        if constexpr (std::is_same_v<KT, int8_t>) {
+          ksc = L.k_scale.data_ptr<float>();
+          vsc = L.v_scale.data_ptr<float>();
+        }
         const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
         for (int64_t r = r0; r < r1; r++) {
           rms_norm_f32(h + r * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x + r * H_);
@@ -2312,6 +2368,11 @@ class GGUFDecoder {
             const int64_t kvh = hd - Hq_;
             KT* kd = kc + (kvh * nb * bs + slots[r]) * D_;
             KT* vd = vc + (kvh * nb * bs + slots[r]) * D_;
+            if constexpr (std::is_same_v<KT, int8_t>) {
+              quantize_kv_row(row + hd * D_, D_, kd, ksc + kvh * nb * bs + slots[r]);
+              quantize_kv_row(row + (Hq_ + Hkv_ + kvh) * D_, D_, vd, vsc + kvh * nb * bs + slots[r]);
+              continue;
+            }
             for (int64_t t = 0; t < D_; t++) {
               kd[t] = static_cast<KT>(row[hd * D_ + t]);
               vd[t] = static_cast<KT>(row[(Hq_ + Hkv_ + kvh) * D_ + t]);
@@ -2323,7 +2384,7 @@ class GGUFDecoder {
         for (int64_t i = b; i < e; i++) {
           const int64_t r = i / Hq_, hq = i % Hq_;
           attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
-                 att + r * AD + hq * D_);
+                 att + r * AD + hq * D_, ksc, vsc);
         }
         if (L.o.quantized) {
 #pragma omp barrier
@@ -2381,21 +2442,24 @@ class GGUFDecoder {
   }
 
   // One query head over its sequence's first n cached positions (block table `table`) -> o [D].
+  // ksc / vsc: an int8 cache's scales (see attend_simd), else null.
   template <typename KT>
   void attend(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int64_t n,
-              const int32_t* table, std::vector<float>& scores, float* o) const {
+              const int32_t* table, std::vector<float>& scores, float* o, const float* ksc,
+              const float* vsc) const {
     const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
 #if TLQ_AVX2
     if (!g_force_scalar) {
-      if (D_ == 64) return attend_simd<8>(kc, vc, nb, bs, q, h, n, table, scale, scores, o);
-      if (D_ == 128) return attend_simd<16>(kc, vc, nb, bs, q, h, n, table, scale, scores, o);
+      if (D_ == 64) return attend_simd<8>(kc, vc, nb, bs, q, h, n, table, scale, scores, o, ksc, vsc);
+      if (D_ == 128) return attend_simd<16>(kc, vc, nb, bs, q, h, n, table, scale, scores, o, ksc, vsc);
     }
 #endif
     scores.resize(n);
     float mx = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-      const KT* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D_;
-      scores[t] = dot_cache(q, k, D_) * scale;
+      const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
+      const KT* k = kc + slot * D_;
+      scores[t] = dot_cache(q, k, D_) * scale * (ksc ? ksc[slot] : 1.0f);
       mx = std::max(mx, scores[t]);
     }
     float sum = 0.0f;
@@ -2404,7 +2468,10 @@ class GGUFDecoder {
       sum += scores[t];
     }
     std::fill(o, o + D_, 0.0f);
-    for (int64_t t = 0; t < n; t++) axpy_cache(scores[t], vc + ((h * nb + table[t / bs]) * bs + t % bs) * D_, o, D_);
+    for (int64_t t = 0; t < n; t++) {
+      const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
+      axpy_cache(vsc ? scores[t] * vsc[slot] : scores[t], vc + slot * D_, o, D_);
+    }
     const float inv = 1.0f / sum;
     for (int64_t d = 0; d < D_; d++) o[d] *= inv;
   }
@@ -2416,6 +2483,7 @@ class GGUFDecoder {
   bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  bool scales_pending_ = false;  // int8 caches set, their scales not yet
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
   QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I
 };
@@ -2487,6 +2555,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
       .def("add_layer", &GGUFDecoder::add_layer)
       .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
+      .def("set_kv_scales", &GGUFDecoder::set_kv_scales)
       .def("step", &GGUFDecoder::step, nogil)
       .def("num_layers", &GGUFDecoder::num_layers);
 }

@@ -1,0 +1,170 @@
+"""--kv-cache-dtype int8 against float KV on the default model (SmolLM2-135M GGUF): capacity, decode
+speed at a long context, perplexity (docs/kv_cache.md).
+
+* `capacity`: the pool's blocks at --kv-cache-memory (the engine's own sizing) and the sequences of
+  --context tokens it holds at once; then measured: --num-requests distinct 256-token prompts into an
+  engine whose pool is --small-memory, stepping it and recording the most requests running at once.
+* `decode`: decode tok/s of --batch sequences at --context tokens each (distinct contexts, prefilled
+  once and then served from the prefix cache, so each round is the decode), rounds alternating float /
+  int8 engines that live side by side in this process.
+* `ppl`: perplexity of --ppl-tokens-token windows of three texts through prompt_logprobs (one forward
+  per text; the prompt's own K/V is written to the cache and read back, so int8 KV is in the path).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_cache/kv_int8.py [--what capacity,decode,ppl]
+        [--dtypes bfloat16,float32] [--context 4096] [--batch 1,4] [--rounds 3] [--out result.json]
+
+Timings on a shared machine: run under `flock /tmp/tokenloom-bench.lock` and read them as A/B ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tokenloom import LLM, SamplingParams  # noqa: E402
+
+TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Artistic", textwrap.__file__]
+KV_DTYPES = ("auto", "int8")
+
+
+def _corpus_ids(llm: LLM) -> list[int]:
+    tok = llm.get_tokenizer()
+    ids: list[int] = []
+    for path in TEXTS:
+        if Path(path).is_file():
+            ids += tok.encode(Path(path).read_text())
+    return ids
+
+
+def capacity(dtype: str, memory: int, context: int, small_memory: int, num_requests: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kvd in KV_DTYPES:
+        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=memory, max_model_len=context + 64)
+        blocks = llm.llm_engine.cache_config.num_blocks
+        bs = llm.llm_engine.cache_config.block_size
+        llm.llm_engine.close()
+        per_seq = -(-(context + 1) // bs)  # a sequence of `context` tokens that generates one more
+        # Measured: how many of `num_requests` 256-token prompts (+ 32 generated) run at once.
+        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=small_memory, enable_prefix_caching=False,
+                  max_model_len=512)
+        engine = llm.llm_engine
+        corpus = _corpus_ids(llm)
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        for i in range(num_requests):
+            engine.add_request(f"r{i}", {"prompt_token_ids": corpus[i * 256 : (i + 1) * 256]}, params)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            peak = max(peak, len(engine.scheduler.running))
+        small_blocks = engine.cache_config.num_blocks
+        engine.close()
+        out[kvd] = {"num_blocks": blocks, "block_size": bs, "sequences_at_context": blocks // per_seq,
+                    "small_pool_blocks": small_blocks, "measured_peak_running": peak}
+        print(f"capacity {dtype} {kvd}: {blocks} blocks in {memory / 2**20:.0f} MiB -> {blocks // per_seq} "
+              f"sequences of {context} tokens; {small_memory / 2**20:.0f} MiB pool ({small_blocks} blocks): "
+              f"{peak} of {num_requests} 256-token requests running at once", flush=True)
+    return out
+
+
+def decode(dtype: str, context: int, batches: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
+    engines = {kvd: LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=1 << 30, max_model_len=context + 256)
+               for kvd in KV_DTYPES}
+    corpus = _corpus_ids(engines["auto"])
+    while len(corpus) < max(batches) * context + max(batches):
+        corpus += corpus
+    contexts = [corpus[i * 97 : i * 97 + context] for i in range(max(batches))]  # distinct, overlapping text
+    prefill = SamplingParams(temperature=0.0, max_tokens=1)
+    for kvd, llm in engines.items():  # prefill every context once: later rounds hit the prefix cache
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": c} for c in contexts], prefill, use_tqdm=False)
+        print(f"decode {dtype} {kvd}: prefilled {len(contexts)} x {context} tokens in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    res: dict[str, Any] = {str(b): {kvd: [] for kvd in KV_DTYPES} for b in batches}
+    for r in range(rounds):
+        for b in batches:
+            order = KV_DTYPES if r % 2 == 0 else KV_DTYPES[::-1]  # alternate which runs first
+            for kvd in order:
+                outs = engines[kvd].generate([{"prompt_token_ids": c} for c in contexts[:b]], params,
+                                             use_tqdm=False)
+                first = max(o.metrics.first_token_time for o in outs)
+                last = max(o.metrics.last_token_time for o in outs)
+                tps = b * (max_tokens - 1) / (last - first)
+                res[str(b)][kvd].append(tps)
+                print(f"decode {dtype} round {r} batch {b} {kvd}: {tps:.1f} tok/s", flush=True)
+    for llm in engines.values():
+        llm.llm_engine.close()
+    for b in batches:
+        f, q = res[str(b)]["auto"], res[str(b)]["int8"]
+        ratios = [y / x for x, y in zip(f, q)]
+        print(f"decode {dtype} batch {b} at {context}: float {min(f):.1f}-{max(f):.1f}, int8 {min(q):.1f}-"
+              f"{max(q):.1f} tok/s; int8/float per round {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+    return res
+
+
+def perplexity(dtype: str, tokens: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for kvd in KV_DTYPES:
+        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, enable_prefix_caching=False, kv_cache_memory=256 << 20)
+        tok = llm.get_tokenizer()
+        ppl = []
+        for path in TEXTS:
+            if not Path(path).is_file():
+                continue
+            ids = tok.encode(Path(path).read_text())[:tokens]
+            out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            nll = -sum(lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:]))
+            ppl.append(math.exp(nll / (len(ids) - 1)))
+        llm.llm_engine.close()
+        res[kvd] = ppl
+        print(f"ppl {dtype} {kvd}: " + " ".join(f"{p:.4f}" for p in ppl), flush=True)
+    change = [100 * (q / f - 1) for f, q in zip(res["auto"], res["int8"])]
+    geo = 100 * (math.exp(sum(math.log(q / f) for f, q in zip(res["auto"], res["int8"])) / len(change)) - 1)
+    res["change_percent"] = change
+    print(f"ppl {dtype} int8 vs float KV: " + " ".join(f"{c:+.2f} %" for c in change) + f" (geomean {geo:+.2f} %)",
+          flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--what", default="capacity,decode,ppl")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--memory", type=lambda s: int(float(s) * 2**20), default=2048 << 20,
+                    help="MiB of KV pool for the capacity count (default 2048, the engine's default)")
+    ap.add_argument("--small-memory", type=lambda s: int(float(s) * 2**20), default=16 << 20,
+                    help="MiB of the pool the measured concurrency runs in (default 16)")
+    ap.add_argument("--num-requests", type=int, default=12)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=33)
+    ap.add_argument("--ppl-tokens", type=int, default=2048)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    what = set(a.what.split(","))
+    result: dict[str, Any] = {"context": a.context}
+    for dtype in a.dtypes.split(","):
+        r: dict[str, Any] = {}
+        if "capacity" in what:
+            r["capacity"] = capacity(dtype, a.memory, a.context, a.small_memory, a.num_requests)
+        if "ppl" in what:
+            r["ppl"] = perplexity(dtype, a.ppl_tokens)
+        if "decode" in what:
+            r["decode"] = decode(dtype, a.context, [int(b) for b in a.batch.split(",")], a.rounds, a.max_tokens)
+        result[dtype] = r
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
