@@ -16,7 +16,12 @@ import openai
 import pytest
 
 from tests.test_server_harness import ServerProcess
+from tokenloom.model.tokenizer import load_tokenizer
+from tokenloom.server.body import parse_model
+from tokenloom.server.params import render_chat, template_kwargs
+from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
+from tokenloom.server.serving_responses import build_messages, chat_body
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -40,6 +45,36 @@ def test_the_store_keeps_the_most_recently_used() -> None:
     off = ResponseStore(0)
     off.put("r", StoredResponse({}))
     assert off.get("r") is None
+
+
+def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
+    # vLLM 0.32 without a reasoning parser (ResponsesRequest.build_chat_params, construct_input_messages):
+    # reasoning.effort becomes the chat template's reasoning_effort and enable_thinking (unless the request's
+    # chat_template_kwargs set it), and a reasoning input item is the `reasoning` of the assistant turn it
+    # begins or joins; vLLM's peer tests send both (test_simple.py), tokenloom answered 400.
+    obj = {"input": [{"role": "user", "content": "Hello."},
+                     {"type": "reasoning", "id": "rs_1", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": "Greet back."}]},
+                     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi!"}]},
+                     {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Short."}]},
+                     {"role": "user", "content": "Again."}],
+           "reasoning": {"effort": "low"}, "chat_template_kwargs": {"enable_thinking": False, "x": 1}}
+    req = parse_model(ResponsesRequest, obj)
+    messages = build_messages(req, None)
+    assert messages == [{"role": "user", "content": "Hello."},
+                        {"role": "assistant", "content": "Hi!", "reasoning": "Greet back."},
+                        {"role": "assistant", "content": None, "reasoning": "Short."},
+                        {"role": "user", "content": "Again."}]
+    chat = parse_model(ChatCompletionRequest, chat_body(req, obj, messages))
+    assert chat.reasoning_effort == "low"
+    assert template_kwargs(chat.chat_template_kwargs, chat.reasoning_effort) == {
+        "enable_thinking": False, "x": 1, "reasoning_effort": "low"}
+    assert template_kwargs(None, "none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert template_kwargs({"a": 1}, None) == {"a": 1}
+    tokenizer = load_tokenizer(None)
+    ids = render_chat(tokenizer, chat.messages, chat_template_kwargs=template_kwargs(None, "high"),
+                      chat_template="[{{ reasoning_effort }} {{ enable_thinking }} {{ messages | length }}]")
+    assert tokenizer.decode(ids) == "[high True 4]"
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +160,16 @@ class TestServer:
         assert answer.output[0].type == "message" and answer.output_text
         assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
 
+    def test_reasoning_accepted_and_echoed(self, client) -> None:
+        # vLLM without a reasoning parser takes `reasoning` and reasoning items (they reach the chat template
+        # only; SmolLM2's ignores them) and echoes `reasoning`; no reasoning items come out.
+        r = client.responses.create(model=MODEL, reasoning={"effort": "low"}, max_output_tokens=2, temperature=0.0,
+                                    input=[{"role": "user", "content": "Hello."},
+                                           {"type": "reasoning", "summary": [],
+                                            "content": [{"type": "reasoning_text", "text": "Greet back."}]}])
+        assert r.reasoning.effort == "low" and [o.type for o in r.output] == ["message"]
+        assert r.usage.output_tokens_details.reasoning_tokens == 0
+
     def test_previous_response_id_get_and_cancel(self, client, server) -> None:
         first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)
         follow = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
@@ -145,7 +190,9 @@ class TestServer:
 
     @pytest.mark.parametrize("body, param, words", [
         ({"background": True}, "background", "background responses are not supported"),
-        ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning parser"),
+        # vLLM's check, before whether background is served (vLLM 0.32's test_stateful.py matches the message)
+        ({"background": True, "store": False}, "background", "background can only be used when `store` is true"),
+        ({"reasoning": {"effort": "maximal"}}, "reasoning", "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
         ({"tools": [WEATHER]}, None, '"auto" tool choice requires --enable-auto-tool-choice'),
         ({"include": ["file_search_call.results"]}, "include", "not supported"),
@@ -153,7 +200,10 @@ class TestServer:
         ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format",
          "text.format.name is required"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", "top_logprobs must be"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input",
+         "Encrypted content is not supported."),
+        ({"input": [{"type": "reasoning"}]}, "input", "summary must be a list"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
          "only text parts"),
         ({"max_output_tokens": "many"}, "max_output_tokens", "max_output_tokens"),

@@ -91,6 +91,29 @@ def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
+def _add_reasoning(messages: list[dict[str, Any]], where: str, item: dict[str, Any]) -> None:
+    """vLLM's reasoning input item: an assistant message's `reasoning` (its first content part's text, else its
+    first summary's), joining the assistant message before it. The chat templates tokenloom renders do not read
+    it, so, as in vLLM with such a template, it leaves an (empty) assistant turn."""
+    if item.get("encrypted_content"):
+        raise APIError(400, "Encrypted content is not supported.", "input")
+    parts = []
+    for key in ("content", "summary"):
+        value = item.get(key)
+        if (value is None and key == "content") or (isinstance(value, list) and all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in value)):
+            parts.append(value or [])
+            continue
+        raise APIError(400, f"{where}.{key} must be a list of parts with text", "input")
+    content, summary = parts
+    reasoning = (content or summary)[0]["text"] if (content or summary) else ""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last.get("reasoning") is None:
+        last["reasoning"] = reasoning
+    else:
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+
+
 def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
     where = f"input.{i}"
     if not isinstance(item, dict):
@@ -101,7 +124,14 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
         if role not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got {role!r}",
                            "input")
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        text = _text_of(item.get("content"), where)
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and last["role"] == "assistant" and last.get("content", "") is None:
+            last["content"] = text  # vLLM: the text joins the assistant message a reasoning item began
+        else:
+            messages.append({"role": role, "content": text})
+    elif kind == "reasoning":
+        _add_reasoning(messages, where, item)
     elif kind == "function_call":
         call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
         if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -113,7 +143,7 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
             raise APIError(400, f"{where}: a function_call_output item needs call_id (a string)", "input")
         messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
     else:
-        raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
+        raise APIError(400, f"{where}.type {kind!r} is not supported (message, reasoning, function_call, "
                             "function_call_output)", "input")
 
 
@@ -206,6 +236,9 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
         "skip_special_tokens": req.skip_special_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
         "priority": req.priority, "logit_bias": req.logit_bias, "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
+        # vLLM without a reasoning parser: the effort only reaches the chat template (params.template_kwargs).
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        "chat_template_kwargs": req.chat_template_kwargs,
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
@@ -290,7 +323,8 @@ class ResponseContext:
             "instructions": req.instructions, "max_output_tokens": self.params.max_tokens, "max_tool_calls": None,
             "metadata": req.metadata, "model": self.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "service_tier": req.service_tier or "auto", "store": bool(req.store),
             "temperature": self.params.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if "tool_choice" in self.obj else "auto", "tools": req.tools or [],
