@@ -170,6 +170,25 @@ class TestServer:
         assert r.reasoning.effort == "low" and [o.type for o in r.output] == ["message"]
         assert r.usage.output_tokens_details.reasoning_tokens == 0
 
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_enable_response_messages(self, client, stream) -> None:
+        # vLLM's SimpleContext (no Harmony): the rendered prompt and the output as raw messages with their
+        # token ids (vLLM's test_simple.py asks for them; tokenloom refused the field).
+        kwargs = dict(model=MODEL, input="Hello?", max_output_tokens=3, temperature=0.0,
+                      extra_body={"enable_response_messages": True})
+        if stream:
+            r = list(client.responses.create(**kwargs, stream=True))[-1].response
+        else:
+            r = client.responses.create(**kwargs)
+        [prompt] = r.input_messages
+        assert prompt["type"] == "raw_message_tokens" and prompt["message"].count("Hello?") == 1
+        assert len(prompt["tokens"]) == r.usage.input_tokens and all(type(t) is int for t in prompt["tokens"])
+        [output] = r.output_messages
+        assert output == {"message": r.output_text, "tokens": output["tokens"], "type": "raw_message_tokens"}
+        assert len(output["tokens"]) == r.usage.output_tokens
+        plain = client.responses.create(model=MODEL, input="Hello?", max_output_tokens=1)
+        assert plain.input_messages is None and plain.output_messages is None
+
     def test_previous_response_id_get_and_cancel(self, client, server) -> None:
         first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)
         follow = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,

@@ -240,3 +240,4 @@ class ResponsesRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     reasoning: Reasoning | None = None  # its effort reaches the chat template, as in vLLM without a reasoning parser
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_response_messages: Bool = False  # the raw prompt and output (text and token ids) in the response

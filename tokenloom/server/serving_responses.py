@@ -296,6 +296,7 @@ class ResponseContext:
     params: SamplingParams
     tools: ToolSetup | None
     messages: list[dict[str, Any]]
+    prompt: tuple[str, list[int]] | None = None  # the rendered prompt, kept for enable_response_messages
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -316,6 +317,14 @@ class ResponseContext:
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + generated}
+        input_messages = output_messages = None
+        if req.enable_response_messages and self.prompt is not None and out is not None:
+            # vLLM's SimpleContext: the prompt as one raw message, the output as one (none when empty).
+            text, ids = self.prompt
+            input_messages = [{"message": text, "tokens": ids, "type": "raw_message_tokens"}]
+            comp = out.outputs[0]
+            output_messages = [{"message": comp.text, "tokens": list(comp.token_ids), "type": "raw_message_tokens"}
+                               ] if comp.text or comp.token_ids else []
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": None,
@@ -330,6 +339,7 @@ class ResponseContext:
             "tool_choice": req.tool_choice if "tool_choice" in self.obj else "auto", "tools": req.tools or [],
             "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
+            "input_messages": input_messages, "output_messages": output_messages,
         }
 
     def store(self, store: ResponseStore, body: dict[str, Any]) -> None:
@@ -378,6 +388,8 @@ async def create_response(raw: Request) -> Response:
         raise _renamed(exc) from None
     ctx = ResponseContext(req, obj, req.request_id or _item_id("resp"), state.model_name(req.model), params,
                           extras.tools, messages)
+    if req.enable_response_messages:
+        ctx.prompt = (state.tokenizer.decode(prompt_ids, skip_special_tokens=False), list(prompt_ids))
     engine_id = f"{ctx.response_id}-{uuid.uuid4().hex[:8]}"
     engine = state.engine
     stream = engine.open_stream()

@@ -63,7 +63,6 @@ RESPONSES: dict[str, Unsupported] = {
                                            "previous_response_id or input items", ([],)),
     "previous_response": Unsupported("previous_response (stateless multi-turn for Harmony models) is not "
                                      "supported; use previous_response_id"),
-    "enable_response_messages": Unsupported("enable_response_messages is not supported", (False,)),
     "stream_options": Unsupported("stream_options is not supported on /v1/responses", ({},)),
     "context_management": Unsupported("context_management is not supported", ([],)),
     "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
