@@ -18,10 +18,11 @@ import pytest
 from tests.test_server_harness import ServerProcess
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.server.body import parse_model
+from tokenloom.server.errors import APIError
 from tokenloom.server.params import render_chat, template_kwargs
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.serving_responses import build_messages, chat_body
+from tokenloom.server.serving_responses import build_messages, call_item, chat_body, namespaced_names, output_messages
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -75,6 +76,39 @@ def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
     ids = render_chat(tokenizer, chat.messages, chat_template_kwargs=template_kwargs(None, "high"),
                       chat_template="[{{ reasoning_effort }} {{ enable_thinking }} {{ messages | length }}]")
     assert tokenizer.decode(ids) == "[high True 4]"
+
+
+def test_namespace_tools_as_vllm() -> None:
+    # vLLM 0.32: a `namespace` tool's functions are shown to the model as `<namespace>__<name>`, a call of one
+    # comes back as its own name plus `namespace`, a named tool_choice may use the own name when unambiguous,
+    # and a namespaced function_call input item is the flat name again (vLLM's test_namespace_tool_separator).
+    app = {"type": "function", "name": "get_app_state", "parameters": {"type": "object"}}
+    tools = [{"type": "namespace", "name": "mcp__computer_use", "description": "Computer control tools.",
+              "tools": [app, {"type": "custom", "name": "raw"}]},
+             {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    obj = {"input": [{"role": "user", "content": "Inspect Chrome."},
+                     {"type": "function_call", "call_id": "c1", "name": "get_app_state", "arguments": "{}",
+                      "namespace": "mcp__computer_use"}],
+           "tools": tools, "tool_choice": {"type": "function", "name": "get_app_state"}}
+    req = parse_model(ResponsesRequest, obj)
+    messages = build_messages(req, None)
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
+    body = chat_body(req, obj, messages)
+    assert [t["function"]["name"] for t in body["tools"]] == ["mcp__computer_use__get_app_state", "get_weather"]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "mcp__computer_use__get_app_state"}}
+    names = namespaced_names(tools)
+    item = call_item("fc_1", "c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
+    assert (item["name"], item["namespace"]) == ("get_app_state", "mcp__computer_use")
+    assert "namespace" not in call_item("fc_2", "c3", "get_weather", "{}", "completed", names)
+    # The stored output continues with the flat name the model wrote.
+    assert output_messages([item])[0]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
+    twice = [*tools, {"type": "namespace", "name": "other", "tools": [app]}]
+    obj2 = {**obj, "tools": twice}
+    with pytest.raises(APIError, match="ambiguous"):
+        chat_body(parse_model(ResponsesRequest, obj2), obj2, messages)
+    bad = {**obj, "tools": [{"type": "namespace", "name": "x"}]}
+    with pytest.raises(APIError, match="namespace tool needs"):
+        chat_body(parse_model(ResponsesRequest, bad), bad, messages)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +222,19 @@ class TestServer:
         assert len(output["tokens"]) == r.usage.output_tokens
         plain = client.responses.create(model=MODEL, input="Hello?", max_output_tokens=1)
         assert plain.input_messages is None and plain.output_messages is None
+
+    def test_namespace_tool_call_whole_and_streamed(self, client) -> None:
+        tools = [{"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [WEATHER]}]
+        kwargs = dict(model=MODEL, input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+                      max_output_tokens=60, temperature=0.0)
+        [call] = client.responses.create(**kwargs).output
+        assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "weather")
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        added = next(e.item for e in events if e.type == "response.output_item.added")
+        assert (added.name, added.namespace) == ("get_weather", "weather")
+        assert (final.output[0].name, final.output[0].namespace) == ("get_weather", "weather")
 
     def test_previous_response_id_get_and_cancel(self, client, server) -> None:
         first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)

@@ -49,6 +49,7 @@ from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+NAMESPACE_SEPARATOR = "__"  # vLLM's _NAMESPACE_TOOL_SEPARATOR
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
 # words of the message (longest first; not "messages" or "logprobs", which are common words there).
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -136,6 +137,9 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
         call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
         if not all(isinstance(v, str) for v in (call_id, name, arguments)):
             raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
+        namespace = item.get("namespace")
+        if isinstance(namespace, str) and namespace:  # vLLM: the flat name the model was shown
+            name = flat_tool_name(namespace, name)
         _add_call(messages, {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     elif kind == "function_call_output":
         call_id, output = item.get("call_id"), item.get("output")
@@ -154,8 +158,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "message":
             messages.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
         elif item["type"] == "function_call":
+            name = flat_tool_name(item["namespace"], item["name"]) if item.get("namespace") else item["name"]
             _add_call(messages, {"id": item["call_id"], "type": "function",
-                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+                                 "function": {"name": name, "arguments": item["arguments"]}})
     return messages
 
 
@@ -176,26 +181,66 @@ def build_messages(req: ResponsesRequest, previous: StoredResponse | None) -> li
     return messages
 
 
+def flat_tool_name(namespace: str, name: str) -> str:
+    """vLLM's flat_namespace_tool_name: a namespace's function as the model sees it."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def namespaced_names(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
+    """Flat name → (name, namespace) of every function in a `namespace` tool (vLLM's
+    build_responses_tool_call_name_map)."""
+    names: dict[str, tuple[str, str]] = {}
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for inner in tool.get("tools") or []:
+                if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str):
+                    names[flat_tool_name(tool["name"], inner["name"])] = (inner["name"], tool["name"])
+    return names
+
+
+def _function(fn: dict[str, Any], name: Any = None) -> dict[str, Any]:
+    fields = {k: fn[k] for k in ("name", "description", "parameters", "strict") if fn.get(k) is not None}
+    return {"type": "function", "function": {**fields, **({"name": name} if name is not None else {})}}
+
+
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses' flat function tools → chat's {"type": "function", "function": {...}}."""
+    """Responses' flat function tools → chat's {"type": "function", "function": {...}}; a `namespace` tool's
+    functions as `<namespace>__<name>` (vLLM's get_function_tools; its other tools are dropped, as vLLM)."""
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            namespace, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace or not isinstance(inner, list) or not all(
+                    isinstance(t, dict) and isinstance(t.get("name"), str) for t in inner):
+                raise APIError(400, f"tools.{i}: a namespace tool needs a name and a list of named tools", "tools")
+            out += [_function(t, flat_tool_name(namespace, t["name"])) for t in inner if t.get("type") == "function"]
+            continue
         if kind != "function":
-            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function tools (built-in tools "
-                                "such as web_search, file_search, code_interpreter and mcp need a tool server)",
-                           "tools")
+            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function and namespace tools "
+                                "(built-in tools such as web_search, file_search, code_interpreter and mcp need a "
+                                "tool server)", "tools")
         fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat's shape, leniently
-        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters",
-                                                                          "strict") if fn.get(k) is not None}})
+        out.append(_function(fn))
     return out
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        name = choice.get("name")
+        # vLLM's _resolve_named_tool_choice: a namespace's function by its own name, when that is unambiguous
+        flat = namespaced_names(tools)
+        exact = set(flat) | {t.get("name") for t in tools or [] if isinstance(t, dict) and t.get("type") != "namespace"}
+        candidates = [f for f, (local, _) in flat.items() if local == name]
+        if name not in exact and len(candidates) > 1:
+            raise APIError(400, f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+                                f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.",
+                           "tool_choice")
+        if name not in exact and candidates:
+            name = candidates[0]
+        return {"type": "function", "function": {"name": name}}
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise APIError(400, f"tool_choice {kind!r} is not supported: 'none', 'auto', 'required' or "
                         '{"type": "function", "name": ...}', "tool_choice")
@@ -245,7 +290,7 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
     if req.tools:
         body["tools"] = _chat_tools(req.tools)
     if "tool_choice" in obj:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice, req.tools)
     include = req.include or []
     unknown = [x for x in include if x != LOGPROBS_INCLUDE]
     if unknown:
@@ -280,9 +325,14 @@ def message_item(item_id: str, text: str | None, status: str, logprobs: list[dic
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+              namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """A function_call item; a namespace's function (flat name in `namespaces`) as its name and namespace."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespaces and name in namespaces:
+        item["name"], item["namespace"] = namespaces[name]
+    return item
 
 
 @dataclass
@@ -362,8 +412,9 @@ def whole_output(ctx: ResponseContext, comp: CompletionOutput) -> list[dict[str,
     if content or not calls:  # vLLM: no text (and no call) is a message without content parts
         logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if not calls else None
         items.append(message_item(_item_id("msg"), content or None, "completed", logprobs))
-    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-              for c in calls]
+    namespaces = namespaced_names(ctx.req.tools)
+    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed",
+                        namespaces) for c in calls]
     return items
 
 
@@ -482,7 +533,7 @@ class _ItemStream:
 
     def call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         events = self.close()
-        item = call_item(_item_id("fc"), call_id, name, "", "in_progress")
+        item = call_item(_item_id("fc"), call_id, name, "", "in_progress", namespaced_names(self.ctx.req.tools))
         self.open = _OpenItem(len(self.done), item)
         events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
         return events
