@@ -16,7 +16,13 @@ import openai
 import pytest
 
 from tests.test_server_harness import ServerProcess
+from tokenloom.model.tokenizer import load_tokenizer
+from tokenloom.server.body import parse_model
+from tokenloom.server.errors import APIError
+from tokenloom.server.params import render_chat, template_kwargs
+from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
+from tokenloom.server.serving_responses import build_messages, call_item, chat_body, namespaced_names, output_messages
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -40,6 +46,69 @@ def test_the_store_keeps_the_most_recently_used() -> None:
     off = ResponseStore(0)
     off.put("r", StoredResponse({}))
     assert off.get("r") is None
+
+
+def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
+    # vLLM 0.32 without a reasoning parser (ResponsesRequest.build_chat_params, construct_input_messages):
+    # reasoning.effort becomes the chat template's reasoning_effort and enable_thinking (unless the request's
+    # chat_template_kwargs set it), and a reasoning input item is the `reasoning` of the assistant turn it
+    # begins or joins; vLLM's peer tests send both (test_simple.py), tokenloom answered 400.
+    obj = {"input": [{"role": "user", "content": "Hello."},
+                     {"type": "reasoning", "id": "rs_1", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": "Greet back."}]},
+                     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi!"}]},
+                     {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Short."}]},
+                     {"role": "user", "content": "Again."}],
+           "reasoning": {"effort": "low"}, "chat_template_kwargs": {"enable_thinking": False, "x": 1}}
+    req = parse_model(ResponsesRequest, obj)
+    messages = build_messages(req, None)
+    assert messages == [{"role": "user", "content": "Hello."},
+                        {"role": "assistant", "content": "Hi!", "reasoning": "Greet back."},
+                        {"role": "assistant", "content": None, "reasoning": "Short."},
+                        {"role": "user", "content": "Again."}]
+    chat = parse_model(ChatCompletionRequest, chat_body(req, obj, messages))
+    assert chat.reasoning_effort == "low"
+    assert template_kwargs(chat.chat_template_kwargs, chat.reasoning_effort) == {
+        "enable_thinking": False, "x": 1, "reasoning_effort": "low"}
+    assert template_kwargs(None, "none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert template_kwargs({"a": 1}, None) == {"a": 1}
+    tokenizer = load_tokenizer(None)
+    ids = render_chat(tokenizer, chat.messages, chat_template_kwargs=template_kwargs(None, "high"),
+                      chat_template="[{{ reasoning_effort }} {{ enable_thinking }} {{ messages | length }}]")
+    assert tokenizer.decode(ids) == "[high True 4]"
+
+
+def test_namespace_tools_as_vllm() -> None:
+    # vLLM 0.32: a `namespace` tool's functions are shown to the model as `<namespace>__<name>`, a call of one
+    # comes back as its own name plus `namespace`, a named tool_choice may use the own name when unambiguous,
+    # and a namespaced function_call input item is the flat name again (vLLM's test_namespace_tool_separator).
+    app = {"type": "function", "name": "get_app_state", "parameters": {"type": "object"}}
+    tools = [{"type": "namespace", "name": "mcp__computer_use", "description": "Computer control tools.",
+              "tools": [app, {"type": "custom", "name": "raw"}]},
+             {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    obj = {"input": [{"role": "user", "content": "Inspect Chrome."},
+                     {"type": "function_call", "call_id": "c1", "name": "get_app_state", "arguments": "{}",
+                      "namespace": "mcp__computer_use"}],
+           "tools": tools, "tool_choice": {"type": "function", "name": "get_app_state"}}
+    req = parse_model(ResponsesRequest, obj)
+    messages = build_messages(req, None)
+    assert messages[1]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
+    body = chat_body(req, obj, messages)
+    assert [t["function"]["name"] for t in body["tools"]] == ["mcp__computer_use__get_app_state", "get_weather"]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "mcp__computer_use__get_app_state"}}
+    names = namespaced_names(tools)
+    item = call_item("fc_1", "c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
+    assert (item["name"], item["namespace"]) == ("get_app_state", "mcp__computer_use")
+    assert "namespace" not in call_item("fc_2", "c3", "get_weather", "{}", "completed", names)
+    # The stored output continues with the flat name the model wrote.
+    assert output_messages([item])[0]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
+    twice = [*tools, {"type": "namespace", "name": "other", "tools": [app]}]
+    obj2 = {**obj, "tools": twice}
+    with pytest.raises(APIError, match="ambiguous"):
+        chat_body(parse_model(ResponsesRequest, obj2), obj2, messages)
+    bad = {**obj, "tools": [{"type": "namespace", "name": "x"}]}
+    with pytest.raises(APIError, match="namespace tool needs"):
+        chat_body(parse_model(ResponsesRequest, bad), bad, messages)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +194,48 @@ class TestServer:
         assert answer.output[0].type == "message" and answer.output_text
         assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
 
+    def test_reasoning_accepted_and_echoed(self, client) -> None:
+        # vLLM without a reasoning parser takes `reasoning` and reasoning items (they reach the chat template
+        # only; SmolLM2's ignores them) and echoes `reasoning`; no reasoning items come out.
+        r = client.responses.create(model=MODEL, reasoning={"effort": "low"}, max_output_tokens=2, temperature=0.0,
+                                    input=[{"role": "user", "content": "Hello."},
+                                           {"type": "reasoning", "summary": [],
+                                            "content": [{"type": "reasoning_text", "text": "Greet back."}]}])
+        assert r.reasoning.effort == "low" and [o.type for o in r.output] == ["message"]
+        assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_enable_response_messages(self, client, stream) -> None:
+        # vLLM's SimpleContext (no Harmony): the rendered prompt and the output as raw messages with their
+        # token ids (vLLM's test_simple.py asks for them; tokenloom refused the field).
+        kwargs = dict(model=MODEL, input="Hello?", max_output_tokens=3, temperature=0.0,
+                      extra_body={"enable_response_messages": True})
+        if stream:
+            r = list(client.responses.create(**kwargs, stream=True))[-1].response
+        else:
+            r = client.responses.create(**kwargs)
+        [prompt] = r.input_messages
+        assert prompt["type"] == "raw_message_tokens" and prompt["message"].count("Hello?") == 1
+        assert len(prompt["tokens"]) == r.usage.input_tokens and all(type(t) is int for t in prompt["tokens"])
+        [output] = r.output_messages
+        assert output == {"message": r.output_text, "tokens": output["tokens"], "type": "raw_message_tokens"}
+        assert len(output["tokens"]) == r.usage.output_tokens
+        plain = client.responses.create(model=MODEL, input="Hello?", max_output_tokens=1)
+        assert plain.input_messages is None and plain.output_messages is None
+
+    def test_namespace_tool_call_whole_and_streamed(self, client) -> None:
+        tools = [{"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [WEATHER]}]
+        kwargs = dict(model=MODEL, input=ASK, tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+                      max_output_tokens=60, temperature=0.0)
+        [call] = client.responses.create(**kwargs).output
+        assert (call.type, call.name, call.namespace) == ("function_call", "get_weather", "weather")
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        added = next(e.item for e in events if e.type == "response.output_item.added")
+        assert (added.name, added.namespace) == ("get_weather", "weather")
+        assert (final.output[0].name, final.output[0].namespace) == ("get_weather", "weather")
+
     def test_previous_response_id_get_and_cancel(self, client, server) -> None:
         first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)
         follow = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
@@ -145,7 +256,9 @@ class TestServer:
 
     @pytest.mark.parametrize("body, param, words", [
         ({"background": True}, "background", "background responses are not supported"),
-        ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning parser"),
+        # vLLM's check, before whether background is served (vLLM 0.32's test_stateful.py matches the message)
+        ({"background": True, "store": False}, "background", "background can only be used when `store` is true"),
+        ({"reasoning": {"effort": "maximal"}}, "reasoning", "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
         ({"tools": [WEATHER]}, None, '"auto" tool choice requires --enable-auto-tool-choice'),
         ({"include": ["file_search_call.results"]}, "include", "not supported"),
@@ -153,7 +266,10 @@ class TestServer:
         ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format",
          "text.format.name is required"),
         ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", "top_logprobs must be"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning' is not supported"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input",
+         "Encrypted content is not supported."),
+        ({"input": [{"type": "reasoning"}]}, "input", "summary must be a list"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
          "only text parts"),
         ({"max_output_tokens": "many"}, "max_output_tokens", "max_output_tokens"),

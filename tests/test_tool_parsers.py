@@ -169,6 +169,30 @@ def test_required_and_named_are_forced_with_a_structural_tag() -> None:
     assert _accepts(named, one) and not _accepts(named, two) and not _accepts(named, '{"a": 1}')
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_forced_calls_cap_the_whitespace_in_their_arguments(parser: str) -> None:
+    # JSON allows any whitespace between tokens, and a small model can write newlines inside `{}` until
+    # max_tokens: a forced call (required / named) allows FORCED_CALL_MAX_WHITESPACE (8) in a row.
+    from tokenloom.server.tool_grammar import FORCED_CALL_MAX_WHITESPACE
+
+    assert FORCED_CALL_MAX_WHITESPACE == 8
+
+    def call(name: str, args: str) -> str:
+        if parser == "hermes":
+            return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+        return f'{{"name": "{name}", "parameters": {args}}}'
+
+    pretty = call("get_weather", '{\n  "city": "Paris"\n}')
+    for choice in ("required", NAMED):
+        so = structured_outputs_of({}, tool_setup([WEATHER, TIME], choice, None, parser))
+        assert _accepts(so, pretty) and _accepts(so, call("get_weather", "{" + " " * 8 + '"city": "Paris"}'))
+        assert not _accepts(so, call("get_weather", "{" + " " * 9 + '"city": "Paris"}'))
+        assert not _accepts(so, call("get_weather", '{"city":' + "\n" * 9 + '"Paris"}'))
+    # "auto" (the model may answer in text instead) keeps JSON's whitespace, as vLLM.
+    auto = structured_outputs_of({}, tool_setup([WEATHER, TIME], "auto", None, parser))
+    assert _accepts(auto, call("get_time", "{" + " " * 20 + '"tz": "CET"}'))
+
+
 def test_auto_is_free_unless_a_tool_is_strict() -> None:
     assert structured_outputs_of({}, tool_setup([WEATHER], "auto", None, "hermes")) is None
     # An explicit null is parsed as "auto" but never constrained (vLLM: need_tool_calling is false).

@@ -3,11 +3,15 @@
 Plumbing only: vLLM's interface (constructor, url_root, url_for, get_client, get_async_client, context
 manager), vLLM's serve flags translated to tokenloom's (flags for machinery tokenloom lacks are dropped
 and listed in the server log), and the model name: tokenloom serves its own model (`TOKENLOOM_PEER_MODEL`,
-default: the default model) under the name the test asks for, so the test's `model=` matches.
+default: the default model) under the name the test asks for, so the test's `model=` matches. With the
+model goes its context: a `--max-model-len` above the served model's (vLLM's CI models: Qwen3's 18192 on
+SmolLM2's 8192) is lowered to it and logged, as the test's model name is replaced by the served one.
+vLLM's underscore spellings of flags (`--max_model_len`, which vLLM's parser accepts) are read as dashes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -48,8 +52,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], list[str]]:
-    """(tokenloom serve arguments, vLLM flags dropped)."""
+def served_context() -> int | None:
+    """The context length of the model the stand-in serves (None if it cannot be read)."""
+    try:
+        from tokenloom.model.paths import resolve_model_path
+
+        path = resolve_model_path(os.environ.get("TOKENLOOM_PEER_MODEL"))
+        if path.is_file():
+            from tokenloom.model.gguf import config_from_gguf, read_gguf
+
+            return config_from_gguf(read_gguf(path)).max_position_embeddings
+        return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except Exception:  # plumbing only: without it the test's value goes through unchanged
+        return None
+
+
+def translate_args(model: str, vllm_args: list[str], context: int | None = None) -> tuple[list[str], list[str]]:
+    """(tokenloom serve arguments, vLLM flags dropped or changed). `context`: the served model's context
+    length, to which a larger --max-model-len is lowered."""
     out: list[str] = []
     dropped: list[str] = []
     served = False
@@ -57,6 +77,16 @@ def translate_args(model: str, vllm_args: list[str]) -> tuple[list[str], list[st
     while i < len(vllm_args):
         arg = vllm_args[i]
         name, _, inline = arg.partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+            arg = f"{name}={inline}" if inline else name
+        if name == "--max-model-len" and context is not None:
+            value = inline or (vllm_args[i + 1] if i + 1 < len(vllm_args) else "")
+            if value.isdigit() and int(value) > context:
+                out += [name, str(context)]
+                dropped.append(f"{name} {value} (> the served model's context; {context})")
+                i += 1 if inline else 2
+                continue
         if name in _KEEP:
             n = _KEEP[name]
             served |= name == "--served-model-name"
@@ -92,7 +122,7 @@ class RemoteOpenAIServer:
                  **unused: object) -> None:
         self.host = "127.0.0.1"
         self.port = _free_port()
-        args, self.dropped = translate_args(model, list(vllm_serve_args))
+        args, self.dropped = translate_args(model, list(vllm_serve_args), served_context())
         env = os.environ.copy()
         env.update(env_dict or {})
         repo = Path(__file__).resolve().parents[2]

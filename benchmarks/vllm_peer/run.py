@@ -6,8 +6,10 @@
 It copies the named test files from a vLLM checkout into a scratch tree whose `tests/utils.py` is
 `remote_server.RemoteOpenAIServer` (tokenloom instead of `vllm serve`), runs pytest there (vLLM's
 assertions untouched), and writes a pass/fail table per file. vLLM's conftest files are not copied
-(they set up vLLM's own machinery). Needs pytest-asyncio (`pip install -e '.[peer]'`). Slow: every test
-module starts a server; not part of `make test`.
+(they set up vLLM's own machinery), except those named with `--support` (copied, not run as tests): a test
+directory's conftest.py whose fixtures and helpers the tests import, e.g.
+entrypoints/openai/responses/conftest.py (its server fixture goes through the stand-in too). Needs
+pytest-asyncio (`pip install -e '.[peer]'`). Slow: every test module starts a server; not part of `make test`.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from benchmarks.vllm_peer.remote_server import RemoteOpenAIServer  # noqa: F401
 '''
 
 
-def build_tree(vllm_tests: Path, files: list[str], dest: Path) -> list[Path]:
+def build_tree(vllm_tests: Path, files: list[str], dest: Path, support: list[str] = ()) -> list[Path]:
+    """Copy `files` (returned: the tests to run) and `support` (copied only) into dest/tests."""
     (dest / "tests").mkdir(parents=True)
     (dest / "tests" / "__init__.py").write_text("")
     (dest / "tests" / "utils.py").write_text(UTILS)
     copied = []
-    for rel in files:
+    for rel in [*support, *files]:
         src = vllm_tests / rel
         target = dest / "tests" / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -43,7 +46,8 @@ def build_tree(vllm_tests: Path, files: list[str], dest: Path) -> list[Path]:
             if parent != Path(".") and not init.exists():
                 init.write_text("")
         shutil.copy(src, target)
-        copied.append(target)
+        if rel in files:
+            copied.append(target)
     return copied
 
 
@@ -93,6 +97,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-tests", type=Path, required=True, help="the tests/ directory of a vLLM checkout")
     p.add_argument("files", nargs="+", help="test files relative to --vllm-tests")
+    p.add_argument("--support", action="append", default=[],
+                   help="a file relative to --vllm-tests copied but not run (a conftest.py the tests import); "
+                        "repeatable")
     p.add_argument("-o", "--output", type=Path, help="write the markdown table here too")
     p.add_argument("--keep", type=Path, help="build the scratch tree here (kept) instead of a temp dir")
     p.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
@@ -100,7 +107,7 @@ def main() -> int:
     dest = args.keep or Path(tempfile.mkdtemp(prefix="vllm-peer-"))
     if dest.exists() and args.keep:
         shutil.rmtree(dest)
-    copied = build_tree(args.vllm_tests.resolve(), args.files, dest)
+    copied = build_tree(args.vllm_tests.resolve(), args.files, dest, args.support)
     junit = dest / "junit.xml"
     os.environ.setdefault("TOKENLOOM_PEER_LOGS", str(dest))
     rc = run(dest, copied, junit, args.timeout)

@@ -220,6 +220,19 @@ def check_request_chat_template(req: ChatCompletionRequest | Any, trusted: bool)
                             "Refused request with untrusted chat template.")
 
 
+def template_kwargs(kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any] | None:
+    """The chat template's extra variables: the request's chat_template_kwargs, and vLLM's build_chat_params
+    additions for a reasoning effort (`reasoning_effort`, and `enable_thinking` = effort != "none" unless the
+    request set it): what a reasoning effort does in vLLM without a reasoning parser (a template that
+    declares neither variable renders as without them)."""
+    if reasoning_effort is None:
+        return kwargs
+    out = {**(kwargs or {}), "reasoning_effort": reasoning_effort}
+    if "enable_thinking" not in (kwargs or {}):
+        out["enable_thinking"] = reasoning_effort != "none"
+    return out
+
+
 def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
     _check_common(req, vocab_size)
     if not req.messages:

@@ -138,6 +138,19 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+# OpenAI's reasoning efforts, as vLLM 0.32 takes them (chat's reasoning_effort, Responses' reasoning.effort).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class Reasoning(BaseModel):
+    """Responses' `reasoning` (openai.types.shared.Reasoning, as far as vLLM 0.32 reads it: the effort)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -156,6 +169,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     add_special_tokens: Bool = False
+    # OpenAI's; in vLLM without a reasoning parser it only reaches the chat template (params.template_kwargs)
+    reasoning_effort: ReasoningEffort | None = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -223,3 +238,6 @@ class ResponsesRequest(BaseModel):
     include_stop_str_in_output: Bool = False
     logit_bias: dict[str, float] | None = None
     structured_outputs: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None  # its effort reaches the chat template, as in vLLM without a reasoning parser
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_response_messages: Bool = False  # the raw prompt and output (text and token ids) in the response

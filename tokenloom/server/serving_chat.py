@@ -29,6 +29,7 @@ from tokenloom.server.params import (
     check_request_chat_template,
     message_text,
     render_chat,
+    template_kwargs,
     truncate_prompt,
 )
 from tokenloom.server.protocol import ChatCompletionRequest
@@ -87,7 +88,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
         tools_prompt = tools_system_prompt(template_tools, (tools.parser if tools else None) or "hermes")
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        req.chat_template_kwargs, req.add_special_tokens, req.chat_template,
+        template_kwargs(req.chat_template_kwargs, req.reasoning_effort), req.add_special_tokens, req.chat_template,
         template_tools if tools_prompt is None else None, req.documents, tools_prompt,
     )
     return req, truncate_prompt(prompt_ids, req, state.max_model_len), extras

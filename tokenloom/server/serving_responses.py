@@ -49,6 +49,7 @@ from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+NAMESPACE_SEPARATOR = "__"  # vLLM's _NAMESPACE_TOOL_SEPARATOR
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
 # words of the message (longest first; not "messages" or "logprobs", which are common words there).
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -91,6 +92,29 @@ def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
+def _add_reasoning(messages: list[dict[str, Any]], where: str, item: dict[str, Any]) -> None:
+    """vLLM's reasoning input item: an assistant message's `reasoning` (its first content part's text, else its
+    first summary's), joining the assistant message before it. The chat templates tokenloom renders do not read
+    it, so, as in vLLM with such a template, it leaves an (empty) assistant turn."""
+    if item.get("encrypted_content"):
+        raise APIError(400, "Encrypted content is not supported.", "input")
+    parts = []
+    for key in ("content", "summary"):
+        value = item.get(key)
+        if (value is None and key == "content") or (isinstance(value, list) and all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in value)):
+            parts.append(value or [])
+            continue
+        raise APIError(400, f"{where}.{key} must be a list of parts with text", "input")
+    content, summary = parts
+    reasoning = (content or summary)[0]["text"] if (content or summary) else ""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last.get("reasoning") is None:
+        last["reasoning"] = reasoning
+    else:
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+
+
 def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
     where = f"input.{i}"
     if not isinstance(item, dict):
@@ -101,11 +125,21 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
         if role not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got {role!r}",
                            "input")
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        text = _text_of(item.get("content"), where)
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and last["role"] == "assistant" and last.get("content", "") is None:
+            last["content"] = text  # vLLM: the text joins the assistant message a reasoning item began
+        else:
+            messages.append({"role": role, "content": text})
+    elif kind == "reasoning":
+        _add_reasoning(messages, where, item)
     elif kind == "function_call":
         call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
         if not all(isinstance(v, str) for v in (call_id, name, arguments)):
             raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
+        namespace = item.get("namespace")
+        if isinstance(namespace, str) and namespace:  # vLLM: the flat name the model was shown
+            name = flat_tool_name(namespace, name)
         _add_call(messages, {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     elif kind == "function_call_output":
         call_id, output = item.get("call_id"), item.get("output")
@@ -113,7 +147,7 @@ def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
             raise APIError(400, f"{where}: a function_call_output item needs call_id (a string)", "input")
         messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
     else:
-        raise APIError(400, f"{where}.type {kind!r} is not supported (message, function_call, "
+        raise APIError(400, f"{where}.type {kind!r} is not supported (message, reasoning, function_call, "
                             "function_call_output)", "input")
 
 
@@ -124,8 +158,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "message":
             messages.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
         elif item["type"] == "function_call":
+            name = flat_tool_name(item["namespace"], item["name"]) if item.get("namespace") else item["name"]
             _add_call(messages, {"id": item["call_id"], "type": "function",
-                                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+                                 "function": {"name": name, "arguments": item["arguments"]}})
     return messages
 
 
@@ -146,26 +181,66 @@ def build_messages(req: ResponsesRequest, previous: StoredResponse | None) -> li
     return messages
 
 
+def flat_tool_name(namespace: str, name: str) -> str:
+    """vLLM's flat_namespace_tool_name: a namespace's function as the model sees it."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def namespaced_names(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
+    """Flat name → (name, namespace) of every function in a `namespace` tool (vLLM's
+    build_responses_tool_call_name_map)."""
+    names: dict[str, tuple[str, str]] = {}
+    for tool in tools or []:
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for inner in tool.get("tools") or []:
+                if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str):
+                    names[flat_tool_name(tool["name"], inner["name"])] = (inner["name"], tool["name"])
+    return names
+
+
+def _function(fn: dict[str, Any], name: Any = None) -> dict[str, Any]:
+    fields = {k: fn[k] for k in ("name", "description", "parameters", "strict") if fn.get(k) is not None}
+    return {"type": "function", "function": {**fields, **({"name": name} if name is not None else {})}}
+
+
 def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses' flat function tools → chat's {"type": "function", "function": {...}}."""
+    """Responses' flat function tools → chat's {"type": "function", "function": {...}}; a `namespace` tool's
+    functions as `<namespace>__<name>` (vLLM's get_function_tools; its other tools are dropped, as vLLM)."""
     out = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace":
+            namespace, inner = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace or not isinstance(inner, list) or not all(
+                    isinstance(t, dict) and isinstance(t.get("name"), str) for t in inner):
+                raise APIError(400, f"tools.{i}: a namespace tool needs a name and a list of named tools", "tools")
+            out += [_function(t, flat_tool_name(namespace, t["name"])) for t in inner if t.get("type") == "function"]
+            continue
         if kind != "function":
-            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function tools (built-in tools "
-                                "such as web_search, file_search, code_interpreter and mcp need a tool server)",
-                           "tools")
+            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function and namespace tools "
+                                "(built-in tools such as web_search, file_search, code_interpreter and mcp need a "
+                                "tool server)", "tools")
         fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat's shape, leniently
-        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters",
-                                                                          "strict") if fn.get(k) is not None}})
+        out.append(_function(fn))
     return out
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        name = choice.get("name")
+        # vLLM's _resolve_named_tool_choice: a namespace's function by its own name, when that is unambiguous
+        flat = namespaced_names(tools)
+        exact = set(flat) | {t.get("name") for t in tools or [] if isinstance(t, dict) and t.get("type") != "namespace"}
+        candidates = [f for f, (local, _) in flat.items() if local == name]
+        if name not in exact and len(candidates) > 1:
+            raise APIError(400, f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+                                f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.",
+                           "tool_choice")
+        if name not in exact and candidates:
+            name = candidates[0]
+        return {"type": "function", "function": {"name": name}}
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise APIError(400, f"tool_choice {kind!r} is not supported: 'none', 'auto', 'required' or "
                         '{"type": "function", "name": ...}', "tool_choice")
@@ -206,13 +281,16 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
         "skip_special_tokens": req.skip_special_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
         "priority": req.priority, "logit_bias": req.logit_bias, "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
+        # vLLM without a reasoning parser: the effort only reaches the chat template (params.template_kwargs).
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        "chat_template_kwargs": req.chat_template_kwargs,
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
     if req.tools:
         body["tools"] = _chat_tools(req.tools)
     if "tool_choice" in obj:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice, req.tools)
     include = req.include or []
     unknown = [x for x in include if x != LOGPROBS_INCLUDE]
     if unknown:
@@ -247,9 +325,14 @@ def message_item(item_id: str, text: str | None, status: str, logprobs: list[dic
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+              namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """A function_call item; a namespace's function (flat name in `namespaces`) as its name and namespace."""
+    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespaces and name in namespaces:
+        item["name"], item["namespace"] = namespaces[name]
+    return item
 
 
 @dataclass
@@ -263,6 +346,7 @@ class ResponseContext:
     params: SamplingParams
     tools: ToolSetup | None
     messages: list[dict[str, Any]]
+    prompt: tuple[str, list[int]] | None = None  # the rendered prompt, kept for enable_response_messages
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -283,6 +367,14 @@ class ResponseContext:
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                      "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt + generated}
+        input_messages = output_messages = None
+        if req.enable_response_messages and self.prompt is not None and out is not None:
+            # vLLM's SimpleContext: the prompt as one raw message, the output as one (none when empty).
+            text, ids = self.prompt
+            input_messages = [{"message": text, "tokens": ids, "type": "raw_message_tokens"}]
+            comp = out.outputs[0]
+            output_messages = [{"message": comp.text, "tokens": list(comp.token_ids), "type": "raw_message_tokens"}
+                               ] if comp.text or comp.token_ids else []
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "background": False, "error": None,
@@ -290,12 +382,14 @@ class ResponseContext:
             "instructions": req.instructions, "max_output_tokens": self.params.max_tokens, "max_tool_calls": None,
             "metadata": req.metadata, "model": self.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "reasoning": None,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "service_tier": req.service_tier or "auto", "store": bool(req.store),
             "temperature": self.params.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice if "tool_choice" in self.obj else "auto", "tools": req.tools or [],
             "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
+            "input_messages": input_messages, "output_messages": output_messages,
         }
 
     def store(self, store: ResponseStore, body: dict[str, Any]) -> None:
@@ -318,8 +412,9 @@ def whole_output(ctx: ResponseContext, comp: CompletionOutput) -> list[dict[str,
     if content or not calls:  # vLLM: no text (and no call) is a message without content parts
         logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if not calls else None
         items.append(message_item(_item_id("msg"), content or None, "completed", logprobs))
-    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
-              for c in calls]
+    namespaces = namespaced_names(ctx.req.tools)
+    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed",
+                        namespaces) for c in calls]
     return items
 
 
@@ -344,6 +439,8 @@ async def create_response(raw: Request) -> Response:
         raise _renamed(exc) from None
     ctx = ResponseContext(req, obj, req.request_id or _item_id("resp"), state.model_name(req.model), params,
                           extras.tools, messages)
+    if req.enable_response_messages:
+        ctx.prompt = (state.tokenizer.decode(prompt_ids, skip_special_tokens=False), list(prompt_ids))
     engine_id = f"{ctx.response_id}-{uuid.uuid4().hex[:8]}"
     engine = state.engine
     stream = engine.open_stream()
@@ -436,7 +533,7 @@ class _ItemStream:
 
     def call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         events = self.close()
-        item = call_item(_item_id("fc"), call_id, name, "", "in_progress")
+        item = call_item(_item_id("fc"), call_id, name, "", "in_progress", namespaced_names(self.ctx.req.tools))
         self.open = _OpenItem(len(self.done), item)
         events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
         return events

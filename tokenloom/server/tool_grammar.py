@@ -33,9 +33,16 @@ from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools, par
 from tokenloom.server.tools import ToolSetup
 
 STRICT_LEVELS = ("auto", "function", "parameter")  # vLLM's ToolStrictLevel, weakest first
+# A forced call's (required / named) arguments allow at most this many whitespace characters in a row
+# (xgrammar's JSONSchemaFormat.max_whitespace_cnt). JSON's grammar allows any amount between tokens, and a
+# small model can write newlines inside `{}` until max_tokens (SmolLM2 did, under the JSON forms below); a
+# forced call must end. 8 keeps one-line calls and two levels of pretty-printing (a newline and up to seven
+# spaces) as the model writes them. vLLM 0.32 sets no cap (an addition, as the compact JSON forms are).
+FORCED_CALL_MAX_WHITESPACE = 8
 
 
-def _hermes_tags(tools: dict[str, dict[str, Any]], strict: dict[str, bool]) -> list[dict[str, Any]]:
+def _hermes_tags(tools: dict[str, dict[str, Any]], strict: dict[str, bool],
+                 max_whitespace: int | None = None) -> list[dict[str, Any]]:
     # Both spellings the Hermes template produces: the block on its own lines, or inline.
     forms = [('<tool_call>\n{"name": "', "}\n</tool_call>"), ('<tool_call>{"name": "', "}</tool_call>")]
     tags = []
@@ -43,9 +50,11 @@ def _hermes_tags(tools: dict[str, dict[str, Any]], strict: dict[str, bool]) -> l
         params: Any = True  # any JSON value
         if strict[name]:
             params = params_or_empty_object(fn.get("parameters"))
+        content: dict[str, Any] = {"type": "json_schema", "json_schema": params}
+        if max_whitespace is not None:
+            content["max_whitespace_cnt"] = max_whitespace
         for begin, end in forms:
-            tags.append({"type": "tag", "begin": f'{begin}{name}", "arguments": ',
-                         "content": {"type": "json_schema", "json_schema": params}, "end": end})
+            tags.append({"type": "tag", "begin": f'{begin}{name}", "arguments": ', "content": content, "end": end})
     return tags
 
 
@@ -68,7 +77,8 @@ def _output_format(so: StructuredOutputsParams) -> dict[str, Any] | None:
     return None
 
 
-def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str) -> dict[str, Any]:
+def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str,
+                  max_whitespace: int | None = None) -> dict[str, Any]:
     """xgrammar's builtin "llama" tag (vLLM calls the same function): `{"name": "<tool>", "parameters":
     ...}` objects, triggered by `{"name": ` under auto / required, one object of the named function."""
     import xgrammar as xgr
@@ -80,7 +90,8 @@ def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str) -> dic
     tool_choice: Any = choice
     if choice == "forced":
         tool_choice = {"type": "function", "function": {"name": tools.named}}
-    tag = xgr.get_model_structural_tag(model="llama", tools=dumped, tool_choice=tool_choice, reasoning=False)
+    tag = xgr.get_model_structural_tag(model="llama", tools=dumped, tool_choice=tool_choice, reasoning=False,
+                                       max_whitespace_cnt=max_whitespace)
     return tag.model_dump()["format"]
 
 
@@ -146,11 +157,12 @@ def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams
     # vLLM builds "auto" with a response format as "required", so the format stays the alternative.
     choice = {"auto": "auto" if extra is None else "required", "required": "required",
               "named": "forced"}[tools.mode]
+    max_whitespace = FORCED_CALL_MAX_WHITESPACE if forced else None
     fmt: dict[str, Any]
     if model == "llama":
-        fmt = _llama_format(tools, strict, choice)
+        fmt = _llama_format(tools, strict, choice, max_whitespace)
     else:
-        tags = _hermes_tags(chosen, strict)
+        tags = _hermes_tags(chosen, strict, max_whitespace)
         if choice == "auto":
             fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags, "at_least_one": False,
                    "stop_after_first": False}

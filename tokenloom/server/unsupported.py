@@ -46,7 +46,6 @@ COMMON: dict[str, Unsupported] = {
 
 CHAT: dict[str, Unsupported] = {
     "functions": Unsupported("functions (deprecated by OpenAI) is not supported; use tools"),
-    "reasoning_effort": Unsupported("reasoning_effort needs a reasoning parser, which tokenloom lacks"),
     "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
     "media_io_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
 }
@@ -57,7 +56,6 @@ COMPLETION: dict[str, Unsupported] = {}
 RESPONSES: dict[str, Unsupported] = {
     "background": Unsupported("background responses are not supported (responses run while the request is "
                               "open; store keeps them for previous_response_id and GET)", (False,)),
-    "reasoning": Unsupported("reasoning needs a reasoning parser, which tokenloom lacks", ({},)),
     "prompt": Unsupported("prompt template is not supported"),
     "max_tool_calls": Unsupported("max_tool_calls limits built-in tools, which tokenloom does not run"),
     "conversation": Unsupported("conversations are not supported; use previous_response_id"),
@@ -65,7 +63,6 @@ RESPONSES: dict[str, Unsupported] = {
                                            "previous_response_id or input items", ([],)),
     "previous_response": Unsupported("previous_response (stateless multi-turn for Harmony models) is not "
                                      "supported; use previous_response_id"),
-    "enable_response_messages": Unsupported("enable_response_messages is not supported", (False,)),
     "stream_options": Unsupported("stream_options is not supported on /v1/responses", ({},)),
     "context_management": Unsupported("context_management is not supported", ([],)),
     "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
@@ -94,5 +91,9 @@ def reject_unsupported_completion(body: dict[str, Any]) -> None:
 
 
 def reject_unsupported_responses(body: dict[str, Any]) -> None:
+    # vLLM's own check comes first (its request model's validator): background without store is a mistake
+    # whether or not background is served.
+    if body.get("background") and not body.get("store", True):
+        raise APIError(400, "background can only be used when `store` is true", "background")
     reject_unsupported(body, COMMON)
     reject_unsupported(body, RESPONSES)
