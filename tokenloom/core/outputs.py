@@ -32,6 +32,8 @@ class NewRequestData:
     # A pooling request (embed, classify, ...): the runner pools its hidden states when its prompt is
     # fully computed instead of sampling; None for generation.
     pooling_params: PoolingParams | None = None
+    # The request's LoRA adapter (tokenloom.lora.request.LoRARequest, vLLM's field); None: the base model.
+    lora_request: Any = None
 
 
 @dataclass

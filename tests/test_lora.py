@@ -1,0 +1,278 @@
+"""Multi-LoRA serving (issue 34): PEFT adapters over a tiny random Llama, against transformers + peft.
+
+Adapters are made here with `peft` (random rank-8 A and B: a zero B, peft's init, would test nothing)
+and saved as PEFT saves them; each generated token's logprob must equal the unmerged peft model's
+within 2e-3, for each adapter alone and for one batch mixing three adapters and the base model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.leak_check import core_leaks
+from tests.tiny_models import make_tiny_hf_model, reference_logprobs
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.engine.llm import LLM
+from tokenloom.lora.request import LoRARequest
+from tokenloom.sampling_params import SamplingParams
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+TOL = 2e-3
+QUANT_TOL = 0.05  # logprobs over a quantized base (Q8_0 blocks, int8 W8A8) against the float reference
+
+
+def make_peft_adapter(base_dir: Path, out: Path, seed: int, targets=ALL_TARGETS, r: int = 8, alpha: int = 16,
+                      use_rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter of `base_dir` with random (non-zero) A and B, saved by peft itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  lora_dropout=0.0, use_rslora=use_rslora))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1, generator=gen)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _peft_model(base_dir: str, adapter_dir: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_logprobs(base_dir: Path, adapter_dir: Path | None, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the unmerged peft model's logits (the base model's for adapter_dir None)."""
+    if adapter_dir is None:
+        return reference_logprobs(base_dir, token_ids)
+    model = _peft_model(str(base_dir), str(adapter_dir))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_matches_peft(base_dir: Path, adapter_dir: Path | None, out) -> None:
+    comp = out.outputs[0]
+    ref = peft_logprobs(base_dir, adapter_dir, out.prompt_token_ids + comp.token_ids[:-1])
+    n = len(out.prompt_token_ids)
+    for i, (tok, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        want = ref[n - 1 + i]
+        assert int(want.argmax()) == tok, (adapter_dir, i)
+        assert lp[tok].logprob == pytest.approx(want[tok].item(), abs=TOL), (adapter_dir, i)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return [
+        make_peft_adapter(base_dir, root / "all", seed=11),
+        make_peft_adapter(base_dir, root / "attn", seed=12, targets=("q_proj", "v_proj")),
+        make_peft_adapter(base_dir, root / "mlp-rs", seed=13, targets=("gate_proj", "up_proj", "down_proj", "o_proj"),
+                          alpha=8, use_rslora=True),
+    ]
+
+
+def lora(i: int, path: Path) -> LoRARequest:
+    return LoRARequest(f"adapter{i}", i, str(path))
+
+
+@pytest.fixture(scope="module")
+def llm(base_dir):
+    engine = LLM(str(base_dir), dtype="float32", num_blocks=256, block_size=4, enable_lora=True, max_loras=3,
+                 max_lora_rank=8)
+    yield engine
+
+
+PROMPTS = [{"prompt_token_ids": [(5 * i + 3 * j) % 300 + 3 for j in range(9 + 2 * i)]} for i in range(4)]
+
+
+def test_each_adapter_alone_matches_peft(llm, base_dir, adapters) -> None:
+    for i, path in enumerate(adapters, start=1):
+        out = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(i, path))[0]
+        assert_matches_peft(base_dir, path, out)
+    # The adapters change the outputs (their B is not zero).
+    base = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tuned = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))[0]
+    assert tuned.outputs[0].token_ids != base
+
+
+def test_one_batch_mixes_three_adapters_and_the_base(llm, base_dir, adapters) -> None:
+    loras = [lora(1, adapters[0]), None, lora(2, adapters[1]), lora(3, adapters[2])]
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    for out, req in zip(outs, loras):
+        assert_matches_peft(base_dir, Path(req.lora_path) if req else None, out)
+    assert core_leaks(llm.llm_engine.engine_core) == []  # no block, request or runner state left behind
+
+
+def test_merged_weights_give_the_same_tokens(llm, base_dir, adapters, tmp_path) -> None:
+    """peft's merge_and_unload folds the adapter into the base weights: tokenloom over the merged model
+    and tokenloom over base + adapter generate the same tokens."""
+    merged_dir = tmp_path / "merged"
+    _peft_model(str(base_dir), str(adapters[0])).merge_and_unload().save_pretrained(merged_dir)
+    for f in base_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, merged_dir / f.name)
+    _peft_model.cache_clear()  # merge_and_unload changed the cached model's base weights
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    merged = LLM(str(merged_dir), dtype="float32", num_blocks=64, block_size=4)
+    want = [o.outputs[0].token_ids for o in merged.generate(PROMPTS, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False,
+                                                          lora_request=lora(1, adapters[0]))]
+    assert got == want
+
+
+def test_prefix_cache_never_shares_kv_across_adapters(llm, base_dir, adapters) -> None:
+    """Blocks are keyed by the adapter (vLLM's LoRA extra hash key): the same prompt under another
+    adapter, or the base model, hits nothing; under the same adapter it hits; outputs stay exact."""
+    prompt = {"prompt_token_ids": [(11 * j) % 290 + 7 for j in range(21)]}  # 5 full blocks of 4
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))[0]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))[0]
+    other = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora(2, adapters[1]))[0]
+    base = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert_matches_peft(base_dir, adapters[0], again)
+    assert_matches_peft(base_dir, adapters[1], other)
+    assert_matches_peft(base_dir, None, base)
+
+
+def test_max_loras_limits_the_adapters_of_one_step(base_dir, adapters) -> None:
+    """max_loras=1: two adapters never share a step (the scheduler steps over the second, as vLLM),
+    the base model does; every output is still exact."""
+    engine = LLM(str(base_dir), dtype="float32", num_blocks=128, block_size=4, enable_lora=True, max_loras=1,
+                 max_lora_rank=8)
+    seen: list[set[int]] = []
+    runner = engine.llm_engine.runner
+    original = runner.lora_manager.set_step
+
+    def spy(lora_requests, counts):
+        seen.append({r.lora_int_id for r in lora_requests if r is not None})
+        return original(lora_requests, counts)
+
+    runner.lora_manager.set_step = spy
+    loras = [lora(1, adapters[0]), lora(2, adapters[1]), None, lora(1, adapters[0])]
+    outs = engine.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    for out, req in zip(outs, loras):
+        assert_matches_peft(base_dir, Path(req.lora_path) if req else None, out)
+    assert max(len(s) for s in seen) == 1 and {1, 2} <= set().union(*seen)
+    assert runner.lora_manager.active_adapters and len(runner.lora_manager.active_adapters) == 1
+
+
+def _expect_refused(llm, req: LoRARequest, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=req)
+    assert core_leaks(llm.llm_engine.engine_core) == []
+
+
+def test_bad_adapters_are_refused_with_the_reason(llm, base_dir, adapters, tmp_path) -> None:
+    big = make_peft_adapter(base_dir, tmp_path / "r16", seed=1, r=16)
+    _expect_refused(llm, lora(20, big), "LoRA rank 16 is greater than max_lora_rank 8")
+    for target in ("embed_tokens", "lm_head"):
+        bad = make_peft_adapter(base_dir, tmp_path / target, seed=2, targets=(target, "q_proj"))
+        _expect_refused(llm, lora(21, bad), f"{target}.*not supported")
+    # An adapter whose shapes are another base model's.
+    wrong = tmp_path / "wrong-shape"
+    shutil.copytree(adapters[1], wrong)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(wrong / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0] * 2, tensors[key].shape[1])
+    save_file(tensors, str(wrong / "adapter_model.safetensors"))
+    _expect_refused(llm, lora(22, wrong), "do not match the base model's q_proj")
+    # A layer the base model does not have.
+    deep = tmp_path / "deep"
+    shutil.copytree(adapters[1], deep)
+    tensors = load_file(str(deep / "adapter_model.safetensors"))
+    tensors = {k.replace("layers.1.", "layers.7."): v for k, v in tensors.items()}
+    save_file(tensors, str(deep / "adapter_model.safetensors"))
+    _expect_refused(llm, lora(23, deep), "layer 7, but the base model has 2 layers")
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters[1], dora)
+    cfg = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    _expect_refused(llm, lora(24, dora), "DoRA")
+    _expect_refused(llm, lora(25, tmp_path / "missing"), "is not a directory")
+    with pytest.raises(ValueError, match="must be a LoRARequest"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request="adapter1")
+    with pytest.raises(ValueError, match="2 LoRARequests for 1 prompts"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=[None, None])
+    # The engine still serves after all that.
+    assert_matches_peft(base_dir, adapters[0], llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False,
+                                                            lora_request=lora(1, adapters[0]))[0])
+
+
+def test_lora_request_without_enable_lora_is_refused(base_dir, adapters) -> None:
+    engine = LLM(str(base_dir), dtype="float32", num_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))
+    with pytest.raises(RequestRejected, match="LoRA is not enabled"):  # the scheduler's own check
+        from tokenloom.core.request import Request
+
+        engine.llm_engine.scheduler.add_request(Request("x", [3, 4, 5], SamplingParams(), block_size=4,
+                                                        lora_request=lora(1, adapters[0])))
+
+
+def test_lora_request_validates_its_fields() -> None:
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("a", 0, "/x")
+    with pytest.raises(ValueError, match="lora_path"):
+        LoRARequest("a", 1, "")
+    assert LoRARequest("a", 1, "/x") == LoRARequest("a", 2, "/y")  # vLLM: the name is the identity
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+def test_quantized_base_gets_the_adapter(base_dir, adapters, tmp_path, quantization) -> None:
+    """Over GGUF blocks (Q8_0) and int8 W8A8 layers the adapter's delta is added to the quantized base
+    GEMM: greedy tokens equal the float peft reference and logprobs agree within quantization error;
+    base-only steps of a GGUF model still take the fused decode step."""
+    from tests.tiny_models import write_gguf_from_hf
+
+    model = str(write_gguf_from_hf(base_dir, tmp_path / "tiny-q8_0.gguf", "Q8_0")) if quantization == "gguf" \
+        else str(base_dir)
+    engine = LLM(model, dtype="float32", num_blocks=64, block_size=4, quantization=quantization, enable_lora=True,
+                 max_loras=2, max_lora_rank=8)
+    loras = [lora(1, adapters[0]), None, lora(3, adapters[2])]
+    outs = engine.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)
+    for out, req in zip(outs, loras):
+        comp = out.outputs[0]
+        ref = peft_logprobs(base_dir, Path(req.lora_path) if req else None, out.prompt_token_ids + comp.token_ids[:-1])
+        n = len(out.prompt_token_ids)
+        got = torch.tensor([lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs)])
+        want = ref[n - 1:].gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+        err = (got - want).abs().max().item()
+        assert err < QUANT_TOL, (req, err)
+        if req is not None:  # the tolerance would catch a missing delta: the adapter moves these logprobs more
+            base = peft_logprobs(base_dir, None, out.prompt_token_ids + comp.token_ids[:-1])
+            moved = (base[n - 1:].gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0] - want).abs().max().item()
+            assert moved > 4 * QUANT_TOL
+    if quantization == "gguf":
+        fused = engine.llm_engine.runner.model.fused_step
+        assert fused is not None
+        calls = []
+        original = fused.run_step
+        fused.run_step = lambda *a, **k: calls.append(1) or original(*a, **k)
+        engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False)  # base only: the fused step runs the decodes
+        assert calls
+        calls.clear()
+        engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))
+        assert not calls  # a step with an adapter row runs per op
