@@ -276,3 +276,67 @@ def test_quantized_base_gets_the_adapter(base_dir, adapters, tmp_path, quantizat
         calls.clear()
         engine.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora(1, adapters[0]))
         assert not calls  # a step with an adapter row runs per op
+
+
+# ------------------------------------------------------------------------ combinations (docs/lora.md)
+
+REPEATING = {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12] * 3}  # n-gram drafts find matches here
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(llm, adapters):
+    """Greedy tokens of a mixed batch (two adapters and the base) on the plain LoRA engine."""
+    loras = [lora(1, adapters[0]), None, lora(2, adapters[1])]
+    prompts = [REPEATING, PROMPTS[1], PROMPTS[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return prompts, loras, params, _tokens(llm.generate(prompts, params, use_tqdm=False, lora_request=loras))
+
+
+@pytest.mark.parametrize("mode", ["ngram", "async", "ngram+async"])
+def test_adapters_with_speculative_decoding_and_async_scheduling(base_dir, mixed_reference, mode) -> None:
+    """n-gram drafts are verified with each request's adapter applied (its rows carry its slot), and the
+    async engine's model thread applies them too: the greedy tokens equal the plain engine's."""
+    prompts, loras, params, want = mixed_reference
+    kwargs: dict = {}
+    if "ngram" in mode:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                        "prompt_lookup_min": 2}
+    if "async" in mode:
+        kwargs["async_scheduling"] = True
+    engine = LLM(str(base_dir), dtype="float32", num_blocks=128, block_size=4, enable_lora=True, max_loras=2,
+                 max_lora_rank=8, **kwargs)
+    try:
+        assert _tokens(engine.generate(prompts, params, use_tqdm=False, lora_request=loras)) == want
+        if "ngram" in mode:
+            assert engine.llm_engine.scheduler.spec_decoding_totals.num_draft_tokens > 0
+    finally:
+        engine.llm_engine.close()
+
+
+def test_adapters_with_structured_outputs_beam_search_and_the_step_trace(base_dir, adapters, tmp_path) -> None:
+    from tokenloom.sampling_params import BeamSearchParams, StructuredOutputsParams
+
+    trace = tmp_path / "steps.jsonl"
+    engine = LLM(str(base_dir), dtype="float32", num_blocks=128, block_size=4, enable_lora=True, max_loras=2,
+                 max_lora_rank=8, trace_steps=str(trace))
+    regex = SamplingParams(temperature=1.0, seed=1, max_tokens=12,
+                           structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{2}"))
+    outs = engine.generate(["Call me at"] * 2, regex, use_tqdm=False, lora_request=[lora(1, adapters[0]), None])
+    import re
+
+    for out in outs:
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{2}", out.outputs[0].text), out.outputs[0].text
+    # Beam search: every beam of the prompt runs its adapter (width 1 is the greedy path's tokens).
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                             use_tqdm=False, lora_request=lora(1, adapters[0]))[0].outputs[0].token_ids
+    beams = engine.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True),
+                               lora_request=lora(1, adapters[0]))
+    assert beams[0].sequences[0].tokens[len(PROMPTS[0]["prompt_token_ids"]):] == greedy
+    engine.llm_engine.close()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    named = [rec["lora"] for rec in lines if "lora" in rec]
+    assert named and all(set(names.values()) == {"adapter1"} for names in named)

@@ -556,6 +556,9 @@ class Scheduler:
             bound_by=bound_by,
             policy_actions=plan.policy_actions,
         )
+        if self.lora_config is not None:
+            output.lora_names = {rid: req.lora_request.lora_name for rid in num_scheduled_tokens
+                                 if (req := self.requests[rid]).lora_request is not None}
         if self.slo_budget is not None and total:
             output.predicted_step = self._predicted_step(num_scheduled_tokens, plan.scheduled_spec_decode_tokens)
         return output
