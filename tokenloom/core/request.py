@@ -61,10 +61,12 @@ def _stable_keys(extra_keys: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(int.from_bytes(k.encode(), "little") if isinstance(k, str) else k for k in extra_keys)
 
 
-def lora_extra_hash_keys(lora_request: Any) -> tuple[str, ...] | None:
+def lora_extra_hash_keys(lora_request: Any) -> tuple[int, ...] | None:
     """vLLM's `_gen_lora_extra_hash_keys`: a block computed under an adapter is keyed by the adapter's
-    name, so prefix caching never shares KV between adapters (nor with the base model)."""
-    return (lora_request.lora_name,) if lora_request is not None else None
+    id, so prefix caching never shares KV between adapters (nor with the base model). The id, not the
+    name: an adapter unloaded and loaded again under its name gets a new id (the server's counter, as
+    vLLM's), so blocks of its old weights are never hit."""
+    return (lora_request.lora_int_id,) if lora_request is not None else None
 
 
 class Request:

@@ -76,6 +76,9 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats()
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
+    # With LoRA: requests per adapter name, running and waiting (vLLM's vllm:lora_requests_info); None without.
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 @dataclass
@@ -1007,6 +1010,8 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_totals.hits,
             prefix_cache_stats=self._take_prefix_cache_stats(),
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
+            running_lora_adapters=_lora_counts(self.running) if self.lora_config is not None else None,
+            waiting_lora_adapters=_lora_counts(self.waiting) if self.lora_config is not None else None,
         )
 
     def _take_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -1027,3 +1032,12 @@ class Scheduler:
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
         return ok
+
+
+def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per LoRA adapter name (the base model's not counted)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts

@@ -330,6 +330,25 @@ class LLMEngine:
         return replace(sched, **updates)
 
     # Requests ---------------------------------------------------------------------------------
+    def lora_info(self) -> dict[str, Any] | None:
+        """What a front end checks an adapter against (EngineReady.lora), or None without LoRA."""
+        manager = getattr(self.runner, "lora_manager", None) if self.lora_config is not None else None
+        if manager is None:
+            return None
+        return {"max_loras": self.lora_config.max_loras, "max_lora_rank": self.lora_config.max_lora_rank,
+                "num_layers": manager.num_layers, "target_shapes": dict(manager.target_shapes)}
+
+    # vLLM's LLMEngine.add_lora / remove_lora / list_loras.
+    def add_lora(self, lora_request: Any) -> bool:
+        check_lora_request(lora_request, self.lora_config)
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.list_loras()
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)

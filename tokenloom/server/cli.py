@@ -91,6 +91,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="do not show the tools to the chat template when tool_choice is none")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run a chat_template sent with a request (a Jinja program); refused with 400 otherwise")
+    from tokenloom.server.serving_models import parse_lora_module
+
+    g.add_argument("--lora-modules", nargs="+", type=cli_type(parse_lora_module), default=[],
+                   help="LoRA adapters to serve (with --enable-lora): name=path, or vLLM's JSON form "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's `model` picks one")
     p.set_defaults(func=_serve)
 
 
@@ -117,6 +122,7 @@ def _serve_on(args: argparse.Namespace, sock) -> int:
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key or None, served_model_names=args.served_model_name,
+        lora_modules=args.lora_modules,
         max_waiting_requests=args.max_waiting_requests or None, max_request_body_bytes=args.max_request_body_bytes,
         shutdown_grace_s=args.shutdown_grace_period, uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, root_path=args.root_path,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -38,6 +39,8 @@ class ServerConfig:
     exclude_tools_when_tool_choice_none: bool = False
     # A request's own chat_template (a Jinja program) is refused unless this is set (vLLM's flag).
     trust_request_chat_template: bool = False
+    # --lora-modules (tokenloom/server/serving_models.py LoRAModulePath): adapters served from the start.
+    lora_modules: list[Any] = field(default_factory=list)
 
     def usage_details(self, endpoint: str, use_beam_search: bool | None) -> str | None:
         """UsageCounter's `details` for "completion" or "chat": None unless --enable-prompt-tokens-details,
