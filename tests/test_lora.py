@@ -340,3 +340,42 @@ def test_adapters_with_structured_outputs_beam_search_and_the_step_trace(base_di
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     named = [rec["lora"] for rec in lines if "lora" in rec]
     assert named and all(set(names.values()) == {"adapter1"} for names in named)
+
+
+# ------------------------------------------------------------------------ data parallel
+
+def test_router_prefers_an_engine_holding_the_adapter() -> None:
+    """Ray Serve's multiplexed routing: an adapter's requests go to the engine it was sent to before,
+    while that engine is not overloaded; prefix hashes carry the adapter, as the engines' do."""
+    from tokenloom.core.request import Request
+    from tokenloom.router.prefix_index import prompt_block_hashes
+    from tokenloom.router.router import Router, RouterConfig
+
+    router = Router(RouterConfig(policy="least_load"), 2, block_size=4, engine_num_blocks=64, lora_capacity=2)
+    first = router.route("a0", [1, 2, 3, 4, 5], lora_int_id=7)
+    assert all(router.route(f"a{i}", [9, i, 3, 4, 5], lora_int_id=7) == first for i in range(1, 4))
+    other = router.route("b0", [1, 2, 3, 4, 5], lora_int_id=8)  # no holder: the policy (least load) decides
+    assert other != first and router.lora_decisions == {"holder": 3, "policy": 2}
+    for i in range(6):  # the holder is now far busier than the other engine: fall back to load
+        router.route(f"c{i}", [i], lora_int_id=7)
+    owners = [router.owner[f"c{i}"] for i in range(6)]
+    assert owners[0] == first and 1 - first in owners  # imbalanced (in flight 4 more than the other): load wins
+    ids = list(range(3, 20))
+    lora = LoRARequest("x", 7, "/x")
+    assert prompt_block_hashes(ids, 4, (7,)) == Request("r", ids, block_size=4, lora_request=lora).block_hashes
+    assert prompt_block_hashes(ids, 4) != prompt_block_hashes(ids, 4, (7,))
+
+
+@pytest.mark.slow
+def test_data_parallel_engines_serve_adapters(base_dir, adapters, mixed_reference) -> None:
+    prompts, loras, params, want = mixed_reference
+    dp = LLM(str(base_dir), dtype="float32", num_blocks=128, block_size=4, enable_lora=True, max_loras=2,
+             max_lora_rank=8, data_parallel_size=2)
+    try:
+        assert _tokens(dp.generate(prompts, params, use_tqdm=False, lora_request=loras)) == want
+        again = dp.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert _tokens(again) == want
+        router = dp._dp.engine.client.router
+        assert router.lora_decisions["holder"] >= 2  # the second round found its adapters' engines
+    finally:
+        dp.shutdown()

@@ -94,7 +94,7 @@ class LLM:
         # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         if self._dp is not None:
-            return self._dp.generate(prompts, params_list, priority, loras)
+            return self._dp.generate(prompts, params_list, priority, loras if any(loras) else None)
         engine = self.llm_engine
         ids = []
         try:

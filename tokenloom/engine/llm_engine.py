@@ -336,6 +336,7 @@ class LLMEngine:
         if manager is None:
             return None
         return {"max_loras": self.lora_config.max_loras, "max_lora_rank": self.lora_config.max_lora_rank,
+                "max_cpu_loras": self.lora_config.max_cpu_loras,
                 "num_layers": manager.num_layers, "target_shapes": dict(manager.target_shapes)}
 
     # vLLM's LLMEngine.add_lora / remove_lora / list_loras.
