@@ -48,7 +48,8 @@ class LoRALinear:
         self.layer_idx = layer_idx
         self.slices = slices
         self.input_scale, self.output_scale = input_scale, output_scale
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # slot -> (A, B) in the run dtype, then (A, B) in float32 when the run dtype is not float32.
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
 
     def apply(self, out: Any, x: Any, method: Any) -> torch.Tensor:
         """The base linear's output plus this step's adapters' deltas. `out`: the base output (a
@@ -77,8 +78,12 @@ class LoRALinear:
             a = a * self.input_scale.float()[None, :]
         if self.output_scale is not None:
             b = b / self.output_scale.float()[:, None]
-        self.weights[slot] = (a.to(device=device, dtype=dtype).contiguous(),
-                              b.to(device=device, dtype=dtype).contiguous())
+        a32, b32 = a.to(device).contiguous(), b.to(device).contiguous()
+        if dtype == torch.float32:
+            self.weights[slot] = (a32, b32, None, None)
+        else:  # the run dtype for many rows, float32 for few (see PunicaWrapperCPU.add_lora_linear)
+            self.weights[slot] = (a.to(device=device, dtype=dtype).contiguous(),
+                                  b.to(device=device, dtype=dtype).contiguous(), a32, b32)
 
     def clear_slot(self, slot: int) -> None:
         self.weights.pop(slot, None)
