@@ -174,7 +174,10 @@ def test_max_loras_limits_the_adapters_of_one_step(base_dir, adapters) -> None:
     for out, req in zip(outs, loras):
         assert_matches_peft(base_dir, Path(req.lora_path) if req else None, out)
     assert max(len(s) for s in seen) == 1 and {1, 2} <= set().union(*seen)
-    assert runner.lora_manager.active_adapters and len(runner.lora_manager.active_adapters) == 1
+    manager = runner.lora_manager
+    assert len(manager.active_adapters) == 1
+    # max_cpu_loras defaults to max_loras (1): the host cache holds one adapter, the other is read again.
+    assert len(manager.list_adapters()) == 1 and manager.num_loads >= 3
 
 
 def _expect_refused(llm, req: LoRARequest, match: str) -> None:
@@ -230,6 +233,18 @@ def test_lora_request_without_enable_lora_is_refused(base_dir, adapters) -> None
 
         engine.llm_engine.scheduler.add_request(Request("x", [3, 4, 5], SamplingParams(), block_size=4,
                                                         lora_request=lora(1, adapters[0])))
+
+
+def test_enable_lora_refuses_what_it_cannot_serve(tmp_path) -> None:
+    from tests.pooling_models import make_tiny_bert
+    from tokenloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_cpu_loras \\(1\\) must be >= max_loras \\(2\\)"):
+        LLM("x", enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ConfigError, match="LoRA adapters are served on generation models"):
+        LLM(str(make_tiny_bert(tmp_path)), enable_lora=True)
+    with pytest.raises(ValueError, match="qwen3 is not supported yet"):
+        LLM(str(make_tiny_hf_model(tmp_path, arch="qwen3")), dtype="float32", num_blocks=16, enable_lora=True)
 
 
 def test_lora_request_validates_its_fields() -> None:

@@ -88,8 +88,11 @@ class PunicaWrapperCPU:
             a, b = (w[2], w[3]) if w[2] is not None and n <= self.FLOAT32_MAX_ROWS else (w[0], w[1])
             if isinstance(rows, tuple):
                 start, stop = rows
-                delta = torch.mm(torch.mm(x[start:stop].to(a.dtype), a.t()), b.t())
-                y[start:stop] += delta.to(y.dtype)
+                shrunk = torch.mm(x[start:stop].to(a.dtype), a.t())
+                if y.dtype == b.dtype:
+                    y[start:stop].addmm_(shrunk, b.t())  # expand and add in one call
+                else:
+                    y[start:stop] += torch.mm(shrunk, b.t())  # float32 delta into bf16 rows
             else:
                 delta = torch.mm(torch.mm(x.index_select(0, rows).to(a.dtype), a.t()), b.t())
                 y.index_add_(0, rows, delta.to(y.dtype))
