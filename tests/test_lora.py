@@ -180,6 +180,20 @@ def test_max_loras_limits_the_adapters_of_one_step(base_dir, adapters) -> None:
     assert len(manager.list_adapters()) == 1 and manager.num_loads >= 3
 
 
+def test_add_and_remove_lora_at_run_time(llm, base_dir, adapters) -> None:
+    """vLLM's LLMEngine.add_lora / remove_lora / list_loras: a removed adapter's slot is freed at the
+    next step; a request naming it again reads it from disk again and is still exact."""
+    engine = llm.llm_engine
+    req = lora(4, adapters[1])
+    assert engine.add_lora(req) and 4 in engine.list_loras()
+    assert_matches_peft(base_dir, adapters[1], llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False, lora_request=req)[0])
+    manager = engine.runner.lora_manager
+    loads = manager.num_loads
+    assert engine.remove_lora(4) and 4 not in engine.list_loras() and not engine.remove_lora(4)
+    assert_matches_peft(base_dir, adapters[1], llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False, lora_request=req)[0])
+    assert manager.num_loads == loads + 1
+
+
 def _expect_refused(llm, req: LoRARequest, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=req)

@@ -125,18 +125,19 @@ class LoRAModelManager:
             self.num_loads += 1
             self._cpu[lid] = adapter
             self._cpu.move_to_end(lid)
-            self._evict_cpu()
+            self._evict_cpu(keep=lid)
         logger.info("LoRA adapter %r (id %d) loaded from %s: rank %d, %d target linears", lora_request.lora_name,
                     lid, lora_request.lora_path, adapter.rank, len(adapter.loras))
         return adapter
 
-    def _evict_cpu(self) -> None:
-        """Drop least recently used adapters beyond max_cpu_loras; active ones stay (their slots
-        serve a step that may be running now)."""
+    def _evict_cpu(self, keep: int) -> None:
+        """Drop least recently used adapters beyond max_cpu_loras; the one just added and active ones
+        stay (their slots serve a step that may be running now), the cache exceeding its size until
+        they are not."""
         for lid in list(self._cpu):
             if len(self._cpu) <= self.max_cpu_loras:
                 break
-            if lid not in self._active:
+            if lid != keep and lid not in self._active:
                 del self._cpu[lid]
 
     def remove_adapter(self, lora_int_id: int) -> bool:
@@ -179,13 +180,13 @@ class LoRAModelManager:
         if lid in self._active:
             self._active.move_to_end(lid)
             return self._active[lid]
-        adapter = self.add_adapter(lora_request)  # from the CPU cache, or disk again after an eviction
-        if len(self._active) >= self.max_loras:
+        if len(self._active) >= self.max_loras:  # free a slot first, so the host cache may drop its adapter
             victim = next((v for v in self._active if v not in needed), None)
             if victim is not None:
                 self._deactivate(victim)
             else:
                 logger.warning("a step needs more than max_loras=%d adapters; using an extra slot", self.max_loras)
+        adapter = self.add_adapter(lora_request)  # from the CPU cache, or disk again after an eviction
         used = set(self._active.values())
         slot = next(s for s in range(len(used) + 1) if s not in used)
         for lin in self.lora_linears:
