@@ -141,8 +141,8 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, *, num_layers: 
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            if any(f".{u}." in key or key.endswith(f".{u}") or f"{u}." in key for u in UNSUPPORTED_MODULES):
-                module = next(u for u in UNSUPPORTED_MODULES if u in key)
+            module = next((u for u in UNSUPPORTED_MODULES if f"{u}." in key), None)
+            if module is not None:  # e.g. ...embed_tokens.lora_embedding_A, ...lm_head.lora_A.weight
                 raise LoRAError(f"LoRA adapter {name!r}: a LoRA on {module} ({key}) is not supported "
                                 f"(supported targets: {', '.join(SUPPORTED_MODULES)})")
             raise LoRAError(f"LoRA adapter {name!r}: unexpected tensor {key!r} (expected "
