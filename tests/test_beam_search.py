@@ -204,5 +204,9 @@ def test_text_prompts_and_concurrency_limit(llm) -> None:
         assert a.sequences[0].text.startswith(text) and len(a.sequences) == 2
     with pytest.raises(ValueError, match="beam_width=11"):
         llm.beam_search(texts, BeamSearchParams(beam_width=11, max_tokens=2))  # 22 logprobs > max_logprobs 20
-    with pytest.raises(ValueError, match="lora"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         llm.beam_search(texts, params, lora_request=object())
+    from tokenloom.lora.request import LoRARequest
+
+    with pytest.raises(ValueError, match="LoRA is not enabled"):  # beam search with adapters: tests/test_lora.py
+        llm.beam_search(texts, params, lora_request=LoRARequest("a", 1, "/nowhere"))

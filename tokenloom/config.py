@@ -622,6 +622,17 @@ def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None)
         )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRAConfig: the adapters' limits, made from EngineConfig's LoRA knobs when enable_lora is set.
+    max_loras: distinct adapters in one step (the scheduler's limit, the runner's slots); max_lora_rank:
+    the largest rank accepted; max_cpu_loras: adapters kept loaded on the host (>= max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
@@ -667,9 +678,32 @@ class EngineConfig:
                                       '"normalize": false}\' (vLLM\'s --pooler-config)', simulated=False,
                                       reload=True)
 
+    # vLLM's LoRA flags (docs/lora.md); the server's --lora-modules is a server option.
+    enable_lora: bool = knob(False, "serve LoRA adapters: requests name one (LoRARequest; the server's `model` "
+                             "field), different adapters and the base mix in one step", simulated=False)
+    max_loras: int = knob(1, "with --enable-lora: most distinct adapters in one step (the runner's slots)",
+                          simulated=False)
+    max_lora_rank: int = knob(16, "with --enable-lora: the largest adapter rank accepted", simulated=False)
+    max_cpu_loras: int | None = knob(None, "with --enable-lora: adapters kept loaded in host memory, least "
+                                     "recently used dropped first (default: max_loras)", simulated=False)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits, or None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+            if self.max_cpu_loras < self.max_loras:
+                # vLLM's LoRAConfig check, word for word in spirit.
+                raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         _check_choice("runner", self.runner, RunnerType)
         _check_choice("convert", self.convert, ConvertType)
         _check_choice("dtype", self.dtype, DType,

@@ -154,6 +154,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_RESPONSES_STORE_SIZE": lambda: _int(
         "TOKENLOOM_RESPONSES_STORE_SIZE", 1000, "a number of responses", minimum=0),
     # vLLM's limits: prompts in one completions request; samples (n, beam width) of one request.
+    # vLLM's: true (or 1) registers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md).
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
     "VLLM_MAX_COMPLETION_PROMPTS": lambda: _digits("VLLM_MAX_COMPLETION_PROMPTS", 1024),
     "VLLM_MAX_N_SEQUENCES": lambda: _lenient_int("VLLM_MAX_N_SEQUENCES", 16384),
     # The OpenAI SDK's: `tokenloom bench serve`'s default --api-key.

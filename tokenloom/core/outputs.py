@@ -32,6 +32,8 @@ class NewRequestData:
     # A pooling request (embed, classify, ...): the runner pools its hidden states when its prompt is
     # fully computed instead of sampling; None for generation.
     pooling_params: PoolingParams | None = None
+    # The request's LoRA adapter (tokenloom.lora.request.LoRARequest, vLLM's field); None: the base model.
+    lora_request: Any = None
 
 
 @dataclass
@@ -79,6 +81,8 @@ class SchedulerOutput:
     num_invalid_spec_tokens: dict[str, int] = field(default_factory=dict)
     # What an opt-in scheduling policy did this step and why (core/policies.py); empty by default.
     policy_actions: dict[str, Any] = field(default_factory=dict)
+    # With LoRA enabled: the adapter name of each scheduled request that runs one (the step trace's "lora").
+    lora_names: dict[str, str] = field(default_factory=dict)
     # Under the SLO token budget only: the profile's seconds for this step as scheduled, and for its
     # decode part (StepShape.decode_part); the engine core reports the measured time next to it
     # (Scheduler.observe_step_time).

@@ -43,13 +43,30 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
-def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...]) -> int:
+def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...],
+                      extra_keys: tuple[Any, ...] | None = None) -> int:
     """Hash of one full block, chained to its parent so equal blocks at different depths differ.
 
     Python's tuple hash of ints is deterministic across processes (PYTHONHASHSEED only salts
-    str/bytes), which keeps schedules reproducible.
+    str/bytes), which keeps schedules reproducible. `extra_keys` (vLLM's): what else the block's KV
+    depends on, e.g. the LoRA adapter; None for the base model (the hash is then the plain one).
     """
+    if extra_keys:
+        return hash((parent_hash, block_token_ids, _stable_keys(extra_keys)))
     return hash((parent_hash, block_token_ids))
+
+
+def _stable_keys(extra_keys: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Strings hash differently in every process (PYTHONHASHSEED); their UTF-8 bytes as an int do not."""
+    return tuple(int.from_bytes(k.encode(), "little") if isinstance(k, str) else k for k in extra_keys)
+
+
+def lora_extra_hash_keys(lora_request: Any) -> tuple[int, ...] | None:
+    """vLLM's `_gen_lora_extra_hash_keys`: a block computed under an adapter is keyed by the adapter's
+    id, so prefix caching never shares KV between adapters (nor with the base model). The id, not the
+    name: an adapter unloaded and loaded again under its name gets a new id (the server's counter, as
+    vLLM's), so blocks of its old weights are never hit."""
+    return (lora_request.lora_int_id,) if lora_request is not None else None
 
 
 class Request:
@@ -62,8 +79,12 @@ class Request:
         priority: int = 0,
         block_size: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
+        # The LoRA adapter (tokenloom.lora.request.LoRARequest; duck-typed here: the core imports no
+        # model code): the scheduler's max_loras limit reads lora_int_id, block hashes lora_name.
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         # A pooling request (vLLM's Request.pooling_params): prefill only, it finishes when its prompt
         # is computed and pooled; it samples nothing (its SamplingParams are the defaults, max_tokens 1).
@@ -163,8 +184,9 @@ class Request:
         bs = self.block_size
         n_full = len(self._all_token_ids) // bs
         parent = self.block_hashes[-1] if self.block_hashes else None
+        extra = lora_extra_hash_keys(self.lora_request)
         for i in range(len(self.block_hashes), n_full):
-            parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]))
+            parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]), extra)
             self.block_hashes.append(parent)
 
     @property

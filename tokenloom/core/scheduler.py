@@ -76,6 +76,9 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats()
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
+    # With LoRA: requests per adapter name, running and waiting (vLLM's vllm:lora_requests_info); None without.
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 @dataclass
@@ -211,6 +214,9 @@ class Scheduler:
         # constrained requests are rejected. Requests whose grammar failed to compile, with why.
         self.structured_output_manager: StructuredOutputManager | None = None
         self.grammar_compile_errors: dict[str, str] = {}
+        # vLLM's lora_config (tokenloom.config.LoRAConfig, set by the engine with --enable-lora): at most
+        # max_loras distinct adapters in one step. None: no LoRA (a request naming one is rejected).
+        self.lora_config: Any = None
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -234,6 +240,9 @@ class Scheduler:
         rid = request.request_id
         if rid in self.requests:
             raise RequestRejected(f"request id {rid!r} is already in use")
+        if request.lora_request is not None and self.lora_config is None:
+            raise RequestRejected(f"request {rid!r} names LoRA adapter {request.lora_request.lora_name!r}, but LoRA "
+                                  "is not enabled (--enable-lora, LLM(enable_lora=True))")
         kv = self.kv_cache_manager
         fit = prompt_fit(request.num_prompt_tokens, request.max_tokens, self.max_model_len, self.block_size,
                          kv.num_blocks, kv.kv_cache_groups, kv.max_in_flight_tokens)  # fmt: skip
@@ -416,6 +425,11 @@ class Scheduler:
         cfg = self.scheduler_config
         kv = self.kv_cache_manager
         skipped_waiting: list[Request] = []
+        # vLLM's scheduled_loras: the adapters of the running requests this step serves (id 0 is none).
+        scheduled_loras: set[int] = set()
+        if self.lora_config is not None:
+            scheduled_loras = {r.lora_request.lora_int_id for r in plan.scheduled_running_reqs
+                               if r.lora_request is not None and r.lora_request.lora_int_id > 0}
         while plan.token_budget > 0 and self.waiting:
             if len(self.running) >= self.max_num_running_reqs:
                 plan.bound_by = "max_num_seqs"
@@ -423,6 +437,12 @@ class Scheduler:
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
                 # Still compiling (or failed): step over it, the others are not held up.
+                skipped_waiting.append(self.waiting.pop_request())
+                continue
+            if (self.lora_config is not None and request.lora_request is not None
+                    and len(scheduled_loras) == self.lora_config.max_loras
+                    and request.lora_request.lora_int_id not in scheduled_loras):
+                # Scheduling would exceed max_loras: step over it (vLLM's rule, scheduler.py).
                 skipped_waiting.append(self.waiting.pop_request())
                 continue
             if not self._admission_open(request):
@@ -476,6 +496,8 @@ class Scheduler:
 
             request = self.waiting.pop_request()
             self.running.append(request)
+            if self.lora_config is not None and request.lora_request is not None:
+                scheduled_loras.add(request.lora_request.lora_int_id)
             if request.status == RequestStatus.WAITING:
                 plan.scheduled_new_reqs.append(request)
             else:
@@ -513,6 +535,7 @@ class Scheduler:
                     block_ids=plan.req_to_new_block_ids[r.request_id],
                     num_computed_tokens=r.num_computed_tokens,
                     pooling_params=r.pooling_params,
+                    lora_request=r.lora_request,
                 )
                 for r in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs
             ],
@@ -536,6 +559,9 @@ class Scheduler:
             bound_by=bound_by,
             policy_actions=plan.policy_actions,
         )
+        if self.lora_config is not None:
+            output.lora_names = {rid: req.lora_request.lora_name for rid in num_scheduled_tokens
+                                 if (req := self.requests[rid]).lora_request is not None}
         if self.slo_budget is not None and total:
             output.predicted_step = self._predicted_step(num_scheduled_tokens, plan.scheduled_spec_decode_tokens)
         return output
@@ -984,6 +1010,8 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_totals.hits,
             prefix_cache_stats=self._take_prefix_cache_stats(),
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
+            running_lora_adapters=_lora_counts(self.running) if self.lora_config is not None else None,
+            waiting_lora_adapters=_lora_counts(self.waiting) if self.lora_config is not None else None,
         )
 
     def _take_prefix_cache_stats(self) -> PrefixCacheStats:
@@ -1004,3 +1032,12 @@ class Scheduler:
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
         return ok
+
+
+def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """Requests per LoRA adapter name (the base model's not counted)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts

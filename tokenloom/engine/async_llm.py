@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
 from tokenloom.core.prompt_fit import prompt_fit
@@ -193,9 +193,11 @@ class AsyncLLM:
         stream: RequestStream,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
         """Validate and enqueue; raises InvalidRequestError, EngineOverloadedError, EngineDeadError or
-        EngineDrainingError before anything is sent. Outputs arrive on `stream`."""
+        EngineDrainingError before anything is sent. Outputs arrive on `stream`. `lora_request`: the
+        LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None."""
         self._check_can_take(request_id)
         if self.info.pooling is not None:
             raise InvalidRequestError(
@@ -208,14 +210,16 @@ class AsyncLLM:
         if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
             params = replace(params, stop_token_ids=list(params.stop_token_ids or [])
                              + [t for t in extra_eos if t not in (params.stop_token_ids or [])])
-        cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority)
+        if lora_request is not None and getattr(self.info, "lora", None) is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled (--enable-lora)")
+        cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority, lora_request)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)
         stream.pending.add(request_id)
         for core in cores:
             self._mirrors[core.request_id] = core
             self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
-                                               arrival, priority))
+                                               arrival, priority, lora_request=lora_request))
         self._num_sent += len(cores)
 
     def _check_can_take(self, request_id: str) -> None:
@@ -469,4 +473,16 @@ def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
         num_preemptions_total=sum(r.num_preemptions_total for r in reports),
         prefix_cache_queries=sum(r.prefix_cache_queries for r in reports),
         prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
+        running_lora_adapters=_sum_counts([r.running_lora_adapters for r in reports]),
+        waiting_lora_adapters=_sum_counts([r.waiting_lora_adapters for r in reports]),
     )
+
+
+def _sum_counts(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    if all(p is None for p in parts):
+        return None
+    out: dict[str, int] = {}
+    for part in parts:
+        for name, n in (part or {}).items():
+            out[name] = out.get(name, 0) + n
+    return out

@@ -37,14 +37,22 @@ class BeamSearchSequence:
     orig_prompt: dict[str, Any]  # {"type": "token", "prompt_token_ids": [...], "prompt": text or None}
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
-    lora_request: None = None  # vLLM's field; tokenloom serves no LoRA adapters
+    lora_request: Any = None  # vLLM's field: the prompt's LoRARequest (read from orig_prompt), or None
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    def __post_init__(self) -> None:
+        if self.lora_request is None:
+            self.lora_request = self.orig_prompt.get("lora_request")
+
     def get_prompt(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.tokens, "prompt": self.orig_prompt.get("prompt")}
+        """The beam as the next step's prompt (with its LoRARequest under "lora_request" when it has one)."""
+        prompt = {"prompt_token_ids": self.tokens, "prompt": self.orig_prompt.get("prompt")}
+        if self.lora_request is not None:
+            prompt["lora_request"] = self.lora_request
+        return prompt
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 from tokenloom.engine.async_llm import AsyncLLM, InvalidRequestError
 from tokenloom.engine.beam_search import (
@@ -28,7 +29,7 @@ from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 async def beam_search(engine: AsyncLLM, request_id: str, prompt_token_ids: list[int], prompt: str | None,
                       params: BeamSearchParams, max_logprobs: int = -1, seed: int | None = None,
-                      priority: int = 0) -> RequestOutput:
+                      priority: int = 0, lora_request: Any = None) -> RequestOutput:
     """The best `beam_width` beams of one prompt as one finished RequestOutput (vLLM's online
     beam_search): generated tokens only; an EOS-ended beam has finish_reason "stop" and stop_reason
     the EOS id, its EOS kept only with include_stop_str_in_output; the others "length"."""
@@ -39,7 +40,7 @@ async def beam_search(engine: AsyncLLM, request_id: str, prompt_token_ids: list[
     sort_key = create_sort_beams_key_function(eos, params.length_penalty)
     step_params = step_sampling_params(params, max_logprobs, seed)
     metrics = RequestMetrics(arrival_time=time.monotonic())
-    orig = {"type": "token", "prompt_token_ids": prompt_token_ids, "prompt": prompt}
+    orig = {"type": "token", "prompt_token_ids": prompt_token_ids, "prompt": prompt, "lora_request": lora_request}
     n_prompt = len(prompt_token_ids)
     beams = [BeamSearchSequence(orig, tokens=list(prompt_token_ids), logprobs=[])]
     completed: list[BeamSearchSequence] = []
@@ -104,7 +105,7 @@ async def _run_step(engine: AsyncLLM, step_id: str, beams: list[BeamSearchSequen
     ids = [f"{step_id}-beam-{i}" for i in range(len(beams))]
     try:
         for rid, beam in zip(ids, beams):
-            engine.add_request(rid, beam.tokens, params, stream, priority=priority)
+            engine.add_request(rid, beam.tokens, params, stream, priority=priority, lora_request=beam.lora_request)
         finals: dict[str, RequestOutput] = {}
         async for out in stream:
             if out.finished:
@@ -124,7 +125,7 @@ class BeamSearchStream:
         self.pending: set[str] = set()
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-            prompt: str | None = None, seed: int | None = None, priority: int = 0) -> None:
+            prompt: str | None = None, seed: int | None = None, priority: int = 0, lora_request: Any = None) -> None:
         """Validate as the engine would for the whole search (raises before anything runs), then start it."""
         try:
             step_sampling_params(params, self._max_logprobs, seed)
@@ -132,7 +133,7 @@ class BeamSearchStream:
             raise InvalidRequestError(str(exc), "n") from None
         self._engine.check_prompt(prompt_token_ids, SamplingParams(max_tokens=params.max_tokens, max_logprobs=-1))
         task = asyncio.ensure_future(beam_search(self._engine, request_id, prompt_token_ids, prompt, params,
-                                                 self._max_logprobs, seed, priority))
+                                                 self._max_logprobs, seed, priority, lora_request))
         self._tasks[task] = request_id
         self.pending.add(request_id)
 

@@ -18,10 +18,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.engine.executor import Executor
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
@@ -57,8 +58,25 @@ class EngineCore:
         self.batch_queue: deque[_InFlight] = deque()
 
     def add_request(self, request: Request) -> None:
-        """Raises RequestRejected (a ValueError) for a request that can never run."""
+        """Raises RequestRejected (a ValueError) for a request that can never run (a LoRA adapter that
+        does not load or fit the base model among them: it is loaded now, not mid-step)."""
+        lora = request.lora_request
+        if lora is not None and self.scheduler.lora_config is not None:
+            try:
+                self.executor.add_lora(lora)
+            except ValueError as exc:
+                raise RequestRejected(str(exc)) from None
         self.scheduler.add_request(request)
+
+    # vLLM's EngineCore.add_lora / remove_lora / list_loras (runtime adapter loading).
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.executor.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.executor.list_loras()
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         # With a step in flight the blocks are freed now too: the worker runs steps in order, so a

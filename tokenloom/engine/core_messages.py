@@ -26,6 +26,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     pooling_params: PoolingParams | None = None  # a pooling request (prefill only, pooled output)
+    lora_request: Any = None  # its LoRA adapter (tokenloom.lora.request.LoRARequest), or None
 
 
 @dataclass
@@ -64,6 +65,9 @@ class EngineReady:
     token_budget: dict[str, str] = field(default_factory=dict)
     # A pooling model (--runner pooling): its tasks and defaults (engine/pooling.py); None: generation.
     pooling: Any = None
+    # With --enable-lora: what the API process checks adapters against before it serves them
+    # (tokenloom/lora/peft_loader.py): max_loras, max_lora_rank, num_layers, target_shapes. None: no LoRA.
+    lora: dict[str, Any] | None = None
 
 
 @dataclass

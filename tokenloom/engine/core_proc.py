@@ -201,6 +201,7 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
         max_in_flight_tokens=engine.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
         token_budget=token_budget_labels(engine.scheduler_config),
         pooling=engine.pooling_info,
+        lora=engine.lora_info(),
     )
     return engine, ready
 
@@ -264,7 +265,8 @@ class EngineCoreProc:
     def _add(self, msg: EngineCoreRequest) -> None:
         self.num_received += 1
         request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                          arrival_time=msg.arrival_time, priority=msg.priority, pooling_params=msg.pooling_params)
+                          arrival_time=msg.arrival_time, priority=msg.priority, pooling_params=msg.pooling_params,
+                          lora_request=msg.lora_request)
         try:
             self.core.add_request(request)
         except ValueError as exc:  # RequestRejected: the API process validates first, so this is rare

@@ -94,7 +94,9 @@ class DPEngineCoreClient:
         # The smallest pool decides what a request may need (check_prompt), as any engine may get it.
         ready = replace(first, num_blocks=min(r.num_blocks for r in readies),
                         load_time_s=max(r.load_time_s for r in readies))
-        self.router = Router(self.router_config, len(self.clients), ready.block_size, ready.num_blocks)
+        lora = getattr(ready, "lora", None)
+        self.router = Router(self.router_config, len(self.clients), ready.block_size, ready.num_blocks,
+                             lora_capacity=lora["max_cpu_loras"] if lora else 0)
         return ready
 
     # Running ------------------------------------------------------------------------------------
@@ -108,7 +110,8 @@ class DPEngineCoreClient:
         assert router is not None, "wait_ready() first"
         if isinstance(msg, EngineCoreRequest):
             try:
-                engine = router.route(msg.request_id, msg.prompt_token_ids)
+                lora_id = msg.lora_request.lora_int_id if msg.lora_request is not None else None
+                engine = router.route(msg.request_id, msg.prompt_token_ids, lora_id)
             except NoEngineAvailable:
                 return  # AsyncLLM has seen every engine die and fails the request itself
             self.clients[engine].send(msg)

@@ -46,21 +46,27 @@ class DataParallelLLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     def generate(self, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                 priority: Sequence[int] | None = None,
+                 priority: Sequence[int] | None = None, lora_requests: Sequence[Any] | None = None,
                  on_finished: Callable[[], None] | None = None) -> list[RequestOutput]:  # fmt: skip
         """Every prompt's final output, in prompt order (raises the first request's error, if any).
-        `on_finished`: called as each request finishes (a caller's progress)."""
-        return self._loop.run_until_complete(self._generate(prompts, params, priority, on_finished))
+        `lora_requests`: one LoRARequest (or None) per prompt; `on_finished`: called as each request
+        finishes (a caller's progress)."""
+        return self._loop.run_until_complete(self._generate(prompts, params, priority, on_finished, lora_requests))
 
-    async def _generate(self, prompts, params, priority, on_finished=None) -> list[RequestOutput]:
+    async def _generate(self, prompts, params, priority, on_finished=None, lora_requests=None) -> list[RequestOutput]:
         stream = self.engine.open_stream()
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 text, token_ids = self.tokenize_prompt(prompt)
                 rid = f"dp-{next(self._ids)}"
+                lora = lora_requests[i] if lora_requests else None
+                if lora is not None:
+                    from tokenloom.engine.llm_engine import check_lora_request
+
+                    check_lora_request(lora, getattr(self.engine.info, "lora", None))
                 self.engine.add_request(rid, token_ids, p, stream, prompt=text,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0, lora_request=lora)
                 ids.append(rid)
             finals: dict[str, RequestOutput] = {}
             async for out in stream:

@@ -86,6 +86,17 @@ class Executor(ABC):
         and `draft_token_ids`), or None. vLLM's EngineCore.post_step hands them to the scheduler."""
         return None
 
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load and check a LoRA adapter where the model runs (vLLM's Executor.add_lora); ValueError
+        saying why it cannot run. Executors whose runner has no LoRA refuse."""
+        raise ValueError("LoRA adapters are not supported by this executor")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
     def reset(self) -> None:  # noqa: B027 - optional hook, a no-op unless the runner keeps state
         """Drop all per-request state (a fresh scheduler is taking over an idle executor)."""
 
@@ -154,6 +165,22 @@ class UniProcExecutor(Executor):
     def take_draft_token_ids(self) -> Any:
         take = getattr(self.runner, "take_draft_token_ids", None)
         return take() if take is not None else None
+
+    # The runner's manager guards its host cache with a lock: these run in the calling thread, never
+    # waiting for a step in flight.
+    def add_lora(self, lora_request: Any) -> bool:
+        add = getattr(self.runner, "add_lora", None)
+        if add is None:
+            return super().add_lora(lora_request)
+        return add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        remove = getattr(self.runner, "remove_lora", None)
+        return remove(lora_int_id) if remove is not None else False
+
+    def list_loras(self) -> set[int]:
+        list_loras = getattr(self.runner, "list_loras", None)
+        return list_loras() if list_loras is not None else set()
 
     def reset(self) -> None:
         requests = getattr(self.runner, "requests", None)  # the torch ModelRunner's per-request state

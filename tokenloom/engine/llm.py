@@ -28,6 +28,18 @@ from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, Sampl
 
 if TYPE_CHECKING:
     from tokenloom.engine.dp_llm import DataParallelLLMEngine
+    from tokenloom.lora.request import LoRARequest
+
+
+def _lora_requests(lora_request: Any, n: int) -> list[Any]:
+    """vLLM's lora_request argument as one entry per prompt: a single LoRARequest (or None) for all, or a
+    list with one per prompt."""
+    if isinstance(lora_request, list | tuple):
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request: {len(lora_request)} LoRARequests for {n} prompts (give one, or one "
+                             "per prompt)")
+        return list(lora_request)
+    return [lora_request] * n
 
 
 class LLM:
@@ -64,8 +76,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """All prompts at once; results in prompt order."""
+        """All prompts at once; results in prompt order. `lora_request`: one LoRARequest for every
+        prompt, or one (or None: the base model) per prompt, as vLLM's (needs enable_lora=True)."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -76,15 +90,17 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        loras = _lora_requests(lora_request, len(prompts))
         # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         if self._dp is not None:
-            return self._dp.generate(prompts, params_list, priority)
+            return self._dp.generate(prompts, params_list, priority, loras if any(loras) else None)
         engine = self.llm_engine
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                ids.append(engine.add_request(None, prompt, params, priority=priority[i] if priority else 0))
+                ids.append(engine.add_request(None, prompt, params, priority=priority[i] if priority else 0,
+                                              lora_request=loras[i]))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -95,9 +111,10 @@ class LLM:
         messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Chat conversations rendered with the model's own chat template."""
+        """Chat conversations rendered with the model's own chat template (`lora_request` as generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = [
@@ -105,40 +122,41 @@ class LLM:
                                                          tokenize=True)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
         prompts: list[PromptType],
         params: BeamSearchParams,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: one BeamSearchOutput per prompt, its `sequences` best first, each
         with `tokens` (prompt included), `text` (prompt included), `cum_logprob` and per-step `logprobs`.
         Runs as one-token requests over the engine (tokenloom/engine/beam_search.py); at most
-        `concurrency_limit` prompts are searched at once."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported")
+        `concurrency_limit` prompts are searched at once; `lora_request` (one, or one per prompt) runs
+        every beam of a prompt with its adapter."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         source = self._dp if self._dp is not None else self.llm_engine
+        loras = _lora_requests(lora_request, len(prompts))
         items = []
-        for prompt in prompts:
+        for prompt, lora in zip(prompts, loras):
             text, token_ids = source.tokenize_prompt(prompt)
             if not token_ids:
                 raise ValueError("the prompt is empty")
-            items.append({"prompt_token_ids": token_ids, "prompt": text})
+            items.append({"prompt_token_ids": token_ids, "prompt": text, "lora_request": lora})
         tok = self.get_tokenizer()
         eos = tok.eos_token_id
         if eos is None:
             eos = self._dp.engine.info.eos_token_id if self._dp is not None else self.llm_engine.eos_token_id
 
         def run_step(step_prompts: list[dict[str, Any]], step_params: SamplingParams) -> list[RequestOutput]:
-            return self.generate(step_prompts, step_params, use_tqdm=False)
+            step_loras = [p.pop("lora_request", None) for p in step_prompts]
+            return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
 
         return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
                                    eos, concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)

@@ -74,6 +74,10 @@ class LLMEngine:
         check_speculative_engine(config)
         path = resolve_model_path(config.model)
         self.runner_type, self.convert = resolve_runner(config, path)
+        self.lora_config = config.lora_config
+        if self.lora_config is not None and self.runner_type == "pooling":
+            raise ConfigError("enable_lora: LoRA adapters are served on generation models; a pooling model "
+                              "(--runner pooling) cannot take them")
         self.pooling_info: PoolingInfo | None = None
         if self.runner_type == "pooling":
             check_pooling_engine(config)
@@ -166,7 +170,10 @@ class LLMEngine:
             caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
             cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
         self.speculative_config = config.speculative_config
+        if self.lora_config is not None:
+            on_model_thread(self.runner.enable_lora, self.lora_config)
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
+        self.scheduler.lora_config = self.lora_config
         if self.speculative_config is not None:
             on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
@@ -331,6 +338,26 @@ class LLMEngine:
         return replace(sched, **updates)
 
     # Requests ---------------------------------------------------------------------------------
+    def lora_info(self) -> dict[str, Any] | None:
+        """What a front end checks an adapter against (EngineReady.lora), or None without LoRA."""
+        manager = getattr(self.runner, "lora_manager", None) if self.lora_config is not None else None
+        if manager is None:
+            return None
+        return {"max_loras": self.lora_config.max_loras, "max_lora_rank": self.lora_config.max_lora_rank,
+                "max_cpu_loras": self.lora_config.max_cpu_loras,
+                "num_layers": manager.num_layers, "target_shapes": dict(manager.target_shapes)}
+
+    # vLLM's LLMEngine.add_lora / remove_lora / list_loras.
+    def add_lora(self, lora_request: Any) -> bool:
+        check_lora_request(lora_request, self.lora_config)
+        return self.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine_core.list_loras()
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -360,8 +387,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> str:
-        """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input."""
+        """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input.
+        `lora_request`: a tokenloom.lora.request.LoRARequest (the adapter to run it with), or None."""
         if self.pooling_info is not None:
             raise ValueError(f"{self.model_name} is a pooling model (tasks: {', '.join(self.pooling_info.tasks)}): "
                              "it does not generate text; use embed / classify / score / encode")
@@ -375,7 +404,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
-        cores = fan_out(request_id, token_ids, params, self.eos_token_id, arrival, priority)
+        if lora_request is not None:
+            check_lora_request(lora_request, self.lora_config)
+        cores = fan_out(request_id, token_ids, params, self.eos_token_id, arrival, priority, lora_request)
         added = []
         try:
             for core in cores:
@@ -470,6 +501,7 @@ class LLMEngine:
                                             model_thread=self._model_thread)
         self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
                                         speculative_config=self.speculative_config)
+        self.scheduler.lora_config = self.lora_config
         self.scheduler.structured_output_manager = self.structured_output_manager
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
@@ -484,6 +516,18 @@ class LLMEngine:
         self.structured_output_manager.shutdown()
         if self.tracer is not None:
             self.tracer.close()
+
+
+def check_lora_request(lora_request: Any, lora_config: Any) -> None:
+    """A request's lora_request, before it reaches the engine core: a LoRARequest, and LoRA enabled."""
+    from tokenloom.lora.request import LoRARequest
+
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError("lora_request must be a LoRARequest (tokenloom.lora.request), got "
+                         f"{type(lora_request).__name__}")
+    if lora_config is None:
+        raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled (LLM(enable_lora=True), "
+                         "--enable-lora)")
 
 
 def _call_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

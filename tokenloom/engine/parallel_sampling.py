@@ -4,6 +4,7 @@ v1/engine/parallel_sampling.py). The offline LLMEngine and the server's AsyncLLM
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from tokenloom.core.request import Request
 from tokenloom.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
-            arrival_time: float, priority: int = 0) -> list[Request]:  # fmt: skip
+            arrival_time: float, priority: int = 0, lora_request: Any = None) -> list[Request]:  # fmt: skip
     """The n core requests of one user request. Each samples once (n=1) with its own seed (seed + i,
     so the n completions differ but repeat run to run) and the model's EOS token."""
     cores = []
@@ -23,5 +24,6 @@ def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams
         child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
         child.eos_token_id = eos_token_id
         core_id = child_request_id(request_id, i, params.n)
-        cores.append(Request(core_id, prompt_token_ids, child, arrival_time=arrival_time, priority=priority))
+        cores.append(Request(core_id, prompt_token_ids, child, arrival_time=arrival_time, priority=priority,
+                             lora_request=lora_request))
     return cores

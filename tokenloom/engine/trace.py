@@ -64,6 +64,8 @@ def step_record(
     }
     if output.policy_actions:  # only when an opt-in policy acted: default traces stay as they were
         record["policy"] = output.policy_actions
+    if output.lora_names:  # LoRA: {request: adapter name} of the step's adapter requests
+        record["lora"] = dict(output.lora_names)
     return record
 
 

@@ -75,6 +75,11 @@ class LinearMethodBase(ABC):
         """A run-dtype activation in this method's input format (unquantized: itself)."""
         return x
 
+    def dense_input(self, x: Any) -> torch.Tensor:
+        """An activation in this method's input format as a float tensor (the inverse of
+        `quantize_input`, up to its rounding): what a LoRA adapter's shrink reads."""
+        return x
+
     def rms_norm_input(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
         """RMSNorm(x), in this method's input format."""
         if self.kernels is None:
@@ -117,6 +122,12 @@ class LinearBase:
         self.prefix = prefix
         self.out_dtype = out_dtype if out_dtype is not None else (weight.dtype if weight is not None else None)
         self.packed: torch.Tensor | None = None  # UnquantizedLinearMethod: oneDNN's pre-packed weight
+        # A LoRA target (tokenloom/lora/models.py LoRALinear): adds the step's adapters' deltas to the
+        # output when a row of the step runs one. None: no adapter can target this linear.
+        self.lora: Any = None
+        # SmoothQuant's folds (tokenloom/model/smoothquant.py): (input channel factors s, the input being
+        # x / s; output row divisors d, the output being y / d), either None; a LoRA delta undoes them.
+        self.lora_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -124,8 +135,12 @@ class LinearBase:
     __call__ = forward
 
     def apply_input(self, x: Any) -> torch.Tensor | PendingOutput:
-        """The GEMM of an activation already in the method's input format (the fused seam)."""
-        return self.quant_method.apply_input(self, x)
+        """The GEMM of an activation already in the method's input format (the fused seam). With
+        LoRA adapters in the step, the base output is finished and their deltas added to it."""
+        out = self.quant_method.apply_input(self, x)
+        if self.lora is not None and self.lora.punica.active:
+            return self.lora.apply(out, x, self.quant_method)
+        return out
 
     def set_quant_method(self, method: LinearMethodBase) -> None:
         """Switch to `method` and let it convert the (float) weight."""

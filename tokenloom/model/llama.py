@@ -61,6 +61,7 @@ class StepContext:
     attn_metadata: AttentionMetadata
     attn_backend: AttentionBackend
     local_rope_tables: Any = None  # Gemma 3's sliding layers' rope (their own base), else None
+    lora: Any = None  # the punica wrapper when a row of the step runs a LoRA adapter (tokenloom/lora/)
 
 
 class RMSNorm:
@@ -102,6 +103,8 @@ class LlamaAttention:
                                            self.spec)
         if rows is not None and rows.numel() == 0:
             return None, rows
+        if rows is not None and ctx.lora is not None:
+            ctx.lora.narrow(rows)  # o_proj and the MLP run the output rows only from here on
         return self.o_proj.apply_input(self.o_proj.quant_method.quantize_input(o)), rows
 
     def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -268,6 +271,9 @@ class LlamaModel:
         # Small all-decode steps run the whole stack in one compiled call (gguf_decode.py); set below,
         # since int8 calibration runs forward before.
         self.fused_step: Any = None
+        # LoRA (tokenloom/model/lora_layers.py): the punica wrapper the target linears share; a step
+        # with an adapter row runs per op (the fused step has no LoRA), base-only steps stay fused.
+        self.lora_punica: Any = None
         if quantization == "int8":
             from tokenloom.model.smoothquant import quantize_model
 
@@ -382,12 +388,15 @@ class LlamaModel:
         per_layer = attn_metadata if isinstance(attn_metadata, list) else None
         if per_layer is not None:
             attn_metadata = per_layer[0]
-        elif self.fused_step is not None and not self.kv_packed:  # the fused step reads the plain layout
+        lora = self.lora_punica if self.lora_punica is not None and self.lora_punica.active else None
+        if per_layer is None and lora is None and self.fused_step is not None and not self.kv_packed:
+            # The fused step reads the plain KV layout, and applies no LoRA adapter.
             h = self.fused_step.run_step(input_ids, positions, attn_metadata, kv_caches, self.rope, max_position)
             if h is not None:
                 return h
         backend = self.attn_backend
-        ctx = StepContext(positions, backend.rope_tables(self.rope, positions, max_position), attn_metadata, backend)
+        ctx = StepContext(positions, backend.rope_tables(self.rope, positions, max_position), attn_metadata, backend,
+                          lora=lora)
         if self.local_rope is not None:
             ctx.local_rope_tables = backend.rope_tables(self.local_rope, positions, max_position)
         h = self.embed(input_ids)  # the residual stream, updated in place

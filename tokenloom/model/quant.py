@@ -123,6 +123,9 @@ class Int8LinearMethod(LinearMethodBase):
     def apply_input(self, layer: LinearBase, x: Int8Rows) -> Int8Accumulator:
         return Int8Accumulator(torch._int_mm(x.q, layer.qweight), x.scale, layer, self.kernels)
 
+    def dense_input(self, x: Int8Rows) -> torch.Tensor:
+        return x.q.float() * x.scale[:, None]
+
     def quantize_input(self, x: torch.Tensor) -> Int8Rows:
         if self.kernels is None:
             return Int8Rows(*quantize_rows(x))

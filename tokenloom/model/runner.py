@@ -95,6 +95,7 @@ class _RequestState:
     pooling_params: Any = None  # a pooling request: pooled at its prompt's end instead of sampled
     # A pooling request that needs every prompt row (MEAN, CLS, ALL, STEP): its chunks' hidden states.
     pooling_rows: list = field(default_factory=list)
+    lora_request: Any = None  # its LoRA adapter (tokenloom/lora/request.py); None: the base model
 
 
 @dataclass
@@ -235,6 +236,29 @@ class ModelRunner:
         # A pooling engine over a decoder (--runner pooling): its PoolerConfig (LAST pooling); the
         # requests that reach their prompt's end are pooled, not sampled (tokenloom/model/pooler.py).
         self.pooler: Any = None
+        # LoRA adapters (enable_lora): the manager of their slots; None: requests run the base model.
+        self.lora_manager: Any = None
+
+    def enable_lora(self, lora_config: Any) -> None:
+        """Serve LoRA adapters (tokenloom/lora/): a LoRALinear on every target linear, the slot manager.
+        `lora_config`: tokenloom.config.LoRAConfig."""
+        from tokenloom.model.lora_layers import create_lora_manager
+
+        self.lora_manager = create_lora_manager(self.model, lora_config)
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load and check an adapter into the host cache (vLLM's add_lora); raises ValueError saying why
+        it cannot run. Safe from another thread than the one running steps."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        self.lora_manager.add_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
 
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
         """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
@@ -455,6 +479,8 @@ class ModelRunner:
         error = self._check_block_ids(new.block_ids)
         if error:
             return error
+        if new.lora_request is not None and self.lora_manager is None:
+            return f"request {new.req_id!r} names a LoRA adapter, but the runner has LoRA disabled"
         params = new.sampling_params
         generator = make_generator(self.device) if params.seed is not None else None
         self.requests[new.req_id] = _RequestState(
@@ -466,6 +492,7 @@ class ModelRunner:
             generator=generator,
             num_computed=new.num_computed_tokens,
             pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))
@@ -620,6 +647,8 @@ class ModelRunner:
         else:
             sample_idx = self._to_device(sample_rows)
         input_ids = torch.tensor(ids, dtype=torch.int64)
+        if self.lora_manager is not None:  # the slot of every row, for the target linears (tokenloom/lora/)
+            self.lora_manager.set_step([s.state.lora_request for s in scheduled], counts)
         return _StepInputs(
             input_ids=input_ids if self.device.type == "cpu" else input_ids.to(self.device),
             positions=self._to_device(pos),

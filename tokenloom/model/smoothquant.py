@@ -88,14 +88,17 @@ def _fold(layer: LlamaDecoderLayer, w: dict[str, torch.Tensor], b: dict[str, tor
     the MLP reads `layer.mlp_input_norm`: post_attention_layernorm, Gemma's pre_feedforward_layernorm;
     a family with other producers of a linear's input needs its own fold)."""
     dtype = layer.input_layernorm.weight.dtype
+    lins = layer.linears()
     # qkv and gate/up read RMSNorm outputs: the norm weight takes the division.
     s = smoothing_scales(act_absmax["qkv_proj"], [w["qkv_proj"]])
+    lins["qkv_proj"].lora_scales = (s, None)
     layer.input_layernorm.weight = (layer.input_layernorm.weight.float() / s).to(dtype)
     w["qkv_proj"] = w["qkv_proj"] * s
     s = smoothing_scales(act_absmax["gate_up_proj"], [w["gate_up_proj"]])
     norm = layer.mlp_input_norm
     norm.weight = (norm.weight.float() / s).to(dtype)
     w["gate_up_proj"] = w["gate_up_proj"] * s
+    s_gate_up = s
     # down reads silu(gate) * up: the up rows take it.
     s = smoothing_scales(act_absmax["down_proj"], [w["down_proj"]])
     inter = s.numel()
@@ -104,6 +107,8 @@ def _fold(layer: LlamaDecoderLayer, w: dict[str, torch.Tensor], b: dict[str, tor
     if bias is not None:
         bias[inter:] /= s
     w["down_proj"] = w["down_proj"] * s
+    lins["down_proj"].lora_scales = (s, None)
+    lins["gate_up_proj"].lora_scales = (s_gate_up, torch.cat([torch.ones_like(s), s]))
     # o reads attention outputs, weighted sums of v: the v rows take it. The q heads of a
     # GQA group share their v head, so they share one factor (the group's largest).
     s = smoothing_scales(act_absmax["o_proj"], [w["o_proj"]])
@@ -115,6 +120,12 @@ def _fold(layer: LlamaDecoderLayer, w: dict[str, torch.Tensor], b: dict[str, tor
     if bias is not None:
         bias[v_rows] /= s_kv.reshape(-1)
     w["o_proj"] = w["o_proj"] * s_kv[:, None, :].expand(-1, group, -1).reshape(-1)
+    # A LoRA adapter on these linears sees the smoothed activations and produces into the smoothed
+    # outputs: (input channel factors, output row divisors) let it undo both (tokenloom/lora/models.py).
+    out_div = torch.ones(w["qkv_proj"].shape[0])
+    out_div[v_rows] = s_kv.reshape(-1)
+    lins["qkv_proj"].lora_scales = (lins["qkv_proj"].lora_scales[0], out_div)
+    lins["o_proj"].lora_scales = (s_kv[:, None, :].expand(-1, group, -1).reshape(-1), None)
 
 
 def smooth_layer(layer: LlamaDecoderLayer, act_absmax: dict[str, torch.Tensor], num_kv_heads: int,

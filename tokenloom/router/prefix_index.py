@@ -15,16 +15,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from tokenloom.core.request import hash_block_tokens
 
 
-def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of the prompt's full blocks, exactly as the engine's Request computes them."""
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int,
+                        extra_keys: tuple[Any, ...] | None = None) -> list[int]:
+    """The hashes of the prompt's full blocks, exactly as the engine's Request computes them
+    (`extra_keys`: the LoRA adapter's, tokenloom.core.request.lora_extra_hash_keys)."""
     hashes: list[int] = []
     parent: int | None = None
     for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, tuple(prompt_token_ids[start:start + block_size]))
+        parent = hash_block_tokens(parent, tuple(prompt_token_ids[start:start + block_size]), extra_keys)
         hashes.append(parent)
     return hashes
 

@@ -8,10 +8,12 @@ to the owner and an engine's death fails exactly its requests.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenloom.config import ParallelConfig
+from tokenloom.core.request import lora_extra_hash_keys
 from tokenloom.router.policies import (
     ROUTING_POLICIES,
     CacheAware,
@@ -20,8 +22,16 @@ from tokenloom.router.policies import (
     PowerOfTwo,
     RoundRobin,
     RoutingPolicy,
+    lb_score,
 )
 from tokenloom.router.prefix_index import prompt_block_hashes
+
+
+@dataclass(frozen=True)
+class _LoRAId:
+    """What lora_extra_hash_keys reads of a LoRARequest (the router has only the id)."""
+
+    lora_int_id: int
 
 
 @dataclass
@@ -66,7 +76,14 @@ def make_policy(config: RouterConfig, num_engines: int, engine_num_blocks: int) 
 
 
 class Router:
-    def __init__(self, config: RouterConfig, num_engines: int, block_size: int, engine_num_blocks: int) -> None:
+    """`lora_capacity`: the LoRA adapters an engine keeps loaded (its max_cpu_loras; 0: no LoRA). The
+    router remembers, per engine, the adapters it last sent there (LRU, that many), and routes an
+    adapter's request to the least loaded engine holding it (Ray Serve's multiplexed-model routing),
+    unless that engine is imbalanced against the least loaded one (cache_aware's thresholds): then,
+    or when no engine holds it, the policy decides and the chosen engine loads it."""
+
+    def __init__(self, config: RouterConfig, num_engines: int, block_size: int, engine_num_blocks: int,
+                 lora_capacity: int = 0) -> None:
         if num_engines < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {num_engines}")
         self.config = config
@@ -75,23 +92,54 @@ class Router:
         self.policy = make_policy(config, num_engines, engine_num_blocks)
         self.owner: dict[str, int] = {}  # request id -> engine, while unfinished
         self.num_routed = [0] * num_engines
+        self.lora_capacity = lora_capacity
+        self.engine_loras: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_engines)]
+        self.lora_decisions = {"holder": 0, "policy": 0}  # how adapter requests were routed (tests, figures)
 
     @property
     def num_engines(self) -> int:
         return len(self.loads)
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int]) -> int:
-        """Choose the engine for a new request and record it as the owner."""
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], lora_int_id: int | None = None) -> int:
+        """Choose the engine for a new request (run with LoRA adapter `lora_int_id`, if given) and record
+        it as the owner."""
         if request_id in self.owner:
             return self.owner[request_id]
-        hashes = prompt_block_hashes(prompt_token_ids, self.block_size) if isinstance(
+        extra = lora_extra_hash_keys(_LoRAId(lora_int_id)) if lora_int_id is not None else None
+        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, extra) if isinstance(
             self.policy, CacheAware) else []
-        engine = self.policy.select(self.loads, hashes)
+        engine = self._lora_holder(lora_int_id) if lora_int_id is not None else None
+        if engine is None:
+            engine = self.policy.select(self.loads, hashes)
+            if lora_int_id is not None:
+                self.lora_decisions["policy"] += 1
+        else:
+            self.lora_decisions["holder"] += 1
         self.policy.on_routed(engine, hashes)
+        if lora_int_id is not None and self.lora_capacity > 0:
+            held = self.engine_loras[engine]
+            held[lora_int_id] = None
+            held.move_to_end(lora_int_id)
+            while len(held) > self.lora_capacity:
+                held.popitem(last=False)
         self.owner[request_id] = engine
         self.loads[engine].num_in_flight += 1
         self.num_routed[engine] += 1
         return engine
+
+    def _lora_holder(self, lora_int_id: int) -> int | None:
+        """The least loaded live engine that holds the adapter, unless it is imbalanced against the
+        least loaded live engine; None: let the policy choose."""
+        live = [i for i, load in enumerate(self.loads) if load.alive]
+        holders = [i for i in live if lora_int_id in self.engine_loras[i]]
+        if not holders:
+            return None
+        best = min(holders, key=lambda i: lb_score(self.loads[i]))
+        hi, lo = self.loads[best].num_in_flight, min(self.loads[i].num_in_flight for i in live)
+        cfg = self.config
+        if hi - lo > cfg.balance_abs_threshold and hi > lo * cfg.balance_rel_threshold:
+            return None
+        return best
 
     def finish(self, request_id: str) -> int | None:
         """The request finished or was aborted; returns its engine (None if unknown)."""

@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenloom import envs
 from tokenloom.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
@@ -24,6 +25,7 @@ from tokenloom.engine.async_llm import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from tokenloom.lora.request import LoRARequest
 from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError, error_body, error_response
@@ -112,12 +114,42 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def list_models(raw: Request) -> JSONResponse:
         state = get_state(raw)
-        return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+        cards = [_model_card(state, name) for name in state.model_names]
+        cards += [_lora_card(state, lora) for lora in state.models.lora_requests.values()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(raw: Request, model: str) -> JSONResponse:
         state = get_state(raw)
+        lora = state.lora_request(model)
+        if lora is not None:
+            return JSONResponse(_lora_card(state, lora))
         return JSONResponse(_model_card(state, state.model_name(model)))
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        # vLLM registers these only when runtime updating is allowed (a warning-worthy power: any
+        # client may then load files from the server's disk as adapters).
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            state = get_state(raw)
+            body = await read_json(raw, state.config.max_request_body_bytes)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise APIError(400, "both 'lora_name' and 'lora_path' must be provided", "lora_name")
+            await state.in_tokenizer_thread(state.models.load_lora_adapter, name, path)
+            return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            state = get_state(raw)
+            body = await read_json(raw, state.config.max_request_body_bytes)
+            name = body.get("lora_name")
+            if not isinstance(name, str):
+                raise APIError(400, "'lora_name' must be provided", "lora_name")
+            # Requests already running keep their LoRARequest (the engine keeps its weights cached);
+            # new ones can no longer name it.
+            state.models.unload_lora_adapter(name)
+            return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")
     async def health(raw: Request) -> Response:
@@ -145,6 +177,12 @@ def _add_routes(app: FastAPI) -> None:
             return JSONResponse({"version": version("tokenloom")})
         except PackageNotFoundError:
             return JSONResponse({"version": "unknown"})
+
+
+def _lora_card(state: ServerState, lora: LoRARequest) -> dict:
+    """vLLM's model card of an adapter: its path as root, the base model as parent."""
+    return {"id": lora.lora_name, "object": "model", "created": state.created, "owned_by": "tokenloom",
+            "root": lora.lora_path, "parent": lora.base_model_name, "max_model_len": state.engine.info.max_model_len}
 
 
 def _model_card(state: ServerState, name: str) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenloom.config import EngineArg, knob, knobs_of, parse_bytes
+from tokenloom.server.serving_models import LoRAModulePath, parse_lora_module
 
 
 def _json_strings(text: str) -> list[str]:
@@ -90,6 +91,11 @@ class ServerConfig:
     # A request's own chat_template (a Jinja program) is refused unless this is set (vLLM's flag).
     trust_request_chat_template: bool = knob(
         False, "run a chat_template sent with a request (a Jinja program); refused with 400 otherwise")
+    # Adapters served from the start (tokenloom/server/serving_models.py); runtime loading adds more.
+    lora_modules: list[LoRAModulePath] = knob(
+        [], "LoRA adapters to serve (with --enable-lora): name=path, or vLLM's JSON form "
+            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's `model` picks one",
+        nargs="+", parse=parse_lora_module)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests == 0:  # the CLI's "no limit"

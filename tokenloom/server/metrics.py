@@ -12,6 +12,7 @@ servers in one process (tests) apart.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -61,6 +62,9 @@ class ServerMetrics:
         labels = {"model_name": model_name}
         prefixes = PREFIXES[prefix]
         self.last_kv_usage = 0.0  # for ORCA load headers
+        self.lora_info: Any = None  # vllm:lora_requests_info, created at the first LoRA report
+        lora = getattr(info, "lora", None)
+        self.max_loras = lora["max_loras"] if isinstance(lora, dict) else 0
         self.last_num_waiting = 0
 
         def gauge(name: str, doc: str) -> Any:
@@ -144,6 +148,8 @@ class ServerMetrics:
             self._add_total(self.prefix_hits, "hits", sched.prefix_cache_hits)
             if sched.prefix_cache_queries:
                 self.hit_rate.set(sched.prefix_cache_hits / sched.prefix_cache_queries)
+            if sched.running_lora_adapters is not None:
+                self._record_lora(sched)
             if sched.spec_decoding is not None:
                 if self.spec_decode is None:
                     self.spec_decode = SpecDecodeMetrics(self.registry, self._labels)
@@ -175,6 +181,19 @@ class ServerMetrics:
                                 (self.params_max_tokens, done.max_tokens_param)):
                 if value is not None:
                     hist.observe(value)
+
+    def _record_lora(self, sched: Any) -> None:
+        """vLLM's vllm:lora_requests_info: one sample, labelled with the adapters of running and waiting
+        requests (comma-separated names) and max_lora, valued with the time of the report."""
+        if self.lora_info is None:
+            self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                   registry=self.registry)
+        self.lora_info.clear()  # one sample: the latest state
+        self.lora_info.labels(max_lora=str(self.max_loras),
+                              waiting_lora_adapters=",".join(sorted(sched.waiting_lora_adapters or {})),
+                              running_lora_adapters=",".join(sorted(sched.running_lora_adapters or {}))
+                              ).set(time.time())
 
     def _add_total(self, counter: Any, key: str, total: int) -> None:
         if total > self._totals[key]:

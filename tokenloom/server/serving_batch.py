@@ -55,7 +55,8 @@ async def create_batch_chat_completion(raw: Request) -> Response:
                                  extras.structured_outputs)
             if req.logprobs:  # -1 resolved to the whole vocabulary
                 req.top_logprobs = params.logprobs
-            engine.add_request(rid, prompt_ids, params, stream, priority=req.priority)
+            engine.add_request(rid, prompt_ids, params, stream, priority=req.priority,
+                               lora_request=state.lora_request(req.model))
     except BaseException:
         stream.close()
         raise

@@ -165,9 +165,10 @@ async def create_chat_completion(raw: Request) -> Response:
     try:
         if isinstance(stream, BeamSearchStream):
             stream.add(engine_id, prompt_ids, beam_search_params(req, params.max_tokens, state.sampling_defaults),
-                       seed=req.seed, priority=req.priority)
+                       seed=req.seed, priority=req.priority, lora_request=state.lora_request(req.model))
         else:
-            engine.add_request(engine_id, prompt_ids, params, stream, priority=priority)
+            engine.add_request(engine_id, prompt_ids, params, stream, priority=priority,
+                               lora_request=state.lora_request(req.model))
     except BaseException:
         stream.close()
         raise

@@ -56,13 +56,14 @@ async def create_completion(raw: Request) -> Response:
     stream = BeamSearchStream(engine, state.config.max_logprobs) if req.use_beam_search else engine.open_stream()
     if not req.use_beam_search:  # the whole batch, before any of it is queued
         engine.check_admission(sum(p.n for p in params))
+    lora = state.lora_request(req.model)
     try:
         for rid, (text, token_ids), p in zip(ids, prompts, params):
             if isinstance(stream, BeamSearchStream):
                 stream.add(rid, token_ids, beam_search_params(req, p.max_tokens, state.sampling_defaults),
-                           prompt=text, seed=req.seed, priority=req.priority)
+                           prompt=text, seed=req.seed, priority=req.priority, lora_request=lora)
             else:
-                engine.add_request(rid, token_ids, p, stream, prompt=text, priority=priority)
+                engine.add_request(rid, token_ids, p, stream, prompt=text, priority=priority, lora_request=lora)
     except BaseException:
         stream.close()
         raise

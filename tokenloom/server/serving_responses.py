@@ -445,7 +445,8 @@ async def create_response(raw: Request) -> Response:
     engine = state.engine
     stream = engine.open_stream()
     try:
-        engine.add_request(engine_id, prompt_ids, params, stream, priority=request_priority(raw, req.priority))
+        engine.add_request(engine_id, prompt_ids, params, stream, priority=request_priority(raw, req.priority),
+                           lora_request=state.lora_request(req.model))
     except InvalidRequestError as exc:  # e.g. no room left to generate: the prompt is the input
         stream.close()
         raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None

@@ -12,10 +12,12 @@ from fastapi import Request
 
 from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.lora.request import LoRARequest
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.response_store import ResponseStore
+from tokenloom.server.serving_models import ServingModels
 
 T = TypeVar("T")
 
@@ -25,6 +27,8 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.model_names = list(config.served_model_names or [engine.info.model_name])
+        # The base model's names and the LoRA adapters served (--lora-modules, runtime loading).
+        self.models = ServingModels(self.model_names, getattr(engine.info, "lora", None), config.lora_modules)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
@@ -44,7 +48,7 @@ class ServerState:
         """The name to answer with; 404 for a model this server does not serve."""
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
+        if not self.models.is_served(requested):
             raise APIError(404, f"The model `{requested}` does not exist.", "model")
         return requested
 
@@ -56,6 +60,10 @@ class ServerState:
             raise APIError(400, f"The model `{self.model_names[0]}` is a pooling model (tasks: "
                                 f"{', '.join(pooling.tasks)}) and does not support generation: use /v1/embeddings, "
                                 "/pooling, /classify, /score or /rerank", "model")
+
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return self.models.lora_request(requested)
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         loop = asyncio.get_running_loop()

@@ -41,7 +41,9 @@ COMMON: dict[str, Unsupported] = {
     "thinking_token_budget": Unsupported("thinking_token_budget needs a reasoning parser, which tokenloom lacks",
                                          (-1,)),
     "stream_interval": Unsupported("stream_interval is not supported yet (every step is streamed)", (1,)),
-    "lora_request": Unsupported("LoRA adapters are not supported"),
+    # vLLM's OpenAI server takes no lora_request field either: the request's `model` names the adapter.
+    "lora_request": Unsupported("lora_request is not a request field: name a LoRA adapter in `model` "
+                                "(served with --enable-lora --lora-modules)"),
 }
 
 CHAT: dict[str, Unsupported] = {
