@@ -239,3 +239,15 @@ def test_disk_tier_bounds_and_recency():
     assert ok and evicted == [11]
     assert len(tier) == 3
     assert DiskTier(capacity_bytes=150, file_bytes=100, existing=[1, 2, 3]).over_capacity() == [1, 2]
+
+
+def test_block_hashes_mean_the_same_in_every_process():
+    """The disk tier files blocks by block hash, so a hash must not depend on the process (hash(None) did)."""
+    import subprocess
+    import sys
+
+    code = "from tokenloom.core.request import Request, SamplingParams\n" \
+           "r = Request('x', list(range(40)), SamplingParams()); r.set_block_size(4); print(r.block_hashes)"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(runs) == 1

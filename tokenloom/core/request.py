@@ -43,13 +43,19 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
+# The parent of a request's first block (vLLM's NONE_HASH), a fixed int: hash(None) is the object's address
+# before Python 3.12, which differs from process to process (ASLR), and a block hash must mean the same
+# in every process, and after a restart (the KV offloading disk tier files blocks under it).
+ROOT_PARENT_HASH = 0x746F6B656E6C6F6F
+
+
 def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...]) -> int:
     """Hash of one full block, chained to its parent so equal blocks at different depths differ.
 
     Python's tuple hash of ints is deterministic across processes (PYTHONHASHSEED only salts
     str/bytes), which keeps schedules reproducible.
     """
-    return hash((parent_hash, block_token_ids))
+    return hash((ROOT_PARENT_HASH if parent_hash is None else parent_hash, block_token_ids))
 
 
 class Request:

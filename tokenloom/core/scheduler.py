@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenloom.config import (
@@ -512,9 +512,12 @@ class Scheduler:
                 break
             kv.record_prefix_cache_stats(request, num_new_local_computed)
             if self.connector is not None:
-                preempted = request.num_preemptions > 0
-                self.connector_prefix_cache_stats.record(request.num_tokens, num_external_computed, preempted)
-                self.connector_prefix_cache_totals.record(request.num_tokens, num_external_computed, preempted)
+                # vLLM counts the tokens the connector was asked about: those the pool did not have.
+                queries = request.num_tokens - num_new_local_computed
+                if queries:
+                    preempted = request.num_preemptions > 0
+                    self.connector_prefix_cache_stats.record(queries, num_external_computed, preempted)
+                    self.connector_prefix_cache_totals.record(queries, num_external_computed, preempted)
                 # The connector learns where the external tokens go (vLLM: update_state_after_alloc).
                 self.connector.update_state_after_alloc(request, KVCacheBlocks(kv.get_blocks(request.request_id)),
                                                         num_external_computed)
@@ -1040,7 +1043,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_totals.hits,
             prefix_cache_stats=self._take_prefix_cache_stats(),
             connector_prefix_cache_stats=self._take_connector_prefix_cache_stats(),
-            connector_prefix_cache_totals=self.connector_prefix_cache_totals if self.connector is not None else None,
+            connector_prefix_cache_totals=replace(self.connector_prefix_cache_totals) if self.connector else None,
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
         )
 

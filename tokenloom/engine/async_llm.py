@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
+from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
@@ -469,4 +470,16 @@ def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
         num_preemptions_total=sum(r.num_preemptions_total for r in reports),
         prefix_cache_queries=sum(r.prefix_cache_queries for r in reports),
         prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
+        connector_prefix_cache_totals=_sum_prefix_stats([r.connector_prefix_cache_totals for r in reports]),
     )
+
+
+def _sum_prefix_stats(parts: list[PrefixCacheStats | None]) -> PrefixCacheStats | None:
+    """The engines' KV connector hit totals as one (None when no engine runs a connector)."""
+    if all(p is None for p in parts):
+        return None
+    total = PrefixCacheStats()
+    for p in parts:
+        if p is not None:
+            total.merge(p)
+    return total
