@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from tests.tiny_models import make_tiny_hf_model
-from tokenloom import LLM
+from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
+from tokenloom import LLM, StructuredOutputsParams
 from tokenloom.config import ConfigError, engine_config_from_kwargs
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.kv_transfer.offloading.disk import HEADER_BYTES, SUFFIX, DiskFiles
@@ -194,6 +194,29 @@ def test_offloading_combines(tiny_dir, reference, options):
     ref = _llm(tiny_dir, num_blocks=256)
     assert again == _run(ref, looped + first[:12], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert cached >= len(looped) // BS * BS
+
+
+def test_structured_outputs_on_tier_hits(tiny_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    ref = _run(_llm(tiny_dir, num_blocks=256), PROMPT, params)[0]
+    llm = _llm(tiny_dir, kv_offloading_size=0.01)
+    assert _run(llm, PROMPT, params)[0] == ref
+    assert llm.llm_engine.scheduler.reset_prefix_cache()
+    assert _run(llm, PROMPT, params) == (ref, EXPECTED_HIT)
+
+
+def test_quantized_gguf_weights(tiny_dir, tmp_path):
+    """Q8_0 weights kept quantized (the default for a quantized GGUF): a tier hit gives the pool hit's tokens
+    (both compute the last token alone over the same KV bytes); the quantization is in the fingerprint."""
+    path = write_gguf_from_hf(tiny_dir, tmp_path / "tiny-q8.gguf", qtype="Q8_0")
+    llm = LLM(str(path), num_blocks=32, block_size=BS, kv_offloading_size=0.01)
+    assert llm.llm_engine.config.quantization == "gguf"
+    _run(llm, PROMPT)
+    pool_hit = _run(llm, PROMPT)
+    assert pool_hit[1] == EXPECTED_HIT
+    assert llm.llm_engine.scheduler.reset_prefix_cache()
+    assert _run(llm, PROMPT) == pool_hit
+    assert _connector(llm).spec.fingerprint["quantization"] == "gguf"
 
 
 def test_refused_combinations_say_why(tiny_dir):
