@@ -194,6 +194,9 @@ def test_offloading_combines(tiny_dir, reference, options):
     ref = _llm(tiny_dir, num_blocks=256)
     assert again == _run(ref, looped + first[:12], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
     assert cached >= len(looped) // BS * BS
+    # Nothing left pending once the engine is idle: every step's stores came back and were made hits.
+    conn = _connector(llm)
+    assert not conn._in_flight and not conn.host._pending and not conn._staged and not conn._requests
 
 
 def test_structured_outputs_on_tier_hits(tiny_dir):

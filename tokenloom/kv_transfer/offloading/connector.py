@@ -210,7 +210,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
             if rid in self._block_ids and new_ids:
                 self._block_ids[rid].extend(new_ids[0])
-        host_pending, disk_pending = self._in_flight.setdefault(meta.step_id, ([], []))
+        host_pending: list[int] = []
+        disk_pending: list[int] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(rid)
             if request is None or not self._may_hit(request):
@@ -243,6 +244,10 @@ class OffloadingConnector(KVConnectorBase_V1):
                     meta.store.append((block_ids[i], slot, to_disk))
                     self.stats.blocks_stored += 1
             self._next_store[rid] = max(self._next_store.get(rid, 0), num_full)
+        if host_pending or disk_pending:  # (a step with nothing pending may never be executed: no tokens)
+            pending = self._in_flight.setdefault(meta.step_id, ([], []))
+            pending[0].extend(host_pending)
+            pending[1].extend(disk_pending)
         self._drop_lost_steps(meta.step_id)
         self._loads = OffloadingConnectorMetadata(step_id=next(self._step_ids))
         return meta
