@@ -277,3 +277,20 @@ def test_block_hashes_mean_the_same_in_every_process():
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(runs) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_data_parallel_engines_offload_to_their_own_directories(tiny_dir, reference, tmp_path):
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", num_blocks=32, block_size=BS, data_parallel_size=2,
+              routing_policy="round_robin", kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path))
+    try:
+        outs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, GREEDY, use_tqdm=False)
+        stats = llm._dp.engine.scheduler_stats
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [reference["prompt"]] * 2
+    # Each engine wrote its own disk tier: every full block it computed (the last sampled token is never fed).
+    for rank in (0, 1):
+        assert len(list((tmp_path / f"dp{rank}").glob("*" + SUFFIX))) == (len(PROMPT) + GREEDY.max_tokens - 1) // BS
+    assert stats.connector_prefix_cache_totals is not None and stats.connector_prefix_cache_totals.queries > 0
