@@ -234,6 +234,12 @@ def test_refused_combinations_say_why(tiny_dir):
         engine_config_from_kwargs(kv_transfer_config={"kv_connector": "OffloadingConnector"})
     with pytest.raises(ConfigError, match="need kv_offloading_size"):
         engine_config_from_kwargs(kv_offloading_dir="/tmp/x")
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use must be a number"):
+        _llm(tiny_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                           "kv_connector_extra_config": {"cpu_bytes_to_use": "lots"}})
+    with pytest.raises(ConfigError, match="at least one block"):
+        _llm(tiny_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                           "kv_connector_extra_config": {"cpu_bytes_to_use": 100}})
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config"):
         _llm(tiny_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"cpu_bytes": 1}})

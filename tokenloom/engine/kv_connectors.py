@@ -88,7 +88,11 @@ def make_kv_connectors(config: EngineConfig, runner: Any, model_path: Path, num_
         raise ConfigError(f"{kv.kv_connector}: a pooling runner computes every prompt row; no KV connector")
     spec = kv_block_spec(runner, config, model_path)
     scheduler_side = KVConnectorFactory.create_connector(kv, KVConnectorRole.SCHEDULER, spec)
-    worker_side = KVConnectorFactory.create_connector(kv, KVConnectorRole.WORKER, spec)
-    worker_side.register_kv_caches(runner.kv_cache_block_views())
+    try:
+        worker_side = KVConnectorFactory.create_connector(kv, KVConnectorRole.WORKER, spec)
+        worker_side.register_kv_caches(runner.kv_cache_block_views())
+    except BaseException:
+        scheduler_side.shutdown()  # its directory lock, so a corrected retry in this process can take it
+        raise
     logger.info("KV connector %s (%s): blocks of %d bytes", kv.kv_connector, kv.kv_role, spec.block_nbytes)
     return scheduler_side, worker_side

@@ -82,18 +82,26 @@ def offloading_sizes(config: KVTransferConfig, spec: KVBlockSpec) -> tuple[int, 
     if unknown:
         raise ConfigError(f"OffloadingConnector: unknown kv_connector_extra_config key(s) {', '.join(unknown)} "
                           f"(known: {', '.join(sorted(known))})")
+    def number(key: str, default: int | None = None) -> int:
+        value = extra.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"OffloadingConnector: kv_connector_extra_config.{key} must be a number, got {value!r}")
+        return int(value)
+
     if "num_cpu_blocks" in extra:  # vLLM's older spelling
-        slots = extra["num_cpu_blocks"]
+        slots = number("num_cpu_blocks")
     elif "cpu_bytes_to_use" in extra:
-        slots = int(extra["cpu_bytes_to_use"]) // spec.block_nbytes
+        slots = number("cpu_bytes_to_use") // spec.block_nbytes
     else:
         raise ConfigError("OffloadingConnector needs kv_connector_extra_config.cpu_bytes_to_use (or "
                           "--kv-offloading-size GiB)")
-    if not isinstance(slots, int) or slots < 1:
+    if slots < 1:
         raise ConfigError(f"OffloadingConnector: the host tier must hold at least one block of {spec.block_nbytes} "
-                          f"bytes, got {slots!r} blocks")
+                          f"bytes, got {slots} blocks")
     disk_dir = extra.get("disk_dir")
-    disk_bytes = int(extra.get("disk_bytes_to_use", 8 << 30))
+    if disk_dir is not None and not isinstance(disk_dir, str):
+        raise ConfigError(f"OffloadingConnector: kv_connector_extra_config.disk_dir must be a path, got {disk_dir!r}")
+    disk_bytes = number("disk_bytes_to_use", 8 << 30)
     if disk_dir is not None and disk_bytes < spec.block_nbytes:
         raise ConfigError(f"OffloadingConnector: the disk tier must hold at least one block of {spec.block_nbytes} "
                           "bytes")
