@@ -300,3 +300,20 @@ def test_data_parallel_engines_offload_to_their_own_directories(tiny_dir, refere
     for rank in (0, 1):
         assert len(list((tmp_path / f"dp{rank}").glob("*" + SUFFIX))) == (len(PROMPT) + GREEDY.max_tokens - 1) // BS
     assert stats.connector_prefix_cache_totals is not None and stats.connector_prefix_cache_totals.queries > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_requests_resume_from_the_tiers(tiny_dir, async_scheduling):
+    """Six requests in a 24-block pool preempt each other; a resumed request finds its blocks (prompt and
+    outputs) in the host tier. Tokens equal a roomy engine's; nothing leaks (the autouse leak check)."""
+    prompts = [[(s * 17 + 5 * j) % 290 + 5 for j in range(30)] for s in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = _llm(tiny_dir, num_blocks=256)
+    want = [list(o.outputs[0].token_ids) for o in
+            ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = _llm(tiny_dir, num_blocks=24, kv_offloading_size=0.01, async_scheduling=async_scheduling)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    sched = llm.llm_engine.scheduler
+    assert sched.num_preemptions_total > 0
+    assert sched.make_stats().connector_prefix_cache_totals.preempted_hits > 0  # counted apart, as vLLM
