@@ -159,6 +159,9 @@ class EngineCoreOutput:
     error: str | None = None
     new_prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # see ModelRunnerOutput
     pooling_output: Any = None  # a pooling request's result (it finishes in the same output)
+    # What the KV connector returned for the request when it finished (vLLM's field; disaggregated prefill:
+    # the prefill engine's blocks for the decode engine). None without a connector.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

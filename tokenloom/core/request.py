@@ -108,7 +108,7 @@ class Request:
         self.num_cached_tokens = -1
         # vLLM's kv_transfer_params: what a KV connector returns for the request when it finishes
         # (request_finished), for the response; None without a connector.
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: dict | None = (self.sampling_params.extra_args or {}).get("kv_transfer_params")
         # Prompt tokens this request wrote to the prefix cache (vLLM's PrefillStats.num_cache_creation_tokens):
         # set once, at its first output; None until then.
         self.num_cache_creation_tokens: int | None = None

@@ -880,6 +880,7 @@ class Scheduler:
                         num_cache_creation_tokens=request.num_cache_creation_tokens or 0,
                         error=request.error,
                         new_prompt_logprobs=prompt_lps,
+                        kv_transfer_params=request.kv_transfer_params if is_stopped and self.connector else None,
                     )
                 )
         if stopped:

@@ -46,3 +46,5 @@ class KVConnectorFactory:
 
 KVConnectorFactory.register_connector(
     "OffloadingConnector", "tokenloom.kv_transfer.offloading.connector", "OffloadingConnector")
+KVConnectorFactory.register_connector(
+    "SharedStorageConnector", "tokenloom.kv_transfer.shared_storage", "SharedStorageConnector")
