@@ -317,3 +317,48 @@ def test_preempted_requests_resume_from_the_tiers(tiny_dir, async_scheduling):
     sched = llm.llm_engine.scheduler
     assert sched.num_preemptions_total > 0
     assert sched.make_stats().connector_prefix_cache_totals.preempted_hits > 0  # counted apart, as vLLM
+
+
+def _shared(path, role: str) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"async_scheduling": True,
+     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
+], ids=["plain", "async-ngram"])
+def test_shared_storage_handoff_between_two_engines(tiny_dir, reference, tmp_path, options):
+    """The prefill/decode flow of tests/test_pd_handoff.py without the servers: kv_transfer_params in through
+    SamplingParams.extra_args, out through RequestOutput.kv_transfer_params."""
+    prefill = _llm(tiny_dir, kv_transfer_config=_shared(tmp_path, "kv_producer"))
+    decode = _llm(tiny_dir, kv_transfer_config=_shared(tmp_path, "kv_consumer"), **options)
+    first = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = prefill.generate([{"prompt_token_ids": PROMPT}], first, use_tqdm=False)[0]
+    params = out.kv_transfer_params
+    assert params["do_remote_prefill"] is True and params["remote_storage_path"] == str(tmp_path)
+    then = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"kv_transfer_params": params})
+    got = decode.generate([{"prompt_token_ids": PROMPT}], then, use_tqdm=False)[0]
+    assert (list(got.outputs[0].token_ids), got.num_cached_tokens) == (reference["prompt"], EXPECTED_HIT)
+    # Without kv_transfer_params the decode engine computes the prompt itself (other tokens, no loads).
+    other = decode.generate([{"prompt_token_ids": OTHER}], GREEDY, use_tqdm=False)[0]
+    assert (list(other.outputs[0].token_ids), other.num_cached_tokens) == (reference["other"], 0)
+    # A plain request on the prefill engine writes nothing and returns no kv_transfer_params.
+    files = len(list(tmp_path.glob("*" + SUFFIX)))
+    plain = prefill.generate([{"prompt_token_ids": OTHER}], GREEDY, use_tqdm=False)[0]
+    assert plain.kv_transfer_params is None and len(list(tmp_path.glob("*" + SUFFIX))) == files
+    prefill.llm_engine.close()
+
+
+def test_shared_storage_consumer_of_another_fingerprint_loads_nothing(tiny_dir, tmp_path, caplog):
+    prefill = _llm(tiny_dir, kv_transfer_config=_shared(tmp_path, "kv_producer"))
+    first = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    params = prefill.generate([{"prompt_token_ids": PROMPT}], first, use_tqdm=False)[0].kv_transfer_params
+    caplog.set_level(logging.WARNING, logger="tokenloom.kv_transfer.shared_storage")
+    decode = LLM(str(tiny_dir), dtype="float32", block_size=8, num_blocks=16,  # other blocks, other bytes
+                 kv_transfer_config=_shared(tmp_path, "kv_consumer"))
+    then = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, extra_args={"kv_transfer_params": params})
+    assert decode.generate([{"prompt_token_ids": PROMPT}], then, use_tqdm=False)[0].num_cached_tokens == 0
+    assert "another model or cache options" in caplog.text
+    prefill.llm_engine.close()
