@@ -250,6 +250,9 @@ def test_data_parallel_engines_get_a_directory_each(tmp_path):
     dirs = [data_parallel_kv_transfer(config, i).kv_transfer_config.kv_connector_extra_config["disk_dir"]
             for i in range(2)]
     assert dirs == [str(tmp_path / "dp0"), str(tmp_path / "dp1")]
+    producer = engine_config_from_kwargs(kv_transfer_config=_shared(tmp_path, "kv_producer"), data_parallel_size=2)
+    with pytest.raises(ConfigError, match="runs as one engine core"):
+        data_parallel_kv_transfer(producer, 0)
 
 
 def test_host_tier_lru_and_pending_entries():
