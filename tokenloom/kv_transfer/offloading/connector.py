@@ -313,7 +313,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         assert isinstance(meta, OffloadingConnectorMetadata)
         if meta.load_host:
             blocks, slots = zip(*meta.load_host)
-            self._copier.scatter(list(blocks), self._host_buffer[list(slots)])
+            self._copier.scatter(list(blocks), self._host_rows(list(slots)))
         if meta.load_staged:
             blocks = [b for b, _, _ in meta.load_staged]
             data = torch.stack([torch.frombuffer(d, dtype=torch.uint8) for _, d, _ in meta.load_staged])
@@ -321,6 +321,16 @@ class OffloadingConnector(KVConnectorBase_V1):
             for row, (_, _, slot) in enumerate(meta.load_staged):
                 if slot is not None:
                     self._host_buffer[slot] = data[row]
+
+    def _host_view(self, slots: list[int]) -> Any:
+        """The host buffer's rows of `slots` as a view when they are consecutive, else None."""
+        if slots and all(b == a + 1 for a, b in zip(slots, slots[1:])):
+            return self._host_buffer[slots[0] : slots[0] + len(slots)]
+        return None
+
+    def _host_rows(self, slots: list[int]) -> Any:
+        view = self._host_view(slots)
+        return view if view is not None else self._host_buffer[slots]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-step loads: everything is in place before the forward starts
@@ -337,12 +347,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         if not meta.store:
             return
         blocks = [b for b, _, _ in meta.store]
-        rows = torch.empty((len(blocks), self.spec.block_nbytes), dtype=torch.uint8)
+        slots = [slot for _, slot, _ in meta.store]
+        direct = self._host_view(slots) if None not in slots else None
+        # Consecutive slots (the usual case: a fresh tier hands them out in order) are gathered straight
+        # into the host buffer, saving a copy of the step's blocks.
+        rows = direct if direct is not None else torch.empty((len(blocks), self.spec.block_nbytes), dtype=torch.uint8)
         self._copier.gather(blocks, rows)
-        to_host = [(row, slot) for row, (_, slot, _) in enumerate(meta.store) if slot is not None]
-        if len(to_host) == len(meta.store):
-            self._host_buffer[[slot for _, slot, _ in meta.store]] = rows
-        elif to_host:
+        to_host = [(row, slot) for row, slot in enumerate(slots) if slot is not None]
+        if direct is None and to_host:
             self._host_buffer[[slot for _, slot in to_host]] = rows[[row for row, _ in to_host]]
         for row, (_, _, to_disk) in enumerate(meta.store):
             if to_disk is None:
