@@ -93,7 +93,7 @@ def test_server_options_come_from_server_config_knobs(monkeypatch) -> None:
 
     knobs = {a.field for a in server_args()}
     assert knobs == {f.name for f in dataclasses.fields(ServerConfig)} - {"engine_ready_timeout_s"}
-    assert "add_argument(" not in inspect.getsource(serve_cli)
+    assert "add_argument(" not in inspect.getsource(serve_cli.register)
     assert not {a.flag for a in server_args()} & {a.flag for a in engine_args()}
     monkeypatch.setattr(envs, "TOKENLOOM_API_KEY", "from-env")
     parser = argparse.ArgumentParser()

@@ -20,7 +20,7 @@ LEVELS = {
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.lora": 1.5,  # LoRA adapters: torch arithmetic and files, below the model room that hooks them in
-    "tokenloom.model": 2, "tokenloom.router": 2,
+    "tokenloom.model": 2, "tokenloom.router": 2, "tokenloom.kv_transfer": 2,
     "tokenloom.engine": 3,
     "tokenloom.server": 4, "tokenloom.workload": 4,
     "tokenloom.bench": 5, "tokenloom.sim": 5,

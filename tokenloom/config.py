@@ -33,6 +33,9 @@ SloClock = Literal["engine", "predicted"]
 DType = Literal["auto", "float32", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
+# --kv-transfer-config's kv_role and --kv-offloading-backend (vLLM's values; tokenloom/kv_transfer).
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVOffloadingBackend = Literal["native"]
 # --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
 # quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py); none =
 # no quantized layers (a quantized GGUF dequantized to --dtype). Unset (None) is auto: gguf for a
@@ -319,11 +322,121 @@ class CacheConfig:
     # knob; None: every layer full attention. Decides the KV cache groups (tokenloom/core/kv_cache_groups.py).
     layer_windows: tuple[int | None, ...] | None = None
 
+    # vLLM's CPU offloading flags (vllm/config/cache.py), turned into an OffloadingConnector config by
+    # `resolve_kv_transfer_config` (as VllmConfig does); the disk tier is tokenloom's (docs/kv_offload.md).
+    kv_offloading_size: float | None = knob(
+        None, "GiB of host memory for a second KV tier behind the pool (vLLM's OffloadingConnector): full "
+        "blocks are copied there as they are computed and loaded back instead of recomputed", simulated=False,
+        reload=True)
+    kv_offloading_backend: KVOffloadingBackend | None = knob(
+        None, "the offloading implementation (default with --kv-offloading-size: native)", simulated=False,
+        reload=True)
+    kv_offloading_dir: str | None = knob(
+        None, "a directory for a third, disk tier behind the host tier (files by block hash, checked by a "
+        "fingerprint of the model and cache options, kept across restarts)", simulated=False, reload=True)
+    kv_offloading_disk_size: float = knob(
+        8.0, "GiB the disk tier may use in --kv-offloading-dir (least recently used blocks are deleted)",
+        simulated=False, reload=True)
+
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
         check_kv_cache_dtype(self.cache_dtype)
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1)
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ConfigError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_backend is not None:
+            _check_choice("kv_offloading_backend", self.kv_offloading_backend, KVOffloadingBackend)
+        if not self.kv_offloading_disk_size > 0:
+            raise ConfigError(f"kv_offloading_disk_size must be > 0 GiB, got {self.kv_offloading_disk_size}")
+        if self.kv_offloading_size is None and (self.kv_offloading_backend or self.kv_offloading_dir):
+            raise ConfigError("kv_offloading_backend / kv_offloading_dir need kv_offloading_size (the host tier's "
+                              "GiB; the disk tier sits behind it)")
+
+
+# ------------------------------------------------------------------------------ KV transfer (connectors)
+# vLLM's --kv-transfer-config (vllm/config/kv_transfer.py): which KV connector (tokenloom/kv_transfer) the
+# engine runs, with vLLM's field names. Kept here, beside SpeculativeConfig, so it is checked before a
+# model loads; the connectors themselves live in tokenloom/kv_transfer.
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+@dataclass
+class KVTransferConfig:
+    kv_connector: str | None = None  # a name in tokenloom/kv_transfer/factory.py
+    engine_id: str | None = None
+    kv_buffer_device: str = "cpu"
+    kv_buffer_size: float = 1e9
+    kv_role: KVRole | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None:
+            _check_choice("kv_transfer_config.kv_role", self.kv_role, KVRole)
+        if self.kv_connector is not None and self.kv_role is None:
+            raise ConfigError("kv_transfer_config: kv_role must be set with kv_connector (one of "
+                              f"{', '.join(get_args(KVRole))})")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+        if self.kv_connector_module_path is not None:
+            raise ConfigError("kv_transfer_config.kv_connector_module_path: tokenloom loads no connector code "
+                              "from a module path; use a kv_connector name")
+        _check_choice("kv_transfer_config.kv_load_failure_policy", self.kv_load_failure_policy,
+                      Literal["recompute", "fail"])
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_connector is not None and self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
+
+    @classmethod
+    def from_any(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
+        """A config from a KVTransferConfig, a dict, a JSON string, or None (no connector)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(
+                f"kv_transfer_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        return cls(**value)
+
+
+def resolve_kv_transfer_config(kv_transfer: KVTransferConfig | None, cache: CacheConfig | None
+                               ) -> KVTransferConfig | None:
+    """The connector the engine runs: --kv-transfer-config as given, or the OffloadingConnector that
+    --kv-offloading-size stands for (vLLM's VllmConfig turns its offloading flags into one the same way;
+    giving both is refused there too)."""
+    if cache is None or cache.kv_offloading_size is None:
+        return kv_transfer
+    extra: dict[str, Any] = {"cpu_bytes_to_use": int(cache.kv_offloading_size * 2**30)}
+    if cache.kv_offloading_dir is not None:
+        extra["disk_dir"] = cache.kv_offloading_dir
+        extra["disk_bytes_to_use"] = int(cache.kv_offloading_disk_size * 2**30)
+    derived = KVTransferConfig(kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both", kv_connector_extra_config=extra)
+    if kv_transfer is not None and kv_transfer.kv_connector is not None and kv_transfer != derived:
+        raise ConfigError("give either kv_offloading_size or kv_transfer_config, not both (kv_offloading_size "
+                          "stands for an OffloadingConnector kv_transfer_config)")
+    return derived
 
 
 # Data parallelism (docs/data_parallel.md): tokenloom/router's policies and the engine-core backends.
@@ -674,6 +787,11 @@ class EngineConfig:
     convert: ConvertType = knob("auto", "what a pooling runner makes of the model: embed (LAST pooling for a "
                                 "decoder) or classify (a classification head); auto: from the checkpoint",
                                 simulated=False, reload=True)
+    # vLLM's --kv-transfer-config: a dict (or its JSON text), made a KVTransferConfig here; None: no connector.
+    kv_transfer_config: dict | None = knob(
+        None, 'a KV connector with vLLM\'s fields, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": '
+        '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296}}\' (docs/kv_offload.md)',
+        simulated=False)
     pooler_config: dict | None = knob(None, 'override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
                                       '"normalize": false}\' (vLLM\'s --pooler-config)', simulated=False,
                                       reload=True)
@@ -704,6 +822,8 @@ class EngineConfig:
             if self.max_cpu_loras < self.max_loras:
                 # vLLM's LoRAConfig check, word for word in spirit.
                 raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        self.kv_transfer_config = resolve_kv_transfer_config(  # type: ignore[assignment]
+            KVTransferConfig.from_any(self.kv_transfer_config), self.cache)
         _check_choice("runner", self.runner, RunnerType)
         _check_choice("convert", self.convert, ConvertType)
         _check_choice("dtype", self.dtype, DType,

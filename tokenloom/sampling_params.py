@@ -115,8 +115,13 @@ class SamplingParams:
     eos_token_id: int | None = field(default=None, repr=False)
     # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
     max_logprobs: int = field(default=20, repr=False)
+    # vLLM's extra_args: what the engine passes through to its parts; "kv_transfer_params" reaches the KV
+    # connector (disaggregated prefill: tokenloom/kv_transfer, docs/kv_offload.md).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -87,6 +87,9 @@ class SchedulerOutput:
     # decode part (StepShape.decode_part); the engine core reports the measured time next to it
     # (Scheduler.observe_step_time).
     predicted_step: tuple[float, float] | None = None
+    # A KV connector's instructions to its worker side for this step (tokenloom/kv_transfer; vLLM's
+    # field): which blocks to load before the forward and to save after it. None without a connector.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -101,6 +104,20 @@ class SampleLogprobs:
     logprob: float
     rank: int
     top: list[tuple[int, float]]  # the top-n (token_id, logprob), best first
+
+
+@dataclass
+class KVConnectorOutput:
+    """vLLM's KVConnectorOutput: what a KV connector's worker side reports after a step.
+
+    finished_sending / finished_recving: requests whose asynchronous transfers ended (blocks held back
+    for a send can be freed); invalid_block_ids: blocks whose load failed (their tokens are recomputed);
+    kv_connector_stats: the connector's own figures for the step (its scheduler side reads them)."""
+
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+    kv_connector_stats: dict[str, Any] | None = None
 
 
 @dataclass
@@ -124,6 +141,8 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt this step completed: req_id -> the pooled output (a float32 numpy
     # array: [H], [L, H], or the class probabilities). vLLM's ModelRunnerOutput.pooler_output.
     pooler_output: dict[str, Any] | None = None
+    # The worker side of a KV connector reports on the step (vLLM's kv_connector_output); None without one.
+    kv_connector_output: KVConnectorOutput | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -144,6 +163,9 @@ class EngineCoreOutput:
     error: str | None = None
     new_prompt_logprobs: tuple[int, list[SampleLogprobs]] | None = None  # see ModelRunnerOutput
     pooling_output: Any = None  # a pooling request's result (it finishes in the same output)
+    # What the KV connector returned for the request when it finished (vLLM's field; disaggregated prefill:
+    # the prefill engine's blocks for the decode engine). None without a connector.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -43,6 +43,12 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
+# The parent of a request's first block (vLLM's NONE_HASH), a fixed int: hash(None) is the object's address
+# before Python 3.12, which differs from process to process (ASLR), and a block hash must mean the same
+# in every process, and after a restart (the KV offloading disk tier files blocks under it).
+ROOT_PARENT_HASH = 0x746F6B656E6C6F6F
+
+
 def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...],
                       extra_keys: tuple[Any, ...] | None = None) -> int:
     """Hash of one full block, chained to its parent so equal blocks at different depths differ.
@@ -51,9 +57,10 @@ def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...],
     str/bytes), which keeps schedules reproducible. `extra_keys` (vLLM's): what else the block's KV
     depends on, e.g. the LoRA adapter; None for the base model (the hash is then the plain one).
     """
+    parent = ROOT_PARENT_HASH if parent_hash is None else parent_hash
     if extra_keys:
-        return hash((parent_hash, block_token_ids, _stable_keys(extra_keys)))
-    return hash((parent_hash, block_token_ids))
+        return hash((parent, block_token_ids, _stable_keys(extra_keys)))
+    return hash((parent, block_token_ids))
 
 
 def _stable_keys(extra_keys: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -121,6 +128,9 @@ class Request:
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).
         self.num_cached_tokens = -1
+        # vLLM's kv_transfer_params: what a KV connector returns for the request when it finishes
+        # (request_finished), for the response; None without a connector.
+        self.kv_transfer_params: dict | None = (self.sampling_params.extra_args or {}).get("kv_transfer_params")
         # Prompt tokens this request wrote to the prefix cache (vLLM's PrefillStats.num_cache_creation_tokens):
         # set once, at its first output; None until then.
         self.num_cache_creation_tokens: int | None = None

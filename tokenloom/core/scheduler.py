@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenloom.config import (
@@ -43,7 +43,7 @@ from tokenloom.config import (
 from tokenloom.core.auto_budget import AutoTokenBudget
 from tokenloom.core.cost_model import CostModel, StepShape
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups, max_in_flight_tokens
-from tokenloom.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from tokenloom.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -74,6 +74,10 @@ class SchedulerStats:
     prefix_cache_queries: int  # since start (new requests only, as vLLM's counters)
     prefix_cache_hits: int
     prefix_cache_stats: PrefixCacheStats | None = None  # since the previous make_stats()
+    # A KV connector's hits (tokens loaded from outside the pool: tokenloom/kv_transfer), as vLLM's
+    # connector_prefix_cache_stats: since the previous make_stats(), and since start. None without one.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
+    connector_prefix_cache_totals: PrefixCacheStats | None = None
     # Totals since start-up; None without speculative decoding.
     spec_decoding: SpecDecodingStats | None = None
     # With LoRA: requests per adapter name, running and waiting (vLLM's vllm:lora_requests_info); None without.
@@ -217,6 +221,16 @@ class Scheduler:
         # vLLM's lora_config (tokenloom.config.LoRAConfig, set by the engine with --enable-lora): at most
         # max_loras distinct adapters in one step. None: no LoRA (a request naming one is rejected).
         self.lora_config: Any = None
+        # The scheduler side of a KV connector (tokenloom/kv_transfer: vLLM's KVConnectorBase_V1, role
+        # SCHEDULER), set by the engine; None, the default, changes no decision. It is called where vLLM's
+        # scheduler calls it: get_num_new_matched_tokens / update_state_after_alloc at admission,
+        # build_connector_meta per step, update_connector_output per output, request_finished at the end.
+        self.connector: Any = None
+        self.connector_prefix_cache_stats = PrefixCacheStats()
+        self.connector_prefix_cache_totals = PrefixCacheStats()
+        # Finished requests whose blocks the connector still reads (request_finished said delay_free):
+        # freed when a kv_connector_output lists them in finished_sending (vLLM's _free_blocks later).
+        self.delayed_free: dict[str, Request] = {}
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -289,7 +303,16 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         request.finished_time = self.clock()
-        self.kv_cache_manager.free(request)
+        delay_free = False
+        if self.connector is not None:
+            # vLLM's _connector_finished: the connector may keep the blocks (a transfer still reads them).
+            delay_free, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+            request.kv_transfer_params = params
+        if delay_free:
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         if request.use_structured_output and self.structured_output_manager is not None:
             self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
@@ -317,6 +340,9 @@ class Scheduler:
             self._schedule_waiting(plan)
         # 3. The output, from the progress before the step; then the frontier advances.
         output = self._make_output(plan)
+        if self.connector is not None:
+            # Before the frontier advances, as vLLM: the connector sees each request's progress before the step.
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         if self.structured_output_manager is not None:
             self._add_grammar_bitmask(output)
         self._update_after_schedule(output)
@@ -449,11 +475,23 @@ class Scheduler:
                 plan.bound_by = plan.bound_by or "batch"
                 break
 
+            num_external_computed = 0
             if request.num_computed_tokens == 0:
                 new_computed_blocks, num_new_local_computed = kv.get_computed_blocks(request)
+                if self.connector is not None:
+                    # Tokens a KV connector holds beyond the pool's hit (vLLM: get_num_new_matched_tokens).
+                    ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                        request, num_new_local_computed)
+                    if ext_tokens is None:  # the connector cannot tell yet: try again next step
+                        skipped_waiting.append(self.waiting.pop_request())
+                        continue
+                    if load_kv_async:
+                        raise NotImplementedError("asynchronous KV loads (WAITING_FOR_REMOTE_KVS) are not supported "
+                                                  "by this scheduler yet; the connector must load synchronously")
+                    num_external_computed = ext_tokens
             else:
                 new_computed_blocks, num_new_local_computed = [], 0
-            num_computed_tokens = request.num_computed_tokens + num_new_local_computed
+            num_computed_tokens = request.num_computed_tokens + num_new_local_computed + num_external_computed
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
             num_new_tokens = request.num_tokens - num_computed_tokens
             pad_spec_decode = False
@@ -482,7 +520,7 @@ class Scheduler:
 
             new_blocks = kv.allocate_slots(
                 request,
-                num_new_tokens,
+                num_new_tokens + num_external_computed,
                 num_new_computed_tokens=num_new_local_computed,
                 new_computed_blocks=new_computed_blocks,
                 num_lookahead_tokens=self.num_lookahead_tokens,
@@ -493,6 +531,16 @@ class Scheduler:
                 plan.bound_by = "kv_blocks"
                 break
             kv.record_prefix_cache_stats(request, num_new_local_computed)
+            if self.connector is not None:
+                # vLLM counts the tokens the connector was asked about: those the pool did not have.
+                queries = request.num_tokens - num_new_local_computed
+                if queries:
+                    preempted = request.num_preemptions > 0
+                    self.connector_prefix_cache_stats.record(queries, num_external_computed, preempted)
+                    self.connector_prefix_cache_totals.record(queries, num_external_computed, preempted)
+                # The connector learns where the external tokens go (vLLM: update_state_after_alloc).
+                self.connector.update_state_after_alloc(request, KVCacheBlocks(kv.get_blocks(request.request_id)),
+                                                        num_external_computed)
 
             request = self.waiting.pop_request()
             self.running.append(request)
@@ -511,7 +559,7 @@ class Scheduler:
                 request.first_scheduled_time = plan.now
             for policy in self.lifecycle_policies:
                 policy.admitted(request.request_id, self.num_schedule_calls)
-            plan.cached_tokens[request.request_id] = num_new_local_computed
+            plan.cached_tokens[request.request_id] = num_new_local_computed + num_external_computed
             if pad_spec_decode:
                 plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
@@ -858,6 +906,7 @@ class Scheduler:
                         num_cache_creation_tokens=request.num_cache_creation_tokens or 0,
                         error=request.error,
                         new_prompt_logprobs=prompt_lps,
+                        kv_transfer_params=request.kv_transfer_params if is_stopped and self.connector else None,
                     )
                 )
         if stopped:
@@ -869,9 +918,20 @@ class Scheduler:
             self.spec_decoding_totals.add(spec_stats)
         if self.grammar_compile_errors:
             outputs.extend(self._finish_grammar_errors())
+        if self.connector is not None and model_runner_output.kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         # One step, one interval of prefix-cache lookups (vLLM: update_from_output -> make_stats).
         self._prefix_cache_since_report.merge(self.kv_cache_manager.make_prefix_cache_stats())
         return outputs
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
+        """The connector's report of a step (vLLM's method of this name): blocks held back for a transfer
+        are freed once it is sent; the connector updates its own state from the rest."""
+        self.connector.update_connector_output(kv_connector_output)
+        for req_id in kv_connector_output.finished_sending or ():
+            request = self.delayed_free.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> bool:
         """Feed the step's tokens to the request's matcher; True if that ends the request."""
@@ -1009,10 +1069,18 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_totals.queries,
             prefix_cache_hits=kv.prefix_cache_totals.hits,
             prefix_cache_stats=self._take_prefix_cache_stats(),
+            connector_prefix_cache_stats=self._take_connector_prefix_cache_stats(),
+            connector_prefix_cache_totals=replace(self.connector_prefix_cache_totals) if self.connector else None,
             spec_decoding=self.spec_decoding_totals.copy() if self.spec_decoding_totals else None,
             running_lora_adapters=_lora_counts(self.running) if self.lora_config is not None else None,
             waiting_lora_adapters=_lora_counts(self.waiting) if self.lora_config is not None else None,
         )
+
+    def _take_connector_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if self.connector is None:
+            return None
+        stats, self.connector_prefix_cache_stats = self.connector_prefix_cache_stats, PrefixCacheStats()
+        return stats
 
     def _take_prefix_cache_stats(self) -> PrefixCacheStats:
         """The lookups since the previous report: the steps' intervals plus the open one."""

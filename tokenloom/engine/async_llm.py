@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
+from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
@@ -475,6 +476,7 @@ def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
         prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
         running_lora_adapters=_sum_counts([r.running_lora_adapters for r in reports]),
         waiting_lora_adapters=_sum_counts([r.waiting_lora_adapters for r in reports]),
+        connector_prefix_cache_totals=_sum_prefix_stats([r.connector_prefix_cache_totals for r in reports]),
     )
 
 
@@ -486,3 +488,14 @@ def _sum_counts(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
         for name, n in (part or {}).items():
             out[name] = out.get(name, 0) + n
     return out
+
+
+def _sum_prefix_stats(parts: list[PrefixCacheStats | None]) -> PrefixCacheStats | None:
+    """The engines' KV connector hit totals as one (None when no engine runs a connector)."""
+    if all(p is None for p in parts):
+        return None
+    total = PrefixCacheStats()
+    for p in parts:
+        if p is not None:
+            total.merge(p)
+    return total

@@ -24,6 +24,7 @@ from typing import Any
 from tokenloom.config import EngineConfig, ParallelConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
 from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
+from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class DPEngineCoreClient:
             clients = []
             try:
                 for i, cpus in enumerate(cpu_sets):
-                    clients.append(EngineCoreClient(config, log_level, engine_index=i, cpus=cpus))
+                    # A disk KV tier per engine: each its own subdirectory (engine/kv_connectors.py).
+                    clients.append(EngineCoreClient(data_parallel_kv_transfer(config, i), log_level, engine_index=i,
+                                                    cpus=cpus))
             except BaseException:
                 for c in clients:
                     c.shutdown()

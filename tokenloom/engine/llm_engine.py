@@ -32,6 +32,7 @@ from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import ModelThread, UniProcExecutor
 from tokenloom.engine.generation_config import load_generation_defaults
+from tokenloom.engine.kv_connectors import check_kv_transfer, make_kv_connectors
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -72,6 +73,7 @@ class LLMEngine:
                               "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         check_async_scheduling(config)
         check_speculative_engine(config)
+        check_kv_transfer(config)
         path = resolve_model_path(config.model)
         self.runner_type, self.convert = resolve_runner(config, path)
         self.lora_config = config.lora_config
@@ -174,6 +176,13 @@ class LLMEngine:
             on_model_thread(self.runner.enable_lora, self.lora_config)
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
         self.scheduler.lora_config = self.lora_config
+        # A KV connector (--kv-transfer-config, --kv-offloading-size): its scheduler side in the scheduler, its
+        # worker side in the runner (tokenloom/engine/kv_connectors.py).
+        self.kv_connector: Any = None
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector is not None:
+            self.kv_connector, self.runner.kv_connector = on_model_thread(
+                make_kv_connectors, config, self.runner, path, len(kv_cache_groups), self.runner_type)
+            self.scheduler.connector = self.kv_connector
         if self.speculative_config is not None:
             on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
@@ -503,6 +512,7 @@ class LLMEngine:
                                         speculative_config=self.speculative_config)
         self.scheduler.lora_config = self.lora_config
         self.scheduler.structured_output_manager = self.structured_output_manager
+        self.scheduler.connector = getattr(self, "kv_connector", None)
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
 
     def has_unfinished_requests(self) -> bool:
@@ -511,6 +521,9 @@ class LLMEngine:
     def close(self) -> None:
         self.engine_core.drain()
         self.executor.shutdown()
+        for side in (getattr(self, "kv_connector", None), getattr(self.runner, "kv_connector", None)):
+            if side is not None:
+                side.shutdown()
         if self._model_thread is not None:
             self._model_thread.shutdown()
         self.structured_output_manager.shutdown()

@@ -45,6 +45,7 @@ class _Completion:
     stop_reason: int | str | None = None
     error: str | None = None
     pooling_output: Any = None  # a pooling request's result (a float32 numpy array)
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, when the request finished
 
     @property
     def finished(self) -> bool:
@@ -191,6 +192,7 @@ class OutputProcessor:
             comp.finish_reason = out.finish_reason
             comp.stop_reason = out.stop_reason
             comp.error = out.error
+            comp.kv_transfer_params = out.kv_transfer_params
         return False
 
     @staticmethod
@@ -256,6 +258,7 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
+            kv_transfer_params=parent.completions[0].kv_transfer_params,
             error=errors[0] if errors else None,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
         )

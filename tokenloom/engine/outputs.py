@@ -65,6 +65,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # vLLM's: the KV connector's parameters for the request when it finished (disaggregated prefill).
+    kv_transfer_params: dict[str, Any] | None = None
     # Prompt tokens this request wrote to the prefix cache (vLLM's num_cache_creation_tokens).
     num_cache_creation_tokens: int = 0
     error: str | None = None

@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
+from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ def start_ray_engines(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=i),
                 ).remote()
-                run_ref = actor.run.remote(config, listener.address, authkey, log_level, i)
+                engine_config = data_parallel_kv_transfer(config, i)  # a disk KV tier per engine
+                run_ref = actor.run.remote(engine_config, listener.address, authkey, log_level, i)
                 handle = RayEngineHandle(ray, actor, run_ref)
                 handles.append(handle)
                 inbox, outbox = _accept_two(listener, handle, start_timeout_s)

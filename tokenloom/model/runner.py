@@ -260,6 +260,16 @@ class ModelRunner:
     def list_loras(self) -> set[int]:
         return set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
 
+        # The worker side of a KV connector (tokenloom/kv_transfer, role WORKER), set by the engine: it loads
+        # blocks before the forward and saves them after, as the step's kv_connector_metadata says.
+        self.kv_connector: Any = None
+
+    def kv_cache_block_views(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor a KV block lives in, with its block axis: a KV connector copies a block's bytes
+        through these (tokenloom/kv_transfer/block_copy.py). Each layer's K and V ([heads, blocks, block
+        size, head dim]); a KV cache that adds tensors per block (int8 values + scales) lists them here."""
+        return [(t, 1) for layer in self.kv_caches for t in layer]
+
     def enable_speculative_decoding(self, config, max_model_len: int) -> None:
         """Verify drafts in the flattened batch and propose drafts (n-gram or suffix) after each step."""
         self.spec_decode = SpecDecodeRunner(config, max_model_len)
@@ -273,6 +283,22 @@ class ModelRunner:
     # ----------------------------------------------------------------------- the step
 
     def execute_model(self, scheduler_output: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
+        connector = self.kv_connector
+        if connector is None or scheduler_output.kv_connector_metadata is None:
+            return self._execute_model(scheduler_output, return_logits)
+        # Whole-step KV transfers (vLLM's connector hooks around the forward; a CPU forward is one call,
+        # so there is no layer to overlap with): the step's loads first, its saves after.
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            out = self._execute_model(scheduler_output, return_logits)
+            connector.wait_for_save()
+            out.kv_connector_output = connector.build_connector_worker_output()
+        finally:
+            connector.clear_connector_metadata()
+        return out
+
+    def _execute_model(self, scheduler_output: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         failed = self._update_states(scheduler_output)
         scheduled = self._collect_scheduled(scheduler_output, failed)

@@ -25,6 +25,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     env_key = envs.TOKENLOOM_API_KEY
     p.set_defaults(func=_serve, api_key=[env_key] if env_key else None,
                    keep_alive_on_engine_death=envs.TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH)
+    _register_pd_proxy(sub)
+
+
+def _register_pd_proxy(sub: argparse._SubParsersAction) -> None:
+    pd = sub.add_parser("pd-proxy", help="disaggregated prefill/decode proxy in front of two `tokenloom serve`s "
+                        "(docs/kv_offload.md)",
+                        description="Send each completion to a prefill engine (max_tokens 1, kv_transfer_params "
+                                    "do_remote_decode), then with the prefill's kv_transfer_params to a decode engine "
+                                    "(vLLM's disaggregated-serving proxy flow).")
+    pd.add_argument("--prefill", required=True, help="the prefill engine's base URL (kv_role kv_producer)")
+    pd.add_argument("--decode", required=True, help="the decode engine's base URL (kv_role kv_consumer)")
+    pd.add_argument("--host", default="127.0.0.1")
+    pd.add_argument("--port", type=int, default=8000)
+    pd.set_defaults(func=_pd_proxy)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -59,3 +73,9 @@ def _serve_on(args: argparse.Namespace, sock) -> int:
     except (EngineStartError, ToolParserTokenizerError) as exc:
         print(f"tokenloom serve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _pd_proxy(args: argparse.Namespace) -> None:
+    from tokenloom.server.pd_proxy import run
+
+    run(args.prefill, args.decode, args.host, args.port)

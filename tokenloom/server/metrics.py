@@ -86,6 +86,10 @@ class ServerMetrics:
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries (tokens) since start")
         self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, in tokens")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens")
+        # vLLM's names: tokens a KV connector (--kv-offloading-size, --kv-transfer-config) was asked for
+        # (those the pool did not have) and loaded instead of computing.
+        self.external_queries = counter("external_prefix_cache_queries", "KV connector prefix-cache queries, tokens")
+        self.external_hits = counter("external_prefix_cache_hits", "KV connector prefix-cache hits, tokens")
         self.preemptions = counter("num_preemptions", "Preemptions (requests sent back to waiting)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced their first token")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
@@ -125,7 +129,7 @@ class ServerMetrics:
                                    _STEP)
         self.ipc_latency = histogram("engine_ipc_latency_seconds",
                                      "A step's outputs: built in the engine process → received by the API", _IPC)
-        self._totals = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "external_queries": 0, "external_hits": 0}
         self._labels = labels
         self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
         # Data parallelism: the families above are the sum over engines; these carry engine="i".
@@ -146,6 +150,9 @@ class ServerMetrics:
             self._add_total(self.preemptions, "preemptions", sched.num_preemptions_total)
             self._add_total(self.prefix_queries, "queries", sched.prefix_cache_queries)
             self._add_total(self.prefix_hits, "hits", sched.prefix_cache_hits)
+            if sched.connector_prefix_cache_totals is not None:
+                self._add_total(self.external_queries, "external_queries", sched.connector_prefix_cache_totals.queries)
+                self._add_total(self.external_hits, "external_hits", sched.connector_prefix_cache_totals.hits)
             if sched.prefix_cache_queries:
                 self.hit_rate.set(sched.prefix_cache_hits / sched.prefix_cache_queries)
             if sched.running_lora_adapters is not None:

@@ -103,6 +103,7 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             skip_special_tokens=req.skip_special_tokens,
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params is not None else None,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name ("temperature must be ...").

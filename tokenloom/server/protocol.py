@@ -81,6 +81,9 @@ class SamplingRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = None
     session_id: str | None = None  # vLLM: routing metadata only
+    # vLLM's disaggregated prefill (docs/kv_offload.md): handed to the engine's KV connector; the response
+    # carries the connector's own back.
+    kv_transfer_params: dict[str, Any] | None = None
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0

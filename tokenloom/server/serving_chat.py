@@ -144,6 +144,7 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: st
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage.as_dict(),
             "prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs),
+            "kv_transfer_params": out.kv_transfer_params,
             "prompt_token_ids": out.prompt_token_ids if req.return_token_ids else None}
 
 

@@ -145,5 +145,7 @@ async def create_completion(raw: Request) -> Response:
                 body["token_ids"] = comp.token_ids
                 body["prompt_token_ids"] = out.prompt_token_ids
             choices.append(body)
-    response = {**head, "choices": choices, "usage": usage.as_dict()}
+    # vLLM's kv_transfer_params: the KV connector's, for the (first) prompt (disaggregated prefill).
+    response = {**head, "choices": choices, "usage": usage.as_dict(),
+                "kv_transfer_params": finals[ids[0]].kv_transfer_params}
     return JSONResponse(response, headers=response_headers(state, raw, finals[ids[0]]))

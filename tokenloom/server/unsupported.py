@@ -34,7 +34,6 @@ COMMON: dict[str, Unsupported] = {
         "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
     "prompt_embeds": Unsupported("prompt embeddings are not supported"),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
-    "kv_transfer_params": Unsupported("disaggregated serving (kv_transfer_params) is not supported"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
     "vllm_xargs": Unsupported("vllm_xargs (custom logits-processor arguments) is not supported", ({},)),
     "repetition_detection": Unsupported("repetition_detection is not supported yet"),

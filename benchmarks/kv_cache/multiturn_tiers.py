@@ -1,0 +1,83 @@
+"""A multi-turn chat workload whose history exceeds the KV pool, with and without the offloading tiers:
+the prefix-cache hit rate (cached / prompt tokens) and TTFT p50 / p99 per turn (docs/kv_offload.md).
+
+C conversations take turns round-robin; each turn sends the whole history (earlier turns' user
+messages and answers, as token ids) plus a new user message, and gets a short answer. The pool
+(`--num-blocks`) holds fewer tokens than the conversations' histories together, so by the time a
+conversation comes back its history has been evicted from the pool: without tiers it is recomputed,
+with `--kv-offloading-size` it comes back from the host tier. The two engines alternate turn by turn
+(A, B, A, B, ...) on the same conversation, so a machine getting busier favours neither. TTFT is the
+wall time of `LLM.generate` with max_tokens=1 for the turn's prompt (the answer is then generated with
+a second call that hits the pool).
+
+    flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/kv_cache/multiturn_tiers.py --conversations 4 \
+        --turns 6 --user-tokens 256 --answer-tokens 32 --num-blocks 160 --out docs/figures/kv_offload_multiturn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tokenloom import LLM, SamplingParams  # noqa: E402
+from tokenloom.workload.metrics import percentile  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--user-tokens", type=int, default=256)
+    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=160, help="the pool, in blocks of 16 tokens")
+    ap.add_argument("--host-gib", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    max_len = args.turns * (args.user_tokens + args.answer_tokens) + 64
+    common = dict(num_blocks=args.num_blocks, max_model_len=max_len)
+    engines = {"pool only": LLM(args.model, **common),
+               "pool + host tier": LLM(args.model, kv_offloading_size=args.host_gib, **common)}
+    vocab = engines["pool only"].llm_engine.model_config.vocab_size
+    rng = random.Random(0)
+    histories = {name: [[] for _ in range(args.conversations)] for name in engines}
+    user = [[[rng.randrange(100, vocab - 100) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+            for _ in range(args.conversations)]
+    figures = {name: {"ttft": [], "prompt": 0, "cached": 0} for name in engines}
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    answer = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            for name, llm in engines.items():
+                prompt = histories[name][c] + user[c][turn]
+                t0 = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": prompt}], one, use_tqdm=False)[0]
+                figures[name]["ttft"].append(time.perf_counter() - t0)
+                figures[name]["prompt"] += len(prompt)
+                figures[name]["cached"] += out.num_cached_tokens
+                reply = llm.generate([{"prompt_token_ids": prompt}], answer, use_tqdm=False)[0]
+                histories[name][c] = prompt + list(reply.outputs[0].token_ids)
+        print(f"turn {turn + 1}/{args.turns} done", flush=True)
+    print(f"\n{args.conversations} conversations x {args.turns} turns, {args.user_tokens} user + "
+          f"{args.answer_tokens} answer tokens a turn, pool {args.num_blocks * 16} tokens:\n")
+    print("| | hit rate | TTFT p50 ms | TTFT p99 ms |\n|---|---:|---:|---:|")
+    summary = {}
+    for name, f in figures.items():
+        ttft = sorted(f["ttft"])
+        summary[name] = {"hit_rate": round(f["cached"] / f["prompt"], 4),
+                         "ttft_p50_ms": round(percentile(ttft, 50) * 1000, 1),
+                         "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1)}
+        s = summary[name]
+        print(f"| {name} | {s['hit_rate']:.1%} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
