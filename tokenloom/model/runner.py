@@ -238,6 +238,9 @@ class ModelRunner:
         self.pooler: Any = None
         # LoRA adapters (enable_lora): the manager of their slots; None: requests run the base model.
         self.lora_manager: Any = None
+        # The worker side of a KV connector (tokenloom/kv_transfer, role WORKER), set by the engine: it loads
+        # blocks before the forward and saves them after, as the step's kv_connector_metadata says.
+        self.kv_connector: Any = None
 
     def enable_lora(self, lora_config: Any) -> None:
         """Serve LoRA adapters (tokenloom/lora/): a LoRALinear on every target linear, the slot manager.
@@ -259,10 +262,6 @@ class ModelRunner:
 
     def list_loras(self) -> set[int]:
         return set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
-
-        # The worker side of a KV connector (tokenloom/kv_transfer, role WORKER), set by the engine: it loads
-        # blocks before the forward and saves them after, as the step's kv_connector_metadata says.
-        self.kv_connector: Any = None
 
     def kv_cache_block_views(self) -> list[tuple[torch.Tensor, int]]:
         """Every tensor a KV block lives in, with its block axis: a KV connector copies a block's bytes
