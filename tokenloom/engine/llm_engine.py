@@ -144,12 +144,12 @@ class LLMEngine:
                                                num_layers=layers_per_block(kv_cache_groups))
         if model_parallel > 1:
             # Each rank's cache holds its KV heads of its stage's layers, in --kv-cache-memory of its own
-            # (vLLM's per-worker KV space); stage 0 has the most layers (vLLM's get_pp_indices).
+            # (vLLM's per-worker KV space); sized for the stage with the most layers.
             from tokenloom.model.tp_shard import rank_config
 
-            block_bytes = kv_cache_bytes_per_block(
-                rank_config(loaded.config, parallel.tensor_parallel_size, 0, parallel.pipeline_parallel_size),
-                cache_cfg.block_size, dtype)
+            pp = parallel.pipeline_parallel_size
+            block_bytes = max(kv_cache_bytes_per_block(rank_config(loaded.config, parallel.tensor_parallel_size, s, pp),
+                                                       cache_cfg.block_size, dtype) for s in range(pp))
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         # The default max_model_len is capped at the longest request the pool can hold, every KV cache
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).

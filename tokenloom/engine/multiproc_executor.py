@@ -43,7 +43,7 @@ from tokenloom import envs
 from tokenloom.config import ConfigError
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.engine.executor import Executor, ExecutorDeadError
-from tokenloom.engine.worker import WorkerInit
+from tokenloom.engine.worker import WorkerInit, recv, send
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class MultiprocExecutor(Executor):
             self.conns = [by_rank[r] for r in range(self.world_size)]
             for rank, (conn, init) in enumerate(zip(self.conns, inits)):
                 init.rank, init.dist_init_method, init.cpus = rank, init_method, cpus[rank]
-                conn.send(init)
+                send(conn, init)
             self.worker_info = self._gather(timeout_s=ready_timeout_s or None)
         except BaseException:
             self._kill_all()
@@ -145,7 +145,7 @@ class MultiprocExecutor(Executor):
             try:
                 while len(got) < self.world_size:
                     conn = listener.accept()
-                    _, rank, _ = conn.recv()
+                    _, rank, _ = recv(conn)
                     got[rank] = conn
             except BaseException as exc:  # the listener closed under us: start-up failed elsewhere
                 error.append(exc)
@@ -195,7 +195,7 @@ class MultiprocExecutor(Executor):
             for conn in wait(list(pending), timeout=_POLL_S):
                 rank = pending.pop(conn)  # type: ignore[call-overload]
                 try:
-                    status, value = conn.recv()  # type: ignore[union-attr]
+                    status, value = recv(conn)
                 except (EOFError, OSError):
                     self._fail(f"worker rank {rank} closed its connection (it died)")
                 if status == "ok":
@@ -217,7 +217,7 @@ class MultiprocExecutor(Executor):
         with self._lock:
             try:
                 for conn in self.conns:
-                    conn.send((method, args))
+                    send(conn, (method, args))
             except (OSError, ValueError):
                 self._check_alive()
                 self._fail("a worker's connection broke")
@@ -263,7 +263,7 @@ class MultiprocExecutor(Executor):
             self._dead = "shut down"
             for conn in self.conns:  # each worker answers and exits; their exits are expected now
                 with contextlib.suppress(OSError, ValueError):
-                    conn.send(("shutdown", ()))
+                    send(conn, ("shutdown", ()))
         for proc in self.procs:
             try:
                 proc.wait(timeout=5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -26,6 +27,16 @@ from multiprocessing.connection import Client
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def send(conn: Any, obj: Any) -> None:
+    """Plain pickle over the connection: Connection.send's pickler would pass torch tensors as shared
+    memory handles, which need a multiprocessing parent the workers (subprocesses) do not have."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 @dataclass
@@ -126,8 +137,8 @@ def main(argv: list[str]) -> int:
     address, authkey, rank = argv[0], bytes.fromhex(argv[1]), int(argv[2])
     host, port = address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=authkey)
-    conn.send(("hello", rank, os.getpid()))
-    init: WorkerInit = conn.recv()
+    send(conn, ("hello", rank, os.getpid()))
+    init: WorkerInit = recv(conn)
     if init.cpus:
         os.sched_setaffinity(0, init.cpus)  # before torch starts its OpenMP team
     logging.basicConfig(level=init.log_level.upper(),
@@ -136,25 +147,25 @@ def main(argv: list[str]) -> int:
         worker = Worker(init)
     except Exception as exc:
         logger.exception("worker %d failed to start", rank)
-        conn.send(("error", f"worker {rank} start-up failed: {type(exc).__name__}: {exc}"))
+        send(conn, ("error", f"worker {rank} start-up failed: {type(exc).__name__}: {exc}"))
         return 1
-    conn.send(("ok", worker.info()))
+    send(conn, ("ok", worker.info()))
     while True:
         try:
-            method, args = conn.recv()
+            method, args = recv(conn)
         except (EOFError, OSError):  # the executor is gone: nothing left to serve
             return 0
         if method == "shutdown":
             worker.shutdown()
-            conn.send(("ok", None))
+            send(conn, ("ok", None))
             return 0
         try:
             result = getattr(worker, method)(*args)
         except Exception as exc:
             logger.error("worker %d: %s failed:\n%s", rank, method, traceback.format_exc())
-            conn.send(("error", f"worker {rank}: {type(exc).__name__}: {exc}"))
+            send(conn, ("error", f"worker {rank}: {type(exc).__name__}: {exc}"))
             continue
-        conn.send(("ok", result))
+        send(conn, ("ok", result))
 
 
 if __name__ == "__main__":

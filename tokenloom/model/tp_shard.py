@@ -190,8 +190,9 @@ def _rows(w: Any, start: int, end: int) -> Any:
 
         if w.packed8:
             raise ValueError("cannot cut a GGUF matrix already in the 8-row layout")
-        return GGUFWeight(w.data[start:end].contiguous(), w.qtype, (end - start, w.shape[1]))
-    return w[start:end].contiguous()
+        return GGUFWeight(w.data[start:end].clone(), w.qtype, (end - start, w.shape[1]))
+    # A copy, not a view: a view would keep the whole checkpoint tensor alive in every rank.
+    return w[start:end].clone()
 
 
 def _cols(w: Any, start: int, end: int, name: str) -> Any:
