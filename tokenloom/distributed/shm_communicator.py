@@ -16,8 +16,9 @@ step g. x86 stores become visible in program order, so a flag seen means the dat
 there. Tensors larger than a slot go in slot-sized pieces. bf16 sums accumulate in fp32 (as vLLM's
 kernel does), then round once.
 
-Waiting spins a few thousand polls, then yields the core: ranks that outnumber the cores (2 ranks of
-2 threads on 2 cores) must let the late one run. A rank that never arrives fails the call after
+Waiting polls a few hundred times, then yields the core, then sleeps in 20 us naps: ranks that
+outnumber the cores (or share them with other work) must let the late one run; the naps cost up to
+~0.1 ms a call there, the polls nothing when every rank has its core. A rank that never arrives fails the call after
 `timeout_s` instead of hanging (the executor also watches its workers' processes)."""
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import uuid
 import torch
 
 _FLAG_BYTES = 64  # one cache line per rank's flag: no false sharing between spinning ranks
-_SPINS_BEFORE_YIELD = 2000
+_SPINS_BEFORE_YIELD = 200  # ~0.2-0.4 ms of polling: a peer that is running arrives within it
+_SPINS_BEFORE_SLEEP = 400
+_SLEEP_S = 20e-6
 
 
 class ShmCommunicator:
@@ -74,10 +77,15 @@ class ShmCommunicator:
         while flags.min() < gen:
             spins += 1
             if spins > _SPINS_BEFORE_YIELD:
-                os.sched_yield()
+                # Yield, then sleep: on a machine with more runnable threads than cores, the rank we
+                # wait for may need this core (sched_yield alone does not guarantee it runs).
+                if spins < _SPINS_BEFORE_SLEEP:
+                    os.sched_yield()
+                else:
+                    time.sleep(_SLEEP_S)
                 if deadline is None:
                     deadline = time.monotonic() + self.timeout_s
-                elif spins % 1024 == 0 and time.monotonic() > deadline:
+                elif spins % 256 == 0 and time.monotonic() > deadline:
                     late = [r for r in range(self.world_size) if flags[r] < gen]
                     raise RuntimeError(f"shared-memory all-reduce: rank(s) {late} did not arrive within "
                                        f"{self.timeout_s:.0f} s (a worker died or hangs)")
