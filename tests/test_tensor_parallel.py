@@ -272,3 +272,19 @@ def test_shared_memory_all_reduce_between_two_ranks(tmp_path: Path):
     comms[0].timeout_s = 0.2
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not arrive"):
         comms[0].all_reduce(torch.ones(4))
+
+
+def test_simulated_parallel_step_time_counts_the_cut_and_the_collectives():
+    from tokenloom.sim.parallel import Link, parallel_step_time
+
+    free = Link(0.0, float("inf"))
+    assert parallel_step_time(0.1, 1, 30, 576, tp=2, tp_link=free).latency_s == pytest.approx(0.05)
+    link = Link(latency_s=1e-5, bandwidth_bytes_s=1e9)
+    step = parallel_step_time(0.1, 4, 30, 576, tp=3, tp_link=link)
+    one = 2 * 2 * (1e-5 + 4 * 576 * 2 / 3 / 1e9)  # a ring all-reduce over 3 ranks: 4 messages of a third
+    assert step.comm_s == pytest.approx((2 * 30 + 1) * one)  # 2 per layer + the embedding's
+    assert step.latency_s == pytest.approx(0.1 / 3 + step.comm_s)
+    pp = parallel_step_time(0.1, 1, 30, 576, pp=2, pp_link=free)
+    assert pp.latency_s == pytest.approx(0.1) and pp.interval_s == pytest.approx(0.05)  # 2 batches in flight
+    assert parallel_step_time(0.1, 1, 30, 576, pp=2, pp_link=free, batches_in_flight=1).interval_s == \
+        pytest.approx(0.1)
