@@ -288,3 +288,33 @@ def test_simulated_parallel_step_time_counts_the_cut_and_the_collectives():
     assert pp.latency_s == pytest.approx(0.1) and pp.interval_s == pytest.approx(0.05)  # 2 batches in flight
     assert parallel_step_time(0.1, 1, 30, 576, pp=2, pp_link=free, batches_in_flight=1).interval_s == \
         pytest.approx(0.1)
+
+
+@pytest.mark.slow
+def test_tp2_times_dp2_gives_one_rank_tokens(tiny_dir, one_rank):
+    """Two data-parallel engine processes, each with its own two tensor-parallel workers (6 processes)."""
+    llm = LLM(str(tiny_dir), data_parallel_size=2, tensor_parallel_size=2, routing_policy="round_robin", **KW)
+    try:
+        assert _tokens(llm) == one_rank[0]
+        assert llm._dp.engine.client.router.num_routed == [2, 2]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_gives_tp1_tokens():
+    """The default model (9 heads, 3 KV heads: one KV head per rank), float32, dequantized: TP=3 = TP=1."""
+    kw = dict(dtype="float32", quantization="none", kv_cache_memory=64 << 20, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    one = LLM(None, **kw)
+    want = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params, use_tqdm=False)]
+    one.llm_engine.close()
+    three = LLM(None, tensor_parallel_size=3, **kw)
+    try:
+        assert [i["num_kv_heads"] for i in three.llm_engine.executor.worker_info] == [1, 1, 1]
+        assert [list(o.outputs[0].token_ids) for o in three.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        three.llm_engine.close()
+    with pytest.raises(ConfigError, match="must divide the model's 9 attention heads"):
+        LLM(None, tensor_parallel_size=2, **kw)
