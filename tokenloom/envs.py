@@ -188,6 +188,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
 }
 
 
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with `overrides`, for a process it starts (a TP/PP worker)."""
+    return {**os.environ, **overrides}
+
+
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()

@@ -111,9 +111,9 @@ class MultiprocExecutor(Executor):
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         try:
             for rank in range(self.world_size):
-                env = dict(os.environ)
-                if not envs.OMP_NUM_THREADS:
-                    env["OMP_NUM_THREADS"] = str(threads[rank])
+                # The rank's OpenMP threads, unless the user set them (then theirs win, as on one rank).
+                omp = {} if envs.OMP_NUM_THREADS else {"OMP_NUM_THREADS": str(threads[rank])}
+                env = envs.child_environment(**omp)
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "tokenloom.engine.worker", f"{host}:{port}", authkey.hex(), str(rank)],
                     env=env, stdin=subprocess.DEVNULL))
