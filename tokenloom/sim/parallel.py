@@ -103,7 +103,7 @@ def project_70b(node_bandwidth_bytes_s: float = 200e9, nodes: int = 4,
         (f"PP={nodes}, 25 GbE, 1 batch in flight", parallel_step_time(one, **shape, pp=nodes, batches_in_flight=1)),
         (f"PP={nodes}, 25 GbE, {nodes} batches in flight", parallel_step_time(one, **shape, pp=nodes)),
         ("TP=2 x PP=2, 25 GbE", parallel_step_time(one, **shape, tp=2, pp=2, tp_link=ETHERNET_25G)),
-        ("TP=2 on one 2-socket node (shared memory; SGLang's setting)",
+        ("TP=2 over one node's 2 sockets (shared memory; SGLang's setting)",
          parallel_step_time(one, **shape, tp=2, tp_link=SHARED_MEMORY)),
     ]
 
