@@ -1,6 +1,7 @@
 """Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
 
-    envs < config, sampling_params < core < model, router < engine < server, workload < bench, sim < explore
+    envs < config, sampling_params < core < distributed < model, router < engine < server, workload
+    < bench, sim < explore
 
 Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
 as vLLM's benchmarks share datasets.py). tokenloom/cli.py collects every room's commands by name
@@ -20,6 +21,7 @@ LEVELS = {
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.lora": 1.5,  # LoRA adapters: torch arithmetic and files, below the model room that hooks them in
+    "tokenloom.distributed": 1.5,  # process groups and collectives: torch, but below the model that calls them
     "tokenloom.model": 2, "tokenloom.router": 2, "tokenloom.kv_transfer": 2,
     "tokenloom.engine": 3,
     "tokenloom.server": 4, "tokenloom.workload": 4,

@@ -469,6 +469,13 @@ class ParallelConfig:
         1.5, "... and max > min * this; then the least loaded engine wins", reload=True)
     router_lru_blocks: int | None = knob(
         None, "cache_aware: block hashes remembered per engine (default: the engine's KV pool)", reload=True)
+    # Tensor / pipeline parallelism inside each engine (docs/parallelism.md): worker processes, one per rank.
+    tensor_parallel_size: int = knob(
+        1, "tensor-parallel ranks per engine (worker processes; heads, MLP and vocabulary cut between them, "
+        "two all-reduces per layer)", flags=("-tp",), reload=True)
+    pipeline_parallel_size: int = knob(
+        1, "pipeline stages per engine (worker processes; contiguous layer ranges, activations sent between "
+        "them)", flags=("-pp",), reload=True)
 
     def __post_init__(self) -> None:
         _check_int("data_parallel_size", self.data_parallel_size, 1)
@@ -481,6 +488,24 @@ class ParallelConfig:
             raise ConfigError(f"router_balance_rel_threshold must be >= 1, got {self.router_balance_rel_threshold}")
         if self.router_lru_blocks is not None:
             _check_int("router_lru_blocks", self.router_lru_blocks, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.model_parallel_size > 1 and self.distributed_executor_backend == "ray":
+            raise ConfigError(
+                "tensor/pipeline parallelism runs its ranks as worker processes on the engine's node "
+                "(--distributed-executor-backend mp); ranks on several Ray nodes are not implemented yet")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Worker processes per engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def engine_local(self) -> ParallelConfig | None:
+        """What one engine core of a data-parallel group runs: its tensor/pipeline ranks (None: one process)."""
+        if self.model_parallel_size == 1:
+            return None
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size)
 
 
 def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) -> Any:

@@ -68,6 +68,13 @@ def _seconds(name: str, default: float) -> float:
     return value
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
 def _cache_dir() -> Path:
     if env := os.environ.get("TOKENLOOM_CACHE_DIR"):
         return Path(env).expanduser()
@@ -137,6 +144,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's: cores left out of the model's OpenMP threads (for async scheduling's engine thread).
     "VLLM_CPU_NUM_OF_RESERVED_CPU": lambda: _int(
         "VLLM_CPU_NUM_OF_RESERVED_CPU", 0, "a whole number of cores", minimum=0),
+    # vLLM's: the cores of each tensor/pipeline-parallel rank's threads, ranks separated by '|'
+    # ("0-15|16-31"; "auto": the usable cores split evenly between the ranks; "all": no binding).
+    "VLLM_CPU_OMP_THREADS_BIND": lambda: os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto",
+    # How a tensor-parallel group on one node all-reduces: shm (shared memory, vLLM's CPU communicator)
+    # or gloo (torch.distributed's), for measuring one against the other.
+    "TOKENLOOM_CPU_ALLREDUCE": lambda: _choice("TOKENLOOM_CPU_ALLREDUCE", "shm", ("shm", "gloo")),
     # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
     "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
     # ---- start-up
@@ -175,6 +188,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # 'first_token=N': steps prefilling a prompt that starts with token N fail (chaos tests).
     "TOKENLOOM_FAULT_INJECT": lambda: os.environ.get("TOKENLOOM_FAULT_INJECT") or None,
 }
+
+
+def child_environment(**overrides: str) -> dict[str, str]:
+    """This process's environment with `overrides`, for a process it starts (a TP/PP worker)."""
+    return {**os.environ, **overrides}
 
 
 def __getattr__(name: str) -> Any:

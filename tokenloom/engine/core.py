@@ -23,7 +23,7 @@ from typing import Any
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import RequestRejected, Scheduler
-from tokenloom.engine.executor import Executor
+from tokenloom.engine.executor import Executor, ExecutorDeadError
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
 
@@ -213,6 +213,8 @@ class EngineCore:
     def _result(scheduler_output: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
         try:
             return future.result()
+        except ExecutorDeadError:  # no later step can run either: the engine is dead, not this step
+            raise
         except Exception as exc:  # the step failed as a whole: its requests end with an error
             logger.exception("model execution failed; finishing the step's requests with an error")
             req_ids = list(scheduler_output.num_scheduled_tokens)

@@ -183,7 +183,8 @@ def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
 
     t0 = time.perf_counter()
     engine = LLMEngine(config)
-    install_from_env(engine.runner)  # chaos tests only: off unless TOKENLOOM_FAULT_INJECT is set
+    if engine.runner is not None:  # (tensor-parallel workers: no runner in this process)
+        install_from_env(engine.runner)  # chaos tests only: off unless TOKENLOOM_FAULT_INJECT is set
     ready = EngineReady(
         model_name=engine.model_name,
         max_model_len=engine.scheduler_config.max_model_len,

@@ -186,7 +186,7 @@ def make_engine_client(config: EngineConfig, log_level: str = "info") -> EngineC
     default), N spawned processes behind the router, or N Ray actors behind the router."""
     parallel = config.parallel or ParallelConfig()
     router_config = RouterConfig.from_parallel(parallel)
-    config = replace(config, parallel=None)  # what each engine core runs: one engine
+    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
     dp = parallel.data_parallel_size
     if parallel.distributed_executor_backend == "ray":
         from tokenloom.engine.ray_engine import start_ray_engines

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
+class ExecutorDeadError(RuntimeError):
+    """The executor cannot run another step (a worker process died): the engine is dead, not one
+    step's requests. The engine core lets it through instead of failing the step's requests."""
+
+
 class ModelThread:
     """The one thread that owns the model under async scheduling: it loads the weights, builds the
     runner, and runs every step, so the engine thread never starts an OpenMP parallel region.

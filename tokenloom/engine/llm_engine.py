@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenloom import envs
@@ -74,8 +74,13 @@ class LLMEngine:
         check_async_scheduling(config)
         check_speculative_engine(config)
         check_kv_transfer(config)
+        model_parallel = parallel.model_parallel_size if parallel is not None else 1
+        if model_parallel > 1:
+            check_model_parallel(config)
         path = resolve_model_path(config.model)
         self.runner_type, self.convert = resolve_runner(config, path)
+        if model_parallel > 1 and self.runner_type == "pooling":
+            raise ConfigError("tensor/pipeline parallelism runs generation models; pooling models run on one rank")
         self.lora_config = config.lora_config
         if self.lora_config is not None and self.runner_type == "pooling":
             raise ConfigError("enable_lora: LoRA adapters are served on generation models; a pooling model "
@@ -115,7 +120,17 @@ class LLMEngine:
         self._model_thread = ModelThread() if async_scheduling else None
         on_model_thread = self._model_thread.call if self._model_thread is not None else _call_here
         try:
-            loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
+            if model_parallel > 1:  # the workers load their shards; this process needs the config only
+                from tokenloom.model.loader import load_model_config
+                from tokenloom.model.tp_shard import check_parallel_model
+
+                loaded = _ConfigOnly(load_model_config(path))
+                try:
+                    check_parallel_model(loaded.config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            else:
+                loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
         except BaseException:
             if self._model_thread is not None:  # a failed load leaves no idle thread behind
                 self._model_thread.shutdown()
@@ -137,6 +152,14 @@ class LLMEngine:
         block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype,
                                                num_layers=layers_per_block(kv_cache_groups),
                                                cache_dtype=cache_cfg.cache_dtype)
+        if model_parallel > 1:
+            # Each rank's cache holds its KV heads of its stage's layers, in --kv-cache-memory of its own
+            # (vLLM's per-worker KV space); sized for the stage with the most layers.
+            from tokenloom.model.tp_shard import rank_config
+
+            pp = parallel.pipeline_parallel_size
+            block_bytes = max(kv_cache_bytes_per_block(rank_config(loaded.config, parallel.tensor_parallel_size, s, pp),
+                                                       cache_cfg.block_size, dtype) for s in range(pp))
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         # The default max_model_len is capped at the longest request the pool can hold, every KV cache
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
@@ -157,17 +180,25 @@ class LLMEngine:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
-        # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
-        self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
-                                                    model_thread=self._model_thread,
-                                                    block_size=cache_cfg.block_size,
-                                                    num_blocks=num_blocks, dtype=dtype, device=device,
-                                                    kv_cache_groups=kv_cache_groups,
-                                                    kv_cache_dtype=cache_cfg.cache_dtype,
-                                                    calibration_token_ids=calibration)
+        if model_parallel > 1:
+            self.executor = _model_parallel_executor(config, path, dtype, device, sched_cfg,
+                                                     block_size=cache_cfg.block_size, num_blocks=num_blocks,
+                                                     kv_cache_groups=kv_cache_groups,
+                                                     calibration_token_ids=calibration)
+            self.runner = None  # the runners live in the worker processes
+            self.dtype, self.device = dtype, device
+        else:
+            # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
+            self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
+                                                        model_thread=self._model_thread,
+                                                        block_size=cache_cfg.block_size,
+                                                        num_blocks=num_blocks, dtype=dtype, device=device,
+                                                        kv_cache_groups=kv_cache_groups,
+                                                        kv_cache_dtype=cache_cfg.cache_dtype,
+                                                        calibration_token_ids=calibration)
+            self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
+            self.dtype, self.device = self.runner.dtype, self.runner.device
         del loaded
-        self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
-        self.dtype, self.device = self.runner.dtype, self.runner.device
         if self.runner_type == "pooling":
             caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
             cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
@@ -183,7 +214,7 @@ class LLMEngine:
             self.kv_connector, self.runner.kv_connector = on_model_thread(
                 make_kv_connectors, config, self.runner, path, len(kv_cache_groups), self.runner_type)
             self.scheduler.connector = self.kv_connector
-        if self.speculative_config is not None:
+        if self.speculative_config is not None and self.runner is not None:  # (workers: enabled at start)
             on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler.structured_output_manager = self.structured_output_manager
@@ -192,6 +223,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
+        if self.runner is None:  # worker processes: the ranks' shards together
+            weight_bytes = sum(i["weight_bytes"] for i in getattr(self.executor, "worker_info", []))
         logger.info(
             "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
             "(%.0f MiB%s), max_model_len %d, %s%s", time.perf_counter() - t0, self.model_name, path.name,
@@ -490,9 +523,10 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         cache_config = cache_config or self.cache_config
-        if cache_config.block_size != self.runner.block_size or (cache_config.num_blocks or 0) > self.runner.num_blocks:
+        held = self.cache_config
+        if cache_config.block_size != held.block_size or (cache_config.num_blocks or 0) > (held.num_blocks or 0):
             raise ConfigError(
-                f"the runner's KV cache has {self.runner.num_blocks} blocks of {self.runner.block_size} tokens; "
+                f"the runner's KV cache has {held.num_blocks} blocks of {held.block_size} tokens; "
                 "a new scheduler can use fewer blocks, not other sizes"
             )
         self.scheduler_config = scheduler_config or self.scheduler_config
@@ -500,6 +534,8 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
+        if self.runner is None and self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+            raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
         if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
             # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
             # in both modes (sync steps run there one at a time); one built sync moves the runner into
@@ -545,6 +581,58 @@ def check_lora_request(lora_request: Any, lora_config: Any) -> None:
 
 def _call_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
+
+
+@dataclass
+class _ConfigOnly:
+    """The engine process's view of a checkpoint whose weights the worker processes load."""
+
+    config: Any
+
+
+def check_model_parallel(config: EngineConfig) -> None:
+    """Refuse, before loading, what tensor / pipeline parallelism does not combine with yet."""
+    parallel = config.parallel
+    assert parallel is not None
+    if config.device == "cuda":
+        raise ConfigError("tensor/pipeline parallelism runs on CPU worker processes here; use --device cpu")
+    # What the worker processes do not build yet (docs/parallelism.md).
+    cache_dtype = config.cache.cache_dtype if config.cache is not None else "auto"
+    for given, what in ((config.lora_config is not None, "LoRA adapters (--enable-lora)"),
+                        (config.kv_transfer_config is not None,
+                         "a KV connector (--kv-transfer-config, --kv-offloading-size)"),
+                        (cache_dtype not in ("auto", None), f"--kv-cache-dtype {cache_dtype}")):
+        if given:
+            raise ConfigError(f"tensor/pipeline parallelism does not combine with {what} yet; run it with "
+                              "-tp 1 -pp 1")
+    if parallel.pipeline_parallel_size > 1:
+        sched = config.scheduler
+        if sched is not None and sched.async_scheduling:
+            raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with --async-scheduling yet: the "
+                              "pipeline runs one batch at a time (docs/parallelism.md); use tensor parallelism")
+        if config.speculative_config is not None:
+            raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with speculative decoding yet (the "
+                              "drafts are proposed on the last stage only); use tensor parallelism")
+
+
+def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device: Any, sched_cfg: SchedulerConfig,
+                             **runner_kwargs: Any) -> Any:
+    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes."""
+    from tokenloom.engine.multiproc_executor import MultiprocExecutor
+    from tokenloom.engine.worker import WorkerInit
+
+    parallel = config.parallel
+    assert parallel is not None
+    if parallel.pipeline_parallel_size > 1:
+        runner_kwargs["kv_cache_groups"] = None  # each stage's one group of its own layers
+    inits = [WorkerInit(rank=r, tensor_parallel_size=parallel.tensor_parallel_size,
+                        pipeline_parallel_size=parallel.pipeline_parallel_size, dist_init_method="",
+                        model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device),
+                        quantization=config.quantization, seed=config.seed, runner_kwargs=dict(runner_kwargs),
+                        speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
+                        log_level=logging.getLevelName(logger.getEffectiveLevel()))
+             for r in range(parallel.model_parallel_size)]
+    return MultiprocExecutor(inits, async_scheduling=sched_cfg.async_scheduling)
 
 
 def check_speculative_engine(config: EngineConfig) -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom import envs
+from tokenloom.distributed import get_pp_group, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from tokenloom.model.attention import AttentionLayerSpec, AttentionMetadata, KVCache
 from tokenloom.model.attention_backends import AttentionBackend, TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
@@ -40,12 +41,15 @@ from tokenloom.model.linear import (
     LinearMethodBase,
     PendingOutput,
     UnquantizedLinearMethod,
+    dense,
     packing_enabled,
     prepack_linears,
 )
+from tokenloom.model.parallel_linear import ROW_PARALLEL, RowParallelLinear
 from tokenloom.model.platform import return_freed_memory
 from tokenloom.model.quant import check_quantization, get_linear_method
 from tokenloom.model.rotary import RotaryEmbedding
+from tokenloom.model.tp_shard import ShardInfo
 
 logger = logging.getLogger(__name__)
 
@@ -215,17 +219,21 @@ class LlamaModel:
         quantization: str | None = None,
         calibration_token_ids: list[int] | None = None,
         calibration_threads: int | None = None,
+        shard: ShardInfo | None = None,
     ) -> None:
         """`kernels`: the compiled CPU kernels module (tokenloom.model.kernels.cpu_kernels()), or None.
         `quantization`: None, or "int8" for W8A8 layers (tokenloom/model/quant.py; the LM head stays
         in `dtype`). `calibration_token_ids`: text whose activations set int8's smoothing factors
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
-        forward (compute-bound, unlike the rest of loading; default: the current setting)."""
+        forward (compute-bound, unlike the rest of loading; default: the current setting). `shard`: this
+        rank's place under tensor / pipeline parallelism (the config and weights are already its cut:
+        tokenloom/model/tp_shard.py); None: the whole model."""
         check_quantization(quantization, torch.device(device))
         if quantization == "int8" and config.architecture in INT8_UNSUPPORTED:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
                              "(the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
+        self.shard = shard or ShardInfo(vocab_size=0)
         self.device = torch.device(device)
         self.kernels = kernels if self.device.type == "cpu" else None
         self.dtype = dtype
@@ -241,7 +249,7 @@ class LlamaModel:
         # --quantization gguf: the loader left the GGUF's quantized matrices as GGUFWeight blocks; the
         # reader turns them into linears of the GGUF method (tokenloom/model/gguf_method.py).
         gguf_method = get_linear_method("gguf", self.kernels) if quantization == "gguf" else None
-        get = _WeightReader(weights, self.device, dtype, gguf_method)
+        get = _WeightReader(weights, self.device, dtype, gguf_method, row_parallel=self.shard.tp_size > 1)
         layer_cls = decoder_layer_class(config.architecture)
         self.embed_tokens = get.raw_or_converted("model.embed_tokens.weight")
         self.norm = RMSNorm(get("model.norm.weight") + layer_cls.norm_weight_offset, config.rms_norm_eps)
@@ -278,7 +286,8 @@ class LlamaModel:
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
-        if quantization == "gguf":
+        # Under TP the whole-step decoder cannot all-reduce in its middle; sharded models run per op.
+        if quantization == "gguf" and not self.shard.sharded:
             self.fused_step = _fused_decode_step(self)
         self.packed_linear = self._pack_or_fuse(quantization)
         if self.packed_linear:
@@ -296,7 +305,7 @@ class LlamaModel:
         fused step for small decode steps (bf16 where oneDNN cannot pack it, e.g. AVX2 without
         avx_ne_convert; any dtype with packing off). The LM head is packed wherever packing works."""
         packing = packing_enabled(self.device, self.dtype)
-        if quantization is not None or not fused_float_candidate(self):
+        if quantization is not None or not fused_float_candidate(self) or self.shard.sharded:
             return packing and prepack_linears(self.dense_linears())
         if packing and not prefer_fused_float() and prepack_linears(self.dense_linears()):
             return True
@@ -344,10 +353,20 @@ class LlamaModel:
 
     @property
     def vocab_size(self) -> int:
-        return self.embed_tokens.shape[0]
+        return self.shard.vocab_size if self.shard.tp_size > 1 else self.embed_tokens.shape[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows in the run dtype (a fresh tensor)."""
+        """Embedding rows in the run dtype (a fresh tensor). Vocab-parallel (TP): each rank looks up
+        the ids in its slice, zero rows for the others, and one all-reduce sums the ranks' rows."""
+        if self.shard.tp_size > 1:
+            local = input_ids - self.shard.vocab_start
+            outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+            rows = self._embed_rows(local.masked_fill(outside, 0))
+            rows.masked_fill_(outside.unsqueeze(1), 0)
+            return tensor_model_parallel_all_reduce(rows)
+        return self._embed_rows(input_ids)
+
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, torch.Tensor):
             return F.embedding(input_ids, self.embed_tokens)
         return gguf_embedding(self.embed_tokens, input_ids, self.dtype)
@@ -379,10 +398,14 @@ class LlamaModel:
         attn_metadata: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache] | list[None],
         max_position: int | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """input_ids/positions [T] -> final-norm hidden states [T, H] (with attn_metadata.output_rows:
         of those rows only). Writes this step's K/V. `attn_metadata`: one for every layer, or one per
-        layer (hybrid KV cache groups: each layer reads its group's block tables)."""
+        layer (hybrid KV cache groups: each layer reads its group's block tables).
+
+        Pipeline parallel: a stage after the first receives the previous stage's (MLP output, residual
+        stream) instead of embedding; a stage before the last sends its own to the next stage and
+        returns None (only the last stage has hidden states to project)."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
         per_layer = attn_metadata if isinstance(attn_metadata, list) else None
@@ -399,17 +422,26 @@ class LlamaModel:
                           lora=lora)
         if self.local_rope is not None:
             ctx.local_rope_tables = backend.rope_tables(self.local_rope, positions, max_position)
-        h = self.embed(input_ids)  # the residual stream, updated in place
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
         hidden: Hidden | None = None
-        last = len(self.layers) - 1
+        if self.shard.pp_first:
+            h = self.embed(input_ids)  # the residual stream, updated in place
+            if self.embed_scale is not None:
+                h = h * self.embed_scale
+        else:  # the previous stage's [MLP output | residual], one message
+            width = self.config.hidden_size
+            both = get_pp_group().recv((input_ids.shape[0], 2 * width), self.dtype, self.shard.pp_rank - 1)
+            hidden, h = both[:, :width].contiguous(), both[:, width:].contiguous()
+        last = len(self.layers) - 1 if self.shard.pp_last else -1  # narrowing to output rows: the model's end
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if per_layer is not None:
                 ctx.attn_metadata = per_layer[i]
             hidden, h = layer(hidden, h, ctx, kv_cache, i == last)
             if hidden is None:  # no output rows: the last layer's K/V writes were the work
                 return h
+        if not self.shard.pp_last:
+            assert hidden is not None
+            get_pp_group().send(torch.cat([dense(hidden), h], dim=1), self.shard.pp_rank + 1)
+            return None
         return self.norm(hidden, h, self.dense_method)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
@@ -421,6 +453,8 @@ class LlamaModel:
                 logits = logits.to(self.dtype)
         else:
             logits = self.lm_head(hidden)
+        if self.shard.tp_size > 1:  # vocab-parallel head: every rank's slice, cut back to the vocabulary
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.shard.vocab_size]
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
@@ -432,9 +466,14 @@ class _WeightReader:
     weights the loader kept as GGUF blocks (GGUFWeight) become linears of that method instead."""
 
     def __init__(self, weights: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                 gguf_method: LinearMethodBase | None = None) -> None:
+                 gguf_method: LinearMethodBase | None = None, row_parallel: bool = False) -> None:
         self.weights, self.device, self.dtype = weights, device, dtype
         self.gguf_method = gguf_method
+        # Tensor parallel: o_proj / down_proj hold input slices and all-reduce their outputs.
+        self.row_parallel = row_parallel
+
+    def _linear_class(self, name: str) -> type[LinearBase]:
+        return RowParallelLinear if self.row_parallel and name.rsplit(".", 1)[-1] in ROW_PARALLEL else LinearBase
 
     def linear(self, prefixes: list[str], method: LinearMethodBase, name: str, bias: bool = True) -> LinearBase:
         """One linear over the row-concatenated weights `<prefix>.weight` (and biases, when present)."""
@@ -443,14 +482,14 @@ class _WeightReader:
         if self.gguf_method is not None and all(_is_gguf(self.weights.get(n)) for n in weights):
             from tokenloom.model.gguf_weights import GGUFLinear
 
-            lin = LinearBase(None, None, self.gguf_method, name, self.dtype)
+            lin = self._linear_class(name)(None, None, self.gguf_method, name, self.dtype)
             lin.gguf = GGUFLinear.from_weights([self.weights[n] for n in weights],  # type: ignore[attr-defined]
                                                [self.weights.get(b) for b in biases] or [None] * len(weights),
                                                self.gguf_method.gguf_kernels)  # type: ignore[attr-defined]
             return lin
         weight = self(weights[0]) if len(weights) == 1 else self.cat(weights)
         b = (self.optional(biases[0]) if len(biases) == 1 else self.cat_optional(biases)) if biases else None
-        return LinearBase(weight, b, method, name, self.dtype)
+        return self._linear_class(name)(weight, b, method, name, self.dtype)
 
     def raw_or_converted(self, name: str) -> Any:
         """A GGUFWeight as it is (with the GGUF method), else the converted tensor."""

@@ -98,6 +98,21 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     return LoadedModel(config=config, weights=weights, source=source, path=path)
 
 
+def load_model_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The model's config alone (a GGUF header or config.json; no weight is read): what a process
+    that holds no shard needs (the engine core under tensor / pipeline parallelism)."""
+    path = Path(path)
+    if path.is_file():
+        from tokenloom.model.gguf import config_from_gguf, read_gguf
+
+        return config_from_gguf(read_gguf(path), name=path.stem)
+    import json
+
+    from tokenloom.model.hf import config_from_hf
+
+    return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+
+
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a `LoadedModel` for this config carries, with its HF shape (Linear weights: [out, in])."""
     hidden, vocab = config.hidden_size, config.vocab_size

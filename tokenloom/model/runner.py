@@ -196,7 +196,7 @@ class ModelRunner:
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
             self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
                                     quantization=quantization, calibration_token_ids=calibration_token_ids,
-                                    calibration_threads=threads)
+                                    calibration_threads=threads, shard=getattr(model, "shard", None))
         self.use_kernels = kernels is not None
         # The attention backend the model runs; it builds each step's metadata.
         self.attn_backend = self.model.attn_backend
@@ -311,6 +311,8 @@ class ModelRunner:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
+            if self.model.shard.pp_size > 1:
+                self._sync_pipeline_tokens(inputs, sampled)
         if self.spec_decode is not None:
             self.spec_decode.propose(sampled, [r for r in scheduler_output.num_scheduled_tokens if r not in failed])
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -383,6 +385,8 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, inputs.layer_attn or inputs.attn, self.kv_caches,
                 inputs.max_position
             )
+            if hidden is None:  # a pipeline stage before the last: it sent its activations on
+                return
             if inputs.prompt_rows and prompt_logprobs is not None:
                 prompt_logprobs.update(self._prompt_logprobs(hidden, inputs.prompt_rows))
             if not inputs.sample_reqs:
@@ -416,6 +420,22 @@ class ModelRunner:
             sampled[state.req_id] = [token]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
+
+    def _sync_pipeline_tokens(self, inputs: _StepInputs, sampled: dict[str, list[int]]) -> None:
+        """Pipeline parallel: the last stage sampled; the earlier stages take its tokens (their next
+        step's inputs), as vLLM's scheduler sends them to the non-last ranks."""
+        from tokenloom.distributed import get_pp_group
+
+        pp = get_pp_group()
+        tokens = pp.broadcast_object(sampled if self.model.shard.pp_last else None, pp.world_size - 1)
+        if self.model.shard.pp_last:
+            return
+        sampled.update(tokens)
+        for state in inputs.sample_reqs:
+            new = tokens.get(state.req_id)
+            if new:
+                state.token_ids.extend(new)
+                state.num_computed = len(state.token_ids) - 1
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[tuple[_RequestState, int, np.ndarray]]

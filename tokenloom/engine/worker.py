@@ -1,0 +1,176 @@
+"""A tensor / pipeline-parallel worker: one process per rank, holding its shard of the model and
+its KV cache (vLLM's v1/worker/cpu_worker.py with its WorkerProc loop).
+
+Started by the MultiprocExecutor (tokenloom/engine/multiproc_executor.py) as
+`python -m tokenloom.engine.worker HOST:PORT AUTHKEY RANK`: a fresh interpreter (no forked torch
+threads), started with subprocess so that an engine core that is itself a daemon process may start
+it. It connects back to the executor, receives its `WorkerInit`, pins itself to its cores, joins the
+process groups (gloo, tokenloom/distributed), loads the checkpoint, keeps its cut
+(tokenloom/model/tp_shard.py), builds a ModelRunner over it, and then runs what the executor sends:
+`("execute_model", (scheduler_output,))` every step, in the same order on every rank, so that every
+rank's collectives meet. Each call answers ("ok", result) or ("error", text); only the output rank
+(TP rank 0 of the last PP stage) sends the ModelRunnerOutput back, the others None.
+
+Every rank samples (the vocab-parallel head all-gathers the logits) with the same seed, as vLLM's
+ranks do, so each rank's runner keeps the same per-request tokens without a broadcast under TP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def send(conn: Any, obj: Any) -> None:
+    """Plain pickle over the connection: Connection.send's pickler would pass torch tensors as shared
+    memory handles, which need a multiprocessing parent the workers (subprocesses) do not have."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+@dataclass
+class WorkerInit:
+    rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    dist_init_method: str  # tcp://host:port of the gloo rendezvous
+    model_path: str
+    dtype: str  # torch dtype name
+    device: str
+    quantization: str | None
+    seed: int
+    runner_kwargs: dict[str, Any] = field(default_factory=dict)  # block_size, num_blocks, ...
+    speculative_config: Any = None
+    max_model_len: int = 0
+    cpus: list[int] | None = None
+    log_level: str = "WARNING"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """TP rank 0 of the last pipeline stage: the rank whose outputs the engine core reads."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+
+class Worker:
+    """One rank's runner and what the executor may call on it."""
+
+    def __init__(self, init: WorkerInit) -> None:
+        import torch
+
+        from tokenloom.distributed import init_distributed_environment, initialize_model_parallel
+        from tokenloom.distributed.parallel_state import get_pp_group, get_tp_group
+        from tokenloom.model.loader import load_model
+        from tokenloom.model.runner import ModelRunner
+        from tokenloom.model.tp_shard import shard_model
+
+        self.init = init
+        init_distributed_environment(init.world_size, init.rank, init.dist_init_method)
+        initialize_model_parallel(init.tensor_parallel_size, init.pipeline_parallel_size)
+        tp, pp = get_tp_group(), get_pp_group()
+        # Every rank draws the same random numbers for requests without a seed: same tokens everywhere.
+        torch.manual_seed(init.seed)
+        dtype = getattr(torch, init.dtype)
+        loaded = load_model(init.model_path, dtype, quantized=init.quantization == "gguf")
+        sharded = shard_model(loaded, tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
+        del loaded
+        self.runner = ModelRunner(sharded, dtype=dtype, device=init.device, quantization=init.quantization,
+                                  **init.runner_kwargs)
+        del sharded
+        if init.speculative_config is not None:
+            self.runner.enable_speculative_decoding(init.speculative_config, init.max_model_len)
+        self.is_output_rank = init.rank == init.output_rank
+        self.return_logits = False
+
+    # ----------------------------------------------------------------- what the executor calls
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        out = self.runner.execute_model(scheduler_output, return_logits=self.return_logits)
+        drafts = self.runner.take_draft_token_ids()
+        return (out, drafts) if self.is_output_rank else None
+
+    def reset(self) -> None:
+        self.runner.requests.clear()
+        if self.runner.spec_decode is not None:
+            self.runner.spec_decode.reset()
+
+    def comm_stats(self) -> dict[str, int]:
+        from tokenloom.distributed import comm_stats
+
+        return comm_stats()
+
+    def set_return_logits(self, on: bool) -> None:
+        """Debugging and tests: keep each step's fp32 logits (the runner's `last_logits`)."""
+        self.return_logits = on
+
+    def last_logits(self) -> Any:
+        return None if self.runner.last_logits is None else self.runner.last_logits.clone()
+
+    def info(self) -> dict[str, Any]:
+        import torch
+
+        return {"rank": self.init.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "cpus": sorted(os.sched_getaffinity(0)), "weight_bytes": self.runner.model.weight_bytes(),
+                "num_kv_heads": self.runner.model.num_kv_heads, "num_layers": len(self.runner.model.layers)}
+
+    def shutdown(self) -> None:
+        from tokenloom.distributed import destroy_model_parallel
+
+        destroy_model_parallel()
+
+
+def main(argv: list[str]) -> int:
+    address, authkey, rank = argv[0], bytes.fromhex(argv[1]), int(argv[2])
+    host, port = address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=authkey)
+    send(conn, ("hello", rank, os.getpid()))
+    init: WorkerInit = recv(conn)
+    if init.cpus:
+        os.sched_setaffinity(0, init.cpus)  # before torch starts its OpenMP team
+    logging.basicConfig(level=init.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
+    try:
+        worker = Worker(init)
+    except Exception as exc:
+        logger.exception("worker %d failed to start", rank)
+        send(conn, ("error", f"worker {rank} start-up failed: {type(exc).__name__}: {exc}"))
+        return 1
+    send(conn, ("ok", worker.info()))
+    while True:
+        try:
+            method, args = recv(conn)
+        except (EOFError, OSError):  # the executor is gone: nothing left to serve
+            return 0
+        if method == "shutdown":
+            worker.shutdown()
+            send(conn, ("ok", None))
+            return 0
+        try:
+            result = getattr(worker, method)(*args)
+        except Exception as exc:
+            logger.error("worker %d: %s failed:\n%s", rank, method, traceback.format_exc())
+            send(conn, ("error", f"worker {rank}: {type(exc).__name__}: {exc}"))
+            continue
+        send(conn, ("ok", result))
+
+
+if __name__ == "__main__":
+    # Importing the tokenloom package first sets the OpenMP variables before torch loads (__init__.py).
+    import tokenloom  # noqa: F401
+
+    sys.stdout.flush()
+    os._exit(main(sys.argv[1:]))
