@@ -576,3 +576,42 @@ def test_an_encoder_refuses_it(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="an encoder .* keeps no KV cache"):
         LLM(str(make_tiny_bert(tmp_path, seed=1)), runner="pooling", dtype="float32", kv_cache_dtype="int8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_reads_int8_cache(tiny_llama, dtype, monkeypatch) -> None:
+    """The fused decode step (GGUFDecoder over float weights, TOKENLOOM_FUSED_FLOAT=1) on an int8
+    cache against the per-op kernels on one: the decode steps' logits agree as closely as the two paths
+    do on a float cache (both quantize the same rows), the step writes int8 rows with their scales,
+    and it really ran every decode step."""
+    from tests.test_fused_float_decode import TOL as FUSED_TOL
+    from tests.test_fused_float_decode import _decode, _requests
+    from tests.test_gguf_decode import count_fused_runs
+    from tests.test_model_runner import BLOCK
+    from tokenloom.model.gguf_kernels import gguf_kernels
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.runner import ModelRunner
+
+    if gguf_kernels() is None:
+        pytest.skip("GGUF kernels unavailable")
+    loaded = load_model(Path(tiny_llama), torch.float32)
+    runners = {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setenv("TOKENLOOM_FUSED_FLOAT", "1")
+            m.setenv("TOKENLOOM_FUSED_DECODE_ROWS", "8" if fused else "0")
+            runners[fused] = ModelRunner(loaded, block_size=BLOCK, num_blocks=64, dtype=dtype, device="cpu",
+                                         cpu_kernels=True, kv_cache_dtype="int8")
+        assert (runners[fused].model.fused_step is not None) == fused
+        assert runners[fused].kv_caches[0][0].dtype == torch.int8 and len(runners[fused].kv_caches[0]) == 4
+    calls = count_fused_runs(runners[True].model)
+    reqs = _requests(3)
+    got, want = _decode(runners[True], reqs, 4), _decode(runners[False], reqs, 4)
+    assert calls["n"] == 4
+    scales = runners[True].kv_caches[0][2]  # the pool is uninitialised: look where the requests wrote
+    for prompt_ids, blocks in reqs.values():
+        last = len(prompt_ids) + 3  # the last decode step's position
+        assert bool((scales[:, blocks[last // BLOCK], last % BLOCK] > 0).all())
+    for g, w in zip(got, want):  # measured: 6e-7 (float32), 0.011 (bf16)
+        torch.testing.assert_close(g, w, rtol=0, atol=FUSED_TOL[dtype])
