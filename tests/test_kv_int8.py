@@ -279,7 +279,14 @@ def test_kernels_refuse_mismatched_scales() -> None:
 # --------------------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_vllms_int8_per_token_head_is_this_format() -> None:
+    """vLLM's name for int8 values with a float32 scale per token and head: the same cache."""
+    assert CacheConfig(cache_dtype="int8_per_token_head").cache_dtype == "int8"
+    assert CacheConfig(cache_dtype="int8").cache_dtype == "int8" and CacheConfig().cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int4_per_token_head",
+                                   "turboquant_k8v4"])
 def test_fp8_spellings_refused_by_name(value) -> None:
     with pytest.raises(ConfigError, match=f"kv_cache_dtype='{value}'.*not built.*supported: auto, int8"):
         CacheConfig(cache_dtype=value)
@@ -296,6 +303,7 @@ def test_engine_args_and_cli_spell_it_as_vllm() -> None:
 
     config = engine_config_from_kwargs(kv_cache_dtype="int8")
     assert isinstance(config, EngineConfig) and config.cache is not None and config.cache.cache_dtype == "int8"
+    assert engine_config_from_kwargs(kv_cache_dtype="int8_per_token_head").cache.cache_dtype == "int8"
     with pytest.raises(ConfigError, match="not built"):
         engine_config_from_kwargs(kv_cache_dtype="fp8_e5m2")
 
