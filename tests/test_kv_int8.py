@@ -279,7 +279,14 @@ def test_kernels_refuse_mismatched_scales() -> None:
 # --------------------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_vllms_int8_per_token_head_is_this_format() -> None:
+    """vLLM's name for int8 values with a float32 scale per token and head: the same cache."""
+    assert CacheConfig(cache_dtype="int8_per_token_head").cache_dtype == "int8"
+    assert CacheConfig(cache_dtype="int8").cache_dtype == "int8" and CacheConfig().cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int4_per_token_head",
+                                   "turboquant_k8v4"])
 def test_fp8_spellings_refused_by_name(value) -> None:
     with pytest.raises(ConfigError, match=f"kv_cache_dtype='{value}'.*not built.*supported: auto, int8"):
         CacheConfig(cache_dtype=value)
@@ -296,6 +303,7 @@ def test_engine_args_and_cli_spell_it_as_vllm() -> None:
 
     config = engine_config_from_kwargs(kv_cache_dtype="int8")
     assert isinstance(config, EngineConfig) and config.cache is not None and config.cache.cache_dtype == "int8"
+    assert engine_config_from_kwargs(kv_cache_dtype="int8_per_token_head").cache.cache_dtype == "int8"
     with pytest.raises(ConfigError, match="not built"):
         engine_config_from_kwargs(kv_cache_dtype="fp8_e5m2")
 
@@ -576,3 +584,63 @@ def test_an_encoder_refuses_it(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="an encoder .* keeps no KV cache"):
         LLM(str(make_tiny_bert(tmp_path, seed=1)), runner="pooling", dtype="float32", kv_cache_dtype="int8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_step_reads_int8_cache(tiny_llama, dtype, monkeypatch) -> None:
+    """The fused decode step (GGUFDecoder over float weights, TOKENLOOM_FUSED_FLOAT=1) on an int8
+    cache against the per-op kernels on one: the decode steps' logits agree as closely as the two paths
+    do on a float cache (both quantize the same rows), the step writes int8 rows with their scales,
+    and it really ran every decode step."""
+    from tests.test_fused_float_decode import TOL as FUSED_TOL
+    from tests.test_fused_float_decode import _decode, _requests
+    from tests.test_gguf_decode import count_fused_runs
+    from tests.test_model_runner import BLOCK
+    from tokenloom.model.gguf_kernels import gguf_kernels
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.runner import ModelRunner
+
+    if gguf_kernels() is None:
+        pytest.skip("GGUF kernels unavailable")
+    loaded = load_model(Path(tiny_llama), torch.float32)
+    runners = {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setenv("TOKENLOOM_FUSED_FLOAT", "1")
+            m.setenv("TOKENLOOM_FUSED_DECODE_ROWS", "8" if fused else "0")
+            runners[fused] = ModelRunner(loaded, block_size=BLOCK, num_blocks=64, dtype=dtype, device="cpu",
+                                         cpu_kernels=True, kv_cache_dtype="int8")
+        assert (runners[fused].model.fused_step is not None) == fused
+        assert runners[fused].kv_caches[0][0].dtype == torch.int8 and len(runners[fused].kv_caches[0]) == 4
+    calls = count_fused_runs(runners[True].model)
+    reqs = _requests(3)
+    got, want = _decode(runners[True], reqs, 4), _decode(runners[False], reqs, 4)
+    assert calls["n"] == 4
+    scales = runners[True].kv_caches[0][2]  # the pool is uninitialised: look where the requests wrote
+    for prompt_ids, blocks in reqs.values():
+        last = len(prompt_ids) + 3  # the last decode step's position
+        assert bool((scales[:, blocks[last // BLOCK], last % BLOCK] > 0).all())
+    for g, w in zip(got, want):  # measured: 6e-7 (float32), 0.011 (bf16)
+        torch.testing.assert_close(g, w, rtol=0, atol=FUSED_TOL[dtype])
+
+
+def test_w8a8_layers_combine(tiny_llama, capsys) -> None:
+    """--quantization int8 (W8A8 decoder layers) over an int8 KV cache: scoring the float-KV W8A8 run's
+    prompt + greedy outputs, the int8-KV W8A8 engine's top-1 is that run's token at >= 90 % of the
+    generated positions (free-running agreement reported: a random tiny model is full of near-ties)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want, _ = _tiny_run(tiny_llama, TINY_PROMPTS, params, quantization="int8")
+    got, _ = _tiny_run(tiny_llama, TINY_PROMPTS, params, quantization="int8", kv_cache_dtype="int8")
+    llm = LLM(tiny_llama, quantization="int8", kv_cache_dtype="int8", **TINY)
+    try:
+        scored = llm.generate([{"prompt_token_ids": p + w} for p, w in zip(TINY_PROMPTS, want)],
+                              SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    finally:
+        _close(llm)
+    top1 = sum(o.prompt_logprobs[len(p) + j][t].rank == 1
+               for p, w, o in zip(TINY_PROMPTS, want, scored) for j, t in enumerate(w))
+    with capsys.disabled():
+        print(f"\nW8A8 + int8 KV vs W8A8 + float KV, tiny Llama: free-running agreement "
+              f"{[_agreement(w, g) for w, g in zip(want, got)]} of 16; teacher-forced top-1 {top1}/{16 * len(want)}")
+    assert top1 >= 0.9 * 16 * len(want)

@@ -275,11 +275,14 @@ class SchedulerConfig:
 
 
 # --kv-cache-dtype (vLLM's CacheConfig.cache_dtype). "int8": symmetric int8 values with one float32
-# scale per token and KV head (docs/kv_cache.md). vLLM's fp8 spellings are refused by name: nothing
-# here reads fp8 (no CPU this project targets has fp8 arithmetic; int8 is the byte-per-value format
-# the kernels read).
+# scale per token and KV head (docs/kv_cache.md), the format vLLM calls "int8_per_token_head" (accepted
+# as a spelling of it). vLLM's other cache dtypes are refused by name: nothing here reads fp8 or 4-bit
+# formats (no CPU this project targets has fp8 arithmetic; int8 is the byte-per-value format the
+# kernels read).
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
-_UNBUILT_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+_KV_CACHE_DTYPE_ALIASES = {"int8_per_token_head": "int8"}
+_UNBUILT_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "fp8_per_token_head",
+                            "int4_per_token_head", "nvfp4", "nvfp4_4over6", "nvfp4_ds_mla", "float16", "bfloat16")
 KV_SCALE_BYTES = 4  # an int8 KV cache's scale per (token, layer, K or V, kv head): float32
 
 
@@ -292,26 +295,30 @@ def kv_cache_row_bytes(head_dim: int, elem_size: int, cache_dtype: str = "auto")
     return head_dim * elem_size
 
 
-def check_kv_cache_dtype(value: Any) -> None:
-    """A clear error for anything but the built KV cache dtypes (vLLM's fp8 spellings named as such)."""
+def resolve_kv_cache_dtype(value: Any) -> str:
+    """The built KV cache dtype `value` names ("auto" or "int8"; vLLM's "int8_per_token_head" is
+    "int8"), or a clear error: vLLM's other cache dtypes are named as not built."""
+    if isinstance(value, str) and value in _KV_CACHE_DTYPE_ALIASES:
+        return _KV_CACHE_DTYPE_ALIASES[value]
     if value in KV_CACHE_DTYPES:
-        return
-    supported = ", ".join(KV_CACHE_DTYPES)
-    if value in _UNBUILT_KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={value!r} (vLLM's fp8 KV cache) is not built in tokenloom; "
-                          f"supported: {supported} (int8: 1 byte a value + a float32 scale per token and head)")
+        return value
+    supported = ", ".join(KV_CACHE_DTYPES) + " (or vLLM's int8_per_token_head, the same int8 format)"
+    if value in _UNBUILT_KV_CACHE_DTYPES or (isinstance(value, str) and value.startswith("turboquant_")):
+        raise ConfigError(f"kv_cache_dtype={value!r} (one of vLLM's KV cache dtypes) is not built in tokenloom; "
+                          f"supported: {supported}; int8 is 1 byte a value + a float32 scale per token and head")
     raise ConfigError(f"kv_cache_dtype must be one of {supported}, got {value!r}")
 
 
 @dataclass
 class CacheConfig:
     block_size: int = knob(16, "tokens per KV block", reload=True)
-    # A str, not a Literal: vLLM's fp8 spellings get their own error (check_kv_cache_dtype), not
+    # A str, not a Literal: vLLM's fp8 spellings get their own error (resolve_kv_cache_dtype), not
     # argparse's "invalid choice".
     cache_dtype: str = knob(
         "auto", "KV cache storage: auto (the model's --dtype) or int8 (symmetric int8 with a float32 scale per "
-        "token and KV head: ~2x the blocks of bf16, ~3.8x of float32, in the same memory; docs/kv_cache.md). "
-        "vLLM's fp8, fp8_e4m3, fp8_e5m2 are not built", arg="kv_cache_dtype", reload=True)
+        "token and KV head: ~2x the blocks of bf16, ~3.8x of float32, in the same memory; docs/kv_cache.md; "
+        "vLLM's int8_per_token_head names the same format). vLLM's fp8, fp8_e4m3, fp8_e5m2 are not built",
+        arg="kv_cache_dtype", reload=True)
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
@@ -340,7 +347,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
-        check_kv_cache_dtype(self.cache_dtype)
+        self.cache_dtype = resolve_kv_cache_dtype(self.cache_dtype)
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1)
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:

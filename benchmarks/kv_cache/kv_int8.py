@@ -9,6 +9,9 @@ speed at a long context, perplexity (docs/kv_cache.md).
   int8 engines that live side by side in this process.
 * `ppl`: perplexity of --ppl-tokens-token windows of three texts through prompt_logprobs (one forward
   per text; the prompt's own K/V is written to the cache and read back, so int8 KV is in the path).
+* `kernel`: the fused paged-attention kernel alone (SmolLM2's heads: 9 q, 3 kv, 64 wide; one layer),
+  --batch decodes of --context keys each, per cache: bf16 packed (where the CPU has it), bf16 plain,
+  int8 with bf16 queries, float32, int8 with float32 queries; the caches alternate round by round.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_cache/kv_int8.py [--what capacity,decode,ppl]
         [--dtypes bfloat16,float32] [--context 4096] [--batch 1,4] [--rounds 3] [--out result.json]
@@ -135,6 +138,52 @@ def perplexity(dtype: str, tokens: int) -> dict[str, Any]:
     return res
 
 
+def kernel(context: int, batches: list[int], rounds: int) -> dict[str, Any]:
+    import torch
+
+    from tokenloom.model.attention import KernelMetadata, pack_kv_layout, paged_attention_fused, quantize_kv
+    from tokenloom.model.kernels import cpu_kernels
+
+    k_mod = cpu_kernels()
+    if k_mod is None:
+        raise SystemExit("the compiled CPU kernels are unavailable")
+    hq, hkv, d, bs = 9, 3, 64, 16
+    res: dict[str, Any] = {}
+    for b in batches:
+        per = -(-(context + 1) // bs)
+        g = torch.Generator().manual_seed(0)
+        kf = torch.randn(hkv, b * per, bs, d, generator=g)
+        vf = torch.randn(hkv, b * per, bs, d, generator=g)
+        kq, ks = quantize_kv(kf)
+        vq, vs = quantize_kv(vf)
+        meta = KernelMetadata(block_tables=torch.arange(b * per, dtype=torch.int32).view(b, per),
+                              q_start=torch.arange(b + 1, dtype=torch.int32),
+                              pos_start=torch.full((b,), context, dtype=torch.int32))
+        qkv = {dt: torch.randn(b, (hq + 2 * hkv) * d, generator=g).to(dt) for dt in (torch.bfloat16, torch.float32)}
+        caches: dict[str, tuple[Any, Any, bool]] = {
+            "bf16 plain": ((kf.bfloat16(), vf.bfloat16()), qkv[torch.bfloat16], False),
+            "int8 (bf16 q)": ((kq, vq, ks, vs), qkv[torch.bfloat16], False),
+            "float32": ((kf, vf), qkv[torch.float32], False),
+            "int8 (fp32 q)": ((kq, vq, ks, vs), qkv[torch.float32], False),
+        }
+        if k_mod.packed_layout_supported(bs, d):
+            caches["bf16 packed"] = (pack_kv_layout(kf.bfloat16(), vf.bfloat16()), qkv[torch.bfloat16], True)
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for r in range(rounds):
+            names = list(caches) if r % 2 == 0 else list(caches)[::-1]
+            for name in names:
+                cache, q, packed = caches[name]
+                paged_attention_fused(k_mod, q, hq, cache, meta, packed)  # warm
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    paged_attention_fused(k_mod, q, hq, cache, meta, packed)
+                times[name].append((time.perf_counter() - t0) / 5 * 1e3)
+        res[str(b)] = times
+        for name, ts in times.items():
+            print(f"kernel batch {b} x {context} keys, {name}: {min(ts):.2f}-{max(ts):.2f} ms a layer", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--what", default="capacity,decode,ppl")
@@ -153,6 +202,8 @@ def main() -> None:
     a = ap.parse_args()
     what = set(a.what.split(","))
     result: dict[str, Any] = {"context": a.context}
+    if "kernel" in what:
+        result["kernel"] = kernel(a.context, [int(b) for b in a.batch.split(",")], a.rounds)
     for dtype in a.dtypes.split(","):
         r: dict[str, Any] = {}
         if "capacity" in what:

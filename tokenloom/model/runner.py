@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tokenloom import envs
-from tokenloom.config import check_kv_cache_dtype
+from tokenloom.config import resolve_kv_cache_dtype
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
@@ -169,8 +169,7 @@ class ModelRunner:
 
         `kv_cache_dtype`: "auto" (the run dtype) or "int8" (int8 values + float32 scales per token and
         kv head, read by every attention path; tokenloom/model/attention.py, docs/kv_cache.md)."""
-        check_kv_cache_dtype(kv_cache_dtype)
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
