@@ -269,17 +269,19 @@ def test_lora_request_validates_its_fields() -> None:
     assert LoRARequest("a", 1, "/x") == LoRARequest("a", 2, "/y")  # vLLM: the name is the identity
 
 
-@pytest.mark.parametrize("quantization", ["gguf", "int8"])
+@pytest.mark.parametrize("quantization", ["gguf", "int8", "bfloat16"])
 def test_quantized_base_gets_the_adapter(base_dir, adapters, tmp_path, quantization) -> None:
-    """Over GGUF blocks (Q8_0) and int8 W8A8 layers the adapter's delta is added to the quantized base
-    GEMM: greedy tokens equal the float peft reference and logprobs agree within quantization error;
-    base-only steps of a GGUF model still take the fused decode step."""
+    """Over GGUF blocks (Q8_0), int8 W8A8 layers and a bf16 model the adapter's delta is added to the
+    base GEMM: logprobs of the tokens generated agree with the float peft reference within the format's
+    error, while the adapter moves them far more; base-only steps of a GGUF model still take the fused
+    decode step. (bf16: one-row groups run the LoRA GEMMs in float32, prefill groups in bf16.)"""
     from tests.tiny_models import write_gguf_from_hf
 
     model = str(write_gguf_from_hf(base_dir, tmp_path / "tiny-q8_0.gguf", "Q8_0")) if quantization == "gguf" \
         else str(base_dir)
-    engine = LLM(model, dtype="float32", num_blocks=64, block_size=4, quantization=quantization, enable_lora=True,
-                 max_loras=2, max_lora_rank=8)
+    dtype = "bfloat16" if quantization == "bfloat16" else "float32"
+    engine = LLM(model, dtype=dtype, num_blocks=64, block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8,
+                 quantization=None if quantization == "bfloat16" else quantization)
     loras = [lora(1, adapters[0]), None, lora(3, adapters[2])]
     outs = engine.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)
     for out, req in zip(outs, loras):
