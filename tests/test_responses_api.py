@@ -23,6 +23,7 @@ from tokenloom.server.params import render_chat, template_kwargs
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.serving_responses import build_messages, call_item, chat_body, namespaced_names, output_messages
+from tokenloom.server.unsupported import reject_unsupported_chat
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -76,6 +77,38 @@ def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
     ids = render_chat(tokenizer, chat.messages, chat_template_kwargs=template_kwargs(None, "high"),
                       chat_template="[{{ reasoning_effort }} {{ enable_thinking }} {{ messages | length }}]")
     assert tokenizer.decode(ids) == "[high True 4]"
+
+
+def test_partial_last_message_is_continued_as_in_vllm() -> None:
+    # vLLM's should_continue_final_message: an in_progress / incomplete message or reasoning item last is a
+    # turn the model goes on with (continue_final_message, no generation prompt); otherwise a new turn.
+    partial = {"type": "message", "role": "assistant", "status": "incomplete",
+               "content": [{"type": "output_text", "text": "The capital of France is"}]}
+    for input_, continued in (([{"role": "user", "content": "Capital of France?"}, partial], True),
+                              ([{"role": "user", "content": "Capital of France?"}, {**partial, "status": "completed"}],
+                               False),
+                              ([{"role": "user", "content": "Hi", "status": "in_progress"}], True),
+                              ([{"type": "function_call_output", "call_id": "c", "output": "x",
+                                 "status": "incomplete"}], False),
+                              ("Hi", False)):
+        obj = {"input": input_}
+        req = parse_model(ResponsesRequest, obj)
+        chat = parse_model(ChatCompletionRequest, chat_body(req, obj, build_messages(req, None)))
+        assert (chat.continue_final_message, chat.add_generation_prompt) == (continued, not continued), input_
+    tokenizer = load_tokenizer(None)
+    obj = {"input": [{"role": "user", "content": "Capital of France?"}, partial]}
+    req = parse_model(ResponsesRequest, obj)
+    chat = parse_model(ChatCompletionRequest, chat_body(req, obj, build_messages(req, None)))
+    text = tokenizer.decode(render_chat(tokenizer, chat.messages, chat.add_generation_prompt,
+                                        chat.continue_final_message), skip_special_tokens=False)
+    assert text.endswith("The capital of France is")  # the turn left open, no end-of-turn or new turn
+
+
+def test_reasoning_effort_is_not_refused_on_chat() -> None:
+    # vLLM's chat without a reasoning parser takes reasoning_effort (to the chat template) as Responses does.
+    body = {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "high"}
+    reject_unsupported_chat(body)
+    assert parse_model(ChatCompletionRequest, body).reasoning_effort == "high"
 
 
 def test_namespace_tools_as_vllm() -> None:
@@ -235,6 +268,16 @@ class TestServer:
         added = next(e.item for e in events if e.type == "response.output_item.added")
         assert (added.name, added.namespace) == ("get_weather", "weather")
         assert (final.output[0].name, final.output[0].namespace) == ("get_weather", "weather")
+
+    def test_partial_assistant_message_is_continued(self, client) -> None:
+        ask = {"role": "user", "content": "What is the capital of France?"}
+        partial = {"type": "message", "role": "assistant", "status": "incomplete",
+                   "content": [{"type": "output_text", "text": "The capital of France is"}]}
+        kwargs = dict(model=MODEL, max_output_tokens=3, temperature=0.0)
+        go_on = client.responses.create(input=[ask, partial], **kwargs)
+        new_turn = client.responses.create(input=[ask, {**partial, "status": "completed"}], **kwargs)
+        # The open turn has no end-of-turn and no new assistant header: fewer prompt tokens.
+        assert go_on.usage.input_tokens < new_turn.usage.input_tokens and go_on.output_text
 
     def test_previous_response_id_get_and_cancel(self, client, server) -> None:
         first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0.0)

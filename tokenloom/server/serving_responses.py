@@ -272,9 +272,21 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                    "text.format")
 
 
+def continues_final_message(req: ResponsesRequest) -> bool:
+    """vLLM's should_continue_final_message: a last input item that is a message or reasoning item with status
+    in_progress / incomplete is a partial turn the model goes on with (no new generation prompt)."""
+    if isinstance(req.input, str) or not req.input or not isinstance(req.input[-1], dict):
+        return False
+    last = req.input[-1]
+    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in ("in_progress",
+                                                                                                "incomplete")
+
+
 def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request this Responses request means (parse_chat checks and renders it)."""
+    continue_final = continues_final_message(req)
     body: dict[str, Any] = {
+        "add_generation_prompt": not continue_final, "continue_final_message": continue_final,
         "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
         "stop": req.stop, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
