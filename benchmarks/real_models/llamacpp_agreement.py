@@ -162,7 +162,7 @@ def main() -> None:
         runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog)
         rows["f32_copy"] = compare(runs["dequantized_f32"], runs["llamacpp_f32"])
     if a.tokens_out:
-        Path(a.tokens_out).write_text(json.dumps({"model": model, "prompts": prompts,
+        Path(a.tokens_out).write_text(json.dumps({"model": model, "prompts": prompts, "banned_eog": eog,
                                                   **{k: [g.tokens for g in v] for k, v in runs.items()}}))
     for i, c in enumerate(CHATS):
         cells = "  ".join(f"{k} {r['common_prefix'][i]:3d} ({r['margin_first'][i]} / {r['margin_llamacpp'][i]})"
