@@ -4,10 +4,10 @@ Loads a GGUF with `--quantization gguf`'s weights (the 8-row layouts), then time
 threads, alternating within each round:
 - `step`: GGUFDecoder.step at batch 1 (positions 16..143, bf16 KV cache), layer weights / time;
 - `gemv`: the same layers' linears alone, one gguf_linear_packed call each (no norms, attention,
-  barriers), their bytes / time;
+  barriers), their bytes / time; `gemv Q4_K` etc.: those of one GGML type alone;
 - `sum`: torch's sum over those bytes (int64 view): what a plain read of them gets;
-- `head`: the tied LM head (the embedding's 8-row copy) right after the layers' bytes were read, so
-  it comes from DRAM as it does in a real step.
+- `head`: the LM head (`output.weight`, else the tied embedding; its 8-row copy) right after the
+  layers' bytes were read, so it comes from DRAM as it does in a real step.
 
     .venv/bin/python benchmarks/quant/gguf_bandwidth.py FILE.gguf [--rounds 5] [--threads 2]
 """
@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 
 def main() -> None:
@@ -57,7 +58,8 @@ def main() -> None:
     layer_bytes = torch.cat([p.data.flatten() for lin in lins for p in lin.parts])
     xs = {n: torch.randn(1, n) for n in {lin.in_features for lin in lins}}
     outs = [torch.empty(1, lin.out_features) for lin in lins]
-    emb = weights["model.embed_tokens.weight"]
+    # The LM head: output.weight where the file has one (Qwen2.5 1.5B: Q6_K), else the tied embedding.
+    emb = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     head = emb.repacked(k) if isinstance(emb, GGUFWeight) else None
     logits = torch.empty(1, config.vocab_size)
 
@@ -76,6 +78,21 @@ def main() -> None:
                     k.gguf_linear(o[:, col : col + n], xs[lin.in_features], p.data, p.qtype, None)
                 col += n
 
+    # The same GEMVs split by GGML type (Q4_K_M files mix Q4_K and Q6_K): which kernel streams slower.
+    by_type: dict[str, list[tuple]] = {}
+    for lin, o in zip(lins, outs):
+        col = 0
+        for p in lin.parts:
+            by_type.setdefault(Q(p.qtype).name, []).append((p, xs[lin.in_features], o[:, col : col + p.shape[0]]))
+            col += p.shape[0]
+
+    def gemv_of(parts: list[tuple]) -> None:
+        for p, x, o in parts:
+            if p.packed8:
+                k.gguf_linear_packed(o, x, p.data, p.qtype, None)
+            else:
+                k.gguf_linear(o, x, p.data, p.qtype, None)
+
     def read() -> None:
         layer_bytes.view(torch.int64).sum()
 
@@ -85,11 +102,14 @@ def main() -> None:
         return (time.perf_counter() - t0) / reps
 
     nbytes = layer_bytes.numel()
-    res: dict[str, list[float]] = {"step": [], "gemv": [], "sum": [], "head": []}
+    res: dict[str, list[float]] = {"step": [], "gemv": [], **{f"gemv {t}": [] for t in by_type}, "sum": [], "head": []}
+    sizes = {f"gemv {t}": sum(p.data.numel() for p, _, _ in parts) for t, parts in by_type.items()}
     step()  # warm-up
     for _ in range(a.rounds):
         res["step"].append(timed(step, 128))
         res["gemv"].append(min(timed(gemv) for _ in range(20)))
+        for t, parts in by_type.items():
+            res[f"gemv {t}"].append(min(timed(lambda ps=parts: gemv_of(ps)) for _ in range(20)))
         res["sum"].append(min(timed(read) for _ in range(20)))
         if head is not None and head.packed8:
             hs = []
@@ -103,9 +123,9 @@ def main() -> None:
         if not vals:
             continue
         t = statistics.median(vals)
-        size = head_bytes if name == "head" else nbytes
+        size = head_bytes if name == "head" else sizes.get(name, nbytes)
         what = "decoder step, batch 1 (median)" if name == "step" else "best of 20 / 10 (median of rounds)"
-        print(f"  {name:5s} {t * 1e3:7.3f} ms  {size / t / 1e9:5.1f} GB/s   {what}")
+        print(f"  {name:10s} {t * 1e3:7.3f} ms  {size / t / 1e9:5.1f} GB/s   {what}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,38 @@
-"""Greedy tokens of tokenloom's quantized GGUF path against llama.cpp's on the same file and prompts.
+"""Greedy tokens of tokenloom's GGUF paths against llama.cpp's on the same file and prompts, with the
+controls that say why they part.
 
-`--quantization gguf` multiplies the file's blocks by activations quantized to int8 per 32, as
-ggml's CPU backend does, so its greedy continuation should follow llama.cpp's far longer than the
-dequantized float path does (which differs from both by the activation rounding). The 8 chat
-prompts of quant_quality.py are rendered with tokenloom's chat template into token ids; each
-engine continues the same ids greedily for `--max-tokens` (llama-server's /completion with
-`return_tokens`, one slot, `-t --threads`, an f32 KV cache like ours). Reported per prompt: the
-common prefix length with llama.cpp of the gguf path and of the dequantized path.
+The 8 chat prompts of quant_quality.py are rendered with tokenloom's chat template into token ids;
+each engine continues the same ids greedily for `--max-tokens` (llama-server's /completion with
+`return_tokens`, one slot, `-t --threads`, an f32 KV cache like ours). Both run past the end of the
+answer the same way: llama-server's `ignore_eos` bans every end-of-generation token (its logit bias
+-inf for the vocabulary's EOG set, which its response lists), while tokenloom's (vLLM's) only keeps
+going after sampling one, so tokenloom gets a -100 logit bias on that same set. Reported per prompt:
+the common prefix length with llama.cpp of tokenloom's quantized (`gguf`) and dequantized (`none`)
+paths, and at the first differing token the top-1 margin (logprob of the engine's own token minus
+that of the other engine's token) of each side: a margin far below the two engines' logprob spread
+is a near-tie.
+
+Controls, each optional:
+* `--self-check`: llama.cpp against itself, its default (`-fa auto`: flash attention on CPU) and
+  `-fa off` (the plain softmax attention), the same weights and int8 activation rounding: how far
+  llama.cpp follows its own greedy tokens when only the float summation order changes.
+* `--f32-copy FILE`: the same weights dequantized to F32 by llama.cpp itself, so that llama.cpp
+  multiplies float activations (no int8 rounding; its rope, norms and attention unchanged), against
+  tokenloom's dequantized path on that copy. Made with `$LB/llama-quantize --allow-requantize --pure
+  --output-tensor-type f32 --token-embedding-type f32 IN.gguf OUT.gguf F32`.
+
+Both of llama.cpp's and tokenloom's quantized paths round every linear's input to int8 (ggml: per 32
+with an fp16 scale for Q4_0/Q5_0/Q8_0 weights, per 256 for the K-quants; tokenloom: per 32, float
+scale), and a float difference of one ulp moves some of those roundings, so two implementations of
+the quantized arithmetic drift apart by about the rounding noise itself (docs/performance.md,
+"Greedy agreement with llama.cpp").
 
     .venv/bin/python benchmarks/real_models/llamacpp_agreement.py [MODEL.gguf] \\
-        --llama-server ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-server [--json out.json]
+        --llama-server ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-server [--self-check] \\
+        [--f32-copy F32.gguf] [--llama-arg=-nr] [--json out.json]
+
+`--llama-arg=-nr` (llama.cpp's `--no-repack`) where ggml's AMX kernels are built but the kernel does
+not grant the AMX tile state (the server then dies with SIGILL at the first matrix product).
 """
 
 from __future__ import annotations
@@ -19,45 +42,89 @@ import json
 import subprocess
 import sys
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.* and tokenloom
 from benchmarks.quant.quant_quality import CHATS, common_prefix  # noqa: E402
 from benchmarks.real_models.multi_stream import free_port, wait_ready  # noqa: E402
 
+TOP_N = 5  # logprobs kept per generated token, for the margins at a divergence
 
-def llamacpp_tokens(binary: str, model: str, prompts: list[list[int]], max_tokens: int,
-                    threads: int) -> list[list[int]]:
+
+@dataclass
+class Greedy:
+    """One engine's greedy continuation of one prompt: its tokens and, per token, the top-N logprobs."""
+
+    tokens: list[int]
+    top: list[dict[int, float]]
+
+
+def llamacpp_greedy(binary: str, model: str, prompts: list[list[int]], max_tokens: int, threads: int,
+                    extra: list[str]) -> tuple[list[Greedy], list[int]]:
+    """llama.cpp's greedy continuations, and its end-of-generation tokens (those `ignore_eos` banned)."""
     port = free_port()
     proc = subprocess.Popen([binary, "-m", model, "-t", str(threads), "-np", "1", "-c", "2048", "--port", str(port),
-                             "-ctk", "f32", "-ctv", "f32"],
+                             "-ctk", "f32", "-ctv", "f32", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc)
         outs = []
         for ids in prompts:
+            # n_probs without post_sampling_probs: the softmax of the raw logits, before top_k = 1.
             body = json.dumps({"prompt": ids, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                               "return_tokens": True, "cache_prompt": False,
+                               "n_probs": TOP_N, "return_tokens": True, "cache_prompt": False,
                                "ignore_eos": True}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
                                          {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=600) as r:
-                outs.append(json.loads(r.read())["tokens"])
-        return outs
+                out = json.loads(r.read())
+            top = [{p["id"]: p["logprob"] for p in step["top_logprobs"]} for step in out["completion_probabilities"]]
+            outs.append(Greedy(out["tokens"], top))
+        # ignore_eos adds a logit bias of -inf (JSON null) per EOG token to the request's settings.
+        eog = [b["token"] for b in out["generation_settings"]["logit_bias"] if b["bias"] is None]
+        return outs, eog
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def tokenloom_tokens(model: str, quantization: str, prompts: list[list[int]],
-                     max_tokens: int) -> list[list[int]]:
+def tokenloom_greedy(model: str, quantization: str, prompts: list[list[int]], max_tokens: int,
+                     banned: list[int]) -> list[Greedy]:
     from tokenloom.engine.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
     llm = LLM(model, dtype="float32", quantization=quantization)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N,
+                            logit_bias={t: -100.0 for t in banned})
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        if set(c.token_ids) & set(banned):  # -100 is vLLM's floor for a bias; it must have been enough
+            raise RuntimeError(f"tokenloom sampled a banned end-of-generation token: {c.token_ids}")
+        res.append(Greedy(list(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs]))
+    del llm
+    return res
+
+
+def margin(side: Greedy, i: int, other_token: int) -> float | None:
+    """Logprob of `side`'s own token at step i minus that of `other_token` there; None when the other
+    token is outside side's top-N (then the margin exceeds that of its N-th token)."""
+    if other_token not in side.top[i]:
+        return None
+    return round(side.top[i][side.tokens[i]] - side.top[i][other_token], 4)
+
+
+def compare(ours: list[Greedy], theirs: list[Greedy]) -> dict[str, list]:
+    prefix, ours_margin, theirs_margin = [], [], []
+    for a, b in zip(ours, theirs):
+        n = common_prefix(a.tokens, b.tokens)
+        prefix.append(n)
+        diverged = n < min(len(a.tokens), len(b.tokens))
+        ours_margin.append(margin(a, n, b.tokens[n]) if diverged else None)
+        theirs_margin.append(margin(b, n, a.tokens[n]) if diverged else None)
+    return {"common_prefix": prefix, "margin_first": ours_margin, "margin_llamacpp": theirs_margin}
 
 
 def main() -> None:
@@ -66,7 +133,11 @@ def main() -> None:
     ap.add_argument("--llama-server", required=True)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-arg", action="append", default=[], help="an extra llama-server argument (repeatable)")
+    ap.add_argument("--self-check", action="store_true", help="also llama.cpp -fa off against its default")
+    ap.add_argument("--f32-copy", default=None, help="the same weights as an F32 GGUF (see the docstring)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tokens-out", default=None, help="every engine's tokens, for float64_reference.py")
     a = ap.parse_args()
     from tokenloom.model.loader import resolve_model_path
     from tokenloom.model.tokenizer import load_tokenizer
@@ -74,16 +145,32 @@ def main() -> None:
     model = str(resolve_model_path(a.model))
     tok = load_tokenizer(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHATS]
-    theirs = llamacpp_tokens(a.llama_server, model, prompts, a.max_tokens, a.threads)
-    rows = {}
+
+    def llamacpp(path: str, *extra: str) -> list[Greedy]:
+        return llamacpp_greedy(a.llama_server, path, prompts, a.max_tokens, a.threads, [*a.llama_arg, *extra])[0]
+
+    theirs, eog = llamacpp_greedy(a.llama_server, model, prompts, a.max_tokens, a.threads, a.llama_arg)
+    runs = {"llamacpp": theirs}
     for name, quant in (("gguf", "gguf"), ("dequantized", "none")):
-        ours = tokenloom_tokens(model, quant, prompts, a.max_tokens)
-        rows[name] = [common_prefix(o, t) for o, t in zip(ours, theirs)]
+        runs[name] = tokenloom_greedy(model, quant, prompts, a.max_tokens, eog)
+    rows = {name: compare(runs[name], runs["llamacpp"]) for name in ("gguf", "dequantized")}
+    if a.self_check:
+        runs["llamacpp_fa_off"] = llamacpp(model, "-fa", "off")
+        rows["llamacpp_fa_off"] = compare(runs["llamacpp_fa_off"], runs["llamacpp"])
+    if a.f32_copy:
+        runs["llamacpp_f32"] = llamacpp(a.f32_copy)
+        runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog)
+        rows["f32_copy"] = compare(runs["dequantized_f32"], runs["llamacpp_f32"])
+    if a.tokens_out:
+        Path(a.tokens_out).write_text(json.dumps({"model": model, "prompts": prompts, "banned_eog": eog,
+                                                  **{k: [g.tokens for g in v] for k, v in runs.items()}}))
     for i, c in enumerate(CHATS):
-        print(f"{c[:44]:44s}  gguf {rows['gguf'][i]:3d}  dequantized {rows['dequantized'][i]:3d}  of {a.max_tokens}")
-    summary = {"model": Path(model).name, "max_tokens": a.max_tokens,
-               **{f"{k}_common_prefix": v for k, v in rows.items()},
-               **{f"{k}_identical": sum(n == a.max_tokens for n in v) for k, v in rows.items()}}
+        cells = "  ".join(f"{k} {r['common_prefix'][i]:3d} ({r['margin_first'][i]} / {r['margin_llamacpp'][i]})"
+                          for k, r in rows.items())
+        print(f"{c[:40]:40s}  {cells}")
+    summary = {"model": Path(model).name, "max_tokens": a.max_tokens, "llama_args": a.llama_arg, "banned_eog": eog,
+               **{f"{k}_identical": sum(n == a.max_tokens for n in r["common_prefix"]) for k, r in rows.items()},
+               **{f"{k}_{field}": v for k, r in rows.items() for field, v in r.items()}}
     print(json.dumps(summary))
     if a.json:
         Path(a.json).write_text(json.dumps(summary, indent=1))
