@@ -21,9 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
+
 from tokenloom import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+# tp1-1thread: the tp1 engine run with one torch thread (what each rank of TP=2 / PP=2 has), to tell
+# the effect of the split from that of one thread instead of two.
+ONE_THREAD = "tp1-1thread"
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -37,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the default model")
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--configs", default="tp1,tp2,pp2")
+    parser.add_argument("--configs", default="tp1,tp2,pp2", help=f"of tp1, tp2, pp2, {ONE_THREAD}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per request")
     parser.add_argument("--batch", type=int, default=8)
@@ -46,7 +51,11 @@ def main() -> None:
     kw = dict(max_model_len=512, kv_cache_memory=256 << 20)
     if args.quantization:
         kw["quantization"] = args.quantization
-    engines = {name: LLM(args.model, **kw, **CONFIGS[name]) for name in args.configs.split(",")}
+    names = args.configs.split(",")
+    engines = {name: LLM(args.model, **kw, **CONFIGS[name]) for name in names if name != ONE_THREAD}
+    if ONE_THREAD in names:
+        engines[ONE_THREAD] = engines.get("tp1") or LLM(args.model, **kw)
+    threads = torch.get_num_threads()
     prompt = [1 + (i * 37) % 1000 for i in range(32)]
     batch = [[1 + (i * 37 + j * 101) % 1000 for i in range(32)] for j in range(args.batch)]
     for llm in engines.values():  # warm-up: first-touch of the KV cache and kernels
@@ -55,6 +64,7 @@ def main() -> None:
     tput: dict[str, list[float]] = {n: [] for n in engines}
     for r in range(args.rounds):
         for name, llm in engines.items():
+            torch.set_num_threads(1 if name == ONE_THREAD else threads)
             short, _ = _run(llm, [prompt], 1)
             full, n = _run(llm, [prompt], args.tokens + 1)
             tpot[name].append((full - short) / args.tokens * 1e3)
@@ -71,7 +81,7 @@ def main() -> None:
                                                "cpus": len(os.sched_getaffinity(0)), "rounds": args.rounds,
                                                "tokens": args.tokens, "batch": args.batch, "median": summary,
                                                "tpot_ms": tpot, "batch_tok_s": tput}, indent=1))
-    for llm in engines.values():
+    for llm in {id(e): e for e in engines.values()}.values():
         llm.llm_engine.close()
 
 

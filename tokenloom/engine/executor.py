@@ -10,9 +10,10 @@ runner, so where the model runs is the executor's business alone:
                         in submission order, two in flight at most (`max_concurrent_batches = 2`);
                         with a `ModelThread`, on the thread that loaded the model
     SimulatedExecutor   the simulator's cost-model runner on a virtual clock (tokenloom/sim/executor.py)
+    MultiprocExecutor   tensor / pipeline-parallel worker processes, one per rank
+                        (tokenloom/engine/multiproc_executor.py; docs/parallelism.md)
 
-Later executors are new classes here, not changes to the engine core: one per data-parallel
-replica, or one that drives worker processes. A failed step surfaces as the exception of the call
+Later executors are new classes, not changes to the engine core. A failed step surfaces as the exception of the call
 (or of the future); the engine core turns it into an error for that step's requests only.
 """
 

@@ -133,9 +133,7 @@ def shard_model(loaded: Any, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_si
     config: ModelConfig = loaded.config
     check_parallel_model(config, tp_size, pp_size)
     start, end = pp_layer_range(config.num_hidden_layers, pp_rank, pp_size)
-    vocab = config.vocab_size
-    embed = loaded.weights["model.embed_tokens.weight"]
-    vocab = int(embed.shape[0])
+    vocab = int(loaded.weights["model.embed_tokens.weight"].shape[0])  # the table's rows, as the runner checks
     per_rank = -(-vocab // tp_size)
     shard = ShardInfo(tp_rank, tp_size, pp_rank, pp_size, vocab, per_rank, start, end)
     d = config.head_dim
