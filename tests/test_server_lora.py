@@ -16,7 +16,8 @@ from tests.tiny_models import make_tiny_hf_model
 from tokenloom.engine.llm import LLM
 from tokenloom.lora.request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.server.serving_models import LoRAModulePath, ServingModels, parse_lora_module
+from tokenloom.server.lora_modules import LoRAModulePath, parse_lora_module
+from tokenloom.server.serving_models import ServingModels
 
 pytestmark = pytest.mark.slow
 BASE = "tiny-base"

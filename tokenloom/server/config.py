@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenloom.config import EngineArg, knob, knobs_of, parse_bytes
-from tokenloom.server.serving_models import LoRAModulePath, parse_lora_module
+from tokenloom.server.lora_modules import LoRAModulePath, parse_lora_module
 
 
 def _json_strings(text: str) -> list[str]:

@@ -15,40 +15,11 @@ its old weights.
 from __future__ import annotations
 
 import itertools
-import json
-from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.lora.request import LoRARequest
 from tokenloom.server.errors import APIError
-
-
-@dataclass(frozen=True)
-class LoRAModulePath:
-    """One --lora-modules entry (vLLM's LoRAModulePath)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_lora_module(text: str) -> LoRAModulePath:
-    """`name=path`, or the JSON object form with "name", "path" and optionally "base_model_name"."""
-    text = text.strip()
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--lora-modules: not JSON: {text!r} ({exc.msg})") from None
-        unknown = set(obj) - {"name", "path", "base_model_name"}
-        if not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str) or unknown:
-            raise ValueError(f"--lora-modules: expected {{\"name\": ..., \"path\": ..., \"base_model_name\": ...}}, "
-                             f"got {text!r}")
-        return LoRAModulePath(obj["name"], obj["path"], obj.get("base_model_name"))
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {text!r}")
-    return LoRAModulePath(name, path)
+from tokenloom.server.lora_modules import LoRAModulePath
 
 
 class ServingModels:
