@@ -174,6 +174,8 @@ class LLMEngine:
                         "(vLLM's hybrid KV cache manager; --disable-hybrid-kv-cache-manager keeps every block)",
                         loaded.config.architecture, len(kv_cache_groups), layers_per_block(kv_cache_groups))
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        # The KV cache the runner (or each worker) allocated: what reset_scheduler may use at most.
+        self.kv_cache_held = (cache_cfg.block_size, cache_cfg.num_blocks)
 
         calibration = None
         if config.quantization == "int8":
@@ -274,6 +276,8 @@ class LLMEngine:
         num_blocks = cache_in.num_blocks or (-(-sched_cfg.token_budget_ceiling // bs) + sched_cfg.max_num_seqs + 1)
         cache_cfg = replace(cache_in, num_blocks=num_blocks, enable_prefix_caching=False, layer_windows=None)
         self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        # The KV cache the runner (or each worker) allocated: what reset_scheduler may use at most.
+        self.kv_cache_held = (cache_cfg.block_size, cache_cfg.num_blocks)
         runner = EncoderRunner(path, pooler, block_size=bs, num_blocks=num_blocks, dtype=dtype, device=device,
                                loaded=(bert_config, weights))
         del weights
@@ -523,10 +527,12 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         cache_config = cache_config or self.cache_config
-        held = self.cache_config
-        if cache_config.block_size != held.block_size or (cache_config.num_blocks or 0) > (held.num_blocks or 0):
+        # Against what the runner allocated at start-up, not the previous reset's (smaller) config: a benchmark
+        # may shrink the pool and grow it back.
+        block_size, num_blocks = self.kv_cache_held
+        if cache_config.block_size != block_size or (cache_config.num_blocks or 0) > (num_blocks or 0):
             raise ConfigError(
-                f"the runner's KV cache has {held.num_blocks} blocks of {held.block_size} tokens; "
+                f"the runner's KV cache has {num_blocks} blocks of {block_size} tokens; "
                 "a new scheduler can use fewer blocks, not other sizes"
             )
         self.scheduler_config = scheduler_config or self.scheduler_config
