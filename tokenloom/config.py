@@ -21,7 +21,7 @@ import re
 import types
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,28 @@ def knob(default: Any, help: str, *, arg: str | None = None, parse: Callable[[st
     if isinstance(default, dict | list):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+_C = TypeVar("_C")
+
+
+def _config_from_any(cls: type[_C], value: Any, name: str) -> _C | None:
+    """A JSON-valued engine argument (--speculative-config, --kv-transfer-config) as its dataclass: an
+    instance as is, a dict or a JSON string by field name (unknown fields refused by name), None as None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object, got {type(value).__name__}")
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    return cls(**value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -411,21 +433,7 @@ class KVTransferConfig:
     @classmethod
     def from_any(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
         """A config from a KVTransferConfig, a dict, a JSON string, or None (no connector)."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ConfigError(
-                f"kv_transfer_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-        return cls(**value)
+        return _config_from_any(cls, value, "kv_transfer_config")
 
 
 def resolve_kv_transfer_config(kv_transfer: KVTransferConfig | None, cache: CacheConfig | None
@@ -687,22 +695,7 @@ class SpeculativeConfig:
     @classmethod
     def from_any(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """A config from a SpeculativeConfig, a dict, a JSON string, or None (no speculation)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ConfigError(
-                f"speculative_config: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})"
-            )
-        return cls(**value)
+        return _config_from_any(cls, value, "speculative_config")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
