@@ -27,6 +27,7 @@ from tokenloom.config import (
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.prompt_fit import max_model_len_that_fits
 from tokenloom.core.request import Request
+from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
@@ -207,19 +208,16 @@ class LLMEngine:
         self.speculative_config = config.speculative_config
         if self.lora_config is not None:
             on_model_thread(self.runner.enable_lora, self.lora_config)
-        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock, speculative_config=self.speculative_config)
-        self.scheduler.lora_config = self.lora_config
         # A KV connector (--kv-transfer-config, --kv-offloading-size): its scheduler side in the scheduler, its
         # worker side in the runner (tokenloom/engine/kv_connectors.py).
         self.kv_connector: Any = None
         if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector is not None:
             self.kv_connector, self.runner.kv_connector = on_model_thread(
                 make_kv_connectors, config, self.runner, path, len(kv_cache_groups), self.runner_type)
-            self.scheduler.connector = self.kv_connector
         if self.speculative_config is not None and self.runner is not None:  # (workers: enabled at start)
             on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
         self.structured_output_manager = self._structured_output_manager()
-        self.scheduler.structured_output_manager = self.structured_output_manager
+        self.scheduler = self._new_scheduler()
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -550,12 +548,18 @@ class LLMEngine:
             self.executor.shutdown()
             self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling,
                                             model_thread=self._model_thread)
-        self.scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
-                                        speculative_config=self.speculative_config)
-        self.scheduler.lora_config = self.lora_config
-        self.scheduler.structured_output_manager = self.structured_output_manager
-        self.scheduler.connector = getattr(self, "kv_connector", None)
+        self.scheduler = self._new_scheduler()
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+
+    def _new_scheduler(self) -> Scheduler:
+        """A scheduler over this engine's configs with the parts the engine owns attached (the LoRA limits,
+        the KV connector's scheduler side, the grammars): at start-up and on every reset_scheduler."""
+        scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
+                                   speculative_config=self.speculative_config)
+        scheduler.lora_config = self.lora_config
+        scheduler.connector = getattr(self, "kv_connector", None)  # an encoder engine has none
+        scheduler.structured_output_manager = self.structured_output_manager
+        return scheduler
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
