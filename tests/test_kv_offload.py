@@ -240,6 +240,17 @@ def test_refused_combinations_say_why(tiny_dir):
     with pytest.raises(ConfigError, match="at least one block"):
         _llm(tiny_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"cpu_bytes_to_use": 100}})
+    # A pooling model keeps no KV: refused before loading, encoder (no KV cache at all) and decoder alike.
+    from tests.pooling_models import make_tiny_bert
+
+    with pytest.raises(ConfigError, match="not supported with --runner pooling"):
+        LLM(str(make_tiny_bert(tiny_dir.parent / "bert")), dtype="float32", kv_offloading_size=0.01)
+    with pytest.raises(ConfigError, match="not supported with --runner pooling"):
+        _llm(tiny_dir, runner="pooling", kv_offloading_size=0.01)
+    # Hybrid KV cache groups (Gemma 2's windowed + full layers): connectors run one group.
+    gemma2 = make_tiny_hf_model(tiny_dir.parent / "gemma2", arch="gemma2", seed=3)
+    with pytest.raises(ConfigError, match="mixes sliding-window and full-attention"):
+        LLM(str(gemma2), dtype="float32", kv_offloading_size=0.01)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config"):
         _llm(tiny_dir, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"cpu_bytes": 1}})

@@ -240,6 +240,8 @@ def test_refusals_are_clear_before_loading(tiny_dir):
         LLM(str(tiny_dir), tensor_parallel_size=2, kv_offloading_size=1, **KW)
     with pytest.raises(ConfigError, match="kv-cache-dtype int8"):
         LLM(str(tiny_dir), tensor_parallel_size=2, kv_cache_dtype="int8", **KW)
+    with pytest.raises(ConfigError, match="pooling models run on one rank"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, runner="pooling", **KW)
 
 
 def test_threads_bind_follows_vllm_cpu_omp_threads_bind():

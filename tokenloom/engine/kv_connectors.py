@@ -88,8 +88,7 @@ def make_kv_connectors(config: EngineConfig, runner: Any, model_path: Path, num_
     if num_kv_cache_groups > 1:
         raise ConfigError(f"{kv.kv_connector}: this model mixes sliding-window and full-attention layers (hybrid "
                           "KV cache groups); KV connectors run one group only (try --disable-hybrid-kv-cache-manager)")
-    if runner_type != "generate":
-        raise ConfigError(f"{kv.kv_connector}: a pooling runner computes every prompt row; no KV connector")
+    assert runner_type == "generate", "pooling engines refuse KV connectors before loading (check_pooling_engine)"
     spec = kv_block_spec(runner, config, model_path)
     scheduler_side = KVConnectorFactory.create_connector(kv, KVConnectorRole.SCHEDULER, spec)
     try:

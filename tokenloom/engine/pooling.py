@@ -90,6 +90,10 @@ def check_pooling_engine(config: EngineConfig) -> None:
         raise ConfigError("speculative decoding needs a generation model; this engine runs a pooling model")
     if config.quantization == "int8":
         raise ConfigError("--quantization int8 is not supported with --runner pooling")
+    if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector is not None:
+        raise ConfigError(f"{config.kv_transfer_config.kv_connector} (--kv-transfer-config / --kv-offloading-size) is "
+                          "not supported with --runner pooling: a pooling request computes every prompt row and "
+                          "keeps no KV to offload or hand off")
     if sched is not None and sched.batching != "continuous":
         raise ConfigError("--batching static/request compare generation schedules; a pooling engine runs "
                           "continuous batching only")
