@@ -23,7 +23,7 @@ nothing then.
 
 CPU kernels: when tokenloom/model/kernels.py can build/load the compiled kernels (the default on
 CPU; `cpu_kernels=False` or TOKENLOOM_CPU_KERNELS=0 turn them off), the step runs the fused path
-(see tokenloom/model/llama.py and attention.py): inputs are laid out in scheduler order with one
+(see tokenloom/model/decoder_model.py and attention.py): inputs are laid out in scheduler order with one
 block-table row per sequence (no decode grouping, masks or key biases), the KV cache is left
 uninitialised (nothing unwritten reaches a result) and, for bf16, stored in the kernels' packed
 layout; the last layer runs attention, o-proj and MLP for the sampling rows only; all-greedy
@@ -53,7 +53,7 @@ from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogp
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
 from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.llama import LlamaModel
+from tokenloom.model.decoder_model import DecoderModel
 from tokenloom.model.platform import (
     configure_cpu_threads,
     cpu_has_fast_int8,
@@ -193,7 +193,7 @@ class ModelRunner:
                            "with AVX2 kernels")
         threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
-            self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
+            self.model = DecoderModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
                                     quantization=quantization, calibration_token_ids=calibration_token_ids,
                                     calibration_threads=threads, shard=getattr(model, "shard", None))
         self.use_kernels = kernels is not None

@@ -1,4 +1,6 @@
-"""Llama / Qwen2 decoder over one flattened batch of exactly the scheduled tokens (no padding).
+"""DecoderModel: the network of every decoder family, over one flattened batch of exactly the
+scheduled tokens (no padding). The family's decoder-layer class comes from the registry
+(tokenloom/model/models/registry.py); the blocks it is built of are tokenloom/model/layers.py's.
 
 Weights come in with Hugging Face names and are rearranged once at load for speed: q/k/v fused
 into one matrix (one GEMM instead of three), gate/up fused likewise, everything cast to the run
@@ -19,13 +21,14 @@ attention, residual add + RMSNorm twice, SiLU-and-mul); without them (CUDA, or n
 same arithmetic runs as plain torch ops.
 
 A new family is a new small class: a decoder layer whose attention adds q/k norms (Qwen3), whose
-MLP is a mixture of experts, or whose norms differ (Gemma), registered in `DECODER_LAYERS`.
+MLP is a mixture of experts, or whose norms differ (Gemma), in its own file under
+tokenloom/model/models/ and named in the registry.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,179 +36,28 @@ import torch.nn.functional as F
 
 from tokenloom import envs
 from tokenloom.distributed import get_pp_group, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
-from tokenloom.model.attention import AttentionLayerSpec, AttentionMetadata, KVCache
-from tokenloom.model.attention_backends import AttentionBackend, TorchAttentionBackend, select_attention_backend
+from tokenloom.model.attention import AttentionMetadata, KVCache
+from tokenloom.model.attention_backends import TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.layers import Hidden, RMSNorm, StepContext
 from tokenloom.model.linear import (
     LinearBase,
-    LinearMethodBase,
-    PendingOutput,
     UnquantizedLinearMethod,
     dense,
     packing_enabled,
     prepack_linears,
 )
-from tokenloom.model.parallel_linear import ROW_PARALLEL, RowParallelLinear
+from tokenloom.model.models.registry import decoder_layer_class
 from tokenloom.model.platform import return_freed_memory
 from tokenloom.model.quant import check_quantization, get_linear_method
 from tokenloom.model.rotary import RotaryEmbedding
 from tokenloom.model.tp_shard import ShardInfo
+from tokenloom.model.weight_reader import WeightReader, gguf_embedding
 
 logger = logging.getLogger(__name__)
 
-Hidden = torch.Tensor | PendingOutput  # a linear's output, maybe not yet finished (see linear.py)
 
-
-@dataclass
-class StepContext:
-    """What every layer of one forward shares."""
-
-    positions: torch.Tensor  # [T]
-    rope_tables: Any  # the attention backend's (see AttentionBackend.rope_tables)
-    attn_metadata: AttentionMetadata
-    attn_backend: AttentionBackend
-    local_rope_tables: Any = None  # Gemma 3's sliding layers' rope (their own base), else None
-    lora: Any = None  # the punica wrapper when a row of the step runs a LoRA adapter (tokenloom/lora/)
-
-
-class RMSNorm:
-    """RMSNorm whose output is the next linear's input: the consuming linear's method runs it (a
-    fused kernel that also quantizes, for int8), optionally adding a sublayer's output into the
-    residual stream first."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight, self.eps = weight, eps
-
-    def __call__(self, hidden: Hidden | None, residual: torch.Tensor, method: LinearMethodBase) -> Any:
-        """hidden None: norm(residual); else residual += hidden (in place), then norm(residual)."""
-        if hidden is None:
-            return method.rms_norm_input(residual, self.weight, self.eps)
-        return method.add_rms_norm_input(hidden, residual, self.weight, self.eps)
-
-
-class LlamaAttention:
-    """qkv projection -> attention backend (rotary, KV write, paged attention) -> o projection.
-    `spec`: this layer's scale / sliding window / soft-capping; `local_rope`: the layer rotates with
-    the model's local rope tables (Gemma 3's sliding layers)."""
-
-    spec = AttentionLayerSpec()
-    local_rope = False
-
-    def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
-        names = [prefix + n for n in ("q_proj", "k_proj", "v_proj")]
-        self.qkv_proj = get.linear(names, method, prefix + "qkv_proj")  # [(Hq + 2 Hkv) * D, H]
-        self.o_proj = get.linear([prefix + "o_proj"], method, prefix + "o_proj")
-
-    def __call__(self, x: Any, ctx: StepContext, kv_cache: KVCache | None,
-                 last_layer: bool) -> tuple[Hidden | None, torch.Tensor | None]:
-        """x in qkv_proj's input format -> (o_proj's output, rows: see AttentionBackend.forward);
-        output None when no row goes on."""
-        qkv = self.qkv_proj.apply_input(x)
-        qkv = self.qk_norm(qkv if isinstance(qkv, torch.Tensor) else qkv.dense())
-        rope = ctx.local_rope_tables if self.local_rope and ctx.local_rope_tables is not None else ctx.rope_tables
-        o, rows = ctx.attn_backend.forward(qkv, ctx.positions, rope, kv_cache, ctx.attn_metadata, last_layer,
-                                           self.spec)
-        if rows is not None and rows.numel() == 0:
-            return None, rows
-        if rows is not None and ctx.lora is not None:
-            ctx.lora.narrow(rows)  # o_proj and the MLP run the output rows only from here on
-        return self.o_proj.apply_input(self.o_proj.quant_method.quantize_input(o)), rows
-
-    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Hook for families that normalise q and k per head before rotary (Qwen3, Gemma 3)."""
-        return qkv
-
-
-class LlamaMLP:
-    """down(silu(gate) * up), gate and up fused into one GEMM."""
-
-    def __init__(self, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
-        names = [prefix + n for n in ("gate_proj", "up_proj")]
-        self.gate_up_proj = get.linear(names, method, prefix + "gate_up_proj")  # [2 I, H]
-        self.down_proj = get.linear([prefix + "down_proj"], method, prefix + "down_proj")
-
-    def __call__(self, x: Any) -> Hidden:
-        """x in gate_up_proj's input format -> down_proj's output."""
-        gate_up = self.gate_up_proj.apply_input(x)
-        return self.down_proj.apply_input(self.down_proj.quant_method.silu_and_mul_input(gate_up))
-
-
-class LlamaDecoderLayer:
-    """Pre-norm attention and MLP blocks around one residual stream (Llama, Qwen2: Qwen2 differs
-    only by the q/k/v biases, which the weights carry)."""
-
-    norm_weight_offset = 0.0  # added to the final norm's weight (Gemma's (1 + w) convention)
-    # The family's ops that no compiled CPU kernel covers yet: they run as torch ops (logged at load).
-    torch_ops: tuple[str, ...] = ()
-
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
-                 layer_idx: int = 0) -> None:
-        self.input_layernorm = RMSNorm(get(prefix + "input_layernorm.weight"), config.rms_norm_eps)
-        self.self_attn = self.make_attention(config, get, prefix + "self_attn.", method)
-        self.post_attention_layernorm = RMSNorm(get(prefix + "post_attention_layernorm.weight"), config.rms_norm_eps)
-        self.mlp = self.make_mlp(config, get, prefix + "mlp.", method, layer_idx)
-        self.self_attn.spec = self.attention_spec(config, layer_idx)
-
-    # Family hooks: a subclass replaces the attention, the MLP or the attention's spec.
-    def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
-                       method: LinearMethodBase) -> LlamaAttention:
-        return LlamaAttention(get, prefix, method)
-
-    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
-                 layer_idx: int) -> Any:
-        return LlamaMLP(get, prefix, method)
-
-    def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
-        return AttentionLayerSpec(window=config.layer_window(layer_idx))
-
-    @property
-    def mlp_input_norm(self) -> RMSNorm:
-        """The norm whose output the MLP's gate/up read (SmoothQuant folds into its weight)."""
-        return self.post_attention_layernorm
-
-    @property
-    def first_linear(self) -> LinearBase:
-        """The linear that reads the residual stream's norm (whose input format the previous layer's
-        last norm produces)."""
-        return self.self_attn.qkv_proj
-
-    def linears(self) -> dict[str, LinearBase]:
-        return {"qkv_proj": self.self_attn.qkv_proj, "o_proj": self.self_attn.o_proj,
-                "gate_up_proj": self.mlp.gate_up_proj, "down_proj": self.mlp.down_proj}
-
-    def __call__(self, hidden: Hidden | None, residual: torch.Tensor, ctx: StepContext, kv_cache: KVCache | None,
-                 last_layer: bool) -> tuple[Hidden | None, torch.Tensor]:
-        """(previous layer's MLP output, or None for the first layer; the residual stream) ->
-        (this layer's MLP output, the residual stream). The residual is updated in place; the last
-        layer may narrow it to the output rows (and return None when there are none)."""
-        qkv_proj = self.self_attn.qkv_proj
-        x = self.input_layernorm(hidden, residual, qkv_proj.quant_method)
-        attn_out, rows = self.self_attn(x, ctx, kv_cache, last_layer)
-        if rows is not None:
-            residual = residual.index_select(0, rows)
-        if attn_out is None:
-            return None, residual
-        x = self.post_attention_layernorm(attn_out, residual, self.mlp.gate_up_proj.quant_method)
-        return self.mlp(x), residual
-
-
-# Families whose layers the int8 W8A8 path does not cover (SmoothQuant folds into the norms that feed
-# qkv and gate/up: Qwen3-MoE's and Mixtral's experts are no gate/up linear).
-INT8_UNSUPPORTED = ("qwen3_moe", "mixtral")
-
-# Decoder-layer class per ModelConfig.architecture; the other families register theirs from
-# tokenloom/model/models/ (imported on first use: they subclass the classes above).
-DECODER_LAYERS: dict[str, type[LlamaDecoderLayer]] = {"llama": LlamaDecoderLayer, "qwen2": LlamaDecoderLayer}
-
-
-def decoder_layer_class(architecture: str) -> type[LlamaDecoderLayer]:
-    if architecture not in DECODER_LAYERS:
-        import tokenloom.model.models  # noqa: F401 - registers the families
-
-    return DECODER_LAYERS[architecture]
-
-
-class LlamaModel:
+class DecoderModel:
     """The network. `forward` maps the step's tokens to final hidden states; `compute_logits`
     projects only the rows that sample."""
 
@@ -229,7 +81,8 @@ class LlamaModel:
         rank's place under tensor / pipeline parallelism (the config and weights are already its cut:
         tokenloom/model/tp_shard.py); None: the whole model."""
         check_quantization(quantization, torch.device(device))
-        if quantization == "int8" and config.architecture in INT8_UNSUPPORTED:
+        layer_cls = decoder_layer_class(config.architecture)
+        if quantization == "int8" and not layer_cls.int8_supported:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
                              "(the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
@@ -249,8 +102,7 @@ class LlamaModel:
         # --quantization gguf: the loader left the GGUF's quantized matrices as GGUFWeight blocks; the
         # reader turns them into linears of the GGUF method (tokenloom/model/gguf_method.py).
         gguf_method = get_linear_method("gguf", self.kernels) if quantization == "gguf" else None
-        get = _WeightReader(weights, self.device, dtype, gguf_method, row_parallel=self.shard.tp_size > 1)
-        layer_cls = decoder_layer_class(config.architecture)
+        get = WeightReader(weights, self.device, dtype, gguf_method, row_parallel=self.shard.tp_size > 1)
         self.embed_tokens = get.raw_or_converted("model.embed_tokens.weight")
         self.norm = RMSNorm(get("model.norm.weight") + layer_cls.norm_weight_offset, config.rms_norm_eps)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
@@ -461,98 +313,6 @@ class LlamaModel:
         return logits.float() if fp32 else logits
 
 
-class _WeightReader:
-    """Fetches HF-named weights, cast to the run dtype and moved to the device. With `gguf_method`,
-    weights the loader kept as GGUF blocks (GGUFWeight) become linears of that method instead."""
-
-    def __init__(self, weights: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                 gguf_method: LinearMethodBase | None = None, row_parallel: bool = False) -> None:
-        self.weights, self.device, self.dtype = weights, device, dtype
-        self.gguf_method = gguf_method
-        # Tensor parallel: o_proj / down_proj hold input slices and all-reduce their outputs.
-        self.row_parallel = row_parallel
-
-    def _linear_class(self, name: str) -> type[LinearBase]:
-        return RowParallelLinear if self.row_parallel and name.rsplit(".", 1)[-1] in ROW_PARALLEL else LinearBase
-
-    def linear(self, prefixes: list[str], method: LinearMethodBase, name: str, bias: bool = True) -> LinearBase:
-        """One linear over the row-concatenated weights `<prefix>.weight` (and biases, when present)."""
-        weights = [p + ".weight" for p in prefixes]
-        biases = [p + ".bias" for p in prefixes] if bias else []
-        if self.gguf_method is not None and all(_is_gguf(self.weights.get(n)) for n in weights):
-            from tokenloom.model.gguf_weights import GGUFLinear
-
-            lin = self._linear_class(name)(None, None, self.gguf_method, name, self.dtype)
-            lin.gguf = GGUFLinear.from_weights([self.weights[n] for n in weights],  # type: ignore[attr-defined]
-                                               [self.weights.get(b) for b in biases] or [None] * len(weights),
-                                               self.gguf_method.gguf_kernels)  # type: ignore[attr-defined]
-            return lin
-        weight = self(weights[0]) if len(weights) == 1 else self.cat(weights)
-        b = (self.optional(biases[0]) if len(biases) == 1 else self.cat_optional(biases)) if biases else None
-        return self._linear_class(name)(weight, b, method, name, self.dtype)
-
-    def raw_or_converted(self, name: str) -> Any:
-        """A GGUFWeight as it is (with the GGUF method), else the converted tensor."""
-        value = self.weights.get(name)
-        return value if self.gguf_method is not None and _is_gguf(value) else self(name)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
-        return self._convert(self.weights[name])
-
-    def optional(self, name: str) -> torch.Tensor | None:
-        return self(name) if name in self.weights else None
-
-    def cat(self, names: list[str]) -> torch.Tensor:
-        return self._convert(torch.cat([self._raw(n) for n in names], dim=0))
-
-    def cat_optional(self, names: list[str]) -> torch.Tensor | None:
-        present = [n in self.weights for n in names]
-        if not any(present):
-            return None
-        if not all(present):
-            # e.g. only some of q/k/v carry a bias: the others get zeros so the fused GEMM stays one.
-            ref = next(self.weights[n] for n, p in zip(names, present) if p)
-            parts = [
-                self._raw(n) if p else self._zero_bias_like(n, ref) for n, p in zip(names, present)
-            ]
-            return self._convert(torch.cat(parts))
-        return self._convert(torch.cat([self._raw(n) for n in names]))
-
-    def _zero_bias_like(self, bias_name: str, ref: torch.Tensor) -> torch.Tensor:
-        out_features = self._raw(bias_name.removesuffix(".bias") + ".weight").shape[0]
-        return torch.zeros(out_features, dtype=ref.dtype)
-
-    def _raw(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
-        return self.weights[name]
-
-    def _convert(self, t: Any) -> torch.Tensor:
-        if _is_gguf(t):  # a GGUFWeight where a float tensor is needed (no GGUF method, or a mixed linear)
-            t = t.dequantize()
-        return t.detach().to(device=self.device, dtype=self.dtype).contiguous()
-
-
-def _is_gguf(value: Any) -> bool:
-    from tokenloom.model.gguf_weights import GGUFWeight
-
-    return isinstance(value, GGUFWeight)
-
-
-def gguf_embedding(weight: Any, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of a GGUF embedding table, dequantized to `dtype`."""
-    from tokenloom.model.gguf_kernels import gguf_kernels
-
-    kernels = gguf_kernels()
-    if kernels is None:
-        return F.embedding(input_ids, weight.dequantize(dtype))
-    out = torch.empty(input_ids.shape[0], weight.shape[1], dtype=dtype)
-    embedding = kernels.gguf_embedding_packed if weight.packed8 else kernels.gguf_embedding
-    embedding(out, weight.data, weight.qtype, input_ids.long().contiguous())
-    return out
-
 
 def fused_stack_covers(config: ModelConfig) -> bool:
     """The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE)."""
@@ -561,7 +321,7 @@ def fused_stack_covers(config: ModelConfig) -> bool:
             and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
 
 
-def fused_float_candidate(model: LlamaModel) -> bool:
+def fused_float_candidate(model: DecoderModel) -> bool:
     """An unquantized model the fused decode step could run: a covered family, float32 or bf16 on
     CPU with the kernels, the step not switched off."""
     from tokenloom.model.gguf_decode import max_decode_rows
@@ -576,7 +336,7 @@ def prefer_fused_float() -> bool:
     return envs.TOKENLOOM_FUSED_FLOAT
 
 
-def _fused_decode_step(model: LlamaModel) -> Any:
+def _fused_decode_step(model: DecoderModel) -> Any:
     """The fused decode step over the model's own linears: GGUF blocks, or plain float32 / bf16
     weights (shared, not copied). None when the kernels are missing, the family is not covered, or
     TOKENLOOM_FUSED_DECODE_ROWS=0."""
