@@ -128,7 +128,7 @@ class DecoderModel:
         self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
                             if config.architecture.startswith("gemma") else None)
         self.quantization = quantization
-        # Small all-decode steps run the whole stack in one compiled call (gguf_decode.py); set below,
+        # Small all-decode steps run the whole stack in one compiled call (fused_decode.py); set below,
         # since int8 calibration runs forward before.
         self.fused_step: Any = None
         # LoRA (tokenloom/model/lora_layers.py): the punica wrapper the target linears share; a step
@@ -324,7 +324,7 @@ def fused_stack_covers(config: ModelConfig) -> bool:
 def fused_float_candidate(model: DecoderModel) -> bool:
     """An unquantized model the fused decode step could run: a covered family, float32 or bf16 on
     CPU with the kernels, the step not switched off."""
-    from tokenloom.model.gguf_decode import max_decode_rows
+    from tokenloom.model.fused_decode import max_decode_rows
 
     return (model.device.type == "cpu" and model.kernels is not None and model.dtype in (torch.float32, torch.bfloat16)
             and max_decode_rows() > 0 and fused_stack_covers(model.config))
@@ -340,7 +340,7 @@ def _fused_decode_step(model: DecoderModel) -> Any:
     """The fused decode step over the model's own linears: GGUF blocks, or plain float32 / bf16
     weights (shared, not copied). None when the kernels are missing, the family is not covered, or
     TOKENLOOM_FUSED_DECODE_ROWS=0."""
-    from tokenloom.model.gguf_decode import DecoderLayerSpec, FusedDecodeStep, build_decoder, linear_parts
+    from tokenloom.model.fused_decode import DecoderLayerSpec, FusedDecodeStep, build_decoder, linear_parts
     from tokenloom.model.gguf_kernels import gguf_kernels
 
     if not fused_stack_covers(model.config):

@@ -1,7 +1,9 @@
-"""The batch-1 (and small-batch) decode step in one compiled call: GGUF models, and unquantized
-float32 / bf16 models whose layer weights stay plain (see LlamaModel._pack_or_fuse).
+"""The fused decode step: a batch-1 (and small-batch) decode step in one compiled call, for GGUF
+models and for unquantized float32 / bf16 models whose layer weights stay plain (DecoderModel
+chooses when: tokenloom/model/decoder_model.py).
 
-`GGUFDecoder` (csrc/gguf_kernels.cpp; the name predates the float parts) holds the whole stack:
+The compiled decoder (the class `GGUFDecoder` of csrc/gguf_kernels.cpp, where the GGUF dot products
+live; the C++ name predates the float parts) holds the whole stack:
 every layer's norms and linears (q/k/v and gate/up each one matrix where their GGML types agree;
 the same tensors the model's GGUFLinear or plain linears hold, not copies: GGUF blocks, float32
 (GGML type F32) or bf16 (BF16) matrices) and the KV caches; a decode step is one `step()` call,
@@ -71,7 +73,7 @@ class DecoderLayerSpec:
 
 def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.Tensor, final_norm: torch.Tensor,
                   layers: list[DecoderLayerSpec]) -> Any:
-    """A GGUFDecoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
+    """The compiled fused decoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
     allocated them."""
     if isinstance(embed, GGUFWeight):  # the file's rows, or the 8-row layout a tied LM head shares
         embed_data, embed_type, embed_packed = embed.data, embed.qtype, embed.packed8
@@ -163,6 +165,4 @@ class FusedDecodeStep:
         self.decoder.step(out, input_ids.long(), positions.long(), slot_mapping.long(), block_tables, cos, sin)
         return out
 
-
-GGUFDecodeStep = FusedDecodeStep  # the name before float models took the step too
 
