@@ -34,17 +34,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tokenloom import envs
 from tokenloom.distributed import get_pp_group, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from tokenloom.model.attention import AttentionMetadata, KVCache
 from tokenloom.model.attention_backends import TorchAttentionBackend, select_attention_backend
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.execution_plan import PREPACK_LM_HEAD, PREPACK_NONE, ExecutionPlan
 from tokenloom.model.layers import Hidden, RMSNorm, StepContext
 from tokenloom.model.linear import (
     LinearBase,
     UnquantizedLinearMethod,
     dense,
-    packing_enabled,
     prepack_linears,
 )
 from tokenloom.model.models.registry import decoder_layer_class
@@ -65,35 +64,39 @@ class DecoderModel:
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
+        plan: ExecutionPlan,
         kernels: Any = None,
-        quantization: str | None = None,
         calibration_token_ids: list[int] | None = None,
         calibration_threads: int | None = None,
         shard: ShardInfo | None = None,
     ) -> None:
-        """`kernels`: the compiled CPU kernels module (tokenloom.model.kernels.cpu_kernels()), or None.
-        `quantization`: None, or "int8" for W8A8 layers (tokenloom/model/quant.py; the LM head stays
-        in `dtype`). `calibration_token_ids`: text whose activations set int8's smoothing factors
+        """`plan`: how this model runs here (tokenloom/model/execution_plan.py: device, dtype,
+        quantization — None, "int8" for W8A8 layers, "gguf" for GGUF blocks kept quantized; the LM head
+        stays in the run dtype —, oneDNN pre-packing, the fused decode step); the model follows it and
+        keeps, as `self.plan`, the plan it ran (a failed pre-packing changes it: see `_prepack`).
+        `kernels`: the compiled CPU kernels module (tokenloom.model.kernels.cpu_kernels()), or None.
+        `calibration_token_ids`: text whose activations set int8's smoothing factors
         (without it the int8 layers are not smoothed); `calibration_threads`: torch threads for that
         forward (compute-bound, unlike the rest of loading; default: the current setting). `shard`: this
         rank's place under tensor / pipeline parallelism (the config and weights are already its cut:
         tokenloom/model/tp_shard.py); None: the whole model."""
-        check_quantization(quantization, torch.device(device))
+        device, dtype, quantization = plan.device, plan.dtype, plan.quantization
+        check_quantization(quantization, device)
         layer_cls = decoder_layer_class(config.architecture)
         if quantization == "int8" and not layer_cls.int8_supported:
             raise ValueError(f"quantization={quantization!r} is not implemented for {config.architecture} "
                              "(the MoE experts have no int8 path yet); run it unquantized")
         self.config = config
         self.shard = shard or ShardInfo(vocab_size=0)
-        self.device = torch.device(device)
+        self.device = device
         self.kernels = kernels if self.device.type == "cpu" else None
         self.dtype = dtype
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.eps = config.rms_norm_eps
+        # What the model runs; loading may change it (_fall_back_for_unsupported_attention, _prepack).
+        self.plan = plan
         self.attn_backend = select_attention_backend(self.kernels, self.num_q_heads, self.num_kv_heads,
                                                      self.head_dim, self.device)
         # Everything loads in the run dtype; quantization converts the decoder layers' linears after.
@@ -138,32 +141,30 @@ class DecoderModel:
             from tokenloom.model.smoothquant import quantize_model
 
             quantize_model(self, quantization, calibration_token_ids, calibration_threads)
-        # Under TP the whole-step decoder cannot all-reduce in its middle; sharded models run per op.
-        if quantization == "gguf" and not self.shard.sharded:
+        if plan.fused_decode and quantization == "gguf":
             self.fused_step = _fused_decode_step(self)
-        self.packed_linear = self._pack_or_fuse(quantization)
+        self.packed_linear = self._prepack()
+        if self.plan.fused_decode and self.fused_step is None:
+            # The layer linears stay plain: the fused step reads them, F.linear runs the bigger steps.
+            self.fused_step = _fused_decode_step(self)
+        logger.info("%s", self.plan.describe())
         if self.packed_linear:
             return_freed_memory()  # the plain weights the packed copies replaced
         self.head_kernels = self._bf16_head_kernels()
 
-    def _pack_or_fuse(self, quantization: str | None) -> bool:
-        """Pre-pack the run-dtype linears for oneDNN, and for an unquantized model build the fused
-        decode step over whichever layer weights stay plain. True if the linears were packed.
-
-        The two share no layout (oneDNN's packed copy is opaque; the fused step reads plain [N, K]
-        rows), and keeping both would double the weights' memory, so one layout serves all batch
-        sizes: packed where packing works and TOKENLOOM_FUSED_FLOAT is not 1 (float32 here: oneDNN's
-        packed GEMMs win the batched steps, docs/performance.md), else plain layer weights with the
-        fused step for small decode steps (bf16 where oneDNN cannot pack it, e.g. AVX2 without
-        avx_ne_convert; any dtype with packing off). The LM head is packed wherever packing works."""
-        packing = packing_enabled(self.device, self.dtype)
-        if quantization is not None or not fused_float_candidate(self) or self.shard.sharded:
-            return packing and prepack_linears(self.dense_linears())
-        if packing and not prefer_fused_float() and prepack_linears(self.dense_linears()):
+    def _prepack(self) -> bool:
+        """Pre-pack the run-dtype linears the plan names for oneDNN. True if they were packed. Where
+        packing fails (a private torch API, checked on the first linear), the weights stay plain and
+        the plan becomes the one without packing (the fused decode step where it covers the model)."""
+        if self.plan.prepack == PREPACK_NONE:
+            return False
+        linears = [self.lm_head] if self.plan.prepack == PREPACK_LM_HEAD else self.dense_linears()
+        if prepack_linears(linears):
             return True
-        # The layer linears stay plain: the fused step reads them, F.linear runs the bigger steps.
-        self.fused_step = _fused_decode_step(self)
-        return packing and prefer_fused_float() and prepack_linears([self.lm_head])
+        from tokenloom.model.gguf_kernels import gguf_kernels
+
+        self.plan = self.plan.without_packing(fused_decode_available=gguf_kernels() is not None)
+        return False
 
     def _bf16_head_kernels(self) -> Any:
         """The GGUF kernels module when the LM head is a plain bf16 matrix (oneDNN could not pack it):
@@ -189,6 +190,7 @@ class DecoderModel:
                            "attention runs on the torch path", self.config.architecture, unsupported[0])
             self.attn_backend = TorchAttentionBackend(self.num_q_heads, self.num_kv_heads, self.head_dim,
                                                       self.device)
+            self.plan = self.plan.with_torch_attention()
 
     @property
     def kv_packed(self) -> bool:
@@ -313,45 +315,16 @@ class DecoderModel:
         return logits.float() if fp32 else logits
 
 
-
-def fused_stack_covers(config: ModelConfig) -> bool:
-    """The fused stack is the Llama/Qwen2 layer (no q/k norms, windows, soft-capping, LongRoPE)."""
-    rope = config.rope_scaling or {}
-    return (config.architecture in ("llama", "qwen2") and not config.sliding_window
-            and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
-
-
-def fused_float_candidate(model: DecoderModel) -> bool:
-    """An unquantized model the fused decode step could run: a covered family, float32 or bf16 on
-    CPU with the kernels, the step not switched off."""
-    from tokenloom.model.fused_decode import max_decode_rows
-
-    return (model.device.type == "cpu" and model.kernels is not None and model.dtype in (torch.float32, torch.bfloat16)
-            and max_decode_rows() > 0 and fused_stack_covers(model.config))
-
-
-def prefer_fused_float() -> bool:
-    """TOKENLOOM_FUSED_FLOAT=1: keep an unquantized model's layer weights plain for the fused decode
-    step even where oneDNN could pack them (faster small decode steps, slower batched ones)."""
-    return envs.TOKENLOOM_FUSED_FLOAT
-
-
 def _fused_decode_step(model: DecoderModel) -> Any:
     """The fused decode step over the model's own linears: GGUF blocks, or plain float32 / bf16
-    weights (shared, not copied). None when the kernels are missing, the family is not covered, or
-    TOKENLOOM_FUSED_DECODE_ROWS=0."""
+    weights (shared, not copied). Built where the plan says so (it checked the kernels and the
+    family)."""
     from tokenloom.model.fused_decode import DecoderLayerSpec, FusedDecodeStep, build_decoder, linear_parts
     from tokenloom.model.gguf_kernels import gguf_kernels
 
-    if not fused_stack_covers(model.config):
-        # Other families run their own layer loop over the same linears.
-        logger.info("%s: the fused decode step covers Llama/Qwen2 layers without windows or LongRoPE; "
-                    "this model's layers run per op", model.config.architecture)
-        return None
     kernels = gguf_kernels()
-    step = FusedDecodeStep(None, model.config.hidden_size, model.dtype)
-    if kernels is None or model.kernels is None or step.max_rows <= 0:
-        return None
+    assert kernels is not None and model.kernels is not None, "the plan chose the fused step without its kernels"
+    step = FusedDecodeStep(None, model.config.hidden_size, model.dtype, model.plan.fused_decode_rows)
 
     def parts(lin: LinearBase) -> list:
         return linear_parts(getattr(lin, "gguf", None), lin.weight, lin.bias)
