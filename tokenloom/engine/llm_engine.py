@@ -17,6 +17,7 @@ from typing import Any
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.request import Request
 from tokenloom.engine.core_host import EngineCoreHost
+from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -24,20 +25,18 @@ from tokenloom.engine.pooling import encode_text, prepare_pooling_params, trunca
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
-PromptType = str | list[int] | dict[str, Any]
-
 
 class LLMEngine(EngineCoreHost):
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, clock)
         # The text side, on top of the engine core: what the engine-core process never builds.
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.engine_ready(0.0))
         self._ids = itertools.count()
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
-
 
     # vLLM's LLMEngine.add_lora / remove_lora / list_loras.
     def add_lora(self, lora_request: Any) -> bool:
@@ -50,28 +49,6 @@ class LLMEngine(EngineCoreHost):
     def list_loras(self) -> set[int]:
         return self.engine_core.list_loras()
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list):
-            return None, self._check_token_ids(prompt)
-        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        vocab = self.model_config.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}")
-        return list(ids)
-
     def add_request(
         self,
         request_id: str | None,
@@ -83,9 +60,7 @@ class LLMEngine(EngineCoreHost):
     ) -> str:
         """Queue a request. Raises ValueError (incl. RequestRejected) with a clear message for bad input.
         `lora_request`: a tokenloom.lora.request.LoRARequest (the adapter to run it with), or None."""
-        if self.pooling_info is not None:
-            raise ValueError(f"{self.model_name} is a pooling model (tasks: {', '.join(self.pooling_info.tasks)}): "
-                             "it does not generate text; use embed / classify / score / encode")
+        self.input_processor.check_generation_model()
         params = self.generation_defaults.apply_eos(params or self.generation_defaults.sampling_params())
         if params.structured_outputs is not None:
             from tokenloom.model.grammar import validate_structured_outputs
@@ -94,7 +69,8 @@ class LLMEngine(EngineCoreHost):
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
             check_lora_request(lora_request, self.lora_config)
@@ -120,11 +96,8 @@ class LLMEngine(EngineCoreHost):
     ) -> str:
         """Queue a pooling request (params.task set: embed, classify, score, token_embed, ...); it
         finishes with a PoolingRequestOutput once its prompt is computed. ValueError for bad input."""
-        info = self.pooling_info
-        if info is None:
-            raise ValueError(f"{self.model_name} is a generation model: pooling (embed, classify, score) needs a "
-                             "pooling model (--runner pooling)")
-        params = prepare_pooling_params(params, info)
+        self.input_processor.check_pooling_model()
+        params = prepare_pooling_params(params, self.pooling_info)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -133,7 +106,7 @@ class LLMEngine(EngineCoreHost):
         if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
         else:
-            text, token_ids = self.tokenize_prompt(prompt)
+            text, token_ids = self.input_processor.tokenize(prompt)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, max_len)
         arrival = self.clock() if arrival_time is None else arrival_time
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
@@ -173,19 +146,7 @@ class LLMEngine(EngineCoreHost):
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         super().reset_scheduler(scheduler_config, cache_config, clock)
+        self.input_processor = InputProcessor(self.tokenizer, self.engine_ready(0.0))  # the new limits
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
-
-
-def check_lora_request(lora_request: Any, lora_config: Any) -> None:
-    """A request's lora_request, before it reaches the engine core: a LoRARequest, and LoRA enabled."""
-    from tokenloom.lora.request import LoRARequest
-
-    if not isinstance(lora_request, LoRARequest):
-        raise ValueError("lora_request must be a LoRARequest (tokenloom.lora.request), got "
-                         f"{type(lora_request).__name__}")
-    if lora_config is None:
-        raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled (LLM(enable_lora=True), "
-                         "--enable-lora)")
-
