@@ -1,6 +1,6 @@
 """DPEngineCoreClient: N independent engine cores (data parallelism) behind one API process.
 
-It has the single EngineCoreClient's interface, so AsyncLLM and the server do not change with N:
+It is an EngineCoreClient, as the single engine's MPClient is, so AsyncLLM and the server do not change with N:
 
     AsyncLLM ──send(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe      (its owner is recorded)
              ──send(AbortRequests)─────▶ split by owner ──▶ each owner's pipe
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.config import EngineConfig, ParallelConfig
-from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import EngineStartError, MPClient
 from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
@@ -50,7 +50,7 @@ class DPEngineCoreClient:
         data_parallel_size: int,
         router_config: RouterConfig | None = None,
         log_level: str = "info",
-        clients: list[EngineCoreClient] | None = None,
+        clients: list[MPClient] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         """Spawn `data_parallel_size` engine processes on disjoint cores (or adopt `clients`, started
@@ -64,7 +64,7 @@ class DPEngineCoreClient:
             try:
                 for i, cpus in enumerate(cpu_sets):
                     # A disk KV tier per engine: each its own subdirectory (engine/kv_connectors.py).
-                    clients.append(EngineCoreClient(data_parallel_kv_transfer(config, i), log_level, engine_index=i,
+                    clients.append(MPClient(data_parallel_kv_transfer(config, i), log_level, engine_index=i,
                                                     cpus=cpus))
             except BaseException:
                 for c in clients:
@@ -180,19 +180,3 @@ class DPEngineCoreClient:
             on_close, self._on_close = self._on_close, None
             on_close()
 
-
-def make_engine_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient | DPEngineCoreClient:
-    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
-    default), N spawned processes behind the router, or N Ray actors behind the router."""
-    parallel = config.parallel or ParallelConfig()
-    router_config = RouterConfig.from_parallel(parallel)
-    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
-    dp = parallel.data_parallel_size
-    if parallel.distributed_executor_backend == "ray":
-        from tokenloom.engine.ray_engine import start_ray_engines
-
-        clients, placement = start_ray_engines(config, dp, log_level)
-        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
-    if dp == 1:
-        return EngineCoreClient(config, log_level)
-    return DPEngineCoreClient(config, dp, router_config, log_level)
