@@ -258,10 +258,7 @@ class EngineCoreHost:
         st_len = sentence_bert_max_seq_length(path)
         if st_len:
             model_len = min(model_len, st_len)
-        max_model_len = config.max_model_len or model_len
-        if max_model_len > bert_config.max_positions:
-            raise ConfigError(f"max_model_len={max_model_len} is larger than the model's "
-                              f"{bert_config.max_positions} positions")
+        max_model_len = resolve_max_model_len(config, bert_config.max_positions, default=model_len)
         sched_in = config.scheduler or SchedulerConfig()
         sched_cfg = replace(sched_in, max_model_len=max_model_len, enable_chunked_prefill=False)
         cache_in = config.cache or CacheConfig()
@@ -358,18 +355,9 @@ class EngineCoreHost:
     @staticmethod
     def _scheduler_config(config: EngineConfig, model_max_len: int, pool_tokens: int) -> SchedulerConfig:
         sched = config.scheduler or SchedulerConfig()
-        max_model_len = config.max_model_len or sched_max_len_default(config, model_max_len, pool_tokens)
-        if max_model_len > model_max_len:
-            raise ConfigError(
-                f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})"
-            )
-        updates: dict[str, Any] = {"max_model_len": max_model_len}
-        if not sched.enable_chunked_prefill and sched.token_budget_ceiling < max_model_len:
-            raise ConfigError(
-                f"with chunked prefill off, max_num_batched_tokens ({sched.token_budget_ceiling}) must be >= "
-                f"max_model_len ({max_model_len}); raise it or pass --max-model-len"
-            )
-        return replace(sched, **updates)
+        max_model_len = resolve_max_model_len(config, model_max_len,
+                                              default=sched_max_len_default(config, model_max_len, pool_tokens))
+        return replace(sched, max_model_len=max_model_len)  # SchedulerConfig checks it against its knobs
 
     def lora_info(self) -> dict[str, Any] | None:
         """What a front end checks an adapter against (EngineReady.lora), or None without LoRA."""
@@ -524,7 +512,7 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
 
 def check_speculative_engine(config: EngineConfig) -> None:
     """The engine's checks of speculative decoding against the scheduler knobs, before loading."""
-    spec = getattr(config, "speculative_config", None)
+    spec = config.speculative_config
     if spec is None:
         return
     sched = config.scheduler or SchedulerConfig()
@@ -536,8 +524,8 @@ def check_async_scheduling(config: EngineConfig) -> None:
     sched = config.scheduler
     if sched is None or not sched.async_scheduling:
         return
-    spec = getattr(config, "speculative_config", None)
-    if getattr(spec, "method", None) == "suffix":
+    spec = config.speculative_config
+    if spec is not None and spec.method == "suffix":
         # vLLM 0.32 (config/vllm.py:1563) refuses an explicit async scheduling with every proposer but
         # EAGLE/MTP/draft models/ngram_gpu/DSpark/DFlash; tokenloom runs n-gram's GPU-style variant only.
         raise ConfigError(
@@ -545,13 +533,22 @@ def check_async_scheduling(config: EngineConfig) -> None:
             "kind of speculative decoding: speculative_config.method 'suffix' cannot be combined with "
             "--async-scheduling (tokenloom also accepts 'ngram' there)"
         )
-    if spec is not None and getattr(spec, "adaptive", False):
+    if spec is not None and spec.adaptive:
         # The adaptive policy trims the drafts the scheduler receives after each step; under async
         # scheduling the scheduler receives none (the runner fills K placeholder drafts itself).
         raise ConfigError(
             "speculative_config.adaptive cannot be combined with --async-scheduling: under async scheduling "
             "the runner fills the drafts itself and the policy has nothing to trim; drop one of the two"
         )
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int) -> int:
+    """The engine's max_model_len, resolved once at construction: --max-model-len, else `default`; never
+    past the model's context. The scheduler config is then built with it (its own checks run there)."""
+    max_model_len = config.max_model_len or default
+    if max_model_len > model_max_len:
+        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})")
+    return max_model_len
 
 
 def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
