@@ -94,7 +94,7 @@ class DPEngineCoreClient:
             if (r.block_size, r.max_model_len, r.vocab_size) != (first.block_size, first.max_model_len,
                                                                     first.vocab_size):
                 raise EngineStartError(f"engine {i} disagrees with engine 0 on block size, context or vocabulary")
-        # The smallest pool decides what a request may need (check_prompt), as any engine may get it.
+        # The smallest pool decides what a request may need (InputProcessor.check_prompt), as any engine may get it.
         ready = replace(first, num_blocks=min(r.num_blocks for r in readies),
                         load_time_s=max(r.load_time_s for r in readies))
         lora = getattr(ready, "lora", None)
