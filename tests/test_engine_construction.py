@@ -50,8 +50,11 @@ class FakeClient:
     def attach(self, on_outputs: Any, on_failure: Any) -> None:
         pass
 
-    def send(self, msg: Any) -> None:
-        self.sent.append(msg)
+    def add_request(self, request: Any) -> None:
+        self.sent.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.sent.append(request_ids)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         pass

@@ -25,7 +25,7 @@ from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import EngineCoreClient
-from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady
 from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError, check_lora_request
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
@@ -207,7 +207,7 @@ class AsyncLLM:
         stream.pending.add(request_id)
         for core in cores:
             self._mirrors[core.request_id] = core
-            self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
+            self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
                                                arrival, priority, lora_request=lora_request))
         self._num_sent += len(cores)
 
@@ -243,7 +243,7 @@ class AsyncLLM:
         self._requests[request_id] = _Tracked(stream, [core])
         stream.pending.add(request_id)
         self._mirrors[core.request_id] = core
-        self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
+        self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
                                            priority, pooling_params=params))
         self._num_sent += 1
 
@@ -285,7 +285,7 @@ class AsyncLLM:
             return
         live = [c.request_id for c in tracked.cores if c.request_id in self._mirrors]
         if live and self.client.is_alive:
-            self.client.send(AbortRequests(live))
+            self.client.abort_requests(live)
         out = self.output_processor.finish_aborted(request_id, reason, error)
         stats = IterationStats(time.monotonic())
         if out is not None:
@@ -331,7 +331,7 @@ class AsyncLLM:
                     stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stop strings ended these: free their blocks now
-            self.client.send(AbortRequests(to_abort))
+            self.client.abort_requests(to_abort)
         for out in outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:

@@ -23,7 +23,15 @@ from typing import Any, Protocol
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig, ParallelConfig
-from tokenloom.engine.core_messages import EngineCoreOutputs, EngineFailed, EngineProgress, EngineReady, Shutdown
+from tokenloom.engine.core_messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineProgress,
+    EngineReady,
+    Shutdown,
+)
 from tokenloom.engine.core_proc import run_engine_core
 
 logger = logging.getLogger(__name__)
@@ -38,7 +46,7 @@ class EngineStartError(RuntimeError):
 
 class EngineCoreClient(Protocol):
     """What AsyncLLM (and through it the server and the offline data-parallel LLM) asks of its engine cores,
-    one process or N: messages in (EngineCoreRequest, AbortRequests, Shutdown), EngineCoreOutputs out."""
+    one process or N (vLLM's EngineCoreClient): requests and aborts in, EngineCoreOutputs out."""
 
     def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
         """Block until the engine cores are loaded; what they are (model, context, KV pool, pooling, LoRA)."""
@@ -48,7 +56,11 @@ class EngineCoreClient(Protocol):
         """Deliver engine messages on the running event loop from now on."""
         ...
 
-    def send(self, msg: Any) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        ...
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Free these core requests' blocks now; their engine reports nothing more for them."""
         ...
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -175,7 +187,14 @@ class MPClient:
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._loop.add_reader(self._from_engine.fileno(), self._on_readable)
 
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.send(AbortRequests(request_ids))
+
     def send(self, msg: Any) -> None:
+        """Any message to the engine process, through the writer thread."""
         if not self._closed:
             self._outbox.put(msg)
 

@@ -2,8 +2,8 @@
 
 It is an EngineCoreClient, as the single engine's MPClient is, so AsyncLLM and the server do not change with N:
 
-    AsyncLLM ──send(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe      (its owner is recorded)
-             ──send(AbortRequests)─────▶ split by owner ──▶ each owner's pipe
+    AsyncLLM ──add_request(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe   (its owner is recorded)
+             ──abort_requests(ids)──────────▶ split by owner ──▶ each owner's pipe
              ◀──EngineCoreOutputs (engine_index = i)── engine i   (its stats feed the router's load view)
 
 Each engine is a full engine core (scheduler, KV cache, runner), as vLLM's dense-model DP ranks are
@@ -23,7 +23,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_client import EngineStartError, MPClient
-from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
 
@@ -108,29 +108,28 @@ class DPEngineCoreClient:
         for i, client in enumerate(self.clients):
             client.attach(self._outputs_from, lambda message, i=i: self._engine_failed(i, message))
 
-    def send(self, msg: Any) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """To the engine the router picks for it (its owner is recorded, for aborts and the load view)."""
         router = self.router
         assert router is not None, "wait_ready() first"
-        if isinstance(msg, EngineCoreRequest):
-            try:
-                lora_id = msg.lora_request.lora_int_id if msg.lora_request is not None else None
-                engine = router.route(msg.request_id, msg.prompt_token_ids, lora_id)
-            except NoEngineAvailable:
-                return  # AsyncLLM has seen every engine die and fails the request itself
-            self.clients[engine].send(msg)
-        elif isinstance(msg, AbortRequests):
-            by_engine: dict[int, list[str]] = {}
-            for rid in msg.request_ids:
-                engine = router.finish(rid)
-                if engine is not None:  # None: finished already, nothing to free
-                    by_engine.setdefault(engine, []).append(rid)
-            for engine, rids in by_engine.items():
-                self.clients[engine].send(AbortRequests(rids))
-        elif isinstance(msg, Shutdown):
-            for client in self.clients:
-                client.send(msg)
-        else:
-            raise TypeError(f"unknown message for the engines: {type(msg).__name__}")
+        try:
+            lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+            engine = router.route(request.request_id, request.prompt_token_ids, lora_id)
+        except NoEngineAvailable:
+            return  # AsyncLLM has seen every engine die and fails the request itself
+        self.clients[engine].add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Each id to the engine that owns it; ids that finished already are dropped (nothing to free)."""
+        router = self.router
+        assert router is not None, "wait_ready() first"
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = router.finish(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
+        for engine, rids in by_engine.items():
+            self.clients[engine].abort_requests(rids)
 
     def _outputs_from(self, batch: EngineCoreOutputs) -> None:
         router = self.router
