@@ -27,6 +27,10 @@ from tokenloom.sampling_params import SamplingParams
 
 
 class LLMEngine(EngineCoreHost):
+    """An engine core in this process (EngineCoreHost: its model, scheduler, runner and configs stay
+    attributes here, as benchmarks and tests read them) plus the front end: InputProcessor in,
+    OutputProcessor out."""
+
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, clock)
         # The text side, on top of the engine core: what the engine-core process never builds.
