@@ -325,7 +325,6 @@ class EngineCoreHost:
 
         return StructuredOutputManager(backend)
 
-
     @staticmethod
     def _layer_windows(model_config: Any) -> tuple[int | None, ...] | None:
         """Each layer's sliding window, or None when no layer has one (the KV cache groups follow:
@@ -367,7 +366,6 @@ class EngineCoreHost:
         return {"max_loras": self.lora_config.max_loras, "max_lora_rank": self.lora_config.max_lora_rank,
                 "max_cpu_loras": self.lora_config.max_cpu_loras,
                 "num_layers": manager.num_layers, "target_shapes": dict(manager.target_shapes)}
-
 
     def engine_ready(self, load_time_s: float) -> EngineReady:
         """What a front end needs to know of this engine core (the engine process sends it once loaded)."""
@@ -429,7 +427,6 @@ class EngineCoreHost:
                                             model_thread=self._model_thread)
         self.scheduler = self._new_scheduler()
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
-
 
     def _new_scheduler(self) -> Scheduler:
         """A scheduler over this engine's configs with the parts the engine owns attached (the LoRA limits,
