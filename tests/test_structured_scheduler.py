@@ -134,6 +134,24 @@ def test_compile_error_finishes_only_that_request() -> None:
     assert "bad" not in sched.requests and "p" in sched.requests and len(sched.waiting) == 0
 
 
+def test_without_a_tokenizer_a_constrained_request_waits_one_step_then_errors() -> None:
+    # vLLM's skip_tokenizer_init: no grammar can compile. After one schedule() the request is where
+    # vLLM's leaves it (waiting, stepped over: tests/peer/core's vendored case); vLLM's would wait for
+    # ever (its frontend refuses it first), tokenloom's then finishes with vLLM's frontend message.
+    sched = create_scheduler(num_blocks=64, block_size=4)
+    sched.structured_output_manager = StructuredOutputManager(None)
+    sched.add_request(constrained("c", "1,2"))
+    sched.add_request(plain("p"))
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["p"] and [r.request_id for r in sched.waiting] == ["c"]
+    outs = sched.update_from_output(so, ModelRunnerOutput(["p"], {"p": 0}, [[1]]))
+    [err] = [o for o in outs if o.finish_reason == "error"]
+    assert err.request_id == "c" and "skip_tokenizer_init" in err.error
+    assert "c" not in sched.requests and len(sched.waiting) == 0 and not sched.structured_output_manager.requests
+    assert sched.structured_output_manager.num_compiles == 0
+    sched.structured_output_manager.shutdown()
+
+
 def test_abort_while_compiling_leaves_no_state_behind() -> None:
     sched, backend = with_manager(num_blocks=64, block_size=4)
     free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from tokenloom.core.request import Request
 
 
+# vLLM's words (SamplingParams._validate_structured_outputs) for a constrained request on an engine
+# without a tokenizer.
+NO_TOKENIZER_ERROR = "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+
+
 class GrammarMatcher(Protocol):
     """One request's position in its grammar."""
 
@@ -66,13 +71,17 @@ class StructuredOutputManager:
     # Compiled grammars kept by (kind, spec); xgrammar keeps its own cache behind this one as well.
     cache_size = 256
 
-    def __init__(self, backend_factory: Callable[[], GrammarBackend], max_workers: int | None = None) -> None:
+    def __init__(self, backend_factory: Callable[[], GrammarBackend] | None,
+                 max_workers: int | None = None) -> None:
+        """`backend_factory` None: no tokenizer (vLLM's skip_tokenizer_init), so no grammar can ever
+        compile; a constrained request that reaches the scheduler anyway fails (see grammar_init)."""
         self._backend_factory = backend_factory
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
-        # Compilation runs here, never on the step loop (vLLM: half the cores).
+        # Compilation runs here, never on the step loop (vLLM: half the cores; none without a tokenizer).
         workers = max_workers or max(1, ((os.cpu_count() or 2) + 1) // 2)
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self.executor = (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+                         if backend_factory is not None else None)
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         # Live constrained requests by id: what `free` must clear (the leak check reads it).
         self.requests: dict[str, StructuredOutputRequest] = {}
@@ -85,6 +94,7 @@ class StructuredOutputManager:
         # about a second and must not stall a step.
         with self._backend_lock:
             if self._backend is None:
+                assert self._backend_factory is not None, "no grammar backend without a tokenizer"
                 self._backend = self._backend_factory()
             return self._backend
 
@@ -92,6 +102,15 @@ class StructuredOutputManager:
     def grammar_init(self, request: Request) -> None:
         so = request.structured_output_request
         assert so is not None
+        so.compile_wait_s = -time.perf_counter()
+        self.requests[request.request_id] = so
+        if self.executor is None:
+            # vLLM's scheduler leaves such a request waiting for a grammar that never comes (its
+            # frontend refuses it first, with this message); here it waits one schedule() like any
+            # request whose compile failed, then finishes with this error instead of hanging.
+            so.compiled = Future()
+            so.compiled.set_exception(ValueError(NO_TOKENIZER_ERROR))
+            return
         future = self._compiled.get(so.key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._compiled.move_to_end(so.key)
@@ -103,8 +122,6 @@ class StructuredOutputManager:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         so.compiled = future
-        so.compile_wait_s = -time.perf_counter()
-        self.requests[request.request_id] = so
 
     def _compile(self, key: tuple[str, str]) -> Any:
         return self.backend.compile(*key)
@@ -205,4 +222,5 @@ class StructuredOutputManager:
         return so is not None and so.matcher is not None and so.matcher.is_terminated()
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)

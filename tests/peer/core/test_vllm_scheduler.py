@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Vendored from vLLM's tests/v1/core/test_scheduler.py: the cases that apply to tokenloom's scheduler
-# (no multimodal, KV connectors, EAGLE, DP throttling, structured outputs, async scheduling), unchanged
-# but for the import below, which points them at tokenloom.core through tests/peer/core/vllm_shim.py.
+# (no multimodal, KV connectors, EAGLE, DP throttling, async scheduling; of the structured-output cases the
+# two skip_tokenizer_init ones: the others patch vLLM's manager internals), unchanged but for the import
+# below, which points them at tokenloom.core through tests/peer/core/vllm_shim.py.
 import pytest
 
 from tests.peer.core.vllm_shim import (
@@ -14,6 +15,7 @@ from tests.peer.core.vllm_shim import (
     RequestStatus,
     SamplingParams,
     SchedulerOutput,
+    StructuredOutputsParams,
     _step_until_done,
     check_stop,
     create_requests,
@@ -1355,3 +1357,36 @@ def test_spec_decode_padding_skipped_with_prefill_in_batch():
     assert r_long.request_id in out.num_scheduled_tokens
     assert out.num_scheduled_tokens[r_candidate.request_id] == 1
     assert r_candidate.request_id not in out.scheduled_spec_decode_tokens
+
+
+def test_schedule_skip_tokenizer_init():
+    scheduler = create_scheduler(skip_tokenizer_init=True)
+    requests = create_requests(num_requests=5)
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert len(output.scheduled_new_reqs) == len(requests)
+
+
+def test_schedule_skip_tokenizer_init_structured_output_request():
+    scheduler = create_scheduler(skip_tokenizer_init=True)
+    structured_outputs_params = StructuredOutputsParams(regex="[0-9]+")
+    sampling_params = SamplingParams(
+        ignore_eos=False,
+        max_tokens=16,
+        structured_outputs=structured_outputs_params,
+    )
+    sampling_params.update_from_generation_config({}, EOS_TOKEN_ID)
+    request = Request(
+        request_id="0",
+        prompt_token_ids=[0, 1],
+        mm_features=None,
+        sampling_params=sampling_params,
+        pooling_params=None,
+    )
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    assert len(output.scheduled_new_reqs) == 0
+    assert len(scheduler.running) == 0
+    assert len(scheduler.waiting) == 1
+    assert len(scheduler.deferred_waiting) == 1

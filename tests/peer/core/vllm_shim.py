@@ -19,13 +19,15 @@ from tokenloom.core.block_pool import KVCacheBlock as _TLBlock
 from tokenloom.core.request import Request as _TLRequest
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler as _TLScheduler
+from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
+from tokenloom.sampling_params import StructuredOutputsParams
 
 EOS_TOKEN_ID = 50256
 _MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the models the tests name
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done"]
+           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -64,6 +66,13 @@ class _Scheduler(_TLScheduler):
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:  # type: ignore[override]
         super().update_draft_token_ids(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)
 
+    @property
+    def deferred_waiting(self) -> set[_TLRequest]:
+        """vLLM's deferred_waiting: the waiting requests admission steps over while they wait for
+        something. tokenloom's one such wait is for a grammar (WAITING_FOR_FSM); vLLM also counts
+        requests stepped over for the LoRA limit or a KV transfer, which no vendored case reaches."""
+        return {r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM}
+
 
 def create_scheduler(
     model: str = "facebook/opt-125m",
@@ -77,6 +86,7 @@ def create_scheduler(
     max_model_len: int | None = None,
     num_speculative_tokens: int | None = None,
     policy: str = "fcfs",
+    skip_tokenizer_init: bool = False,
     **unused: Any,
 ) -> _Scheduler:
     sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
@@ -93,12 +103,17 @@ def create_scheduler(
     # The helper's max_model_len (default: the token budget) only reaches vLLM's SchedulerConfig and its
     # checks, made above; vLLM's scheduler takes max_model_len from the model config (opt-125m: 2,048).
     object.__setattr__(sched, "max_model_len", _MODEL_MAX_LEN[model])
-    return _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+    scheduler = _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+    if skip_tokenizer_init:
+        # vLLM's scheduler always has a StructuredOutputManager; with skip_tokenizer_init it has no
+        # tokenizer, hence no grammar backend (tokenloom: a manager built without a backend factory).
+        scheduler.structured_output_manager = StructuredOutputManager(None)
+    return scheduler
 
 
 def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
             pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
-            **unused: Any) -> _TLRequest:
+            mm_features: Any = None, **unused: Any) -> _TLRequest:
     return _TLRequest(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
                       block_size=block_size)
 
