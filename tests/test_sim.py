@@ -374,6 +374,44 @@ def test_profile_command_records_quantization(tmp_path: Path) -> None:
     assert load_profile(out).quantization == "int8"
 
 
+def _refit_disagreements(prof: Profile) -> list[str]:
+    """Where the profile's fit is not what fitting its own samples with this code gives: its coefficients
+    (compared through their predictions, which do not depend on how a BLAS resolves a near-tie between
+    terms) and its recorded fit error."""
+    refit, error = fit(prof.samples)
+    problems = []
+    probes = [s.shape for s in prof.samples] + [StepShape.of_rows([(0, 2000, True)]),
+                                                StepShape.of_rows([(1000, 1, True)] * 64)]
+    for shape in probes:
+        recorded, now = prof.cost_model.predict(shape), refit.predict(shape)
+        if abs(recorded / now - 1) > 1e-6:
+            problems.append(f"{shape}: the profile predicts {recorded:.6g} s, its samples refitted {now:.6g} s")
+    for name in ("mape", "max_ape", "r2"):
+        if abs(getattr(prof.fit, name) - getattr(error, name)) > 1e-6:
+            problems.append(f"fit.{name} {getattr(prof.fit, name)} recorded, {getattr(error, name)} refitted")
+    if prof.fit.num_samples != len(prof.samples):
+        problems.append(f"fit.num_samples {prof.fit.num_samples} for {len(prof.samples)} samples")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["default", "int8"])
+def test_shipped_profile_is_the_fit_of_its_own_samples(name: str) -> None:
+    """Runs on any CPU, in milliseconds: a shipped profile's coefficients and fit error must be what
+    fitting its samples with this tree's cost model gives. Fails for hand-tuned coefficients, samples of
+    one run stitched to the fit of another, and a change to the step features (core/gemm_rows.py's
+    buckets, StepShape) re-stamped without re-fitting. It cannot see a runner that got faster or slower
+    with the same features: only timing on the profile's hardware can (the test below;
+    docs/simulator.md, "What the profile checks catch")."""
+    prof = load_profile(name)
+    assert prof.samples and all(s.seconds > 0 for s in prof.samples)
+    assert _refit_disagreements(prof) == []
+    # The check has teeth: one coefficient moved by 20 %, as a hand "correction" would, is caught.
+    tuned = load_profile(name)
+    tuned.cost_model = CostModel({**tuned.cost_model.coefficients,
+                                  "overhead": tuned.cost_model.coefficients["overhead"] * 1.2})
+    assert _refit_disagreements(tuned)
+
+
 def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None:
     """`is_stale` compares a source hash only, so re-stamping without re-measuring passes it. This times
     three step shapes (a prefill, a decode batch, a mixed step) of the default model on the real runner
