@@ -8,6 +8,7 @@ drafts are on. One subprocess checks them all."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
+from tokenloom.model.fast_tokenizer import direct_tokenizer
 from tokenloom.model.tokenizer import Tokenizer, load_tokenizer, saved_tokenizer_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,3 +77,76 @@ def test_serve_start_up_imports_only_what_it_needs(tmp_path: Path) -> None:
     assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
                                                           add_generation_prompt=True)
     assert child["class"] == type(reference.hf).__name__
+
+
+_ENGINE_CHILD = r"""
+import json, sys
+from tokenloom.model.tokenizer import load_tokenizer
+tok = load_tokenizer(None if sys.argv[1] == "default" else sys.argv[1], cache_dir=sys.argv[2], lazy_transformers=True)
+texts = json.loads(sys.argv[3])
+out = {"ids": [tok.encode(t) for t in texts], "plain": [tok.encode(t, add_special_tokens=False) for t in texts],
+       "eos": tok.eos_token_id, "bos": tok.bos_token_id, "special": sorted(tok.all_special_ids),
+       "vocab": tok.vocab_size, "decoded": [tok.decode(tok.encode(t), skip_special_tokens=s) for t in texts
+                                            for s in (True, False)],
+       "pieces": tok.convert_ids_to_tokens(tok.encode(texts[-1])), "template": tok.chat_template,
+       "direct": tok._direct is not None, "transformers": "transformers" in sys.modules}
+out["chat"] = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+print(json.dumps(out))
+"""
+
+
+def _lazy_load_in_a_child(model: str, cache: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, model, str(cache), json.dumps(TEXTS)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Path) -> None:
+    """The engine process's tokenizer (load_tokenizer(lazy_transformers=True)) reads a cached GGUF conversion
+    through `tokenizers` alone: no transformers import until a chat template is rendered, and every answer
+    the same as the transformers tokenizer's (the default model's, where it must be direct)."""
+    cache = tmp_path / "cache"
+    for model in ("default", str(write_gguf_from_hf(make_tiny_hf_model(tmp_path, "llama"), tmp_path / "m.gguf"))):
+        reference = load_tokenizer(None if model == "default" else model, cache_dir=cache)  # converts and caches
+        child = _lazy_load_in_a_child(model, cache)
+        if model == "default":
+            assert child["direct"] and not child["transformers"], "the default model's tokenizer loaded transformers"
+        assert child["ids"] == [reference.encode(t) for t in TEXTS]
+        assert child["plain"] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+        assert (child["eos"], child["bos"]) == (reference.eos_token_id, reference.bos_token_id)
+        assert child["special"] == sorted(reference.all_special_ids) and child["vocab"] == reference.vocab_size
+        assert child["decoded"] == [reference.decode(reference.encode(t), skip_special_tokens=s) for t in TEXTS
+                                    for s in (True, False)]
+        assert child["pieces"] == reference.convert_ids_to_tokens(reference.encode(TEXTS[-1]))
+        assert child["template"] == reference.chat_template
+        assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                              add_generation_prompt=True)
+
+
+def test_direct_tokenizer_leaves_what_transformers_would_change_to_transformers(tmp_path: Path) -> None:
+    load_tokenizer(None, cache_dir=tmp_path)
+    entry = next((tmp_path / "tokenizers").iterdir())
+    assert direct_tokenizer(entry) is not None
+    # A post-processor that adds a BOS (as Llama's tokenizer.json does): the direct encode adds it where
+    # transformers does, and only there.
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    bos_dir = tmp_path / "with-bos"
+    shutil.copytree(entry, bos_dir)
+    backend = RustTokenizer.from_file(str(bos_dir / "tokenizer.json"))
+    bos_id = backend.token_to_id("<|im_start|>")
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos_id)])
+    backend.save(str(bos_dir / "tokenizer.json"))
+    direct, reference = Tokenizer(direct=direct_tokenizer(bos_dir)), Tokenizer(saved_tokenizer_class(bos_dir)
+                                                                               .from_pretrained(str(bos_dir)))
+    for add in (True, False):
+        assert [direct.encode(t, add_special_tokens=add) for t in TEXTS] == \
+            [reference.encode(t, add_special_tokens=add) for t in TEXTS]
+    assert direct.encode("hi")[0] == bos_id
+    config = json.loads((entry / "tokenizer_config.json").read_text())
+    for change in ({"add_bos_token": True}, {"eos_token": "<|not-in-the-vocabulary|>"},
+                   {"added_tokens_decoder": {"3": {"content": "<|im_start|>"}}}):
+        (entry / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+        assert direct_tokenizer(entry) is None, change

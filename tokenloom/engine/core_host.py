@@ -7,7 +7,7 @@ One construction path for both places an engine core runs: LLMEngine (in this pr
 side on top: tokenizing, detokenizing, stop strings) and the engine-core process (tokenloom/engine/
 core_proc.py), which never sees text and so builds no OutputProcessor. It still loads the tokenizer:
 the grammar backend compiles structured outputs against its vocabulary, int8 quantization calibrates
-on tokenized text, and its EOS id is the engine's. `EngineCore` itself (tokenloom/engine/core.py)
+on tokenized text, and its EOS id is the engine's (read through `tokenizers`; transformers only on demand). `EngineCore` itself (tokenloom/engine/core.py)
 stays the step loop alone, which the simulator builds over a cost model instead.
 """
 
@@ -135,7 +135,8 @@ class EngineCoreHost:
             raise
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = load_tokenizer(config.model)
+        # Through `tokenizers` where it can: the engine-core process then never imports transformers.
+        self.tokenizer = load_tokenizer(config.model, lazy_transformers=True)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id

@@ -27,9 +27,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from tokenloom.model.fast_tokenizer import DirectTokenizer, direct_tokenizer
 from tokenloom.model.paths import default_cache_dir, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -39,14 +41,29 @@ _CACHE_FORMAT = 1
 
 
 class Tokenizer:
-    """A Hugging Face tokenizer with the handful of operations the engine needs."""
+    """A Hugging Face tokenizer with the handful of operations the engine needs.
 
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
-        self._backend_decode = _backend_decode(hf_tokenizer)
+    Built on a transformers tokenizer, or on a DirectTokenizer (model/fast_tokenizer.py: the same fast
+    tokenizer through `tokenizers` alone), in which case `hf`, the transformers tokenizer, is loaded on
+    first use: chat templates, xgrammar and vLLM's API need it, encoding and decoding do not."""
+
+    def __init__(self, hf_tokenizer: Any = None, direct: DirectTokenizer | None = None) -> None:
+        assert (hf_tokenizer is None) != (direct is None), "a transformers tokenizer or a direct one"
+        self._hf = hf_tokenizer
+        self._direct = direct
+        # What answers encode/decode/ids: the direct tokenizer when there is one, never loading transformers.
+        self._core = direct if direct is not None else hf_tokenizer
+        self._backend_decode = direct.backend.decode if direct is not None else _backend_decode(hf_tokenizer)
+
+    @property
+    def hf(self) -> Any:
+        if self._hf is None:
+            assert self._direct is not None
+            self._hf = _from_saved(self._direct.directory)
+        return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._core.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No space clean-up (" ." -> "."): it depends on neighbouring tokens, so streamed text could not
@@ -56,28 +73,28 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(list(ids))
+        return self._core.convert_ids_to_tokens(list(ids))
 
     @property
     def eos_token_id(self) -> int | None:
-        return self.hf.eos_token_id
+        return self._core.eos_token_id
 
     @property
     def bos_token_id(self) -> int | None:
-        return self.hf.bos_token_id
+        return self._core.bos_token_id
 
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
-        return len(self.hf)
+        return len(self._core)
 
     @property
     def all_special_ids(self) -> list[int]:
-        return list(self.hf.all_special_ids)
+        return list(self._core.all_special_ids)
 
     @property
     def chat_template(self) -> str | None:
-        return self.hf.chat_template
+        return self._core.chat_template
 
     def apply_chat_template(
         self,
@@ -115,7 +132,7 @@ class Tokenizer:
     def __getattr__(self, name: str) -> Any:
         # The rest of a Hugging Face tokenizer's API (eos_token, convert_tokens_to_ids, ...), for code moved
         # from vLLM, whose get_tokenizer() returns the Hugging Face tokenizer itself.
-        if name == "hf":
+        if name.startswith("_"):  # our own attributes, before __init__ set them (copy, pickle)
             raise AttributeError(name)
         return getattr(self.hf, name)
 
@@ -137,12 +154,29 @@ def _backend_decode(hf: Any) -> Any:
     return getattr(backend, "decode", None)
 
 
-def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None) -> Tokenizer:
-    """The tokenizer of a model given as for `resolve_model_path` (GGUF file or Hugging Face directory)."""
+def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.PathLike[str] | None = None,
+                   lazy_transformers: bool = False) -> Tokenizer:
+    """The tokenizer of a model given as for `resolve_model_path` (GGUF file or Hugging Face directory).
+
+    `lazy_transformers`: where the cached GGUF conversion is a plain fast tokenizer that transformers would
+    load unchanged, load it through `tokenizers` and import transformers only when something needs it (the
+    engine process: ~0.6 CPU s saved). The API process renders chat templates on every chat request and
+    keeps the eager load, which it does while the engine process loads the model."""
     path = resolve_model_path(model)
     if path.is_file():
-        return Tokenizer(_gguf_tokenizer(path, Path(cache_dir) if cache_dir else default_cache_dir()))
+        entry = _gguf_cache_entry(path, Path(cache_dir) if cache_dir else default_cache_dir())
+        if lazy_transformers and (direct := _direct_from_saved(entry)) is not None:
+            return Tokenizer(direct=direct)
+        return Tokenizer(_gguf_tokenizer(path, entry))
+    # A Hugging Face directory stays with AutoTokenizer, which may pick a model-specific class.
     return Tokenizer(_hf_dir_tokenizer(path))
+
+
+def _direct_from_saved(directory: Path) -> DirectTokenizer | None:
+    """A saved plain fast tokenizer through `tokenizers` alone (None: transformers must load it)."""
+    if not (directory / "tokenizer.json").is_file() or _saved_class_name(directory) not in _DIRECT_CLASSES:
+        return None
+    return direct_tokenizer(directory)
 
 
 def _hf_dir_tokenizer(path: Path) -> Any:
@@ -153,8 +187,11 @@ def _hf_dir_tokenizer(path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-def _gguf_tokenizer(path: Path, cache_dir: Path) -> Any:
-    entry = cache_dir / "tokenizers" / f"{path.stem}-{_cache_key(path)}"
+def _gguf_cache_entry(path: Path, cache_dir: Path) -> Path:
+    return cache_dir / "tokenizers" / f"{path.stem}-{_cache_key(path)}"
+
+
+def _gguf_tokenizer(path: Path, entry: Path) -> Any:
     if (entry / "tokenizer.json").is_file():
         return _from_saved(entry)
     from transformers import AutoTokenizer
@@ -185,13 +222,17 @@ def _from_saved(directory: Path) -> Any:
     return cls.from_pretrained(str(directory), local_files_only=True)
 
 
-def saved_tokenizer_class(directory: Path) -> Any:
-    """The directly loadable class a saved tokenizer names, or None (another class, no tokenizer.json)."""
+def _saved_class_name(directory: Path) -> str | None:
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
+
+
+def saved_tokenizer_class(directory: Path) -> Any:
+    """The directly loadable class a saved tokenizer names, or None (another class, no tokenizer.json)."""
+    name = _saved_class_name(directory)
     if name not in _DIRECT_CLASSES or not (directory / "tokenizer.json").is_file():
         return None
     try:
@@ -201,10 +242,9 @@ def saved_tokenizer_class(directory: Path) -> Any:
 
 
 def _cache_key(path: Path) -> str:
-    import transformers
-
+    # The installed version from its metadata: `import transformers` alone costs more than a direct load.
     stat = path.stat()
-    ident = f"{_CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    ident = f"{_CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{metadata.version('transformers')}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
