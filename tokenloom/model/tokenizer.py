@@ -15,6 +15,10 @@ tokenizer), not AutoTokenizer: AutoTokenizer's probing imports transformers' mod
 of a server's start-up (twice: the API process and the engine process both load the tokenizer), to pick
 that same class for a directory without config.json. Hugging Face model directories still go through
 AutoTokenizer, which may choose a model-specific class over the one their tokenizer_config.json names.
+
+The engine process goes one step further (`lazy_transformers=True`): a cached conversion that transformers
+would load unchanged is read through `tokenizers` alone (model/fast_tokenizer.py), and transformers is
+imported only if something asks for more than encoding, decoding and the special ids.
 """
 
 from __future__ import annotations
