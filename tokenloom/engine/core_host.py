@@ -5,10 +5,11 @@
 
 One construction path for both places an engine core runs: LLMEngine (in this process, with the text
 side on top: tokenizing, detokenizing, stop strings) and the engine-core process (tokenloom/engine/
-core_proc.py), which never sees text and so builds no OutputProcessor. It still loads the tokenizer:
-the grammar backend compiles structured outputs against its vocabulary, int8 quantization calibrates
-on tokenized text, and its EOS id is the engine's (read through `tokenizers`; transformers only on demand). `EngineCore` itself (tokenloom/engine/core.py)
-stays the step loop alone, which the simulator builds over a cost model instead.
+core_proc.py), which never sees text and so builds no OutputProcessor. It still loads the tokenizer
+(through `tokenizers`; transformers only on demand): the grammar backend compiles structured outputs
+against its vocabulary, int8 quantization calibrates on tokenized text, and its EOS id is the engine's.
+`EngineCore` itself (tokenloom/engine/core.py) stays the step loop alone, which the simulator builds
+over a cost model instead.
 """
 
 from __future__ import annotations
