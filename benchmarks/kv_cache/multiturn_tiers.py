@@ -5,13 +5,15 @@ C conversations take turns round-robin; each turn sends the whole history (earli
 messages and answers, as token ids) plus a new user message, and gets a short answer. The pool
 (`--num-blocks`) holds fewer tokens than the conversations' histories together, so by the time a
 conversation comes back its history has been evicted from the pool: without tiers it is recomputed,
-with `--kv-offloading-size` it comes back from the host tier. The two engines alternate turn by turn
-(A, B, A, B, ...) on the same conversation, so a machine getting busier favours neither. TTFT is the
+with `--kv-offloading-size` it comes back from the host tier, and with a disk tier behind a one-block
+host tier (`--kv-offloading-dir`'s files; a fresh directory in /tmp) it comes back from disk. The
+engines (`--configs`) alternate turn by turn (A, B, C, A, B, C, ...) on the same conversation, so a
+machine getting busier favours none. TTFT is the
 wall time of `LLM.generate` with max_tokens=1 for the turn's prompt (the answer is then generated with
 a second call that hits the pool).
 
     flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/kv_cache/multiturn_tiers.py --conversations 4 \
-        --turns 6 --user-tokens 256 --answer-tokens 32 --num-blocks 160 --out docs/figures/kv_offload_multiturn.json
+        --turns 5 --user-tokens 256 --answer-tokens 32 --num-blocks 160 --out docs/figures/kv_offload_multiturn.json
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tokenloom import LLM, SamplingParams  # noqa: E402
 from tokenloom.workload.metrics import percentile  # noqa: E402
+
+# The engines the workload runs on, by --configs name: (label, LLM options beyond the pool's).
+CONFIGS = ("pool", "host", "disk")
+
+
+def engine_options(name: str, host_gib: float, disk_dir: str) -> tuple[str, dict]:
+    if name == "pool":
+        return "pool only", {}
+    if name == "host":
+        return "pool + host tier", {"kv_offloading_size": host_gib}
+    if name == "disk":
+        # A one-block host tier: every hit that left the pool is read back from the files.
+        extra = {"num_cpu_blocks": 1, "disk_dir": disk_dir}
+        return "pool + disk tier", {"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                                                           "kv_role": "kv_both", "kv_connector_extra_config": extra}}
+    raise SystemExit(f"--configs: unknown engine {name!r} (one of {', '.join(CONFIGS)})")
 
 
 def main() -> None:
@@ -38,13 +58,17 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=160, help="the pool, in blocks of 16 tokens")
     ap.add_argument("--host-gib", type=float, default=1.0)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"engines, comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = args.turns * (args.user_tokens + args.answer_tokens) + 64
     common = dict(num_blocks=args.num_blocks, max_model_len=max_len)
-    engines = {"pool only": LLM(args.model, **common),
-               "pool + host tier": LLM(args.model, kv_offloading_size=args.host_gib, **common)}
-    vocab = engines["pool only"].llm_engine.model_config.vocab_size
+    disk_dir = tempfile.mkdtemp(prefix="tl-multiturn-kv-")
+    engines = {}
+    for name in args.configs.split(","):
+        label, options = engine_options(name.strip(), args.host_gib, disk_dir)
+        engines[label] = LLM(args.model, **common, **options)
+    vocab = next(iter(engines.values())).llm_engine.model_config.vocab_size
     rng = random.Random(0)
     histories = {name: [[] for _ in range(args.conversations)] for name in engines}
     user = [[[rng.randrange(100, vocab - 100) for _ in range(args.user_tokens)] for _ in range(args.turns)]
@@ -75,6 +99,7 @@ def main() -> None:
                          "ttft_p99_ms": round(percentile(ttft, 99) * 1000, 1)}
         s = summary[name]
         print(f"| {name} | {s['hit_rate']:.1%} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} |")
+    shutil.rmtree(disk_dir, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1) + "\n")
 
