@@ -40,10 +40,12 @@ def data_parallel_kv_transfer(config: EngineConfig, rank: int) -> EngineConfig:
     """Engine `rank` of a data-parallel group: a disk tier in a subdirectory of its own (two engines never
     share a directory: disk.py locks it)."""
     kv = config.kv_transfer_config
-    if kv is not None and kv.kv_connector == "SharedStorageConnector" and kv.is_kv_producer:
-        # Decode engines find the prefill's files by block hash in one directory, which one engine owns.
-        raise ConfigError("SharedStorageConnector: a prefill engine (kv_producer) runs as one engine core; start "
-                          "one `tokenloom serve` per prefill engine, each with its own shared_storage_path")
+    if kv is not None and kv.kv_connector in ("SharedStorageConnector", "SocketConnector") and kv.is_kv_producer:
+        # Decode engines find the prefill's blocks by block hash in one place (a directory, a port), which one
+        # engine owns.
+        where = "shared_storage_path" if kv.kv_connector == "SharedStorageConnector" else "kv_port"
+        raise ConfigError(f"{kv.kv_connector}: a prefill engine (kv_producer) runs as one engine core; start "
+                          f"one `tokenloom serve` per prefill engine, each with its own {where}")
     if kv is None or "disk_dir" not in kv.kv_connector_extra_config:
         return config
     extra = dict(kv.kv_connector_extra_config, disk_dir=str(Path(kv.kv_connector_extra_config["disk_dir"]) /
