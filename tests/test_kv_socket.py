@@ -58,15 +58,16 @@ def _then(params: dict, max_tokens: int = 8) -> SamplingParams:
                           extra_args={"kv_transfer_params": params})
 
 
+@pytest.mark.parametrize("load_async", [False, True], ids=["fetch-at-lookup", "fetch-in-background"])
 @pytest.mark.parametrize("options", [
     {},
     {"async_scheduling": True,
      "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}},
 ], ids=["plain", "async-ngram"])
-def test_socket_handoff_between_two_engines(tiny_dir, reference, options):
+def test_socket_handoff_between_two_engines(tiny_dir, reference, options, load_async):
     port = free_port()
     prefill = _llm(tiny_dir, kv_transfer_config=socket_config("kv_producer", port))
-    decode = _llm(tiny_dir, kv_transfer_config=socket_config("kv_consumer"), **options)
+    decode = _llm(tiny_dir, kv_transfer_config=socket_config("kv_consumer", load_async=load_async), **options)
     out = prefill.generate([{"prompt_token_ids": PROMPT}], FIRST, use_tqdm=False)[0]
     params = out.kv_transfer_params
     assert params["do_remote_prefill"] is True and (params["remote_host"], params["remote_port"]) == ("127.0.0.1", port)
@@ -84,15 +85,17 @@ def test_socket_handoff_between_two_engines(tiny_dir, reference, options):
     decode.llm_engine.close()
 
 
-def test_a_prefill_engine_gone_costs_only_a_recompute(tiny_dir, reference, caplog):
+@pytest.mark.parametrize("load_async", [False, True], ids=["fetch-at-lookup", "fetch-in-background"])
+def test_a_prefill_engine_gone_costs_only_a_recompute(tiny_dir, reference, caplog, load_async):
     prefill = _llm(tiny_dir, kv_transfer_config=socket_config("kv_producer", free_port()))
     params = prefill.generate([{"prompt_token_ids": PROMPT}], FIRST, use_tqdm=False)[0].kv_transfer_params
     prefill.llm_engine.close()  # its server closes with it
-    decode = _llm(tiny_dir, kv_transfer_config=socket_config("kv_consumer", fetch_timeout_s=5))
+    decode = _llm(tiny_dir, kv_transfer_config=socket_config("kv_consumer", fetch_timeout_s=5, load_async=load_async))
     caplog.set_level(logging.WARNING, logger="tokenloom.kv_transfer.socket_connector")
     got = decode.generate([{"prompt_token_ids": PROMPT}], _then(params), use_tqdm=False)[0]
     assert (list(got.outputs[0].token_ids), got.num_cached_tokens) == (reference["prompt"], 0)
     assert "no KV from the prefill engine" in caplog.text
+    assert decode.llm_engine.kv_connector.loaded_tokens == 0
     decode.llm_engine.close()
 
 

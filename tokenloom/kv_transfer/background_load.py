@@ -1,5 +1,6 @@
-"""Asynchronous KV loads on the worker side: block files read, checked and copied into the pool on a
-background thread while steps run (vLLM's load_kv_async, the WAITING_FOR_REMOTE_KVS flow).
+"""Asynchronous KV loads on the worker side: blocks read (files, or a fetch from another engine), checked
+and copied into the pool on a background thread while steps run (vLLM's load_kv_async, the
+WAITING_FOR_REMOTE_KVS flow).
 
 The scheduler parks a request whose connector said `(n, True)` in WAITING_FOR_REMOTE_KVS with its blocks
 allocated and not yet in the prefix cache, so nothing but this thread touches those blocks until the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # One block to load: (pool block id, block hash of the file, host-tier slot to keep a copy in or None).
 BlockLoad = tuple[int, int, "int | None"]
+# Reads the blocks of these hashes: each one's bytes, or None where it is missing or does not check.
+BlockReader = Callable[[list[int]], "list[bytearray | None]"]
 
 
 def load_async_option(config: KVTransferConfig, connector: str) -> bool:
@@ -42,26 +46,32 @@ def load_async_option(config: KVTransferConfig, connector: str) -> bool:
 
 
 class BackgroundLoader:
-    def __init__(self, copier: KVBlockCopier, files: DiskFiles, host_buffer: Any = None, name: str = "kv-load"):
+    def __init__(self, copier: KVBlockCopier, files: DiskFiles | None = None, host_buffer: Any = None,
+                 name: str = "kv-load"):
         self.copier = copier
-        self.files = files
+        self.files = files  # the default reader's files (a connector that fetches passes its own reader)
         self.host_buffer = host_buffer  # [slots, block bytes] uint8, for loads that also fill a host slot
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._done: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self.num_in_flight = 0
 
-    def submit(self, req_id: str, loads: list[BlockLoad]) -> None:
+    def submit(self, req_id: str, loads: list[BlockLoad], read: BlockReader | None = None) -> None:
+        """Load `loads` for `req_id` in the background, with `read` (default: this loader's files)."""
         self.num_in_flight += 1
-        self._pool.submit(self._load, req_id, loads)
+        self._pool.submit(self._load, req_id, loads, read or self._read_files)
 
-    def _load(self, req_id: str, loads: list[BlockLoad]) -> None:
+    def _read_files(self, hashes: list[int]) -> list[bytearray | None]:
+        assert self.files is not None, "a loader without files needs a reader"
+        return [self.files.read(h) for h in hashes]  # None: missing, short, or a bad checksum
+
+    def _load(self, req_id: str, loads: list[BlockLoad], read: BlockReader) -> None:
         import torch
 
         invalid: set[int] = set()
         try:
             good: list[tuple[int, bytearray, int | None]] = []
-            for block_id, block_hash, slot in loads:
-                data = self.files.read(block_hash)  # None: missing, short, or a bad checksum
+            payloads = read([block_hash for _, block_hash, _ in loads])
+            for (block_id, _, slot), data in zip(loads, payloads, strict=True):
                 if data is None:
                     invalid.add(block_id)
                 else:

@@ -18,6 +18,12 @@ decode engine to the prefill engine (NIXL's role in vLLM, over a plain socket: s
      worker side copies them into the allocated blocks before the first forward, so the decode engine
      computes only the last prompt token. A prefill engine that cannot be reached, answers with another
      fingerprint, or sends a bad block costs only the tokens from there on: they are computed.
+
+With `load_async` (kv_connector_extra_config) the decode engine does not wait for the fetch at lookup:
+it counts every full block of the prompt (vLLM's NIXL counts the remote blocks the same way), parks the
+request in WAITING_FOR_REMOTE_KVS and fetches on the worker side's thread (background_load.py); the
+blocks that did not come are reported invalid and computed (kv_load_failure_policy "recompute"), or
+the request fails ("fail").
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
+from tokenloom.kv_transfer.background_load import load_async_option
 from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from tokenloom.kv_transfer.socket_transport import BlockServer, BlockStore, fetch_blocks
 from tokenloom.kv_transfer.spec import KVBlockSpec
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KNOWN_KEYS = {"send_buffer_bytes", "fetch_timeout_s"}
+_KNOWN_KEYS = {"send_buffer_bytes", "fetch_timeout_s", "load_async"}
 
 
 @dataclass
@@ -48,6 +55,8 @@ class SocketConnectorMetadata(KVConnectorMetadata):
     step_id: int
     load: list[tuple[int, bytearray]] = field(default_factory=list)  # (pool block, the block's bytes)
     store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, block hash)
+    # Background fetches (load_async), by request: ((host, port), [(pool block, block hash, None)])
+    load_async: dict[str, tuple[tuple[str, int], list[tuple[int, int, None]]]] = field(default_factory=dict)
 
 
 def _number(extra: dict[str, Any], key: str, default: float, minimum: float) -> float:
@@ -68,6 +77,7 @@ class SocketConnector(KVConnectorBase_V1):
                               f"(known: {', '.join(sorted(_KNOWN_KEYS))})")
         self.send_buffer_bytes = int(_number(extra, "send_buffer_bytes", 2 << 30, spec.block_nbytes))
         self.fetch_timeout_s = float(_number(extra, "fetch_timeout_s", 30.0, 0.001))
+        self.load_async = load_async_option(config, "SocketConnector")
         self.is_producer = config.is_kv_producer
         self.is_consumer = config.is_kv_consumer
         if self.is_producer and not 0 < config.kv_port < 65536:
@@ -84,10 +94,13 @@ class SocketConnector(KVConnectorBase_V1):
             self._next_store: dict[str, int] = {}
             self._fetched: dict[str, tuple[int, list[bytearray]]] = {}  # request -> (first block, payloads)
             self.loaded_tokens = 0  # since start, for tests and logs
+            self._async_loads: dict[str, set[int]] = {}  # request -> pool blocks fetched in the background
+            self._load_failed: set[str] = set()  # a background fetch failed: the prompt is computed here
         else:
             self._copier: Any = None
             self.store: BlockStore | None = None
             self.server: BlockServer | None = None
+            self._loader: Any = None  # BackgroundLoader, with load_async
 
     @staticmethod
     def _params(request: Request) -> dict[str, Any]:
@@ -103,18 +116,33 @@ class SocketConnector(KVConnectorBase_V1):
             return 0, False
         rid = request.request_id
         start = num_computed_tokens // self.block_size
+        if rid in self._load_failed:
+            return 0, False
+        if self.load_async:
+            if self._remote(request, params) is None:
+                return 0, False
+            n = max(0, (request.num_tokens - 1) // self.block_size - start)  # fetched in the background
+            return n * self.block_size, n > 0
         cached = self._fetched.get(rid)
         if cached is None or cached[0] != start:  # fetched once per admission attempt's starting block
             cached = (start, self._fetch(request, params, start))
             self._fetched[rid] = cached
         return len(cached[1]) * self.block_size, False
 
-    def _fetch(self, request: Request, params: dict[str, Any], start: int) -> list[bytearray]:
+    @staticmethod
+    def _remote(request: Request, params: dict[str, Any]) -> tuple[str, int] | None:
         host, port = params.get("remote_host"), params.get("remote_port")
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             logger.warning("SocketConnector: request %s has do_remote_prefill without remote_host / remote_port; "
                            "its prompt is computed here", request.request_id)
+            return None
+        return host, port
+
+    def _fetch(self, request: Request, params: dict[str, Any], start: int) -> list[bytearray]:
+        remote = self._remote(request, params)
+        if remote is None:
             return []
+        host, port = remote
         end = (request.num_tokens - 1) // self.block_size  # the last token is always computed
         hashes = list(request.block_hashes[start:end])
         if not hashes:
@@ -133,7 +161,13 @@ class SocketConnector(KVConnectorBase_V1):
         self._block_ids[rid] = block_ids
         start, payloads = self._fetched.pop(rid, (request.num_computed_tokens // self.block_size, []))
         n = num_external_tokens // self.block_size
-        for i in range(n):
+        if self.load_async and n:
+            remote = self._remote(request, self._params(request))
+            assert remote is not None  # the lookup said so
+            loads = [(block_ids[i], request.block_hashes[i], None) for i in range(start, start + n)]
+            self._meta.load_async[rid] = (remote, loads)
+            self._async_loads[rid] = {b for b, _, _ in loads}
+        for i in range(n if not self.load_async else 0):
             self._meta.load.append((block_ids[start + i], payloads[i]))
         self.loaded_tokens += num_external_tokens
         # A prefill for a decode engine sends every block of the prompt, the pool's hit included.
@@ -163,10 +197,18 @@ class SocketConnector(KVConnectorBase_V1):
         self._meta = SocketConnectorMetadata(step_id=next(self._step_ids))
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_recving or ():
+            loading = self._async_loads.pop(rid, set())
+            if loading & connector_output.invalid_block_ids:
+                self._load_failed.add(rid)  # computed from the first missing block on; never fetched again
+                self.loaded_tokens -= len(loading & connector_output.invalid_block_ids) * self.block_size
+
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._next_store, self._fetched):
             table.pop(rid, None)
+        self._load_failed.discard(rid)
         if not (self.is_producer and self._params(request).get("do_remote_decode")):
             return False, None
         # The store holds copies of the blocks (made in the steps that computed them): nothing to hold back.
@@ -179,6 +221,10 @@ class SocketConnector(KVConnectorBase_V1):
         from tokenloom.kv_transfer.block_copy import KVBlockCopier
 
         self._copier = KVBlockCopier(list(kv_caches))
+        if self.load_async and self.is_consumer:
+            from tokenloom.kv_transfer.background_load import BackgroundLoader
+
+            self._loader = BackgroundLoader(self._copier, name="kv-socket-fetch")
         if self.is_producer:
             self.store = BlockStore(self.send_buffer_bytes, self.spec.block_nbytes)
             self.server = BlockServer(self.store, self.spec.digest, self.config.kv_ip, self.config.kv_port)
@@ -193,6 +239,21 @@ class SocketConnector(KVConnectorBase_V1):
         if meta.load:
             data = torch.stack([torch.frombuffer(d, dtype=torch.uint8) for _, d in meta.load])
             self._copier.scatter([b for b, _ in meta.load], data)
+        for rid, ((host, port), loads) in meta.load_async.items():
+            self._loader.submit(rid, loads, self._reader(rid, host, port))
+
+    def _reader(self, rid: str, host: str, port: int) -> Any:
+        """Fetches a request's blocks from the prefill engine: the prefix that came, None for the rest."""
+        def read(hashes: list[int]) -> list[bytearray | None]:
+            try:
+                got: list[bytearray | None] = list(fetch_blocks(host, port, self.spec.digest, hashes,
+                                                                self.spec.block_nbytes, self.fetch_timeout_s))
+            except (OSError, ConnectionError, ValueError) as exc:
+                logger.warning("SocketConnector: no KV from the prefill engine at %s:%s for request %s (%s); its "
+                               "prompt is computed here", host, port, rid, exc)
+                got = []
+            return got + [None] * (len(hashes) - len(got))
+        return read
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-step loads
@@ -216,9 +277,15 @@ class SocketConnector(KVConnectorBase_V1):
             self.store.put(h, rows[row].numpy().tobytes())
 
     def build_connector_worker_output(self) -> KVConnectorOutput | None:
-        return None
+        if self._loader is None:
+            return None
+        finished, invalid = self._loader.take_finished()
+        return KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid)
 
     def shutdown(self) -> None:
-        if self.role is KVConnectorRole.WORKER and self.server is not None:
-            self.server.close()
-            self.server = None
+        if self.role is KVConnectorRole.WORKER:
+            if self.server is not None:
+                self.server.close()
+                self.server = None
+            if self._loader is not None:
+                self._loader.shutdown()
