@@ -144,3 +144,22 @@ def test_socket_options_are_checked(tiny_dir):
     config = engine_config_from_kwargs(model=str(tiny_dir), kv_transfer_config=socket_config("kv_producer", port))
     with pytest.raises(ConfigError, match="its own kv_port"):
         data_parallel_kv_transfer(config, 1)
+
+
+def test_the_data_parallel_proxy_options(tiny_dir):
+    from tokenloom.config import ParallelConfig
+    from tokenloom.router import Router, RouterConfig
+
+    with pytest.raises(ConfigError, match="leaves no decode engine"):
+        ParallelConfig(data_parallel_size=2, data_parallel_prefill_engines=2)
+    config = engine_config_from_kwargs(model=str(tiny_dir), kv_transfer_config=socket_config("kv_both", 15000))
+    roles = [data_parallel_kv_transfer(config, rank, 2).kv_transfer_config for rank in range(3)]
+    assert [(kv.kv_role, kv.kv_port) for kv in roles] == [("kv_producer", 15000), ("kv_producer", 15001),
+                                                          ("kv_consumer", 15000)]
+    offload = engine_config_from_kwargs(model=str(tiny_dir), kv_offloading_size=1)
+    with pytest.raises(ConfigError, match="over the SocketConnector"):
+        data_parallel_kv_transfer(offload, 0, 1)
+    # Each phase is routed among its own engines only.
+    router = Router(RouterConfig(policy="round_robin", num_prefill_engines=1), 3, BS, 64)
+    assert {router.route(f"d{i}", PROMPT, engines=range(1, 3)) for i in range(6)} == {1, 2}
+    assert {router.route(f"p{i}", PROMPT, engines=range(1)) for i in range(3)} == {0}

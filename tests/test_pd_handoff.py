@@ -97,3 +97,33 @@ def test_prefill_then_decode_equals_one_engine(tiny_dir, tmp_path, connector):
         values = prefill.metrics()
         assert metric(values, "tokenloom:num_requests_running") == 0
         assert metric(values, "tokenloom:kv_cache_usage_perc") == 0.0
+
+
+def test_the_data_parallel_router_as_the_proxy(tiny_dir, tmp_path):
+    """`--data-parallel-size 2 --data-parallel-prefill-engines 1`: engine 0 prefills, engine 1 decodes, the
+    SocketConnector between them, the DP client doing the proxy's two requests (docs/kv_offload.md)."""
+    ref = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=BS)
+    want = list(ref.generate([{"prompt_token_ids": PROMPT}],
+                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids)
+    config = {"kv_connector": "SocketConnector", "kv_role": "kv_both", "kv_port": free_port()}
+    with ServerProcess(str(tiny_dir), "--dtype", "float32", "--num-blocks", "64", "--block-size", str(BS),
+                       "--data-parallel-size", "2", "--data-parallel-prefill-engines", "1",
+                       "--kv-transfer-config", json.dumps(config), "--enable-prompt-tokens-details",
+                       log_path=tmp_path / "dp.log") as server:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert out["choices"][0]["token_ids"] == want
+        # The decode engine loaded the prompt's full blocks from the prefill engine.
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == EXPECTED_HIT
+        values = server.metrics()
+        assert metric(values, "tokenloom:external_prefix_cache_hits_total") == EXPECTED_HIT
+        # Streaming goes the same way; the output the client sees is the decode engine's.
+        text = ""
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == out["choices"][0]["text"]
