@@ -105,11 +105,14 @@ def test_a_request_aborted_while_loading_frees_its_blocks_when_the_load_ends(tin
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         held = _pool_in_use(llm)
         assert held >= EXPECTED_HIT // BS
+        # A reset cannot take blocks a load still writes: it says no instead of raising.
+        assert engine.scheduler.reset_prefix_cache(reset_running_requests=True) is False
         engine.abort_request(rid)
         for _ in range(3):
             engine.step()
         # The worker still writes those blocks: they are not handed to anyone else yet.
         assert _pool_in_use(llm) == held and engine.scheduler.aborted_while_loading
+        assert engine.scheduler.reset_prefix_cache(reset_running_requests=True) is False
     finally:
         gate.set()
     deadline = time.monotonic() + 30

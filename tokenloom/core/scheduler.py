@@ -1219,6 +1219,9 @@ class Scheduler:
             while self.running:
                 self._preempt_request(self.running.pop(), now)
         ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok and (self.aborted_while_loading or any(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)):
+            return False  # a KV load still writes its blocks (they cannot be taken back): try again after it
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
         return ok
