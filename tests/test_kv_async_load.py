@@ -198,3 +198,24 @@ def test_load_async_must_be_a_boolean(tiny_dir, tmp_path):
     config["kv_connector_extra_config"]["load_async"] = "yes"
     with pytest.raises(ConfigError, match="load_async must be true or false"):
         _llm(tiny_dir, kv_transfer_config=config)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
+def test_preempted_requests_resume_through_background_loads(tiny_dir, tmp_path, async_scheduling):
+    """Six requests in a 24-block pool preempt each other; a resumed request's blocks come back from the
+    disk tier in the background. Tokens equal a roomy engine's; nothing leaks (the autouse leak check)."""
+    prompts = [[(s * 17 + 5 * j) % 290 + 5 for j in range(30)] for s in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = _llm(tiny_dir, num_blocks=256)
+    want = [list(o.outputs[0].token_ids) for o in
+            ref.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = _llm(tiny_dir, num_blocks=24, kv_transfer_config=_disk_config(tmp_path / "kv"),
+               async_scheduling=async_scheduling)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    sched = llm.llm_engine.scheduler
+    assert sched.num_preemptions_total > 0
+    assert llm.llm_engine.kv_connector.stats.disk_hit_tokens > 0
+    assert sched.make_stats().connector_prefix_cache_totals.preempted_hits > 0  # resumed through loads
+    assert not sched.loaded_kv_tokens and _pool_in_use(llm) == 0
+    llm.llm_engine.close()

@@ -238,6 +238,8 @@ class Scheduler:
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
         self.aborted_while_loading: set[str] = set()
+        # Promoted after their load, not admitted yet: the tokens the load gave (their cached tokens).
+        self.loaded_kv_tokens: dict[str, int] = {}
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -309,6 +311,7 @@ class Scheduler:
                        and rid not in self.finished_recving_kv_req_ids)
             self.finished_recving_kv_req_ids.discard(rid)
             self.failed_recving_kv_req_ids.discard(rid)
+            self.loaded_kv_tokens.pop(rid, None)
             request.status = finished_status
             self._free_request(request, delay_free_blocks=loading)
             if loading:
@@ -520,8 +523,8 @@ class Scheduler:
             else:
                 new_computed_blocks, num_new_local_computed = [], 0
             num_computed_tokens = request.num_computed_tokens + num_new_local_computed + num_external_computed
-            # A first admission with tokens already computed: its KV was loaded in the background.
-            num_loaded = request.num_computed_tokens if request.num_cached_tokens < 0 else 0
+            # Tokens loaded in the background (the request was parked in WAITING_FOR_REMOTE_KVS).
+            num_loaded = self.loaded_kv_tokens.get(request.request_id, 0)
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
             num_new_tokens = request.num_tokens - num_computed_tokens
             pad_spec_decode = False
@@ -567,6 +570,8 @@ class Scheduler:
 
             request = self.waiting.pop_request()
             self.running.append(request)
+            if num_loaded:
+                del self.loaded_kv_tokens[request.request_id]
             if self.lora_config is not None and request.lora_request is not None:
                 scheduled_loras.add(request.lora_request.lora_int_id)
             if request.status == RequestStatus.WAITING:
@@ -640,6 +645,8 @@ class Scheduler:
         self.finished_recving_kv_req_ids.discard(rid)
         if request.num_computed_tokens == request.num_tokens:
             request.num_computed_tokens -= 1  # the last token is computed again, for its logits
+        if request.num_computed_tokens:
+            self.loaded_kv_tokens[rid] = request.num_computed_tokens
 
     def _mark_failed_loads(self, finished_recving: Iterable[str], invalid_block_ids: set[int]) -> None:
         """Cut each finished load with an invalid block back to the tokens before its first invalid block
