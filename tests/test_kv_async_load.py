@@ -219,3 +219,28 @@ def test_preempted_requests_resume_through_background_loads(tiny_dir, tmp_path, 
     assert sched.make_stats().connector_prefix_cache_totals.preempted_hits > 0  # resumed through loads
     assert not sched.loaded_kv_tokens and _pool_in_use(llm) == 0
     llm.llm_engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_requests_holding_loaded_blocks_never_deadlock_the_pool(tiny_dir, tmp_path):
+    """Four histories come back from disk at once into a pool that holds the blocks of one and a half: the
+    parked loads take most of the pool, and a promoted request that cannot grow gives its (now cached)
+    blocks back instead of waiting on blocks other waiting requests hold. All finish, tokens equal a roomy
+    engine's."""
+    histories = [[(s * 31 + 7 * j) % 290 + 5 for j in range(44)] for s in range(4)]
+    turns = [h + [(s * 13 + 3 * j) % 290 + 5 for j in range(12)] for s, h in enumerate(histories)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = _llm(tiny_dir, num_blocks=256)
+    want = [list(o.outputs[0].token_ids) for o in
+            ref.generate([{"prompt_token_ids": p} for p in turns], params, use_tqdm=False)]
+    # (Without the full-prompt reservation, admissions may take blocks the rest of a prompt needs.)
+    llm = _llm(tiny_dir, num_blocks=24, kv_transfer_config=_disk_config(tmp_path / "kv"),
+               scheduler_reserve_full_isl=False)
+    for h in histories:  # the histories' blocks go to disk
+        _run(llm, h)
+    assert llm.llm_engine.scheduler.reset_prefix_cache()
+    outs = llm.generate([{"prompt_token_ids": p} for p in turns], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert llm.llm_engine.kv_connector.stats.disk_hit_tokens > 0
+    assert _pool_in_use(llm) == 0
+    llm.llm_engine.close()

@@ -592,6 +592,9 @@ class Scheduler:
                 plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
             self.waiting.prepend_requests(skipped_waiting)
+        if plan.bound_by == "kv_blocks" and not self.running and (self.loaded_kv_tokens
+                                                                   or self.finished_recving_kv_req_ids):
+            self._give_back_loaded_blocks()
 
     # Asynchronous KV loads (vLLM's WAITING_FOR_REMOTE_KVS) --------------------------------------
     def _connector_allocated(self, request: Request, num_local: int, num_external: int) -> None:
@@ -647,6 +650,23 @@ class Scheduler:
             request.num_computed_tokens -= 1  # the last token is computed again, for its logits
         if request.num_computed_tokens:
             self.loaded_kv_tokens[rid] = request.num_computed_tokens
+
+    def _give_back_loaded_blocks(self) -> None:
+        """Nothing runs and the waiting queue is short of blocks, some of which waiting requests hold
+        because their KV loaded: those requests return them (cached by the load, so their next admission
+        finds them in the prefix cache unless evicted). Waiting requests are never preempted; without
+        this, a request at the head could wait for blocks that loaded requests behind it hold, while
+        they wait behind it (reachable with scheduler_reserve_full_isl off). A load still running keeps
+        its blocks; it is handled here once it ends."""
+        kv = self.kv_cache_manager
+        for request in list(self.waiting):
+            rid = request.request_id
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid in self.finished_recving_kv_req_ids:
+                self._update_waiting_for_remote_kv(request)
+                request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            if self.loaded_kv_tokens.pop(rid, None) is not None:
+                kv.free(request)
+                request.num_computed_tokens = 0
 
     def _mark_failed_loads(self, finished_recving: Iterable[str], invalid_block_ids: set[int]) -> None:
         """Cut each finished load with an invalid block back to the tokens before its first invalid block
