@@ -34,10 +34,9 @@ def _key(outs):
 
 
 def test_adaptive_drafting_with_async_scheduling_is_refused_before_loading() -> None:
-    from tokenloom.engine.llm_engine import check_async_scheduling
+    from tokenloom.engine.core_host import check_async_scheduling
 
-    cfg = EngineConfig(scheduler=SchedulerConfig(async_scheduling=True))
-    cfg.speculative_config = {"method": "ngram", "num_speculative_tokens": 3}  # type: ignore[attr-defined]
+    cfg = EngineConfig(scheduler=SchedulerConfig(async_scheduling=True), speculative_config=NGRAM)
     check_async_scheduling(cfg)  # the combination itself runs
     cfg = EngineConfig(scheduler=SchedulerConfig(async_scheduling=True),
                        speculative_config={**NGRAM, "adaptive": True})

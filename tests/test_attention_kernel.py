@@ -29,7 +29,7 @@ from tokenloom.model.attention import (
     write_kv,
 )
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.llama import RotaryEmbedding
+from tokenloom.model.rotary import RotaryEmbedding
 
 K = kernels_mod.cpu_kernels()
 HAVE_TOOLCHAIN = all(shutil.which(tool) for tool in ("c++", "ninja"))

@@ -15,7 +15,7 @@ import pytest
 
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom.engine.async_llm import AsyncLLM, EngineDeadError
-from tokenloom.engine.core_client import EngineCoreClient
+from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.dp_client import DPEngineCoreClient, split_cpus
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 from tokenloom.router import RouterConfig
@@ -37,7 +37,7 @@ def _config(tiny_dir, **kw):
 def _engine(tiny_dir, dp: int, policy: str = "round_robin") -> AsyncLLM:
     config = _config(tiny_dir)
     if dp == 1:
-        client = EngineCoreClient(config, "warning")
+        client = MPClient(config, "warning")
     else:
         client = DPEngineCoreClient(config, dp, RouterConfig(policy=policy), "warning")
     # 300 s: a first build of the CPU kernels on a loaded machine is slow.
@@ -83,9 +83,9 @@ def test_greedy_tokens_dp2_equal_dp1(tiny_dir):
     llm = LLM(str(tiny_dir), data_parallel_size=2, routing_policy="round_robin", **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        router = llm._dp.engine.client.router
+        router = llm.llm_engine.engine.client.router
         assert router.num_routed == [4, 4]  # both engines served
-        assert llm._dp.engine.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
+        assert llm.llm_engine.engine.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call on the same engines
     finally:
         llm.shutdown()

@@ -194,11 +194,11 @@ def test_chat_uses_the_models_template(tiny) -> None:
 
 
 def test_bad_input_gives_clear_errors_and_the_engine_goes_on(tiny) -> None:
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of vocabulary"):
         tiny.generate([{"prompt_token_ids": [1, 10**6]}], GREEDY, use_tqdm=False)
     with pytest.raises(RequestRejected, match="empty"):
         tiny.generate([{"prompt_token_ids": []}], GREEDY, use_tqdm=False)
-    with pytest.raises(RequestRejected, match="max_model_len"):
+    with pytest.raises(RequestRejected, match="maximum context length"):
         tiny.generate([{"prompt_token_ids": [5] * 5000}], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)

@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom import envs
 from tokenloom.engine import core_client
-from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
+from tokenloom.engine.core_client import EngineStartError, MPClient
 from tokenloom.engine.core_messages import EngineProgress, EngineReady
 from tokenloom.engine.core_proc import LoadHeartbeat, process_tree_cpu_s
 
@@ -48,12 +48,12 @@ def fake_clock(monkeypatch):
     return t
 
 
-def _client(messages: list) -> EngineCoreClient:
+def _client(messages: list) -> MPClient:
     from_engine, engine_outbox = mp.Pipe(duplex=False)
     to_engine, _ = mp.Pipe(duplex=False)
     for m in messages:
         engine_outbox.send(m)
-    client = EngineCoreClient(None, connections=(_Alive(), to_engine, from_engine))
+    client = MPClient(None, connections=(_Alive(), to_engine, from_engine))
     client._keep = engine_outbox  # the engine's end stays open: no EOF
     return client
 

@@ -253,7 +253,7 @@ def test_the_log_names_what_runs_as_torch_ops(arch: str, ops: str | None, tmp_pa
     if cpu_kernels() is None:
         pytest.skip("the CPU kernels are not built: everything is a torch op")
     loaded = load_model(make_tiny_hf_model(tmp_path, arch=arch, seed=2), torch.float32)
-    with caplog.at_level("INFO", logger="tokenloom.model.llama"):
+    with caplog.at_level("INFO", logger="tokenloom.model.decoder_model"):
         ModelRunner(loaded, block_size=BLOCK, num_blocks=8, dtype="float32", device="cpu")
     said = [r.getMessage() for r in caplog.records if "no fused CPU kernel yet" in r.getMessage()]
     if ops is None:

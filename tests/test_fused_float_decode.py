@@ -1,4 +1,4 @@
-"""The fused decode step (GGUFDecoder, gguf_decode.py) over an unquantized model's float32 / bf16
+"""The fused decode step (the fused decoder, fused_decode.py) over an unquantized model's float32 / bf16
 weights against the per-op path: hidden states / logits close, the same greedy text, and the
 fallbacks (prefill, mixed steps, more than `max_rows` rows, the packed bf16 KV layout) unchanged.
 
@@ -15,7 +15,7 @@ import torch
 from tests.test_gguf_decode import count_fused_runs
 from tests.test_model_runner import BLOCK, Tiny, new_req, prompt, step
 from tests.tiny_models import make_tiny_hf_model
-from tokenloom.model.gguf_decode import BF16, DENSE, linear_parts
+from tokenloom.model.fused_decode import BF16, DENSE, linear_parts
 from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.model.loader import load_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model.gguf_decode import decoder_from_weights
+from tokenloom.model.fused_decode import decoder_from_weights
 from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
 from tokenloom.model.loader import default_model_path

@@ -174,3 +174,61 @@ def test_the_circle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def runtime_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The tokenloom modules one module imports at run time: module-level imports and those deferred
+    into functions (a deferral still runs, it only hides a circle), not those under `if TYPE_CHECKING:`
+    (never executed). A `from package import name` counts the submodule when `name` is one."""
+    tree = ast.parse(source)
+    type_only = {id(stmt) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                 ast.unparse(node.test) for sub in node.body for stmt in ast.walk(sub)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in type_only:
+            targets = {name for _, name in imports(ast.unparse(node), module, is_package)}
+            if isinstance(node, ast.ImportFrom):
+                targets |= {f"{t}.{alias.name}" for t in targets for alias in node.names}
+            for target in targets:
+                while target and target not in known:  # tokenloom.model.layers.RMSNorm -> tokenloom.model.layers
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    out.add(target)
+    return out
+
+
+def room_import_graph(room_name: str, sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of the same room it imports at run time; `sources`: module -> (source, is package)."""
+    known = set(sources)
+    return {name: {t for t in runtime_imports(src, name, pkg, known) if room(t) == room_name}
+            for name, (src, pkg) in sources.items() if room(name) == room_name}
+
+
+def test_no_import_circle_inside_the_model_room_even_through_deferred_imports() -> None:
+    """Issue 30 item 7: the model room's modules import one way even counting imports deferred into a
+    function. llama.py used to import its families (tokenloom/model/models/) and smoothquant.py inside
+    functions while both imported llama.py at module level: now the blocks are layers.py, the families
+    are named by models/registry.py, and the model (decoder_model.py) sits above both."""
+    sources = {name: (path.read_text(encoding="utf-8"), path.name == "__init__.py") for name, path in package_modules()}
+    assert import_cycles(room_import_graph("tokenloom.model", sources)) == []
+
+
+def test_the_deferred_circle_check_sees_the_old_model_room_circle() -> None:
+    """The shapes of the old llama.py, models/qwen3.py and smoothquant.py: the deferred imports close
+    the circle, the TYPE_CHECKING one does not count."""
+    sources = {
+        "tokenloom.model.llama": ("import torch\n"
+                                  "def decoder_layer_class(a):\n    import tokenloom.model.models\n"
+                                  "def load(m):\n    from tokenloom.model.smoothquant import quantize_model\n", False),
+        "tokenloom.model.models": ("from tokenloom.model.llama import DECODER_LAYERS\n"
+                                   "from tokenloom.model.models.qwen3 import Qwen3DecoderLayer\n", True),
+        "tokenloom.model.models.qwen3": ("from tokenloom.model.llama import LlamaDecoderLayer\n", False),
+        "tokenloom.model.smoothquant": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from tokenloom.model.llama import LlamaModel\n", False),
+    }
+    graph = room_import_graph("tokenloom.model", sources)
+    assert graph["tokenloom.model.smoothquant"] == set()  # a type-only import never runs
+    assert import_cycles(graph) == [["tokenloom.model.llama", "tokenloom.model.models",
+                                     "tokenloom.model.models.qwen3"]]
+    alone = {"tokenloom.model.layers": ("import torch\n", False)}
+    assert import_cycles(room_import_graph("tokenloom.model", alone)) == []

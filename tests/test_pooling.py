@@ -322,8 +322,10 @@ def test_runner_flags(tmp_path):
         LLM(str(path), runner="pooling", quantization="int8")
     with pytest.raises(ConfigError, match="encoder runs in --dtype"):
         LLM(str(bert), quantization="gguf")
-    dp = LLM.__new__(LLM)  # offline data parallel (engine processes) refuses pooling, before starting any
-    dp._dp, dp.llm_engine = object(), None
+    from tokenloom.engine.dp_llm import DataParallelLLMEngine
+
+    dp = LLM.__new__(LLM)  # offline data parallel (engine processes) refuses pooling (none started here)
+    dp.llm_engine = DataParallelLLMEngine.__new__(DataParallelLLMEngine)
     with pytest.raises(ValueError, match="data_parallel_size"):
         dp.embed("x", use_tqdm=False)
     last = LLM(str(path), runner="pooling", num_blocks=32)

@@ -98,7 +98,8 @@ def test_engine_rejects_at_the_hybrid_boundary_and_serves_the_request_that_fits(
 
     engine = LLMEngine.from_args(str(gemma3), **ENGINE)
     assert len(engine.scheduler.kv_cache_manager.kv_cache_groups) == 3
-    with pytest.raises(RequestRejected, match=r"needs 21 KV blocks at its longest \(41 tokens; 11 in the "
+    # The engine's input processor refuses it (tokenloom/engine/input_processor.py), in the server's words.
+    with pytest.raises(RequestRejected, match=r"21 KV-cache blocks are needed \(11 in the "
                                               r"full-attention group, 5 in each of 2 sliding-window groups"):
         engine.add_request("never", {"prompt_token_ids": _prompt(NEVER["prompt"])},
                            SamplingParams(max_tokens=NEVER["max_tokens"], ignore_eos=True))

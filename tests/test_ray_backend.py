@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 from tests.test_data_parallel import PROMPTS, _config, _generate  # noqa: E402
 from tests.tiny_models import make_tiny_hf_model  # noqa: E402
 from tokenloom.engine.async_llm import AsyncLLM  # noqa: E402
-from tokenloom.engine.dp_client import DPEngineCoreClient, make_engine_client  # noqa: E402
+from tokenloom.engine.core_client import make_client  # noqa: E402
+from tokenloom.engine.dp_client import DPEngineCoreClient  # noqa: E402
 from tokenloom.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -56,7 +57,7 @@ def test_ray_backend_serves_the_same_tokens_and_survives_a_killed_actor(tiny_dir
                  for i, o in enumerate(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                                     use_tqdm=False))}
     config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray", routing_policy="round_robin")
-    client = make_engine_client(config, "warning")
+    client = make_client(config, "warning")
     assert isinstance(client, DPEngineCoreClient)
     engine = AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=180)
     long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # two per engine fit its 256 blocks
@@ -122,6 +123,6 @@ def test_ray_placement_timeout_and_actor_start_failure_are_clear_errors(tiny_dir
     broken = _config(tiny_dir, data_parallel_size=1, distributed_executor_backend="ray")
     broken = dataclasses.replace(broken, model=str(tiny_dir / "no-such-model"))
     with pytest.raises(EngineStartError, match="engine 0: engine start-up failed: FileNotFoundError: model"):
-        client = make_engine_client(broken, "warning")
+        client = make_client(broken, "warning")
         AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=120).shutdown()
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())

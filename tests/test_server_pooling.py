@@ -126,6 +126,7 @@ def test_pooling_endpoints_refuse_a_generation_model():
     from types import SimpleNamespace
 
     from tokenloom.engine.async_llm import AsyncLLM, InvalidRequestError
+    from tokenloom.engine.input_processor import InputProcessor
     from tokenloom.server.errors import APIError
     from tokenloom.server.serving_pooling import _info
 
@@ -136,5 +137,6 @@ def test_pooling_endpoints_refuse_a_generation_model():
     engine = AsyncLLM.__new__(AsyncLLM)
     engine.info, engine.accepting, engine._requests = state.engine.info, True, {}
     engine.client = SimpleNamespace(failure=None)
+    engine.input_processor = InputProcessor(None, state.engine.info)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="generation model"):
         engine.add_pooling_request("r", [1, 2], None, None)

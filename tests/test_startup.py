@@ -36,7 +36,7 @@ class Spawned(Exception):
 def spawn(config, log_level):
     heavy = [m for m in ("torch", "fastapi", "uvicorn", "transformers") if m in sys.modules]
     raise Spawned(heavy)
-launcher.make_engine_client = spawn
+launcher.make_client = spawn
 try:
     launcher.run_server(EngineConfig(), ServerConfig(port=0))
 except Spawned as exc:

@@ -20,7 +20,7 @@ import math
 import re
 import types
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,9 @@ class SchedulerConfig:
         "vLLM's fixed budget", parse=parse_token_budget)
     max_num_seqs: int = knob(128, "most running requests")
     # Set by the engine from EngineConfig.max_model_len (the model's context by default), so not a knob here.
-    max_model_len: int = 2048
+    # None: not known yet (an engine config without --max-model-len); the engine resolves it once
+    # (engine/core_host.py resolve_max_model_len) and the checks that need it run then.
+    max_model_len: int | None = 2048
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps within the token budget")
     long_prefill_token_threshold: int = knob(0, "cap on the tokens of one prefill chunk (0: no cap)")
     policy: Policy = knob("fcfs", "order of the waiting queue (priority: lower value first, then arrival)",
@@ -234,7 +236,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_model_len", self.max_model_len, 2)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_choice("policy", self.policy, Policy)
         _check_choice("batching", self.batching, BatchingMode)
@@ -278,7 +281,7 @@ class SchedulerConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.long_prefill_token_threshold > self.max_model_len:
+        if self.max_model_len is not None and self.long_prefill_token_threshold > self.max_model_len:
             raise ConfigError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= max_model_len "
                 f"({self.max_model_len})"
@@ -288,7 +291,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.token_budget_ceiling}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs at least one token per step"
             )
-        if not self.enable_chunked_prefill and self.token_budget_ceiling < self.max_model_len:
+        if (self.max_model_len is not None and not self.enable_chunked_prefill
+                and self.token_budget_ceiling < self.max_model_len):
             raise ConfigError(
                 f"with chunked prefill off, max_num_batched_tokens ({self.token_budget_ceiling}) "
                 f"must be >= max_model_len ({self.max_model_len}), or a long prompt could never be "
@@ -811,8 +815,9 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     parallel: ParallelConfig | None = None  # None: one engine core
-    # vLLM's --speculative-config: a dict (or its JSON text), made a SpeculativeConfig here; None: off.
-    speculative_config: dict | None = knob(
+    # vLLM's --speculative-config, given as a SpeculativeConfig, a dict or its JSON text; __post_init__
+    # makes it a SpeculativeConfig, which is what the field holds from then on. None: off.
+    speculative_config: SpeculativeConfig | None = knob(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)', flags=("-sc",))
 
@@ -850,7 +855,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
-        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:
@@ -911,6 +916,8 @@ def _kind(hint: Any) -> tuple[str, tuple[Any, ...] | None]:
     if get_origin(hint) is Literal:
         return "str", get_args(hint)
     if hint in (dict, list) or get_origin(hint) in (dict, list):
+        return "json", None
+    if is_dataclass(hint):  # a config object (SpeculativeConfig): given on the command line as JSON
         return "json", None
     kinds = {bool: "bool", int: "int", float: "float", str: "str"}
     if hint not in kinds:
@@ -975,8 +982,9 @@ def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> Engine
     """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
     parts = split_engine_kwargs(kwargs)
     sched_kwargs, max_model_len = parts["scheduler"], parts["engine"].get("max_model_len")
-    # The scheduler config is re-validated once max_model_len is known; build it with a placeholder.
-    sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len or 2) if sched_kwargs or max_model_len else None
+    # Without --max-model-len the scheduler config leaves it unset (None): the engine resolves it once it
+    # knows the model and the KV pool, and the checks that need it run then.
+    sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len) if sched_kwargs or max_model_len else None
     cache = CacheConfig(**parts["cache"])
     parallel = ParallelConfig(**parts["parallel"]) if parts["parallel"] else None
     return EngineConfig(model=model, scheduler=sched, cache=cache, parallel=parallel, **parts["engine"])

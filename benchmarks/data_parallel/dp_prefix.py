@@ -16,7 +16,7 @@ import json
 import time
 
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.dp_client import make_engine_client
+from tokenloom.engine.core_client import make_client
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.workload.datasets import assign_arrivals
@@ -49,7 +49,7 @@ def run(policy: str, args: argparse.Namespace, requests) -> dict:
     config = engine_config_from_kwargs(model=args.model, num_blocks=args.num_blocks, block_size=16,
                                        data_parallel_size=args.data_parallel_size,
                                        distributed_executor_backend=args.backend, routing_policy=policy)
-    client = make_engine_client(config, "warning")
+    client = make_client(config, "warning")
     engine = AsyncLLM.from_client(client, args.model)
     try:
         t = time.monotonic()

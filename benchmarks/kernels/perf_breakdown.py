@@ -1,6 +1,6 @@
 """Where one runner step's time goes, op by op, and the GEMMs' achieved FLOP/s vs plain torch GEMMs.
 
-Runs the real fused forward (`LlamaModel.forward` on the CPU kernel backend) with a timer around
+Runs the real fused forward (`DecoderModel.forward` on the CPU kernel backend) with a timer around
 every kernel and GEMM, on the scenarios of perf_step.py (a batch-128 decode at W1-like contexts,
 a 2048-token prefill of W1-like prompts, a mixed step), then times the whole `execute_model` to
 get the runner's own overhead (input preparation, sampling, bookkeeping) as the remainder.

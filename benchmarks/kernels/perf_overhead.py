@@ -3,7 +3,7 @@
 Runs B requests (random token prompts, fixed output length, greedy, ignore_eos) through
 `LLMEngine.step()` — the path `LLM.generate` takes, scheduler, runner, sampling, output processing
 and incremental detokenization included — and times, per step, the whole step and the model's
-own work (`LlamaModel.forward` + `compute_logits`). Overhead = step - model: scheduling, input
+own work (`DecoderModel.forward` + `compute_logits`). Overhead = step - model: scheduling, input
 preparation, sampling, bookkeeping, outputs, detokenization. Decode-only steps are reported.
 
     .venv/bin/python benchmarks/kernels/perf_overhead.py [--batch 32,128] [--json out.json]

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    from tokenloom.model.gguf_decode import decoder_from_weights
+    from tokenloom.model.fused_decode import decoder_from_weights
     from tokenloom.model.gguf_kernels import gguf_kernels
     from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
     from tokenloom.model.rotary import rope_inv_freq

@@ -42,7 +42,6 @@ def _llm(clock: str, **kwargs) -> LLM:
     if clock == "wall":
         return LLM(**kwargs)
     llm = LLM.__new__(LLM)
-    llm._dp = None  # one engine in this process (LLM.__init__ sets it; this path builds the engine itself)
     llm.llm_engine = LLMEngine(engine_config_from_kwargs(**kwargs), clock=time.process_time)
     return llm
 

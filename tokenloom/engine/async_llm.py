@@ -21,14 +21,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
 from tokenloom.core.kv_cache_manager import PrefixCacheStats
-from tokenloom.core.prompt_fit import prompt_fit
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import EngineCoreClient
-from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady
-from tokenloom.engine.dp_client import DPEngineCoreClient
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady
+from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError, check_lora_request
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
@@ -42,14 +40,6 @@ if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads i
 logger = logging.getLogger(__name__)
 
 StatLogger = Callable[[IterationStats], None]
-
-
-class InvalidRequestError(ValueError):
-    """The request can never be served as sent (a client error); `param` names the culprit field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class EngineDeadError(RuntimeError):
@@ -106,7 +96,7 @@ class _Tracked:
 class AsyncLLM:
     def __init__(
         self,
-        client: EngineCoreClient | DPEngineCoreClient,
+        client: EngineCoreClient,
         ready: EngineReady,
         tokenizer: Tokenizer,
         max_waiting_requests: int | None = None,
@@ -116,6 +106,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, ready)
         self.stat_loggers: list[StatLogger] = []
         # Called once the engine process is found dead, after every request in flight was failed
         # (the server uses it to exit, as vLLM's does).
@@ -131,14 +122,14 @@ class AsyncLLM:
     @classmethod
     def from_client(
         cls,
-        client: EngineCoreClient | DPEngineCoreClient,
+        client: EngineCoreClient,
         model: str | None,
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
     ) -> AsyncLLM:
         """Load the tokenizer here while the (already spawned) engine process loads the model, then wait
         for the engine to be ready: as long as it makes progress, a stall of at most `ready_timeout_s`
-        (default $TOKENLOOM_ENGINE_READY_TIMEOUT; EngineCoreClient.wait_ready). Stops the engine process if
+        (default $TOKENLOOM_ENGINE_READY_TIMEOUT; MPClient.wait_ready). Stops the engine process if
         anything fails."""
         from tokenloom.model.tokenizer import load_tokenizer
 
@@ -172,11 +163,11 @@ class AsyncLLM:
 
     @property
     def data_parallel_size(self) -> int:
-        return getattr(self.client, "data_parallel_size", 1)
+        return self.client.data_parallel_size
 
     def engine_health(self) -> list[dict] | None:
         """Per data-parallel engine: alive, and the error of a dead one (None without data parallelism)."""
-        return self.client.engine_health() if isinstance(self.client, DPEngineCoreClient) else None
+        return self.client.engine_health()
 
     @property
     def num_unfinished(self) -> int:
@@ -200,26 +191,23 @@ class AsyncLLM:
         EngineDrainingError before anything is sent. Outputs arrive on `stream`. `lora_request`: the
         LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None."""
         self._check_can_take(request_id)
-        if self.info.pooling is not None:
-            raise InvalidRequestError(
-                f"The model `{self.info.model_name}` is a pooling model (tasks: {', '.join(self.info.pooling.tasks)}) "
-                "and does not support generation: use /v1/embeddings, /pooling, /classify, /score or /rerank")
-        self.check_prompt(prompt_token_ids, params)
+        self.input_processor.check_generation_model()
+        self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=True)
         self.check_admission(params.n)
         arrival = time.monotonic()
         extra_eos = getattr(self.info, "extra_eos_token_ids", None)
         if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
             params = replace(params, stop_token_ids=list(params.stop_token_ids or [])
                              + [t for t in extra_eos if t not in (params.stop_token_ids or [])])
-        if lora_request is not None and getattr(self.info, "lora", None) is None:
-            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: LoRA is not enabled (--enable-lora)")
+        if lora_request is not None:
+            check_lora_request(lora_request, self.info.lora)
         cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority, lora_request)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)
         stream.pending.add(request_id)
         for core in cores:
             self._mirrors[core.request_id] = core
-            self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
+            self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
                                                arrival, priority, lora_request=lora_request))
         self._num_sent += len(cores)
 
@@ -245,13 +233,8 @@ class AsyncLLM:
         """A pooling request (params verified, the task set: engine/pooling.py prepare_pooling_params);
         its PoolingRequestOutput arrives on `stream`. Raises as add_request does."""
         self._check_can_take(request_id)
-        if self.info.pooling is None:
-            raise InvalidRequestError(f"The model `{self.info.model_name}` is a generation model and does not "
-                                      "support pooling (embeddings, classification, scores): serve a pooling model")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "input")
+        self.input_processor.check_pooling_model()
+        self.input_processor.check_token_ids(prompt_token_ids, "input")
         # Admission (--max-waiting-requests) is checked once per batch by the caller (check_admission).
         arrival = time.monotonic()
         core = Request(request_id, prompt_token_ids, None, arrival_time=arrival, priority=priority,
@@ -260,7 +243,7 @@ class AsyncLLM:
         self._requests[request_id] = _Tracked(stream, [core])
         stream.pending.add(request_id)
         self._mirrors[core.request_id] = core
-        self.client.send(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
+        self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
                                            priority, pooling_params=params))
         self._num_sent += 1
 
@@ -283,44 +266,6 @@ class AsyncLLM:
                 f"(limit {limit}); retry later"
             )
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """What the scheduler would reject, said up front with vLLM's wording (HTTP 400)."""
-        n_prompt, max_len = len(prompt_token_ids), self.info.max_model_len
-        info = self.info
-        groups = [KVCacheGroupSpec((0,), w) for w in info.kv_cache_group_windows]
-        fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, info.block_size, info.num_blocks, groups,
-                         info.max_in_flight_tokens)
-        if fit.empty:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        vocab = self.info.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", "prompt")
-        if fit.no_room_to_generate:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length of the input.",
-                "prompt",
-            )
-        if params.max_tokens is not None and n_prompt + params.max_tokens > max_len:
-            raise InvalidRequestError(
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{max_len} tokens and your request has {n_prompt} input tokens "
-                f"({params.max_tokens} > {max_len} - {n_prompt}).",
-                "max_tokens",
-            )
-        if fit.exceeds_pool:
-            # vLLM's start-up wording ("To serve at least one request with the model's max seq len ..."),
-            # for this request: vLLM checks the pool once for max_model_len, tokenloom per request.
-            groups_text = f" ({fit.per_group})" if fit.per_group else ""
-            raise InvalidRequestError(
-                f"To serve this request at its longest ({fit.final_len - 1} tokens of KV: {n_prompt} prompt + "
-                f"{fit.final_len - 1 - n_prompt} generated), {fit.blocks_needed} KV-cache blocks are needed"
-                f"{groups_text}, which is larger than the available KV cache ({fit.num_blocks} blocks of "
-                f"{info.block_size} tokens). Please lower max_tokens or the prompt length.",
-                "max_tokens",
-            )
-
     # Requests out ---------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
         """The client is gone: free its blocks in the engine now; nobody reads the final output."""
@@ -340,7 +285,7 @@ class AsyncLLM:
             return
         live = [c.request_id for c in tracked.cores if c.request_id in self._mirrors]
         if live and self.client.is_alive:
-            self.client.send(AbortRequests(live))
+            self.client.abort_requests(live)
         out = self.output_processor.finish_aborted(request_id, reason, error)
         stats = IterationStats(time.monotonic())
         if out is not None:
@@ -386,7 +331,7 @@ class AsyncLLM:
                     stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stop strings ended these: free their blocks now
-            self.client.send(AbortRequests(to_abort))
+            self.client.abort_requests(to_abort)
         for out in outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:

@@ -131,7 +131,8 @@ class BeamSearchStream:
             step_sampling_params(params, self._max_logprobs, seed)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "n") from None
-        self._engine.check_prompt(prompt_token_ids, SamplingParams(max_tokens=params.max_tokens, max_logprobs=-1))
+        self._engine.input_processor.check_prompt(
+            prompt_token_ids, SamplingParams(max_tokens=params.max_tokens, max_logprobs=-1), max_tokens_in_context=True)
         task = asyncio.ensure_future(beam_search(self._engine, request_id, prompt_token_ids, prompt, params,
                                                  self._max_logprobs, seed, priority, lora_request))
         self._tasks[task] = request_id

@@ -1,4 +1,6 @@
-"""The API process's handle on the engine-core process: spawn it, feed it, hear from it.
+"""The API process's handle on its engine cores: one interface (EngineCoreClient), the client that
+spawns, feeds and hears from one engine-core process (MPClient), and make_client, which picks it or the
+data-parallel client (tokenloom/engine/dp_client.py) from the config, as vLLM's EngineCoreClient.make_client.
 
 Two one-way pipes. Messages to the engine go through a writer thread, so a full pipe (the engine is in
 the middle of a long step) never blocks the event loop. Messages from the engine are read on the
@@ -15,12 +17,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from tokenloom import envs
-from tokenloom.config import EngineConfig
-from tokenloom.engine.core_messages import EngineCoreOutputs, EngineFailed, EngineProgress, EngineReady, Shutdown
+from tokenloom.config import EngineConfig, ParallelConfig
+from tokenloom.engine.core_messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineProgress,
+    EngineReady,
+    Shutdown,
+)
 from tokenloom.engine.core_proc import run_engine_core
 
 logger = logging.getLogger(__name__)
@@ -33,7 +44,68 @@ class EngineStartError(RuntimeError):
     pass
 
 
-class EngineCoreClient:
+class EngineCoreClient(Protocol):
+    """What AsyncLLM (and through it the server and the offline data-parallel LLM) asks of its engine cores,
+    one process or N (vLLM's EngineCoreClient): requests and aborts in, EngineCoreOutputs out."""
+
+    def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
+        """Block until the engine cores are loaded; what they are (model, context, KV pool, pooling, LoRA)."""
+        ...
+
+    def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: Callable[..., None]) -> None:
+        """Deliver engine messages on the running event loop from now on."""
+        ...
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        ...
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Free these core requests' blocks now; their engine reports nothing more for them."""
+        ...
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        ...
+
+    @property
+    def is_alive(self) -> bool:
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        ...
+
+    @property
+    def data_parallel_size(self) -> int:
+        ...
+
+    def engine_health(self) -> list[dict[str, Any]] | None:
+        """Per engine: alive, and a dead one's error; None with a single engine (no per-engine view)."""
+        ...
+
+
+def make_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient:
+    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
+    default), N spawned processes behind the router, or N Ray actors behind the router."""
+    from tokenloom.engine.dp_client import DPEngineCoreClient
+    from tokenloom.router import RouterConfig
+
+    parallel = config.parallel or ParallelConfig()
+    router_config = RouterConfig.from_parallel(parallel)
+    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
+    dp = parallel.data_parallel_size
+    if parallel.distributed_executor_backend == "ray":
+        from tokenloom.engine.ray_engine import start_ray_engines
+
+        clients, placement = start_ray_engines(config, dp, log_level)
+        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
+    if dp == 1:
+        return MPClient(config, log_level)
+    return DPEngineCoreClient(config, dp, router_config, log_level)
+
+
+class MPClient:
+    """One engine-core process (vLLM's MPClient)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -115,13 +187,27 @@ class EngineCoreClient:
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._loop.add_reader(self._from_engine.fileno(), self._on_readable)
 
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.send(AbortRequests(request_ids))
+
     def send(self, msg: Any) -> None:
+        """Any message to the engine process, through the writer thread."""
         if not self._closed:
             self._outbox.put(msg)
 
     @property
     def is_alive(self) -> bool:
         return self.dead_reason is None and self.process.is_alive()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1
+
+    def engine_health(self) -> None:
+        return None  # one engine: its health is the server's
 
     @property
     def failure(self) -> str | None:

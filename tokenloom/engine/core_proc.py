@@ -1,4 +1,5 @@
-"""The engine-core process: model, scheduler and executor (LLMEngine builds them), stepping as fast as there is work.
+"""The engine-core process: model, scheduler and executor (EngineCoreHost builds them), stepping as fast
+as there is work.
 
     loop: handle every message waiting in the inbox (add / abort / shutdown; block when idle)
           → one EngineCore.step() if any request is unfinished
@@ -23,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from tokenloom import envs
-from tokenloom.config import EngineConfig, token_budget_labels
+from tokenloom.config import EngineConfig
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
 from tokenloom.engine.core_messages import (
@@ -39,7 +40,7 @@ from tokenloom.engine.core_messages import (
 
 if TYPE_CHECKING:
     from tokenloom.engine.core import EngineCore
-    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.engine.core_host import EngineCoreHost
 
 logger = logging.getLogger(__name__)
 
@@ -177,34 +178,16 @@ def pin_cpus(cpus: list[int]) -> None:
         torch.set_num_threads(model_threads(len(cpus)))
 
 
-def _load(config: EngineConfig) -> tuple[LLMEngine, EngineReady]:
+def _load(config: EngineConfig) -> tuple[EngineCoreHost, EngineReady]:
+    """The engine core alone (EngineCoreHost): no OutputProcessor, since no text reaches this process."""
+    from tokenloom.engine.core_host import EngineCoreHost
     from tokenloom.engine.fault_injection import install_from_env
-    from tokenloom.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(config)
+    engine = EngineCoreHost(config)
     if engine.runner is not None:  # (tensor-parallel workers: no runner in this process)
         install_from_env(engine.runner)  # chaos tests only: off unless TOKENLOOM_FAULT_INJECT is set
-    ready = EngineReady(
-        model_name=engine.model_name,
-        max_model_len=engine.scheduler_config.max_model_len,
-        num_blocks=engine.cache_config.num_blocks or 0,
-        block_size=engine.cache_config.block_size,
-        eos_token_id=engine.eos_token_id,
-        vocab_size=engine.model_config.vocab_size,
-        dtype=str(engine.dtype).replace("torch.", ""),
-        device=str(engine.device),
-        load_time_s=time.perf_counter() - t0,
-        quantization=engine.config.quantization,
-        sampling_defaults=dict(engine.generation_defaults.params),
-        extra_eos_token_ids=list(engine.generation_defaults.eos_token_ids),
-        kv_cache_group_windows=[g.sliding_window for g in engine.scheduler.kv_cache_manager.kv_cache_groups],
-        max_in_flight_tokens=engine.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
-        token_budget=token_budget_labels(engine.scheduler_config),
-        pooling=engine.pooling_info,
-        lora=engine.lora_info(),
-    )
-    return engine, ready
+    return engine, engine.engine_ready(time.perf_counter() - t0)
 
 
 def _send_quietly(outbox: Connection, msg: object) -> None:

@@ -1,9 +1,9 @@
 """DPEngineCoreClient: N independent engine cores (data parallelism) behind one API process.
 
-It has the single EngineCoreClient's interface, so AsyncLLM and the server do not change with N:
+It is an EngineCoreClient, as the single engine's MPClient is, so AsyncLLM and the server do not change with N:
 
-    AsyncLLM ──send(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe      (its owner is recorded)
-             ──send(AbortRequests)─────▶ split by owner ──▶ each owner's pipe
+    AsyncLLM ──add_request(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe   (its owner is recorded)
+             ──abort_requests(ids)──────────▶ split by owner ──▶ each owner's pipe
              ◀──EngineCoreOutputs (engine_index = i)── engine i   (its stats feed the router's load view)
 
 Each engine is a full engine core (scheduler, KV cache, runner), as vLLM's dense-model DP ranks are
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tokenloom.config import EngineConfig, ParallelConfig
-from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
-from tokenloom.engine.core_messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core_client import EngineStartError, MPClient
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
 
@@ -57,7 +57,7 @@ class DPEngineCoreClient:
         data_parallel_size: int,
         router_config: RouterConfig | None = None,
         log_level: str = "info",
-        clients: list[EngineCoreClient] | None = None,
+        clients: list[MPClient] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         """Spawn `data_parallel_size` engine processes on disjoint cores (or adopt `clients`, started
@@ -72,7 +72,7 @@ class DPEngineCoreClient:
                 for i, cpus in enumerate(cpu_sets):
                     # A disk KV tier per engine: each its own subdirectory (engine/kv_connectors.py).
                     engine_config = data_parallel_kv_transfer(config, i, self.router_config.num_prefill_engines)
-                    clients.append(EngineCoreClient(engine_config, log_level, engine_index=i, cpus=cpus))
+                    clients.append(MPClient(engine_config, log_level, engine_index=i, cpus=cpus))
             except BaseException:
                 for c in clients:
                     c.shutdown()
@@ -104,7 +104,7 @@ class DPEngineCoreClient:
             if (r.block_size, r.max_model_len, r.vocab_size) != (first.block_size, first.max_model_len,
                                                                     first.vocab_size):
                 raise EngineStartError(f"engine {i} disagrees with engine 0 on block size, context or vocabulary")
-        # The smallest pool decides what a request may need (check_prompt), as any engine may get it.
+        # The smallest pool decides what a request may need (InputProcessor.check_prompt), as any engine may get it.
         ready = replace(first, num_blocks=min(r.num_blocks for r in readies),
                         load_time_s=max(r.load_time_s for r in readies))
         lora = getattr(ready, "lora", None)
@@ -118,36 +118,35 @@ class DPEngineCoreClient:
         for i, client in enumerate(self.clients):
             client.attach(self._outputs_from, lambda message, i=i: self._engine_failed(i, message))
 
-    def send(self, msg: Any) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """To the engine the router picks for it (its owner is recorded, for aborts and the load view)."""
         router = self.router
         assert router is not None, "wait_ready() first"
-        if isinstance(msg, EngineCoreRequest):
-            phase = self._prefill_phase if self.num_prefill_engines and msg.pooling_params is None else None
-            try:
-                lora_id = msg.lora_request.lora_int_id if msg.lora_request is not None else None
-                # (Every request enters at a prefill engine: a pooling one is served there whole.)
-                engine = router.route(msg.request_id, msg.prompt_token_ids, lora_id,
-                                      range(self.num_prefill_engines) if self.num_prefill_engines else None)
-            except NoEngineAvailable:
-                return  # AsyncLLM has seen every engine die and fails the request itself
-            if phase is not None:
-                self._prefilling[msg.request_id] = msg
-                msg = phase(msg)
-            self.clients[engine].send(msg)
-        elif isinstance(msg, AbortRequests):
-            by_engine: dict[int, list[str]] = {}
-            for rid in msg.request_ids:
-                self._prefilling.pop(rid, None)  # aborted before its decode phase: there is none
-                engine = router.finish(rid)
-                if engine is not None:  # None: finished already, nothing to free
-                    by_engine.setdefault(engine, []).append(rid)
-            for engine, rids in by_engine.items():
-                self.clients[engine].send(AbortRequests(rids))
-        elif isinstance(msg, Shutdown):
-            for client in self.clients:
-                client.send(msg)
-        else:
-            raise TypeError(f"unknown message for the engines: {type(msg).__name__}")
+        phase = self._prefill_phase if self.num_prefill_engines and request.pooling_params is None else None
+        try:
+            lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
+            # (With prefill engines every request enters at one: a pooling one is served there whole.)
+            engine = router.route(request.request_id, request.prompt_token_ids, lora_id,
+                                  range(self.num_prefill_engines) if self.num_prefill_engines else None)
+        except NoEngineAvailable:
+            return  # AsyncLLM has seen every engine die and fails the request itself
+        if phase is not None:
+            self._prefilling[request.request_id] = request
+            request = phase(request)
+        self.clients[engine].add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Each id to the engine that owns it; ids that finished already are dropped (nothing to free)."""
+        router = self.router
+        assert router is not None, "wait_ready() first"
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            self._prefilling.pop(rid, None)  # aborted before its decode phase: there is none
+            engine = router.finish(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
+        for engine, rids in by_engine.items():
+            self.clients[engine].abort_requests(rids)
 
     @staticmethod
     def _prefill_phase(msg: EngineCoreRequest) -> EngineCoreRequest:
@@ -184,7 +183,7 @@ class DPEngineCoreClient:
                 kept.append(replace(out, new_token_ids=[], finish_reason="error",
                                     error="no decode engine is alive to continue the request"))
                 continue
-            self.clients[engine].send(decode_request)
+            self.clients[engine].add_request(decode_request)
         # AsyncLLM counts each request once (sent, then received): decode engines' receipts are the hand-offs.
         received = batch.num_requests_received if batch.engine_index < self.num_prefill_engines else 0
         return replace(batch, outputs=kept, num_requests_received=received)
@@ -241,19 +240,3 @@ class DPEngineCoreClient:
             on_close, self._on_close = self._on_close, None
             on_close()
 
-
-def make_engine_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient | DPEngineCoreClient:
-    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
-    default), N spawned processes behind the router, or N Ray actors behind the router."""
-    parallel = config.parallel or ParallelConfig()
-    router_config = RouterConfig.from_parallel(parallel)
-    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
-    dp = parallel.data_parallel_size
-    if parallel.distributed_executor_backend == "ray":
-        from tokenloom.engine.ray_engine import start_ray_engines
-
-        clients, placement = start_ray_engines(config, dp, log_level)
-        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
-    if dp == 1:
-        return EngineCoreClient(config, log_level)
-    return DPEngineCoreClient(config, dp, router_config, log_level)

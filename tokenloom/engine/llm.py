@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.config import EngineConfig, engine_config_from_kwargs
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
-from tokenloom.engine.llm_engine import LLMEngine, PromptType, engine_config_from_kwargs
+from tokenloom.engine.input_processor import PromptType
+from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -31,6 +33,18 @@ if TYPE_CHECKING:
     from tokenloom.lora.request import LoRARequest
 
 
+def make_offline_engine(config: EngineConfig) -> LLMEngine | DataParallelLLMEngine:
+    """The engine `LLM` drives, as `config.parallel` says: one engine core in this process (LLMEngine),
+    or N engine-core processes behind the router (DataParallelLLMEngine, over core_client.make_client).
+    Both take the same calls (add_request, add_pooling_request, step, abort_request, close)."""
+    parallel = config.parallel
+    if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+        from tokenloom.engine.dp_llm import DataParallelLLMEngine
+
+        return DataParallelLLMEngine(config)
+    return LLMEngine(config)
+
+
 def _lora_requests(lora_request: Any, n: int) -> list[Any]:
     """vLLM's lora_request argument as one entry per prompt: a single LoRARequest (or None) for all, or a
     list with one per prompt."""
@@ -46,25 +60,15 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
         (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray)."""
-        config = engine_config_from_kwargs(model=model, **kwargs)
-        parallel = config.parallel
-        self._dp: DataParallelLLMEngine | None = None
-        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
-            from tokenloom.engine.dp_llm import DataParallelLLMEngine
-
-            self._dp = DataParallelLLMEngine(config)
-            self.llm_engine = None
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine: LLMEngine | DataParallelLLMEngine = make_offline_engine(
+            engine_config_from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self):
-        return self._dp.tokenizer if self._dp is not None else self.llm_engine.tokenizer
+        return self.llm_engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the data-parallel engine processes (a single engine lives in this process)."""
-        if self._dp is not None:
-            self._dp.close()
-            self._dp = None
+        """Stop the engine: the data-parallel engine processes, or the in-process engine's threads."""
+        self.llm_engine.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (--generation-config auto)."""
@@ -93,8 +97,6 @@ class LLM:
         loras = _lora_requests(lora_request, len(prompts))
         # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        if self._dp is not None:
-            return self._dp.generate(prompts, params_list, priority, loras if any(loras) else None)
         engine = self.llm_engine
         ids = []
         try:
@@ -141,18 +143,17 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        source = self._dp if self._dp is not None else self.llm_engine
         loras = _lora_requests(lora_request, len(prompts))
         items = []
         for prompt, lora in zip(prompts, loras):
-            text, token_ids = source.tokenize_prompt(prompt)
+            text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
             if not token_ids:
                 raise ValueError("the prompt is empty")
             items.append({"prompt_token_ids": token_ids, "prompt": text, "lora_request": lora})
         tok = self.get_tokenizer()
         eos = tok.eos_token_id
         if eos is None:
-            eos = self._dp.engine.info.eos_token_id if self._dp is not None else self.llm_engine.eos_token_id
+            eos = self.llm_engine.eos_token_id
 
         def run_step(step_prompts: list[dict[str, Any]], step_params: SamplingParams) -> list[RequestOutput]:
             step_loras = [p.pop("lora_request", None) for p in step_prompts]
@@ -174,7 +175,7 @@ class LLM:
         model's first task when None); `outputs.data` is a torch tensor, as vLLM's."""
         import torch
 
-        engine = self._pooling_engine()
+        engine = self.llm_engine
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -225,7 +226,8 @@ class LLM:
         """vLLM's LLM.score: one query against N documents (or N pairs). A cross-encoder scores each
         pair in one pass (token type ids mark the second text); an embedding model scores the cosine
         of the two embeddings."""
-        engine = self._pooling_engine()
+        engine = self.llm_engine
+        engine.input_processor.check_pooling_model()
         info = engine.pooling_info
         pairs = score_pairs(data_1, data_2)
         if info.is_cross_encoder:
@@ -250,11 +252,6 @@ class LLM:
                                      ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
                                      by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
                 for a, b in pairs]
-
-    def _pooling_engine(self) -> LLMEngine:
-        if self._dp is not None:
-            raise ValueError("pooling models run on one engine: data_parallel_size > 1 is not supported with them")
-        return self.llm_engine
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         """Step the engine until every request of `ids` finished; their final outputs in that order

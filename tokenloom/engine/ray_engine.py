@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core_client import EngineCoreClient, EngineStartError
+from tokenloom.engine.core_client import EngineStartError, MPClient
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _engine_actor_class(ray: Any) -> Any:
 
 
 class RayEngineHandle:
-    """The Process methods the EngineCoreClient uses, over a Ray actor and its running `run` task."""
+    """The Process methods the MPClient uses, over a Ray actor and its running `run` task."""
 
     def __init__(self, ray: Any, actor: Any, run_ref: Any) -> None:
         self._ray, self.actor, self.run_ref = ray, actor, run_ref
@@ -113,7 +113,7 @@ def start_ray_engines(
     log_level: str = "info",
     cpus_per_engine: int | None = None,
     start_timeout_s: float = 300.0,
-) -> tuple[list[EngineCoreClient], RayPlacement]:
+) -> tuple[list[MPClient], RayPlacement]:
     ray = import_ray()
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -140,7 +140,7 @@ def start_ray_engines(
     host = ray.util.get_node_ip_address()
     authkey = os.urandom(32)
     handles: list[RayEngineHandle] = []
-    clients: list[EngineCoreClient] = []
+    clients: list[MPClient] = []
     placement = RayPlacement(ray, pg, handles)
     try:
         for i in range(num_engines):
@@ -158,7 +158,7 @@ def start_ray_engines(
                 inbox, outbox = _accept_two(listener, handle, start_timeout_s)
             finally:
                 listener.close()
-            clients.append(EngineCoreClient(config, log_level, engine_index=i, connections=(handle, inbox, outbox)))
+            clients.append(MPClient(config, log_level, engine_index=i, connections=(handle, inbox, outbox)))
     except BaseException:
         for c in clients:
             c.shutdown(1.0)

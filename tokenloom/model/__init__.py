@@ -2,10 +2,13 @@
 
 loader.py (find a model, load and check its weights) with gguf.py (GGUF parser and dequantizers) and
 hf.py (Hugging Face safetensors directories); platform.py (device, dtype, CPU threads); config.py
-(ModelConfig); llama.py (the Llama/Qwen2 network); attention.py (paged KV cache and attention);
-kernels.py + csrc/ (compiled CPU kernels); quant.py (int8 W8A8 layers); sampler.py; tokenizer.py;
-runner.py (ModelRunner: SchedulerOutput in, sampled tokens out). The GEMM row buckets (packed_rows,
-tokenloom/core/gemm_rows.py) sit below, shared with the cost model that charges them.
+(ModelConfig); decoder_model.py (the network, every family) with layers.py (its blocks) and models/
+(one file per family, registry.py naming them); execution_plan.py (which path runs, chosen once at
+load: fused_decode.py's fused decode step, oneDNN pre-packing, the KV layout); attention.py (paged KV
+cache and attention); kernels.py + csrc/ (compiled CPU kernels); quant.py (int8 W8A8 layers);
+sampler.py; tokenizer.py; runner.py (ModelRunner: SchedulerOutput in, sampled tokens out). The GEMM
+row buckets (packed_rows, tokenloom/core/gemm_rows.py) sit below, shared with the cost model that
+charges them.
 
 May import: tokenloom.config, tokenloom.sampling_params, tokenloom.core (its output types). Never
 engine, server or anything above.

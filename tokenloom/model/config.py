@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Llama and Qwen2 run LlamaDecoderLayer as is; the other families are in tokenloom/model/models/.
+# Each has a decoder layer in tokenloom/model/models/registry.py (tests/test_model_registry.py checks).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3", "phi3")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 

@@ -9,7 +9,7 @@ A `LinearBase` holds a weight (and bias); *how* y = x @ W.T + b is computed live
   quantized per row.
 
 A new weight format (e.g. GGUF block-quantized kernels) or a sharded (tensor-parallel) linear is a
-new method object; the network's layer loop (tokenloom/model/llama.py) does not change.
+new method object; the network's layer loop (tokenloom/model/decoder_model.py) does not change.
 
 The fused seam. With the compiled CPU kernels, the activation a norm or SiLU-and-mul produces goes
 straight into the next GEMM in the format that GEMM wants (int8 rows + row scales for W8A8), and a

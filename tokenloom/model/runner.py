@@ -23,7 +23,7 @@ nothing then.
 
 CPU kernels: when tokenloom/model/kernels.py can build/load the compiled kernels (the default on
 CPU; `cpu_kernels=False` or TOKENLOOM_CPU_KERNELS=0 turn them off), the step runs the fused path
-(see tokenloom/model/llama.py and attention.py): inputs are laid out in scheduler order with one
+(see tokenloom/model/decoder_model.py and attention.py): inputs are laid out in scheduler order with one
 block-table row per sequence (no decode grouping, masks or key biases), the KV cache is left
 uninitialised (nothing unwritten reaches a result) and, for bf16, stored in the kernels' packed
 layout; the last layer runs attention, o-proj and MLP for the sampling rows only; all-greedy
@@ -46,17 +46,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenloom import envs
 from tokenloom.config import resolve_kv_cache_dtype
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
 from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
 from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.llama import LlamaModel
+from tokenloom.model.decoder_model import DecoderModel
+from tokenloom.model.execution_plan import plan_execution
 from tokenloom.model.platform import (
     configure_cpu_threads,
-    cpu_has_fast_int8,
     keep_freed_memory_in_process,
     resolve_device,
     resolve_dtype,
@@ -187,30 +186,22 @@ class ModelRunner:
             kernels = load_cpu_kernels()
         if cpu_kernels and kernels is None:
             raise RuntimeError("cpu_kernels=True but the compiled CPU kernels are unavailable (see the log)")
-        if quantization == "int8" and self.device.type == "cpu" and not cpu_has_fast_int8():
-            logger.warning("--quantization int8 on a CPU without VNNI or AMX-INT8: oneDNN's int8 GEMMs take a "
-                           "slow path here (slower than float32); --quantization gguf keeps int8 weights "
-                           "with AVX2 kernels")
+        shard = getattr(model, "shard", None)
+        # Every choice of execution path that a step's shape does not decide, made once here.
+        plan = plan_execution(model.config, self.device, self.dtype, quantization, kernels,
+                              sharded=shard is not None and shard.sharded, block_size=block_size,
+                              kv_cache_dtype=kv_cache_dtype)
         threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
-            self.model = LlamaModel(model.config, model.weights, self.device, self.dtype, kernels=kernels,
-                                    quantization=quantization, calibration_token_ids=calibration_token_ids,
-                                    calibration_threads=threads, shard=getattr(model, "shard", None))
+            self.model = DecoderModel(model.config, model.weights, plan, kernels=kernels,
+                                      calibration_token_ids=calibration_token_ids, calibration_threads=threads,
+                                      shard=shard)
         self.use_kernels = kernels is not None
         # The attention backend the model runs; it builds each step's metadata.
         self.attn_backend = self.model.attn_backend
         if isinstance(self.attn_backend, CpuKernelAttentionBackend):
-            # The kernels' packed bf16 KV layout where they support it (AVX512-BF16, block_size % 16 == 0).
-            # Not when the model has a fused decode step (--quantization gguf; plain float layer weights
-            # with TOKENLOOM_FUSED_FLOAT=1 or packing off): it reads the plain layout, and with the
-            # packed one it would decline every step while its plain weights slow the per-op path.
-            self.attn_backend.kv_packed = bool(
-                self.dtype == torch.bfloat16
-                and kv_cache_dtype == "auto"  # the packed layout is of bf16 elements
-                and self.model.fused_step is None
-                and self.attn_backend.kernels.packed_layout_supported(block_size, model.config.head_dim)
-                and envs.TOKENLOOM_KV_PACKED
-            )
+            # The kernels' packed bf16 KV layout where the plan (as the model ran it) chose it.
+            self.attn_backend.kv_packed = self.model.plan.kv_packed
         self.vocab_size = self.model.vocab_size
         self.block_size = block_size
         self.num_blocks = num_blocks

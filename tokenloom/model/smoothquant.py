@@ -22,7 +22,8 @@ from tokenloom.model.linear import LinearBase, UnquantizedLinearMethod
 from tokenloom.model.quant import get_linear_method
 
 if TYPE_CHECKING:
-    from tokenloom.model.llama import LlamaDecoderLayer, LlamaModel
+    from tokenloom.model.decoder_model import DecoderModel
+    from tokenloom.model.layers import LlamaDecoderLayer
 
 SMOOTHING_ALPHA = 0.6  # of 0.5 / 0.6 / 0.7 the best on the quality benchmark (docs/performance.md)
 
@@ -49,7 +50,7 @@ class _AbsmaxObserver(UnquantizedLinearMethod):
         return super().apply_input(layer, x)
 
 
-def activation_absmax(model: LlamaModel, token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
+def activation_absmax(model: DecoderModel, token_ids: list[int]) -> list[dict[str, torch.Tensor]]:
     """Per decoder layer, each linear's largest |input| per channel (name -> fp32 [K]) over a dense
     causal forward of `token_ids` (no KV cache: calibration runs before there is one)."""
     observer = _AbsmaxObserver()
@@ -153,7 +154,7 @@ def quantize_layer(layer: LlamaDecoderLayer, method: Any, act_absmax: dict[str, 
         lin.set_quant_method(method)
 
 
-def quantize_model(model: LlamaModel, quantization: str, calibration_token_ids: list[int] | None,
+def quantize_model(model: DecoderModel, quantization: str, calibration_token_ids: list[int] | None,
                    calibration_threads: int | None = None) -> None:
     """The decoder layers' linears to `quantization`'s method (one object shared by all), smoothed
     with the activations of `calibration_token_ids` when given (`calibration_threads`: torch threads

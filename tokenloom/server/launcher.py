@@ -24,7 +24,7 @@ from types import FrameType
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.engine.dp_client import make_engine_client
+from tokenloom.engine.core_client import make_client
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.listen import bind_socket
 
@@ -63,7 +63,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
     signal.signal(signal.SIGTERM, _interrupt)
     # Spawn the engine(s) first: they load the model while this process imports the HTTP side and loads
     # the tokenizer (never torch: tests/test_startup.py).
-    client = make_engine_client(engine_config, log_level)
+    client = make_client(engine_config, log_level)
     try:
         # The HTTP side's imports (FastAPI, uvicorn, pydantic models: ~1 s on a busy machine) after the
         # spawn, so they overlap the engine's load instead of delaying it.

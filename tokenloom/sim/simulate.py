@@ -14,16 +14,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig, check_verification_budget
+from tokenloom.config import (
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    check_verification_budget,
+    engine_config_from_kwargs,
+)
 from tokenloom.core.cost_model import CostModel
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.llm_engine import (
-    DEFAULT_CPU_KV_BYTES,
-    check_async_scheduling,
-    engine_config_from_kwargs,
-    sched_max_len_default,
-)
+from tokenloom.engine.core_host import DEFAULT_CPU_KV_BYTES, check_async_scheduling, sched_max_len_default
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile

@@ -7,8 +7,8 @@ What differs from Llama, all on the layer-loop seams:
   feeds the MLP;
 * MLP: down(gelu_tanh(gate) * up) (torch op: no fused GELU-tanh kernel yet);
 * attention scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps the scores (attn_logit_softcapping)
-  and the final logits (final_logit_softcapping, in LlamaModel.compute_logits); the embeddings are
-  scaled by sqrt(hidden_size) (LlamaModel.forward);
+  and the final logits (final_logit_softcapping, in DecoderModel.compute_logits); the embeddings are
+  scaled by sqrt(hidden_size) (DecoderModel.forward);
 * layers alternate between sliding-window and global attention (config.layer_types);
 * Gemma 3: q/k RMSNorm per head ((1 + w) too) and the sliding layers' own rope base
   (rope_local_base_freq), no soft-capping.
@@ -23,17 +23,17 @@ import torch.nn.functional as F
 
 from tokenloom.model.attention import AttentionLayerSpec, KVCache
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.linear import LinearMethodBase, dense
-from tokenloom.model.llama import (
+from tokenloom.model.layers import (
     Hidden,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaMLP,
     RMSNorm,
     StepContext,
-    _WeightReader,
 )
+from tokenloom.model.linear import LinearMethodBase, dense
 from tokenloom.model.models.qwen3 import QKNormAttention
+from tokenloom.model.weight_reader import WeightReader
 
 
 class GeluTanhMLP(LlamaMLP):
@@ -46,10 +46,10 @@ class GeluTanhMLP(LlamaMLP):
 
 
 class Gemma2DecoderLayer(LlamaDecoderLayer):
-    norm_weight_offset = 1.0  # Gemma's RMSNorm scales by (1 + w); LlamaModel applies it to the final norm
+    norm_weight_offset = 1.0  # Gemma's RMSNorm scales by (1 + w); DecoderModel applies it to the final norm
     torch_ops = ("the GELU-tanh MLP activation", "the post-attention / post-MLP norms")
 
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+    def __init__(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int = 0) -> None:
         super().__init__(config, get, prefix, method, layer_idx)
         eps = config.rms_norm_eps
@@ -65,7 +65,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         """Gemma's post_attention_layernorm normalises the attention output; the MLP reads this one."""
         return self.pre_feedforward_layernorm
 
-    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+    def make_mlp(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
         return GeluTanhMLP(get, prefix, method)
 
@@ -94,12 +94,12 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
     torch_ops = (*Gemma2DecoderLayer.torch_ops, "the q/k RMSNorm")
 
-    def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
+    def make_attention(self, config: ModelConfig, get: WeightReader, prefix: str,
                        method: LinearMethodBase) -> LlamaAttention:
         return QKNormAttention(config, get, prefix, method, weight_offset=1.0)
 
     def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
         spec = super().attention_spec(config, layer_idx)
-        # Sliding layers rotate with the local base (LlamaModel builds those tables).
+        # Sliding layers rotate with the local base (DecoderModel builds those tables).
         self.self_attn.local_rope = spec.window is not None and config.rope_local_base_freq is not None
         return spec

@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.layers import LlamaDecoderLayer
 from tokenloom.model.linear import LinearBase, LinearMethodBase
-from tokenloom.model.llama import LlamaDecoderLayer, _WeightReader
 from tokenloom.model.models.qwen3_moe import SparseMoeMLP
+from tokenloom.model.weight_reader import WeightReader
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
+    int8_supported = False  # the experts are no gate/up linear for SmoothQuant to fold into
     torch_ops = ("the routed experts (grouped torch matmuls)",)
 
-    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+    def make_mlp(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
         return SparseMoeMLP(config, get, prefix, method)
 

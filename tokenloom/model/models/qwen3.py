@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.layers import LlamaAttention, LlamaDecoderLayer
 from tokenloom.model.linear import LinearMethodBase
-from tokenloom.model.llama import LlamaAttention, LlamaDecoderLayer, _WeightReader
+from tokenloom.model.weight_reader import WeightReader
 
 
 def per_head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
@@ -25,7 +26,7 @@ def per_head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch
 class QKNormAttention(LlamaAttention):
     """Attention whose q and k heads are RMS-normalised before rotary (weights [head_dim])."""
 
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+    def __init__(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase,
                  weight_offset: float = 0.0) -> None:
         super().__init__(get, prefix, method)
         self.q_norm = get(prefix + "q_norm.weight") + weight_offset
@@ -40,6 +41,6 @@ class QKNormAttention(LlamaAttention):
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     torch_ops = ("the q/k RMSNorm",)
 
-    def make_attention(self, config: ModelConfig, get: _WeightReader, prefix: str,
+    def make_attention(self, config: ModelConfig, get: WeightReader, prefix: str,
                        method: LinearMethodBase) -> LlamaAttention:
         return QKNormAttention(config, get, prefix, method)

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.layers import Hidden, LlamaMLP
 from tokenloom.model.linear import LinearBase, LinearMethodBase, dense
-from tokenloom.model.llama import Hidden, LlamaMLP, _WeightReader
 from tokenloom.model.models.qwen3 import Qwen3DecoderLayer
+from tokenloom.model.weight_reader import WeightReader
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +56,7 @@ class SparseMoeMLP:
     """Router + experts. The router is a LinearBase (so it is listed with the layer's linears); the
     experts stay stacked [E, ...] run-dtype tensors (int8 does not cover them)."""
 
-    def __init__(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase) -> None:
+    def __init__(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase) -> None:
         self.gate = LinearBase(get(prefix + "gate.weight"), None, method, prefix + "gate", get.dtype)
         n = config.num_experts
         e = prefix + "experts."
@@ -77,9 +78,10 @@ class SparseMoeMLP:
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    int8_supported = False  # the experts are no gate/up linear for SmoothQuant to fold into
     torch_ops = ("the q/k RMSNorm", "the routed experts (grouped torch matmuls)")
 
-    def make_mlp(self, config: ModelConfig, get: _WeightReader, prefix: str, method: LinearMethodBase,
+    def make_mlp(self, config: ModelConfig, get: WeightReader, prefix: str, method: LinearMethodBase,
                  layer_idx: int) -> Any:
         if config.is_moe_layer(layer_idx):
             return SparseMoeMLP(config, get, prefix, method)

@@ -1,15 +1,17 @@
-"""The batch-1 (and small-batch) decode step in one compiled call: GGUF models, and unquantized
-float32 / bf16 models whose layer weights stay plain (see LlamaModel._pack_or_fuse).
+"""The fused decode step: a batch-1 (and small-batch) decode step in one compiled call, for GGUF
+models and for unquantized float32 / bf16 models whose layer weights stay plain (the execution
+plan chooses it: tokenloom/model/execution_plan.py).
 
-`GGUFDecoder` (csrc/gguf_kernels.cpp; the name predates the float parts) holds the whole stack:
+The compiled decoder (the class `GGUFDecoder` of csrc/gguf_kernels.cpp, where the GGUF dot products
+live; the C++ name predates the float parts) holds the whole stack:
 every layer's norms and linears (q/k/v and gate/up each one matrix where their GGML types agree;
 the same tensors the model's GGUFLinear or plain linears hold, not copies: GGUF blocks, float32
 (GGML type F32) or bf16 (BF16) matrices) and the KV caches; a decode step is one `step()` call,
 so no Python runs per op or per layer. `build_decoder` assembles it (the model does, from its
 layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly.
 
-Steps it takes: decodes only (one new token per sequence), up to `max_decode_rows()` sequences,
-plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) runs the per-op path.
+Steps it takes: decodes only (one new token per sequence), up to the plan's `fused_decode_rows`
+sequences, plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) runs per op.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from typing import Any
 
 import torch
 
-from tokenloom import envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight
 
@@ -27,12 +28,6 @@ DENSE = 0  # part type of a float32 matrix (GGML_TYPE_F32)
 BF16 = 30  # part type of a bfloat16 matrix (GGML_TYPE_BF16)
 
 PartSpec = tuple[torch.Tensor, int, "torch.Tensor | None", bool]
-
-
-def max_decode_rows() -> int:
-    """Decode batches up to this size take the fused step (TOKENLOOM_FUSED_DECODE_ROWS, or its old
-    name TOKENLOOM_GGUF_FUSED_ROWS; 0 turns it off)."""
-    return envs.TOKENLOOM_FUSED_DECODE_ROWS
 
 
 def dense_part(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -71,7 +66,7 @@ class DecoderLayerSpec:
 
 def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.Tensor, final_norm: torch.Tensor,
                   layers: list[DecoderLayerSpec]) -> Any:
-    """A GGUFDecoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
+    """The compiled fused decoder over these weights. KV caches come later (`set_kv_caches`), once the runner has
     allocated them."""
     if isinstance(embed, GGUFWeight):  # the file's rows, or the 8-row layout a tied LM head shares
         embed_data, embed_type, embed_packed = embed.data, embed.qtype, embed.packed8
@@ -123,11 +118,11 @@ class FusedDecodeStep:
     """The model's fast path for small all-decode steps: binds the runner's KV caches to the
     decoder once and runs `step()` when the step qualifies (see `run`)."""
 
-    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype, max_rows: int) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.max_rows = max_decode_rows()
+        self.max_rows = max_rows  # ExecutionPlan.fused_decode_rows (TOKENLOOM_FUSED_DECODE_ROWS)
         self._bound: int | None = None  # data_ptr of the first K cache bound to the decoder
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list, rope: Any,
@@ -163,6 +158,4 @@ class FusedDecodeStep:
         self.decoder.step(out, input_ids.long(), positions.long(), slot_mapping.long(), block_tables, cos, sin)
         return out
 
-
-GGUFDecodeStep = FusedDecodeStep  # the name before float models took the step too
 

@@ -1,0 +1,187 @@
+"""One construction path, one client interface, one input processor (issue 31, item 1).
+
+- the engine-core process builds the engine core alone (EngineCoreHost): no OutputProcessor;
+- every front end (LLMEngine, the data-parallel LLM, AsyncLLM) refuses a bad prompt with the same
+  message, the InputProcessor's;
+- make_client picks the single-process, data-parallel or Ray client, make_offline_engine the engine
+  `LLM` drives, and AsyncLLM asks its client instead of probing it;
+- max_model_len is resolved once, by the engine (no placeholder in the config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom.config import ConfigError, EngineConfig, ParallelConfig, engine_config_from_kwargs
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.engine.core_messages import EngineReady
+from tokenloom.sampling_params import SamplingParams
+
+ENGINE = {"dtype": "float32", "num_blocks": 64, "block_size": 4, "max_model_len": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm_engine(tiny_dir):
+    from tokenloom.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(str(tiny_dir), **ENGINE)
+    yield engine
+    engine.close()
+
+
+class FakeClient:
+    """An EngineCoreClient over no process: ready at once with `ready`, records what it is sent."""
+
+    def __init__(self, ready: EngineReady) -> None:
+        self.ready, self.sent = ready, []
+
+    def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
+        return self.ready
+
+    def attach(self, on_outputs: Any, on_failure: Any) -> None:
+        pass
+
+    def add_request(self, request: Any) -> None:
+        self.sent.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.sent.append(request_ids)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        pass
+
+    is_alive = True
+    failure = None
+    data_parallel_size = 1
+
+    def engine_health(self) -> None:
+        return None
+
+
+def test_the_engine_process_builds_the_engine_core_without_an_output_processor(tiny_dir, monkeypatch) -> None:
+    from tokenloom.engine.core_host import EngineCoreHost
+    from tokenloom.engine.core_proc import _load
+    from tokenloom.engine.output_processor import OutputProcessor
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the engine process built an OutputProcessor")
+
+    monkeypatch.setattr(OutputProcessor, "__init__", refuse)
+    host, ready = _load(engine_config_from_kwargs(model=str(tiny_dir), **ENGINE))
+    try:
+        assert type(host) is EngineCoreHost and not hasattr(host, "output_processor")
+        assert host.engine_core.scheduler is host.scheduler
+        assert (ready.max_model_len, ready.num_blocks, ready.block_size) == (64, 64, 4)
+        assert ready.vocab_size == host.model_config.vocab_size and ready.pooling is None
+    finally:
+        host.close()
+
+
+def _bad_prompts(max_model_len: int) -> list[tuple[list[int], str]]:
+    return [([1, 10**6], "out of vocabulary"), ([], "empty"), ([5] * max_model_len, "maximum context length")]
+
+
+def _message(call: Any) -> str:
+    with pytest.raises(RequestRejected) as exc:  # InvalidRequestError is one: what the scheduler would refuse
+        call()
+    return str(exc.value)
+
+
+def test_every_front_end_refuses_a_bad_prompt_with_the_input_processors_message(llm_engine, tiny_dir,
+                                                                                 monkeypatch) -> None:
+    import tokenloom.engine.dp_llm as dp_llm
+    from tokenloom.engine.async_llm import AsyncLLM
+    from tokenloom.engine.input_processor import InvalidRequestError
+
+    ready = llm_engine.engine_ready(0.0)
+    monkeypatch.setattr(dp_llm, "make_client", lambda config, log_level: FakeClient(ready))
+    dp = dp_llm.DataParallelLLMEngine(engine_config_from_kwargs(model=str(tiny_dir), data_parallel_size=2))
+    server = AsyncLLM(FakeClient(ready), ready, llm_engine.tokenizer)
+    params = SamplingParams(max_tokens=8)
+    try:
+        for ids, words in _bad_prompts(ready.max_model_len):
+            offline = _message(lambda ids=ids: llm_engine.add_request(None, {"prompt_token_ids": ids}, params))
+            data_parallel = _message(lambda ids=ids: dp.add_request(None, {"prompt_token_ids": ids}, params))
+            with pytest.raises(InvalidRequestError) as exc:
+                server.add_request("r", ids, params, server.open_stream())
+            assert words in offline and offline == data_parallel == str(exc.value), ids
+        assert not llm_engine.has_unfinished_requests() and not dp.has_unfinished_requests()
+        assert not server.client.sent  # refused before anything reached an engine
+    finally:
+        dp.close()
+
+
+def test_make_client_picks_the_client_the_parallel_config_asks_for(monkeypatch) -> None:
+    import tokenloom.engine.core_client as core_client
+    import tokenloom.engine.dp_client as dp_client
+    import tokenloom.engine.ray_engine as ray_engine
+
+    made: list[tuple[int, list[int] | None]] = []
+
+    class Spawned:  # MPClient's place: records what it would spawn
+        def __init__(self, config: EngineConfig, log_level: str = "info", engine_index: int = 0,
+                     cpus: list[int] | None = None, **kwargs: Any) -> None:  # fmt: skip
+            assert config.parallel is None or config.parallel.data_parallel_size == 1  # each core is one engine
+            made.append((engine_index, cpus))
+
+    monkeypatch.setattr(core_client, "MPClient", Spawned)
+    monkeypatch.setattr(dp_client, "MPClient", Spawned)
+    assert isinstance(core_client.make_client(EngineConfig()), Spawned) and made == [(0, None)]
+    made.clear()
+    two = core_client.make_client(EngineConfig(parallel=ParallelConfig(data_parallel_size=2)))
+    assert isinstance(two, dp_client.DPEngineCoreClient) and [i for i, _ in made] == [0, 1]
+    assert all(cpus for _, cpus in made)  # data-parallel engines split the cores
+
+    class Placement:
+        closed = False
+
+        def close(self) -> None:
+            Placement.closed = True
+
+    monkeypatch.setattr(ray_engine, "start_ray_engines", lambda config, dp, log_level: (["a", "b"], Placement()))
+    ray = core_client.make_client(EngineConfig(parallel=ParallelConfig(distributed_executor_backend="ray",
+                                                                       data_parallel_size=2)))
+    assert isinstance(ray, dp_client.DPEngineCoreClient) and ray.clients == ["a", "b"]
+
+
+def test_make_offline_engine_runs_one_engine_here_or_the_data_parallel_engines(monkeypatch) -> None:
+    import tokenloom.engine.dp_llm as dp_llm
+    import tokenloom.engine.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: ("here", config))
+    monkeypatch.setattr(dp_llm, "DataParallelLLMEngine", lambda config: ("processes", config))
+    assert llm_module.make_offline_engine(EngineConfig())[0] == "here"
+    assert llm_module.make_offline_engine(EngineConfig(parallel=ParallelConfig(data_parallel_size=2)))[0] == \
+        "processes"
+
+
+def test_async_llm_asks_its_client_what_it_is(llm_engine) -> None:
+    from tokenloom.engine.async_llm import AsyncLLM
+
+    ready = llm_engine.engine_ready(0.0)
+    client = FakeClient(ready)
+    client.data_parallel_size = 3
+    client.engine_health = lambda: [{"engine": 0, "alive": True}]
+    server = AsyncLLM(client, ready, llm_engine.tokenizer)
+    assert server.data_parallel_size == 3 and server.engine_health() == [{"engine": 0, "alive": True}]
+
+
+def test_max_model_len_is_resolved_once_by_the_engine(llm_engine) -> None:
+    from tokenloom.engine.core_host import resolve_max_model_len
+
+    # No placeholder: a knob checked against max_model_len waits until the engine knows it.
+    config = engine_config_from_kwargs(long_prefill_token_threshold=100)
+    assert config.scheduler.max_model_len is None and config.scheduler.long_prefill_token_threshold == 100
+    assert resolve_max_model_len(config, model_max_len=4096, default=512) == 512
+    with pytest.raises(ConfigError, match="larger than the model's context length"):
+        resolve_max_model_len(replace(config, max_model_len=8192), model_max_len=4096, default=512)
+    assert llm_engine.scheduler_config.max_model_len == llm_engine.input_processor.info.max_model_len == 64

@@ -1,0 +1,557 @@
+"""EngineCoreHost: an engine core built from an EngineConfig alone — vLLM's EngineCore construction.
+
+    EngineConfig → checks before loading → model (through the executor) → KV cache sized, max_model_len
+    resolved → scheduler (+ LoRA limits, KV connector, grammars) → EngineCore (schedule, execute, update)
+
+One construction path for both places an engine core runs: LLMEngine (in this process, with the text
+side on top: tokenizing, detokenizing, stop strings) and the engine-core process (tokenloom/engine/
+core_proc.py), which never sees text and so builds no OutputProcessor. It still loads the tokenizer:
+the grammar backend compiles structured outputs against its vocabulary, int8 quantization calibrates
+on tokenized text, and its EOS id is the engine's. `EngineCore` itself (tokenloom/engine/core.py)
+stays the step loop alone, which the simulator builds over a cost model instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenloom import envs
+from tokenloom.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    check_verification_budget,
+    token_budget_labels,
+    token_budget_text,
+)
+from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
+from tokenloom.core.prompt_fit import max_model_len_that_fits
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.structured_output import StructuredOutputManager
+from tokenloom.engine.core import EngineCore
+from tokenloom.engine.core_messages import EngineReady
+from tokenloom.engine.executor import ModelThread, UniProcExecutor
+from tokenloom.engine.generation_config import load_generation_defaults
+from tokenloom.engine.kv_connectors import check_kv_transfer, make_kv_connectors
+from tokenloom.engine.pooling import (
+    PoolingInfo,
+    check_pooling_engine,
+    resolve_runner,
+    sentence_bert_max_seq_length,
+)
+from tokenloom.engine.trace import StepTracer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+# Upper bound on the default context: enough for chat, and keeps a small default pool useful.
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class EngineCoreHost:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """Load the model and build the engine core over it (engine_core); nothing here handles text."""
+        import torch
+
+        from tokenloom.model.attention import kv_cache_bytes_per_block
+        from tokenloom.model.loader import load_model, resolve_model_path, resolve_quantization
+        from tokenloom.model.platform import model_threads, resolve_device, resolve_dtype
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        parallel = config.parallel
+        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+            raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
+                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
+        check_async_scheduling(config)
+        check_speculative_engine(config)
+        check_kv_transfer(config)
+        model_parallel = parallel.model_parallel_size if parallel is not None else 1
+        if model_parallel > 1:
+            check_model_parallel(config)
+        path = resolve_model_path(config.model)
+        self.runner_type, self.convert = resolve_runner(config, path)
+        if model_parallel > 1 and self.runner_type == "pooling":
+            raise ConfigError("tensor/pipeline parallelism runs generation models; pooling models run on one rank")
+        self.lora_config = config.lora_config
+        if self.lora_config is not None and self.runner_type == "pooling":
+            raise ConfigError("enable_lora: LoRA adapters are served on generation models; a pooling model "
+                              "(--runner pooling) cannot take them")
+        self.pooling_info: PoolingInfo | None = None
+        if self.runner_type == "pooling":
+            check_pooling_engine(config)
+            from tokenloom.model.bert import is_encoder_checkpoint
+
+            if is_encoder_checkpoint(path):
+                if config.quantization not in (None, "none"):
+                    raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
+                                      "(quantized weights are the decoders' GGUF path)")
+                if config.cache is not None and config.cache.cache_dtype != "auto":
+                    raise ConfigError(f"--kv-cache-dtype {config.cache.cache_dtype}: an encoder (BERT-style) keeps "
+                                      "no KV cache; leave it at auto")
+                self._init_encoder(config, path, clock)
+                return
+        device = resolve_device(config.device)
+        if config.quantization not in (None, "none") and device.type != "cpu":  # before minutes of loading
+            raise ConfigError(f"quantization={config.quantization!r} runs on CPU only; the device is {device}")
+        # The method in force from here on (auto: a quantized GGUF stays quantized on CPU).
+        config = replace(config, quantization=resolve_quantization(config.quantization, path, device))
+        self.config = config
+        self.clock = clock
+        dtype = resolve_dtype(config.dtype, device)
+        if device.type == "cpu" and not envs.OMP_NUM_THREADS:
+            try:  # a bad VLLM_CPU_NUM_OF_RESERVED_CPU fails here, before the weights load
+                model_threads(len(os.sched_getaffinity(0)))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        # Async scheduling: one thread owns the model from the load on and runs every step, so that
+        # the engine thread never starts an OpenMP team of its own (engine/executor.py, ModelThread).
+        async_scheduling = config.scheduler is not None and config.scheduler.async_scheduling
+        self._model_thread = ModelThread() if async_scheduling else None
+        on_model_thread = self._model_thread.call if self._model_thread is not None else _call_here
+        try:
+            if model_parallel > 1:  # the workers load their shards; this process needs the config only
+                from tokenloom.model.loader import load_model_config
+                from tokenloom.model.tp_shard import check_parallel_model
+
+                loaded = _ConfigOnly(load_model_config(path))
+                try:
+                    check_parallel_model(loaded.config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            else:
+                loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
+        except BaseException:
+            if self._model_thread is not None:  # a failed load leaves no idle thread behind
+                self._model_thread.shutdown()
+            raise
+        self.model_config = loaded.config
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = loaded.config.eos_token_id
+        self.generation_defaults = load_generation_defaults(path if path.is_dir() else path.parent / "_none",
+                                                            config.generation_config, self.eos_token_id)
+
+        cache_cfg = config.cache or CacheConfig()
+        cache_cfg = replace(cache_cfg, layer_windows=self._layer_windows(loaded.config))
+        kv_cache_groups = make_kv_cache_groups(cache_cfg.layer_windows, loaded.config.num_hidden_layers,
+                                               hybrid=not cache_cfg.disable_hybrid_kv_cache_manager)
+        # A block holds the K/V of one group's layers (all of them with one group).
+        block_bytes = kv_cache_bytes_per_block(loaded.config, cache_cfg.block_size, dtype,
+                                               num_layers=layers_per_block(kv_cache_groups),
+                                               cache_dtype=cache_cfg.cache_dtype)
+        if model_parallel > 1:
+            # Each rank's cache holds its KV heads of its stage's layers, in --kv-cache-memory of its own
+            # (vLLM's per-worker KV space); sized for the stage with the most layers.
+            from tokenloom.model.tp_shard import rank_config
+
+            pp = parallel.pipeline_parallel_size
+            block_bytes = max(kv_cache_bytes_per_block(rank_config(loaded.config, parallel.tensor_parallel_size, s, pp),
+                                                       cache_cfg.block_size, dtype) for s in range(pp))
+        num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
+        # The default max_model_len is capped at the longest request the pool can hold, every KV cache
+        # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
+        sched_in = config.scheduler or SchedulerConfig()
+        pool_tokens = max_model_len_that_fits(num_blocks, cache_cfg.block_size, loaded.config.max_position_embeddings,
+                                              kv_cache_groups, max_in_flight_tokens(sched_in.token_budget_ceiling,
+                                                                                    sched_in.async_scheduling))
+        sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings, pool_tokens)
+        cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
+        if len(kv_cache_groups) > 1:
+            logger.info("%s mixes sliding-window and full-attention layers: %d KV cache groups of %d layers "
+                        "(vLLM's hybrid KV cache manager; --disable-hybrid-kv-cache-manager keeps every block)",
+                        loaded.config.architecture, len(kv_cache_groups), layers_per_block(kv_cache_groups))
+        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        # The KV cache the runner (or each worker) allocated: what reset_scheduler may use at most.
+        self.kv_cache_held = (cache_cfg.block_size, cache_cfg.num_blocks)
+
+        calibration = None
+        if config.quantization == "int8":
+            from tokenloom.model.quant import calibration_token_ids
+
+            calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
+        if model_parallel > 1:
+            self.executor = _model_parallel_executor(config, path, dtype, device, sched_cfg,
+                                                     block_size=cache_cfg.block_size, num_blocks=num_blocks,
+                                                     kv_cache_groups=kv_cache_groups,
+                                                     calibration_token_ids=calibration)
+            self.runner = None  # the runners live in the worker processes
+            self.dtype, self.device = dtype, device
+        else:
+            # Async scheduling: the runner in a worker thread, two steps in flight (engine/executor.py).
+            self.executor = UniProcExecutor.from_config(config, loaded, worker_thread=sched_cfg.async_scheduling,
+                                                        model_thread=self._model_thread,
+                                                        block_size=cache_cfg.block_size,
+                                                        num_blocks=num_blocks, dtype=dtype, device=device,
+                                                        kv_cache_groups=kv_cache_groups,
+                                                        kv_cache_dtype=cache_cfg.cache_dtype,
+                                                        calibration_token_ids=calibration)
+            self.runner = self.executor.runner  # the ModelRunner, for its KV cache shape and tests
+            self.dtype, self.device = self.runner.dtype, self.runner.device
+        del loaded
+        if self.runner_type == "pooling":
+            caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
+            cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
+        self.speculative_config = config.speculative_config
+        if self.lora_config is not None:
+            on_model_thread(self.runner.enable_lora, self.lora_config)
+        # A KV connector (--kv-transfer-config, --kv-offloading-size): its scheduler side in the scheduler, its
+        # worker side in the runner (tokenloom/engine/kv_connectors.py).
+        self.kv_connector: Any = None
+        if config.kv_transfer_config is not None and config.kv_transfer_config.kv_connector is not None:
+            self.kv_connector, self.runner.kv_connector = on_model_thread(
+                make_kv_connectors, config, self.runner, path, len(kv_cache_groups), self.runner_type)
+        if self.speculative_config is not None and self.runner is not None:  # (workers: enabled at start)
+            on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
+        self.structured_output_manager = self._structured_output_manager()
+        self.scheduler = self._new_scheduler()
+        self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+        weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
+        if self.runner is None:  # worker processes: the ranks' shards together
+            weight_bytes = sum(i["weight_bytes"] for i in getattr(self.executor, "worker_info", []))
+        logger.info(
+            "tokenloom engine ready in %.1f s: %s (%s) on %s, %s%s, weights %.0f MiB, %d KV blocks of %d tokens "
+            "(%.0f MiB%s), max_model_len %d, %s%s", time.perf_counter() - t0, self.model_name, path.name,
+            self.device, str(self.dtype).replace("torch.", ""),
+            f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
+            cache_cfg.block_size, num_blocks * block_bytes / 2**20,
+            ", int8 KV" if cache_cfg.cache_dtype == "int8" else "", sched_cfg.max_model_len,
+            token_budget_text(sched_cfg),
+            ", async scheduling" if sched_cfg.async_scheduling else "",
+        )
+
+    def _init_encoder(self, config: EngineConfig, path: Any, clock: Callable[[], float]) -> None:
+        """A BERT-style encoder as a pooling model: the EncoderRunner (no KV cache), chunked prefill
+        off (bidirectional attention: a prompt is computed in one step, as vLLM), prefix caching off,
+        a block pool that only accounts for one step's tokens (requests finish in the step they run)."""
+        from tokenloom.model.bert import load_bert
+        from tokenloom.model.platform import resolve_device, resolve_dtype
+        from tokenloom.model.pooler import resolve_pooler_config
+        from tokenloom.model.pooling_runner import EncoderRunner
+        from tokenloom.model.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        self.config = config
+        self.clock = clock
+        self._model_thread = None
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        bert_config, weights = load_bert(path, dtype)
+        self.model_config = bert_config
+        self.model_name = config.model or path.name
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = None
+        self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
+        pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)
+        model_len = bert_config.max_positions
+        st_len = sentence_bert_max_seq_length(path)
+        if st_len:
+            model_len = min(model_len, st_len)
+        max_model_len = resolve_max_model_len(config, bert_config.max_positions, default=model_len)
+        sched_in = config.scheduler or SchedulerConfig()
+        sched_cfg = replace(sched_in, max_model_len=max_model_len, enable_chunked_prefill=False)
+        cache_in = config.cache or CacheConfig()
+        bs = cache_in.block_size
+        num_blocks = cache_in.num_blocks or (-(-sched_cfg.token_budget_ceiling // bs) + sched_cfg.max_num_seqs + 1)
+        cache_cfg = replace(cache_in, num_blocks=num_blocks, enable_prefix_caching=False, layer_windows=None)
+        self.scheduler_config, self.cache_config = sched_cfg, cache_cfg
+        # The KV cache the runner (or each worker) allocated: what reset_scheduler may use at most.
+        self.kv_cache_held = (cache_cfg.block_size, cache_cfg.num_blocks)
+        runner = EncoderRunner(path, pooler, block_size=bs, num_blocks=num_blocks, dtype=dtype, device=device,
+                               loaded=(bert_config, weights))
+        del weights
+        self.executor = UniProcExecutor(runner)
+        self.runner = runner
+        self.dtype, self.device = runner.dtype, runner.device
+        self.speculative_config = None
+        self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
+        self.structured_output_manager = StructuredOutputManager(lambda: None)
+        self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+        tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
+        self.pooling_info = PoolingInfo(
+            tasks=tasks, hidden_size=pooler.embedding_size(bert_config.hidden_size), is_encoder=True,
+            pooling_type=pooler.pooling_type.value,
+            normalize=pooler.normalize, is_matryoshka=bool(bert_config.extra.get("is_matryoshka")
+                                                            or bert_config.extra.get("matryoshka_dimensions")),
+            num_labels=bert_config.num_labels, id2label=dict(bert_config.id2label),
+            is_cross_encoder=bert_config.is_classifier)
+        logger.info("tokenloom pooling engine ready in %.1f s: %s (%s, %s) on %s, %s, %s pooling%s, tasks %s, "
+                    "max_model_len %d, %s", time.perf_counter() - t0, self.model_name, bert_config.architecture,
+                    path.name, self.device, str(self.dtype).replace("torch.", ""), pooler.pooling_type.value,
+                    " + normalize" if pooler.normalize else "", ",".join(tasks), max_model_len,
+                    token_budget_text(sched_cfg))
+
+    def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool) -> bool:
+        """A decoder as an embedding model (--runner pooling / --convert embed), in the ModelRunner over
+        its KV cache: LAST pooling by default (the final-norm hidden state of the prompt's last token);
+        MEAN / CLS / ALL / STEP (--pooler-config, or the token_embed task) keep each chunk's rows until
+        the prompt ends. Returns whether prefix caching stays on: only with LAST pooling and no
+        token_embed task (a cached prefix has no hidden states to pool; vLLM keeps it for LAST)."""
+        from tokenloom.model.pooler import PoolingType, resolve_pooler_config
+
+        if self.convert != "embed":
+            raise ConfigError("a decoder runs as a pooling model with --convert embed only")
+        pooler = resolve_pooler_config(path if path.is_dir() else path.parent / "_none", is_encoder=False,
+                                       override=self.config.pooler_config)
+        keep_prefix_caching = prefix_caching and pooler.pooling_type is PoolingType.LAST
+        self.runner.pooler = pooler
+        self.pooling_info = PoolingInfo(
+            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"],
+            hidden_size=pooler.embedding_size(loaded_config.hidden_size),
+            is_encoder=False, pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
+        return keep_prefix_caching
+
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        """Grammars for structured outputs; the xgrammar backend is built on the first constrained
+        request, in a compile thread (it reads the whole vocabulary: about 2 s)."""
+        tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
+
+        def backend() -> Any:
+            from tokenloom.model.grammar import make_xgrammar_backend
+
+            return make_xgrammar_backend(tokenizer, vocab_size)
+
+        return StructuredOutputManager(backend)
+
+    @staticmethod
+    def _layer_windows(model_config: Any) -> tuple[int | None, ...] | None:
+        """Each layer's sliding window, or None when no layer has one (the KV cache groups follow:
+        every layer windowed → one sliding group; mixed → hybrid groups, tokenloom/core/kv_cache_groups.py)."""
+        windows = tuple(model_config.sliding_windows)
+        return windows if any(w is not None for w in windows) else None
+
+    # Sizing ---------------------------------------------------------------------------------
+    @staticmethod
+    def _num_blocks_for(config: EngineConfig, device: Any, block_bytes: int) -> int:
+        budget = config.kv_cache_memory
+        if budget is None:
+            if device.type == "cuda":
+                import torch
+
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * 0.9) - (1 << 30)  # leave room for activations
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory={budget} bytes holds no KV block ({block_bytes} bytes each); give it more memory"
+            )
+        return num_blocks
+
+    @staticmethod
+    def _scheduler_config(config: EngineConfig, model_max_len: int, pool_tokens: int) -> SchedulerConfig:
+        sched = config.scheduler or SchedulerConfig()
+        max_model_len = resolve_max_model_len(config, model_max_len,
+                                              default=sched_max_len_default(config, model_max_len, pool_tokens))
+        return replace(sched, max_model_len=max_model_len)  # SchedulerConfig checks it against its knobs
+
+    def lora_info(self) -> dict[str, Any] | None:
+        """What a front end checks an adapter against (EngineReady.lora), or None without LoRA."""
+        manager = getattr(self.runner, "lora_manager", None) if self.lora_config is not None else None
+        if manager is None:
+            return None
+        return {"max_loras": self.lora_config.max_loras, "max_lora_rank": self.lora_config.max_lora_rank,
+                "max_cpu_loras": self.lora_config.max_cpu_loras,
+                "num_layers": manager.num_layers, "target_shapes": dict(manager.target_shapes)}
+
+    def engine_ready(self, load_time_s: float) -> EngineReady:
+        """What a front end needs to know of this engine core (the engine process sends it once loaded)."""
+        return EngineReady(
+            model_name=self.model_name,
+            max_model_len=self.scheduler_config.max_model_len,
+            num_blocks=self.cache_config.num_blocks or 0,
+            block_size=self.cache_config.block_size,
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.model_config.vocab_size,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+            load_time_s=load_time_s,
+            quantization=self.config.quantization,
+            sampling_defaults=dict(self.generation_defaults.params),
+            extra_eos_token_ids=list(self.generation_defaults.eos_token_ids),
+            kv_cache_group_windows=[g.sliding_window for g in self.scheduler.kv_cache_manager.kv_cache_groups],
+            max_in_flight_tokens=self.scheduler.kv_cache_manager.max_in_flight_tokens or 0,
+            token_budget=token_budget_labels(self.scheduler_config),
+            pooling=self.pooling_info,
+            lora=self.lora_info(),
+        )
+
+    def reset_scheduler(
+        self,
+        scheduler_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """A fresh scheduler (new knobs, empty prefix cache) over the same loaded model, for
+        benchmarks that compare configurations side by side without reloading weights."""
+        if not self.scheduler.has_unfinished_requests():
+            self.engine_core.drain()  # async scheduling: a trailing step may still be in flight
+        if self.engine_core.has_unfinished_requests():
+            raise RuntimeError("reset_scheduler needs an idle engine")
+        cache_config = cache_config or self.cache_config
+        # Against what the runner allocated at start-up, not the previous reset's (smaller) config: a benchmark
+        # may shrink the pool and grow it back.
+        block_size, num_blocks = self.kv_cache_held
+        if cache_config.block_size != block_size or (cache_config.num_blocks or 0) > (num_blocks or 0):
+            raise ConfigError(
+                f"the runner's KV cache has {num_blocks} blocks of {block_size} tokens; "
+                "a new scheduler can use fewer blocks, not other sizes"
+            )
+        self.scheduler_config = scheduler_config or self.scheduler_config
+        check_verification_budget(self.scheduler_config.token_budget_ceiling, self.speculative_config)
+        self.cache_config = cache_config
+        self.clock = clock or self.clock
+        self.executor.reset()
+        if self.runner is None and self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+            raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
+        if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+            # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
+            # in both modes (sync steps run there one at a time); one built sync moves the runner into
+            # a worker thread of the executor's own, which then has a second OpenMP team (slower
+            # barriers on a small machine: build the engine with async scheduling to measure it).
+            self.executor.shutdown()
+            self.executor = UniProcExecutor(self.runner, worker_thread=self.scheduler_config.async_scheduling,
+                                            model_thread=self._model_thread)
+        self.scheduler = self._new_scheduler()
+        self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+
+    def _new_scheduler(self) -> Scheduler:
+        """A scheduler over this engine's configs with the parts the engine owns attached (the LoRA limits,
+        the KV connector's scheduler side, the grammars): at start-up and on every reset_scheduler."""
+        scheduler = make_scheduler(self.scheduler_config, self.cache_config, clock=self.clock,
+                                   speculative_config=self.speculative_config)
+        scheduler.lora_config = self.lora_config
+        scheduler.connector = getattr(self, "kv_connector", None)  # an encoder engine has none
+        scheduler.structured_output_manager = self.structured_output_manager
+        return scheduler
+
+    def close(self) -> None:
+        self.engine_core.drain()
+        self.executor.shutdown()
+        for side in (getattr(self, "kv_connector", None), getattr(self.runner, "kv_connector", None)):
+            if side is not None:
+                side.shutdown()
+        if self._model_thread is not None:
+            self._model_thread.shutdown()
+        self.structured_output_manager.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
+
+
+def _call_here(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+@dataclass
+class _ConfigOnly:
+    """The engine process's view of a checkpoint whose weights the worker processes load."""
+
+    config: Any
+
+
+def check_model_parallel(config: EngineConfig) -> None:
+    """Refuse, before loading, what tensor / pipeline parallelism does not combine with yet."""
+    parallel = config.parallel
+    assert parallel is not None
+    if config.device == "cuda":
+        raise ConfigError("tensor/pipeline parallelism runs on CPU worker processes here; use --device cpu")
+    # What the worker processes do not build yet (docs/parallelism.md).
+    cache_dtype = config.cache.cache_dtype if config.cache is not None else "auto"
+    for given, what in ((config.lora_config is not None, "LoRA adapters (--enable-lora)"),
+                        (config.kv_transfer_config is not None,
+                         "a KV connector (--kv-transfer-config, --kv-offloading-size)"),
+                        (cache_dtype not in ("auto", None), f"--kv-cache-dtype {cache_dtype}")):
+        if given:
+            raise ConfigError(f"tensor/pipeline parallelism does not combine with {what} yet; run it with "
+                              "-tp 1 -pp 1")
+    if parallel.pipeline_parallel_size > 1:
+        sched = config.scheduler
+        if sched is not None and sched.async_scheduling:
+            raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with --async-scheduling yet: the "
+                              "pipeline runs one batch at a time (docs/parallelism.md); use tensor parallelism")
+        if config.speculative_config is not None:
+            raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with speculative decoding yet (the "
+                              "drafts are proposed on the last stage only); use tensor parallelism")
+
+
+def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device: Any, sched_cfg: SchedulerConfig,
+                             **runner_kwargs: Any) -> Any:
+    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes."""
+    from tokenloom.engine.multiproc_executor import MultiprocExecutor
+    from tokenloom.engine.worker import WorkerInit
+
+    parallel = config.parallel
+    assert parallel is not None
+    if parallel.pipeline_parallel_size > 1:
+        runner_kwargs["kv_cache_groups"] = None  # each stage's one group of its own layers
+    inits = [WorkerInit(rank=r, tensor_parallel_size=parallel.tensor_parallel_size,
+                        pipeline_parallel_size=parallel.pipeline_parallel_size, dist_init_method="",
+                        model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device),
+                        quantization=config.quantization, seed=config.seed, runner_kwargs=dict(runner_kwargs),
+                        speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
+                        log_level=logging.getLevelName(logger.getEffectiveLevel()))
+             for r in range(parallel.model_parallel_size)]
+    return MultiprocExecutor(inits, async_scheduling=sched_cfg.async_scheduling)
+
+
+def check_speculative_engine(config: EngineConfig) -> None:
+    """The engine's checks of speculative decoding against the scheduler knobs, before loading."""
+    spec = config.speculative_config
+    if spec is None:
+        return
+    sched = config.scheduler or SchedulerConfig()
+    check_verification_budget(sched.token_budget_ceiling, spec)
+
+
+def check_async_scheduling(config: EngineConfig) -> None:
+    """Refuse what async scheduling does not run with, before minutes of loading."""
+    sched = config.scheduler
+    if sched is None or not sched.async_scheduling:
+        return
+    spec = config.speculative_config
+    if spec is not None and spec.method == "suffix":
+        # vLLM 0.32 (config/vllm.py:1563) refuses an explicit async scheduling with every proposer but
+        # EAGLE/MTP/draft models/ngram_gpu/DSpark/DFlash; tokenloom runs n-gram's GPU-style variant only.
+        raise ConfigError(
+            "Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/DSpark/DFlash "
+            "kind of speculative decoding: speculative_config.method 'suffix' cannot be combined with "
+            "--async-scheduling (tokenloom also accepts 'ngram' there)"
+        )
+    if spec is not None and spec.adaptive:
+        # The adaptive policy trims the drafts the scheduler receives after each step; under async
+        # scheduling the scheduler receives none (the runner fills K placeholder drafts itself).
+        raise ConfigError(
+            "speculative_config.adaptive cannot be combined with --async-scheduling: under async scheduling "
+            "the runner fills the drafts itself and the policy has nothing to trim; drop one of the two"
+        )
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int) -> int:
+    """The engine's max_model_len, resolved once at construction: --max-model-len, else `default`; never
+    past the model's context. The scheduler config is then built with it (its own checks run there)."""
+    max_model_len = config.max_model_len or default
+    if max_model_len > model_max_len:
+        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})")
+    return max_model_len
+
+
+def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
+    """The model's context length, capped so the default stays workable on a small KV pool."""
+    sched = config.scheduler or SchedulerConfig()
+    cap = min(model_max_len, _DEFAULT_MAX_MODEL_LEN, pool_tokens)
+    if not sched.enable_chunked_prefill:
+        cap = min(cap, sched.token_budget_ceiling)
+    return max(cap, 2)

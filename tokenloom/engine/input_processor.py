@@ -1,0 +1,133 @@
+"""InputProcessor: a prompt made into checked token ids, in one place for every front end (vLLM's
+InputProcessor, v1/engine/input_processor.py).
+
+    prompt (text, token ids, or a dict of either) → tokenize → token ids in the vocabulary →
+    fits the engine (not empty, room to generate within max_model_len, the KV pool can hold it) →
+    Request(s) for the engine core
+
+LLMEngine, the data-parallel LLM and AsyncLLM (the server) all take prompts through it, so a bad
+prompt is refused with the same message whichever front end it came through. What it checks against
+is the engine core's EngineReady (the engine process sends it; an in-process engine makes its own).
+The scheduler still refuses what it can never run (RequestRejected): the simulator and the replay
+harness drive it with no front end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
+from tokenloom.core.prompt_fit import prompt_fit
+from tokenloom.core.scheduler import RequestRejected
+from tokenloom.engine.core_messages import EngineReady
+from tokenloom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the tokenizer module imports torch
+    from tokenloom.model.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InvalidRequestError(RequestRejected):
+    """The request can never be served as sent (a client error); `param` names the culprit field. A
+    RequestRejected (a ValueError): what the scheduler would refuse, refused before it gets there."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, info: EngineReady) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids): text is tokenized, token ids are checked."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, list):
+            return None, self.check_token_ids(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}", "prompt")
+
+    def check_token_ids(self, ids: Any, param: str = "prompt") -> list[int]:
+        """Integers, each in the model's vocabulary (`param`: the request field they came in)."""
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers", param)
+        vocab = self.info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", param)
+        return list(ids)
+
+    def check_generation_model(self) -> None:
+        """A generation request needs a generation model."""
+        pooling = self.info.pooling
+        if pooling is not None:
+            raise InvalidRequestError(
+                f"The model `{self.info.model_name}` is a pooling model (tasks: {', '.join(pooling.tasks)}) and "
+                "does not support generation: use LLM.embed / classify / score / encode, or the server's "
+                "/v1/embeddings, /pooling, /classify, /score or /rerank")
+
+    def check_pooling_model(self) -> None:
+        """A pooling request (embed, classify, score) needs a pooling model."""
+        if self.info.pooling is None:
+            raise InvalidRequestError(
+                f"The model `{self.info.model_name}` is a generation model and does not support pooling "
+                "(embeddings, classification, scores): use a pooling model (--runner pooling)")
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams, *, max_tokens_in_context: bool
+                     ) -> None:  # fmt: skip
+        """What the scheduler would refuse, said up front with vLLM's wording. `max_tokens_in_context`:
+        also refuse a max_tokens past the context (the OpenAI server does, as vLLM's serving layer; the
+        offline LLM lets such a request stop at max_model_len, as vLLM's LLM)."""
+        info = self.info
+        n_prompt, max_len = len(prompt_token_ids), info.max_model_len
+        groups = [KVCacheGroupSpec((0,), w) for w in info.kv_cache_group_windows]
+        fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, info.block_size, info.num_blocks, groups,
+                         info.max_in_flight_tokens)
+        if fit.empty:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        self.check_token_ids(prompt_token_ids)
+        if fit.no_room_to_generate:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request has "
+                f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length of the input.",
+                "prompt",
+            )
+        if max_tokens_in_context and params.max_tokens is not None and n_prompt + params.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {n_prompt} input tokens "
+                f"({params.max_tokens} > {max_len} - {n_prompt}).",
+                "max_tokens",
+            )
+        if fit.exceeds_pool:
+            # vLLM's start-up wording ("To serve at least one request with the model's max seq len ..."),
+            # for this request: vLLM checks the pool once for max_model_len, tokenloom per request.
+            groups_text = f" ({fit.per_group})" if fit.per_group else ""
+            raise InvalidRequestError(
+                f"To serve this request at its longest ({fit.final_len - 1} tokens of KV: {n_prompt} prompt + "
+                f"{fit.final_len - 1 - n_prompt} generated), {fit.blocks_needed} KV-cache blocks are needed"
+                f"{groups_text}, which is larger than the available KV cache ({fit.num_blocks} blocks of "
+                f"{info.block_size} tokens). Please lower max_tokens or the prompt length.",
+                "max_tokens",
+            )
+
+
+def check_lora_request(lora_request: Any, lora_config: Any) -> None:
+    """A request's lora_request, before it reaches the engine core: a LoRARequest, and LoRA enabled."""
+    from tokenloom.lora.request import LoRARequest
+
+    if not isinstance(lora_request, LoRARequest):
+        raise InvalidRequestError("lora_request must be a LoRARequest (tokenloom.lora.request), got "
+                                  f"{type(lora_request).__name__}", "lora_request")
+    if lora_config is None:
+        raise InvalidRequestError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled "
+                                  "(LLM(enable_lora=True), --enable-lora)", "lora_request")
