@@ -1,8 +1,9 @@
 """Prefill/decode hand-off (issue 36 item 4): a prefill `tokenloom serve` and a decode one, KV handed over
-through a shared directory by the SharedStorageConnector, vLLM's kv_transfer_params flow through the
-proxy (tokenloom/server/pd_proxy.py). Greedy tokens equal one engine's; the decode engine computes only
-the last prompt token (cached_tokens); a killed decode engine fails only its request, with 502, and the
-prefill engine holds nothing afterwards (the harness checks every live server for leaks)."""
+through a shared directory by the SharedStorageConnector or over TCP by the SocketConnector, vLLM's
+kv_transfer_params flow through the proxy (tokenloom/server/pd_proxy.py). Greedy tokens equal one
+engine's; the decode engine computes only the last prompt token (cached_tokens); a killed decode engine
+fails only its request, with 502, and the prefill engine holds nothing afterwards (the harness checks
+every live server for leaks)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from tests.test_kv_offload import BS, EXPECTED_HIT, PROMPT
+from tests.test_kv_socket import free_port
 from tests.test_server_harness import ServerProcess, metric
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams
@@ -28,9 +30,12 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
 
 
-def _engine(tiny_dir, shared, role: str, log) -> ServerProcess:
-    config = {"kv_connector": "SharedStorageConnector", "kv_role": role,
-              "kv_connector_extra_config": {"shared_storage_path": str(shared)}}
+def _engine(tiny_dir, shared, role: str, log, connector: str = "shared", kv_port: int = 0) -> ServerProcess:
+    if connector == "socket":  # the decode engine fetches from the prefill engine's kv_port
+        config = {"kv_connector": "SocketConnector", "kv_role": role, "kv_port": kv_port}
+    else:
+        config = {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                  "kv_connector_extra_config": {"shared_storage_path": str(shared)}}
     return ServerProcess(str(tiny_dir), "--dtype", "float32", "--num-blocks", "64", "--block-size", str(BS),
                          "--kv-transfer-config", json.dumps(config), "--enable-prompt-tokens-details", log_path=log)
 
@@ -52,14 +57,16 @@ async def _stream_text(app, body: dict) -> str:
     return text
 
 
-def test_prefill_then_decode_equals_one_engine(tiny_dir, tmp_path):
+@pytest.mark.parametrize("connector", ["shared", "socket"])
+def test_prefill_then_decode_equals_one_engine(tiny_dir, tmp_path, connector):
     ref = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=BS)
     want = list(ref.generate([{"prompt_token_ids": PROMPT}],
                              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0].token_ids)
     shared = tmp_path / "shared"
-    with _engine(tiny_dir, shared, "kv_producer", tmp_path / "p.log") as prefill, \
-            _engine(tiny_dir, shared, "kv_consumer", tmp_path / "d.log") as decode:
+    port = free_port()
+    with _engine(tiny_dir, shared, "kv_producer", tmp_path / "p.log", connector, port) as prefill, \
+            _engine(tiny_dir, shared, "kv_consumer", tmp_path / "d.log", connector, port) as decode:
         model = httpx.get(decode.url + "/v1/models").json()["data"][0]["id"]
         app = make_pd_proxy_app(prefill.url, decode.url)
         body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -90,3 +97,33 @@ def test_prefill_then_decode_equals_one_engine(tiny_dir, tmp_path):
         values = prefill.metrics()
         assert metric(values, "tokenloom:num_requests_running") == 0
         assert metric(values, "tokenloom:kv_cache_usage_perc") == 0.0
+
+
+def test_the_data_parallel_router_as_the_proxy(tiny_dir, tmp_path):
+    """`--data-parallel-size 2 --data-parallel-prefill-engines 1`: engine 0 prefills, engine 1 decodes, the
+    SocketConnector between them, the DP client doing the proxy's two requests (docs/kv_offload.md)."""
+    ref = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=BS)
+    want = list(ref.generate([{"prompt_token_ids": PROMPT}],
+                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids)
+    config = {"kv_connector": "SocketConnector", "kv_role": "kv_both", "kv_port": free_port()}
+    with ServerProcess(str(tiny_dir), "--dtype", "float32", "--num-blocks", "64", "--block-size", str(BS),
+                       "--data-parallel-size", "2", "--data-parallel-prefill-engines", "1",
+                       "--kv-transfer-config", json.dumps(config), "--enable-prompt-tokens-details",
+                       log_path=tmp_path / "dp.log") as server:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        out = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert out["choices"][0]["token_ids"] == want
+        # The decode engine loaded the prompt's full blocks from the prefill engine.
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == EXPECTED_HIT
+        values = server.metrics()
+        assert metric(values, "tokenloom:external_prefix_cache_hits_total") == EXPECTED_HIT
+        # Streaming goes the same way; the output the client sees is the decode engine's.
+        text = ""
+        with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == out["choices"][0]["text"]

@@ -488,6 +488,11 @@ class ParallelConfig:
         1.5, "... and max > min * this; then the least loaded engine wins", reload=True)
     router_lru_blocks: int | None = knob(
         None, "cache_aware: block hashes remembered per engine (default: the engine's KV pool)", reload=True)
+    data_parallel_prefill_engines: int = knob(
+        0, "prefill/decode hand-off inside one server: the first N data-parallel engines prefill, the others "
+        "decode; the router sends each request to a prefill engine with max_tokens 1, then to a decode engine "
+        "with the kv_transfer_params it returned (the proxy's flow; needs --kv-transfer-config with the "
+        "SocketConnector; docs/kv_offload.md)", reload=True)
     # Tensor / pipeline parallelism inside each engine (docs/parallelism.md): worker processes, one per rank.
     tensor_parallel_size: int = knob(
         1, "tensor-parallel ranks per engine (worker processes; heads, MLP and vocabulary cut between them, "
@@ -509,6 +514,12 @@ class ParallelConfig:
             _check_int("router_lru_blocks", self.router_lru_blocks, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_int("data_parallel_prefill_engines", self.data_parallel_prefill_engines, 0)
+        if self.data_parallel_prefill_engines and not self.data_parallel_prefill_engines < self.data_parallel_size:
+            raise ConfigError(f"data_parallel_prefill_engines={self.data_parallel_prefill_engines} leaves no decode "
+                              f"engine among data_parallel_size={self.data_parallel_size} (it must be smaller)")
+        if self.data_parallel_prefill_engines and self.distributed_executor_backend == "ray":
+            raise ConfigError("data_parallel_prefill_engines runs with --distributed-executor-backend mp only")
         if self.model_parallel_size > 1 and self.distributed_executor_backend == "ray":
             raise ConfigError(
                 "tensor/pipeline parallelism runs its ranks as worker processes on the engine's node "

@@ -226,6 +226,7 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request` (after its prefix hit, if any),
         in vLLM's order: admission check (sliding groups capped), free what fell out of the
@@ -233,7 +234,8 @@ class KVCacheManager:
 
         Returns the newly allocated blocks per group (possibly empty), or None if the pool cannot
         hold them, in which case no block was allocated (blocks that left a window stay freed, as
-        in vLLM).
+        in vLLM). `delay_cache_blocks` (vLLM's): the new blocks are not entered into the prefix cache yet
+        (a KV connector still loads them; the scheduler caches what loaded when the load is done).
         """
         if num_new_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 when there are no computed tokens to adopt")
@@ -273,7 +275,7 @@ class KVCacheManager:
                 manager.add_computed_blocks(rid, blocks, total_computed)
         new_blocks = KVCacheBlocks(tuple([m.allocate_new_blocks(rid, num_tokens_need_slot) for m in self.managers]))
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Only verified tokens are cached (never draft tokens that may be rejected).
             num_cacheable = min(total_computed + num_new_tokens, request.num_tokens)
             for manager in self.managers:

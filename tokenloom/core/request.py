@@ -19,6 +19,9 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     # Waiting for its grammar to compile (vLLM's WAITING_FOR_FSM): skipped by admission until ready.
     WAITING_FOR_FSM = enum.auto()
+    # Holds its blocks while a KV connector loads them in the background (vLLM's WAITING_FOR_REMOTE_KVS):
+    # skipped by admission until the worker side reports the load finished (core/scheduler.py).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is a finished state.

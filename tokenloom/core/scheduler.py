@@ -231,6 +231,15 @@ class Scheduler:
         # Finished requests whose blocks the connector still reads (request_finished said delay_free):
         # freed when a kv_connector_output lists them in finished_sending (vLLM's _free_blocks later).
         self.delayed_free: dict[str, Request] = {}
+        # Asynchronous KV loads (vLLM's WAITING_FOR_REMOTE_KVS): requests whose load the worker side reported
+        # done (promoted at their next admission try), those whose load failed in part (num_computed_tokens
+        # already cut to the prefix that loaded), and those finished while loading (in delayed_free: the
+        # worker still writes their blocks, which are freed when it reports the load done).
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        self.aborted_while_loading: set[str] = set()
+        # Promoted after their load, not admitted yet: the tokens the load gave (their cached tokens).
+        self.loaded_kv_tokens: dict[str, int] = {}
 
     # Requests in and out ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -296,18 +305,28 @@ class Scheduler:
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
         for request in valid:
+            rid = request.request_id
+            # vLLM's rule: a load still in flight writes the request's blocks; they are freed when it ends.
+            loading = (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                       and rid not in self.finished_recving_kv_req_ids)
+            self.finished_recving_kv_req_ids.discard(rid)
+            self.failed_recving_kv_req_ids.discard(rid)
+            self.loaded_kv_tokens.pop(rid, None)
             request.status = finished_status
-            self._free_request(request)
+            self._free_request(request, delay_free_blocks=loading)
+            if loading:
+                self.aborted_while_loading.add(rid)
         return valid
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> None:
         assert request.is_finished()
         request.finished_time = self.clock()
-        delay_free = False
+        delay_free = delay_free_blocks
         if self.connector is not None:
             # vLLM's _connector_finished: the connector may keep the blocks (a transfer still reads them).
-            delay_free, params = self.connector.request_finished(
+            connector_delays, params = self.connector.request_finished(
                 request, self.kv_cache_manager.get_block_ids(request.request_id))
+            delay_free = delay_free or connector_delays
             request.kv_transfer_params = params
         if delay_free:
             self.delayed_free[request.request_id] = request
@@ -465,6 +484,13 @@ class Scheduler:
                 # Still compiling (or failed): step over it, the others are not held up.
                 skipped_waiting.append(self.waiting.pop_request())
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self.finished_recving_kv_req_ids:
+                    # Its KV still loads in the background: step over it (vLLM's _handle_blocked_waiting_request).
+                    skipped_waiting.append(self.waiting.pop_request())
+                    continue
+                self._update_waiting_for_remote_kv(request)
+                request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
             if (self.lora_config is not None and request.lora_request is not None
                     and len(scheduled_loras) == self.lora_config.max_loras
                     and request.lora_request.lora_int_id not in scheduled_loras):
@@ -485,13 +511,20 @@ class Scheduler:
                     if ext_tokens is None:  # the connector cannot tell yet: try again next step
                         skipped_waiting.append(self.waiting.pop_request())
                         continue
-                    if load_kv_async:
-                        raise NotImplementedError("asynchronous KV loads (WAITING_FOR_REMOTE_KVS) are not supported "
-                                                  "by this scheduler yet; the connector must load synchronously")
+                    if load_kv_async and ext_tokens > 0:
+                        # Blocks now, the load in the background; the request waits (vLLM's WAITING_FOR_REMOTE_KVS).
+                        if not self._start_remote_kv_load(request, new_computed_blocks, num_new_local_computed,
+                                                          ext_tokens):
+                            plan.bound_by = "kv_blocks"
+                            break
+                        skipped_waiting.append(self.waiting.pop_request())
+                        continue
                     num_external_computed = ext_tokens
             else:
                 new_computed_blocks, num_new_local_computed = [], 0
             num_computed_tokens = request.num_computed_tokens + num_new_local_computed + num_external_computed
+            # Tokens loaded in the background (the request was parked in WAITING_FOR_REMOTE_KVS).
+            num_loaded = self.loaded_kv_tokens.get(request.request_id, 0)
             # num_tokens, not num_prompt_tokens: a resumed request recomputes its outputs too.
             num_new_tokens = request.num_tokens - num_computed_tokens
             pad_spec_decode = False
@@ -530,20 +563,15 @@ class Scheduler:
             if new_blocks is None:
                 plan.bound_by = "kv_blocks"
                 break
-            kv.record_prefix_cache_stats(request, num_new_local_computed)
-            if self.connector is not None:
-                # vLLM counts the tokens the connector was asked about: those the pool did not have.
-                queries = request.num_tokens - num_new_local_computed
-                if queries:
-                    preempted = request.num_preemptions > 0
-                    self.connector_prefix_cache_stats.record(queries, num_external_computed, preempted)
-                    self.connector_prefix_cache_totals.record(queries, num_external_computed, preempted)
-                # The connector learns where the external tokens go (vLLM: update_state_after_alloc).
-                self.connector.update_state_after_alloc(request, KVCacheBlocks(kv.get_blocks(request.request_id)),
-                                                        num_external_computed)
+            if not num_loaded:  # (a loaded request was counted, and its connector told, when it parked)
+                kv.record_prefix_cache_stats(request, num_new_local_computed)
+                if self.connector is not None:
+                    self._connector_allocated(request, num_new_local_computed, num_external_computed)
 
             request = self.waiting.pop_request()
             self.running.append(request)
+            if num_loaded:
+                del self.loaded_kv_tokens[request.request_id]
             if self.lora_config is not None and request.lora_request is not None:
                 scheduled_loras.add(request.lora_request.lora_int_id)
             if request.status == RequestStatus.WAITING:
@@ -559,11 +587,116 @@ class Scheduler:
                 request.first_scheduled_time = plan.now
             for policy in self.lifecycle_policies:
                 policy.admitted(request.request_id, self.num_schedule_calls)
-            plan.cached_tokens[request.request_id] = num_new_local_computed + num_external_computed
+            plan.cached_tokens[request.request_id] = num_new_local_computed + num_external_computed + num_loaded
             if pad_spec_decode:
                 plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
             self.waiting.prepend_requests(skipped_waiting)
+        if plan.bound_by == "kv_blocks" and not self.running and (self.loaded_kv_tokens
+                                                                   or self.finished_recving_kv_req_ids):
+            self._give_back_loaded_blocks()
+
+    # Asynchronous KV loads (vLLM's WAITING_FOR_REMOTE_KVS) --------------------------------------
+    def _connector_allocated(self, request: Request, num_local: int, num_external: int) -> None:
+        """Blocks were allocated for a first admission: the connector's hit counters and its
+        update_state_after_alloc (vLLM's order)."""
+        # vLLM counts the tokens the connector was asked about: those the pool did not have.
+        queries = request.num_tokens - num_local
+        if queries:
+            preempted = request.num_preemptions > 0
+            self.connector_prefix_cache_stats.record(queries, num_external, preempted)
+            self.connector_prefix_cache_totals.record(queries, num_external, preempted)
+        # The connector learns where the external tokens go.
+        blocks = KVCacheBlocks(self.kv_cache_manager.get_blocks(request.request_id))
+        self.connector.update_state_after_alloc(request, blocks, num_external)
+
+    def _start_remote_kv_load(self, request: Request, new_computed_blocks: Any, num_local: int,
+                              num_external: int) -> bool:
+        """Allocate the blocks an asynchronous load fills and park the request in WAITING_FOR_REMOTE_KVS
+        (it stays in the waiting queue, stepped over); False when the pool cannot hold them now. The
+        loaded blocks enter the prefix cache only when the load is done (delay_cache_blocks)."""
+        kv = self.kv_cache_manager
+        new_blocks = kv.allocate_slots(
+            request,
+            num_external,
+            num_new_computed_tokens=num_local,
+            new_computed_blocks=new_computed_blocks,
+            num_lookahead_tokens=self.num_lookahead_tokens,
+            full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl,
+            has_scheduled_reqs=bool(self.running),
+            delay_cache_blocks=True,
+        )
+        if new_blocks is None:
+            return False
+        kv.record_prefix_cache_stats(request, num_local)
+        self._connector_allocated(request, num_local, num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        # Counts the tokens still loading; cut back to what loaded if the load fails in part.
+        request.num_computed_tokens = num_local + num_external
+        return True
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """The load is done (vLLM's method of this name): the blocks that loaded enter the prefix cache;
+        after a failure with nothing valid the blocks are returned (the request starts over)."""
+        rid = request.request_id
+        kv = self.kv_cache_manager
+        if rid in self.failed_recving_kv_req_ids and request.num_computed_tokens == 0:
+            kv.free(request)
+        else:
+            kv.cache_blocks(request, request.num_computed_tokens)
+        self.failed_recving_kv_req_ids.discard(rid)
+        self.finished_recving_kv_req_ids.discard(rid)
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_computed_tokens -= 1  # the last token is computed again, for its logits
+        if request.num_computed_tokens:
+            self.loaded_kv_tokens[rid] = request.num_computed_tokens
+
+    def _give_back_loaded_blocks(self) -> None:
+        """Nothing runs and the waiting queue is short of blocks, some of which waiting requests hold
+        because their KV loaded: those requests return them (cached by the load, so their next admission
+        finds them in the prefix cache unless evicted). Waiting requests are never preempted; without
+        this, a request at the head could wait for blocks that loaded requests behind it hold, while
+        they wait behind it (reachable with scheduler_reserve_full_isl off). A load still running keeps
+        its blocks; it is handled here once it ends."""
+        kv = self.kv_cache_manager
+        for request in list(self.waiting):
+            rid = request.request_id
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid in self.finished_recving_kv_req_ids:
+                self._update_waiting_for_remote_kv(request)
+                request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            if self.loaded_kv_tokens.pop(rid, None) is not None:
+                kv.free(request)
+                request.num_computed_tokens = 0
+
+    def _mark_failed_loads(self, finished_recving: Iterable[str], invalid_block_ids: set[int]) -> None:
+        """Cut each finished load with an invalid block back to the tokens before its first invalid block
+        (vLLM's _update_requests_with_invalid_blocks, for loads in flight): those after are recomputed."""
+        for rid in finished_recving:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            block_ids = self.kv_cache_manager.get_block_ids(rid)[0]
+            num_blocks = -(-request.num_computed_tokens // self.block_size)
+            bad = next((i for i, b in enumerate(block_ids[:num_blocks]) if b in invalid_block_ids), None)
+            if bad is not None:
+                request.num_computed_tokens = bad * self.block_size
+                self.failed_recving_kv_req_ids.add(rid)
+
+    def _fail_kv_loads(self) -> list[EngineCoreOutput]:
+        """kv_load_failure_policy "fail": requests whose load failed end with an error (the default,
+        "recompute", computes the tokens that did not load)."""
+        outputs = []
+        for rid in sorted(self.failed_recving_kv_req_ids):
+            request = self.requests[rid]
+            self.failed_recving_kv_req_ids.discard(rid)
+            self.finished_recving_kv_req_ids.discard(rid)
+            self.waiting.remove_requests([request])
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = "the KV connector failed to load this request's KV (kv_load_failure_policy 'fail')"
+            self._free_request(request)
+            outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=request.error,
+                                            num_cached_tokens=0))
+        return outputs
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         """The SchedulerOutput of the plan: new and resumed requests whole, running ones as deltas."""
@@ -920,14 +1053,29 @@ class Scheduler:
             outputs.extend(self._finish_grammar_errors())
         if self.connector is not None and model_runner_output.kv_connector_output is not None:
             self._update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
+            if self.failed_recving_kv_req_ids and self.connector.config.kv_load_failure_policy == "fail":
+                outputs.extend(self._fail_kv_loads())
         # One step, one interval of prefix-cache lookups (vLLM: update_from_output -> make_stats).
         self._prefix_cache_since_report.merge(self.kv_cache_manager.make_prefix_cache_stats())
         return outputs
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
         """The connector's report of a step (vLLM's method of this name): blocks held back for a transfer
-        are freed once it is sent; the connector updates its own state from the rest."""
+        are freed once it is sent; loads that finished (with their invalid blocks, reported in the same
+        output) let their requests be admitted; the connector updates its own state from the rest."""
         self.connector.update_connector_output(kv_connector_output)
+        finished_recving = kv_connector_output.finished_recving or ()
+        if kv_connector_output.invalid_block_ids:
+            self._mark_failed_loads(finished_recving, kv_connector_output.invalid_block_ids)
+        for req_id in finished_recving:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(req_id)
+            elif req_id in self.aborted_while_loading:  # finished while loading: its blocks are free now
+                self.aborted_while_loading.discard(req_id)
+                finished = self.delayed_free.pop(req_id, None)
+                if finished is not None:
+                    self.kv_cache_manager.free(finished)
         for req_id in kv_connector_output.finished_sending or ():
             request = self.delayed_free.pop(req_id, None)
             if request is not None:
@@ -1056,7 +1204,8 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones the runner has not been told about yet."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids)
+        return (self.has_unfinished_requests() or bool(self.finished_req_ids)
+                or bool(self.aborted_while_loading))  # a step must run to hear that their load ended
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -1097,6 +1246,9 @@ class Scheduler:
             while self.running:
                 self._preempt_request(self.running.pop(), now)
         ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok and (self.aborted_while_loading or any(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)):
+            return False  # a KV load still writes its blocks (they cannot be taken back): try again after it
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
         return ok

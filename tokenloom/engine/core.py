@@ -101,13 +101,14 @@ class EngineCore:
         future = self.executor.execute_model(scheduler_output, non_block=True)
         outputs = self._finish_step(_InFlight(scheduler_output, future, t_start, t_scheduled))
         if scheduler_output.is_empty and not outputs and self._waiting_for_grammar():
-            # Nothing can run until a grammar compiles: yield the CPU to the compile threads
-            # instead of spinning through empty steps.
+            # Nothing can run until a grammar compiles or a KV load ends: yield the CPU to the compile
+            # and load threads instead of spinning through empty steps.
             time.sleep(0.001)
         return outputs
 
     def _waiting_for_grammar(self) -> bool:
-        return any(r.status == RequestStatus.WAITING_FOR_FSM for r in self.scheduler.waiting)
+        return any(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                   for r in self.scheduler.waiting) or bool(self.scheduler.aborted_while_loading)
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """vLLM's EngineCore.step_with_batch_queue (engine/core.py:698-812).

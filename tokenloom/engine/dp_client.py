@@ -11,6 +11,13 @@ Each engine is a full engine core (scheduler, KV cache, runner), as vLLM's dense
 machine's cores are split between them (`split_cpus`). An engine that dies fails only the requests
 it owned: the router stops choosing it and AsyncLLM fails those requests with the engine's error;
 the server stays up until every engine is gone.
+
+With `data_parallel_prefill_engines` N the client is also the disaggregated-serving proxy
+(`tokenloom pd-proxy`'s flow, docs/kv_offload.md): engines [0, N) prefill and the others decode, the
+SocketConnector between them. A request goes to a prefill engine with max_tokens 1 and
+kv_transfer_params {"do_remote_decode": true}; that output is not passed on: when it finishes, the
+request goes, with the kv_transfer_params it returned, to a decode engine, whose outputs AsyncLLM sees.
+A prefill that fails fails the request.
 """
 
 from __future__ import annotations
@@ -64,8 +71,8 @@ class DPEngineCoreClient:
             try:
                 for i, cpus in enumerate(cpu_sets):
                     # A disk KV tier per engine: each its own subdirectory (engine/kv_connectors.py).
-                    clients.append(MPClient(data_parallel_kv_transfer(config, i), log_level, engine_index=i,
-                                                    cpus=cpus))
+                    engine_config = data_parallel_kv_transfer(config, i, self.router_config.num_prefill_engines)
+                    clients.append(MPClient(engine_config, log_level, engine_index=i, cpus=cpus))
             except BaseException:
                 for c in clients:
                     c.shutdown()
@@ -75,6 +82,9 @@ class DPEngineCoreClient:
         self.router: Router | None = None
         self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
         self._on_failure: FailureCallback | None = None
+        # Prefill/decode hand-off: the requests whose prefill runs, as AsyncLLM sent them (their decode phase).
+        self.num_prefill_engines = self.router_config.num_prefill_engines
+        self._prefilling: dict[str, EngineCoreRequest] = {}
 
     @property
     def data_parallel_size(self) -> int:
@@ -112,11 +122,17 @@ class DPEngineCoreClient:
         """To the engine the router picks for it (its owner is recorded, for aborts and the load view)."""
         router = self.router
         assert router is not None, "wait_ready() first"
+        phase = self._prefill_phase if self.num_prefill_engines and request.pooling_params is None else None
         try:
             lora_id = request.lora_request.lora_int_id if request.lora_request is not None else None
-            engine = router.route(request.request_id, request.prompt_token_ids, lora_id)
+            # (With prefill engines every request enters at one: a pooling one is served there whole.)
+            engine = router.route(request.request_id, request.prompt_token_ids, lora_id,
+                                  range(self.num_prefill_engines) if self.num_prefill_engines else None)
         except NoEngineAvailable:
             return  # AsyncLLM has seen every engine die and fails the request itself
+        if phase is not None:
+            self._prefilling[request.request_id] = request
+            request = phase(request)
         self.clients[engine].add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -125,17 +141,60 @@ class DPEngineCoreClient:
         assert router is not None, "wait_ready() first"
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
+            self._prefilling.pop(rid, None)  # aborted before its decode phase: there is none
             engine = router.finish(rid)
             if engine is not None:
                 by_engine.setdefault(engine, []).append(rid)
         for engine, rids in by_engine.items():
             self.clients[engine].abort_requests(rids)
 
+    @staticmethod
+    def _prefill_phase(msg: EngineCoreRequest) -> EngineCoreRequest:
+        """The request as the prefill engine gets it (the proxy's first request)."""
+        extra = dict(msg.sampling_params.extra_args or {}, kv_transfer_params={"do_remote_decode": True})
+        params = replace(msg.sampling_params, max_tokens=1, min_tokens=0, extra_args=extra)
+        return replace(msg, sampling_params=params)
+
+    def _hand_over(self, batch: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Prefill/decode hand-off: a prefill engine's outputs stop here; a finished prefill sends the request
+        on to a decode engine with its kv_transfer_params (a failed one is passed on: the request fails)."""
+        router = self.router
+        assert router is not None
+        kept = []
+        for out in batch.outputs:
+            original = self._prefilling.get(out.request_id)
+            if original is None:
+                kept.append(out)
+                continue
+            if not out.finished:
+                continue  # (max_tokens 1: the prefill's one token comes with its finish)
+            del self._prefilling[out.request_id]
+            router.finish(out.request_id)
+            if out.finish_reason in ("error", "abort") or out.kv_transfer_params is None:
+                kept.append(out)
+                continue
+            extra = dict(original.sampling_params.extra_args or {}, kv_transfer_params=out.kv_transfer_params)
+            decode_request = replace(original, sampling_params=replace(original.sampling_params, extra_args=extra))
+            lora_id = original.lora_request.lora_int_id if original.lora_request is not None else None
+            try:
+                engine = router.route(original.request_id, original.prompt_token_ids, lora_id,
+                                      range(self.num_prefill_engines, len(self.clients)))
+            except NoEngineAvailable:
+                kept.append(replace(out, new_token_ids=[], finish_reason="error",
+                                    error="no decode engine is alive to continue the request"))
+                continue
+            self.clients[engine].add_request(decode_request)
+        # AsyncLLM counts each request once (sent, then received): decode engines' receipts are the hand-offs.
+        received = batch.num_requests_received if batch.engine_index < self.num_prefill_engines else 0
+        return replace(batch, outputs=kept, num_requests_received=received)
+
     def _outputs_from(self, batch: EngineCoreOutputs) -> None:
         router = self.router
         assert router is not None and self._on_outputs is not None
         s = batch.stats
         router.update_load(batch.engine_index, s.num_waiting_reqs, s.num_running_reqs, s.kv_cache_usage)
+        if self.num_prefill_engines:
+            batch = self._hand_over(batch)
         for out in batch.outputs:
             if out.finished:
                 router.finish(out.request_id)
@@ -144,6 +203,8 @@ class DPEngineCoreClient:
     def _engine_failed(self, engine: int, message: str) -> None:
         assert self.router is not None and self._on_failure is not None
         lost = self.router.mark_dead(engine)
+        for rid in lost:
+            self._prefilling.pop(rid, None)
         message = f"data-parallel engine {engine} failed: {message}"
         if self.is_alive:
             logger.error("%s; %d of its requests fail, %d engines still serve", message, len(lost),

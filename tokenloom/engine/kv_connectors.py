@@ -36,14 +36,26 @@ def check_kv_transfer(config: EngineConfig) -> None:
                           "--enable-prefix-caching (drop --no-enable-prefix-caching or the connector)")
 
 
-def data_parallel_kv_transfer(config: EngineConfig, rank: int) -> EngineConfig:
+def data_parallel_kv_transfer(config: EngineConfig, rank: int, num_prefill_engines: int = 0) -> EngineConfig:
     """Engine `rank` of a data-parallel group: a disk tier in a subdirectory of its own (two engines never
-    share a directory: disk.py locks it)."""
+    share a directory: disk.py locks it). With `num_prefill_engines` (prefill/decode hand-off inside the
+    group, the router as the proxy) engines [0, N) are the SocketConnector's producers, each on kv_port +
+    rank, and the others its consumers."""
     kv = config.kv_transfer_config
-    if kv is not None and kv.kv_connector == "SharedStorageConnector" and kv.is_kv_producer:
-        # Decode engines find the prefill's files by block hash in one directory, which one engine owns.
-        raise ConfigError("SharedStorageConnector: a prefill engine (kv_producer) runs as one engine core; start "
-                          "one `tokenloom serve` per prefill engine, each with its own shared_storage_path")
+    if num_prefill_engines:
+        if kv is None or kv.kv_connector != "SocketConnector":
+            raise ConfigError("data_parallel_prefill_engines hands the KV from prefill to decode engines over the "
+                              "SocketConnector: give --kv-transfer-config '{\"kv_connector\": \"SocketConnector\", "
+                              "\"kv_role\": \"kv_both\"}'")
+        if rank < num_prefill_engines:
+            return replace(config, kv_transfer_config=replace(kv, kv_role="kv_producer", kv_port=kv.kv_port + rank))
+        return replace(config, kv_transfer_config=replace(kv, kv_role="kv_consumer"))
+    if kv is not None and kv.kv_connector in ("SharedStorageConnector", "SocketConnector") and kv.is_kv_producer:
+        # Decode engines find the prefill's blocks by block hash in one place (a directory, a port), which one
+        # engine owns.
+        where = "shared_storage_path" if kv.kv_connector == "SharedStorageConnector" else "kv_port"
+        raise ConfigError(f"{kv.kv_connector}: a prefill engine (kv_producer) runs as one engine core; start "
+                          f"one `tokenloom serve` per prefill engine, each with its own {where}")
     if kv is None or "disk_dir" not in kv.kv_connector_extra_config:
         return config
     extra = dict(kv.kv_connector_extra_config, disk_dir=str(Path(kv.kv_connector_extra_config["disk_dir"]) /

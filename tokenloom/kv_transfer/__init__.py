@@ -15,4 +15,7 @@ computing and which blocks to save, and tells the WORKER side (in the model runn
                    checksummed files that survive a restart)
     shared_storage.py  the SharedStorageConnector: prefill/decode hand-off through a shared directory,
                    vLLM's kv_transfer_params flow (the proxy: tokenloom/server/pd_proxy.py)
+    socket_connector.py  the SocketConnector: the same hand-off over TCP (the decode engine fetches the
+                   prompt's blocks from the prefill engine's kv_ip:kv_port; wire: socket_transport.py)
+    background_load.py  asynchronous loads (load_async: WAITING_FOR_REMOTE_KVS) on a worker thread
 """

@@ -48,3 +48,5 @@ KVConnectorFactory.register_connector(
     "OffloadingConnector", "tokenloom.kv_transfer.offloading.connector", "OffloadingConnector")
 KVConnectorFactory.register_connector(
     "SharedStorageConnector", "tokenloom.kv_transfer.shared_storage", "SharedStorageConnector")
+KVConnectorFactory.register_connector(
+    "SocketConnector", "tokenloom.kv_transfer.socket_connector", "SocketConnector")

@@ -17,6 +17,10 @@ flow of vLLM's disaggregated proxy (tokenloom/server/pd_proxy.py). On one machin
      `get_num_new_matched_tokens` reads and checks the files of the request's own block hashes (a file
      missing, cut short or corrupt ends the hit there: those tokens are computed), and the worker side
      loads them into the allocated blocks before the first forward (synchronously: the files are local).
+     With `load_async` (kv_connector_extra_config) the lookup only counts the files present and the
+     request waits in WAITING_FOR_REMOTE_KVS while the worker side reads, checks and copies them on a
+     thread (background_load.py); a file that turns out bad is reported in invalid_block_ids and those
+     tokens are recomputed (kv_load_failure_policy "recompute", the default) or the request fails ("fail").
 
 The producer owns the directory (lock, fingerprinted index: the consumer loads nothing unless the index
 names its own fingerprint) and bounds it (`shared_storage_bytes`, least recently written deleted first).
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
+from tokenloom.kv_transfer.background_load import load_async_option
 from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from tokenloom.kv_transfer.offloading.disk import INDEX, DiskFiles, lock_dir, open_dir
 from tokenloom.kv_transfer.offloading.tiers import DiskTier
@@ -51,13 +56,15 @@ class SharedStorageMetadata(KVConnectorMetadata):
     step_id: int
     load: list[tuple[int, bytearray]] = field(default_factory=list)  # (pool block, the block's bytes)
     store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, block hash)
+    # Background loads (load_async), by request: (pool block, block hash, None: no host slot here)
+    load_async: dict[str, list[tuple[int, int, None]]] = field(default_factory=dict)
 
 
 class SharedStorageConnector(KVConnectorBase_V1):
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, spec: KVBlockSpec) -> None:
         super().__init__(config, role)
         extra = config.kv_connector_extra_config
-        unknown = sorted(set(extra) - {"shared_storage_path", "shared_storage_bytes"})
+        unknown = sorted(set(extra) - {"shared_storage_path", "shared_storage_bytes", "load_async"})
         if unknown:
             raise ConfigError(f"SharedStorageConnector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}")
         path = extra.get("shared_storage_path")
@@ -70,6 +77,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                               f"{spec.block_nbytes} bytes, got {size!r}")
         self.spec = spec
         self.block_size = spec.block_size
+        self.load_async = load_async_option(config, "SharedStorageConnector")
         self.engine_id = config.engine_id or "tokenloom"
         self.files = DiskFiles(Path(path), spec.digest, spec.block_nbytes)
         self.is_producer = config.is_kv_producer
@@ -90,9 +98,12 @@ class SharedStorageConnector(KVConnectorBase_V1):
             self._lookup: dict[str, tuple[int, dict[int, bytearray]]] = {}
             self._pending: dict[int, list[int]] = {}  # step -> files written in it
             self.loaded_tokens = 0  # since start, for tests and logs
+            self._async_loads: dict[str, set[int]] = {}  # request -> pool blocks loading in the background
+            self._load_failed: set[str] = set()  # requests a background load failed for: never looked up again
         else:
             self._copier: Any = None
             self._failed: list[int] = []
+            self._loader: Any = None  # BackgroundLoader, with load_async
 
     @staticmethod
     def _params(request: Request) -> dict[str, Any]:
@@ -120,8 +131,18 @@ class SharedStorageConnector(KVConnectorBase_V1):
             return 0, False
         if request.sampling_params.prompt_logprobs is not None or not self._consumer_index_ok():
             return 0, False
+        if request.request_id in self._load_failed:  # its files were bad: computed here
+            return 0, False
         start = num_computed_tokens // self.block_size
         end = (request.num_tokens - 1) // self.block_size
+        if self.load_async:  # the files that are there; read and checked in the background
+            n = 0
+            for h in request.block_hashes[start:end]:
+                if not self.files.path(h).is_file():
+                    break
+                n += 1
+            self._lookup[request.request_id] = (start, {})
+            return n * self.block_size, n > 0
         staged: dict[int, bytearray] = {}
         for h in request.block_hashes[start:end]:
             data = self.files.read(h)
@@ -138,8 +159,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._block_ids[rid] = block_ids
         start, staged = self._lookup.pop(rid, (request.num_computed_tokens // self.block_size, {}))
         n = num_external_tokens // self.block_size
-        for i in range(start, start + n):
-            self._meta.load.append((block_ids[i], staged[request.block_hashes[i]]))
+        if self.load_async and n:
+            loads = [(block_ids[i], request.block_hashes[i], None) for i in range(start, start + n)]
+            self._meta.load_async[rid] = loads
+            self._async_loads[rid] = {b for b, _, _ in loads}
+        else:
+            for i in range(start, start + n):
+                self._meta.load.append((block_ids[i], staged[request.block_hashes[i]]))
         self.loaded_tokens += num_external_tokens
         # A prefill for a decode engine writes every block of the prompt, the pool's hit included (blocks
         # already in the directory are skipped when stored).
@@ -181,6 +207,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_recving or ():
+            loading = self._async_loads.pop(rid, set())
+            if loading & connector_output.invalid_block_ids:
+                self._load_failed.add(rid)
+                self.loaded_tokens -= len(loading & connector_output.invalid_block_ids) * self.block_size
         stats = connector_output.kv_connector_stats or {}
         written = self._pending.pop(stats.get("shared_storage_step", -1), [])
         if self.written is not None and written:
@@ -193,6 +224,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._next_store, self._lookup):
             table.pop(rid, None)
+        self._load_failed.discard(rid)
         if not (self.is_producer and self._params(request).get("do_remote_decode")):
             return False, None
         # The files are whole (written in the steps that computed them): nothing to hold back.
@@ -205,6 +237,10 @@ class SharedStorageConnector(KVConnectorBase_V1):
         from tokenloom.kv_transfer.block_copy import KVBlockCopier
 
         self._copier = KVBlockCopier(list(kv_caches))
+        if self.load_async:
+            from tokenloom.kv_transfer.background_load import BackgroundLoader
+
+            self._loader = BackgroundLoader(self._copier, self.files, name="kv-pd-load")
 
     def start_load_kv(self, **kwargs: Any) -> None:
         import torch
@@ -214,6 +250,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         if meta.load:
             data = torch.stack([torch.frombuffer(d, dtype=torch.uint8) for _, d in meta.load])
             self._copier.scatter([b for b, _ in meta.load], data)
+        for rid, loads in meta.load_async.items():
+            self._loader.submit(rid, loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # whole-step loads
@@ -243,10 +281,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, SharedStorageMetadata):
             return None
-        return KVConnectorOutput(kv_connector_stats={"shared_storage_step": meta.step_id,
+        finished, invalid = self._loader.take_finished() if self._loader is not None else (set(), set())
+        return KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid,
+                                 kv_connector_stats={"shared_storage_step": meta.step_id,
                                                      "write_failed": list(self._failed)})
 
     def shutdown(self) -> None:
+        if self.role is KVConnectorRole.WORKER and self._loader is not None:
+            self._loader.shutdown()
         if self._lock_fd is not None:
             import os
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenloom.config import ParallelConfig
 from tokenloom.core.request import lora_extra_hash_keys
@@ -48,6 +48,8 @@ class RouterConfig:
     # cache_aware: blocks remembered per engine. None: the engine's KV pool (it cannot hold more).
     lru_blocks: int | None = None
     seed: int = 0  # power_of_two's draws
+    # Prefill/decode hand-off inside the group: engines [0, N) prefill, the rest decode (0: every engine serves).
+    num_prefill_engines: int = 0
 
     @classmethod
     def from_parallel(cls, parallel: ParallelConfig | None) -> RouterConfig:
@@ -55,7 +57,8 @@ class RouterConfig:
         p = parallel or ParallelConfig()
         return cls(policy=p.routing_policy, cache_threshold=p.router_cache_threshold,
                    balance_abs_threshold=p.router_balance_abs_threshold,
-                   balance_rel_threshold=p.router_balance_rel_threshold, lru_blocks=p.router_lru_blocks)
+                   balance_rel_threshold=p.router_balance_rel_threshold, lru_blocks=p.router_lru_blocks,
+                   num_prefill_engines=p.data_parallel_prefill_engines)
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTING_POLICIES:
@@ -100,17 +103,23 @@ class Router:
     def num_engines(self) -> int:
         return len(self.loads)
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int], lora_int_id: int | None = None) -> int:
-        """Choose the engine for a new request (run with LoRA adapter `lora_int_id`, if given) and record
-        it as the owner."""
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], lora_int_id: int | None = None,
+              engines: range | None = None) -> int:
+        """Choose the engine for a new request (run with LoRA adapter `lora_int_id`, if given) among
+        `engines` (default: all; prefill/decode hand-off routes each phase among its own) and record it
+        as the owner."""
         if request_id in self.owner:
             return self.owner[request_id]
         extra = lora_extra_hash_keys(_LoRAId(lora_int_id)) if lora_int_id is not None else None
         hashes = prompt_block_hashes(prompt_token_ids, self.block_size, extra) if isinstance(
             self.policy, CacheAware) else []
         engine = self._lora_holder(lora_int_id) if lora_int_id is not None else None
+        if engine is not None and engines is not None and engine not in engines:
+            engine = None
         if engine is None:
-            engine = self.policy.select(self.loads, hashes)
+            loads = self.loads if engines is None else [
+                load if i in engines else replace(load, alive=False) for i, load in enumerate(self.loads)]
+            engine = self.policy.select(loads, hashes)
             if lora_int_id is not None:
                 self.lora_decisions["policy"] += 1
         else:

@@ -16,6 +16,13 @@ What moves, and when (one step, in the runner; whole-step granularity, docs/kv_o
   update_connector_output: the step's stores are   its report: the step, the disk writes that failed
     ready (lookups count them from now on)
 
+With `load_async` (kv_connector_extra_config) a hit that needs the disk is loaded in the background
+instead (vLLM's WAITING_FOR_REMOTE_KVS): the lookup only counts the files it knows are complete, returns
+`(n, True)`, and the scheduler parks the request with its blocks allocated; the worker side reads, checks
+and copies the files on a thread (background_load.py) and reports the request in `finished_recving`, with
+the blocks whose file turned out bad in `invalid_block_ids` (recomputed, the file dropped). Its host hits
+are still copied before the step's forward, as a synchronous hit's.
+
 Blocks are keyed by the prefix cache's block hash (tokenloom/core/request.py), which chains the whole
 prefix, so a hit is always a prefix of the request. Requests that must compute every prompt row
 (prompt_logprobs, pooling) never hit, as with the pool's own prefix cache.
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
+from tokenloom.kv_transfer.background_load import load_async_option
 from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from tokenloom.kv_transfer.offloading.disk import DiskFiles, lock_dir, open_dir
 from tokenloom.kv_transfer.offloading.tiers import DiskTier, HostTier
@@ -55,6 +63,8 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
     load_host: list[tuple[int, int]] = field(default_factory=list)  # (pool block, host slot)
     # (pool block, the block's bytes read from disk, host slot to keep a copy in or None)
     load_staged: list[tuple[int, bytearray, int | None]] = field(default_factory=list)
+    # Background loads (load_async), by request: (pool block, block hash of the file, host slot or None)
+    load_async: dict[str, list[tuple[int, int, int | None]]] = field(default_factory=dict)
     # (pool block, host slot or None, block hash to write to disk or None)
     store: list[tuple[int, int | None, int | None]] = field(default_factory=list)
 
@@ -77,7 +87,7 @@ class OffloadingStats:
 def offloading_sizes(config: KVTransferConfig, spec: KVBlockSpec) -> tuple[int, str | None, int]:
     """(host slots, disk directory or None, disk bytes) from kv_connector_extra_config."""
     extra = config.kv_connector_extra_config
-    known = {"cpu_bytes_to_use", "num_cpu_blocks", "disk_dir", "disk_bytes_to_use"}
+    known = {"cpu_bytes_to_use", "num_cpu_blocks", "disk_dir", "disk_bytes_to_use", "load_async"}
     unknown = sorted(set(extra) - known)
     if unknown:
         raise ConfigError(f"OffloadingConnector: unknown kv_connector_extra_config key(s) {', '.join(unknown)} "
@@ -114,6 +124,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.spec = spec
         self.block_size = spec.block_size
         self.num_host_slots, disk_dir, disk_bytes = offloading_sizes(config, spec)
+        self.load_async = load_async_option(config, "OffloadingConnector")
         self.disk_files: DiskFiles | None = None
         self._lock_fd: int | None = None
         if disk_dir is not None:
@@ -124,6 +135,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             self._host_buffer: Any = None
             self._copier: Any = None
             self._failed_writes: list[int] = []
+            self._loader: Any = None  # BackgroundLoader, with load_async and a disk tier
 
     # ================================================================== scheduler side
     def _init_scheduler(self, disk_bytes: int) -> None:
@@ -146,6 +158,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._staged: dict[str, dict[int, bytearray]] = {}  # disk reads of waiting requests, by block hash
         self._loads = OffloadingConnectorMetadata(step_id=-1)  # this step's loads so far
         self._in_flight: dict[int, tuple[list[int], list[int]]] = {}  # step -> (host hashes, disk hashes) pending
+        self._async_lookup: set[str] = set()  # requests whose last lookup asked for a background load
+        self._async_loads: dict[str, list[tuple[int, int, int | None]]] = {}  # request -> its loads in flight
 
     def _may_hit(self, request: Request) -> bool:
         return request.pooling_params is None and request.sampling_params.prompt_logprobs is None
@@ -159,9 +173,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         end = (request.num_tokens - 1) // self.block_size
         staged = self._staged.get(request.request_id)
         n = 0
+        from_disk = False
         for h in request.block_hashes[start:end]:
             if self.host.lookup(h) is not None or (staged is not None and h in staged):
                 n += 1
+                continue
+            if self.load_async and self.disk is not None and self.disk.is_ready(h):
+                n += 1  # read and checked in the background; a bad file is recomputed then
+                from_disk = True
                 continue
             if self.disk is not None and self.disk.is_ready(h):
                 assert self.disk_files is not None
@@ -174,7 +193,11 @@ class OffloadingConnector(KVConnectorBase_V1):
                     continue
                 self.disk.discard(h)  # bad or vanished file: never a hit again
             break
-        return n * self.block_size, False
+        if from_disk:
+            self._async_lookup.add(request.request_id)
+        else:
+            self._async_lookup.discard(request.request_id)
+        return n * self.block_size, from_disk
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -184,7 +207,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         start = self._lookup_start.pop(rid, request.num_computed_tokens // self.block_size)
         num_ext_blocks = num_external_tokens // self.block_size
         staged = self._staged.pop(rid, {})
-        promote: list[tuple[int, int, bytearray]] = []
+        in_background = rid in self._async_lookup and num_ext_blocks > 0
+        self._async_lookup.discard(rid)
+        promote: list[tuple[int, int, bytearray | None]] = []
         for i in range(start, start + num_ext_blocks):
             h = request.block_hashes[i]
             slot = self.host.lookup(h)
@@ -192,18 +217,25 @@ class OffloadingConnector(KVConnectorBase_V1):
                 self._loads.load_host.append((block_ids[i], slot))
                 self.stats.host_hit_tokens += self.block_size
             else:
-                promote.append((block_ids[i], h, staged[h]))
+                promote.append((block_ids[i], h, None if in_background else staged[h]))
                 if self.disk is not None and self.disk_files is not None:
                     self.disk.touch(h)
                     self.disk_files.touch(h)
                 self.stats.disk_hit_tokens += self.block_size
         # Disk hits are copied into the host tier too (after every host hit was touched, so a promotion
         # evicts colder entries first; the worker loads from host slots before it writes any).
+        loads_in_background: list[tuple[int, int, int | None]] = []
         for block_id, h, data in promote:
             slot = self.host.allocate(h) if h not in self.host else None
+            if data is None:  # read in the background: the slot is ready when the load is reported done
+                loads_in_background.append((block_id, h, slot))
+                continue
             if slot is not None:
                 self._pending_host().append(h)
             self._loads.load_staged.append((block_id, data, slot))
+        if loads_in_background:
+            self._loads.load_async[rid] = loads_in_background
+            self._async_loads[rid] = loads_in_background
         # What this admission already has (pool hit + loads) is not offered for storing again.
         self._next_store[rid] = start + num_ext_blocks
 
@@ -271,6 +303,8 @@ class OffloadingConnector(KVConnectorBase_V1):
                     self.disk_files.delete(h)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._background_load_done(rid, connector_output.invalid_block_ids)
         stats = connector_output.kv_connector_stats or {}
         step = stats.get("offloading_step")
         if step is None or step not in self._in_flight:
@@ -285,10 +319,37 @@ class OffloadingConnector(KVConnectorBase_V1):
             self.stats.disk_files_written += len(disk_hashes) - len(failed)
             self.stats.disk_write_failures += len(failed)
 
+    def _background_load_done(self, rid: str, invalid_block_ids: set[int]) -> None:
+        """A background load ended: the host copies of the blocks that loaded are ready; a block that did
+        not load has a bad or vanished file, which is never a hit again."""
+        loads = self._async_loads.pop(rid, [])
+        bad = [i for i, (block_id, _, _) in enumerate(loads) if block_id in invalid_block_ids]
+        if bad:
+            # The blocks from the first bad one on are recomputed: no hits, and stored again as computed.
+            self.stats.disk_hit_tokens -= (len(loads) - bad[0]) * self.block_size
+            if rid in self._block_ids:
+                first = self._block_ids[rid].index(loads[bad[0]][0])
+                self._next_store[rid] = min(self._next_store.get(rid, first), first)
+        for block_id, h, slot in loads:
+            if block_id in invalid_block_ids:
+                if slot is not None:
+                    self.host.abort([h])
+                if self.disk is not None:
+                    self.disk.discard(h)
+            else:
+                if slot is not None:
+                    self.host.complete([h])
+                if self.disk is not None and self.disk_files is not None:
+                    self.disk.touch(h)
+                    self.disk_files.touch(h)
+
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         rid = request.request_id
         for table in (self._requests, self._block_ids, self._next_store, self._lookup_start, self._staged):
             table.pop(rid, None)
+        self._async_lookup.discard(rid)
+        # (A background load still running keeps its record: the scheduler frees the blocks, and this side
+        # settles the host slots, when the worker reports it done.)
         return False, None
 
     # ================================================================== worker side
@@ -305,6 +366,10 @@ class OffloadingConnector(KVConnectorBase_V1):
                              f"built for {self.spec.block_nbytes}")
         # Pages are mapped as slots are first written, so an unused tier costs no memory.
         self._host_buffer = torch.empty((self.num_host_slots, self.spec.block_nbytes), dtype=torch.uint8)
+        if self.load_async and self.disk_files is not None:
+            from tokenloom.kv_transfer.background_load import BackgroundLoader
+
+            self._loader = BackgroundLoader(self._copier, self.disk_files, self._host_buffer, name="kv-disk-load")
 
     def start_load_kv(self, **kwargs: Any) -> None:
         import torch
@@ -321,6 +386,9 @@ class OffloadingConnector(KVConnectorBase_V1):
             for row, (_, _, slot) in enumerate(meta.load_staged):
                 if slot is not None:
                     self._host_buffer[slot] = data[row]
+        # After the host loads above: a slot a background load fills is never one they read.
+        for rid, loads in meta.load_async.items():
+            self._loader.submit(rid, loads)
 
     def _host_view(self, slots: list[int]) -> Any:
         """The host buffer's rows of `slots` as a view when they are consecutive, else None."""
@@ -372,10 +440,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, OffloadingConnectorMetadata):
             return None
-        return KVConnectorOutput(kv_connector_stats={"offloading_step": meta.step_id,
+        finished, invalid = self._loader.take_finished() if self._loader is not None else (set(), set())
+        return KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid,
+                                 kv_connector_stats={"offloading_step": meta.step_id,
                                                      "disk_write_failed": list(self._failed_writes)})
 
     def shutdown(self) -> None:
+        if self.role is KVConnectorRole.WORKER and self._loader is not None:
+            self._loader.shutdown()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
