@@ -39,8 +39,9 @@ from tokenloom.sampling_params import SamplingParams
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(out: Path, config, rank: int, seed: int) -> Path:
-    """A random PEFT LoRA adapter for a model of `config` (tokenloom's ModelConfig)."""
+def write_adapter(out: Path, config, rank: int, seed: int, b_scale: float = 0.01) -> Path:
+    """A random PEFT LoRA adapter for a model of `config` (tokenloom's ModelConfig); `b_scale`: the
+    spread of B's entries (how far the adapter moves the model)."""
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     h, i = config.hidden_size, config.intermediate_size
@@ -53,7 +54,7 @@ def write_adapter(out: Path, config, rank: int, seed: int) -> Path:
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_scale
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
