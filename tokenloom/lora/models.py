@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +34,18 @@ from tokenloom.lora.punica import PunicaWrapperCPU
 from tokenloom.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+
+class SlotWeights(NamedTuple):
+    """One adapter's weights on one base linear, ready for a step."""
+
+    a: torch.Tensor  # [R, in], the run dtype (R: the ranks of the fused slices, stacked)
+    b: torch.Tensor  # [out, R], block-diagonal, scaling folded in, the run dtype
+    a32: torch.Tensor | None  # float32 copies when the run dtype is not float32 (few-row groups)
+    b32: torch.Tensor | None
+    a_k: torch.Tensor  # the compiled kernel's layout: A [R, in] and B^T [R, out], float32
+    b_t: torch.Tensor
+    spans: torch.Tensor  # int64 [R, 2]: the output columns [lo, hi) of each rank column's slice
 
 
 class LoRALinear:
@@ -48,8 +60,7 @@ class LoRALinear:
         self.layer_idx = layer_idx
         self.slices = slices
         self.input_scale, self.output_scale = input_scale, output_scale
-        # slot -> (A, B) in the run dtype, then (A, B) in float32 when the run dtype is not float32.
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.weights: dict[int, SlotWeights] = {}
 
     def apply(self, out: Any, x: Any, method: Any) -> torch.Tensor:
         """The base linear's output plus this step's adapters' deltas. `out`: the base output (a
@@ -68,10 +79,12 @@ class LoRALinear:
         out_features = sum(size for _, size in parts)
         a = torch.cat([w.lora_a for w, _ in parts if w is not None])
         b = torch.zeros(out_features, total_rank)
+        spans = torch.empty(total_rank, 2, dtype=torch.int64)
         row = col = 0
         for w, size in parts:
             if w is not None:
                 b[row:row + size, col:col + w.rank] = w.lora_b * w.scaling
+                spans[col:col + w.rank] = torch.tensor([row, row + size])
                 col += w.rank
             row += size
         if self.input_scale is not None:
@@ -79,11 +92,12 @@ class LoRALinear:
         if self.output_scale is not None:
             b = b / self.output_scale.float()[:, None]
         a32, b32 = a.to(device).contiguous(), b.to(device).contiguous()
+        kernel_layout = (a32, b32.t().contiguous(), spans.to(device))
         if dtype == torch.float32:
-            self.weights[slot] = (a32, b32, None, None)
+            self.weights[slot] = SlotWeights(a32, b32, None, None, *kernel_layout)
         else:  # the run dtype for many rows, float32 for few (see PunicaWrapperCPU.add_lora_linear)
-            self.weights[slot] = (a.to(device=device, dtype=dtype).contiguous(),
-                                  b.to(device=device, dtype=dtype).contiguous(), a32, b32)
+            self.weights[slot] = SlotWeights(a.to(device=device, dtype=dtype).contiguous(),
+                                             b.to(device=device, dtype=dtype).contiguous(), a32, b32, *kernel_layout)
 
     def clear_slot(self, slot: int) -> None:
         self.weights.pop(slot, None)

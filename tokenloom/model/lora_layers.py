@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenloom.lora.models import LoRALinear, LoRAModelManager
 from tokenloom.lora.punica import PunicaWrapperCPU
+from tokenloom.model.lora_kernels import lora_kernels
 
 # Families whose layers are the Llama layer's linears (q/k/v, o, gate/up, down) with the Llama
 # attention (which narrows the LoRA mapping to the last layer's output rows).
@@ -44,7 +45,9 @@ def create_lora_manager(model: Any, lora_config: Any) -> LoRAModelManager:
               "o_proj": [("o_proj", hidden)],
               "gate_up_proj": [("gate_proj", inter), ("up_proj", inter)],
               "down_proj": [("down_proj", hidden)]}
-    punica = PunicaWrapperCPU(model.device)
+    # The compiled kernel runs the small (decode-sized) adapter groups of each linear in one call.
+    kernel = lora_kernels() if model.device.type == "cpu" else None
+    punica = PunicaWrapperCPU(model.device, kernel)
     lora_linears = []
     for i, layer in enumerate(model.layers):
         for name, lin in layer.linears().items():
