@@ -16,7 +16,9 @@ default model works): the arithmetic is the same as a trained adapter's.
     PYTHONPATH=$PWD flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/lora/lora_throughput.py \
         --dtype float32 --quantization none --rounds 3 --json docs/figures/lora_w1_fp32.json
 
-The machine may be shared: compare the modes within a round.
+The machine may be shared: compare the modes within a round. Each round also records the process's
+CPU seconds per mode (`cpu_ratio` = base CPU s / LoRA CPU s: the throughput ratio were the machine
+the engine's alone; with two threads it includes their spinning, so read it with OMP_NUM_THREADS=1).
 """
 
 from __future__ import annotations
@@ -68,11 +70,12 @@ def w1_prompts(n: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(rng.randint(64, 512))]} for _ in range(n)]
 
 
-def run(llm: LLM, prompts: list[dict], params: SamplingParams, loras: list | None) -> float:
-    t0 = time.perf_counter()
+def run(llm: LLM, prompts: list[dict], params: SamplingParams, loras: list | None) -> tuple[float, float]:
+    """Output tokens/s over the wall time, and the CPU seconds this process spent (all its threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    wall = time.perf_counter() - t0
-    return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / wall, cpu
 
 
 def main() -> None:
@@ -103,14 +106,18 @@ def main() -> None:
         order = ["base", "lora"] if r % 2 == 0 else ["lora", "base"]
         got = {}
         for mode in order:
-            got[mode] = run(base, prompts, params, None) if mode == "base" else run(lora, prompts, params, loras)
+            got[mode], got[f"{mode}_cpu_s"] = (run(base, prompts, params, None) if mode == "base"
+                                               else run(lora, prompts, params, loras))
         got["ratio"] = got["lora"] / got["base"]
+        got["cpu_ratio"] = got["base_cpu_s"] / got["lora_cpu_s"]
         rounds.append(got)
         print(f"round {r}: base {got['base']:.1f} tok/s, 4 adapters + base {got['lora']:.1f} tok/s, "
-              f"ratio {got['ratio']:.3f}", flush=True)
+              f"ratio {got['ratio']:.3f}; CPU s base {got['base_cpu_s']:.2f}, lora {got['lora_cpu_s']:.2f}, "
+              f"ratio {got['cpu_ratio']:.3f}", flush=True)
     summary = {"base_tok_s": statistics.median(x["base"] for x in rounds),
                "lora_tok_s": statistics.median(x["lora"] for x in rounds),
-               "ratio_median": statistics.median(x["ratio"] for x in rounds)}
+               "ratio_median": statistics.median(x["ratio"] for x in rounds),
+               "cpu_ratio_median": statistics.median(x["cpu_ratio"] for x in rounds)}
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds, "summary": summary}, indent=1))
