@@ -1,16 +1,18 @@
-// The LoRA product of a step's small adapter groups in one call (compiled on first use by
+// The LoRA product of all of a step's adapter groups in one call per linear (compiled on first use by
 // tokenloom/model/lora_kernels.py; called from tokenloom/lora/punica.py).
 //
 //   lora_shrink_expand   for every adapter row i (of group g):  y[row_i] += B_g (A_g x[row_i])
 //
 // Decode steps hold a few rows per adapter, scattered over the batch. In torch each group of each
 // target linear is six small ops (gather, cast, shrink, expand, cast, scatter-add), ~60 us per group
-// per linear at decode sizes, mostly per-op cost; here a linear is one call over all groups.
+// per linear at decode sizes, mostly per-op cost; here a linear is one call over all groups. Prefill
+// groups gain too: no zero blocks multiplied, no delta tensor written and re-read.
 // Weights come in the kernel's layout (LoRALinear.set_slot): A [R, in] and B^T [R, out] in float32,
 // and for each rank column the span of output columns where B is non-zero (B of a fused linear is
 // block-diagonal: q's ranks touch q's columns only), so the expand skips the zero blocks.
-// Math in float32; a bf16 y row is read once and rounded once.
-// Threads: at::parallel_for over the rows (torch's OpenMP pool).
+// Math in float32; each y element is read once and rounded once per rank segment (once for the
+// usual rank <= 8 per module). Threads: at::parallel_for over tasks of up to 64 rows of one group
+// (torch's OpenMP pool).
 
 // Slim includes (not torch/extension.h), as cpu_kernels.cpp: a faster first-use compile.
 #include <ATen/Parallel.h>
