@@ -66,6 +66,81 @@ enum QType : int {
 
 bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
 
+// ------------------------------------------------------------------------------ per-type traits
+// One row per GGML type, as ggml's type_traits_cpu[]: the block's geometry, its 8-row tile's (0: the
+// type has no 8-row layout) and the SIMD kernels that run it, registered once in kTypeTraits. The
+// dispatchers (run_quantized_range, run_packed_range, gguf_gemm_packed) look the type up here; a
+// null kernel, or g_force_scalar, means the plain C++ loop. dequant_block is the one plain
+// dequantizer of every type (the oracle the tests hold the kernels to).
+struct QAct;
+// Rows [n0, n1) of out = x @ W.T + bias, W in raw blocks (row_bytes per row).
+using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
+                           int64_t ldo, int64_t n0, int64_t n1);
+// 8-row tiles [t0, t1) of out = x @ W.T + bias, W in the 8-row layout.
+using TileKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                            int64_t t1);
+
+struct TypeTraits {
+  int type;
+  int block_elems;
+  int block_bytes;
+  int tile_bytes;  // one 8-row tile group (8 rows x tile_elems columns), 0 without an 8-row layout
+  int tile_elems;
+  RowKernel rows;   // any batch over raw blocks
+  TileKernel tile;  // a few activation rows over 8-row tiles: decode, speculative verification
+  TileKernel gemm;  // prefill-sized batches over 8-row tiles
+};
+
+// The kernels, defined with the AVX2 code below.
+template <int T>
+void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out, int64_t ldo,
+                int64_t n0, int64_t n1);
+template <int T>
+void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                         int64_t t1);
+template <int T>
+void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                       int64_t t1);
+
+#if TLQ_AVX2
+#define TLQ_SIMD(kernel) &kernel
+#else
+#define TLQ_SIMD(kernel) nullptr
+#endif
+#define TLQ_TILED(T) TLQ_SIMD(row_kernel<T>), TLQ_SIMD(linear_packed_range<T>), TLQ_SIMD(gemm_packed_range<T>)
+#define TLQ_ROWS_ONLY(T) TLQ_SIMD(row_kernel<T>), nullptr, nullptr
+
+// Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's six-bit scales and mins
+// unpacked to bytes (1,184 per 8 x 144), see "8-row interleaved layouts" below.
+constexpr TypeTraits kTypeTraits[] = {
+    {kQ4_0, 32, 18, 144, 32, TLQ_TILED(kQ4_0)},
+    {kQ4_1, 32, 20, 160, 32, TLQ_TILED(kQ4_1)},
+    {kQ5_0, 32, 22, 176, 32, TLQ_TILED(kQ5_0)},
+    {kQ5_1, 32, 24, 192, 32, TLQ_TILED(kQ5_1)},
+    {kQ8_0, 32, 34, 272, 32, TLQ_TILED(kQ8_0)},
+    {kQ2_K, 256, 84, 0, 256, TLQ_ROWS_ONLY(kQ2_K)},
+    {kQ3_K, 256, 110, 0, 256, TLQ_ROWS_ONLY(kQ3_K)},
+    {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
+    {kQ5_K, 256, 176, 0, 256, TLQ_ROWS_ONLY(kQ5_K)},
+    {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
+};
+#undef TLQ_ROWS_ONLY
+#undef TLQ_TILED
+#undef TLQ_SIMD
+
+constexpr const TypeTraits* find_traits(int t) {
+  for (const TypeTraits& tr : kTypeTraits)
+    if (tr.type == t) return &tr;
+  return nullptr;
+}
+
+// The traits of type t; a type without kernels is refused with the error the Python side expects.
+const TypeTraits& traits(int t) {
+  const TypeTraits* tr = find_traits(t);
+  TORCH_CHECK(tr != nullptr, "GGML type ", t, " has no tokenloom kernel");
+  return *tr;
+}
+
 inline float h2f(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -226,20 +301,8 @@ struct TypeInfo {
 };
 
 TypeInfo type_info(int t) {
-  switch (t) {
-    case kQ8_0: return {32, 34};
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ2_K: return {256, 84};
-    case kQ3_K: return {256, 110};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "GGML type ", t, " has no tokenloom kernel");
-  }
-  return {0, 0};
+  const TypeTraits& tr = traits(t);
+  return {tr.block_elems, tr.block_bytes};
 }
 
 // ------------------------------------------------------------------------ activation quantization
@@ -697,11 +760,8 @@ struct QAct {
 
 // Bytes of one tile group: 8 rows x 32 columns, or 8 rows x 256 columns (one super-block) for the
 // K-quants.
-constexpr int packed_tile_bytes(int t) {
-  return t == kQ4_0 ? 144 : t == kQ4_1 ? 160 : t == kQ5_0 ? 176 : t == kQ5_1 ? 192 : t == kQ8_0 ? 272
-       : t == kQ4_K ? 1184 : t == kQ6_K ? 1680 : 0;
-}
-constexpr int packed_group_elems(int t) { return t == kQ4_K || t == kQ6_K ? 256 : 32; }
+constexpr int packed_tile_bytes(int t) { return find_traits(t) ? find_traits(t)->tile_bytes : 0; }
+constexpr int packed_group_elems(int t) { return find_traits(t) ? find_traits(t)->tile_elems : 32; }
 inline int64_t packed_row_bytes(int t, int64_t K) { return K / packed_group_elems(t) * packed_tile_bytes(t); }
 constexpr bool packed_has_min(int t) { return t == kQ4_1 || t == kQ5_1; }
 constexpr bool packed_five_bit(int t) { return t == kQ5_0 || t == kQ5_1; }
@@ -1133,28 +1193,21 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
 
 #endif
 
+#if TLQ_AVX2
+template <int T>
+void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out, int64_t ldo,
+                int64_t n0, int64_t n1) {
+  linear_avx2_range<T>(a.q.data(), a.d.data(), a.s.data(), a.M, a.K, w, row_bytes, bias, out, ldo, n0, n1);
+}
+#endif
+
 // Rows [n0, n1) of out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks,
 // row_bytes per row): one thread's share (run_quantized splits the rows; the decoder splits them itself).
 void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                          int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t M = a.M, K = a.K, G = K / 32;
-#if TLQ_AVX2
-  if (!g_force_scalar) {
-    switch (t) {
-      case kQ8_0: return linear_avx2_range<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_0: return linear_avx2_range<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_1: return linear_avx2_range<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_0: return linear_avx2_range<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_1: return linear_avx2_range<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ2_K: return linear_avx2_range<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ3_K: return linear_avx2_range<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_K: return linear_avx2_range<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_K: return linear_avx2_range<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ6_K: return linear_avx2_range<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      default: break;
-    }
-  }
-#endif
+  const RowKernel simd = traits(t).rows;
+  if (simd && !g_force_scalar) return simd(a, w, row_bytes, bias, out, ldo, n0, n1);
   std::vector<float> buf(256);
   for (int64_t n = n0; n < n1; n++)
     for (int64_t m = 0; m < M; m++) {
@@ -1303,20 +1356,8 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
 // back row by row.
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1) {
-#if TLQ_AVX2
-  if (!g_force_scalar) {
-    switch (t) {
-      case kQ8_0: return linear_packed_range<kQ8_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_0: return linear_packed_range<kQ4_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_1: return linear_packed_range<kQ4_1>(a, pw, bias, out, ldo, t0, t1);
-      case kQ5_0: return linear_packed_range<kQ5_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ5_1: return linear_packed_range<kQ5_1>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_K: return linear_packed_range<kQ4_K>(a, pw, bias, out, ldo, t0, t1);
-      case kQ6_K: return linear_packed_range<kQ6_K>(a, pw, bias, out, ldo, t0, t1);
-      default: break;
-    }
-  }
-#endif
+  const TileKernel simd = traits(t).tile;
+  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1);
   const int64_t K = a.K, G = K / 32;
   if (packed_group_elems(t) == 256) {  // K-quants: the tile's rows dequantized, dot_row_scalar's sums
     const int64_t NS = K / 256;
@@ -1660,21 +1701,9 @@ void gguf_gemm_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw,
   const uint8_t* w = pw.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
+  const TileKernel gemm = traits(t).gemm;
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-#if TLQ_AVX2
-    if (!g_force_scalar) {
-      switch (t) {
-        case kQ8_0: return gemm_packed_range<kQ8_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_0: return gemm_packed_range<kQ4_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_1: return gemm_packed_range<kQ4_1>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ5_0: return gemm_packed_range<kQ5_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ5_1: return gemm_packed_range<kQ5_1>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_K: return gemm_packed_range<kQ4_K>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ6_K: return gemm_packed_range<kQ6_K>(act, w, b_ptr, o, ldo, t0, t1);
-        default: break;
-      }
-    }
-#endif
+    if (gemm && !g_force_scalar) return gemm(act, w, b_ptr, o, ldo, t0, t1);
     run_packed_range(t, act, w, b_ptr, o, ldo, t0, t1);
   });
 }
