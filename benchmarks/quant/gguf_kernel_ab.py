@@ -9,7 +9,8 @@ few-row case of speculative verification.
 
     git show main:tokenloom/model/csrc/gguf_kernels.cpp > /tmp/gguf_kernels_main.cpp
     flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/quant/gguf_kernel_ab.py \\
-        /tmp/gguf_kernels_main.cpp tokenloom/model/csrc/gguf_kernels.cpp [--threads 1] [--rounds 21] [--rows 1]
+        /tmp/gguf_kernels_main.cpp tokenloom/model/csrc/gguf_kernels.cpp \\
+        [--threads 1] [--rounds 21] [--rows 1] [--march haswell]
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--rows", type=int, default=1, help="activation rows (1: single-stream decode)")
+    ap.add_argument("--march", default="native",
+                    help="the builds' -march (haswell: the AVX2 path without VNNI on a VNNI machine)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    flags = ["-O3", f"-march={a.march}", "-fopenmp"]
     mods = {name: load_cached_extension(f"gguf_ab_{name}", src, flags, LDFLAGS, f"GGUF kernels {name}")[0]
             for name, src in (("A", a.a), ("B", a.b))}
     rng = np.random.default_rng(0)
