@@ -1030,7 +1030,8 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
 // Q4_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
 //
 // As ggml's Q4_K x Q8_K dot, a group's integer sum is scaled by the row's integer sub-block scale in
-// int32 (AVX2: vpmaddwd with the scale as the multiplier instead of ones; VNNI: vpmulld), and the
+// int32 on AVX2 (vpmaddwd with the scale as the multiplier instead of ones; with VNNI the scale is a
+// float, vpmulld measured 2 % slower at four rows), and the
 // super-block's d / dmin multiply once per 256 columns: per group and activation row one int ->
 // float conversion and one FMA with the activation's per-32 scale remain (ggml has none, its
 // activations carrying one scale per 256; ours keep one per 32, see docs/performance.md "Greedy
@@ -1058,7 +1059,9 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         };
         const __m256i sc = bytes8(kK4Scales);
         const __m256 mn = _mm256_cvtepi32_ps(bytes8(kK4Mins));
-#if !TLQ_VNNI
+#if TLQ_VNNI
+        const __m256 scf = _mm256_cvtepi32_ps(sc);  // vpmulld per row would cost two uops where this is one
+#else
         const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // the scale in both int16 halves
 #endif
         __m256i w[8];
@@ -1066,14 +1069,15 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         for (int m = 0; m < MT; m++) {
           const int8_t* x = xq[m] + 32 * gi;
 #if TLQ_VNNI
-          const __m256i isum = _mm256_mullo_epi32(dot_u4(w, x), sc);
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(w, x)), _mm256_mul_ps(scf, _mm256_set1_ps(xd[m][gi])),
+                                    sacc[m]);
 #else
           // int16 sums of eight vpmaddubsw stay below 8 * 2 * 15 * 127 = 30480 (see dot_u4).
           __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
           for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
           const __m256i isum = _mm256_madd_epi16(s16, sc16);
-#endif
           sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[m][gi]), sacc[m]);
+#endif
           macc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][gi]), macc[m]);
         }
       }
