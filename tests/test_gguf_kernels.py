@@ -162,7 +162,7 @@ def test_embedding_rows_from_the_packed_layout(qtype: Q) -> None:
 
 def test_activation_quantizer_simd_matches_plain() -> None:
     """The AVX2 quantizer of the kernels' activations (int8 per 32, d = max|x| / 127) writes the same
-    bytes, d and s as the plain loop and as the torch oracle, ties rounded half to even."""
+    bytes, d, s and per-16 sums as the plain loop and as the torch oracle, ties rounded half to even."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5, 608, generator=gen) * torch.logspace(-3, 2, 5)[:, None]
     x[1, 32:64] = 0.0  # an all-zero group: d = 0, q = 0
@@ -176,10 +176,11 @@ def test_activation_quantizer_simd_matches_plain() -> None:
         kernels.set_force_scalar(False)
     for a, b in zip(got, plain):
         assert torch.equal(a, b)
-    q, d, s = got
+    q, d, s, bs = got
     assert q[2, 64:72].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]
     assert torch.equal((q.float().reshape(5, -1, 32) * d[..., None]).reshape(5, -1), quantized_activations(x))
     assert torch.allclose(s, d * q.float().reshape(5, -1, 32).sum(-1))
+    assert torch.equal(bs, q.reshape(5, -1, 16).sum(-1, dtype=torch.int16))  # the per-16 sums Q6_K's tiles use
 
 
 PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K]
@@ -224,3 +225,42 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
         assert bool((wide[:, :8] == 7.0).all()) and bool((wide[:, 8 + n :] == 7.0).all())
     finally:
         kernels.set_force_scalar(False)
+
+
+def extreme_blocks(qtype: Q, n: int, k: int) -> np.ndarray:
+    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q6_K 63) and the
+    sub-block scales at theirs (Q4_K 63, Q6_K -128 in even rows and 127 in odd ones)."""
+    raw = random_blocks(qtype, n, k, seed=17).reshape(n, k // 256, -1)
+    if qtype == Q.Q4_K:
+        raw[:, :, 4:16] = 0xFF  # six-bit scales and mins all 63
+        raw[:, :, 16:144] = 0xFF  # nibbles all 15
+    else:
+        raw[:, :, 0:192] = 0xFF  # ql and qh: q = 63
+        raw[:, :, 192:208] = np.where(np.arange(n) % 2 == 0, 0x80, 0x7F)[:, None, None]
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_packed_k_quant_tiles_match_float64(qtype: Q) -> None:
+    """The batch-1 and few-row (speculative verification) Q4_K / Q6_K tile kernels, whose sums stay in
+    integers scaled by the sub-block scales (Q6_K: unsigned quants minus 32 times the activation's
+    per-16 sums), against float64 of the dequantized weights times the kernel's quantized
+    activations: random blocks, and blocks at the int16 / int32 limits with activations of +-127."""
+    n, k = 24, 256 * 3
+    for raw_np in (random_blocks(qtype, n, k, seed=19), extreme_blocks(qtype, n, k)):
+        raw = torch.from_numpy(raw_np)
+        packed = kernels.gguf_repack8(raw, int(qtype), k)
+        w = torch.from_numpy(gguf_dequantize(raw_np, qtype).astype(np.float64))
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+        gen = torch.Generator().manual_seed(3)
+        for m in range(1, 9):
+            x = torch.randn(m, k, generator=gen)
+            x[0] = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)  # every quant +-127
+            if m > 1:
+                x[1] = 1.0
+            out = torch.empty(m, n)
+            kernels.gguf_linear_packed(out, x, packed, int(qtype), bias)
+            want = quantized_activations(x).double() @ w.T + bias.double()
+            scale = (x.double().abs() @ w.abs().T) + bias.abs().double() + 1e-3
+            err = ((out.double() - want).abs() / scale).max().item()
+            assert err < 1e-5, f"{qtype.name} m={m}: error {err:.2e}"

@@ -38,11 +38,12 @@ def model_file(name: str) -> str:
     return str(path)
 
 
-def single_stream(model: str, rounds: int, quantization: str, llama_bench: str | None, out_json: Path) -> dict:
+def single_stream(model: str, rounds: int, quantization: str, llama_bench: str | None, out_json: Path,
+                  llama_args: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, str(HERE / "single_stream.py"), model, "--rounds", str(rounds), "--quantization",
            quantization, "--ttft-prompt-len", "512", "--output-len", "128", "--json", str(out_json)]
     if llama_bench:
-        cmd += ["--llama-bench", llama_bench]
+        cmd += ["--llama-bench", llama_bench, *(f"--llama-arg={x}" for x in llama_args)]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out_json.read_text())
@@ -52,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2," + ",".join(MODELS))
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="extra llama-bench argument, repeatable (--llama-arg=--repack --llama-arg=0 on an AMX Xeon)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-dequantized", action="store_true", help="skip the --quantization none runs")
     ap.add_argument("--dequantized-models", default="smollm2,qwen2.5-coder-0.5b",
@@ -63,7 +66,8 @@ def main() -> None:
     rows = []
     for name in a.models.split(","):
         model = model_file(name)
-        row = {"model": name, "default": single_stream(model, a.rounds, "default", a.llama_bench, tmp / f"{name}.json")}
+        row = {"model": name, "default": single_stream(model, a.rounds, "default", a.llama_bench, tmp / f"{name}.json",
+                                                         tuple(a.llama_arg))}
         if not a.no_dequantized and name in a.dequantized_models.split(","):
             row["dequantized"] = single_stream(model, max(1, a.rounds - 1), "none", None, tmp / f"{name}-none.json")
         rows.append(row)

@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from benchmarks.kernels.perf_overhead import run  # noqa: E402
 
 
-def llama_bench(binary: str, model: str, threads: int, n: int, prompt_len: int) -> tuple[float, float]:
-    """(tg tok/s, TTFT ms for a prompt_len prompt) from one llama-bench run."""
+def llama_bench(binary: str, model: str, threads: int, n: int, prompt_len: int,
+                extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(tg tok/s, TTFT ms for a prompt_len prompt) from one llama-bench run (`extra`: more llama-bench args)."""
     out = subprocess.run([binary, "-m", model, "-t", str(threads), "-p", str(prompt_len), "-n", str(n), "-r", "1",
-                          "-o", "json"], check=True, capture_output=True, text=True).stdout
+                          "-o", "json", *extra], check=True, capture_output=True, text=True).stdout
     rows = json.loads(out)
     tg = [r for r in rows if r.get("n_gen", 0) > 0][0]
     pp = [r for r in rows if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0][0]
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--quantization", default="default", choices=["default", "gguf", "int8", "none"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--llama-bench", default=None)
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="extra llama-bench argument, repeatable (e.g. --llama-arg=--repack --llama-arg=0 on an AMX "
+                         "Xeon, where the shared build's repacked / AMX kernels die with SIGILL)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
@@ -92,7 +96,8 @@ def main() -> None:
         line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s, TTFT {our_ttft[-1]:6.1f} ms "
                 f"(host work outside the model {res['overhead_ms_median']} ms)")
         if a.llama_bench:
-            tg, ttft = llama_bench(a.llama_bench, model, a.threads, a.output_len, a.ttft_prompt_len)
+            tg, ttft = llama_bench(a.llama_bench, model, a.threads, a.output_len, a.ttft_prompt_len,
+                                   tuple(a.llama_arg))
             theirs.append(tg)
             their_ttft.append(ttft)
             line += f"; llama.cpp {tg:7.1f} tok/s, TTFT {ttft:6.1f} ms"

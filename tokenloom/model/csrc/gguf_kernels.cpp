@@ -66,6 +66,81 @@ enum QType : int {
 
 bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
 
+// ------------------------------------------------------------------------------ per-type traits
+// One row per GGML type, as ggml's type_traits_cpu[]: the block's geometry, its 8-row tile's (0: the
+// type has no 8-row layout) and the SIMD kernels that run it, registered once in kTypeTraits. The
+// dispatchers (run_quantized_range, run_packed_range, gguf_gemm_packed) look the type up here; a
+// null kernel, or g_force_scalar, means the plain C++ loop. dequant_block is the one plain
+// dequantizer of every type (the oracle the tests hold the kernels to).
+struct QAct;
+// Rows [n0, n1) of out = x @ W.T + bias, W in raw blocks (row_bytes per row).
+using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
+                           int64_t ldo, int64_t n0, int64_t n1);
+// 8-row tiles [t0, t1) of out = x @ W.T + bias, W in the 8-row layout.
+using TileKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                            int64_t t1);
+
+struct TypeTraits {
+  int type;
+  int block_elems;
+  int block_bytes;
+  int tile_bytes;  // one 8-row tile group (8 rows x tile_elems columns), 0 without an 8-row layout
+  int tile_elems;
+  RowKernel rows;   // any batch over raw blocks
+  TileKernel tile;  // a few activation rows over 8-row tiles: decode, speculative verification
+  TileKernel gemm;  // prefill-sized batches over 8-row tiles
+};
+
+// The kernels, defined with the AVX2 code below.
+template <int T>
+void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out, int64_t ldo,
+                int64_t n0, int64_t n1);
+template <int T>
+void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                         int64_t t1);
+template <int T>
+void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                       int64_t t1);
+
+#if TLQ_AVX2
+#define TLQ_SIMD(kernel) &kernel
+#else
+#define TLQ_SIMD(kernel) nullptr
+#endif
+#define TLQ_TILED(T) TLQ_SIMD(row_kernel<T>), TLQ_SIMD(linear_packed_range<T>), TLQ_SIMD(gemm_packed_range<T>)
+#define TLQ_ROWS_ONLY(T) TLQ_SIMD(row_kernel<T>), nullptr, nullptr
+
+// Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's six-bit scales and mins
+// unpacked to bytes (1,184 per 8 x 144), see "8-row interleaved layouts" below.
+constexpr TypeTraits kTypeTraits[] = {
+    {kQ4_0, 32, 18, 144, 32, TLQ_TILED(kQ4_0)},
+    {kQ4_1, 32, 20, 160, 32, TLQ_TILED(kQ4_1)},
+    {kQ5_0, 32, 22, 176, 32, TLQ_TILED(kQ5_0)},
+    {kQ5_1, 32, 24, 192, 32, TLQ_TILED(kQ5_1)},
+    {kQ8_0, 32, 34, 272, 32, TLQ_TILED(kQ8_0)},
+    {kQ2_K, 256, 84, 0, 256, TLQ_ROWS_ONLY(kQ2_K)},
+    {kQ3_K, 256, 110, 0, 256, TLQ_ROWS_ONLY(kQ3_K)},
+    {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
+    {kQ5_K, 256, 176, 0, 256, TLQ_ROWS_ONLY(kQ5_K)},
+    {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
+};
+#undef TLQ_ROWS_ONLY
+#undef TLQ_TILED
+#undef TLQ_SIMD
+
+constexpr const TypeTraits* find_traits(int t) {
+  for (const TypeTraits& tr : kTypeTraits)
+    if (tr.type == t) return &tr;
+  return nullptr;
+}
+
+// The traits of type t; a type without kernels is refused with the error the Python side expects.
+const TypeTraits& traits(int t) {
+  const TypeTraits* tr = find_traits(t);
+  TORCH_CHECK(tr != nullptr, "GGML type ", t, " has no tokenloom kernel");
+  return *tr;
+}
+
 inline float h2f(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
@@ -226,24 +301,14 @@ struct TypeInfo {
 };
 
 TypeInfo type_info(int t) {
-  switch (t) {
-    case kQ8_0: return {32, 34};
-    case kQ4_0: return {32, 18};
-    case kQ4_1: return {32, 20};
-    case kQ5_0: return {32, 22};
-    case kQ5_1: return {32, 24};
-    case kQ2_K: return {256, 84};
-    case kQ3_K: return {256, 110};
-    case kQ4_K: return {256, 144};
-    case kQ5_K: return {256, 176};
-    case kQ6_K: return {256, 210};
-    default: TORCH_CHECK(false, "GGML type ", t, " has no tokenloom kernel");
-  }
-  return {0, 0};
+  const TypeTraits& tr = traits(t);
+  return {tr.block_elems, tr.block_bytes};
 }
 
 // ------------------------------------------------------------------------ activation quantization
-// Groups of 32: q = round(x / d), d = max|x| / 127, s = d * sum(q).
+// Groups of 32: q = round(x / d), d = max|x| / 127, s = d * sum(q); bs = the integer sums of q per
+// 16 (what ggml's block_q8_K calls bsums): the Q6_K tile kernel takes its quants unsigned and
+// subtracts 32 * bs, instead of sign-flipping every weight vector.
 
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
@@ -253,7 +318,7 @@ inline float to_f(bf16 x) { return static_cast<float>(x); }
 // id, and vcvtps2dq rounds in the current mode as nearbyint does, so the bytes are identical. The
 // decode step quantizes every linear's input (~4 per layer); the scalar loop was ~1 us of a
 // single-threaded phase per call at SmolLM2's widths.
-inline void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s) {
+inline void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s, int16_t* bs) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j);
@@ -267,25 +332,30 @@ inline void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s) {
   const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
   __m256i i[4];
   for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  // Per 16: (lo, hi) reduced side by side in the two halves of one 128-bit vector.
+  const __m256i lo = _mm256_add_epi32(i[0], i[1]), hi = _mm256_add_epi32(i[2], i[3]);
+  const __m128i lo4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+  const __m128i hi4 = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  __m128i p = _mm_hadd_epi32(lo4, hi4);  // lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3
+  p = _mm_hadd_epi32(p, p);              // lo, hi, lo, hi
+  bs[0] = static_cast<int16_t>(_mm_cvtsi128_si32(p));
+  bs[1] = static_cast<int16_t>(_mm_extract_epi32(p, 1));
+  const int sum = bs[0] + bs[1];
   // packs work within 128-bit lanes: dwords come out as 0 4 1 5 2 6 3 7 of the wanted order.
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   *d = dg;
-  *s = dg * static_cast<float>(_mm_cvtsi128_si32(s4));
+  *s = dg * static_cast<float>(sum);
 }
 #endif
 
 template <typename T>
-void quantize_act(const T* x, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_act(const T* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs) {
 #if TLQ_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (!g_force_scalar) {
-      for (int64_t g = 0; g < K / 32; g++) quantize_group_avx2(x + 32 * g, q + 32 * g, d + g, s + g);
+      for (int64_t g = 0; g < K / 32; g++) quantize_group_avx2(x + 32 * g, q + 32 * g, d + g, s + g, bs + 2 * g);
       return;
     }
   }
@@ -298,14 +368,16 @@ void quantize_act(const T* x, int64_t K, int8_t* q, float* d, float* s) {
     }
     const float dg = amax / 127.0f;
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
+    int half[2] = {0, 0};
     for (int j = 0; j < 32; j++) {
       const int qi = static_cast<int>(std::nearbyint(v[j] * id));
       q[32 * g + j] = static_cast<int8_t>(qi);
-      sum += qi;
+      half[j / 16] += qi;
     }
     d[g] = dg;
-    s[g] = dg * static_cast<float>(sum);
+    s[g] = dg * static_cast<float>(half[0] + half[1]);
+    bs[2 * g] = static_cast<int16_t>(half[0]);
+    bs[2 * g + 1] = static_cast<int16_t>(half[1]);
   }
 }
 
@@ -623,10 +695,11 @@ void linear_avx2_range(const int8_t* q, const float* d, const float* s, int64_t 
 
 #endif
 
-// Activations quantized for the kernels: rows of int8 with per-32 d and s (see quantize_act).
+// Activations quantized for the kernels: rows of int8 with per-32 d and s, per-16 bs (see quantize_act).
 struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int16_t> bs;
   int64_t M = 0, K = 0;
 
   // Sizes the buffers for [M_, K_] without quantizing (the decoder then fills them group by group).
@@ -636,6 +709,7 @@ struct QAct {
     q.resize(M * K);
     d.resize(M * K / 32);
     s.resize(M * K / 32);
+    bs.resize(M * K / 16);
   }
 
   // Quantizes groups [g0, g1) of the flattened [M, K / 32] groups of x (rows ldx apart).
@@ -643,7 +717,7 @@ struct QAct {
     const int64_t G = K / 32;
     for (int64_t i = g0; i < g1; i++) {
       const int64_t m = i / G, g = i % G;
-      quantize_act(x + m * ldx + 32 * g, 32, q.data() + m * K + 32 * g, d.data() + i, s.data() + i);
+      quantize_act(x + m * ldx + 32 * g, 32, q.data() + m * K + 32 * g, d.data() + i, s.data() + i, bs.data() + 2 * i);
     }
   }
 
@@ -655,15 +729,17 @@ struct QAct {
     q.resize(M * K);
     d.resize(M * G);
     s.resize(M * G);
+    bs.resize(M * 2 * G);
     int8_t* qp = q.data();
     float* dp = d.data();
     float* sp = s.data();
+    int16_t* bp = bs.data();
     if (M == 1) {
-      quantize_act(x, K, qp, dp, sp);
+      quantize_act(x, K, qp, dp, sp, bp);
       return;
     }
     at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; r++) quantize_act(x + r * ldx, K, qp + r * K, dp + r * G, sp + r * G);
+      for (int64_t r = b; r < e; r++) quantize_act(x + r * ldx, K, qp + r * K, dp + r * G, sp + r * G, bp + r * 2 * G);
     });
   }
 };
@@ -684,11 +760,8 @@ struct QAct {
 
 // Bytes of one tile group: 8 rows x 32 columns, or 8 rows x 256 columns (one super-block) for the
 // K-quants.
-constexpr int packed_tile_bytes(int t) {
-  return t == kQ4_0 ? 144 : t == kQ4_1 ? 160 : t == kQ5_0 ? 176 : t == kQ5_1 ? 192 : t == kQ8_0 ? 272
-       : t == kQ4_K ? 1184 : t == kQ6_K ? 1680 : 0;
-}
-constexpr int packed_group_elems(int t) { return t == kQ4_K || t == kQ6_K ? 256 : 32; }
+constexpr int packed_tile_bytes(int t) { return find_traits(t) ? find_traits(t)->tile_bytes : 0; }
+constexpr int packed_group_elems(int t) { return find_traits(t) ? find_traits(t)->tile_elems : 32; }
 inline int64_t packed_row_bytes(int t, int64_t K) { return K / packed_group_elems(t) * packed_tile_bytes(t); }
 constexpr bool packed_has_min(int t) { return t == kQ4_1 || t == kQ5_1; }
 constexpr bool packed_five_bit(int t) { return t == kQ5_0 || t == kQ5_1; }
@@ -826,6 +899,11 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 constexpr int kPrefetchGroups = 8;
+// Q4_K / Q6_K: super-block tiles (1,184 / 1,680 bytes) ahead.
+#ifndef TLQ_PREFETCH_TILES_K
+#define TLQ_PREFETCH_TILES_K 1
+#endif
+constexpr int kPrefetchTilesK = TLQ_PREFETCH_TILES_K;
 
 // The 8 nibble vectors of 128 bytes in the Q4 lane layout: w[v] holds elements 4v..4v+3 of each row.
 inline void load_nibbles(const uint8_t* v, __m256i* w) {
@@ -950,46 +1028,77 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
 }
 
 // Q4_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
+//
+// As ggml's Q4_K x Q8_K dot, a group's integer sum is scaled by the row's integer sub-block scale in
+// int32 on AVX2 (vpmaddwd with the scale as the multiplier instead of ones; with VNNI the scale is a
+// float, vpmulld measured 2 % slower at four rows), and the
+// super-block's d / dmin multiply once per 256 columns: per group and activation row one int ->
+// float conversion and one FMA with the activation's per-32 scale remain (ggml has none, its
+// activations carrying one scale per 256; ours keep one per 32, see docs/performance.md "Greedy
+// agreement with llama.cpp"). Q6_K takes its quants unsigned (0..63) and subtracts 32 * (the
+// activation's per-16 sum) per sub-block, instead of sign-flipping all eight vectors of a group
+// and its activations per row. Both give exactly the integers the sign-trick form gave: the
+// products isum * scale stay below 2^24 (Q4_K: 32 * 15 * 127 * 63; Q6_K: 2 * 16 * 32 * 127 * 128),
+// so even their float conversion is exact.
 template <int T, int MT>
 inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* xq, const float* const* xd,
-                          const float* const* xs, __m256* res) {
+                          const float* const* xs, const int16_t* const* xb, __m256* res) {
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
-  const __m256i one = _mm256_set1_epi16(1);
   for (int64_t sb = 0; sb < NS; sb++) {
     const uint8_t* p = tile + sb * TB;
-    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + TB + o), _MM_HINT_T0);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchTilesK * TB + o), _MM_HINT_T0);
+    __m256 sacc[MT], macc[MT];  // this super-block's sums before d (and, Q4_K, before dmin)
+    for (int m = 0; m < MT; m++) sacc[m] = macc[m] = _mm256_setzero_ps();
     if constexpr (T == kQ4_K) {
-      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;  // activation group
         auto bytes8 = [&](int off) {
-          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * g))));
+          return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * g)));
         };
-        const __m256 scale = _mm256_mul_ps(dv, bytes8(kK4Scales)), mins = _mm256_mul_ps(mv, bytes8(kK4Mins));
+        const __m256i sc = bytes8(kK4Scales);
+        const __m256 mn = _mm256_cvtepi32_ps(bytes8(kK4Mins));
+#if TLQ_VNNI
+        const __m256 scf = _mm256_cvtepi32_ps(sc);  // vpmulld per row would cost two uops where this is one
+#else
+        const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // the scale in both int16 halves
+#endif
         __m256i w[8];
         load_nibbles(p + kK4Quants + 128 * g, w);
         for (int m = 0; m < MT; m++) {
-          const __m256i sum = dot_u4(w, xq[m] + 32 * gi);
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(xd[m][gi])), acc[m]);
-          accb[m] = _mm256_fnmadd_ps(mins, _mm256_set1_ps(xs[m][gi]), accb[m]);  // - dmin * min * s_x
+          const int8_t* x = xq[m] + 32 * gi;
+#if TLQ_VNNI
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(w, x)), _mm256_mul_ps(scf, _mm256_set1_ps(xd[m][gi])),
+                                    sacc[m]);
+#else
+          // int16 sums of eight vpmaddubsw stay below 8 * 2 * 15 * 127 = 30480 (see dot_u4).
+          __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+          for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+          const __m256i isum = _mm256_madd_epi16(s16, sc16);
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[m][gi]), sacc[m]);
+#endif
+          macc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][gi]), macc[m]);
         }
       }
-    } else {  // Q6_K: signed quants q - 32 (|q - 32| <= 32), two scales per group (16 columns each)
-      const __m256i m3 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      for (int m = 0; m < MT; m++) {
+        acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
+        accb[m] = _mm256_fnmadd_ps(macc[m], mv, accb[m]);  // - dmin * sum(min * s_x)
+      }
+    } else {  // Q6_K: quants q in 0..63 (the value is q - 32), two scales per group (16 columns each)
+      const __m256i m3 = _mm256_set1_epi8(0x30);
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;
         const uint8_t* v = p + kK6Groups + kK6GroupBytes * g;
         auto scale8 = [&](int sub) {
-          return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)))));
+          return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)));
         };
-        const __m256 sc_lo = scale8(2 * g), sc_hi = scale8(2 * g + 1);
+        const __m256i sc_lo = scale8(2 * g), sc_hi = scale8(2 * g + 1);
         const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
         const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
-        __m256i w[8], wa[8];
+        __m256i w[8];
         load_nibbles(v, w);
         // High pair of vector vv at bits 2 vv: moved to bits 4-5.
         w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
@@ -1000,35 +1109,41 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m3));
         w[6] = _mm256_or_si256(w[6], _mm256_and_si256(h1, m3));
         w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m3));
-        for (int j = 0; j < 8; j++) {
-          w[j] = _mm256_sub_epi8(w[j], c32);
-          wa[j] = _mm256_sign_epi8(w[j], w[j]);
-        }
+#if !TLQ_VNNI
+        // The signed scale in both int16 halves of its lane (a blend: an OR would keep the sign bits).
+        const __m256i sc16_lo = _mm256_blend_epi16(sc_lo, _mm256_slli_epi32(sc_lo, 16), 0xAA);
+        const __m256i sc16_hi = _mm256_blend_epi16(sc_hi, _mm256_slli_epi32(sc_hi, 16), 0xAA);
+#endif
         for (int m = 0; m < MT; m++) {
           const int8_t* x = xq[m] + 32 * gi;
-          const __m256 dx = _mm256_set1_ps(xd[m][gi]);
+          const int bs_lo = xb[m][2 * gi], bs_hi = xb[m][2 * gi + 1];
 #if TLQ_VNNI
-          __m256i lo = dpbusd(_mm256_setzero_si256(), wa[0], _mm256_sign_epi8(bcast4(x), w[0]));
-          __m256i hi = dpbusd(_mm256_setzero_si256(), wa[4], _mm256_sign_epi8(bcast4(x + 16), w[4]));
+          __m256i lo = dpbusd(_mm256_setzero_si256(), w[0], bcast4(x));
+          __m256i hi = dpbusd(_mm256_setzero_si256(), w[4], bcast4(x + 16));
           for (int j = 1; j < 4; j++) {
-            lo = dpbusd(lo, wa[j], _mm256_sign_epi8(bcast4(x + 4 * j), w[j]));
-            hi = dpbusd(hi, wa[4 + j], _mm256_sign_epi8(bcast4(x + 16 + 4 * j), w[4 + j]));
+            lo = dpbusd(lo, w[j], bcast4(x + 4 * j));
+            hi = dpbusd(hi, w[4 + j], bcast4(x + 16 + 4 * j));
           }
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sc_lo, dx), acc[m]);
-          accb[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sc_hi, dx), accb[m]);
+          lo = _mm256_mullo_epi32(_mm256_sub_epi32(lo, _mm256_set1_epi32(32 * bs_lo)), sc_lo);
+          hi = _mm256_mullo_epi32(_mm256_sub_epi32(hi, _mm256_set1_epi32(32 * bs_hi)), sc_hi);
 #else
-          // Four |w| * x products per int16 lane: at most 4 * 2 * 32 * 127 = 32512.
-          __m256i lo = _mm256_maddubs_epi16(wa[0], _mm256_sign_epi8(bcast4(x), w[0]));
-          __m256i hi = _mm256_maddubs_epi16(wa[4], _mm256_sign_epi8(bcast4(x + 16), w[4]));
-          for (int j = 1; j < 4; j++) {
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(bcast4(x + 4 * j), w[j])));
-            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(wa[4 + j], _mm256_sign_epi8(bcast4(x + 16 + 4 * j), w[4 + j])));
-          }
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(lo, one)), _mm256_mul_ps(sc_lo, dx), acc[m]);
-          accb[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(hi, one)), _mm256_mul_ps(sc_hi, dx), accb[m]);
+          // Two u8 (<= 63) x s8 products per int16 lane, two such summed: <= 4 * 63 * 127 = 32004.
+          auto pair = [&](int j) {
+            return _mm256_add_epi16(_mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)),
+                                    _mm256_maddubs_epi16(w[j + 1], bcast4(x + 4 * j + 4)));
+          };
+          // sc * sum(q x) - sc * 32 * bs: the second as vpmaddwd of sc in both halves with 16 * bs
+          // (|16 * bs| <= 16 * 16 * 127 = 32512 fits int16).
+          __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(pair(0), sc16_lo), _mm256_madd_epi16(pair(2), sc16_lo));
+          __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(pair(4), sc16_hi), _mm256_madd_epi16(pair(6), sc16_hi));
+          lo = _mm256_sub_epi32(lo, _mm256_madd_epi16(sc16_lo, _mm256_set1_epi16(static_cast<short>(16 * bs_lo))));
+          hi = _mm256_sub_epi32(hi, _mm256_madd_epi16(sc16_hi, _mm256_set1_epi16(static_cast<short>(16 * bs_hi))));
 #endif
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(xd[m][gi]), sacc[m]);
         }
       }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
     }
   }
   for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
@@ -1047,18 +1162,20 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
       const int8_t* xq[4];
       const float* xd[4];
       const float* xs[4];
+      const int16_t* xb[4];
       for (int i = 0; i < mt; i++) {
         xq[i] = a.q.data() + (m0 + i) * K;
         xd[i] = a.d.data() + (m0 + i) * G;
         xs[i] = a.s.data() + (m0 + i) * G;
+        xb[i] = a.bs.data() + (m0 + i) * 2 * G;
       }
       __m256 r[4];
       if constexpr (packed_group_elems(T) == 256) {
         switch (mt) {
-          case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xs, r); break;
-          case 2: packed_tile_k<T, 2>(tp, NG, xq, xd, xs, r); break;
-          case 3: packed_tile_k<T, 3>(tp, NG, xq, xd, xs, r); break;
-          default: packed_tile_k<T, 4>(tp, NG, xq, xd, xs, r); break;
+          case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xs, xb, r); break;
+          case 2: packed_tile_k<T, 2>(tp, NG, xq, xd, xs, xb, r); break;
+          case 3: packed_tile_k<T, 3>(tp, NG, xq, xd, xs, xb, r); break;
+          default: packed_tile_k<T, 4>(tp, NG, xq, xd, xs, xb, r); break;
         }
       } else {
         switch (mt) {
@@ -1080,28 +1197,21 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
 
 #endif
 
+#if TLQ_AVX2
+template <int T>
+void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out, int64_t ldo,
+                int64_t n0, int64_t n1) {
+  linear_avx2_range<T>(a.q.data(), a.d.data(), a.s.data(), a.M, a.K, w, row_bytes, bias, out, ldo, n0, n1);
+}
+#endif
+
 // Rows [n0, n1) of out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W of GGML type t (raw blocks,
 // row_bytes per row): one thread's share (run_quantized splits the rows; the decoder splits them itself).
 void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                          int64_t ldo, int64_t n0, int64_t n1) {
   const int64_t M = a.M, K = a.K, G = K / 32;
-#if TLQ_AVX2
-  if (!g_force_scalar) {
-    switch (t) {
-      case kQ8_0: return linear_avx2_range<kQ8_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_0: return linear_avx2_range<kQ4_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_1: return linear_avx2_range<kQ4_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_0: return linear_avx2_range<kQ5_0>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_1: return linear_avx2_range<kQ5_1>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ2_K: return linear_avx2_range<kQ2_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ3_K: return linear_avx2_range<kQ3_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ4_K: return linear_avx2_range<kQ4_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ5_K: return linear_avx2_range<kQ5_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      case kQ6_K: return linear_avx2_range<kQ6_K>(a.q.data(), a.d.data(), a.s.data(), M, K, w, row_bytes, bias, out, ldo, n0, n1);
-      default: break;
-    }
-  }
-#endif
+  const RowKernel simd = traits(t).rows;
+  if (simd && !g_force_scalar) return simd(a, w, row_bytes, bias, out, ldo, n0, n1);
   std::vector<float> buf(256);
   for (int64_t n = n0; n < n1; n++)
     for (int64_t m = 0; m < M; m++) {
@@ -1250,20 +1360,8 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
 // back row by row.
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1) {
-#if TLQ_AVX2
-  if (!g_force_scalar) {
-    switch (t) {
-      case kQ8_0: return linear_packed_range<kQ8_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_0: return linear_packed_range<kQ4_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_1: return linear_packed_range<kQ4_1>(a, pw, bias, out, ldo, t0, t1);
-      case kQ5_0: return linear_packed_range<kQ5_0>(a, pw, bias, out, ldo, t0, t1);
-      case kQ5_1: return linear_packed_range<kQ5_1>(a, pw, bias, out, ldo, t0, t1);
-      case kQ4_K: return linear_packed_range<kQ4_K>(a, pw, bias, out, ldo, t0, t1);
-      case kQ6_K: return linear_packed_range<kQ6_K>(a, pw, bias, out, ldo, t0, t1);
-      default: break;
-    }
-  }
-#endif
+  const TileKernel simd = traits(t).tile;
+  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1);
   const int64_t K = a.K, G = K / 32;
   if (packed_group_elems(t) == 256) {  // K-quants: the tile's rows dequantized, dot_row_scalar's sums
     const int64_t NS = K / 256;
@@ -1607,28 +1705,16 @@ void gguf_gemm_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw,
   const uint8_t* w = pw.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
+  const TileKernel gemm = traits(t).gemm;
   at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-#if TLQ_AVX2
-    if (!g_force_scalar) {
-      switch (t) {
-        case kQ8_0: return gemm_packed_range<kQ8_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_0: return gemm_packed_range<kQ4_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_1: return gemm_packed_range<kQ4_1>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ5_0: return gemm_packed_range<kQ5_0>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ5_1: return gemm_packed_range<kQ5_1>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ4_K: return gemm_packed_range<kQ4_K>(act, w, b_ptr, o, ldo, t0, t1);
-        case kQ6_K: return gemm_packed_range<kQ6_K>(act, w, b_ptr, o, ldo, t0, t1);
-        default: break;
-      }
-    }
-#endif
+    if (gemm && !g_force_scalar) return gemm(act, w, b_ptr, o, ldo, t0, t1);
     run_packed_range(t, act, w, b_ptr, o, ldo, t0, t1);
   });
 }
 
-// (q int8 [M, K], d [M, K / 32], s [M, K / 32]): x float [M, K] quantized as the kernels see it (tests
-// hold the SIMD quantizer to the plain loop byte for byte).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
+// (q int8 [M, K], d [M, K / 32], s [M, K / 32], bs int16 [M, K / 16]): x float [M, K] quantized as the
+// kernels see it (tests hold the SIMD quantizer to the plain loop byte for byte).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "x must be contiguous float [M, K] with K a multiple of 32");
   QAct a;
@@ -1639,7 +1725,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tenso
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
   std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * sizeof(float));
   std::memcpy(s.data_ptr<float>(), a.s.data(), a.s.size() * sizeof(float));
-  return {q, d, s};
+  at::Tensor bs = at::empty({M, 2 * G}, x.options().dtype(at::kShort));
+  std::memcpy(bs.data_ptr<int16_t>(), a.bs.data(), a.bs.size() * sizeof(int16_t));
+  return {q, d, s, bs};
 }
 
 // out [M, N] (float or bf16, rows may be strided) = x [M, K] @ W.T + bias.
