@@ -80,7 +80,7 @@ def _check_against_one_rank(llm: LLM, one_rank) -> dict[str, int]:
 
     def counted(so, non_block=False):
         nonlocal steps
-        steps += 1
+        steps += so.total_num_scheduled_tokens > 0  # PP's batch queue also runs empty steps: no forward
         return step(so, non_block)
 
     executor.execute_model = counted
@@ -111,6 +111,31 @@ def test_pp2_gives_one_rank_tokens_and_logits(tiny_dir, one_rank):
         llm.llm_engine.close()
     assert counts["pp_send"] == [counts["steps"], 0] and counts["pp_recv"] == [0, counts["steps"]]
     assert counts["all_reduce"] == [0, 0]
+
+
+def test_pp2_keeps_two_batches_in_flight_with_one_rank_tokens(tiny_dir):
+    """vLLM's batch queue with max_concurrent_batches = 2 stages: a small token budget splits six
+    requests into micro-batches; the last stage is slowed so that the first stage finishing the next
+    batch before the last finished this one is counted, not timed. Tokens equal one rank's with the
+    same budget, and every KV block comes back."""
+    kw = {**KW, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    prompts = PROMPTS + [[5 + j for j in range(9)], [300 - j for j in range(6)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tiny_dir), **kw)
+    reference = _tokens(llm, prompts, params)
+    llm.llm_engine.close()
+    llm = LLM(str(tiny_dir), pipeline_parallel_size=2, **kw)
+    try:
+        executor = llm.llm_engine.executor
+        assert executor.max_concurrent_batches == 2 and llm.llm_engine.engine_core.batch_queue_size == 2
+        executor.collective_rpc("set_step_delay", {executor.output_rank: 0.1})
+        assert _tokens(llm, prompts, params) == reference
+        assert executor.max_steps_in_flight == 2
+        assert executor.pipeline_overlaps >= 2, executor.pipeline_overlaps
+        pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks
+    finally:
+        llm.llm_engine.close()
 
 
 def test_tp4_replicates_kv_heads_and_gloo_gives_the_same_tokens(tiny_dir, one_rank, monkeypatch):

@@ -538,9 +538,9 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        if self.runner is None and self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+        if self.runner is None and self.scheduler_config.async_scheduling != self.executor.async_scheduling:
             raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
-        if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+        elif self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
             # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
             # in both modes (sync steps run there one at a time); one built sync moves the runner into
             # a worker thread of the executor's own, which then has a second OpenMP team (slower
@@ -619,7 +619,8 @@ def check_model_parallel(config: EngineConfig) -> None:
         sched = config.scheduler
         if sched is not None and sched.async_scheduling:
             raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with --async-scheduling yet: the "
-                              "pipeline runs one batch at a time (docs/parallelism.md); use tensor parallelism")
+                              "pipeline keeps its own batches in flight, one per stage, each with other requests "
+                              "(docs/parallelism.md); async scheduling runs with tensor parallelism")
         if config.speculative_config is not None:
             raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with speculative decoding yet (the "
                               "drafts are proposed on the last stage only); use tensor parallelism")
