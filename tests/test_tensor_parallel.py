@@ -21,7 +21,7 @@ import torch
 
 from tests.tiny_models import TINY_LAYERS, make_tiny_hf_model, write_gguf_from_hf
 from tokenloom import LLM, SamplingParams
-from tokenloom.config import ConfigError, ParallelConfig
+from tokenloom.config import ConfigError
 from tokenloom.distributed.shm_communicator import ShmCommunicator
 from tokenloom.engine.executor import ExecutorDeadError
 from tokenloom.engine.multiproc_executor import rank_cpus
@@ -254,8 +254,6 @@ def test_refusals_are_clear_before_loading(tiny_dir):
     with pytest.raises(ConfigError, match="speculative decoding"):
         LLM(str(tiny_dir), pipeline_parallel_size=2, speculative_config={"method": "ngram",
                                                                           "num_speculative_tokens": 2}, **KW)
-    with pytest.raises(ConfigError, match="several Ray nodes"):
-        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ConfigError, match="exceeds the model's 2 layers"):
         LLM(str(tiny_dir), pipeline_parallel_size=3, **KW)
     # This session's LoRA, KV connectors and int8 KV are not built into the worker processes: refused by name.

@@ -69,7 +69,9 @@ class LLMEngine:
         from tokenloom.model.tokenizer import load_tokenizer
 
         parallel = config.parallel
-        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+        # The Ray backend places engine cores (LLM, serve) and, inside one, its TP/PP ranks (this engine).
+        if parallel is not None and (parallel.data_parallel_size > 1 or (parallel.distributed_executor_backend == "ray"
+                                                                         and parallel.model_parallel_size == 1)):
             raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
                               "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         check_async_scheduling(config)
@@ -628,8 +630,10 @@ def check_model_parallel(config: EngineConfig) -> None:
 
 def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device: Any, sched_cfg: SchedulerConfig,
                              **runner_kwargs: Any) -> Any:
-    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes."""
+    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes (the
+    RayExecutor's Ray actors with --distributed-executor-backend ray)."""
     from tokenloom.engine.multiproc_executor import MultiprocExecutor
+    from tokenloom.engine.ray_executor import RayExecutor
     from tokenloom.engine.worker import WorkerInit
 
     parallel = config.parallel
@@ -643,7 +647,8 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
                         speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
                         log_level=logging.getLevelName(logger.getEffectiveLevel()))
              for r in range(parallel.model_parallel_size)]
-    return MultiprocExecutor(inits, async_scheduling=sched_cfg.async_scheduling)
+    executor_class = RayExecutor if parallel.distributed_executor_backend == "ray" else MultiprocExecutor
+    return executor_class(inits, async_scheduling=sched_cfg.async_scheduling)
 
 
 def check_speculative_engine(config: EngineConfig) -> None:

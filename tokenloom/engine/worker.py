@@ -139,7 +139,11 @@ class Worker:
     def info(self) -> dict[str, Any]:
         import torch
 
+        from tokenloom.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
         return {"rank": self.init.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "all_reduce": "none" if tp.world_size == 1 else "shared memory" if tp.shm is not None else "gloo",
                 "cpus": sorted(os.sched_getaffinity(0)), "weight_bytes": self.runner.model.weight_bytes(),
                 "num_kv_heads": self.runner.model.num_kv_heads, "num_layers": len(self.runner.model.layers)}
 
