@@ -231,14 +231,29 @@ def test_tp2_combines_with_async_scheduling_speculation_and_structured_outputs(t
 
 
 @pytest.mark.allow_leaks  # the dead engine keeps the request it could not run
-def test_a_killed_rank_ends_the_engine_not_hangs_it(tiny_dir):
-    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **KW)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16, "max_num_seqs": 4}],
+                         ids=["tp2", "pp2-two-batches-in-flight"])
+def test_a_killed_rank_ends_the_engine_not_hangs_it(tiny_dir, layout):
+    """TP: killed before the step; PP: killed mid-run, at the fourth step, with micro-batches in flight."""
+    llm = LLM(str(tiny_dir), **layout, **KW)
     executor = llm.llm_engine.executor
     pids = [i["pid"] for i in executor.worker_info]
-    os.kill(pids[1], signal.SIGKILL)
+    kill_at = 4 if "pipeline_parallel_size" in layout else 1
+    step, steps = executor.execute_model, 0
+
+    def kill_rank_1(so, non_block=False):
+        nonlocal steps
+        steps += 1
+        if steps == kill_at:
+            os.kill(pids[1], signal.SIGKILL)
+        return step(so, non_block)
+
+    executor.execute_model = kill_rank_1
     t0 = time.monotonic()
     with pytest.raises(ExecutorDeadError, match="worker rank 1"):
-        _tokens(llm, PROMPTS[:1])
+        _tokens(llm, PROMPTS if kill_at > 1 else PROMPTS[:1])
+    assert steps >= kill_at
     assert time.monotonic() - t0 < 30
     assert all(p.poll() is not None for p in executor.procs)  # the other rank is stopped too
     with pytest.raises(ExecutorDeadError):  # and the engine stays dead
