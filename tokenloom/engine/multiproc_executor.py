@@ -1,5 +1,5 @@
 """MultiprocExecutor: tensor / pipeline-parallel ranks as worker processes on this node (vLLM's
-v1/executor/multiproc_executor.py).
+v1/executor/multiproc_executor.py); the RayExecutor (ray_executor.py) places the same ranks as Ray actors.
 
 The executor starts `tensor_parallel_size x pipeline_parallel_size` workers
 (tokenloom/engine/worker.py), each a fresh interpreter that connects back over an authenticated
@@ -20,8 +20,12 @@ server's engine-core process exits and `/health` answers 503), and the other wor
 nothing waits on a collective that will never complete. Waiting polls the workers' processes every
 half second, so a death is seen within a second, never a hang.
 
-Pipeline parallel runs one batch at a time (max_concurrent_batches 1; with --async-scheduling
-tensor parallel keeps 2 in flight as the UniProcExecutor does): docs/parallelism.md says why.
+Steps in flight: `max_concurrent_batches` is the number of pipeline stages (vLLM's: the engine core's
+batch queue keeps one micro-batch per stage), else 2 with --async-scheduling, else 1. A step is sent to
+every worker when it is scheduled; the answers are gathered in send order on one thread (the step's
+future), reading any worker's answer as soon as it is there, so a stage that is ahead is never held up.
+Under PP the earlier stages get the last stage's sampled tokens with the next step sent to them
+(docs/parallelism.md "Pipeline parallel").
 """
 
 from __future__ import annotations

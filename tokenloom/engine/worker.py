@@ -4,7 +4,8 @@ its KV cache (vLLM's v1/worker/cpu_worker.py with its WorkerProc loop).
 Started by the MultiprocExecutor (tokenloom/engine/multiproc_executor.py) as
 `python -m tokenloom.engine.worker HOST:PORT AUTHKEY RANK`: a fresh interpreter (no forked torch
 threads), started with subprocess so that an engine core that is itself a daemon process may start
-it. It connects back to the executor, receives its `WorkerInit`, pins itself to its cores, joins the
+it (a Ray actor of the RayExecutor runs the same loop, `serve`, in its own process). It connects back
+to the executor, says where it runs, receives its `WorkerInit`, pins itself to its cores, joins the
 process groups (gloo, tokenloom/distributed), loads the checkpoint, keeps its cut
 (tokenloom/model/tp_shard.py), builds a ModelRunner over it, and then runs what the executor sends:
 `("execute_model", (scheduler_output,))` every step, in the same order on every rank, so that every
