@@ -228,7 +228,12 @@ class MultiprocExecutor(Executor):
 
     def _read_ready(self, timeout_s: float) -> bool:
         """Read every answer that is waiting, from any worker, into its rank's queue (one wait round)."""
-        ready = wait(self.conns, timeout=timeout_s)
+        try:
+            ready = wait(self.conns, timeout=timeout_s)
+        except (OSError, ValueError):  # the connections were closed: another thread found the executor dead
+            if self._dead is not None:
+                raise ExecutorDeadError(self._dead) from None
+            raise
         self._round += 1
         for conn in ready:
             rank = self.conns.index(conn)  # type: ignore[arg-type]
