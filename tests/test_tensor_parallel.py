@@ -127,6 +127,8 @@ def test_pp2_keeps_two_batches_in_flight_with_one_rank_tokens(tiny_dir):
     llm = LLM(str(tiny_dir), pipeline_parallel_size=2, **kw)
     try:
         executor = llm.llm_engine.executor
+        llm.llm_engine.reset_scheduler()  # keeps the workers and their batch queue (benchmarks reset it)
+        assert llm.llm_engine.executor is executor
         assert executor.max_concurrent_batches == 2 and llm.llm_engine.engine_core.batch_queue_size == 2
         executor.collective_rpc("set_step_delay", {executor.output_rank: 0.1})
         assert _tokens(llm, prompts, params) == reference

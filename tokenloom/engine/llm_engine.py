@@ -540,8 +540,9 @@ class LLMEngine:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        if self.runner is None and self.scheduler_config.async_scheduling != self.executor.async_scheduling:
-            raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
+        if self.runner is None:  # worker processes (TP/PP): their executor's batch queue stays as built
+            if self.scheduler_config.async_scheduling != self.executor.async_scheduling:
+                raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
         elif self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
             # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
             # in both modes (sync steps run there one at a time); one built sync moves the runner into
