@@ -1,8 +1,10 @@
 """Pipeline parallel with M batches in flight (vLLM's batch queue) against one batch at a time.
 
-One PP engine (the default model unless told); `--max-num-seqs` below the number of requests makes the
-scheduler split them into micro-batches (vLLM's scheduler puts every request that fits into one step,
-so with all of them fitting the second batch in flight would be empty). Rounds alternate the engine
+One PP engine (the default model unless told). vLLM's scheduler puts every request that fits into
+one step and never schedules a request with a step in flight, so micro-batches form only when the
+requests start in different steps: the default token budget prefills 1 / pp of the requests per step,
+so they start in pp groups that then decode in alternate steps (with the budget above all prompts, the
+second batch in flight would be empty). Rounds alternate the engine
 core's batch queue between the pipeline's depth (the default) and 1 (each step waits for the last
 stage before the next is scheduled: tokenloom before issue 37's batch queue), so the machine's load
 hits both alike. Prints medians of output tokens/s, and the executor's counts: steps in flight at once
@@ -40,19 +42,23 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=2)
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--max-num-seqs", type=int, default=4, help="requests per micro-batch at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: the prompts' tokens / pp (one group of requests prefilled per step)")
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens per request")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args()
-    kw = dict(max_model_len=512, kv_cache_memory=256 << 20, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=max(512, args.max_num_seqs))
+    prompt_len = 32
+    budget = args.max_num_batched_tokens or max(args.requests,
+                                                prompt_len * args.requests // args.pipeline_parallel_size)
+    kw = dict(max_model_len=512, kv_cache_memory=256 << 20, max_num_seqs=args.requests,
+              max_num_batched_tokens=budget)
     if args.quantization:
         kw["quantization"] = args.quantization
     llm = LLM(args.model, pipeline_parallel_size=args.pipeline_parallel_size, **kw)
     core, executor = llm.llm_engine.engine_core, llm.llm_engine.executor
     depth = core.batch_queue_size
-    prompts = [[1 + (i * 37 + j * 101) % 1000 for i in range(32)] for j in range(args.requests)]
+    prompts = [[1 + (i * 37 + j * 101) % 1000 for i in range(prompt_len)] for j in range(args.requests)]
     _run(llm, prompts[:2], 4)  # warm-up
     results: dict[str, list[float]] = {f"{depth} in flight": [], "1 in flight": []}
     overlaps = {name: 0 for name in results}
@@ -66,7 +72,7 @@ def main() -> None:
     llm.llm_engine.close()
     summary = {
         "pipeline_parallel_size": args.pipeline_parallel_size, "requests": args.requests,
-        "max_num_seqs": args.max_num_seqs, "tokens": args.tokens, "rounds": args.rounds,
+        "max_num_batched_tokens": budget, "tokens": args.tokens, "rounds": args.rounds,
         "load_average": os.getloadavg(),
         "tok_per_s_median": {k: statistics.median(v) for k, v in results.items()},
         "tok_per_s_rounds": results, "first_stage_ahead_overlaps": overlaps,
