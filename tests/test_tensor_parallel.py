@@ -21,7 +21,7 @@ import torch
 
 from tests.tiny_models import TINY_LAYERS, make_tiny_hf_model, write_gguf_from_hf
 from tokenloom import LLM, SamplingParams
-from tokenloom.config import ConfigError, ParallelConfig
+from tokenloom.config import ConfigError
 from tokenloom.distributed.shm_communicator import ShmCommunicator
 from tokenloom.engine.executor import ExecutorDeadError
 from tokenloom.engine.multiproc_executor import rank_cpus
@@ -80,7 +80,7 @@ def _check_against_one_rank(llm: LLM, one_rank) -> dict[str, int]:
 
     def counted(so, non_block=False):
         nonlocal steps
-        steps += 1
+        steps += so.total_num_scheduled_tokens > 0  # PP's batch queue also runs empty steps: no forward
         return step(so, non_block)
 
     executor.execute_model = counted
@@ -111,6 +111,33 @@ def test_pp2_gives_one_rank_tokens_and_logits(tiny_dir, one_rank):
         llm.llm_engine.close()
     assert counts["pp_send"] == [counts["steps"], 0] and counts["pp_recv"] == [0, counts["steps"]]
     assert counts["all_reduce"] == [0, 0]
+
+
+def test_pp2_keeps_two_batches_in_flight_with_one_rank_tokens(tiny_dir):
+    """vLLM's batch queue with max_concurrent_batches = 2 stages: a small token budget splits six
+    requests into micro-batches; the last stage is slowed so that the first stage finishing the next
+    batch before the last finished this one is counted, not timed. Tokens equal one rank's with the
+    same budget, and every KV block comes back."""
+    kw = {**KW, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    prompts = PROMPTS + [[5 + j for j in range(9)], [300 - j for j in range(6)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tiny_dir), **kw)
+    reference = _tokens(llm, prompts, params)
+    llm.llm_engine.close()
+    llm = LLM(str(tiny_dir), pipeline_parallel_size=2, **kw)
+    try:
+        executor = llm.llm_engine.executor
+        llm.llm_engine.reset_scheduler()  # keeps the workers and their batch queue (benchmarks reset it)
+        assert llm.llm_engine.executor is executor
+        assert executor.max_concurrent_batches == 2 and llm.llm_engine.engine_core.batch_queue_size == 2
+        executor.collective_rpc("set_step_delay", {executor.output_rank: 0.1})
+        assert _tokens(llm, prompts, params) == reference
+        assert executor.max_steps_in_flight == 2
+        assert executor.pipeline_overlaps >= 2, executor.pipeline_overlaps
+        pool = llm.llm_engine.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks
+    finally:
+        llm.llm_engine.close()
 
 
 def test_tp4_replicates_kv_heads_and_gloo_gives_the_same_tokens(tiny_dir, one_rank, monkeypatch):
@@ -206,14 +233,29 @@ def test_tp2_combines_with_async_scheduling_speculation_and_structured_outputs(t
 
 
 @pytest.mark.allow_leaks  # the dead engine keeps the request it could not run
-def test_a_killed_rank_ends_the_engine_not_hangs_it(tiny_dir):
-    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **KW)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2, "max_num_batched_tokens": 16, "max_num_seqs": 4}],
+                         ids=["tp2", "pp2-two-batches-in-flight"])
+def test_a_killed_rank_ends_the_engine_not_hangs_it(tiny_dir, layout):
+    """TP: killed before the step; PP: killed mid-run, at the fourth step, with micro-batches in flight."""
+    llm = LLM(str(tiny_dir), **layout, **KW)
     executor = llm.llm_engine.executor
     pids = [i["pid"] for i in executor.worker_info]
-    os.kill(pids[1], signal.SIGKILL)
+    kill_at = 4 if "pipeline_parallel_size" in layout else 1
+    step, steps = executor.execute_model, 0
+
+    def kill_rank_1(so, non_block=False):
+        nonlocal steps
+        steps += 1
+        if steps == kill_at:
+            os.kill(pids[1], signal.SIGKILL)
+        return step(so, non_block)
+
+    executor.execute_model = kill_rank_1
     t0 = time.monotonic()
     with pytest.raises(ExecutorDeadError, match="worker rank 1"):
-        _tokens(llm, PROMPTS[:1])
+        _tokens(llm, PROMPTS if kill_at > 1 else PROMPTS[:1])
+    assert steps >= kill_at
     assert time.monotonic() - t0 < 30
     assert all(p.poll() is not None for p in executor.procs)  # the other rank is stopped too
     with pytest.raises(ExecutorDeadError):  # and the engine stays dead
@@ -229,8 +271,6 @@ def test_refusals_are_clear_before_loading(tiny_dir):
     with pytest.raises(ConfigError, match="speculative decoding"):
         LLM(str(tiny_dir), pipeline_parallel_size=2, speculative_config={"method": "ngram",
                                                                           "num_speculative_tokens": 2}, **KW)
-    with pytest.raises(ConfigError, match="several Ray nodes"):
-        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ConfigError, match="exceeds the model's 2 layers"):
         LLM(str(tiny_dir), pipeline_parallel_size=3, **KW)
     # This session's LoRA, KV connectors and int8 KV are not built into the worker processes: refused by name.

@@ -473,8 +473,9 @@ class ParallelConfig:
         1, "engine cores (each its own scheduler, KV cache and runner) under one API server; the machine's "
         "cores are split between them and KV options apply per engine", reload=True)
     distributed_executor_backend: ExecutorBackend = knob(
-        "mp", "how engine cores are started: mp = local processes, ray = Ray actors in a placement group "
-        "(pip install 'tokenloom[ray]'; joins RAY_ADDRESS or a local cluster)", simulated=False, reload=True)
+        "mp", "how engine cores and their tensor/pipeline ranks are started: mp = local processes, ray = Ray "
+        "actors in placement groups, on any node of the cluster (pip install 'tokenloom[ray]'; joins RAY_ADDRESS "
+        "or a local cluster)", simulated=False, reload=True)
     routing_policy: RoutingPolicy = knob(
         "cache_aware", "which engine gets a request: round_robin, least_load (vLLM's DP balancer), "
         "power_of_two, cache_aware (SGLang's: longest cached prefix unless the engines are imbalanced)",
@@ -520,10 +521,6 @@ class ParallelConfig:
                               f"engine among data_parallel_size={self.data_parallel_size} (it must be smaller)")
         if self.data_parallel_prefill_engines and self.distributed_executor_backend == "ray":
             raise ConfigError("data_parallel_prefill_engines runs with --distributed-executor-backend mp only")
-        if self.model_parallel_size > 1 and self.distributed_executor_backend == "ray":
-            raise ConfigError(
-                "tensor/pipeline parallelism runs its ranks as worker processes on the engine's node "
-                "(--distributed-executor-backend mp); ranks on several Ray nodes are not implemented yet")
 
     @property
     def model_parallel_size(self) -> int:
@@ -535,7 +532,8 @@ class ParallelConfig:
         if self.model_parallel_size == 1:
             return None
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              pipeline_parallel_size=self.pipeline_parallel_size)
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              distributed_executor_backend=self.distributed_executor_backend)
 
 
 def from_dict(cls: type, data: dict[str, Any], *, ignore_unknown: bool = False) -> Any:

@@ -150,6 +150,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How a tensor-parallel group on one node all-reduces: shm (shared memory, vLLM's CPU communicator)
     # or gloo (torch.distributed's), for measuring one against the other.
     "TOKENLOOM_CPU_ALLREDUCE": lambda: _choice("TOKENLOOM_CPU_ALLREDUCE", "shm", ("shm", "gloo")),
+    # --distributed-executor-backend ray with TP/PP: the CPUs of each rank's placement-group bundle,
+    # which are also its OpenMP threads (Ray sets OMP_NUM_THREADS to an actor's CPUs).
+    "TOKENLOOM_RAY_CPUS_PER_RANK": lambda: _int("TOKENLOOM_RAY_CPUS_PER_RANK", 1, "a number of CPUs", minimum=1),
     # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
     "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
     # ---- start-up

@@ -47,6 +47,7 @@ class GroupCoordinator:
     shm: ShmCommunicator | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0, "send": 0,
                                                             "recv": 0, "all_reduce_bytes": 0})
+    _send_in_flight: tuple[Any, torch.Tensor] | None = None  # (gloo work, its tensor): send()'s
 
     @property
     def world_size(self) -> int:
@@ -98,8 +99,20 @@ class GroupCoordinator:
         return torch.cat(parts, dim=dim)
 
     def send(self, x: torch.Tensor, dst_in_group: int) -> None:
+        """Returns once the send is under way, not done: gloo's blocking send waits until the receiver
+        has posted its recv, which would hold a pipeline stage until the next stage finished its previous
+        micro-batch (no two batches in the pipe). The send in flight completes before the next one starts
+        (its tensor is kept alive until then), so at most one message per peer is outstanding."""
         self.counts["send"] += 1
-        dist.send(x.contiguous(), dst=self.ranks[dst_in_group], group=self.device_group)
+        self.wait_for_send()
+        x = x.contiguous()
+        self._send_in_flight = (dist.isend(x, dst=self.ranks[dst_in_group], group=self.device_group), x)
+
+    def wait_for_send(self) -> None:
+        if self._send_in_flight is not None:
+            work, _ = self._send_in_flight
+            self._send_in_flight = None
+            work.wait()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src_in_group: int) -> torch.Tensor:
         self.counts["recv"] += 1
@@ -129,6 +142,7 @@ class GroupCoordinator:
 
     def destroy(self) -> None:
         self.shm = None
+        self._send_in_flight = None
 
 
 _WORLD: GroupCoordinator | None = None

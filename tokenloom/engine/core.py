@@ -159,7 +159,11 @@ class EngineCore:
         """Wait for a step's model output, update the scheduler from it, and record the step."""
         scheduler_output = step.scheduler_output
         t_wait = self.clock()
-        model_output = self._result(scheduler_output, step.future)
+        try:
+            model_output = self._result(scheduler_output, step.future)
+        except ExecutorDeadError:
+            self.batch_queue.clear()  # the steps behind it died with the executor: nothing left to collect
+            raise
         t_update = self.clock()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.scheduler.num_spec_tokens and self.batch_queue_size == 1:

@@ -67,7 +67,9 @@ class EngineCoreHost:
         from tokenloom.model.tokenizer import load_tokenizer
 
         parallel = config.parallel
-        if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
+        # The Ray backend places engine cores (LLM, serve) and, inside one, its TP/PP ranks (this engine).
+        if parallel is not None and (parallel.data_parallel_size > 1 or (parallel.distributed_executor_backend == "ray"
+                                                                         and parallel.model_parallel_size == 1)):
             raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
                               "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
         check_async_scheduling(config)
@@ -417,9 +419,10 @@ class EngineCoreHost:
         self.cache_config = cache_config
         self.clock = clock or self.clock
         self.executor.reset()
-        if self.runner is None and self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
-            raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
-        if self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
+        if self.runner is None:  # worker processes (TP/PP): their executor's batch queue stays as built
+            if self.scheduler_config.async_scheduling != self.executor.async_scheduling:
+                raise ConfigError("a tensor/pipeline-parallel engine keeps the async scheduling it was built with")
+        elif self.scheduler_config.async_scheduling != (self.executor.max_concurrent_batches > 1):
             # Sync <-> async on the same loaded model. An engine built for async keeps its model thread
             # in both modes (sync steps run there one at a time); one built sync moves the runner into
             # a worker thread of the executor's own, which then has a second OpenMP team (slower
@@ -483,7 +486,8 @@ def check_model_parallel(config: EngineConfig) -> None:
         sched = config.scheduler
         if sched is not None and sched.async_scheduling:
             raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with --async-scheduling yet: the "
-                              "pipeline runs one batch at a time (docs/parallelism.md); use tensor parallelism")
+                              "pipeline keeps its own batches in flight, one per stage, each with other requests "
+                              "(docs/parallelism.md); async scheduling runs with tensor parallelism")
         if config.speculative_config is not None:
             raise ConfigError("--pipeline-parallel-size > 1 cannot be combined with speculative decoding yet (the "
                               "drafts are proposed on the last stage only); use tensor parallelism")
@@ -491,8 +495,10 @@ def check_model_parallel(config: EngineConfig) -> None:
 
 def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device: Any, sched_cfg: SchedulerConfig,
                              **runner_kwargs: Any) -> Any:
-    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes."""
+    """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes (the
+    RayExecutor's Ray actors with --distributed-executor-backend ray)."""
     from tokenloom.engine.multiproc_executor import MultiprocExecutor
+    from tokenloom.engine.ray_executor import RayExecutor
     from tokenloom.engine.worker import WorkerInit
 
     parallel = config.parallel
@@ -506,7 +512,8 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
                         speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
                         log_level=logging.getLevelName(logger.getEffectiveLevel()))
              for r in range(parallel.model_parallel_size)]
-    return MultiprocExecutor(inits, async_scheduling=sched_cfg.async_scheduling)
+    executor_class = RayExecutor if parallel.distributed_executor_backend == "ray" else MultiprocExecutor
+    return executor_class(inits, async_scheduling=sched_cfg.async_scheduling)
 
 
 def check_speculative_engine(config: EngineConfig) -> None:

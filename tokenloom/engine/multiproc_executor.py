@@ -1,5 +1,5 @@
 """MultiprocExecutor: tensor / pipeline-parallel ranks as worker processes on this node (vLLM's
-v1/executor/multiproc_executor.py).
+v1/executor/multiproc_executor.py); the RayExecutor (ray_executor.py) places the same ranks as Ray actors.
 
 The executor starts `tensor_parallel_size x pipeline_parallel_size` workers
 (tokenloom/engine/worker.py), each a fresh interpreter that connects back over an authenticated
@@ -20,8 +20,12 @@ server's engine-core process exits and `/health` answers 503), and the other wor
 nothing waits on a collective that will never complete. Waiting polls the workers' processes every
 half second, so a death is seen within a second, never a hang.
 
-Pipeline parallel runs one batch at a time (max_concurrent_batches 1; with --async-scheduling
-tensor parallel keeps 2 in flight as the UniProcExecutor does): docs/parallelism.md says why.
+Steps in flight: `max_concurrent_batches` is the number of pipeline stages (vLLM's: the engine core's
+batch queue keeps one micro-batch per stage), else 2 with --async-scheduling, else 1. A step is sent to
+every worker when it is scheduled; the answers are gathered in send order on one thread (the step's
+future), reading any worker's answer as soon as it is there, so a stage that is ahead is never held up.
+Under PP the earlier stages get the last stage's sampled tokens with the next step sent to them
+(docs/parallelism.md "Pipeline parallel").
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -85,68 +89,106 @@ def rank_cpus(world_size: int, bind: str, usable: list[int]) -> tuple[list[list[
     return list(cpus), [len(c) for c in cpus]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MultiprocExecutor(Executor):
+    """Ranks as worker processes on this node. Subclasses place them elsewhere (RayExecutor: Ray actors
+    on the cluster's nodes) by overriding `listen_host`, `_launch` and `_rank_cpus`."""
+
+    # Where the workers connect back to: this node only.
+    listen_host = "127.0.0.1"
+
     def __init__(self, inits: list[WorkerInit], async_scheduling: bool = False, ready_timeout_s: float = 0.0) -> None:
-        """`inits`: one WorkerInit per rank (their `rank`, `dist_init_method` and `cpus` are filled here)."""
+        """`inits`: one WorkerInit per rank (their `rank`, `dist_init_method`, `cpus` and `same_node` are
+        filled here)."""
         self.world_size = len(inits)
         self.output_rank = inits[0].output_rank
         self.pipeline_parallel_size = inits[0].pipeline_parallel_size
+        self.tensor_parallel_size = inits[0].tensor_parallel_size
+        self.async_scheduling = async_scheduling
         self._dead: str | None = None
         self._drafts: Any = None
-        self._lock = threading.Lock()  # one exchange with the workers at a time
-        self.procs: list[subprocess.Popen] = []
+        self._send_lock = threading.Lock()  # a message to every worker, and its gather queued, as one
+        self.procs: list[Any] = []  # subprocess.Popen, or anything with pid / poll / kill / wait
         self.conns: list[Connection] = []
         self.worker_info: list[dict[str, Any]] = []
-        usable = sorted(os.sched_getaffinity(0))
-        cpus, threads = rank_cpus(self.world_size, envs.VLLM_CPU_OMP_THREADS_BIND, usable)
+        # Answers read but not yet gathered, per rank, with the wait round they arrived in: a rank that
+        # is ahead (an early pipeline stage) answers later steps before the last stage answers this one.
+        self._answers: list[deque[tuple[int, Any]]] = []
+        self._round = 0
+        # What each message sent and not gathered yet was: a step's scheduled tokens, or None (a call).
+        self._sent: deque[int | None] = deque()
+        self._num_steps = 0
+        # Pipeline parallel: tokens the last stage sampled that the earlier stages have not received.
+        self._tokens_lock = threading.Lock()
+        self._pipeline_tokens: list[tuple[int, dict[str, list[int]]]] = []
+        # Counted, not timed: steps handed to the workers while others were still running, and steps
+        # whose first stage finished before the last stage finished the step before (two micro-batches
+        # in the pipe at once).
+        self.max_steps_in_flight = 0
+        self.pipeline_overlaps = 0
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        listener = Listener((self.listen_host, 0), authkey=authkey)
         host, port = listener.address
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
         try:
-            for rank in range(self.world_size):
-                # The rank's OpenMP threads, unless the user set them (then theirs win, as on one rank).
-                omp = {} if envs.OMP_NUM_THREADS else {"OMP_NUM_THREADS": str(threads[rank])}
-                env = envs.child_environment(**omp)
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tokenloom.engine.worker", f"{host}:{port}", authkey.hex(), str(rank)],
-                    env=env, stdin=subprocess.DEVNULL))
+            self.procs = self._launch(host, port, authkey)
             by_rank = self._accept(listener)
-            self.conns = [by_rank[r] for r in range(self.world_size)]
+            self.conns = [by_rank[r][0] for r in range(self.world_size)]
+            nodes = {by_rank[r][1] for r in range(self.world_size)}
+            _, _, rank0_ip, rank0_port = by_rank[0]
+            init_method = f"tcp://{rank0_ip}:{rank0_port}"  # rank 0 hosts the gloo rendezvous
+            cpus = self._rank_cpus()
             for rank, (conn, init) in enumerate(zip(self.conns, inits)):
                 init.rank, init.dist_init_method, init.cpus = rank, init_method, cpus[rank]
+                init.same_node = len(nodes) == 1
                 send(conn, init)
-            self.worker_info = self._gather(timeout_s=ready_timeout_s or None)
+            self._answers = [deque() for _ in self.conns]
+            self.worker_info = [v for _, v in self._gather(timeout_s=ready_timeout_s or None)]
         except BaseException:
             self._kill_all()
             raise
         finally:
             listener.close()
-        self.max_concurrent_batches = 2 if async_scheduling else 1
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-mp") if async_scheduling \
-            else None
+        # vLLM's max_concurrent_batches: the pipeline's depth (one micro-batch per stage), else 2 with
+        # async scheduling (the next step scheduled while this one runs), else 1.
+        if self.pipeline_parallel_size > 1:
+            self.max_concurrent_batches = self.pipeline_parallel_size
+        else:
+            self.max_concurrent_batches = 2 if async_scheduling else 1
+        # Gathers run on one thread, in the order the messages went out (every worker answers in order).
+        self._gatherer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenloom-mp-gather")
         logger.info("%d worker processes ready: %s", self.world_size,
                     ", ".join(f"rank {i['rank']} pid {i['pid']} {i['threads']} thread(s)" for i in self.worker_info))
 
     # ----------------------------------------------------------------- start-up
 
-    def _accept(self, listener: Listener) -> dict[int, Connection]:
-        """Every worker's connection, by rank; fails if a worker exits before connecting."""
-        got: dict[int, Connection] = {}
+    def _rank_cpus(self) -> list[list[int] | None]:
+        cpus, _ = rank_cpus(self.world_size, envs.VLLM_CPU_OMP_THREADS_BIND, sorted(os.sched_getaffinity(0)))
+        return cpus
+
+    def _launch(self, host: str, port: int, authkey: bytes) -> list[Any]:
+        """Start one worker per rank that connects back to host:port; their process handles."""
+        _, threads = rank_cpus(self.world_size, envs.VLLM_CPU_OMP_THREADS_BIND, sorted(os.sched_getaffinity(0)))
+        procs: list[Any] = []
+        for rank in range(self.world_size):
+            # The rank's OpenMP threads, unless the user set them (then theirs win, as on one rank).
+            omp = {} if envs.OMP_NUM_THREADS else {"OMP_NUM_THREADS": str(threads[rank])}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenloom.engine.worker", f"{host}:{port}", authkey.hex(), str(rank)],
+                env=envs.child_environment(**omp), stdin=subprocess.DEVNULL))
+            self.procs = procs  # a failed start below kills what started
+        return procs
+
+    def _accept(self, listener: Listener) -> dict[int, tuple[Connection, str, str, int]]:
+        """Every worker's connection and where it runs (node id, node address, a free port there), by
+        rank; fails if a worker exits before connecting."""
+        got: dict[int, tuple[Connection, str, str, int]] = {}
         error: list[BaseException] = []
 
         def accept() -> None:
             try:
                 while len(got) < self.world_size:
                     conn = listener.accept()
-                    _, rank, _ = recv(conn)
-                    got[rank] = conn
+                    _, rank, _, node_id, node_ip, port = recv(conn)
+                    got[rank] = (conn, node_id, node_ip, port)
             except BaseException as exc:  # the listener closed under us: start-up failed elsewhere
                 error.append(exc)
 
@@ -184,69 +226,106 @@ class MultiprocExecutor(Executor):
         for conn in self.conns:
             conn.close()
 
-    def _gather(self, timeout_s: float | None = None) -> list[Any]:
-        """Every worker's answer to the last message, by rank; an error answer raises RuntimeError
-        (the step failed), a dead worker ExecutorDeadError (the engine is done)."""
-        results: dict[int, Any] = {}
-        errors: list[str] = []
-        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+    def _read_ready(self, timeout_s: float) -> bool:
+        """Read every answer that is waiting, from any worker, into its rank's queue (one wait round)."""
+        try:
+            ready = wait(self.conns, timeout=timeout_s)
+        except (OSError, ValueError):  # the connections were closed: another thread found the executor dead
+            if self._dead is not None:
+                raise ExecutorDeadError(self._dead) from None
+            raise
+        self._round += 1
+        for conn in ready:
+            rank = self.conns.index(conn)  # type: ignore[arg-type]
+            try:
+                answer = recv(conn)  # type: ignore[arg-type]
+            except (EOFError, OSError):
+                self._fail(f"worker rank {rank} closed its connection (it died)")
+            self._answers[rank].append((self._round, answer))
+        return bool(ready)
+
+    def _gather(self, timeout_s: float | None = None) -> list[tuple[int, Any]]:
+        """Every worker's answer to the oldest message not gathered yet, by rank, with the round it
+        arrived in; an error answer raises RuntimeError (that call failed), a dead worker
+        ExecutorDeadError (the engine is done)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            for conn in wait(list(pending), timeout=_POLL_S):
-                rank = pending.pop(conn)  # type: ignore[call-overload]
-                try:
-                    status, value = recv(conn)
-                except (EOFError, OSError):
-                    self._fail(f"worker rank {rank} closed its connection (it died)")
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    errors.append(value)
-            if pending:
+        while not all(self._answers):
+            if self._dead is not None:
+                raise ExecutorDeadError(self._dead)
+            if not self._read_ready(_POLL_S) or not all(self._answers):
                 self._check_alive()
                 if deadline is not None and time.monotonic() > deadline:
-                    self._fail(f"worker rank(s) {sorted(pending.values())} did not answer within {timeout_s:.0f} s")
+                    late = [r for r, q in enumerate(self._answers) if not q]
+                    self._fail(f"worker rank(s) {late} did not answer within {timeout_s:.0f} s")
+        got = [q.popleft() for q in self._answers]
+        errors = [value for _, (status, value) in got if status != "ok"]
         if errors:
             raise RuntimeError("; ".join(errors))
-        return [results[r] for r in range(self.world_size)]
+        return [(arrived, value) for arrived, (_, value) in got]
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call `method(*args)` on every worker (vLLM's collective_rpc); their results by rank."""
-        if self._dead is not None:
-            raise ExecutorDeadError(self._dead)
-        with self._lock:
+    def _submit(self, messages: list[Any], kind: int | None, then: Any) -> Future[Any]:
+        """Send messages[r] to rank r, and queue `then` (run on the gather thread, in send order)."""
+        with self._send_lock:
+            if self._dead is not None:
+                raise ExecutorDeadError(self._dead)
             try:
-                for conn in self.conns:
-                    send(conn, (method, args))
+                for conn, message in zip(self.conns, messages):
+                    send(conn, message)
             except (OSError, ValueError):
                 self._check_alive()
                 self._fail("a worker's connection broke")
+            self._sent.append(kind)
+            if kind is not None:
+                self.max_steps_in_flight = max(self.max_steps_in_flight, sum(k is not None for k in self._sent))
+            return self._gatherer.submit(then)
+
+    def _gathered(self) -> list[tuple[int, Any]]:
+        try:
             return self._gather()
+        finally:
+            with self._send_lock:
+                self._sent.popleft()
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call `method(*args)` on every worker (vLLM's collective_rpc); their results by rank."""
+        return self._submit([(method, args)] * self.world_size, None,
+                            lambda: [value for _, value in self._gathered()]).result()
 
     # ----------------------------------------------------------------- the Executor interface
 
-    def _step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.monotonic()
-        out, drafts = self.collective_rpc("execute_model", scheduler_output)[self.output_rank]
-        self._drafts = drafts
-        out.execute_start, out.execute_end = t0, time.monotonic()
-        return out
-
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if self._thread is not None:
-            queued = self._thread.submit(self._step, scheduler_output)
-            return queued if non_block else queued.result()
-        if not non_block:
-            return self._step(scheduler_output)
-        future: Future[ModelRunnerOutput] = Future()
-        try:
-            future.set_result(self._step(scheduler_output))
-        except ExecutorDeadError:
-            raise
-        except Exception as exc:
-            future.set_exception(exc)
-        return future
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+        step_index = self._num_steps
+        self._num_steps += 1
+        with self._tokens_lock:  # what the earlier stages need before they run this step
+            tokens, self._pipeline_tokens = self._pipeline_tokens, []
+        first_of_last_stage = self.output_rank
+        messages = [("execute_model", (scheduler_output, tokens) if rank < first_of_last_stage and tokens
+                     else (scheduler_output,)) for rank in range(self.world_size)]
+        t_sent = time.monotonic()
+        future = self._submit(messages, scheduler_output.total_num_scheduled_tokens,
+                              lambda: self._finish_step(step_index, t_sent))
+        return future if non_block else future.result()
+
+    def _finish_step(self, step_index: int, t_sent: float) -> ModelRunnerOutput:
+        """On the gather thread: the step's answers; the sampled tokens kept for the earlier stages."""
+        got = self._gathered()
+        arrived, (out, drafts) = got[self.output_rank]
+        self._drafts = drafts
+        if self.pipeline_parallel_size > 1:
+            tokens = {r: t for r, t in zip(out.req_ids, out.sampled_token_ids) if t}
+            if tokens:
+                with self._tokens_lock:
+                    self._pipeline_tokens.append((step_index, tokens))
+            with self._send_lock:
+                next_kind = self._sent[0] if self._sent else None
+            ahead = self._answers[0]
+            if next_kind and ahead and ahead[0][0] < arrived:
+                self.pipeline_overlaps += 1  # the first stage finished the next batch before this one ended
+        out.execute_start, out.execute_end = t_sent, time.monotonic()
+        return out
 
     def take_draft_token_ids(self) -> Any:
         drafts, self._drafts = self._drafts, None
@@ -254,11 +333,14 @@ class MultiprocExecutor(Executor):
 
     def reset(self) -> None:
         self.collective_rpc("reset")
+        with self._tokens_lock:
+            self._pipeline_tokens = []
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        gatherer = getattr(self, "_gatherer", None)
+        if gatherer is not None:
+            gatherer.shutdown(wait=True)
+            self._gatherer = None
         if self._dead is None:
             self._dead = "shut down"
             for conn in self.conns:  # each worker answers and exits; their exits are expected now

@@ -120,6 +120,8 @@ def start_ray_engines(
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=True)
+    if cpus_per_engine is None and config.parallel is not None and config.parallel.model_parallel_size > 1:
+        cpus_per_engine = 1  # the engine core schedules; its TP/PP ranks are actors with CPUs of their own
     if cpus_per_engine is None:
         total = int(ray.available_resources().get("CPU", 1))
         cpus_per_engine = max(1, total // num_engines)

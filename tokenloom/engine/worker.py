@@ -4,7 +4,8 @@ its KV cache (vLLM's v1/worker/cpu_worker.py with its WorkerProc loop).
 Started by the MultiprocExecutor (tokenloom/engine/multiproc_executor.py) as
 `python -m tokenloom.engine.worker HOST:PORT AUTHKEY RANK`: a fresh interpreter (no forked torch
 threads), started with subprocess so that an engine core that is itself a daemon process may start
-it. It connects back to the executor, receives its `WorkerInit`, pins itself to its cores, joins the
+it (a Ray actor of the RayExecutor runs the same loop, `serve`, in its own process). It connects back
+to the executor, says where it runs, receives its `WorkerInit`, pins itself to its cores, joins the
 process groups (gloo, tokenloom/distributed), loads the checkpoint, keeps its cut
 (tokenloom/model/tp_shard.py), builds a ModelRunner over it, and then runs what the executor sends:
 `("execute_model", (scheduler_output,))` every step, in the same order on every rank, so that every
@@ -21,6 +22,7 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client
@@ -55,6 +57,8 @@ class WorkerInit:
     max_model_len: int = 0
     cpus: list[int] | None = None
     log_level: str = "WARNING"
+    # Every rank on one node: a TP group all-reduces through shared memory there, else over gloo.
+    same_node: bool = True
 
     @property
     def world_size(self) -> int:
@@ -80,7 +84,7 @@ class Worker:
 
         self.init = init
         init_distributed_environment(init.world_size, init.rank, init.dist_init_method)
-        initialize_model_parallel(init.tensor_parallel_size, init.pipeline_parallel_size)
+        initialize_model_parallel(init.tensor_parallel_size, init.pipeline_parallel_size, same_node=init.same_node)
         tp, pp = get_tp_group(), get_pp_group()
         # Every rank draws the same random numbers for requests without a seed: same tokens everywhere.
         torch.manual_seed(init.seed)
@@ -95,16 +99,24 @@ class Worker:
             self.runner.enable_speculative_decoding(init.speculative_config, init.max_model_len)
         self.is_output_rank = init.rank == init.output_rank
         self.return_logits = False
+        self.step_delay_s = 0.0
 
     # ----------------------------------------------------------------- what the executor calls
 
-    def execute_model(self, scheduler_output: Any) -> Any:
+    def execute_model(self, scheduler_output: Any, pipeline_tokens: list[tuple[int, Any]] | None = None) -> Any:
+        """pipeline_tokens: a stage before the last gets the tokens of earlier steps here (the runner's
+        receive_pipeline_tokens)."""
+        if pipeline_tokens:
+            self.runner.receive_pipeline_tokens(pipeline_tokens)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         out = self.runner.execute_model(scheduler_output, return_logits=self.return_logits)
         drafts = self.runner.take_draft_token_ids()
         return (out, drafts) if self.is_output_rank else None
 
     def reset(self) -> None:
         self.runner.requests.clear()
+        self.runner.pipeline_unsynced.clear()
         if self.runner.spec_decode is not None:
             self.runner.spec_decode.reset()
 
@@ -117,27 +129,47 @@ class Worker:
         """Debugging and tests: keep each step's fp32 logits (the runner's `last_logits`)."""
         self.return_logits = on
 
+    def set_step_delay(self, seconds_by_rank: dict[int, float]) -> None:
+        """Tests: make chosen ranks slow stages (each step waits first), so that whether the stages work
+        on two micro-batches at once can be counted without depending on the machine's speed."""
+        self.step_delay_s = seconds_by_rank.get(self.init.rank, 0.0)
+
     def last_logits(self) -> Any:
         return None if self.runner.last_logits is None else self.runner.last_logits.clone()
 
     def info(self) -> dict[str, Any]:
         import torch
 
+        from tokenloom.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
         return {"rank": self.init.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
+                "all_reduce": "none" if tp.world_size == 1 else "shared memory" if tp.shm is not None else "gloo",
                 "cpus": sorted(os.sched_getaffinity(0)), "weight_bytes": self.runner.model.weight_bytes(),
                 "num_kv_heads": self.runner.model.num_kv_heads, "num_layers": len(self.runner.model.layers)}
 
     def shutdown(self) -> None:
         from tokenloom.distributed import destroy_model_parallel
+        from tokenloom.distributed.parallel_state import get_pp_group
 
+        get_pp_group().wait_for_send()  # the last activations in flight reach the next stage
         destroy_model_parallel()
 
 
-def main(argv: list[str]) -> int:
-    address, authkey, rank = argv[0], bytes.fromhex(argv[1]), int(argv[2])
-    host, port = address.rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=authkey)
-    send(conn, ("hello", rank, os.getpid()))
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve(address: tuple[str, int], authkey: bytes, rank: int, node_id: str, node_ip: str) -> int:
+    """Connect back to the executor, start the rank and answer its calls until shutdown or until the
+    executor is gone. The hello says where the rank runs: its node (the executor checks whether every
+    rank shares one), the node's address and a free port there (rank 0's host the gloo rendezvous)."""
+    conn = Client(address, authkey=authkey)
+    send(conn, ("hello", rank, os.getpid(), node_id, node_ip, free_port(node_ip)))
     init: WorkerInit = recv(conn)
     if init.cpus:
         os.sched_setaffinity(0, init.cpus)  # before torch starts its OpenMP team
@@ -166,6 +198,15 @@ def main(argv: list[str]) -> int:
             send(conn, ("error", f"worker {rank}: {type(exc).__name__}: {exc}"))
             continue
         send(conn, ("ok", result))
+
+
+def main(argv: list[str]) -> int:
+    """A worker process on the executor's node: `HOST:PORT AUTHKEY RANK`."""
+    import socket
+
+    address, authkey, rank = argv[0], bytes.fromhex(argv[1]), int(argv[2])
+    host, port = address.rsplit(":", 1)
+    return serve((host, int(port)), authkey, rank, socket.gethostname(), "127.0.0.1")
 
 
 if __name__ == "__main__":

@@ -218,6 +218,10 @@ class ModelRunner:
                                            kv_cache_groups=self.kv_cache_groups, cache_dtype=kv_cache_dtype)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        # Pipeline parallel, a stage before the last: the sampling states of each step (by step index)
+        # whose tokens the last stage has not handed back yet (receive_pipeline_tokens).
+        self.num_steps = 0
+        self.pipeline_unsynced: dict[int, list[_RequestState]] = {}
         # Speculative decoding (enable_speculative_decoding): proposer + rejection sampler.
         self.spec_decode: SpecDecodeRunner | None = None
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
@@ -289,6 +293,7 @@ class ModelRunner:
 
     def _execute_model(self, scheduler_output: SchedulerOutput, return_logits: bool = False) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        step_index, self.num_steps = self.num_steps, self.num_steps + 1
         failed = self._update_states(scheduler_output)
         scheduled = self._collect_scheduled(scheduler_output, failed)
         sampled: dict[str, list[int]] = {}
@@ -301,8 +306,8 @@ class ModelRunner:
             inputs = self._prepare_inputs(scheduled)
             self._run(inputs, sampled, logprobs, return_logits, prompt_logprobs,
                       grammar_rows(scheduler_output, inputs.sample_reqs, inputs.sample_drafts))
-            if self.model.shard.pp_size > 1:
-                self._sync_pipeline_tokens(inputs, sampled)
+            if self.model.shard.pp_size > 1 and not self.model.shard.pp_last and inputs.sample_reqs:
+                self.pipeline_unsynced[step_index] = list(inputs.sample_reqs)
         if self.spec_decode is not None:
             self.spec_decode.propose(sampled, [r for r in scheduler_output.num_scheduled_tokens if r not in failed])
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -411,21 +416,20 @@ class ModelRunner:
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
 
-    def _sync_pipeline_tokens(self, inputs: _StepInputs, sampled: dict[str, list[int]]) -> None:
-        """Pipeline parallel: the last stage sampled; the earlier stages take its tokens (their next
-        step's inputs), as vLLM's scheduler sends them to the non-last ranks."""
-        from tokenloom.distributed import get_pp_group
-
-        pp = get_pp_group()
-        tokens = pp.broadcast_object(sampled if self.model.shard.pp_last else None, pp.world_size - 1)
-        if self.model.shard.pp_last:
-            return
-        sampled.update(tokens)
-        for state in inputs.sample_reqs:
-            new = tokens.get(state.req_id)
-            if new:
-                state.token_ids.extend(new)
-                state.num_computed = len(state.token_ids) - 1
+    def receive_pipeline_tokens(self, steps: list[tuple[int, dict[str, list[int]]]]) -> None:
+        """Pipeline parallel, a stage before the last: the tokens the last stage sampled in earlier steps
+        (step index, req_id -> tokens), which are this stage's inputs when it next runs those requests.
+        They come with a later step's message (vLLM sends them in the scheduler output for the same
+        reason) rather than by a broadcast at the end of each step, which would hold this stage until the
+        last one finished: with them deferred it runs the next micro-batch meanwhile. The engine core
+        schedules a request again only after its step's output came back, so its tokens arrive first.
+        They go to the states that sampled in that step (a request resumed since has a new state)."""
+        for step_index, tokens in steps:
+            for state in self.pipeline_unsynced.pop(step_index, ()):
+                new = tokens.get(state.req_id)
+                if new:
+                    state.token_ids.extend(new)
+                    state.num_computed = len(state.token_ids) - 1
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[tuple[_RequestState, int, np.ndarray]]
