@@ -188,7 +188,7 @@ def test_the_engine_resolves_the_automatic_budget_and_says_so(tiny_dir, caplog) 
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(40)]} for i in range(3)]
-    with caplog.at_level("INFO", logger="tokenloom.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="tokenloom.engine"):  # the engine core logs it (core_host)
         auto = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4)
     engine = auto.llm_engine
     assert engine.scheduler_config.auto_token_budget and engine.scheduler.auto_budget is not None
@@ -198,7 +198,7 @@ def test_the_engine_resolves_the_automatic_budget_and_says_so(tiny_dir, caplog) 
     # the engine core reported its steps: the rate is measured (a tiny model: the rule does not bind)
     assert engine.scheduler.auto_budget.num_samples >= 1
     caplog.clear()
-    with caplog.at_level("INFO", logger="tokenloom.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="tokenloom.engine"):  # the engine core logs it (core_host)
         fixed = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=2048)
     assert fixed.llm_engine.scheduler.auto_budget is None
     assert "token budget 2048" in caplog.text
