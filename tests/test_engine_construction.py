@@ -121,7 +121,7 @@ def test_every_front_end_refuses_a_bad_prompt_with_the_input_processors_message(
 
 
 def test_make_client_picks_the_client_the_parallel_config_asks_for(monkeypatch) -> None:
-    import tokenloom.engine.core_client as core_client
+    import tokenloom.engine.clients as clients
     import tokenloom.engine.dp_client as dp_client
     import tokenloom.engine.ray_engine as ray_engine
 
@@ -133,11 +133,11 @@ def test_make_client_picks_the_client_the_parallel_config_asks_for(monkeypatch) 
             assert config.parallel is None or config.parallel.data_parallel_size == 1  # each core is one engine
             made.append((engine_index, cpus))
 
-    monkeypatch.setattr(core_client, "MPClient", Spawned)
+    monkeypatch.setattr(clients, "MPClient", Spawned)
     monkeypatch.setattr(dp_client, "MPClient", Spawned)
-    assert isinstance(core_client.make_client(EngineConfig()), Spawned) and made == [(0, None)]
+    assert isinstance(clients.make_client(EngineConfig()), Spawned) and made == [(0, None)]
     made.clear()
-    two = core_client.make_client(EngineConfig(parallel=ParallelConfig(data_parallel_size=2)))
+    two = clients.make_client(EngineConfig(parallel=ParallelConfig(data_parallel_size=2)))
     assert isinstance(two, dp_client.DPEngineCoreClient) and [i for i, _ in made] == [0, 1]
     assert all(cpus for _, cpus in made)  # data-parallel engines split the cores
 
@@ -148,7 +148,7 @@ def test_make_client_picks_the_client_the_parallel_config_asks_for(monkeypatch) 
             Placement.closed = True
 
     monkeypatch.setattr(ray_engine, "start_ray_engines", lambda config, dp, log_level: (["a", "b"], Placement()))
-    ray = core_client.make_client(EngineConfig(parallel=ParallelConfig(distributed_executor_backend="ray",
+    ray = clients.make_client(EngineConfig(parallel=ParallelConfig(distributed_executor_backend="ray",
                                                                        data_parallel_size=2)))
     assert isinstance(ray, dp_client.DPEngineCoreClient) and ray.clients == ["a", "b"]
 

@@ -10,9 +10,10 @@ import pytest
 
 from tokenloom import envs
 from tokenloom.engine import core_client
-from tokenloom.engine.core_client import EngineStartError, MPClient
+from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.core_messages import EngineProgress, EngineReady
 from tokenloom.engine.core_proc import LoadHeartbeat, process_tree_cpu_s
+from tokenloom.engine.exceptions import EngineStartError
 
 
 class _Alive:

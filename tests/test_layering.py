@@ -213,6 +213,17 @@ def test_no_import_circle_inside_the_model_room_even_through_deferred_imports() 
     assert import_cycles(room_import_graph("tokenloom.model", sources)) == []
 
 
+def test_no_import_circle_inside_any_room_even_through_deferred_imports() -> None:
+    """Issue 31: every room imports one way, deferred imports included. The engine room had one: the
+    clients' factory (make_client, then in core_client.py) imported the data-parallel and Ray clients
+    inside a function while both imported core_client, and the Ray executor took `import_ray` from the
+    Ray engine module; the factory now sits above the clients (engine/clients.py), and `import_ray` and
+    `EngineStartError` in leaves (engine/ray_utils.py, engine/exceptions.py)."""
+    sources = {name: (path.read_text(encoding="utf-8"), path.name == "__init__.py") for name, path in package_modules()}
+    circles = {r: import_cycles(room_import_graph(r, sources)) for r in sorted({room(n) for n in sources})}
+    assert {r: c for r, c in circles.items() if c} == {}
+
+
 def test_the_deferred_circle_check_sees_the_old_model_room_circle() -> None:
     """The shapes of the old llama.py, models/qwen3.py and smoothquant.py: the deferred imports close
     the circle, the TYPE_CHECKING one does not count."""

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 from tests.test_data_parallel import PROMPTS, _config, _generate  # noqa: E402
 from tests.tiny_models import make_tiny_hf_model  # noqa: E402
 from tokenloom.engine.async_llm import AsyncLLM  # noqa: E402
-from tokenloom.engine.core_client import make_client  # noqa: E402
+from tokenloom.engine.clients import make_client  # noqa: E402
 from tokenloom.engine.dp_client import DPEngineCoreClient  # noqa: E402
 from tokenloom.sampling_params import SamplingParams  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_ray_placement_timeout_and_actor_start_failure_are_clear_errors(tiny_dir
     EngineStartError carrying the actor's own error."""
     from ray.util import placement_group_table
 
-    from tokenloom.engine.core_client import EngineStartError
+    from tokenloom.engine.exceptions import EngineStartError
     from tokenloom.engine.ray_engine import start_ray_engines
 
     config = _config(tiny_dir, data_parallel_size=2, distributed_executor_backend="ray")

@@ -16,7 +16,7 @@ import json
 import time
 
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core_client import make_client
+from tokenloom.engine.clients import make_client
 from tokenloom.engine.llm_engine import engine_config_from_kwargs
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.workload.datasets import assign_arrivals

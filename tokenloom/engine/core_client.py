@@ -1,6 +1,7 @@
-"""The API process's handle on its engine cores: one interface (EngineCoreClient), the client that
-spawns, feeds and hears from one engine-core process (MPClient), and make_client, which picks it or the
-data-parallel client (tokenloom/engine/dp_client.py) from the config, as vLLM's EngineCoreClient.make_client.
+"""The API process's handle on its engine cores: one interface (EngineCoreClient) and the client that
+spawns, feeds and hears from one engine-core process (MPClient). Which client a config gets (this one, the
+data-parallel client of tokenloom/engine/dp_client.py, or Ray actors behind it) is make_client's choice, in
+tokenloom/engine/clients.py: the factory sits above the clients it picks, so none of them imports it back.
 
 Two one-way pipes. Messages to the engine go through a writer thread, so a full pipe (the engine is in
 the middle of a long step) never blocks the event loop. Messages from the engine are read on the
@@ -17,12 +18,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from tokenloom import envs
-from tokenloom.config import EngineConfig, ParallelConfig
+from tokenloom.config import EngineConfig
 from tokenloom.engine.core_messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -33,15 +33,12 @@ from tokenloom.engine.core_messages import (
     Shutdown,
 )
 from tokenloom.engine.core_proc import run_engine_core
+from tokenloom.engine.exceptions import EngineStartError
 
 logger = logging.getLogger(__name__)
 
 _now = time.monotonic  # the start-up wait's clock (tests drive a fake one)
 WAIT_NOTE_EVERY_S = 30.0  # how often a long start-up says what the engine is doing
-
-
-class EngineStartError(RuntimeError):
-    pass
 
 
 class EngineCoreClient(Protocol):
@@ -81,26 +78,6 @@ class EngineCoreClient(Protocol):
     def engine_health(self) -> list[dict[str, Any]] | None:
         """Per engine: alive, and a dead one's error; None with a single engine (no per-engine view)."""
         ...
-
-
-def make_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient:
-    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
-    default), N spawned processes behind the router, or N Ray actors behind the router."""
-    from tokenloom.engine.dp_client import DPEngineCoreClient
-    from tokenloom.router import RouterConfig
-
-    parallel = config.parallel or ParallelConfig()
-    router_config = RouterConfig.from_parallel(parallel)
-    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
-    dp = parallel.data_parallel_size
-    if parallel.distributed_executor_backend == "ray":
-        from tokenloom.engine.ray_engine import start_ray_engines
-
-        clients, placement = start_ray_engines(config, dp, log_level)
-        return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
-    if dp == 1:
-        return MPClient(config, log_level)
-    return DPEngineCoreClient(config, dp, router_config, log_level)
 
 
 class MPClient:

@@ -29,8 +29,9 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core_client import EngineStartError, MPClient
+from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
+from tokenloom.engine.exceptions import EngineStartError
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
 from tokenloom.router import NoEngineAvailable, Router, RouterConfig
 

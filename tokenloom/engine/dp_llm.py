@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_llm import AsyncLLM
-from tokenloom.engine.core_client import make_client
+from tokenloom.engine.clients import make_client
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.input_processor import PromptType, check_lora_request
 from tokenloom.engine.outputs import RequestOutput

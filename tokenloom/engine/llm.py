@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def make_offline_engine(config: EngineConfig) -> LLMEngine | DataParallelLLMEngine:
     """The engine `LLM` drives, as `config.parallel` says: one engine core in this process (LLMEngine),
-    or N engine-core processes behind the router (DataParallelLLMEngine, over core_client.make_client).
+    or N engine-core processes behind the router (DataParallelLLMEngine, over clients.make_client).
     Both take the same calls (add_request, add_pooling_request, step, abort_request, close)."""
     parallel = config.parallel
     if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):

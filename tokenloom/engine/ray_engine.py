@@ -25,20 +25,12 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core_client import EngineStartError, MPClient
+from tokenloom.engine.core_client import MPClient
+from tokenloom.engine.exceptions import EngineStartError
 from tokenloom.engine.kv_connectors import data_parallel_kv_transfer
+from tokenloom.engine.ray_utils import import_ray
 
 logger = logging.getLogger(__name__)
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise EngineStartError(
-            "--distributed-executor-backend ray needs Ray: pip install 'tokenloom[ray]'"
-        ) from exc
-    return ray
 
 
 def _engine_actor_class(ray: Any) -> Any:

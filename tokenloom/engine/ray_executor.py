@@ -81,7 +81,7 @@ class RayRankHandle:
 class RayExecutor(MultiprocExecutor):
     def __init__(self, inits: list[WorkerInit], async_scheduling: bool = False, ready_timeout_s: float = 0.0,
                  start_timeout_s: float = 300.0) -> None:
-        from tokenloom.engine.ray_engine import import_ray
+        from tokenloom.engine.ray_utils import import_ray
 
         self._ray = ray = import_ray()
         if not ray.is_initialized():  # in an engine-core actor Ray is up already

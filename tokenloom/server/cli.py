@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_on(args: argparse.Namespace, sock) -> int:
-    from tokenloom.engine.core_client import EngineStartError
+    from tokenloom.engine.exceptions import EngineStartError
     from tokenloom.server.config import ServerConfig
     from tokenloom.server.launcher import run_server
     from tokenloom.server.tool_parsers import ToolParserTokenizerError

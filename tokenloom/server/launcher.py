@@ -24,7 +24,7 @@ from types import FrameType
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core_client import make_client
+from tokenloom.engine.clients import make_client
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.listen import bind_socket
 
