@@ -7,12 +7,13 @@ forward). The scheduler side's decisions reach the worker side as this step's KV
 Granularity here: the CPU runner runs the whole forward in one call, so a worker side loads every
 block of the step in `start_load_kv` (before the forward) and saves them in `wait_for_save` (after
 it); `wait_for_layer_load` / `save_kv_layer` exist with vLLM's names for connectors that overlap
-transfers with layers, and are no-ops for the whole-step ones.
+transfers with layers, and default to nothing for the whole-step ones.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from tokenloom.core.outputs import KVConnectorOutput, SchedulerOutput
     from tokenloom.core.request import Request
 
+logger = logging.getLogger(__name__)
 
 class KVConnectorRole(enum.Enum):
     SCHEDULER = 0  # in the scheduler: lookups, allocation bookkeeping, the step's metadata
@@ -59,13 +61,13 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's class name
     def start_load_kv(self, **kwargs: Any) -> None:
         """Start (here: do) the step's loads into the pool's blocks, before the forward."""
 
-    @abstractmethod
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until one layer's KV is loaded (layer-wise connectors)."""
+    def wait_for_layer_load(self, layer_name: str) -> None:  # noqa: B027 - whole-step connectors: nothing
+        """Block until one layer's KV is loaded (layer-wise connectors; a whole-step one has loaded every
+        layer in start_load_kv, so the default does nothing)."""
 
-    @abstractmethod
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Start saving one layer's KV (layer-wise connectors)."""
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,  # noqa: B027 - see above
+                      **kwargs: Any) -> None:
+        """Start saving one layer's KV (layer-wise connectors; a whole-step one saves in wait_for_save)."""
 
     @abstractmethod
     def wait_for_save(self) -> None:
@@ -103,3 +105,31 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's class name
         """The request is finished: whether its blocks must stay allocated for a send still running
         (delay_free), and the kv_transfer_params to return with it."""
         return False, None
+
+
+def track_block_ids(block_ids: dict[str, list[int]], scheduler_output: SchedulerOutput) -> None:
+    """Keep each tracked request's pool blocks (those of KV cache group 0) current from a step's
+    SchedulerOutput: a new request's blocks as scheduled, a running one's newly allocated blocks appended
+    (a request the connector does not track is left alone). What build_connector_meta reads to know
+    where a request's blocks are, in every connector."""
+    for new in scheduler_output.scheduled_new_reqs:
+        block_ids[new.req_id] = list(new.block_ids[0])
+    cached = scheduler_output.scheduled_cached_reqs
+    for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
+        if rid in block_ids and new_ids:
+            block_ids[rid].extend(new_ids[0])
+
+
+def write_block_files(files: Any, rows: Any, keys: list[Any], failed: list[Any], what: str) -> None:
+    """Write row i of `rows` (the gathered blocks, uint8) to `files` under keys[i] (None: not this row).
+    A write that fails leaves that block unsaved, never the step: its key goes to `failed` (reported in
+    the step's connector output), and the first failure is logged once per step."""
+    for row, key in enumerate(keys):
+        if key is None:
+            continue
+        try:
+            files.write(key, memoryview(rows[row].numpy()))
+        except OSError as exc:
+            if not failed:
+                logger.warning("%s: cannot write to %s (%s); the block is not saved", what, files.dir, exc)
+            failed.append(key)

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
 from tokenloom.kv_transfer.background_load import load_async_option
-from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from tokenloom.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    track_block_ids,
+    write_block_files,
+)
 from tokenloom.kv_transfer.offloading.disk import INDEX, DiskFiles, lock_dir, open_dir
 from tokenloom.kv_transfer.offloading.tiers import DiskTier
 from tokenloom.kv_transfer.spec import KVBlockSpec
@@ -174,12 +180,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SharedStorageMetadata:
         meta = self._meta
-        for new in scheduler_output.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if rid in self._block_ids and new_ids:
-                self._block_ids[rid].extend(new_ids[0])
+        track_block_ids(self._block_ids, scheduler_output)
         if self.written is not None:
             written: list[int] = []
             for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -253,11 +254,6 @@ class SharedStorageConnector(KVConnectorBase_V1):
         for rid, loads in meta.load_async.items():
             self._loader.submit(rid, loads)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # whole-step loads
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # whole-step saves, in wait_for_save
 
     def wait_for_save(self) -> None:
         import torch
@@ -269,13 +265,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             return
         rows = torch.empty((len(meta.store), self.spec.block_nbytes), dtype=torch.uint8)
         self._copier.gather([b for b, _ in meta.store], rows)
-        for row, (_, h) in enumerate(meta.store):
-            try:
-                self.files.write(h, memoryview(rows[row].numpy()))
-            except OSError as exc:
-                if not self._failed:
-                    logger.warning("SharedStorageConnector: cannot write to %s (%s)", self.files.dir, exc)
-                self._failed.append(h)
+        write_block_files(self.files, rows, [h for _, h in meta.store], self._failed, "SharedStorageConnector")
 
     def build_connector_worker_output(self) -> KVConnectorOutput | None:
         meta = self._connector_metadata

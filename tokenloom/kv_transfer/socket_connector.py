@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
 from tokenloom.kv_transfer.background_load import load_async_option
-from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, track_block_ids
 from tokenloom.kv_transfer.socket_transport import BlockServer, BlockStore, fetch_blocks
 from tokenloom.kv_transfer.spec import KVBlockSpec
 
@@ -176,12 +176,7 @@ class SocketConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SocketConnectorMetadata:
         meta = self._meta
-        for new in scheduler_output.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if rid in self._block_ids and new_ids:
-                self._block_ids[rid].extend(new_ids[0])
+        track_block_ids(self._block_ids, scheduler_output)
         if self.is_producer:
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 request = self._requests.get(rid)
@@ -255,11 +250,6 @@ class SocketConnector(KVConnectorBase_V1):
             return got + [None] * (len(hashes) - len(got))
         return read
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # whole-step loads
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # whole-step saves, in wait_for_save
 
     def wait_for_save(self) -> None:
         import torch

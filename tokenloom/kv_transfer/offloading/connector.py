@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.config import ConfigError, KVTransferConfig
 from tokenloom.core.outputs import KVConnectorOutput
 from tokenloom.kv_transfer.background_load import load_async_option
-from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from tokenloom.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    track_block_ids,
+    write_block_files,
+)
 from tokenloom.kv_transfer.offloading.disk import DiskFiles, lock_dir, open_dir
 from tokenloom.kv_transfer.offloading.tiers import DiskTier, HostTier
 from tokenloom.kv_transfer.spec import KVBlockSpec
@@ -244,12 +250,7 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingConnectorMetadata:
         meta = self._loads
-        for new in scheduler_output.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            if rid in self._block_ids and new_ids:
-                self._block_ids[rid].extend(new_ids[0])
+        track_block_ids(self._block_ids, scheduler_output)
         host_pending: list[int] = []
         disk_pending: list[int] = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -400,11 +401,6 @@ class OffloadingConnector(KVConnectorBase_V1):
         view = self._host_view(slots)
         return view if view is not None else self._host_buffer[slots]
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # whole-step loads: everything is in place before the forward starts
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # whole-step saves happen in wait_for_save
 
     def wait_for_save(self) -> None:
         import torch
@@ -424,17 +420,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         to_host = [(row, slot) for row, slot in enumerate(slots) if slot is not None]
         if direct is None and to_host:
             self._host_buffer[[slot for _, slot in to_host]] = rows[[row for row, _ in to_host]]
-        for row, (_, _, to_disk) in enumerate(meta.store):
-            if to_disk is None:
-                continue
+        to_disk = [key for _, _, key in meta.store]
+        if any(key is not None for key in to_disk):
             assert self.disk_files is not None
-            try:
-                self.disk_files.write(to_disk, memoryview(rows[row].numpy()))
-            except OSError as exc:
-                if not self._failed_writes:
-                    logger.warning("KV disk tier: cannot write %s (%s); the block stays in memory only",
-                                   self.disk_files.dir, exc)
-                self._failed_writes.append(to_disk)
+            write_block_files(self.disk_files, rows, to_disk, self._failed_writes, "KV disk tier")
 
     def build_connector_worker_output(self) -> KVConnectorOutput | None:
         meta = self._connector_metadata
