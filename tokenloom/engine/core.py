@@ -100,13 +100,14 @@ class EngineCore:
         t_scheduled = self.clock()
         future = self.executor.execute_model(scheduler_output, non_block=True)
         outputs = self._finish_step(_InFlight(scheduler_output, future, t_start, t_scheduled))
-        if scheduler_output.is_empty and not outputs and self._waiting_for_grammar():
+        if scheduler_output.is_empty and not outputs and self._waiting_on_background_work():
             # Nothing can run until a grammar compiles or a KV load ends: yield the CPU to the compile
             # and load threads instead of spinning through empty steps.
             time.sleep(0.001)
         return outputs
 
-    def _waiting_for_grammar(self) -> bool:
+    def _waiting_on_background_work(self) -> bool:
+        """A waiting request needs a grammar compile or a KV load that runs on another thread."""
         return any(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
                    for r in self.scheduler.waiting) or bool(self.scheduler.aborted_while_loading)
 
