@@ -367,3 +367,24 @@ def test_smollm2_tp3_gives_tp1_tokens():
         three.llm_engine.close()
     with pytest.raises(ConfigError, match="must divide the model's 9 attention heads"):
         LLM(None, tensor_parallel_size=2, **kw)
+
+
+def test_pp2_with_batches_in_flight_runs_structured_outputs(tiny_dir):
+    """Pipeline parallelism with its batch queue and grammar-constrained requests beside free ones: the
+    bitmask reaches the last stage's sampler for the right rows, whatever batch is in flight."""
+    from tokenloom.sampling_params import StructuredOutputsParams
+
+    choice = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["alpha", "beta"]))
+    runs = []
+    for pp in (1, 2):
+        llm = LLM(str(tiny_dir), pipeline_parallel_size=pp, **KW)
+        try:
+            prompts = [{"prompt_token_ids": p} for p in PROMPTS] + ["pick", "choose one", "a or b"]
+            outs = llm.generate(prompts, [GREEDY] * len(PROMPTS) + [choice] * 3, use_tqdm=False)  # one batch
+            runs.append(([list(o.outputs[0].token_ids) for o in outs[:len(PROMPTS)]],
+                         [o.outputs[0].text for o in outs[len(PROMPTS):]]))
+        finally:
+            llm.llm_engine.close()
+    assert runs[1] == runs[0]
+    assert all(text in ("alpha", "beta") for text in runs[0][1])
