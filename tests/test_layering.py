@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
+    "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.lora": 1.5,  # LoRA adapters: torch arithmetic and files, below the model room that hooks them in
@@ -31,7 +32,7 @@ LEVELS = {
     "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
 NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params", "tokenloom.envs",
-            "tokenloom.core")
+            "tokenloom.cpu_isa", "tokenloom.core")
 
 
 def room(module: str) -> str:

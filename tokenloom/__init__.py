@@ -39,8 +39,19 @@ def _bounded_onednn_caches() -> None:
         os.environ.setdefault(name, "64")
 
 
+def _cap_torch_isa() -> None:
+    """Under TOKENLOOM_CPU_ISA (tokenloom/cpu_isa.py), cap torch's own kernels at the same ISA: ATen's
+    dispatch and oneDNN's JIT read these once, when torch first picks a kernel, so they are set here,
+    before torch loads. A value the user set wins; the plan checks torch ended up within the cap."""
+    from tokenloom.cpu_isa import torch_environment
+
+    for name, value in torch_environment().items():
+        os.environ.setdefault(name, value)
+
+
 _short_openmp_spin()
 _bounded_onednn_caches()
+_cap_torch_isa()
 
 _LAZY = {
     "LLM": "tokenloom.engine.llm",

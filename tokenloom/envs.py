@@ -7,8 +7,9 @@ vLLM's own names with vLLM's defaults, read because users of vLLM set them.
 
 Values are read when asked for (`envs.TOKENLOOM_CPU_KERNELS`), not at import, so a test or a
 launcher may change the environment first; a malformed value is a ValueError naming the variable.
-Not here: the OpenMP/oneDNN variables tokenloom sets for those libraries before torch loads
-(tokenloom/__init__.py), which the libraries themselves read.
+Not here: the OpenMP/oneDNN/ATen variables tokenloom sets for those libraries before torch loads
+(tokenloom/__init__.py; ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA only under TOKENLOOM_CPU_ISA),
+which the libraries themselves read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 _OFF = ("0", "false", "no", "off")
+# TOKENLOOM_CPU_ISA's values (what each means: tokenloom/cpu_isa.py).
+CPU_ISA_CHOICES = ("native", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
 _ON = ("1", "true", "yes", "on")
 
 
@@ -120,6 +123,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # $XDG_CACHE_HOME/tokenloom, else ~/.cache/tokenloom (a Path).
     "TOKENLOOM_CACHE_DIR": _cache_dir,
     # ---- execution-path overrides (the engine picks each itself; see docs/model.md)
+    # Run as on a CPU with only this ISA (native: all this CPU has; avx2, avx512, avx512_vnni,
+    # avx512_bf16): the compiled kernels' -march, the features the plan sees, torch's ATen / oneDNN
+    # kernels (tokenloom/cpu_isa.py). A proxy for a smaller CPU; above this CPU's own ISA it is an error.
+    "TOKENLOOM_CPU_ISA": lambda: _choice("TOKENLOOM_CPU_ISA", "native", CPU_ISA_CHOICES),
     # 0: never build or use the compiled CPU / GGUF kernels (the pure-torch path, same results, slower).
     "TOKENLOOM_CPU_KERNELS": lambda: _flag("TOKENLOOM_CPU_KERNELS", True),
     # Decode batches up to this many rows run the whole stack as one compiled call (0: never).

@@ -2,7 +2,8 @@
 
 Every choice between execution paths that does not depend on a step's shape is made here, from the
 CPU's features, the run dtype, the quantization, the family and the overrides in tokenloom/envs.py
-(the only place a TOKENLOOM_* variable is read), and logged once at start-up:
+(the only place a TOKENLOOM_* variable is read), and logged once at start-up. TOKENLOOM_CPU_ISA caps
+the features seen here (and the kernels' builds, and torch's) at a lower ISA: tokenloom/cpu_isa.py.
 
 * weights: plain run-dtype linears ("float"), int8 W8A8 ("int8"), or GGUF blocks kept quantized
   ("gguf", run by the GGUF kernels' quantized GEMV / GEMM, or dequantized per call without them);
@@ -29,7 +30,7 @@ from types import ModuleType
 
 import torch
 
-from tokenloom import envs
+from tokenloom import cpu_isa, envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.linear import packing_enabled
 from tokenloom.model.platform import cpu_has_fast_int8
@@ -45,6 +46,7 @@ class ExecutionPlan:
     dtype: torch.dtype
     quantization: str | None  # None, "int8" or "gguf" (--quantization, resolved)
     isa: str  # torch's CPU capability ("AVX2", "AVX512", "AVX512_BF16", "AMX", "DEFAULT"); "" off CPU
+    isa_cap: str  # TOKENLOOM_CPU_ISA: "native", or the ISA every choice here was capped at ("avx2", ...)
     cpu_kernels: bool  # the compiled CPU kernels run norms, rotary + KV write, SiLU-and-mul
     # Attention through the compiled kernels' backend (else torch's: no kernels, or a layer with a
     # sliding window or soft-capping, which the model finds as it builds the layers: `with_torch_attention`).
@@ -88,7 +90,8 @@ class ExecutionPlan:
         if self.quantization == "gguf":
             weights += " (quantized GEMV/GEMM kernels)" if self.quantized_kernels else " (dequantized per call)"
         fused = f"up to {self.fused_decode_rows} rows" if self.fused_decode else "off"
-        isa = f"{self.isa}, " if self.isa else ""
+        cap = f" (capped: TOKENLOOM_CPU_ISA={self.isa_cap})" if self.isa_cap != cpu_isa.NATIVE else ""
+        isa = f"{self.isa}{cap}, " if self.isa else ""
         return (f"execution plan: {self.device.type} {isa}{str(self.dtype).removeprefix('torch.')}, "
                 f"weights {weights}, CPU kernels {'on' if self.cpu_kernels else 'off'}, "
                 f"attention {'CPU kernels' if self.kernel_attention else 'torch'}, "
@@ -110,6 +113,9 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
     `sharded`: tensor / pipeline parallel (the whole-stack decoder cannot all-reduce in its middle)."""
     on_cpu = device.type == "cpu"
     kernels = kernels if on_cpu else None
+    torch_isa = torch.backends.cpu.get_cpu_capability() if on_cpu else ""
+    if on_cpu:  # under TOKENLOOM_CPU_ISA torch's kernels must be capped too, or the proxy is not one
+        cpu_isa.check_torch_capped(torch_isa)
     if quantization == "int8" and on_cpu and not cpu_has_fast_int8():
         logger.warning("--quantization int8 on a CPU without VNNI or AMX-INT8: oneDNN's int8 GEMMs take a "
                        "slow path here (slower than float32); --quantization gguf keeps int8 weights "
@@ -147,7 +153,7 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
         and envs.TOKENLOOM_KV_PACKED)
     return ExecutionPlan(
         device=device, dtype=dtype, quantization=quantization,
-        isa=torch.backends.cpu.get_cpu_capability() if on_cpu else "",
+        isa=torch_isa, isa_cap=cpu_isa.cap_name() if on_cpu else cpu_isa.NATIVE,
         cpu_kernels=kernels is not None, kernel_attention=kernels is not None,
         quantized_kernels=quantized_kernels, prepack=prepack,
         fused_decode=fused, fused_decode_rows=rows, fused_decode_covered=covered,

@@ -6,6 +6,8 @@ The first call to `cpu_kernels()` compiles the C++ source with torch's extension
 (`$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else `~/.cache/tokenloom`) and `<key>`
 hashes the source, the torch and Python versions, the compiler flags and the CPU's feature flags
 (the build targets this CPU). Later processes import the cached library directly (~10 ms).
+Under TOKENLOOM_CPU_ISA every kernel library builds for the cap's `-march` (haswell for avx2) into
+`<stem>_<cap>-<key>/` instead (tokenloom/cpu_isa.py).
 
 Anything that goes wrong (no compiler, no ninja, a compile error, an import error) logs one warning
 and returns None: callers then run the pure-torch path, which computes the same thing more slowly.
@@ -28,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
-from tokenloom import envs
+from tokenloom import cpu_isa, envs
 from tokenloom.model.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,11 @@ def load_cached_extension(stem: str, source: Path, cflags: list[str], ldflags: l
     module and the build's seconds (None when it came from the cache). Raises on failure: callers
     log one warning and fall back (the torch path; dequantized weights).
     """
+    # Under TOKENLOOM_CPU_ISA the build targets the cap's -march instead of this CPU, in an entry of
+    # its own (a stale-build sweep of one stem would otherwise delete the other: tokenloom/cpu_isa.py).
+    cflags = cpu_isa.capped_cflags(cflags)
+    if (cap := cpu_isa.cap_name()) != cpu_isa.NATIVE:
+        stem = f"{stem}_{cap}"
     key = _cache_key(source, cflags, ldflags)
     name = f"tl_{stem}_{key}"
     build_dir = default_cache_dir() / "kernels" / f"{stem}-{key}"
@@ -177,7 +184,10 @@ def _build(name: str, source: Path, build_dir: Path, cflags: list[str], ldflags:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     logger.warning("compiling tokenloom's %s (first use on this machine, ~10-60 s) into %s", what, build_dir)
     t0 = time.perf_counter()
-    module = cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+    # Copies: torch's builder appends its own -L/-l flags to the list it is given, which changed the
+    # shared LDFLAGS, so the next library built in the same process hashed to another cache key
+    # (and a later process, with the pristine flags, rebuilt it and swept the first build away).
+    module = cpp_extension.load(name, [str(source)], extra_cflags=list(cflags), extra_ldflags=list(ldflags),
                                 build_directory=str(build_dir), verbose=False)
     seconds = time.perf_counter() - t0
     logger.info("%s built in %.1f s", what, seconds)

@@ -14,11 +14,10 @@ import ctypes
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from tokenloom import envs
+from tokenloom import cpu_isa, envs
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -30,23 +29,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def cpu_supports_bf16() -> bool:
-    """True when bf16 GEMMs have hardware support (AVX512-BF16 or AMX), i.e. oneDNN runs them fast."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX"):
+    """True when bf16 GEMMs have hardware support (AVX512-BF16 or AMX), i.e. oneDNN runs them fast.
+    Under TOKENLOOM_CPU_ISA, as a CPU of that level would answer (tokenloom/cpu_isa.py)."""
+    if cpu_isa.active_cap() is None and torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX"):
         return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_isa.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_has_fast_int8() -> bool:
     """True when int8 dot products have hardware support (VNNI or AMX-INT8), which oneDNN's int8 GEMM
     (torch._int_mm, the int8 W8A8 layers) needs to beat float32; without it oneDNN takes a slow path
-    (measured on an AVX2-only EPYC: decode 1.7x and prefill ~19x slower than float32)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    (measured on an AVX2-only EPYC: decode 1.7x and prefill ~19x slower than float32). Under
+    TOKENLOOM_CPU_ISA, as a CPU of that level would answer."""
+    flags = cpu_isa.cpu_flags()
+    if not flags:
         return True  # unknown: say nothing
     return any(f in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
