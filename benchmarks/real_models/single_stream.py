@@ -11,6 +11,14 @@ shared machine's load hits both alike; medians reported.
     .venv/bin/python benchmarks/real_models/single_stream.py [MODEL.gguf] \\
         --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench [--rounds 3] [--json out.json]
 
+`--cpu-isa avx2` runs tokenloom as on a CPU with only AVX2 (TOKENLOOM_CPU_ISA, tokenloom/cpu_isa.py): the
+AVX2 proxy of an AMD EPYC on an AVX-512 Xeon, against llama.cpp built for AVX2 only
+(benchmarks/real_models/setup_llamacpp_avx2.sh) with its defaults:
+
+    flock /tmp/tokenloom-bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/real_models/single_stream.py \
+        MODEL.gguf --cpu-isa avx2 --llama-bench ~/.cache/tokenloom-anchors/llamacpp-avx2/bin/llama-bench \
+        --rounds 5 --json docs/figures/single_stream_<model>_avx2_proxy.json
+
 Without --llama-bench only tokenloom runs. `--quantization` defaults to the engine's own default (a
 quantized GGUF stays quantized); `--quantization none` is the dequantized float path. The result also
 has the weights' bytes in memory and the process RSS after the engine is built (before any request).
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -28,7 +37,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.* and tokenloom
-from benchmarks.kernels.perf_overhead import run  # noqa: E402
 
 
 def llama_bench(binary: str, model: str, threads: int, n: int, prompt_len: int,
@@ -78,12 +86,21 @@ def main() -> None:
     ap.add_argument("--ttft-prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-isa", default=None, choices=["native", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
+                    help="run tokenloom as on a CPU with only this ISA (TOKENLOOM_CPU_ISA; default: the variable, "
+                         "else native)")
     a = ap.parse_args()
+    if a.cpu_isa:  # before tokenloom (and through it torch) loads: torch reads its cap once
+        os.environ["TOKENLOOM_CPU_ISA"] = a.cpu_isa
+    import tokenloom  # noqa: F401 - first, so that it caps torch's kernels under TOKENLOOM_CPU_ISA
+    from benchmarks.kernels.perf_overhead import run
+    from tokenloom.cpu_isa import cap_name
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.model.loader import resolve_model_path
 
     model = str(resolve_model_path(a.model))
     quant = None if a.quantization == "default" else a.quantization
+    load_start = os.getloadavg()
     engine = LLMEngine.from_args(model=model, dtype=a.dtype, quantization=quant)
     weights_mib = engine.runner.model.weight_bytes() / 2**20
     rss_mib = rss_now_mib()
@@ -102,14 +119,21 @@ def main() -> None:
             their_ttft.append(ttft)
             line += f"; llama.cpp {tg:7.1f} tok/s, TTFT {ttft:6.1f} ms"
         print(line, flush=True)
-    result = {"model": Path(model).name, "quantization": engine.config.quantization or "none",
+    result = {"model": Path(model).name, "cpu_isa": cap_name(), "quantization": engine.config.quantization or "none",
               "dtype": str(engine.dtype).replace("torch.", ""), "tokenloom_tok_s": statistics.median(ours),
               "tokenloom_ttft_ms": statistics.median(our_ttft), "ttft_prompt_len": a.ttft_prompt_len,
               "tokenloom_prefill_tok_s": 1e3 * a.ttft_prompt_len / statistics.median(our_ttft),
               "weights_mib": round(weights_mib, 1), "rss_after_start_mib": round(rss_mib, 1),
-              "file_mib": round(Path(model).stat().st_size / 2**20, 1)}
+              "file_mib": round(Path(model).stat().st_size / 2**20, 1), "rounds": a.rounds,
+              "output_len": a.output_len, "threads": a.threads,
+              "tokenloom_tok_s_rounds": [round(x, 2) for x in ours],
+              # other processes' load: the 1/5/15-minute load averages before the engine started and at the end
+              "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     if theirs:
         result["llamacpp_tok_s"] = statistics.median(theirs)
+        result["llamacpp_tok_s_rounds"] = [round(x, 2) for x in theirs]
+        result["llama_bench"] = a.llama_bench
+        result["llama_args"] = a.llama_arg
         result["llamacpp_ttft_ms"] = statistics.median(their_ttft)
         result["ratio"] = result["tokenloom_tok_s"] / result["llamacpp_tok_s"]
         result["llamacpp_prefill_tok_s"] = 1e3 * a.ttft_prompt_len / result["llamacpp_ttft_ms"]
