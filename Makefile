@@ -76,8 +76,8 @@ serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
 # Every ISA branch of the kernels compiles (AVX-512, BF16, VNNI, AVX-VNNI, none), not only the ones this
-# CPU has: -fsyntax-only per -march target, ~1 min on 2 cores, again only when a source changes.
-$(VENV)/.isa-checked: $(STAMP) tokenloom/model/csrc/cpu_kernels.cpp tokenloom/model/csrc/gguf_kernels.cpp tokenloom/model/csrc/lora_kernels.cpp tokenloom/model/isa_check.py
+# CPU has: -fsyntax-only per -march target, ~1 min on 2 cores, again only when a source or header changes.
+$(VENV)/.isa-checked: $(STAMP) $(wildcard tokenloom/model/csrc/*.cpp tokenloom/model/csrc/*.h) tokenloom/model/isa_check.py
 	$(BIN)/python -m tokenloom.model.isa_check
 	touch $@
 
