@@ -71,7 +71,8 @@ class EngineCoreHost:
         if parallel is not None and (parallel.data_parallel_size > 1 or (parallel.distributed_executor_backend == "ray"
                                                                          and parallel.model_parallel_size == 1)):
             raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
-                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
+                              "LLMEngine(config), `tokenloom serve` or `bench throughput`; an in-process engine core "
+                              "(InprocClient) is one engine")
         check_async_scheduling(config)
         check_speculative_engine(config)
         check_kv_transfer(config)
