@@ -83,9 +83,9 @@ def test_greedy_tokens_dp2_equal_dp1(tiny_dir):
     llm = LLM(str(tiny_dir), data_parallel_size=2, routing_policy="round_robin", **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        router = llm.llm_engine.engine.client.router
+        router = llm.llm_engine.client.client.router
         assert router.num_routed == [4, 4]  # both engines served
-        assert llm.llm_engine.engine.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
+        assert llm.llm_engine.client.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call on the same engines
     finally:
         llm.shutdown()

@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
+from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError, check_lora_request
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
@@ -298,7 +298,7 @@ class AsyncLLM:
         ts = batch.timestamp
         self._num_received[batch.engine_index] = batch.num_requests_received
         self._engine_stats[batch.engine_index] = batch.stats
-        self.scheduler_stats = batch.stats if len(self._engine_stats) == 1 else _sum_stats(self._engine_stats)
+        self.scheduler_stats = batch.stats if len(self._engine_stats) == 1 else sum_engine_stats(self._engine_stats)
         stats = IterationStats(ts, self.scheduler_stats, batch.step, ipc_latency=time.monotonic() - ts)
         if self.data_parallel_size > 1:
             stats.engine_index, stats.engine_scheduler = batch.engine_index, batch.stats
@@ -379,42 +379,3 @@ class AsyncLLM:
                 stat_logger(stats)
             except Exception:  # figures must never take serving down
                 logger.exception("stat logger failed")
-
-
-def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
-    """Every data-parallel engine's last report as one: counts and totals add up, KV usage is the mean
-    (the engines' pools are equal, so it is the fraction of all blocks in use)."""
-    reports = list(per_engine.values())
-    return SchedulerStats(
-        num_running_reqs=sum(r.num_running_reqs for r in reports),
-        num_waiting_reqs=sum(r.num_waiting_reqs for r in reports),
-        kv_cache_usage=sum(r.kv_cache_usage for r in reports) / len(reports),
-        num_free_blocks=sum(r.num_free_blocks for r in reports),
-        num_preemptions_total=sum(r.num_preemptions_total for r in reports),
-        prefix_cache_queries=sum(r.prefix_cache_queries for r in reports),
-        prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
-        running_lora_adapters=_sum_counts([r.running_lora_adapters for r in reports]),
-        waiting_lora_adapters=_sum_counts([r.waiting_lora_adapters for r in reports]),
-        connector_prefix_cache_totals=_sum_prefix_stats([r.connector_prefix_cache_totals for r in reports]),
-    )
-
-
-def _sum_counts(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
-    if all(p is None for p in parts):
-        return None
-    out: dict[str, int] = {}
-    for part in parts:
-        for name, n in (part or {}).items():
-            out[name] = out.get(name, 0) + n
-    return out
-
-
-def _sum_prefix_stats(parts: list[PrefixCacheStats | None]) -> PrefixCacheStats | None:
-    """The engines' KV connector hit totals as one (None when no engine runs a connector)."""
-    if all(p is None for p in parts):
-        return None
-    total = PrefixCacheStats()
-    for p in parts:
-        if p is not None:
-            total.merge(p)
-    return total

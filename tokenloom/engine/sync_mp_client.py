@@ -16,8 +16,10 @@ from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
+from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
+from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.iteration_stats import IterationStats
 from tokenloom.engine.request_mirrors import update_mirrors
@@ -30,6 +32,7 @@ class SyncMPClient:
         self._ready: EngineReady | None = None
         self._mirrors: dict[str, Request] = {}  # core request id -> the front end's Request, while unfinished
         self._batches: list[EngineCoreOutputs] = []
+        self._engine_stats: dict[int, SchedulerStats] = {}  # data-parallel rank -> its last report
         self._failure: str | None = None
         self._loop = asyncio.new_event_loop()
         self._arrived: asyncio.Event | None = None
@@ -82,6 +85,13 @@ class SyncMPClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._mirrors)
 
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
+        """Every engine's last report, summed (as AsyncLLM's); None before the first."""
+        if len(self._engine_stats) <= 1:
+            return next(iter(self._engine_stats.values()), None)
+        return sum_engine_stats(self._engine_stats)
+
     def get_output(self) -> list[EngineCoreOutput]:
         """Every batch that arrived, waiting for one when none has; [] with nothing in flight."""
         if not self._batches and self._failure is None and self._mirrors:
@@ -92,6 +102,7 @@ class SyncMPClient:
         outputs: list[EngineCoreOutput] = []
         stats = IterationStats(time.monotonic())  # (LLMEngine logs no iteration stats; the mirrors need one)
         for batch in self._batches:
+            self._engine_stats[batch.engine_index] = batch.stats
             update_mirrors(batch, self._mirrors, stats)
             for out in batch.outputs:
                 if out.finished:
