@@ -209,7 +209,7 @@ def test_async_llm_asks_its_client_what_it_is(llm_engine) -> None:
 
 
 def test_max_model_len_is_resolved_once_by_the_engine(llm_engine) -> None:
-    from tokenloom.engine.core_host import resolve_max_model_len
+    from tokenloom.core.prompt_fit import resolve_max_model_len
 
     # No placeholder: a knob checked against max_model_len waits until the engine knows it.
     config = engine_config_from_kwargs(long_prefill_token_threshold=100)
