@@ -553,7 +553,7 @@ def test_data_parallel_engines_take_the_option(tiny_llama) -> None:
     llm = LLM(tiny_llama, kv_cache_dtype="int8", data_parallel_size=2, routing_policy="round_robin", **TINY)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], params, use_tqdm=False)
-        assert llm.llm_engine.engine.client.router.num_routed == [2, 2]
+        assert llm.llm_engine.client.client.router.num_routed == [2, 2]
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.config import EngineConfig, engine_config_from_kwargs
+from tokenloom.config import engine_config_from_kwargs
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
 from tokenloom.engine.input_processor import PromptType
 from tokenloom.engine.llm_engine import LLMEngine
@@ -29,20 +29,7 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenloom.engine.dp_llm import DataParallelLLMEngine
     from tokenloom.lora.request import LoRARequest
-
-
-def make_offline_engine(config: EngineConfig) -> LLMEngine | DataParallelLLMEngine:
-    """The engine `LLM` drives, as `config.parallel` says: one engine core in this process (LLMEngine),
-    or N engine-core processes behind the router (DataParallelLLMEngine, over clients.make_client).
-    Both take the same calls (add_request, add_pooling_request, step, abort_request, close)."""
-    parallel = config.parallel
-    if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
-        from tokenloom.engine.dp_llm import DataParallelLLMEngine
-
-        return DataParallelLLMEngine(config)
-    return LLMEngine(config)
 
 
 def _lora_requests(lora_request: Any, n: int) -> list[Any]:
@@ -59,9 +46,9 @@ def _lora_requests(lora_request: Any, n: int) -> list[Any]:
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
-        (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray)."""
-        self.llm_engine: LLMEngine | DataParallelLLMEngine = make_offline_engine(
-            engine_config_from_kwargs(model=model, **kwargs))
+        (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray): the LLMEngine
+        then steps them through its SyncMPClient, otherwise its engine core runs in this process."""
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
