@@ -35,7 +35,7 @@ from tests.tiny_models import TINY_HIDDEN, TINY_INTERMEDIATE, TINY_KV_HEADS, TIN
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("TOKENLOOM_SWEEP_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("TOKENLOOM_SWEEP_EXAMPLES", "20"))
 CLIENT_TIMEOUT_S = 60.0  # a hang, not a slow answer on a loaded machine: every answer here takes < 1 s idle
 SWEEP = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -353,15 +353,6 @@ def test_path_parameters(gen_http, name, route) -> None:
     check_answer(gen_http, method, route.format(quote(name, safe="%")))
 
 
-def test_servers_still_serve_the_same_after_the_sweep(gen_http, pool_http) -> None:
-    """After every sweep above (module order): the same greedy tokens, a healthy engine; the leak check that
-    follows this test finds no request running and no KV block held in either server."""
-    assert _greedy(gen_http, MODEL) == gen_http.reference
-    assert gen_http.get("/health").status_code == 200 and pool_http.get("/health").status_code == 200
-    r = pool_http.post("/v1/embeddings", json={"model": "emb", "input": ["a cat"]})
-    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 32, r.text
-
-
 def _adapter(root: Path, name: str, config: Any = None, tensors: dict[str, Any] | None = None,
              raw_weights: bytes | None = None) -> str:
     """An adapter directory in PEFT's layout whose config and weights are whatever the case needs."""
@@ -485,3 +476,12 @@ def test_a_grammar_that_matches_nothing_is_400(gen_http) -> None:
     assert r.status_code == 400 and "matches no text" in r.json()["error"]["message"], r.text
     body["structured_outputs"] = {"grammar": 'root ::= "" | "x"'}  # the empty text is some text
     assert gen_http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_servers_still_serve_the_same_after_the_sweep(gen_http, pool_http) -> None:
+    """Last in the module, after every sweep above: the same greedy tokens, a healthy engine; the leak check that
+    follows this test finds no request running and no KV block held in either server."""
+    assert _greedy(gen_http, MODEL) == gen_http.reference
+    assert gen_http.get("/health").status_code == 200 and pool_http.get("/health").status_code == 200
+    r = pool_http.post("/v1/embeddings", json={"model": "emb", "input": ["a cat"]})
+    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 32, r.text
