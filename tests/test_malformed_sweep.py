@@ -69,7 +69,7 @@ _BAD_SCHEMAS = [{"type": "strin"}, {"type": "object", "properties": 5}, {"$ref":
                 {"type": "integer", "minimum": 5, "maximum": 1}, {"pattern": "(ab", "type": "string"}, True, "x"]
 _HUGE_IDS = [[TINY_VOCAB], [-1], [2**63], [1, 2, 10**9], [True, 1]]
 _COMMON_HOSTILE: dict[str, list[Any]] = {
-    "model": ["gpt-17", "", "t" * 500, "../../etc/passwd", None],
+    "model": ["gpt-17", "", "t" * 500, "../../etc/passwd", None, "\ud800"],
     "n": [0, -1, 2**31, 129, 10**6],
     "max_tokens": [0, -1, 2**31, MAX_LEN, MAX_LEN + 1, 10**30],
     "temperature": [-0.0, -1, 2.0000001, 1e-320, 1e308],
@@ -99,6 +99,7 @@ _COMMON_HOSTILE: dict[str, list[Any]] = {
 _CHAT_HOSTILE: dict[str, list[Any]] = {
     **_COMMON_HOSTILE,
     "messages": [[], [{}], [{"role": None}], [{"role": "user", "content": [{}]}],
+                 [{"role": "user", "content": "\udfff"}],
                  [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [{"type": 5}]}],
                  [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
                  [{"role": "tool", "content": "x"}], [{"role": "assistant", "content": "x"}],
@@ -125,7 +126,7 @@ _CHAT_HOSTILE: dict[str, list[Any]] = {
 }
 _COMPLETION_HOSTILE: dict[str, list[Any]] = {
     **_COMMON_HOSTILE,
-    "prompt": ["", [], [[]], [[], [1]], [TINY_VOCAB], [-1], [2**63], [[1], ["a"]], ["a", 1], [True],
+    "prompt": ["", "a\ud800b", [], [[]], [[], [1]], [TINY_VOCAB], [-1], [2**63], [[1], ["a"]], ["a", 1], [True],
                "x" * 5000, [1] * (MAX_LEN + 1), ["a"] * 1025, "\x00", [None], {"a": 1}],
     "logprobs": [-1, -2, 21, 2**31, 0], "echo": [True], "best_of": [0, 2, -1, 10**6], "suffix": ["", "x"],
 }
@@ -133,7 +134,7 @@ _RESPONSES_HOSTILE: dict[str, list[Any]] = {
     **{k: v for k, v in _COMMON_HOSTILE.items() if k in ("model", "temperature", "top_p", "top_k", "seed", "stop",
                                                          "priority", "logit_bias", "stream", "repetition_penalty",
                                                          "structured_outputs")},
-    "input": ["", [], [{}], [{"type": "message"}], [{"role": "user", "content": 5}],
+    "input": ["", "\ud800", [], [{}], [{"type": "message"}], [{"role": "user", "content": 5}],
               [{"type": "message", "role": "robot", "content": "x"}], [{"type": "function_call"}],
               [{"type": "function_call_output", "output": 5}], [{"type": "reasoning", "encrypted_content": "x"}],
               [{"role": "user", "content": [{"type": "input_image"}]}], [{"type": "item_reference", "id": "x"}]],
@@ -150,7 +151,8 @@ _RESPONSES_HOSTILE: dict[str, list[Any]] = {
     "background": [True], "enable_response_messages": [True],
 }
 _TOKENIZE_HOSTILE: dict[str, list[Any]] = {
-    "model": _COMMON_HOSTILE["model"], "prompt": ["", "x" * 5000, None, [1]], "messages": _CHAT_HOSTILE["messages"],
+    "model": _COMMON_HOSTILE["model"], "prompt": ["", "x" * 5000, None, [1], "\ud800"],
+    "messages": _CHAT_HOSTILE["messages"],
     "add_special_tokens": ["x"], "return_token_strs": ["x"], "chat_template_kwargs": [{"tools": 5}],
 }
 _DETOKENIZE_HOSTILE: dict[str, list[Any]] = {
@@ -164,7 +166,7 @@ _LORA_HOSTILE: dict[str, list[Any]] = {
 }
 _POOLING_HOSTILE: dict[str, list[Any]] = {
     "model": _COMMON_HOSTILE["model"],
-    "input": ["", [], [""], [[]], [[1], []], ["a", 1], [[1], ["a"]], [-1], [10**9], [2**63], [2**64], [True],
+    "input": ["", "\udc80", [], [""], [[]], [[1], []], ["a", 1], [[1], ["a"]], [-1], [10**9], [2**63], [2**64], [True],
               "x" * 5000, ["word"] * 2000, [[1] * 200], {"a": 1}, [None]],
     "messages": [[], [{}], [{"role": "user"}], [{"role": 5, "content": "x"}], [{"content": "x"}], "x", [5]],
     "encoding_format": ["base32", None, 5], "dimensions": [0, -1, 8, 2**63, 10**30, 32, "x"],
@@ -172,7 +174,7 @@ _POOLING_HOSTILE: dict[str, list[Any]] = {
     "priority": [2**63, 10**30, -(2**63) - 1, "3"], "task": ["", "generate", "classify", "token_embed", 5],
     "use_activation": ["x"], "add_special_tokens": ["x"], "request_id": [5, "x" * 1000],
     "text_1": ["", [], [""], 5, [5], ["a"] * 600], "text_2": ["", [], [""], 5, [5], ["a", "b", "c"], ["a"] * 600],
-    "query": ["", 5, None, "x" * 5000], "documents": [[], [""], [5], "x", ["a"] * 600, [{"text": "a"}]],
+    "query": ["", 5, None, "x" * 5000, "\ud800"], "documents": [[], [""], [5], "x", ["a"] * 600, [{"text": "a"}]],
     "top_n": [-1, 0, 10**30, 2**63, "x"],
 }
 
@@ -219,7 +221,21 @@ def mutated_bodies(draw: st.DrawFn, base: dict[str, Any], hostile: dict[str, lis
             body[field] = draw(GARBAGE)
     if draw(st.integers(0, 5)) == 0:  # an unknown field: ignored, as vLLM does
         body[draw(st.text(min_size=1, max_size=8))] = draw(GARBAGE)
+    strings = list(_string_slots(body))
+    if strings and draw(st.integers(0, 3)) == 0:  # half a UTF-16 pair in one of the texts (a prompt, a role...)
+        holder, key = draw(st.sampled_from(strings))
+        holder[key] = holder[key][:3] + draw(st.sampled_from(["\ud800", "\udfff", "\udc80x"]))
     return body
+
+
+def _string_slots(obj: Any) -> Any:
+    """(container, key) of every string value in a JSON document."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(value, str):
+            yield obj, key
+        else:
+            yield from _string_slots(value)
 
 
 _VALID = b'{"model": "tiny", "prompt": "hello", "max_tokens": 3}'
