@@ -149,8 +149,22 @@ def test_engines_unchanged_after_the_sweeps(llm, pooling_llm) -> None:
     (lambda llm: SamplingParams(top_p="x"), ValueError, "top_p must be a number"),  # '<' not supported
     (lambda llm: SamplingParams(stop=5), ValueError, "stop must be a list"),  # 'int' object is not iterable
     (lambda llm: SamplingParams(logit_bias={1: float("nan")}), ValueError, "finite"),  # NaN bias reached logits
+    (lambda llm: SamplingParams(allowed_token_ids=float("nan")), ValueError, "allowed_token_ids"),  # not iterable
 ])
 def test_offline_regressions(llm, call, error, words) -> None:
     with pytest.raises(error, match=words):
         call(llm)
     _idle(llm)
+
+
+@pytest.mark.parametrize(("call", "error", "words"), [
+    (lambda llm: llm.score("a", {"text": "b"}), TypeError, "data_2 must be a text"),  # unhashable type: 'dict'
+    (lambda llm: llm.score(None, "b"), TypeError, "data_1 must be a text"),  # 'NoneType' object is not iterable
+    (lambda llm: llm.embed(["a"], PoolingParams(truncate_prompt_tokens={})), ValueError,
+     "truncate_prompt_tokens must be an int"),  # '<' not supported between instances of 'dict' and 'int'
+    (lambda llm: llm.embed(["a"], {"normalize": True}), TypeError, "pooling_params must be"),
+])
+def test_offline_pooling_regressions(pooling_llm, call, error, words) -> None:
+    with pytest.raises(error, match=words):
+        call(pooling_llm)
+    _idle(pooling_llm)
