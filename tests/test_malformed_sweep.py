@@ -499,6 +499,38 @@ def test_a_grammar_that_matches_nothing_is_400(gen_http) -> None:
     assert gen_http.post("/v1/completions", json=body).status_code == 200
 
 
+def test_malformed_requests_beside_running_ones_lose_nothing(gen_http) -> None:
+    """Bad requests arriving while good ones run (a stream and a batch of plain requests): the good ones finish
+    with the tokens they get alone, each bad one gets its 4xx."""
+    import concurrent.futures
+
+    good = {"model": MODEL, "prompt": "The quick brown", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+    def tokens(body: dict[str, Any]) -> list[int]:
+        r = gen_http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    def streamed() -> str:
+        with gen_http.stream("POST", "/v1/completions", json={**good, "stream": True}) as r:
+            assert r.status_code == 200
+            return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                           if line.startswith("data: {"))
+
+    alone = tokens(good)
+    text_alone = gen_http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+    bad = [(path, {**base, field: values[0]}) for path, (base, hostile) in ENDPOINTS.items()
+           for field, values in hostile.items() if path in ("/v1/completions", "/v1/chat/completions")]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        runs = [pool.submit(tokens, good) for _ in range(3)]
+        stream = pool.submit(streamed)
+        statuses = [check_answer(gen_http, "POST", path, content=json.dumps(body), headers=JSON) for path, body in bad]
+        assert all(run.result(timeout=CLIENT_TIMEOUT_S) == alone for run in runs)
+        assert stream.result(timeout=CLIENT_TIMEOUT_S) == text_alone
+    assert statuses.count(400) > len(bad) // 2, statuses
+
+
 def test_servers_still_serve_the_same_after_the_sweep(gen_server, pool_server, gen_http, pool_http) -> None:
     """Last in the module, after every sweep above: the same greedy tokens, a healthy engine; the leak check that
     follows this test finds no request running and no KV block held in either server."""
