@@ -50,6 +50,9 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidRequestError(f"a prompt dict's 'prompt' must be a string, got "
+                                              f"{type(prompt['prompt']).__name__}", "prompt")
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, list):
@@ -94,6 +97,10 @@ class InputProcessor:
                          info.max_in_flight_tokens)
         if not fit.empty:  # (an empty prompt is said to be empty first)
             self.check_token_ids(prompt_token_ids)
+            try:  # vLLM's processor refuses these too; an id past the vocabulary would index past the logits row
+                params.check_vocab(info.vocab_size)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), str(exc).split(" ", 1)[0]) from None
         refusal = prompt_refusal(fit, max_tokens=params.max_tokens, max_tokens_in_context=max_tokens_in_context)
         if refusal is not None:
             raise InvalidRequestError(refusal.message, refusal.param)
