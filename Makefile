@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test lint bench-setup bench-models clean
+.PHONY: setup serve test lint bench-setup bench-models figures-quick figure clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -76,10 +76,20 @@ serve: setup
 	$(BIN)/tokenloom serve --host $(HOST) --port $(PORT)
 
 # Every ISA branch of the kernels compiles (AVX-512, BF16, VNNI, AVX-VNNI, none), not only the ones this
-# CPU has: -fsyntax-only per -march target, ~1 min on 2 cores, again only when a source changes.
-$(VENV)/.isa-checked: $(STAMP) tokenloom/model/csrc/cpu_kernels.cpp tokenloom/model/csrc/gguf_kernels.cpp tokenloom/model/csrc/lora_kernels.cpp tokenloom/model/isa_check.py
+# CPU has: -fsyntax-only per -march target, ~1 min on 2 cores, again only when a source or header changes.
+$(VENV)/.isa-checked: $(STAMP) $(wildcard tokenloom/model/csrc/*.cpp tokenloom/model/csrc/*.h) tokenloom/model/isa_check.py
 	$(BIN)/python -m tokenloom.model.isa_check
 	touch $@
+
+# Re-run the figures of docs/figures/ from benchmarks/figures/manifest.toml: every figure's scaled-down
+# form into /tmp/tokenloom-figures-quick (a check that the pipelines still run; the numbers mean nothing),
+# or one figure's full run over its file in docs/figures/ (read its doc's conditions before committing it).
+figures-quick: setup
+	$(BIN)/python benchmarks/figures/rerun.py --quick
+
+figure: setup
+	@test -n "$(FIGURE)" || { echo "usage: make figure FIGURE=<file under docs/figures/> (list: $(BIN)/python benchmarks/figures/rerun.py --list)"; exit 2; }
+	$(BIN)/python benchmarks/figures/rerun.py --only $(FIGURE)
 
 test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks

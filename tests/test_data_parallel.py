@@ -83,9 +83,9 @@ def test_greedy_tokens_dp2_equal_dp1(tiny_dir):
     llm = LLM(str(tiny_dir), data_parallel_size=2, routing_policy="round_robin", **kw)
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        router = llm.llm_engine.engine.client.router
+        router = llm.llm_engine.client.client.router
         assert router.num_routed == [4, 4]  # both engines served
-        assert llm.llm_engine.engine.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
+        assert llm.llm_engine.client.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call on the same engines
     finally:
         llm.shutdown()
@@ -176,3 +176,52 @@ async def _until(cond, timeout_s: float = 30.0) -> None:
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_llm_engine_over_one_engine_process_gives_the_in_process_engines_outputs(tiny_dir):
+    """LLMEngine(multiprocess_mode=True): the same front end over SyncMPClient and one engine-core process.
+    Greedy tokens, a stop string's abort and the metrics (written into the mirrors from the engine's reports)
+    equal the in-process engine's; a killed engine process fails the next step with EngineDeadError."""
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.engine.sync_mp_client import SyncMPClient
+
+    here = LLMEngine(_config(tiny_dir))
+    there = LLMEngine(_config(tiny_dir), multiprocess_mode=True)
+
+    def run(engine: LLMEngine, stop: list[str] | None = None) -> dict:
+        ids = [engine.add_request(None, {"prompt_token_ids": p}, SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop)) for p in PROMPTS[:4]]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return {i: done[i] for i in ids}
+
+    try:
+        assert isinstance(there.client, SyncMPClient)
+        want, got = run(here), run(there)
+        assert [list(o.outputs[0].token_ids) for o in got.values()] == \
+            [list(o.outputs[0].token_ids) for o in want.values()]
+        for out in got.values():  # the engine's timestamps reached the mirrors
+            m = out.metrics
+            assert m.first_scheduled_time and m.first_token_time and m.finished_time
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        text = want[next(iter(want))].outputs[0].text
+        assert len(text) > 4, text
+        stop = [text[len(text) // 2:len(text) // 2 + 2]]  # a stop string ends it here; the abort frees it there
+        cut = run(there, stop)
+        assert [o.outputs[0].text for o in cut.values()] == [o.outputs[0].text for o in run(here, stop).values()]
+        assert any(o.outputs[0].finish_reason == "stop" for o in cut.values())
+        assert not there.has_unfinished_requests()
+        with pytest.raises(RuntimeError, match="needs the engine core in this process"):
+            there.scheduler  # noqa: B018
+        there.add_request(None, {"prompt_token_ids": PROMPTS[5]}, SamplingParams(max_tokens=400, ignore_eos=True))
+        os.kill(there.client.client.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            for _ in range(1000):
+                there.step()
+    finally:
+        here.close()
+        there.close()

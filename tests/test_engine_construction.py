@@ -3,7 +3,8 @@
 - the engine-core process builds the engine core alone (EngineCoreHost): no OutputProcessor;
 - every front end (LLMEngine, the data-parallel LLM, AsyncLLM) refuses a bad prompt with the same
   message, the InputProcessor's;
-- make_client picks the single-process, data-parallel or Ray client, make_offline_engine the engine
+- make_client picks the in-process, single-process, data-parallel or Ray client (LLMEngine gets the in-process
+  one unless its config needs engine processes, then SyncMPClient over them), and
   `LLM` drives, and AsyncLLM asks its client instead of probing it;
 - max_model_len is resolved once, by the engine (no placeholder in the config).
 """
@@ -59,6 +60,9 @@ class FakeClient:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         pass
 
+    failure = None
+    is_alive = True
+
     is_alive = True
     failure = None
     data_parallel_size = 1
@@ -98,13 +102,19 @@ def _message(call: Any) -> str:
 
 def test_every_front_end_refuses_a_bad_prompt_with_the_input_processors_message(llm_engine, tiny_dir,
                                                                                  monkeypatch) -> None:
-    import tokenloom.engine.dp_llm as dp_llm
+    import tokenloom.engine.clients as clients
     from tokenloom.engine.async_llm import AsyncLLM
     from tokenloom.engine.input_processor import InvalidRequestError
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.engine.sync_mp_client import SyncMPClient
 
     ready = llm_engine.engine_ready(0.0)
-    monkeypatch.setattr(dp_llm, "make_client", lambda config, log_level: FakeClient(ready))
-    dp = dp_llm.DataParallelLLMEngine(engine_config_from_kwargs(model=str(tiny_dir), data_parallel_size=2))
+    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level: FakeClient(ready))
+    dp = LLMEngine(engine_config_from_kwargs(model=str(tiny_dir), data_parallel_size=2))  # engine processes
+    assert isinstance(dp.client, SyncMPClient)
+    for part in ("scheduler", "runner", "engine_core", "reset_scheduler"):  # they live in the engine processes
+        with pytest.raises(RuntimeError, match=f"LLMEngine.{part} needs the engine core in this process"):
+            getattr(dp, part)() if part == "reset_scheduler" else getattr(dp, part)
     server = AsyncLLM(FakeClient(ready), ready, llm_engine.tokenizer)
     params = SamplingParams(max_tokens=8)
     try:
@@ -153,15 +163,38 @@ def test_make_client_picks_the_client_the_parallel_config_asks_for(monkeypatch) 
     assert isinstance(ray, dp_client.DPEngineCoreClient) and ray.clients == ["a", "b"]
 
 
-def test_make_offline_engine_runs_one_engine_here_or_the_data_parallel_engines(monkeypatch) -> None:
-    import tokenloom.engine.dp_llm as dp_llm
-    import tokenloom.engine.llm as llm_module
+def test_llm_engine_steps_an_in_process_client_unless_the_config_needs_engine_processes(monkeypatch) -> None:
+    """make_client's table: in process (InprocClient) for LLMEngine, SyncMPClient over the engine processes when
+    it asks for them, the asynchronous clients for AsyncLLM; impossible pairs refused with a reason."""
+    import tokenloom.engine.clients as clients
+    import tokenloom.engine.llm_engine as llm_engine_module
+    from tokenloom.engine.sync_mp_client import SyncMPClient
 
-    monkeypatch.setattr(llm_module, "LLMEngine", lambda config: ("here", config))
-    monkeypatch.setattr(dp_llm, "DataParallelLLMEngine", lambda config: ("processes", config))
-    assert llm_module.make_offline_engine(EngineConfig())[0] == "here"
-    assert llm_module.make_offline_engine(EngineConfig(parallel=ParallelConfig(data_parallel_size=2)))[0] == \
-        "processes"
+    monkeypatch.setattr(clients, "InprocClient", lambda config, clock: ("here", config))
+    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level: ("processes", config))
+    dp2 = EngineConfig(parallel=ParallelConfig(data_parallel_size=2))
+    assert clients.make_client(EngineConfig(), multiprocess_mode=False, asyncio_mode=False)[0] == "here"
+    assert clients.make_client(dp2)[0] == "processes"  # AsyncLLM's
+    sync = clients.make_client(dp2, asyncio_mode=False)
+    assert isinstance(sync, SyncMPClient) and sync.client[0] == "processes"
+    with pytest.raises(ValueError, match="asyncio_mode needs multiprocess_mode"):
+        clients.make_client(EngineConfig(), multiprocess_mode=False)
+    with pytest.raises(ValueError, match="runs engine-core processes"):
+        clients.make_client(dp2, multiprocess_mode=False, asyncio_mode=False)
+
+    asked: list[bool] = []
+
+    def record(config: EngineConfig, log_level: str, *, multiprocess_mode: bool, **kwargs: Any) -> Any:
+        asked.append(multiprocess_mode)
+        raise KeyboardInterrupt  # (stop before anything loads)
+
+    monkeypatch.setattr(llm_engine_module, "make_client", record)
+    for config in (EngineConfig(), dp2, EngineConfig(parallel=ParallelConfig(distributed_executor_backend="ray")),
+                   EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray"))):
+        with pytest.raises(KeyboardInterrupt):
+            llm_engine_module.LLMEngine(config)
+    # Ray with tensor parallelism places the ranks from an engine core in this process (RayExecutor).
+    assert asked == [False, True, True, False]
 
 
 def test_async_llm_asks_its_client_what_it_is(llm_engine) -> None:
@@ -176,7 +209,7 @@ def test_async_llm_asks_its_client_what_it_is(llm_engine) -> None:
 
 
 def test_max_model_len_is_resolved_once_by_the_engine(llm_engine) -> None:
-    from tokenloom.engine.core_host import resolve_max_model_len
+    from tokenloom.core.prompt_fit import resolve_max_model_len
 
     # No placeholder: a knob checked against max_model_len waits until the engine knows it.
     config = engine_config_from_kwargs(long_prefill_token_threshold=100)

@@ -260,7 +260,7 @@ def test_data_parallel_with_async_scheduling_drafts_and_structured_outputs(roomy
         free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:2]],
                             [_json_params()] * 4 + [free] * 2, use_tqdm=False)
-        assert llm.llm_engine.engine.client.router.num_routed == [3, 3]
+        assert llm.llm_engine.client.client.router.num_routed == [3, 3]
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs[:4]] == roomy_default

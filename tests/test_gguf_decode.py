@@ -1,4 +1,4 @@
-"""GGUFDecoder (the whole decode stack in one compiled call, quantized weights) against a plain torch
+"""FusedDecoder (the whole decode stack in one compiled call, quantized weights) against a plain torch
 forward of the dequantized weights, on the default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0).
 
 The decoder quantizes activations to int8 per 32, so the two differ by rounding: hidden states

@@ -63,7 +63,7 @@ def decode(m: dict[str, torch.Tensor], d: int, ids: list[int], cos: torch.Tensor
     def part(w: torch.Tensor) -> list:
         return [(w.contiguous(), 0, None, False)]
 
-    dec = kernels.GGUFDecoder(H, HQ, HKV, d, INTER, EPS, m["embed"], 0, m["norm"], False)
+    dec = kernels.FusedDecoder(H, HQ, HKV, d, INTER, EPS, m["embed"], 0, m["norm"], False)
     for i in range(LAYERS):
         dec.add_layer(m[f"{i}.attn_norm"], part(m[f"{i}.qkv"]), part(m[f"{i}.o"]), m[f"{i}.ffn_norm"],
                       part(m[f"{i}.gate_up"]), part(m[f"{i}.down"]))

@@ -189,7 +189,7 @@ def test_a_request_that_cannot_fit_every_group_is_rejected() -> None:
         return Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=256),
                          CacheConfig(block_size=BS, num_blocks=num_blocks, layer_windows=(W, None)), clock=lambda: 0.0)
 
-    with pytest.raises(RequestRejected, match="needs 30 KV blocks"):
+    with pytest.raises(RequestRejected, match="30 KV-cache blocks are needed"):
         sched(29).add_request(_req("big", list(range(60)), max_tokens=41))
     sched(30).add_request(_req("big", list(range(60)), max_tokens=41))
 

@@ -53,7 +53,7 @@ def test_isa_targets_cover_every_branch_the_sources_test() -> None:
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     macros = set()
-    for source in isa_check.SOURCES:
+    for source in kernels_mod.build_inputs(isa_check.SOURCES):  # the headers too (gguf_quants.h's switches)
         for line in source.read_text().splitlines():
             if line.lstrip().startswith(("#if", "#elif")):
                 macros |= set(re.findall(r"__[A-Z0-9_]+__", line))
@@ -66,3 +66,18 @@ def test_isa_targets_cover_every_branch_the_sources_test() -> None:
     for macro in macros:
         on = [t for t in isa_check.TARGETS if macro in defined[t]]
         assert on and len(on) < len(isa_check.TARGETS), (macro, on)
+
+
+def test_the_cache_key_hashes_every_header_a_build_includes(tmp_path) -> None:
+    """A header edit must rebuild the extension: gguf_kernels.cpp and fused_decode.cpp share
+    gguf_quants.h, and a key over the .cpp files alone would load a stale library after it changed."""
+    a, b, c = tmp_path / "a.cpp", tmp_path / "b.h", tmp_path / "c.h"
+    a.write_text('#include <vector>\n#include "b.h"\nint f() { return x; }\n')
+    b.write_text('#pragma once\n#include "c.h"\n')
+    c.write_text("inline int x = 1;\n")
+    assert kernels_mod.build_inputs([a]) == [a, b, c]
+    key = kernels_mod._cache_key([a], [], [])
+    c.write_text("inline int x = 2;\n")  # a header two includes deep
+    assert kernels_mod._cache_key([a], [], []) != key
+    shipped = kernels_mod.build_inputs(gguf_kernels_mod.SOURCES)
+    assert [p.name for p in shipped] == ["gguf_kernels.cpp", "fused_decode.cpp", "gguf_quants.h"]

@@ -553,7 +553,7 @@ def test_data_parallel_engines_take_the_option(tiny_llama) -> None:
     llm = LLM(tiny_llama, kv_cache_dtype="int8", data_parallel_size=2, routing_policy="round_robin", **TINY)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], params, use_tqdm=False)
-        assert llm.llm_engine.engine.client.router.num_routed == [2, 2]
+        assert llm.llm_engine.client.client.router.num_routed == [2, 2]
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
@@ -589,7 +589,7 @@ def test_an_encoder_refuses_it(tmp_path) -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_step_reads_int8_cache(tiny_llama, dtype, monkeypatch) -> None:
-    """The fused decode step (GGUFDecoder over float weights, TOKENLOOM_FUSED_FLOAT=1) on an int8
+    """The fused decode step (FusedDecoder over float weights, TOKENLOOM_FUSED_FLOAT=1) on an int8
     cache against the per-op kernels on one: the decode steps' logits agree as closely as the two paths
     do on a float cache (both quantize the same rows), the step writes int8 rows with their scales,
     and it really ran every decode step."""

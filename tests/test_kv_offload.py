@@ -306,7 +306,7 @@ def test_data_parallel_engines_offload_to_their_own_directories(tiny_dir, refere
               routing_policy="round_robin", kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path))
     try:
         outs = llm.generate([{"prompt_token_ids": PROMPT}] * 2, GREEDY, use_tqdm=False)
-        stats = llm.llm_engine.engine.scheduler_stats
+        stats = llm.llm_engine.client.scheduler_stats
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == [reference["prompt"]] * 2

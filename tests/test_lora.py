@@ -406,7 +406,7 @@ def test_data_parallel_engines_serve_adapters(base_dir, adapters, mixed_referenc
         assert _tokens(dp.generate(prompts, params, use_tqdm=False, lora_request=loras)) == want
         again = dp.generate(prompts, params, use_tqdm=False, lora_request=loras)
         assert _tokens(again) == want
-        router = dp.llm_engine.engine.client.router
+        router = dp.llm_engine.client.client.router
         assert router.lora_decisions["holder"] >= 2  # the second round found its adapters' engines
     finally:
         dp.shutdown()

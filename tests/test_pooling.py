@@ -322,10 +322,12 @@ def test_runner_flags(tmp_path):
         LLM(str(path), runner="pooling", quantization="int8")
     with pytest.raises(ConfigError, match="encoder runs in --dtype"):
         LLM(str(bert), quantization="gguf")
-    from tokenloom.engine.dp_llm import DataParallelLLMEngine
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.engine.sync_mp_client import SyncMPClient
 
     dp = LLM.__new__(LLM)  # offline data parallel (engine processes) refuses pooling (none started here)
-    dp.llm_engine = DataParallelLLMEngine.__new__(DataParallelLLMEngine)
+    dp.llm_engine = LLMEngine.__new__(LLMEngine)
+    dp.llm_engine.client = SyncMPClient.__new__(SyncMPClient)
     with pytest.raises(ValueError, match="data_parallel_size"):
         dp.embed("x", use_tqdm=False)
     last = LLM(str(path), runner="pooling", num_blocks=32)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tokenloom.config import CacheConfig, SchedulerConfig
+from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups, max_in_flight_tokens
-from tokenloom.core.prompt_fit import max_model_len_that_fits, prompt_fit
+from tokenloom.core.prompt_fit import max_model_len_that_fits, prompt_fit, resolve_max_model_len, sched_max_len_default
 from tokenloom.core.scheduler import RequestRejected, Scheduler
 from tokenloom.sampling_params import SamplingParams
 
@@ -57,6 +57,53 @@ def test_async_scheduling_keeps_two_batches_in_flight() -> None:
         kv = sched.kv_cache_manager
         assert kv.max_in_flight_tokens == (16 if async_ else 8)
         assert [m.admission_cap_blocks for m in kv.managers] == [7 if async_ else 5, None]
+
+
+def test_the_scheduler_and_the_front_ends_refuse_with_one_rules_words(tmp_path) -> None:  # noqa: ANN001
+    """prompt_refusal is the one rule: the scheduler (no front end: simulator, replay) and the InputProcessor
+    (every front end) refuse the same requests with the same words, the scheduler naming the request."""
+    from tokenloom.core.request import Request
+    from tokenloom.engine.core_messages import EngineReady
+    from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError
+
+    max_len = 64
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=4, max_model_len=max_len),
+                      CacheConfig(block_size=BS, num_blocks=POOL, layer_windows=(W, W, None)), clock=lambda: 0.0)
+    kv = sched.kv_cache_manager
+    ready = EngineReady(model_name="m", max_model_len=max_len, num_blocks=POOL, block_size=BS, eos_token_id=None,
+                        vocab_size=1000, dtype="float32", device="cpu", load_time_s=0.0,
+                        kv_cache_group_windows=[g.sliding_window for g in kv.kv_cache_groups],
+                        max_in_flight_tokens=kv.max_in_flight_tokens or 0)
+    front = InputProcessor(None, ready)  # type: ignore[arg-type]
+    cases = [([], 8, "the prompt is empty"), ([5] * max_len, 8, "leaves no room to generate"),
+             ([5] * 20, 22, "21 KV-cache blocks are needed (11 in the full-attention group")]
+    for i, (ids, max_tokens, words) in enumerate(cases):
+        params = SamplingParams(max_tokens=max_tokens)
+        with pytest.raises(InvalidRequestError) as said:
+            front.check_prompt(ids, params, max_tokens_in_context=False)
+        with pytest.raises(RequestRejected) as refused:
+            sched.add_request(Request(f"r{i}", ids, params))
+        assert words in str(said.value), said.value
+        assert str(refused.value) == f"request 'r{i}': {said.value}"
+    sched.add_request(Request("fits", [5] * 20, SamplingParams(max_tokens=21)))  # the boundary: both take it
+    front.check_prompt([5] * 20, SamplingParams(max_tokens=21), max_tokens_in_context=False)
+
+
+def test_the_simulator_resolves_max_model_len_as_the_engine_does() -> None:
+    """--max-model-len past the model's context is refused by the simulator as by the engine; without it both
+    take the engine's default."""
+    from types import SimpleNamespace
+
+    from tokenloom.config import ConfigError
+    from tokenloom.sim.simulate import engine_configs
+
+    profile = SimpleNamespace(max_model_len=1024)  # (a profile's context length; the pool is given)
+    with pytest.raises(ConfigError, match="larger than the model's context length"):
+        engine_configs(profile, {"max_model_len": 4096, "num_blocks": 512})
+    sched, cache = engine_configs(profile, {"num_blocks": 512})
+    config = EngineConfig(cache=cache)
+    assert sched.max_model_len == resolve_max_model_len(
+        config, 1024, sched_max_len_default(config, 1024, cache.num_blocks * cache.block_size)) == 1024
 
 
 def test_max_model_len_that_fits_is_vllms_estimate() -> None:

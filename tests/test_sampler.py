@@ -254,3 +254,17 @@ def test_logprobs_only_for_rows_that_ask(sampler: Sampler) -> None:
     assert out.logprobs is not None and out.logprobs[0] is None and out.logprobs[2] is None
     assert len(out.logprobs[1].top) == 5
     assert sampler(logits, [row(temperature=0.0)] * 3).logprobs is None
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.1}])
+def test_nan_logits_stay_among_the_allowed_tokens(sampler: Sampler, kw) -> None:
+    """Logits that overflowed (NaN, +inf: a LoRA with huge weights) softmax to NaN everywhere; the inverse-cdf
+    pick then read the last token of the vocabulary, one allowed_token_ids (or a grammar) forbids. The row takes
+    its argmax instead: NaN counts as the largest, masked tokens are -inf."""
+    logits = torch.randn(3, 50)
+    logits[0, 7] = float("nan")
+    logits[1, :] = float("nan")
+    logits[2, 9] = float("inf")
+    rows = [row(temperature=1.0, seed=1, allowed_token_ids=[4, 9, 11], **kw) for _ in range(3)]
+    assert all(t in (4, 9, 11) for t in sampler(logits, rows).token_ids)
+    assert sampler(logits, rows).token_ids[1:] == [4, 9]

@@ -281,7 +281,7 @@ def _check_policy_trace(trace: dict, reached: dict[str, int]) -> None:
                                           float(step_no) + len(arrival) * 1e-3, tr.priority))
             except RequestRejected as exc:
                 assert never_fits, exc
-                assert "could never finish" in str(exc), exc
+                assert "KV-cache blocks are needed" in str(exc), exc
                 reached["rejected"] += 1
                 continue
             assert not never_fits, f"{tr.id} can never fit {num_blocks} blocks of {block_size} but was accepted"

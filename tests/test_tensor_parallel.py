@@ -345,7 +345,7 @@ def test_tp2_times_dp2_gives_one_rank_tokens(tiny_dir, one_rank):
     llm = LLM(str(tiny_dir), data_parallel_size=2, tensor_parallel_size=2, routing_policy="round_robin", **KW)
     try:
         assert _tokens(llm) == one_rank[0]
-        assert llm.llm_engine.engine.client.router.num_routed == [2, 2]
+        assert llm.llm_engine.client.client.router.num_routed == [2, 2]
     finally:
         llm.shutdown()
 

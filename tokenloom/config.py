@@ -160,7 +160,7 @@ class SchedulerConfig:
     max_num_seqs: int = knob(128, "most running requests")
     # Set by the engine from EngineConfig.max_model_len (the model's context by default), so not a knob here.
     # None: not known yet (an engine config without --max-model-len); the engine resolves it once
-    # (engine/core_host.py resolve_max_model_len) and the checks that need it run then.
+    # (core/prompt_fit.py resolve_max_model_len) and the checks that need it run then.
     max_model_len: int | None = 2048
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps within the token budget")
     long_prefill_token_threshold: int = knob(0, "cap on the tokens of one prefill chunk (0: no cap)")

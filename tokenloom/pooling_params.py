@@ -49,6 +49,15 @@ class PoolingParams:
     def clone(self) -> PoolingParams:
         return PoolingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()})
 
+    def _check_types(self) -> None:
+        """Each field's type, before any comparison (which would raise a TypeError naming no field)."""
+        for name, kind in (("truncate_prompt_tokens", int), ("dimensions", int), ("normalize", bool),
+                           ("use_activation", bool), ("task", str)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                raise ValueError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__} or None, "
+                                 f"got {value!r}"[:200])
+
     def verify(self, task: str, model_dim: int | None = None, is_matryoshka: bool = False,
                default_normalize: bool = True) -> None:
         """Fill the task and the defaults (`default_normalize`: the model's pooler config, e.g. a
@@ -56,6 +65,7 @@ class PoolingParams:
         a parameter the task does not read."""
         if task not in POOLING_TASKS:
             raise ValueError(f"unknown pooling task {task!r}; one of {', '.join(POOLING_TASKS)}")
+        self._check_types()
         if self.task is not None and self.task != task:
             raise ValueError(f"the PoolingParams' task is {self.task!r}, the request's {task!r}")
         self.task = task

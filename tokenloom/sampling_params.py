@@ -124,8 +124,18 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # list() of a number or a dict would fail, or succeed, obscurely
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list | tuple):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}")
+        for name in _NUMBER_FIELDS:  # before any comparison, which would raise a TypeError naming no field
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM: -1 means no seed
@@ -178,7 +188,8 @@ class SamplingParams:
             bad(f"prompt_logprobs must be an integer in [0, {cap}], got {self.prompt_logprobs!r}")
         for name in ("allowed_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
-            if ids is not None and (not ids or any(not isinstance(t, int) or t < 0 for t in ids)):
+            if ids is not None and (not isinstance(ids, list | tuple) or not ids
+                                    or any(not isinstance(t, int) or t < 0 for t in ids)):
                 bad(f"{name} must be a non-empty list of non-negative token ids")
         if self.logprob_token_ids is not None and self.logprobs is None:
             bad("logprob_token_ids needs logprobs set")
@@ -244,6 +255,10 @@ def verify_num_sequences(value: Any, name: str) -> None:
                          "VLLM_MAX_N_SEQUENCES environment variable.")
 
 
+# The float fields __post_init__ compares and computes with; an int is a number too (temperature=1).
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:
     """Token-id keys (JSON gives strings), biases clamped to [-100, 100]; every key that is not an
     integer named in one error (vLLM's message)."""
@@ -255,6 +270,8 @@ def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:
         except (ValueError, TypeError):  # also a key of thousands of digits (int()'s digit limit)
             invalid.append(token)
             continue
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token_id}")
         out[token_id] = min(max(float(bias), -100.0), 100.0)
     if invalid:
         shown = [t[:40] + "..." if isinstance(t, str) and len(t) > 40 else t for t in invalid[:10]]

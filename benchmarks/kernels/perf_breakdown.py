@@ -169,7 +169,14 @@ def main() -> None:
             if it:
                 steps.append(time.perf_counter() - t0)
             # ... then the same-shaped forward again, op by op (KV writes land in the same slots).
-            sched = [s for s in runner._collect_scheduled(so, {})]
+            # The runner checks a step starts where its last one ended: rewind the states to the step's start.
+            starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+            starts.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+            for rid, start in starts.items():
+                runner.requests[rid].num_computed = start
+            failed: dict[str, str] = {}
+            sched = runner._collect_scheduled(so, failed)
+            assert not failed, f"the op-by-op replay of the step was refused: {failed}"
             for s in sched:
                 s.state.token_ids.pop()  # the token the real step appended
             prep0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Loads a GGUF with `--quantization gguf`'s weights (the 8-row layouts), then times, on the engine's
 threads, alternating within each round:
-- `step`: GGUFDecoder.step at batch 1 (positions 16..143, bf16 KV cache), layer weights / time;
+- `step`: FusedDecoder.step at batch 1 (positions 16..143, bf16 KV cache), layer weights / time;
 - `gemv`: the same layers' linears alone, one gguf_linear_packed call each (no norms, attention,
   barriers), their bytes / time; `gemv Q4_K` etc.: those of one GGML type alone;
 - `sum`: torch's sum over those bytes (int64 view): what a plain read of them gets;

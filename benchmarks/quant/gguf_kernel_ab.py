@@ -7,10 +7,14 @@ The matrices are decode-shaped (Q4_K 8960 x 1536, `ffn_up`-like; Q6_K 1536 x 896
 and there are enough of them (~650 MB) to stream from DRAM, not from a large L3. `--rows` > 1 is the
 few-row case of speculative verification.
 
-    git show main:tokenloom/model/csrc/gguf_kernels.cpp > /tmp/gguf_kernels_main.cpp
+    mkdir -p /tmp/main_src && git archive main tokenloom/model/csrc | tar -x -C /tmp/main_src
     flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/quant/gguf_kernel_ab.py \\
-        /tmp/gguf_kernels_main.cpp tokenloom/model/csrc/gguf_kernels.cpp \\
+        /tmp/main_src/tokenloom/model/csrc/gguf_kernels.cpp tokenloom/model/csrc/gguf_kernels.cpp \\
         [--threads 1] [--rounds 21] [--rows 1] [--march haswell]
+
+A version is built as the extension is: with the fused_decode.cpp beside it (when there is one; older
+versions held the decoder in gguf_kernels.cpp) and the headers of its own directory, so pass a copy of
+the whole csrc directory, not the one file.
 """
 
 from __future__ import annotations
@@ -40,6 +44,13 @@ def random_blocks(rng: np.random.Generator, f16: list[int], block_bytes: int, n:
     return torch.from_numpy(raw.reshape(n, -1))
 
 
+def extension_sources(gguf_kernels_cpp: Path) -> list[Path]:
+    """The sources one version's extension links: gguf_kernels.cpp, and fused_decode.cpp beside it
+    where the version has one (its module registers the decoder defined there)."""
+    fused = gguf_kernels_cpp.parent / "fused_decode.cpp"
+    return [gguf_kernels_cpp, fused] if fused.is_file() else [gguf_kernels_cpp]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("a", type=Path, help="gguf_kernels.cpp, version A (e.g. main's)")
@@ -52,7 +63,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     flags = ["-O3", f"-march={a.march}", "-fopenmp"]
-    mods = {name: load_cached_extension(f"gguf_ab_{name}", src, flags, LDFLAGS, f"GGUF kernels {name}")[0]
+    mods = {name: load_cached_extension(f"gguf_ab_{name}", extension_sources(src), flags, LDFLAGS,
+                                        f"GGUF kernels {name}")[0]
             for name, src in (("A", a.a), ("B", a.b))}
     rng = np.random.default_rng(0)
     sets = {}

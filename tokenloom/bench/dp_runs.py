@@ -1,15 +1,15 @@
 """`bench throughput --data-parallel-size N`: the offline workload on N engine-core processes.
 
-Every request is submitted at t=0 through the data-parallel front end (the router and N engine
-processes, tokenloom/engine/dp_llm.py); the clock runs from the first submission to the last finish,
-so engine start-up is not counted. Per-request latencies come from each output's metrics.
+Every request is submitted at t=0 through the offline front end (LLMEngine over its SyncMPClient: the
+router and N engine processes, tokenloom/engine/sync_mp_client.py); the clock runs from the first
+submission to the last finish, so engine start-up is not counted. Per-request latencies come from each output's metrics.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,21 +23,21 @@ def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest],
                       label: str | None = None) -> tuple[dict[str, Any], Any]:  # fmt: skip
     """One run on freshly started engines: (the throughput table's row, what the table's title needs).
     `label`: print progress lines under it while the requests run."""
-    from tokenloom.engine.dp_llm import DataParallelLLMEngine
+    from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.workload.progress import Progress
 
-    engine = DataParallelLLMEngine(config)
+    engine = LLMEngine(config, multiprocess_mode=True)
     try:
         prompts = [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
         progress = Progress(label, len(requests)) if label else None
         t0 = time.monotonic()
-        outs = engine.generate(prompts, params, on_finished=progress.update if progress else None)
+        outs = _generate(engine, prompts, params, on_finished=progress.update if progress else None)
         duration = time.monotonic() - t0
         if progress is not None:
             progress.close()
-        info = engine.engine.info
-        routed = list(engine.engine.client.router.num_routed)
+        info = engine.input_processor.info
+        routed = list(engine.client.client.router.num_routed)  # type: ignore[attr-defined]
     finally:
         engine.close()
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -60,3 +60,20 @@ def run_on_dp_engines(config: EngineConfig, requests: Sequence[BenchRequest],
     title = SimpleNamespace(model_name=info.model_name, dtype=info.dtype, device=info.device,
                             config=SimpleNamespace(quantization=info.quantization))
     return row, title
+
+
+def _generate(engine: Any, prompts: Sequence[Any], params: Sequence[SamplingParams],
+              on_finished: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
+    """Every prompt's final output, in prompt order; `on_finished` is called as each request finishes."""
+    ids = [engine.add_request(None, prompt, p) for prompt, p in zip(prompts, params)]
+    finals: dict[str, Any] = {}
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    if on_finished is not None:
+                        on_finished()
+    finally:
+        engine.abort_request([i for i in ids if i not in finals])  # whatever did not finish (an error, Ctrl-C)
+    return [finals[i] for i in ids]

@@ -1,5 +1,7 @@
-"""Whether a request can ever be served: the one check behind the scheduler's RequestRejected and the
-API server's HTTP 400 (each caller words the answer its own way, the server after vLLM's wording).
+"""Whether a request can ever be served: the one rule behind the scheduler's RequestRejected and the front
+ends' InvalidRequestError (HTTP 400 in the server). `prompt_fit` measures a request against the pool;
+`prompt_refusal` says, in vLLM's words, why it can never run: both callers raise with its message (the
+scheduler prefixes the request id), so the limits and the words are defined here once.
 
 The KV blocks a request needs at its longest are counted as vLLM counts a request's share of the pool
 (`_max_memory_usage_bytes_from_groups` / `get_max_concurrency_for_kv_cache_config`,
@@ -18,7 +20,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenloom.config import ConfigError, EngineConfig, SchedulerConfig
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
+
+# Upper bound on the default context: enough for chat, and keeps a small default pool useful.
+_DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class PromptFit:
     num_blocks: int  # KV blocks in the pool
     blocks_per_group: tuple[int, ...] = ()  # each group's share of blocks_needed
     group_windows: tuple[int | None, ...] = ()  # each group's sliding window (None: full attention)
+    block_size: int = 0  # tokens per KV block
 
     @property
     def empty(self) -> bool:
@@ -78,7 +85,48 @@ def prompt_fit(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
     per_group = tuple(g.max_blocks_per_request(final_len - 1, block_size, max_in_flight_tokens or 0, max_model_len)
                       for g in groups)
     return PromptFit(num_prompt_tokens, max_model_len, final_len, sum(per_group), num_blocks, per_group,
-                     tuple(g.sliding_window for g in groups))
+                     tuple(g.sliding_window for g in groups), block_size)
+
+
+@dataclass(frozen=True)
+class PromptRefusal:
+    """Why a request can never run: the message (vLLM's wording) and the request field to blame."""
+
+    message: str
+    param: str  # "prompt" or "max_tokens"
+
+
+def prompt_refusal(fit: PromptFit, *, pooling: bool = False, max_tokens: int | None = None,
+                   max_tokens_in_context: bool = False) -> PromptRefusal | None:  # fmt: skip
+    """The first reason `fit`'s request can never run, or None. `pooling`: a prefill-only request, which may
+    fill the whole context. `max_tokens_in_context`: also refuse a `max_tokens` past the context (the OpenAI
+    server does, as vLLM's serving layer; the offline LLM and the scheduler let such a request stop at
+    max_model_len, as vLLM's LLM)."""
+    n_prompt, max_len = fit.num_prompt_tokens, fit.max_model_len
+    if fit.empty:
+        return PromptRefusal("the prompt is empty", "prompt")
+    if pooling:
+        if n_prompt > max_len:
+            return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request "
+                                 f"has {n_prompt} input tokens. Please reduce the length of the input.", "prompt")
+    elif fit.no_room_to_generate:
+        return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request has "
+                             f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length "
+                             "of the input.", "prompt")
+    if max_tokens_in_context and max_tokens is not None and n_prompt + max_tokens > max_len:
+        return PromptRefusal(f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
+                             f"{max_len} tokens and your request has {n_prompt} input tokens "
+                             f"({max_tokens} > {max_len} - {n_prompt}).", "max_tokens")
+    if fit.exceeds_pool:
+        # vLLM's start-up wording ("To serve at least one request with the model's max seq len ..."), for this
+        # request: vLLM checks the pool once for max_model_len, tokenloom per request.
+        groups_text = f" ({fit.per_group})" if fit.per_group else ""
+        return PromptRefusal(
+            f"To serve this request at its longest ({fit.final_len - 1} tokens of KV: {n_prompt} prompt + "
+            f"{fit.final_len - 1 - n_prompt} generated), {fit.blocks_needed} KV-cache blocks are needed"
+            f"{groups_text}, which is larger than the available KV cache ({fit.num_blocks} blocks of "
+            f"{fit.block_size} tokens). Please lower max_tokens or the prompt length.", "max_tokens")
+    return None
 
 
 def max_model_len_that_fits(num_blocks: int, block_size: int, max_model_len: int,
@@ -102,3 +150,23 @@ def max_model_len_that_fits(num_blocks: int, block_size: int, max_model_len: int
         else:
             hi = mid - 1
     return lo
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int) -> int:
+    """The engine's max_model_len, resolved once at construction (EngineCoreHost; the simulator the same way):
+    --max-model-len, else `default`; never past the model's context. The scheduler config is then built with
+    it (its own checks run there)."""
+    max_model_len = config.max_model_len or default
+    if max_model_len > model_max_len:
+        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})")
+    return max_model_len
+
+
+def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
+    """The model's context length, capped so the default stays workable on a small KV pool (`pool_tokens`:
+    the longest request the pool holds, max_model_len_that_fits)."""
+    sched = config.scheduler or SchedulerConfig()
+    cap = min(model_max_len, _DEFAULT_MAX_MODEL_LEN, pool_tokens)
+    if not sched.enable_chunked_prefill:
+        cap = min(cap, sched.token_budget_ceiling)
+    return max(cap, 2)

@@ -52,7 +52,7 @@ from tokenloom.core.outputs import (
     SchedulerOutput,
 )
 from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption, RequestLifecycle
-from tokenloom.core.prompt_fit import prompt_fit
+from tokenloom.core.prompt_fit import prompt_fit, prompt_refusal
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.core.slo_budget import SloBudgetController
@@ -269,26 +269,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         fit = prompt_fit(request.num_prompt_tokens, request.max_tokens, self.max_model_len, self.block_size,
                          kv.num_blocks, kv.kv_cache_groups, kv.max_in_flight_tokens)  # fmt: skip
-        if fit.empty:
-            raise RequestRejected(f"request {rid!r}: the prompt is empty")
-        if request.pooling_params is not None:
-            # Prefill only: the whole prompt may use the context (vLLM's pooling models).
-            if request.num_prompt_tokens > self.max_model_len:
-                raise RequestRejected(
-                    f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
-                    f"max_model_len={self.max_model_len}")
-        elif fit.no_room_to_generate:
-            raise RequestRejected(
-                f"request {rid!r}: prompt of {fit.num_prompt_tokens} tokens leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
-            )
-        if fit.exceeds_pool:
-            raise RequestRejected(
-                f"request {rid!r} needs {fit.blocks_needed} KV blocks at its longest "
-                f"({fit.final_len - 1} tokens{'; ' + fit.per_group if fit.per_group else ''}) "
-                f"but the pool has only {fit.num_blocks}; "
-                "it could never finish (lower max_tokens, or give the KV cache more memory)"
-            )
+        # The front ends' rule (InputProcessor), kept here for what drives the scheduler without one: the
+        # simulator, the replay harness. An empty prompt, or one that can never finish: RequestRejected.
+        refusal = prompt_refusal(fit, pooling=request.pooling_params is not None)
+        if refusal is not None:
+            raise RequestRejected(f"request {rid!r}: {refusal.message}")
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[Request]:
         """Finish requests from outside (abort on client disconnect, errors). Frees their blocks now."""

@@ -9,7 +9,8 @@
 returns nothing to await: outputs arrive on a RequestStream, which can carry several requests (a
 batch of prompts) and aborts whatever is unfinished when closed — that is how a client that goes
 away frees its KV blocks. The engine's per-request timestamps come back with the outputs and are
-written into local mirror Requests, so the OutputProcessor works exactly as in LLMEngine.
+written into local mirror Requests (engine/request_mirrors.py), so the OutputProcessor works exactly as in
+LLMEngine.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
-from tokenloom.engine.core_client import EngineCoreClient
-from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady
+from tokenloom.engine.core_client import AsyncEngineCoreClient
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
+from tokenloom.engine.engine_stats import sum_engine_stats
+from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError, check_lora_request
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
+from tokenloom.engine.request_mirrors import update_mirrors
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
@@ -40,10 +43,6 @@ if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads i
 logger = logging.getLogger(__name__)
 
 StatLogger = Callable[[IterationStats], None]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; nothing can be served any more."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -96,7 +95,7 @@ class _Tracked:
 class AsyncLLM:
     def __init__(
         self,
-        client: EngineCoreClient,
+        client: AsyncEngineCoreClient,
         ready: EngineReady,
         tokenizer: Tokenizer,
         max_waiting_requests: int | None = None,
@@ -122,7 +121,7 @@ class AsyncLLM:
     @classmethod
     def from_client(
         cls,
-        client: EngineCoreClient,
+        client: AsyncEngineCoreClient,
         model: str | None,
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
@@ -207,8 +206,7 @@ class AsyncLLM:
         stream.pending.add(request_id)
         for core in cores:
             self._mirrors[core.request_id] = core
-            self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params,
-                                               arrival, priority, lora_request=lora_request))
+            self.client.add_request(core)
         self._num_sent += len(cores)
 
     def _check_can_take(self, request_id: str) -> None:
@@ -243,8 +241,7 @@ class AsyncLLM:
         self._requests[request_id] = _Tracked(stream, [core])
         stream.pending.add(request_id)
         self._mirrors[core.request_id] = core
-        self.client.add_request(EngineCoreRequest(core.request_id, prompt_token_ids, core.sampling_params, arrival,
-                                           priority, pooling_params=params))
+        self.client.add_request(core)
         self._num_sent += 1
 
     def check_admission(self, num_sequences: int) -> None:
@@ -301,34 +298,11 @@ class AsyncLLM:
         ts = batch.timestamp
         self._num_received[batch.engine_index] = batch.num_requests_received
         self._engine_stats[batch.engine_index] = batch.stats
-        self.scheduler_stats = batch.stats if len(self._engine_stats) == 1 else _sum_stats(self._engine_stats)
+        self.scheduler_stats = batch.stats if len(self._engine_stats) == 1 else sum_engine_stats(self._engine_stats)
         stats = IterationStats(ts, self.scheduler_stats, batch.step, ipc_latency=time.monotonic() - ts)
         if self.data_parallel_size > 1:
             stats.engine_index, stats.engine_scheduler = batch.engine_index, batch.stats
-        for rid, t in batch.first_scheduled.items():
-            if (mirror := self._mirrors.get(rid)) is not None:
-                mirror.first_scheduled_time = t
-        for out in batch.outputs:
-            mirror = self._mirrors.get(out.request_id)
-            if mirror is None:  # finished here already (stop string, abort): late tokens are dropped
-                continue
-            mirror.num_cached_tokens = out.num_cached_tokens
-            mirror.num_cache_creation_tokens = out.num_cache_creation_tokens
-            if out.new_token_ids:
-                if mirror.first_token_time is None:
-                    mirror.first_token_time = ts
-                    stats.time_to_first_tokens.append(ts - mirror.arrival_time)
-                    stats.num_prompt_tokens += mirror.num_prompt_tokens
-                else:
-                    stats.inter_token_latencies.append(ts - (mirror.last_token_time or ts))
-                mirror.last_token_time = ts
-                mirror.append_output_token_ids(out.new_token_ids)
-                stats.num_generation_tokens += len(out.new_token_ids)
-            if out.finished:
-                mirror.finished_time = ts
-                mirror.num_preemptions = batch.num_preemptions.get(out.request_id, 0)
-                if mirror.pooling_params is not None and out.finish_reason == "stop":
-                    stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
+        update_mirrors(batch, self._mirrors, stats)
         outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
         if to_abort:  # stop strings ended these: free their blocks now
             self.client.abort_requests(to_abort)
@@ -405,42 +379,3 @@ class AsyncLLM:
                 stat_logger(stats)
             except Exception:  # figures must never take serving down
                 logger.exception("stat logger failed")
-
-
-def _sum_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
-    """Every data-parallel engine's last report as one: counts and totals add up, KV usage is the mean
-    (the engines' pools are equal, so it is the fraction of all blocks in use)."""
-    reports = list(per_engine.values())
-    return SchedulerStats(
-        num_running_reqs=sum(r.num_running_reqs for r in reports),
-        num_waiting_reqs=sum(r.num_waiting_reqs for r in reports),
-        kv_cache_usage=sum(r.kv_cache_usage for r in reports) / len(reports),
-        num_free_blocks=sum(r.num_free_blocks for r in reports),
-        num_preemptions_total=sum(r.num_preemptions_total for r in reports),
-        prefix_cache_queries=sum(r.prefix_cache_queries for r in reports),
-        prefix_cache_hits=sum(r.prefix_cache_hits for r in reports),
-        running_lora_adapters=_sum_counts([r.running_lora_adapters for r in reports]),
-        waiting_lora_adapters=_sum_counts([r.waiting_lora_adapters for r in reports]),
-        connector_prefix_cache_totals=_sum_prefix_stats([r.connector_prefix_cache_totals for r in reports]),
-    )
-
-
-def _sum_counts(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
-    if all(p is None for p in parts):
-        return None
-    out: dict[str, int] = {}
-    for part in parts:
-        for name, n in (part or {}).items():
-            out[name] = out.get(name, 0) + n
-    return out
-
-
-def _sum_prefix_stats(parts: list[PrefixCacheStats | None]) -> PrefixCacheStats | None:
-    """The engines' KV connector hit totals as one (None when no engine runs a connector)."""
-    if all(p is None for p in parts):
-        return None
-    total = PrefixCacheStats()
-    for p in parts:
-        if p is not None:
-            total.merge(p)
-    return total

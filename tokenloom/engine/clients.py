@@ -1,23 +1,59 @@
-"""make_client: which EngineCoreClient a config gets (vLLM's EngineCoreClient.make_client).
+"""make_client: which engine-core client a front end gets (vLLM's EngineCoreClient.make_client).
+
+    multiprocess_mode  asyncio_mode   client                       front end
+    False              False          InprocClient                 LLMEngine, one engine core in this process
+    True               False          SyncMPClient over one below  LLMEngine over engine processes (LLM with DP)
+    True               True           MPClient / DPEngineCoreClient AsyncLLM (the server)
+                                      (Ray actors behind the router with --distributed-executor-backend ray)
 
 It sits above every client it may pick (core_client.MPClient, dp_client.DPEngineCoreClient, the Ray actors
-of ray_engine.py), so the clients never import the factory back: the engine room's modules import one way,
-deferred imports included (tests/test_layering.py).
+of ray_engine.py, inproc_client.InprocClient, sync_mp_client.SyncMPClient), so the clients never import the
+factory back: the engine room's modules import one way, deferred imports included (tests/test_layering.py).
+The protocols they implement are described in engine/core_client.py.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from tokenloom.config import EngineConfig, ParallelConfig
-from tokenloom.engine.core_client import EngineCoreClient, MPClient
+from tokenloom.engine.core_client import AsyncEngineCoreClient, MPClient, SyncEngineCoreClient
 from tokenloom.engine.dp_client import DPEngineCoreClient
+from tokenloom.engine.inproc_client import InprocClient
+from tokenloom.engine.sync_mp_client import SyncMPClient
 from tokenloom.router import RouterConfig
 
 
-def make_client(config: EngineConfig, log_level: str = "info") -> EngineCoreClient:
-    """The engine cores for the API process, as `config.parallel` says: one spawned process (the
-    default), N spawned processes behind the router, or N Ray actors behind the router."""
+def needs_engine_processes(config: EngineConfig) -> bool:
+    """Whether the config's engine cores must run in processes of their own: several of them (data
+    parallelism), or engine cores that the Ray backend places (LLMEngine then runs over SyncMPClient)."""
+    parallel = config.parallel
+    return parallel is not None and (parallel.data_parallel_size > 1 or (parallel.distributed_executor_backend == "ray"
+                                                                         and parallel.model_parallel_size == 1))
+
+
+def make_client(config: EngineConfig, log_level: str = "info", *, multiprocess_mode: bool = True,
+                asyncio_mode: bool = True, clock: Callable[[], float] = time.monotonic,
+                ) -> AsyncEngineCoreClient | SyncEngineCoreClient:  # fmt: skip
+    """The client for `config`'s engine cores (the table above). `clock` is the in-process core's
+    scheduler clock; engine processes keep time.monotonic (one clock for every process on the machine)."""
+    if not multiprocess_mode:
+        if asyncio_mode:
+            raise ValueError("an in-process engine core is stepped by its caller (LLMEngine): asyncio_mode needs "
+                             "multiprocess_mode (AsyncLLM runs the engine core in a process of its own)")
+        if needs_engine_processes(config):
+            raise ValueError("data_parallel_size > 1 (or engine cores placed by Ray) runs engine-core processes: "
+                             "multiprocess_mode=False is one engine core in this process")
+        return InprocClient(config, clock)
+    client = _mp_client(config, log_level)
+    return client if asyncio_mode else SyncMPClient(client)
+
+
+def _mp_client(config: EngineConfig, log_level: str) -> AsyncEngineCoreClient:
+    """The engine cores in processes, as `config.parallel` says: one spawned process (the default), N spawned
+    processes behind the router, or N Ray actors behind the router."""
     parallel = config.parallel or ParallelConfig()
     router_config = RouterConfig.from_parallel(parallel)
     config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine

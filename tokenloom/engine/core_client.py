@@ -1,10 +1,25 @@
-"""The API process's handle on its engine cores: one interface (EngineCoreClient) and the client that
-spawns, feeds and hears from one engine-core process (MPClient). Which client a config gets (this one, the
-data-parallel client of tokenloom/engine/dp_client.py, or Ray actors behind it) is make_client's choice, in
-tokenloom/engine/clients.py: the factory sits above the clients it picks, so none of them imports it back.
+"""The front ends' handle on their engine cores (vLLM's core_client.py): the client protocols, and the client
+that spawns, feeds and hears from one engine-core process (MPClient).
 
-Two one-way pipes. Messages to the engine go through a writer thread, so a full pipe (the engine is in
-the middle of a long step) never blocks the event loop. Messages from the engine are read on the
+Three protocols, one request side:
+
+    EngineCoreClient        every client: add_request(core Request), abort_requests, shutdown
+    ├─ SyncEngineCoreClient  LLMEngine's: get_output() (one step's outputs, blocking), has_unfinished_requests,
+    │                        engine_ready, LoRA adapters. InprocClient (engine/inproc_client.py: the core in
+    │                        this process, get_output() steps it) or SyncMPClient (engine/sync_mp_client.py:
+    │                        an asynchronous client below, driven on a private event loop)
+    └─ AsyncEngineCoreClient AsyncLLM's: wait_ready, attach (outputs delivered on the running event loop),
+                             liveness. MPClient (one process), DPEngineCoreClient (engine/dp_client.py: N
+                             processes behind the router, spawned or Ray actors)
+
+A request goes in as the core `Request` the front end built (engine/parallel_sampling.py fan_out): in
+process it is the scheduler's own object; across a pipe the client sends an EngineCoreRequest made from it
+and the front end keeps the Request as a mirror that each batch updates (engine/request_mirrors.py).
+Which client a config gets is make_client's choice (tokenloom/engine/clients.py): the factory sits above
+the clients it picks, so none of them imports it back.
+
+MPClient: two one-way pipes. Messages to the engine go through a writer thread, so a full pipe (the engine
+is in the middle of a long step) never blocks the event loop. Messages from the engine are read on the
 event loop itself (`loop.add_reader`): a batch is one small pickle, and handling it there keeps every
 per-request structure single-threaded. EOF on the engine's pipe means the process died.
 """
@@ -23,6 +38,8 @@ from typing import Any, Protocol
 
 from tokenloom import envs
 from tokenloom.config import EngineConfig
+from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.core.request import Request
 from tokenloom.engine.core_messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -42,8 +59,50 @@ WAIT_NOTE_EVERY_S = 30.0  # how often a long start-up says what the engine is do
 
 
 class EngineCoreClient(Protocol):
-    """What AsyncLLM (and through it the server and the offline data-parallel LLM) asks of its engine cores,
-    one process or N (vLLM's EngineCoreClient): requests and aborts in, EngineCoreOutputs out."""
+    """The request side every client has, in process or not (vLLM's EngineCoreClient)."""
+
+    def add_request(self, request: Request) -> None:
+        """Queue a core request (one of a fan-out's); in process a bad one raises RequestRejected here, an
+        engine process answers it with an error output."""
+        ...
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Free these core requests' blocks now; their engine reports nothing more for them."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine core(s) and free what they hold. Idempotent."""
+        ...
+
+
+class SyncEngineCoreClient(EngineCoreClient, Protocol):
+    """What LLMEngine steps (vLLM's InprocClient / SyncMPClient): outputs are pulled, one step at a time."""
+
+    def engine_ready(self) -> EngineReady:
+        """What the engine core is (model, context, KV pool, pooling, LoRA); waits for it to load."""
+        ...
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        """The next step's outputs: in process, one EngineCore.step(); across processes, the batches that
+        arrived, waiting for one if none has. Raises EngineDeadError when the engine is gone."""
+        ...
+
+    def has_unfinished_requests(self) -> bool:
+        ...
+
+    def add_lora(self, lora_request: Any) -> bool:
+        ...
+
+    def remove_lora(self, lora_id: int) -> bool:
+        ...
+
+    def list_loras(self) -> set[int]:
+        ...
+
+
+class AsyncEngineCoreClient(EngineCoreClient, Protocol):
+    """What AsyncLLM (the server) asks of its engine cores, one process or N: outputs are pushed, delivered on
+    the running event loop (vLLM's AsyncMPClient / DPAsyncMPClient)."""
 
     def wait_ready(self, timeout_s: float | None = None) -> EngineReady:
         """Block until the engine cores are loaded; what they are (model, context, KV pool, pooling, LoRA)."""
@@ -51,13 +110,6 @@ class EngineCoreClient(Protocol):
 
     def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: Callable[..., None]) -> None:
         """Deliver engine messages on the running event loop from now on."""
-        ...
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        ...
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Free these core requests' blocks now; their engine reports nothing more for them."""
         ...
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -164,8 +216,8 @@ class MPClient:
         self._on_outputs, self._on_failure = on_outputs, on_failure
         self._loop.add_reader(self._from_engine.fileno(), self._on_readable)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.send(request)
+    def add_request(self, request: Request) -> None:
+        self.send(EngineCoreRequest.from_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.send(AbortRequests(request_ids))

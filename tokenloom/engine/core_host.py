@@ -32,7 +32,7 @@ from tokenloom.config import (
     token_budget_text,
 )
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
-from tokenloom.core.prompt_fit import max_model_len_that_fits
+from tokenloom.core.prompt_fit import max_model_len_that_fits, resolve_max_model_len, sched_max_len_default
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
@@ -52,8 +52,6 @@ from tokenloom.engine.trace import StepTracer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
-# Upper bound on the default context: enough for chat, and keeps a small default pool useful.
-_DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class EngineCoreHost:
@@ -71,7 +69,8 @@ class EngineCoreHost:
         if parallel is not None and (parallel.data_parallel_size > 1 or (parallel.distributed_executor_backend == "ray"
                                                                          and parallel.model_parallel_size == 1)):
             raise ConfigError("data_parallel_size > 1 (or the Ray backend) runs engine-core processes: use LLM(...), "
-                              "`tokenloom serve` or `bench throughput`; LLMEngine is one engine in this process")
+                              "LLMEngine(config), `tokenloom serve` or `bench throughput`; an in-process engine core "
+                              "(InprocClient) is one engine")
         check_async_scheduling(config)
         check_speculative_engine(config)
         check_kv_transfer(config)
@@ -546,21 +545,3 @@ def check_async_scheduling(config: EngineConfig) -> None:
             "speculative_config.adaptive cannot be combined with --async-scheduling: under async scheduling "
             "the runner fills the drafts itself and the policy has nothing to trim; drop one of the two"
         )
-
-
-def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int) -> int:
-    """The engine's max_model_len, resolved once at construction: --max-model-len, else `default`; never
-    past the model's context. The scheduler config is then built with it (its own checks run there)."""
-    max_model_len = config.max_model_len or default
-    if max_model_len > model_max_len:
-        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})")
-    return max_model_len
-
-
-def sched_max_len_default(config: EngineConfig, model_max_len: int, pool_tokens: int) -> int:
-    """The model's context length, capped so the default stays workable on a small KV pool."""
-    sched = config.scheduler or SchedulerConfig()
-    cap = min(model_max_len, _DEFAULT_MAX_MODEL_LEN, pool_tokens)
-    if not sched.enable_chunked_prefill:
-        cap = min(cap, sched.token_budget_ceiling)
-    return max(cap, 2)

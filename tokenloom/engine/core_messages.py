@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
@@ -27,6 +28,12 @@ class EngineCoreRequest:
     priority: int = 0
     pooling_params: PoolingParams | None = None  # a pooling request (prefill only, pooled output)
     lora_request: Any = None  # its LoRA adapter (tokenloom.lora.request.LoRARequest), or None
+
+    @classmethod
+    def from_request(cls, request: Request) -> EngineCoreRequest:
+        """What crosses the pipe for a front end's core Request (the engine process builds its own from it)."""
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.arrival_time,
+                   request.priority, pooling_params=request.pooling_params, lora_request=request.lora_request)
 
 
 @dataclass

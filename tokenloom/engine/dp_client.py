@@ -1,8 +1,9 @@
 """DPEngineCoreClient: N independent engine cores (data parallelism) behind one API process.
 
-It is an EngineCoreClient, as the single engine's MPClient is, so AsyncLLM and the server do not change with N:
+It is an AsyncEngineCoreClient (engine/core_client.py), as the single engine's MPClient is, so AsyncLLM and
+the server do not change with N:
 
-    AsyncLLM ──add_request(EngineCoreRequest)──▶ Router.route ──▶ engine i's pipe   (its owner is recorded)
+    AsyncLLM ──add_request(Request)──▶ Router.route ──▶ engine i's pipe   (its owner is recorded)
              ──abort_requests(ids)──────────▶ split by owner ──▶ each owner's pipe
              ◀──EngineCoreOutputs (engine_index = i)── engine i   (its stats feed the router's load view)
 
@@ -29,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.request import Request
 from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
 from tokenloom.engine.exceptions import EngineStartError
@@ -119,8 +121,9 @@ class DPEngineCoreClient:
         for i, client in enumerate(self.clients):
             client.attach(self._outputs_from, lambda message, i=i: self._engine_failed(i, message))
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, core_request: Request) -> None:
         """To the engine the router picks for it (its owner is recorded, for aborts and the load view)."""
+        request = EngineCoreRequest.from_request(core_request)
         router = self.router
         assert router is not None, "wait_ready() first"
         phase = self._prefill_phase if self.num_prefill_engines and request.pooling_params is None else None
@@ -134,7 +137,7 @@ class DPEngineCoreClient:
         if phase is not None:
             self._prefilling[request.request_id] = request
             request = phase(request)
-        self.clients[engine].add_request(request)
+        self.clients[engine].send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Each id to the engine that owns it; ids that finished already are dropped (nothing to free)."""
@@ -184,7 +187,7 @@ class DPEngineCoreClient:
                 kept.append(replace(out, new_token_ids=[], finish_reason="error",
                                     error="no decode engine is alive to continue the request"))
                 continue
-            self.clients[engine].add_request(decode_request)
+            self.clients[engine].send(decode_request)
         # AsyncLLM counts each request once (sent, then received): decode engines' receipts are the hand-offs.
         received = batch.num_requests_received if batch.engine_index < self.num_prefill_engines else 0
         return replace(batch, outputs=kept, num_requests_received=received)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
-from tokenloom.core.prompt_fit import prompt_fit
+from tokenloom.core.prompt_fit import prompt_fit, prompt_refusal
 from tokenloom.core.scheduler import RequestRejected
 from tokenloom.engine.core_messages import EngineReady
 from tokenloom.sampling_params import SamplingParams
@@ -50,6 +50,9 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise InvalidRequestError(f"a prompt dict's 'prompt' must be a string, got "
+                                              f"{type(prompt['prompt']).__name__}", "prompt")
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, list):
@@ -92,33 +95,15 @@ class InputProcessor:
         groups = [KVCacheGroupSpec((0,), w) for w in info.kv_cache_group_windows]
         fit = prompt_fit(n_prompt, params.effective_max_tokens, max_len, info.block_size, info.num_blocks, groups,
                          info.max_in_flight_tokens)
-        if fit.empty:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        self.check_token_ids(prompt_token_ids)
-        if fit.no_room_to_generate:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length of the input.",
-                "prompt",
-            )
-        if max_tokens_in_context and params.max_tokens is not None and n_prompt + params.max_tokens > max_len:
-            raise InvalidRequestError(
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{max_len} tokens and your request has {n_prompt} input tokens "
-                f"({params.max_tokens} > {max_len} - {n_prompt}).",
-                "max_tokens",
-            )
-        if fit.exceeds_pool:
-            # vLLM's start-up wording ("To serve at least one request with the model's max seq len ..."),
-            # for this request: vLLM checks the pool once for max_model_len, tokenloom per request.
-            groups_text = f" ({fit.per_group})" if fit.per_group else ""
-            raise InvalidRequestError(
-                f"To serve this request at its longest ({fit.final_len - 1} tokens of KV: {n_prompt} prompt + "
-                f"{fit.final_len - 1 - n_prompt} generated), {fit.blocks_needed} KV-cache blocks are needed"
-                f"{groups_text}, which is larger than the available KV cache ({fit.num_blocks} blocks of "
-                f"{info.block_size} tokens). Please lower max_tokens or the prompt length.",
-                "max_tokens",
-            )
+        if not fit.empty:  # (an empty prompt is said to be empty first)
+            self.check_token_ids(prompt_token_ids)
+            try:  # vLLM's processor refuses these too; an id past the vocabulary would index past the logits row
+                params.check_vocab(info.vocab_size)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), str(exc).split(" ", 1)[0]) from None
+        refusal = prompt_refusal(fit, max_tokens=params.max_tokens, max_tokens_in_context=max_tokens_in_context)
+        if refusal is not None:
+            raise InvalidRequestError(refusal.message, refusal.param)
 
 
 def check_lora_request(lora_request: Any, lora_config: Any) -> None:

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from tokenloom.config import EngineConfig, engine_config_from_kwargs
+from tokenloom.config import engine_config_from_kwargs
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
 from tokenloom.engine.input_processor import PromptType
+from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.outputs import (
     ClassificationRequestOutput,
@@ -29,20 +30,7 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenloom.engine.dp_llm import DataParallelLLMEngine
     from tokenloom.lora.request import LoRARequest
-
-
-def make_offline_engine(config: EngineConfig) -> LLMEngine | DataParallelLLMEngine:
-    """The engine `LLM` drives, as `config.parallel` says: one engine core in this process (LLMEngine),
-    or N engine-core processes behind the router (DataParallelLLMEngine, over clients.make_client).
-    Both take the same calls (add_request, add_pooling_request, step, abort_request, close)."""
-    parallel = config.parallel
-    if parallel is not None and (parallel.data_parallel_size > 1 or parallel.distributed_executor_backend == "ray"):
-        from tokenloom.engine.dp_llm import DataParallelLLMEngine
-
-        return DataParallelLLMEngine(config)
-    return LLMEngine(config)
 
 
 def _lora_requests(lora_request: Any, n: int) -> list[Any]:
@@ -59,9 +47,9 @@ def _lora_requests(lora_request: Any, n: int) -> list[Any]:
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
-        (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray)."""
-        self.llm_engine: LLMEngine | DataParallelLLMEngine = make_offline_engine(
-            engine_config_from_kwargs(model=model, **kwargs))
+        (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray): the LLMEngine
+        then steps them through its SyncMPClient, otherwise its engine core runs in this process."""
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -84,16 +72,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """All prompts at once; results in prompt order. `lora_request`: one LoRARequest for every
         prompt, or one (or None: the base model) per prompt, as vLLM's (needs enable_lora=True)."""
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = prompt_list(prompts)
         if sampling_params is None:  # the model's generation_config defaults (vLLM's LLM does the same)
             sampling_params = self.get_default_sampling_params()
-        params_list = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        params_list = per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
+        priorities = priority_list(priority, len(prompts))
         loras = _lora_requests(lora_request, len(prompts))
         # As vLLM's LLM does: only finished outputs are read here, so the engine builds no partial ones.
         params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
@@ -101,8 +84,7 @@ class LLM:
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                ids.append(engine.add_request(None, prompt, params, priority=priority[i] if priority else 0,
-                                              lora_request=loras[i]))
+                ids.append(engine.add_request(None, prompt, params, priority=priorities[i], lora_request=loras[i]))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -117,13 +99,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Chat conversations rendered with the model's own chat template (`lora_request` as generate's)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                         tokenize=True)}
-            for conv in conversations
-        ]
+        prompts = [{"prompt_token_ids": render_conversation(tok, i, conv, add_generation_prompt)}
+                   for i, conv in enumerate(conversations(messages))]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
@@ -141,8 +119,7 @@ class LLM:
         every beam of a prompt with its adapter."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         loras = _lora_requests(lora_request, len(prompts))
         items = []
         for prompt, lora in zip(prompts, loras):
@@ -176,15 +153,10 @@ class LLM:
         import torch
 
         engine = self.llm_engine
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
-        params_list = ([pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams)
-                       else list(pooling_params))
-        if len(params_list) != len(prompts):
-            raise ValueError("pooling_params must be one PoolingParams or one per prompt")
+        params_list = per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):

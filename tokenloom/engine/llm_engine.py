@@ -1,10 +1,16 @@
-"""LLMEngine: an engine core (EngineCoreHost) stepped in this process, with the text side on top.
+"""LLMEngine: the text side over an engine-core client that it steps (vLLM's v1 LLMEngine).
 
-    add_request(text or token ids) → tokenize → Request(s) → EngineCore.step() → OutputProcessor →
-    RequestOutputs (text, tokens, finish reasons, per-request metrics)
+    add_request(text or token ids) → InputProcessor → Request(s) → client.add_request
+    step() → client.get_output() → OutputProcessor → RequestOutputs (text, tokens, finish reasons, metrics)
 
-The model, KV cache and scheduler are built by EngineCoreHost (tokenloom/engine/core_host.py), the
-same construction the engine-core process runs; this class adds what only a front end needs.
+The client is make_client's (engine/clients.py) with asyncio_mode off: an InprocClient (the engine core
+built here by EngineCoreHost, engine/core_host.py, and stepped by get_output()) unless the config needs
+engine-core processes (data parallelism, engine cores placed by Ray), then a SyncMPClient over them.
+`LLM` drives both the same way.
+
+The in-process engine core's parts (scheduler, runner, executor, engine_core, configs) are readable as
+attributes of this engine, through the properties below: benchmarks and tests inspect them. They raise
+a clear error when the engine core lives in another process.
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from typing import Any
 
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.request import Request
+from tokenloom.engine.clients import make_client, needs_engine_processes
+from tokenloom.engine.core_client import SyncEngineCoreClient
 from tokenloom.engine.core_host import EngineCoreHost
+from tokenloom.engine.generation_config import GenerationDefaults
+from tokenloom.engine.inproc_client import InprocClient
 from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
@@ -26,33 +36,103 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
-class LLMEngine(EngineCoreHost):
-    """An engine core in this process (EngineCoreHost: its model, scheduler, runner and configs stay
-    attributes here, as benchmarks and tests read them) plus the front end: InputProcessor in,
-    OutputProcessor out."""
+def _in_process(name: str, what: str) -> property:
+    """A read-only view of the in-process engine core's `name` (EngineCoreHost's attribute)."""
 
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config, clock)
-        # The text side, on top of the engine core: what the engine-core process never builds.
+    def get(self: LLMEngine) -> Any:
+        return getattr(self.core_host(f"LLMEngine.{name}"), name)
+
+    return property(get, doc=f"{what} (the in-process engine core's; an error with engine-core processes).")
+
+
+class LLMEngine:
+    """The front end (InputProcessor in, OutputProcessor out) over a SyncEngineCoreClient (self.client)."""
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 multiprocess_mode: bool | None = None, log_level: str = "warning") -> None:  # fmt: skip
+        """`multiprocess_mode`: run the engine core(s) in processes of their own (None: only where the config
+        needs it, data parallelism or engine cores placed by Ray). `clock`: the in-process scheduler's."""
+        if multiprocess_mode is None:
+            multiprocess_mode = needs_engine_processes(config)
+        client: Any = make_client(config, log_level, multiprocess_mode=multiprocess_mode, asyncio_mode=False,
+                                  clock=clock)
+        self.client: SyncEngineCoreClient = client
+        try:
+            if isinstance(client, InprocClient):
+                self.tokenizer = client.host.tokenizer
+                self.generation_defaults = client.host.generation_defaults
+            else:  # load the tokenizer here while the engine processes load the model
+                from tokenloom.model.tokenizer import load_tokenizer
+
+                self.tokenizer = load_tokenizer(config.model)
+            ready = client.engine_ready()
+        except BaseException:
+            client.shutdown()
+            raise
+        if not isinstance(client, InprocClient):
+            # The engines' generation_config defaults (their extra EOS ids join every request's stop ids).
+            self.generation_defaults = GenerationDefaults(dict(ready.sampling_defaults),
+                                                          list(ready.extra_eos_token_ids))
+        self.model_name = ready.model_name
+        self.eos_token_id = ready.eos_token_id
+        self.pooling_info = ready.pooling
+        self.input_processor = InputProcessor(self.tokenizer, ready)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor = InputProcessor(self.tokenizer, self.engine_ready(0.0))
         self._ids = itertools.count()
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
 
+    # The in-process engine core ---------------------------------------------------------------------
+    def core_host(self, what: str = "this") -> EngineCoreHost:
+        """The EngineCoreHost the InprocClient owns; RuntimeError naming `what` when the engine core runs in
+        another process (its scheduler, runner and KV cache are not in this one)."""
+        if not isinstance(self.client, InprocClient):
+            raise RuntimeError(f"{what} needs the engine core in this process; this LLMEngine's engine cores run in "
+                               "engine-core processes (data parallelism, Ray or multiprocess_mode=True)")
+        return self.client.host
+
+    scheduler = _in_process("scheduler", "The Scheduler")
+    engine_core = _in_process("engine_core", "The EngineCore (schedule, execute, update)")
+    executor = _in_process("executor", "The Executor the engine core steps")
+    runner = _in_process("runner", "The ModelRunner (None with tensor/pipeline-parallel workers)")
+    config = _in_process("config", "The EngineConfig in force (quantization resolved)")
+    model_config = _in_process("model_config", "The model's config")
+    scheduler_config = _in_process("scheduler_config", "The SchedulerConfig in force (max_model_len resolved)")
+    cache_config = _in_process("cache_config", "The CacheConfig in force (num_blocks sized)")
+    speculative_config = _in_process("speculative_config", "The SpeculativeConfig, or None")
+    lora_config = _in_process("lora_config", "The LoRAConfig, or None")
+    kv_connector = _in_process("kv_connector", "The KV connector's scheduler side, or None")
+    structured_output_manager = _in_process("structured_output_manager", "The grammars of structured outputs")
+    tracer = _in_process("tracer", "The StepTracer (--trace-steps), or None")
+    runner_type = _in_process("runner_type", "'generate' or 'pooling'")
+    dtype = _in_process("dtype", "The model's torch dtype")
+    device = _in_process("device", "The torch device the model runs on")
+    kv_cache_held = _in_process("kv_cache_held", "(block_size, num_blocks) the runner allocated")
+    _model_thread = _in_process("_model_thread", "The thread that owns the model under async scheduling, or None")
+
+    def engine_ready(self, load_time_s: float = 0.0) -> Any:
+        """What the in-process engine core is (EngineCoreHost.engine_ready)."""
+        return self.core_host("LLMEngine.engine_ready").engine_ready(load_time_s)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Arrival times' clock: the in-process scheduler's, else time.monotonic (every process's one clock)."""
+        return self.client.host.clock if isinstance(self.client, InprocClient) else time.monotonic
+
     # vLLM's LLMEngine.add_lora / remove_lora / list_loras.
     def add_lora(self, lora_request: Any) -> bool:
-        check_lora_request(lora_request, self.lora_config)
-        return self.engine_core.add_lora(lora_request)
+        check_lora_request(lora_request, self.input_processor.info.lora)
+        return self.client.add_lora(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.engine_core.remove_lora(lora_id)
+        return self.client.remove_lora(lora_id)
 
     def list_loras(self) -> set[int]:
-        return self.engine_core.list_loras()
+        return self.client.list_loras()
 
+    # Requests in ------------------------------------------------------------------------------------
     def add_request(
         self,
         request_id: str | None,
@@ -77,15 +157,15 @@ class LLMEngine(EngineCoreHost):
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
-            check_lora_request(lora_request, self.lora_config)
+            check_lora_request(lora_request, self.input_processor.info.lora)
         cores = fan_out(request_id, token_ids, params, self.eos_token_id, arrival, priority, lora_request)
         added = []
         try:
             for core in cores:
-                self.engine_core.add_request(core)
+                self.client.add_request(core)
                 added.append(core.request_id)
         except ValueError:
-            self.engine_core.abort_requests(added)
+            self.client.abort_requests(added)
             raise
         self.output_processor.add_request(request_id, text, token_ids, cores, arrival)
         return request_id
@@ -100,12 +180,15 @@ class LLMEngine(EngineCoreHost):
     ) -> str:
         """Queue a pooling request (params.task set: embed, classify, score, token_embed, ...); it
         finishes with a PoolingRequestOutput once its prompt is computed. ValueError for bad input."""
+        if not isinstance(self.client, InprocClient):
+            raise ValueError("pooling models run on one engine in this process: data_parallel_size > 1 (engine-core "
+                             "processes) is not supported with them")
         self.input_processor.check_pooling_model()
         params = prepare_pooling_params(params, self.pooling_info)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_len = self.scheduler_config.max_model_len
+        max_len = self.input_processor.info.max_model_len
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
@@ -114,7 +197,7 @@ class LLMEngine(EngineCoreHost):
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, max_len)
         arrival = self.clock() if arrival_time is None else arrival_time
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
-        self.engine_core.add_request(core)
+        self.client.add_request(core)
         self.output_processor.add_request(request_id, text, token_ids, [core], arrival)
         return request_id
 
@@ -123,7 +206,7 @@ class LLMEngine(EngineCoreHost):
         results = []
         for rid in ids:
             core_ids = self.output_processor.core_ids(rid)
-            self.engine_core.abort_requests(core_ids)
+            self.client.abort_requests(core_ids)
             out = self.output_processor.finish_aborted(rid)
             if out is not None:
                 results.append(out)
@@ -131,11 +214,14 @@ class LLMEngine(EngineCoreHost):
 
     # The step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        core_outputs = self.client.get_output()
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:  # a stop string ended these: free their blocks now
-            self.engine_core.abort_requests(to_abort)
+            self.client.abort_requests(to_abort)
         return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.num_unfinished() > 0 or self.client.has_unfinished_requests()
 
     def reset_scheduler(
         self,
@@ -145,12 +231,14 @@ class LLMEngine(EngineCoreHost):
     ) -> None:
         """A fresh scheduler (new knobs, empty prefix cache) over the same loaded model, for
         benchmarks that compare configurations side by side without reloading weights."""
-        if self.output_processor.num_unfinished() == 0 and not self.scheduler.has_unfinished_requests():
-            self.engine_core.drain()  # async scheduling: a trailing step may still be in flight
+        host = self.core_host("LLMEngine.reset_scheduler")
+        if self.output_processor.num_unfinished() == 0 and not host.scheduler.has_unfinished_requests():
+            host.engine_core.drain()  # async scheduling: a trailing step may still be in flight
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
-        super().reset_scheduler(scheduler_config, cache_config, clock)
-        self.input_processor = InputProcessor(self.tokenizer, self.engine_ready(0.0))  # the new limits
+        host.reset_scheduler(scheduler_config, cache_config, clock)
+        self.input_processor = InputProcessor(self.tokenizer, self.client.engine_ready())  # the new limits
 
-    def has_unfinished_requests(self) -> bool:
-        return self.output_processor.num_unfinished() > 0 or self.engine_core.has_unfinished_requests()
+    def close(self) -> None:
+        """Stop the engine core(s): the in-process core's threads, or the engine processes."""
+        self.client.shutdown()

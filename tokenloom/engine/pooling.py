@@ -156,9 +156,13 @@ def cross_encoder_pair(tokenizer: Any, text_1: str, text_2: str) -> tuple[list[i
 
 def score_pairs(data_1: Any, data_2: Any) -> list[tuple[Any, Any]]:
     """vLLM's pairing for score/rerank: one query against N documents, or N against N pairwise."""
-    one = isinstance(data_1, str | dict)
-    d1 = [data_1] if one else list(data_1)
-    d2 = [data_2] if isinstance(data_2, str | dict) else list(data_2)
+    d1 = [data_1] if isinstance(data_1, str) else data_1
+    d2 = [data_2] if isinstance(data_2, str) else data_2
+    for name, texts in (("data_1", d1), ("data_2", d2)):  # what the tokenizer and the cosine's dedup take
+        if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
+            raise TypeError(f"score: {name} must be a text or a list of texts, got {type(texts).__name__}"
+                            f"{'' if not isinstance(texts, list | tuple) else ' holding other things'}")
+    d1, d2 = list(d1), list(d2)
     if not d1 or not d2:
         raise ValueError("score needs at least one text on each side")
     if len(d1) == 1:

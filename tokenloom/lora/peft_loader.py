@@ -28,6 +28,7 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 # Targets PEFT can train that tokenloom does not apply (vLLM builds embeddings / LM-head LoRA; not yet here).
 UNSUPPORTED_MODULES = ("embed_tokens", "lm_head")
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
                   r"lora_([AB])(?:\.default)?\.weight$")
 
@@ -68,7 +69,7 @@ def _read_config(path: Path, name: str) -> dict[str, Any]:
         raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {cfg_file}: {exc}") from None
     if not isinstance(cfg, dict):
         raise LoRAError(f"LoRA adapter {name!r}: {cfg_file} is not a JSON object")
@@ -110,7 +111,10 @@ def _check_options(cfg: dict[str, Any], name: str) -> None:
         if cfg.get(key):
             raise LoRAError(f"LoRA adapter {name!r}: per-module {key} is not supported (one r and lora_alpha)")
     targets = cfg.get("target_modules")
-    named = [targets] if isinstance(targets, str) else list(targets or [])
+    named = [targets] if isinstance(targets, str) else targets or []
+    if not isinstance(named, list) or not all(isinstance(t, str) for t in named):
+        raise LoRAError(f"LoRA adapter {name!r}: target_modules must be a module name or a list of them, "
+                        f"got {str(targets)[:80]}")
     bad = [t for t in named if t in UNSUPPORTED_MODULES]
     if bad:
         raise LoRAError(f"LoRA adapter {name!r}: target module {bad[0]!r} is not supported "
@@ -136,6 +140,8 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, *, num_layers: 
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise LoRAError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    if not abs(scaling) <= _FLOAT32_MAX:  # NaN or infinite in the float32 the kernels compute in
+        raise LoRAError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} with r {r} is not a finite scaling")
     tensors = _read_tensors(path, name)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -164,7 +170,7 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, *, num_layers: 
             raise LoRAError(f"LoRA adapter {name!r}: {where} has lora_{next(iter(pair))} without its other half")
         a, b = pair["A"], pair["B"]
         in_f, out_f = target_shapes[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
             raise LoRAError(f"LoRA adapter {name!r}: {where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                             "are not a rank-r pair ([r, in] and [out, r])")
         if a.shape[0] > max_lora_rank:
@@ -175,5 +181,10 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, *, num_layers: 
                             f"{tuple(b.shape)} do not match the base model's {module} ({out_f} x {in_f}: "
                             f"expected lora_A [r, {in_f}], lora_B [{out_f}, r]); is the adapter for this "
                             "base model?")
-        model.loras[(layer, module)] = LoRALayerWeights(a.float().contiguous(), b.float().contiguous(), scaling)
+        a, b = a.float().contiguous(), b.float().contiguous()
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            # They would turn every logit of a request using the adapter into NaN (a grammar then
+            # rejects whatever is sampled): refused here, where the client learns which file is broken.
+            raise LoRAError(f"LoRA adapter {name!r}: {where} holds NaN or infinite weights (in float32)")
+        model.loras[(layer, module)] = LoRALayerWeights(a, b, scaling)
     return model

@@ -2,8 +2,8 @@
 models and for unquantized float32 / bf16 models whose layer weights stay plain (the execution
 plan chooses it: tokenloom/model/execution_plan.py).
 
-The compiled decoder (the class `GGUFDecoder` of csrc/gguf_kernels.cpp, where the GGUF dot products
-live; the C++ name predates the float parts) holds the whole stack:
+The compiled decoder (the class `FusedDecoder` of csrc/fused_decode.cpp, built into one extension with
+the GGUF dot products of csrc/gguf_kernels.cpp: tokenloom/model/gguf_kernels.py) holds the whole stack:
 every layer's norms and linears (q/k/v and gate/up each one matrix where their GGML types agree;
 the same tensors the model's GGUFLinear or plain linears hold, not copies: GGUF blocks, float32
 (GGML type F32) or bf16 (BF16) matrices) and the KV caches; a decode step is one `step()` call,
@@ -72,7 +72,7 @@ def build_decoder(kernels: Any, config: ModelConfig, embed: GGUFWeight | torch.T
         embed_data, embed_type, embed_packed = embed.data, embed.qtype, embed.packed8
     else:
         (embed_data, embed_type), embed_packed = dense_part(embed), False
-    dec = kernels.GGUFDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+    dec = kernels.FusedDecoder(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                               config.head_dim, config.intermediate_size, config.rms_norm_eps, embed_data, embed_type,
                               final_norm.float().contiguous(), embed_packed)
     for spec in layers:

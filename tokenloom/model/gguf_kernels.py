@@ -1,9 +1,16 @@
-"""Compiled GGUF kernels (csrc/gguf_kernels.cpp): quantized GEMV/GEMM, dequantization.
+"""Compiled GGUF kernels and fused decoder: one extension from two sources.
+
+- csrc/gguf_kernels.cpp: the quant types' traits table, activation quantization, quantized
+  GEMV/GEMM tiles, dequantization, and the module's bindings;
+- csrc/fused_decode.cpp: `FusedDecoder`, the whole decode step in one call (GGUF or float weights),
+  and the dense float / bf16 kernel it runs; it reaches the quantized linears through
+  csrc/gguf_quants.h, the two sources' shared header.
 
 Built and cached like the other CPU kernels (tokenloom/model/kernels.py: torch's extension builder,
-`-O3 -march=native -fopenmp`, into `<cache>/kernels/gguf_kernels-<key>/`, the key hashing the source,
-torch, Python, the flags and the CPU's feature flags), but as their own library so that either source
-can change without rebuilding the other. Failures log one warning and return None; callers then
+`-O3 -march=native -fopenmp`, into `<cache>/kernels/gguf_kernels-<key>/`, the key hashing both
+sources and the headers they include, torch, Python, the flags and the CPU's feature flags): one
+build, one library, one import; its own library so that cpu_kernels.cpp and these can change without
+rebuilding each other. Failures log one warning and return None; callers then
 dequantize the weights and run the floating-point path. `TOKENLOOM_CPU_KERNELS=0` turns them off too.
 """
 
@@ -18,7 +25,8 @@ from tokenloom.model.kernels import LDFLAGS, _failure_detail, load_cached_extens
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "gguf_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "gguf_kernels.cpp", CSRC / "fused_decode.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -32,7 +40,7 @@ def gguf_kernels() -> ModuleType | None:
 
 def _load() -> ModuleType | None:
     try:
-        module, _ = load_cached_extension("gguf_kernels", SOURCE, CFLAGS, LDFLAGS, "GGUF kernels")
+        module, _ = load_cached_extension("gguf_kernels", SOURCES, CFLAGS, LDFLAGS, "GGUF kernels")
         return module
     except Exception as exc:  # noqa: BLE001 - any failure means: dequantize instead
         logger.warning("tokenloom GGUF kernels unavailable (%s); quantized weights will be dequantized",

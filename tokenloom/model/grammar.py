@@ -130,14 +130,35 @@ def _validate_key(kind: str, spec: str) -> None:
         if _looks_like_lark(spec):
             raise ValueError("Lark grammars are not supported; give the grammar in EBNF (GBNF) with a root rule")
         try:
-            xgr.Grammar.from_ebnf(spec)
+            grammar = xgr.Grammar.from_ebnf(spec)
         except Exception as exc:
             raise ValueError(f"the grammar does not parse as EBNF: {_short(exc)}") from None
+        if _matches_nothing(grammar):
+            # Compiled against the model's vocabulary it would allow no first token either: the request's
+            # first sample would be refused by its own grammar (a 500 after the queue, not a 400 here).
+            raise ValueError("the grammar matches no text: its root rule never reaches a terminal (a rule that "
+                             "only refers to itself?)")
     elif kind == "structural_tag":
         try:
             xgr.Grammar.from_structural_tag(spec)
         except Exception as exc:
             raise ValueError(f"invalid structural_tag: {_short(exc)}") from None
+
+
+@functools.cache
+def _byte_compiler() -> xgr.GrammarCompiler:
+    """A compiler over a vocabulary of the 256 bytes and a stop token: any text is spelled in it, so a grammar
+    that allows none of its tokens first matches no text at all, for any tokenizer."""
+    bytes_vocab = [f"<0x{i:02X}>" for i in range(256)] + ["</s>"]
+    info = xgr.TokenizerInfo(bytes_vocab, vocab_type=xgr.VocabType.BYTE_FALLBACK, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def _matches_nothing(grammar: xgr.Grammar) -> bool:
+    matcher = xgr.GrammarMatcher(_byte_compiler().compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, 257)
+    matcher.fill_next_token_bitmask(bitmask)
+    return not bool(bitmask.any())
 
 
 def _parse_schema(text: str) -> Any:

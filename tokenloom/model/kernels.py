@@ -22,11 +22,12 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -84,30 +85,53 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cache_key(source: Path, cflags: list[str], ldflags: list[str]) -> str:
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def build_inputs(sources: Sequence[Path]) -> list[Path]:
+    """The sources and every header they include with `#include "..."` (found next to the file
+    that includes it, transitively): what a build reads, so what its cache key must hash."""
+    seen: list[Path] = []
+    todo = list(sources)
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.append(path)
+        for name in _LOCAL_INCLUDE.findall(path.read_bytes()):
+            header = path.parent / name.decode()
+            if header.is_file():
+                todo.append(header)
+    return seen
+
+
+def _cache_key(sources: Sequence[Path], cflags: list[str], ldflags: list[str]) -> str:
     import torch
 
-    ident = "|".join(
-        [hashlib.sha256(source.read_bytes()).hexdigest(), torch.__version__, sys.version, " ".join(cflags + ldflags),
-         _cpu_signature()]
-    )
+    # One source without local headers hashes as it always did (its cached build stays valid).
+    inputs = build_inputs(sources)
+    digest = "+".join(hashlib.sha256(p.read_bytes()).hexdigest() for p in inputs)
+    ident = "|".join([digest, torch.__version__, sys.version, " ".join(cflags + ldflags), _cpu_signature()])
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def load_cached_extension(stem: str, source: Path, cflags: list[str], ldflags: list[str],
+def load_cached_extension(stem: str, source: Path | Sequence[Path], cflags: list[str], ldflags: list[str],
                           what: str) -> tuple[ModuleType, float | None]:
-    """Import `source` compiled into `<cache>/kernels/<stem>-<key>/`, building it first when missing.
+    """Import `source` (one .cpp, or several linked into one library) compiled into
+    `<cache>/kernels/<stem>-<key>/`, building it first when missing.
 
-    The key hashes the source, torch, Python, the flags and the CPU's feature flags. Returns the
-    module and the build's seconds (None when it came from the cache). Raises on failure: callers
-    log one warning and fall back (the torch path; dequantized weights).
+    The key hashes the sources and the headers they include, torch, Python, the flags and the
+    CPU's feature flags. Returns the module and the build's seconds (None when it came from the
+    cache). Raises on failure: callers log one warning and fall back (the torch path; dequantized
+    weights).
     """
     # Under TOKENLOOM_CPU_ISA the build targets the cap's -march instead of this CPU, in an entry of
     # its own (a stale-build sweep of one stem would otherwise delete the other: tokenloom/cpu_isa.py).
     cflags = cpu_isa.capped_cflags(cflags)
     if (cap := cpu_isa.cap_name()) != cpu_isa.NATIVE:
         stem = f"{stem}_{cap}"
-    key = _cache_key(source, cflags, ldflags)
+    sources = [source] if isinstance(source, Path) else list(source)
+    key = _cache_key(sources, cflags, ldflags)
     name = f"tl_{stem}_{key}"
     build_dir = default_cache_dir() / "kernels" / f"{stem}-{key}"
     built = build_dir / f"{name}.so"
@@ -119,7 +143,7 @@ def load_cached_extension(stem: str, source: Path, cflags: list[str], ldflags: l
     with build_lock(build_dir):
         if built.is_file():  # another process built it while this one waited
             return _import(name, built), None
-        return _build(name, source, build_dir, cflags, ldflags, what)
+        return _build(name, sources, build_dir, cflags, ldflags, what)
 
 
 def _failure_detail(exc: Exception) -> str:
@@ -172,7 +196,7 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build(name: str, source: Path, build_dir: Path, cflags: list[str], ldflags: list[str],
+def _build(name: str, sources: Sequence[Path], build_dir: Path, cflags: list[str], ldflags: list[str],
            what: str) -> tuple[ModuleType, float]:
     from torch.utils import cpp_extension
 
@@ -187,7 +211,8 @@ def _build(name: str, source: Path, build_dir: Path, cflags: list[str], ldflags:
     # Copies: torch's builder appends its own -L/-l flags to the list it is given, which changed the
     # shared LDFLAGS, so the next library built in the same process hashed to another cache key
     # (and a later process, with the pristine flags, rebuilt it and swept the first build away).
-    module = cpp_extension.load(name, [str(source)], extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+    module = cpp_extension.load(name, [str(s) for s in sources], extra_cflags=list(cflags),
+                                extra_ldflags=list(ldflags),
                                 build_directory=str(build_dir), verbose=False)
     seconds = time.perf_counter() - t0
     logger.info("%s built in %.1f s", what, seconds)

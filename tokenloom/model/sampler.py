@@ -266,7 +266,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     u = _uniforms(rows, device)
     filtered = [j for j, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
     if not filtered:
-        return inverse_cdf_sample(probs, u)
+        return _argmax_broken_rows(logits, probs, inverse_cdf_sample(probs, u))
     out = torch.empty(len(rows), dtype=torch.long, device=device)
     plain = [j for j in range(len(rows)) if j not in set(filtered)]
     if plain:
@@ -275,7 +275,18 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     out[filtered] = _sample_top_k_top_p(
         probs[filtered], [r.params.top_k for r in f_rows], [r.params.top_p for r in f_rows], u[filtered]
     )
-    return out
+    return _argmax_broken_rows(logits, probs, out)
+
+
+def _argmax_broken_rows(logits: torch.Tensor, probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows whose logits hold a NaN or +inf (activations that overflowed, e.g. under a LoRA adapter with huge
+    weights) softmax to NaN everywhere, and the inverse-cdf search then picks the last token of the vocabulary,
+    which a grammar or allowed_token_ids may forbid (the request then failed). Such a row takes its argmax, as
+    a greedy row does: NaN counts as the maximum and masked tokens are -inf, so it stays among the allowed."""
+    broken = probs[:, 0].isnan()  # a NaN anywhere in the softmax's input makes every entry NaN: one column tells
+    if bool(broken.any()):
+        token_ids[broken] = logits[broken].argmax(dim=-1)
+    return token_ids
 
 
 def apply_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

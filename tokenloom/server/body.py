@@ -39,8 +39,14 @@ async def read_json(request: Request, limit: int) -> dict:
         if size > limit:
             raise APIError(413, f"the request body is larger than the limit of {limit} bytes")
         chunks.append(chunk)
+    body = b"".join(chunks)
+    try:  # JSON between systems is UTF-8 (RFC 8259); json.loads would also guess UTF-16 and UTF-32 from bytes
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {body[exc.start]:#04x} at position "
+                            f"{exc.start})") from None
     try:
-        obj = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):

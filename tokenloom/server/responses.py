@@ -17,7 +17,9 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 def _lp(value: float) -> float:
-    return max(value, _MIN_LOGPROB)
+    # vLLM's floor for -inf; a NaN (logits that overflowed) gets it too, written this way round (max(nan, x) is
+    # nan): JSON has no NaN, and rendering one failed the whole response.
+    return value if value >= _MIN_LOGPROB else _MIN_LOGPROB
 
 
 class UsageCounter:

@@ -22,9 +22,10 @@ from tokenloom.config import (
     engine_config_from_kwargs,
 )
 from tokenloom.core.cost_model import CostModel
+from tokenloom.core.prompt_fit import resolve_max_model_len, sched_max_len_default
 from tokenloom.core.schedulers import make_scheduler
 from tokenloom.engine.core import EngineCore
-from tokenloom.engine.core_host import DEFAULT_CPU_KV_BYTES, check_async_scheduling, sched_max_len_default
+from tokenloom.engine.core_host import DEFAULT_CPU_KV_BYTES, check_async_scheduling
 from tokenloom.engine.trace import StepTracer
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile
@@ -98,8 +99,8 @@ def engine_configs(profile: Profile, engine_kwargs: dict[str, Any]) -> tuple[Sch
             raise ValueError(f"kv_cache_memory={kv_memory} bytes holds no KV block; give it more memory")
         cache = replace(cache, num_blocks=num_blocks)
     assert cache.num_blocks is not None
-    max_model_len = config.max_model_len or sched_max_len_default(
-        config, profile.max_model_len, cache.num_blocks * cache.block_size
-    )
+    # The engine's rule (EngineCoreHost): --max-model-len within the model's context, else the default.
+    max_model_len = resolve_max_model_len(config, profile.max_model_len, default=sched_max_len_default(
+        config, profile.max_model_len, cache.num_blocks * cache.block_size))
     sched = replace(config.scheduler or SchedulerConfig(), max_model_len=max_model_len)  # re-validates
     return sched, cache

@@ -1,5 +1,7 @@
 // GGUF quantized weights, kept quantized: GEMV / small-batch GEMM and dequantization
-// (built on first use by tokenloom/model/gguf_kernels.py, separately from cpu_kernels.cpp).
+// (built on first use by tokenloom/model/gguf_kernels.py, separately from cpu_kernels.cpp, into one
+// extension with fused_decode.cpp: the fused decode step, which runs its quantized linears through
+// the entry points declared in gguf_quants.h; this file's module registers it).
 //
 //   gguf_linear      out[M, N] = x[M, K] @ W[N, K].T (+ bias), W a GGUF tensor's raw blocks [N, row_bytes]
 //   gguf_dequantize  W -> float / bf16 [N, K]   (the large-batch fallback and the loader)
@@ -41,22 +43,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TLQ_AVX2 1
-#else
-#define TLQ_AVX2 0
-#endif
-// VNNI (AVX512-VNNI on 256-bit registers, or AVX-VNNI): vpdpbusd in the integer dot products.
-#if TLQ_AVX2 && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
-#define TLQ_VNNI 1
-#else
-#define TLQ_VNNI 0
-#endif
+#include "gguf_quants.h"
+
+bool tlq::g_force_scalar = false;
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace tlq;  // bf16, QAct, quantize_act, hsum, g_force_scalar, TypeInfo
 
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
@@ -64,7 +57,6 @@ enum QType : int {
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
 };
 
-bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
 
 // ------------------------------------------------------------------------------ per-type traits
 // One row per GGML type, as ggml's type_traits_cpu[]: the block's geometry, its 8-row tile's (0: the
@@ -72,7 +64,6 @@ bool g_force_scalar = false;  // tests hold the SIMD path to the plain one
 // dispatchers (run_quantized_range, run_packed_range, gguf_gemm_packed) look the type up here; a
 // null kernel, or g_force_scalar, means the plain C++ loop. dequant_block is the one plain
 // dequantizer of every type (the oracle the tests hold the kernels to).
-struct QAct;
 // Rows [n0, n1) of out = x @ W.T + bias, W in raw blocks (row_bytes per row).
 using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                            int64_t ldo, int64_t n0, int64_t n1);
@@ -295,91 +286,12 @@ void dequant_block(int t, const uint8_t* b, float* y) {
   }
 }
 
-struct TypeInfo {
-  int block_elems;
-  int block_bytes;
-};
 
 TypeInfo type_info(int t) {
   const TypeTraits& tr = traits(t);
   return {tr.block_elems, tr.block_bytes};
 }
 
-// ------------------------------------------------------------------------ activation quantization
-// Groups of 32: q = round(x / d), d = max|x| / 127, s = d * sum(q); bs = the integer sums of q per
-// 16 (what ggml's block_q8_K calls bsums): the Q6_K tile kernel takes its quants unsigned and
-// subtracts 32 * bs, instead of sign-flipping every weight vector.
-
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 x) { return static_cast<float>(x); }
-
-#if TLQ_AVX2
-// One group of 32 floats, quantize_act's arithmetic eight lanes at a time: the same amax, d and
-// id, and vcvtps2dq rounds in the current mode as nearbyint does, so the bytes are identical. The
-// decode step quantizes every linear's input (~4 per layer); the scalar loop was ~1 us of a
-// single-threaded phase per call at SmolLM2's widths.
-inline void quantize_group_avx2(const float* x, int8_t* q, float* d, float* s, int16_t* bs) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + 8 * j);
-  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  const float amax = _mm_cvtss_f32(h);
-  const float dg = amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  __m256i i[4];
-  for (int j = 0; j < 4; j++) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
-  // Per 16: (lo, hi) reduced side by side in the two halves of one 128-bit vector.
-  const __m256i lo = _mm256_add_epi32(i[0], i[1]), hi = _mm256_add_epi32(i[2], i[3]);
-  const __m128i lo4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-  const __m128i hi4 = _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-  __m128i p = _mm_hadd_epi32(lo4, hi4);  // lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3
-  p = _mm_hadd_epi32(p, p);              // lo, hi, lo, hi
-  bs[0] = static_cast<int16_t>(_mm_cvtsi128_si32(p));
-  bs[1] = static_cast<int16_t>(_mm_extract_epi32(p, 1));
-  const int sum = bs[0] + bs[1];
-  // packs work within 128-bit lanes: dwords come out as 0 4 1 5 2 6 3 7 of the wanted order.
-  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  *d = dg;
-  *s = dg * static_cast<float>(sum);
-}
-#endif
-
-template <typename T>
-void quantize_act(const T* x, int64_t K, int8_t* q, float* d, float* s, int16_t* bs) {
-#if TLQ_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    if (!g_force_scalar) {
-      for (int64_t g = 0; g < K / 32; g++) quantize_group_avx2(x + 32 * g, q + 32 * g, d + g, s + g, bs + 2 * g);
-      return;
-    }
-  }
-#endif
-  for (int64_t g = 0; g < K / 32; g++) {
-    float v[32], amax = 0.0f;
-    for (int j = 0; j < 32; j++) {
-      v[j] = to_f(x[32 * g + j]);
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    const float dg = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int half[2] = {0, 0};
-    for (int j = 0; j < 32; j++) {
-      const int qi = static_cast<int>(std::nearbyint(v[j] * id));
-      q[32 * g + j] = static_cast<int8_t>(qi);
-      half[j / 16] += qi;
-    }
-    d[g] = dg;
-    s[g] = dg * static_cast<float>(half[0] + half[1]);
-    bs[2 * g] = static_cast<int16_t>(half[0]);
-    bs[2 * g + 1] = static_cast<int16_t>(half[1]);
-  }
-}
 
 #if TLQ_AVX2
 // ------------------------------------------------------------------------------------ AVX2 groups
@@ -558,12 +470,6 @@ constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K;
 constexpr bool has_mul(int T) { return T == kQ2_K || T == kQ3_K || T == kQ6_K; }
 constexpr bool has_b(int T) { return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K); }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // NR weight rows against MT activation rows: out[r * MT + m]. NR * MT independent accumulators keep
 // the float adds of consecutive groups from waiting on each other (a batch-1 GEMV takes 4 rows at
@@ -695,54 +601,6 @@ void linear_avx2_range(const int8_t* q, const float* d, const float* s, int64_t 
 
 #endif
 
-// Activations quantized for the kernels: rows of int8 with per-32 d and s, per-16 bs (see quantize_act).
-struct QAct {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int16_t> bs;
-  int64_t M = 0, K = 0;
-
-  // Sizes the buffers for [M_, K_] without quantizing (the decoder then fills them group by group).
-  void shape(int64_t M_, int64_t K_) {
-    M = M_;
-    K = K_;
-    q.resize(M * K);
-    d.resize(M * K / 32);
-    s.resize(M * K / 32);
-    bs.resize(M * K / 16);
-  }
-
-  // Quantizes groups [g0, g1) of the flattened [M, K / 32] groups of x (rows ldx apart).
-  void quantize_groups(const float* x, int64_t ldx, int64_t g0, int64_t g1) {
-    const int64_t G = K / 32;
-    for (int64_t i = g0; i < g1; i++) {
-      const int64_t m = i / G, g = i % G;
-      quantize_act(x + m * ldx + 32 * g, 32, q.data() + m * K + 32 * g, d.data() + i, s.data() + i, bs.data() + 2 * i);
-    }
-  }
-
-  template <typename T>
-  void set(const T* x, int64_t M_, int64_t K_, int64_t ldx) {
-    M = M_;
-    K = K_;
-    const int64_t G = K / 32;
-    q.resize(M * K);
-    d.resize(M * G);
-    s.resize(M * G);
-    bs.resize(M * 2 * G);
-    int8_t* qp = q.data();
-    float* dp = d.data();
-    float* sp = s.data();
-    int16_t* bp = bs.data();
-    if (M == 1) {
-      quantize_act(x, K, qp, dp, sp, bp);
-      return;
-    }
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; r++) quantize_act(x + r * ldx, K, qp + r * K, dp + r * G, sp + r * G, bp + r * 2 * G);
-    });
-  }
-};
 
 // ------------------------------------------------------------------- 8-row interleaved layouts
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights repacked at load, eight rows at a time (the idea of ggml's
@@ -1854,727 +1712,6 @@ void gguf_embedding_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype, 
   });
 }
 
-// ------------------------------------------------------------------------------ the decode stack
-// GGUFDecoder runs a whole decode step (every layer, one call from Python) for a few sequences of
-// one new token each: embedding row, and per layer RMSNorm -> qkv -> neox rotary + KV-cache write ->
-// paged attention -> o-proj + residual -> RMSNorm -> gate/up -> SiLU*mul -> down + residual; then the
-// final norm. Activations stay fp32 in reused buffers; the weights are the GGUF blocks (or fp32
-// matrices, type 0, for tensors a file stores unquantized). KV caches: the plain head-major layout
-// [Hkv, num_blocks, block_size, D] in float or bf16, shared with the rest of the runner.
-
-constexpr int kDense = 0;   // part type: a float32 [N, K] matrix (GGML_TYPE_F32)
-constexpr int kBF16 = 30;   // part type: a bfloat16 [N, K] matrix (GGML_TYPE_BF16)
-
-inline bool is_float_part(int t) { return t == kDense || t == kBF16; }
-
-struct Part {
-  at::Tensor w;       // [N, row_bytes] blocks, or float / bf16 [N, K] (kDense / kBF16)
-  int t;
-  c10::optional<at::Tensor> bias;
-  at::Tensor packed;  // the 8-row layout of w, when its type has one and N % 8 == 0
-};
-
-struct QLin {
-  std::vector<Part> parts;
-  int64_t N = 0, K = 0;
-  bool quantized = false;  // some part multiplies quantized activations
-};
-
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.0f;
-#if TLQ_AVX2
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  s = hsum(_mm256_add_ps(acc0, acc1));
-#endif
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
-#if TLQ_AVX2
-// 8 weights as floats: a float load, or bf16 -> fp32 by a 16-bit shift (bf16 is fp32's top half).
-inline __m256 load8_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_w(const bf16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-// NR weight rows (from w, K apart) against MT activation rows (x, K apart): out[m * ldo + r]. Each
-// weight vector is loaded once for the MT rows; the next NR-row block is prefetched a cache line at a
-// time while this one streams (the hardware prefetcher alone follows only a few of the NR streams).
-template <typename W, int NR, int MT>
-inline void dense_tile(const float* x, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
-                       bool prefetch) {
-  constexpr int64_t kLine = 64 / sizeof(W);  // elements per cache line
-  __m256 acc[MT][NR];
-  for (int m = 0; m < MT; m++)
-    for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= K; i += 8) {
-    if (prefetch && i % kLine == 0)
-      for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + i), _MM_HINT_T0);
-    __m256 wv[NR];
-    for (int r = 0; r < NR; r++) wv[r] = load8_w(w + r * K + i);
-    for (int m = 0; m < MT; m++) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + i);
-      for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
-    }
-  }
-  for (int m = 0; m < MT; m++)
-    for (int r = 0; r < NR; r++) {
-      float s = hsum(acc[m][r]);
-      for (int64_t j = i; j < K; j++) s += x[m * K + j] * static_cast<float>(w[r * K + j]);
-      out[m * ldo + r] = s + (bias ? bias[r] : 0.0f);
-    }
-}
-
-// Rows [n0, n1) of a float / bf16 matrix: 4-row blocks, activation rows two at a time (4 x 2
-// accumulators + 4 weight vectors + 1 activation fit AVX2's 16 registers). Only the first pass over
-// a block's weights prefetches the next block; later activation rows read them from L1/L2.
-template <typename W>
-void dense_range_avx2(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
-                      int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const W* wn = w + n * K;
-    const float* bn = bias ? bias + n : nullptr;
-    const bool pf = n + 8 <= n1;
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) dense_tile<W, 4, 2>(x + m * K, K, wn, bn, out + m * ldo + n, ldo, pf && m == 0);
-    if (m < M) dense_tile<W, 4, 1>(x + m * K, K, wn, bn, out + m * ldo + n, ldo, pf && m == 0);
-  }
-  for (; n < n1; n++)
-    for (int64_t m = 0; m < M; m++)
-      dense_tile<W, 1, 1>(x + m * K, K, w + n * K, bias ? bias + n : nullptr, out + m * ldo + n, ldo, false);
-}
-#endif
-
-// Rows [n0, n1) of out[m * ldo + n] = sum_k W[n, k] x[m, k] + bias[n], W float or bf16 [N, K]: one
-// thread's share (run_dense splits the rows; the decoder splits them itself).
-template <typename W>
-void run_dense_range(const float* x, int64_t M, int64_t K, const W* w, const float* bias, float* out, int64_t ldo,
-                     int64_t n0, int64_t n1) {
-#if TLQ_AVX2
-  if (!g_force_scalar) return dense_range_avx2(x, M, K, w, bias, out, ldo, n0, n1);
-#endif
-  for (int64_t n = n0; n < n1; n++)
-    for (int64_t m = 0; m < M; m++) {
-      const float* xm = x + m * K;
-      const W* wn = w + n * K;
-      float s = 0.0f;
-      for (int64_t k = 0; k < K; k++) s += xm[k] * static_cast<float>(wn[k]);
-      out[m * ldo + n] = s + (bias ? bias[n] : 0.0f);
-    }
-}
-
-// A float part's rows [n0, n1), by its weight type.
-inline void run_float_part_range(const Part& p, const float* x, int64_t M, int64_t K, const float* bias, float* out,
-                                 int64_t ldo, int64_t n0, int64_t n1) {
-  if (p.t == kBF16)
-    run_dense_range(x, M, K, p.w.data_ptr<bf16>(), bias, out, ldo, n0, n1);
-  else
-    run_dense_range(x, M, K, p.w.data_ptr<float>(), bias, out, ldo, n0, n1);
-}
-
-void run_dense(const Part& p, const float* x, int64_t M, int64_t K, int64_t N, const float* bias, float* out,
-               int64_t ldo) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { run_float_part_range(p, x, M, K, bias, out, ldo, n0, n1); });
-}
-
-// Thread tid's contiguous share [b, e) of n units, nth threads (the decoder's static split).
-inline void thread_share(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
-  const int64_t q = n / nth, r = n % nth;
-  b = tid * q + std::min<int64_t>(tid, r);
-  e = b + q + (tid < r ? 1 : 0);
-}
-
-// parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
-using PartSpec = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
-
-QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
-  QLin L;
-  L.K = K;
-  for (const auto& [w, t, bias, is_packed] : parts) {
-    if (is_packed) {
-      TORCH_CHECK(packable(t) && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                      w.size(1) == packed_row_bytes(static_cast<int>(t), K), "bad packed part");
-      if (bias) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == 8 * w.size(0),
-                    "a part's bias must be a contiguous float [N] tensor");
-      }
-      L.parts.push_back(Part{at::Tensor(), static_cast<int>(t), bias, w});
-      L.N += 8 * w.size(0);
-      continue;
-    }
-    if (is_float_part(static_cast<int>(t))) {
-      TORCH_CHECK(w.scalar_type() == (t == kBF16 ? at::kBFloat16 : at::kFloat) && w.dim() == 2 && w.is_contiguous() &&
-                      w.size(1) == K, "a dense part must be a contiguous ", t == kBF16 ? "bf16" : "float", " [N, ", K,
-                  "] tensor");
-    } else {
-      check_weight(w, t, K);
-    }
-    if (bias) {
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0),
-                  "a part's bias must be a contiguous float [N] tensor");
-    }
-    at::Tensor packed;
-    if (!is_float_part(static_cast<int>(t)) && packable(t) && w.size(0) % 8 == 0) packed = gguf_repack8(w, t, K);
-    L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
-    L.N += w.size(0);
-  }
-  for (const auto& p : L.parts) L.quantized |= !is_float_part(p.t);
-  return L;
-}
-
-// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region: each part's rows (or
-// tiles) split alike. act holds x quantized when L.quantized.
-void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth) {
-  int64_t col = 0, b, e;
-  for (const auto& p : L.parts) {
-    const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
-    if (p.packed.defined()) {
-      thread_share(p.packed.size(0), tid, nth, b, e);
-      run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
-      col += 8 * p.packed.size(0);
-    } else if (is_float_part(p.t)) {
-      thread_share(p.w.size(0), tid, nth, b, e);
-      run_float_part_range(p, x, M, L.K, bias, out + col, L.N, b, e);
-      col += p.w.size(0);
-    } else {
-      thread_share(p.w.size(0), tid, nth, b, e);
-      run_quantized_range(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(1), bias, out + col, L.N, b, e);
-      col += p.w.size(0);
-    }
-  }
-}
-
-void qlin_run(const QLin& L, const float* x, int64_t M, QAct& act, float* out) {
-  bool quantized = false;
-  for (const auto& p : L.parts) quantized |= !is_float_part(p.t);
-  if (quantized) act.set(x, M, L.K, L.K);
-  int64_t col = 0;
-  for (const auto& p : L.parts) {
-    const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
-    int64_t n;
-    if (p.packed.defined()) {
-      n = 8 * p.packed.size(0);
-      run_packed(p.t, act, p.packed.data_ptr<uint8_t>(), p.packed.size(0), bias, out + col, L.N);
-    } else if (is_float_part(p.t)) {
-      n = p.w.size(0);
-      run_dense(p, x, M, L.K, n, bias, out + col, L.N);
-    } else {
-      n = p.w.size(0);
-      run_quantized(p.t, act, p.w.data_ptr<uint8_t>(), n, p.w.size(1), bias, out + col, L.N);
-    }
-    col += n;
-  }
-}
-
-inline void rms_norm_f32(const float* x, const float* w, int64_t n, float eps, float* out) {
-  double ss = 0.0;
-  int64_t i0 = 0;
-#if TLQ_AVX2
-  // Four double lanes, two chains: the one-chain scalar sum waited on the add latency per element
-  // (~1 us a norm at 576, on one thread of the batch-1 step, twice a layer).
-  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
-  for (; i0 + 8 <= n; i0 += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i0);
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    a0 = _mm256_fmadd_pd(lo, lo, a0);
-    a1 = _mm256_fmadd_pd(hi, hi, a1);
-  }
-  const __m256d a = _mm256_add_pd(a0, a1);
-  const __m128d a2 = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
-  ss = _mm_cvtsd_f64(_mm_add_sd(a2, _mm_unpackhi_pd(a2, a2)));
-#endif
-  for (int64_t i = i0; i < n; i++) ss += static_cast<double>(x[i]) * x[i];
-  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
-  for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
-}
-
-#if TLQ_AVX2
-// e^x, eight lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial, the
-// exponent built in the float's bits), within ~2 ulp of std::exp over [-87, 88]; x clamped there.
-// The batch-1 step's softmax and SiLU called std::exp once per element (~15-20 cycles each).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-// Eight cache values as floats (bf16: the top half of a float).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-inline __m256 load8(const int8_t* p) {  // an int8 KV cache's values (its scales applied by the caller)
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-// attend() for head_dim 8 * ND: the query and the output held in registers over all positions
-// (the generic loop re-read and re-wrote o [D] per position and converted bf16 one at a time), the
-// softmax's exp eight scores at a time.
-// int8 caches: ksc / vsc are the cache's scales [Hkv, nb, bs] (a slot's at its index): the K scale
-// multiplies a score, the V scale a weight. Null for float caches.
-template <int ND, typename KT>
-void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int64_t n,
-                 const int32_t* table, float scale, std::vector<float>& scores, float* o, const float* ksc,
-                 const float* vsc) {
-  constexpr int64_t D = 8 * ND;
-  scores.resize(n + 8);
-  __m256 qv[ND];
-  for (int j = 0; j < ND; j++) qv[j] = _mm256_loadu_ps(q + 8 * j);
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < n; t++) {
-    const KT* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D;
-    __m256 a0 = _mm256_mul_ps(qv[0], load8(k)), a1 = _mm256_mul_ps(qv[1], load8(k + 8));
-    for (int j = 2; j < ND; j += 2) {
-      a0 = _mm256_fmadd_ps(qv[j], load8(k + 8 * j), a0);
-      a1 = _mm256_fmadd_ps(qv[j + 1], load8(k + 8 * j + 8), a1);
-    }
-    scores[t] = hsum(_mm256_add_ps(a0, a1)) * (ksc ? scale * ksc[(h * nb + table[t / bs]) * bs + t % bs] : scale);
-    mx = std::max(mx, scores[t]);
-  }
-  const __m256 mv = _mm256_set1_ps(mx);
-  __m256 sv = _mm256_setzero_ps();
-  int64_t t = 0;
-  for (; t + 8 <= n; t += 8) {
-    const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores.data() + t), mv));
-    _mm256_storeu_ps(scores.data() + t, ev);
-    sv = _mm256_add_ps(sv, ev);
-  }
-  float sum = hsum(sv);
-  for (; t < n; t++) {
-    scores[t] = std::exp(scores[t] - mx);
-    sum += scores[t];
-  }
-  __m256 acc[ND];
-  for (int j = 0; j < ND; j++) acc[j] = _mm256_setzero_ps();
-  for (t = 0; t < n; t++) {
-    const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
-    const KT* v = vc + slot * D;
-    const __m256 w = _mm256_set1_ps(vsc ? scores[t] * vsc[slot] : scores[t]);
-    for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum);
-  for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
-}
-
-// a[t] = SiLU(g[t]) * u[t] for t in [0, n).
-inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
-  int64_t t = 0;
-  const __m256 one = _mm256_set1_ps(1.0f);
-  for (; !g_force_scalar && t + 8 <= n; t += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + t);
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-    _mm256_storeu_ps(a + t, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + t)));
-  }
-  for (; t < n; t++) a[t] = g[t] / (1.0f + std::exp(-g[t])) * u[t];
-}
-#else
-inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
-  for (int64_t t = 0; t < n; t++) a[t] = g[t] / (1.0f + std::exp(-g[t])) * u[t];
-}
-#endif
-
-template <typename T>
-inline float dot_cache(const float* q, const T* k, int64_t D) {
-  if constexpr (std::is_same_v<T, float>) {
-    return dot_f32(q, k, D);
-  } else if constexpr (std::is_same_v<T, int8_t>) {  // the caller applies the scale
-    float s = 0.0f;
-    for (int64_t i = 0; i < D; i++) s += q[i] * static_cast<float>(k[i]);
-    return s;
-  } else {
-    int64_t i = 0;
-    float s = 0.0f;
-#if TLQ_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= D; i += 8) {
-      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), acc);
-    }
-    s = hsum(acc);
-#endif
-    for (; i < D; i++) s += q[i] * static_cast<float>(k[i]);
-    return s;
-  }
-}
-
-template <typename T>
-inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
-  for (int64_t i = 0; i < D; i++) o[i] += a * static_cast<float>(v[i]);
-}
-
-// One (token, kv head) row into an int8 KV cache: symmetric, scale = absmax / 127, round to nearest
-// even (the arithmetic of cpu_kernels.cpp's quantize_kv_row and attention.py's quantize_kv).
-inline void quantize_kv_row(const float* x, int64_t D, int8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(x[d]));
-  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-  for (int64_t d = 0; d < D; d++)
-    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * inv))));
-  *scale = amax / 127.0f;
-}
-
-class GGUFDecoder {
- public:
-  // embed_packed: the embedding table is in the 8-row layout (shared with a tied LM head).
-  GGUFDecoder(int64_t hidden, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-              double eps, at::Tensor embed, int64_t embed_type, at::Tensor final_norm, bool embed_packed)
-      : H_(hidden), Hq_(num_q_heads), Hkv_(num_kv_heads), D_(head_dim), I_(intermediate),
-        eps_(static_cast<float>(eps)), embed_(embed), embed_t_(static_cast<int>(embed_type)),
-        embed_packed_(embed_packed), final_norm_(final_norm) {
-    TORCH_CHECK(Hq_ % Hkv_ == 0 && D_ % 2 == 0, "bad head configuration");
-    if (embed_packed_) {
-      TORCH_CHECK(packable(embed_t_) && embed.scalar_type() == at::kByte && embed.dim() == 2 && embed.is_contiguous() &&
-                      H_ % packed_group_elems(embed_t_) == 0 && embed.size(1) == packed_row_bytes(embed_t_, H_),
-                  "a packed embedding must be the 8-row layout of a [V, H] weight");
-    } else if (is_float_part(embed_t_)) {
-      TORCH_CHECK(embed.scalar_type() == (embed_t_ == kBF16 ? at::kBFloat16 : at::kFloat) && embed.dim() == 2 &&
-                      embed.is_contiguous() && embed.size(1) == H_,
-                  "a dense embedding must be a contiguous float or bf16 [V, H] tensor (its part type)");
-    } else {
-      check_weight(embed, embed_t_, H_);
-    }
-    check_vec(final_norm, H_, "final_norm");
-  }
-
-  using Parts = std::vector<PartSpec>;
-
-  void add_layer(at::Tensor attn_norm, const Parts& qkv, const Parts& o, at::Tensor ffn_norm, const Parts& gate_up,
-                 const Parts& down) {
-    check_vec(attn_norm, H_, "attn_norm");
-    check_vec(ffn_norm, H_, "ffn_norm");
-    Layer L{attn_norm, ffn_norm, make_qlin(qkv, H_), make_qlin(o, Hq_ * D_), make_qlin(gate_up, H_),
-            make_qlin(down, I_), {}, {}, {}, {}};
-    TORCH_CHECK(L.qkv.N == (Hq_ + 2 * Hkv_) * D_ && L.o.N == H_ && L.gate_up.N == 2 * I_ && L.down.N == H_,
-                "layer ", layers_.size(), ": linear shapes do not match the configuration");
-    layers_.push_back(std::move(L));
-  }
-
-  void set_kv_caches(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
-    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V cache per layer");
-    for (size_t i = 0; i < k.size(); i++) {
-      for (const at::Tensor* c : {&k[i], &v[i]}) {
-        TORCH_CHECK(c->dim() == 4 && c->is_contiguous() && c->size(0) == Hkv_ && c->size(3) == D_,
-                    "KV caches must be contiguous [Hkv, num_blocks, block_size, D]");
-        TORCH_CHECK(c->scalar_type() == k[0].scalar_type() &&
-                        (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16 ||
-                         c->scalar_type() == at::kChar),
-                    "KV caches must all be float, all bf16 or all int8");
-      }
-      layers_[i].k_cache = k[i];
-      layers_[i].v_cache = v[i];
-      layers_[i].k_scale = at::Tensor();
-      layers_[i].v_scale = at::Tensor();
-    }
-    scales_pending_ = k[0].scalar_type() == at::kChar;
-  }
-
-  // int8 caches (--kv-cache-dtype int8): each layer's float32 [Hkv, num_blocks, block_size] scales,
-  // after set_kv_caches.
-  void set_kv_scales(const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v) {
-    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V scale tensor per layer");
-    for (size_t i = 0; i < k.size(); i++) {
-      const at::Tensor& c = layers_[i].k_cache;
-      TORCH_CHECK(c.defined() && c.scalar_type() == at::kChar, "KV scales come only with int8 caches");
-      for (const at::Tensor* t : {&k[i], &v[i]})
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == Hkv_ &&
-                        t->size(1) == c.size(1) && t->size(2) == c.size(2),
-                    "KV scales must be contiguous float32 [Hkv, num_blocks, block_size]");
-      layers_[i].k_scale = k[i];
-      layers_[i].v_scale = v[i];
-    }
-    scales_pending_ = false;
-  }
-
-  // out [B, H] (float or bf16) = final-norm hidden states after the step's tokens ids [B] at positions
-  // [B] (int64), their K/V written at slots [B] (int64); block_tables [B, max_blocks] int32;
-  // cos/sin [P, D/2] float or bf16 (P > every position).
-  //
-  // The whole step is one OpenMP parallel region: every op splits its work statically over the
-  // threads and a barrier separates ops that read what another thread wrote. A batch-1 step has
-  // ~8 ops per layer; one fork/join per op (at::parallel_for) cost ~2-3 us each on the dev box,
-  // ~0.5 ms a step for SmolLM2's 30 layers, and left the small ops (norms, SiLU, activation
-  // quantization, rotary) on one thread.
-  void step(at::Tensor out, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
-            const at::Tensor& block_tables, const at::Tensor& cos, const at::Tensor& sin) {
-    const int64_t B = ids.numel();
-    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "GGUFDecoder: layers and KV caches not set");
-    TORCH_CHECK(!scales_pending_, "GGUFDecoder: int8 KV caches without their scales (set_kv_scales)");
-    TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
-                    slots.scalar_type() == at::kLong && ids.is_contiguous() && positions.is_contiguous() &&
-                    slots.is_contiguous() && positions.numel() == B && slots.numel() == B,
-                "ids, positions, slots must be contiguous int64 [B]");
-    TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == B &&
-                    block_tables.stride(1) == 1, "block_tables must be int32 [B, max_blocks]");
-    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == B && out.size(1) == H_,
-                "out must be contiguous [B, H]");
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D_ / 2 && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
-                    sin.is_contiguous() && sin.scalar_type() == cos.scalar_type(), "cos/sin must be [P, D/2]");
-    const int64_t* idp = ids.data_ptr<int64_t>();
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t vocab = embed_packed_ ? 8 * embed_.size(0) : embed_.size(0);
-    const int64_t nb = layers_[0].k_cache.size(1), bs = layers_[0].k_cache.size(2);
-    for (int64_t b = 0; b < B; b++) {
-      TORCH_CHECK(idp[b] >= 0 && idp[b] < vocab, "token id ", idp[b], " out of range");
-      TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position ", pos[b], " outside the rotary table");
-      TORCH_CHECK((pos[b] + bs) / bs <= block_tables.size(1), "block table too short for position ", pos[b]);
-      const int64_t sl = slots.data_ptr<int64_t>()[b];
-      TORCH_CHECK(sl >= 0 && sl < nb * bs, "slot ", sl, " out of range");
-    }
-    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_;
-    h_.resize(B * H_);
-    x_.resize(B * H_);
-    qkv_.resize(B * QKV);
-    att_.resize(B * Hq_ * D_);
-    gu_.resize(B * 2 * I_);
-    act_.resize(B * I_);
-    act_h_.shape(B, H_);
-    if (Hq_ * D_ % 32 == 0) act_att_.shape(B, Hq_ * D_);
-    if (I_ % 32 == 0) act_ffn_.shape(B, I_);
-    const bool f32_rope = cos.scalar_type() == at::kFloat, f32_kv = layers_[0].k_cache.scalar_type() == at::kFloat;
-    if (layers_[0].k_cache.scalar_type() == at::kChar) {
-      if (f32_rope)
-        run_step<float, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-      else
-        run_step<bf16, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    } else if (f32_rope && f32_kv)
-      run_step<float, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else if (f32_rope)
-      run_step<float, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else if (f32_kv)
-      run_step<bf16, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else
-      run_step<bf16, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-  }
-
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
- private:
-  struct Layer {
-    at::Tensor attn_norm, ffn_norm;
-    QLin qkv, o, gate_up, down;
-    at::Tensor k_cache, v_cache;
-    at::Tensor k_scale, v_scale;  // int8 caches only
-  };
-
-  static void check_vec(const at::Tensor& t, int64_t n, const char* what) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what,
-                " must be a contiguous float [", n, "] tensor");
-  }
-
-  void embed_row(int64_t id, float* out) const {
-    if (embed_packed_) {
-      std::vector<float> buf(8 * H_);
-      packed_row(embed_t_, embed_.data_ptr<uint8_t>(), H_, id, buf.data(), out);
-      return;
-    }
-    if (embed_t_ == kDense) {
-      std::memcpy(out, embed_.data_ptr<float>() + id * H_, H_ * sizeof(float));
-      return;
-    }
-    if (embed_t_ == kBF16) {
-      const bf16* row = embed_.data_ptr<bf16>() + id * H_;
-      for (int64_t t = 0; t < H_; t++) out[t] = static_cast<float>(row[t]);
-      return;
-    }
-    const TypeInfo ti = type_info(embed_t_);
-    const uint8_t* row = embed_.data_ptr<uint8_t>() + id * embed_.size(1);
-    for (int64_t b = 0; b < H_ / ti.block_elems; b++) dequant_block(embed_t_, row + b * ti.block_bytes, out + b * ti.block_elems);
-  }
-
-  // The step's ops inside one parallel region (see step()). CT: the rotary tables' type, KT: the KV
-  // caches'. Rows of h_/x_ belong to one thread each (the same share in every op), so the
-  // row-wise ops (residual adds, norms) need no barrier before the next op of the same rows.
-  template <typename CT, typename KT>
-  void run_step(at::Tensor& out, int64_t B, const int64_t* ids, const int64_t* pos, const int64_t* slots,
-                const at::Tensor& tables, const at::Tensor& cos_t, const at::Tensor& sin_t) {
-    const int64_t QKV = (Hq_ + 2 * Hkv_) * D_, AD = Hq_ * D_;
-    const CT* cos = cos_t.data_ptr<CT>();
-    const CT* sin = sin_t.data_ptr<CT>();
-    const int64_t ld = tables.stride(0);
-    const int32_t* tb = tables.data_ptr<int32_t>();
-    float* h = h_.data();
-    float* x = x_.data();
-    float* qkv = qkv_.data();
-    float* att = att_.data();
-    float* gu = gu_.data();
-    float* act = act_.data();
-    const bool f32_out = out.scalar_type() == at::kFloat;
-    float* out_f = f32_out ? out.data_ptr<float>() : nullptr;
-    bf16* out_b = f32_out ? nullptr : out.data_ptr<bf16>();
-#pragma omp parallel num_threads(at::get_num_threads())
-    {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      int64_t r0, r1, b, e;
-      thread_share(B, tid, nth, r0, r1);  // this thread's rows
-      std::vector<float> scores;
-      for (int64_t r = r0; r < r1; r++) embed_row(ids[r], h + r * H_);
-      for (size_t l = 0; l < layers_.size(); l++) {
-        const Layer& L = layers_[l];
-        KT* kc = L.k_cache.data_ptr<KT>();
-        KT* vc = L.v_cache.data_ptr<KT>();
-        float* ksc = nullptr;
-        float* vsc = nullptr;
-        if constexpr (std::is_same_v<KT, int8_t>) {
-          ksc = L.k_scale.data_ptr<float>();
-          vsc = L.v_scale.data_ptr<float>();
-        }
-        const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
-        for (int64_t r = r0; r < r1; r++) {
-          rms_norm_f32(h + r * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x + r * H_);
-          if (L.qkv.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
-        }
-#pragma omp barrier
-        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth);
-#pragma omp barrier
-        // Rotary on each q/k head; a k head also writes this step's K and V of its kv head.
-        thread_share(B * (Hq_ + Hkv_), tid, nth, b, e);
-        for (int64_t i = b; i < e; i++) {
-          const int64_t r = i / (Hq_ + Hkv_), hd = i % (Hq_ + Hkv_);
-          float* row = qkv + r * QKV;
-          rope_head(row + hd * D_, cos + pos[r] * (D_ / 2), sin + pos[r] * (D_ / 2));
-          if (hd >= Hq_) {
-            const int64_t kvh = hd - Hq_;
-            KT* kd = kc + (kvh * nb * bs + slots[r]) * D_;
-            KT* vd = vc + (kvh * nb * bs + slots[r]) * D_;
-            if constexpr (std::is_same_v<KT, int8_t>) {
-              quantize_kv_row(row + hd * D_, D_, kd, ksc + kvh * nb * bs + slots[r]);
-              quantize_kv_row(row + (Hq_ + Hkv_ + kvh) * D_, D_, vd, vsc + kvh * nb * bs + slots[r]);
-              continue;
-            }
-            for (int64_t t = 0; t < D_; t++) {
-              kd[t] = static_cast<KT>(row[hd * D_ + t]);
-              vd[t] = static_cast<KT>(row[(Hq_ + Hkv_ + kvh) * D_ + t]);
-            }
-          }
-        }
-#pragma omp barrier
-        thread_share(B * Hq_, tid, nth, b, e);
-        for (int64_t i = b; i < e; i++) {
-          const int64_t r = i / Hq_, hq = i % Hq_;
-          attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
-                 att + r * AD + hq * D_, ksc, vsc);
-        }
-        if (L.o.quantized) {
-#pragma omp barrier
-          thread_share(B * AD / 32, tid, nth, b, e);
-          act_att_.quantize_groups(att, AD, b, e);
-        }
-#pragma omp barrier
-        qlin_share(L.o, att, B, act_att_, x, tid, nth);
-#pragma omp barrier
-        for (int64_t r = r0; r < r1; r++) {
-          float* hr = h + r * H_;
-          float* xr = x + r * H_;
-          for (int64_t t = 0; t < H_; t++) hr[t] += xr[t];
-          rms_norm_f32(hr, L.ffn_norm.data_ptr<float>(), H_, eps_, xr);
-          if (L.gate_up.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
-        }
-#pragma omp barrier
-        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth);
-#pragma omp barrier
-        // SiLU(gate) * up, and the down projection's activation quantization, 32 values at a time.
-        const int64_t chunks = L.down.quantized ? B * I_ / 32 : B * ((I_ + 31) / 32);
-        thread_share(chunks, tid, nth, b, e);
-        for (int64_t i = b; i < e; i++) {
-          const int64_t per_row = chunks / B, r = i / per_row, c0 = (i % per_row) * 32;
-          const float* g = gu + r * 2 * I_;
-          float* a = act + r * I_;
-          silu_mul(g + c0, g + I_ + c0, a + c0, std::min<int64_t>(32, I_ - c0));
-        }
-        if (L.down.quantized) act_ffn_.quantize_groups(act, I_, b, e);
-#pragma omp barrier
-        qlin_share(L.down, act, B, act_ffn_, x, tid, nth);
-#pragma omp barrier
-        for (int64_t r = r0; r < r1; r++)
-          for (int64_t t = 0; t < H_; t++) h[r * H_ + t] += x[r * H_ + t];
-      }
-      for (int64_t r = r0; r < r1; r++) {
-        rms_norm_f32(h + r * H_, final_norm_.data_ptr<float>(), H_, eps_, x + r * H_);
-        if (f32_out)
-          std::memcpy(out_f + r * H_, x + r * H_, H_ * sizeof(float));
-        else
-          for (int64_t t = 0; t < H_; t++) out_b[r * H_ + t] = bf16(x[r * H_ + t]);
-      }
-    }
-  }
-
-  // Neox rotary (rotate_half) of one head [D], in place.
-  template <typename CT>
-  void rope_head(float* xh, const CT* c, const CT* s) const {
-    const int64_t half = D_ / 2;
-    for (int64_t i = 0; i < half; i++) {
-      const float x1 = xh[i], x2 = xh[i + half], ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
-      xh[i] = x1 * ci - x2 * si;
-      xh[i + half] = x2 * ci + x1 * si;
-    }
-  }
-
-  // One query head over its sequence's first n cached positions (block table `table`) -> o [D].
-  // ksc / vsc: an int8 cache's scales (see attend_simd), else null.
-  template <typename KT>
-  void attend(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int64_t n,
-              const int32_t* table, std::vector<float>& scores, float* o, const float* ksc,
-              const float* vsc) const {
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-#if TLQ_AVX2
-    if (!g_force_scalar) {
-      if (D_ == 64) return attend_simd<8>(kc, vc, nb, bs, q, h, n, table, scale, scores, o, ksc, vsc);
-      if (D_ == 128) return attend_simd<16>(kc, vc, nb, bs, q, h, n, table, scale, scores, o, ksc, vsc);
-    }
-#endif
-    scores.resize(n);
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-      const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
-      const KT* k = kc + slot * D_;
-      scores[t] = dot_cache(q, k, D_) * scale * (ksc ? ksc[slot] : 1.0f);
-      mx = std::max(mx, scores[t]);
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-      scores[t] = std::exp(scores[t] - mx);
-      sum += scores[t];
-    }
-    std::fill(o, o + D_, 0.0f);
-    for (int64_t t = 0; t < n; t++) {
-      const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
-      axpy_cache(vsc ? scores[t] * vsc[slot] : scores[t], vc + slot * D_, o, D_);
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < D_; d++) o[d] *= inv;
-  }
-
-  int64_t H_, Hq_, Hkv_, D_, I_;
-  float eps_;
-  at::Tensor embed_;
-  int embed_t_;
-  bool embed_packed_;
-  at::Tensor final_norm_;
-  std::vector<Layer> layers_;
-  bool scales_pending_ = false;  // int8 caches set, their scales not yet
-  std::vector<float> h_, x_, qkv_, att_, gu_, act_;
-  QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I
-};
 
 bool gguf_type_supported(int64_t qtype) {
   switch (static_cast<int>(qtype)) {
@@ -2586,38 +1723,33 @@ bool gguf_type_supported(int64_t qtype) {
   }
 }
 
-// out [M, N] float = x [M, K] float @ w.T (+ bias), w a contiguous float or bf16 [N, K]: the dense
-// kernel the decoder runs, on its own (tests; the LM-head measurement in benchmarks/kernels/fused_float_decode.py).
-void dense_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
-              "w must be a contiguous float or bf16 [N, K] tensor");
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == K,
-              "x must be a contiguous float [M, K] tensor");
-  const int64_t M = x.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == M &&
-                  out.size(1) == N, "out must be a contiguous float [M, N] tensor");
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be a contiguous float [N] tensor");
-  }
-  const Part p{w, w.scalar_type() == at::kBFloat16 ? kBF16 : kDense, bias, at::Tensor()};
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    int64_t n0, n1;
-    thread_share(N, omp_get_thread_num(), omp_get_num_threads(), n0, n1);
-    run_float_part_range(p, xp, M, K, b, op, N, n0, n1);
-  }
-}
-
 bool has_avx2() { return TLQ_AVX2; }
 bool has_vnni() { return TLQ_VNNI; }
 void set_force_scalar(bool on) { g_force_scalar = on; }
 
 }  // namespace
+
+// The decoder's entry points (gguf_quants.h): each calls this file's function of the same name.
+namespace tlq::gguf {
+TypeInfo type_info(int t) { return ::type_info(t); }
+void dequant_block(int t, const uint8_t* b, float* y) { ::dequant_block(t, b, y); }
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t K) { ::check_weight(w, qtype, K); }
+bool packable(int64_t qtype) { return ::packable(qtype); }
+int packed_group_elems(int t) { return ::packed_group_elems(t); }
+int64_t packed_row_bytes(int t, int64_t K) { return ::packed_row_bytes(t, K); }
+at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K) { return ::gguf_repack8(w, qtype, K); }
+void packed_row(int t, const uint8_t* pw, int64_t K, int64_t row, float* buf, float* out) {
+  ::packed_row(t, pw, K, row, buf, out);
+}
+void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
+                         int64_t ldo, int64_t n0, int64_t n1) {
+  ::run_quantized_range(t, a, w, row_bytes, bias, out, ldo, n0, n1);
+}
+void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
+                      int64_t t1) {
+  ::run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
+}
+}  // namespace tlq::gguf
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The compute calls release the GIL (as torch's own ops do): under async scheduling the runner
@@ -2637,13 +1769,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
-  m.def("dense_linear", &dense_linear, nogil);
   m.def("set_force_scalar", &set_force_scalar);
-  pybind11::class_<GGUFDecoder>(m, "GGUFDecoder")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, int64_t, at::Tensor, bool>())
-      .def("add_layer", &GGUFDecoder::add_layer)
-      .def("set_kv_caches", &GGUFDecoder::set_kv_caches)
-      .def("set_kv_scales", &GGUFDecoder::set_kv_scales)
-      .def("step", &GGUFDecoder::step, nogil)
-      .def("num_layers", &GGUFDecoder::num_layers);
+  tlq::register_fused_decode(m);  // FusedDecoder, dense_linear (fused_decode.cpp)
 }

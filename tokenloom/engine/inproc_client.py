@@ -1,0 +1,54 @@
+"""InprocClient: the engine core in this process, behind the client protocol (vLLM's InprocClient).
+
+It owns the EngineCoreHost (engine/core_host.py: model, KV cache, scheduler, executor, built from the
+EngineConfig alone) and answers LLMEngine's SyncEngineCoreClient calls on it: `get_output()` is one
+EngineCore.step(). Nothing crosses a pipe, so a request's Request object is the scheduler's own and
+the OutputProcessor reads its timestamps directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.outputs import EngineCoreOutput
+from tokenloom.core.request import Request
+from tokenloom.engine.core_host import EngineCoreHost
+from tokenloom.engine.core_messages import EngineReady
+
+
+class InprocClient:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """Load the model and build the engine core here (minutes for a large model)."""
+        self.host = EngineCoreHost(config, clock)
+
+    def engine_ready(self) -> EngineReady:
+        """The engine core as it is now (reset_scheduler may change its limits)."""
+        return self.host.engine_ready(0.0)
+
+    def add_request(self, request: Request) -> None:
+        self.host.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.host.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        return self.host.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.host.engine_core.has_unfinished_requests()
+
+    # vLLM's InprocClient.add_lora / remove_lora / list_loras (runtime adapter loading).
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.host.engine_core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.host.engine_core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.host.engine_core.list_loras()
+
+    def shutdown(self) -> None:
+        self.host.close()
