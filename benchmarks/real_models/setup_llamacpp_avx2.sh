@@ -5,7 +5,7 @@
 # the build a 2-core AVX2 EPYC makes with GGML_NATIVE, run with its defaults (weight repacking on).
 # On an AMX Xeon the shared native build ($ANCHORS/llamacpp-build, ../shared/anchors/setup_llamacpp.sh)
 # dies with SIGILL in its AMX kernels unless run with --repack 0; this one does not reach them.
-# Needs the sdist that setup_llamacpp.sh unpacks (it downloads it when missing). ~10 min on 2 cores.
+# Downloads llama-cpp-python's sdist when the anchors do not have it. ~15-25 min on 2 cores.
 set -euo pipefail
 ANCHORS="${ANCHORS:-${TOKENLOOM_ANCHORS_DIR:-$HOME/.cache/tokenloom-anchors}}"
 JOBS="${JOBS:-2}"
@@ -29,5 +29,5 @@ cmake -S "$SRC" -B "$OUT" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON
 cmake --build "$OUT" --target llama-bench llama-server -j"$JOBS"
 echo "built: $(ls "$OUT/bin/" | grep -E '^llama-' | tr '\n' ' ')"
-echo "its ggml CPU features (expect AVX2, no AVX512/AMX):"
-"$OUT/bin/llama-bench" --list-devices 2>&1 | head -5 || true
+echo "its ggml CPU options (expect NATIVE OFF, AVX2 ON, every AVX512 / AMX / AVX_VNNI OFF):"
+grep -E '^GGML_(NATIVE|AVX[A-Z0-9_]*|AMX[A-Z0-9_]*):' "$OUT/CMakeCache.txt" | tr '\n' ' '; echo
