@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = Path(__file__).with_name("manifest.toml")
 FIGURES = ROOT / "docs" / "figures"
-NEEDS = ("llama.cpp", "vllm", "anchors", "real-models", "minilm", "gemma", "root")
+NEEDS = ("llama.cpp", "llama.cpp-avx2", "vllm", "anchors", "real-models", "minilm", "gemma", "root")
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ def environment(llama_bin: Path | None) -> tuple[dict[str, str], dict[str, str]]
     missing = {
         "llama.cpp": "" if (lb / "llama-bench").is_file() or (lb / "llama-server").is_file()
         else f"no llama.cpp binaries in {lb} (--llama-bin, or ../shared/anchors/setup_llamacpp.sh)",
+        "llama.cpp-avx2": "" if (anchors / "llamacpp-avx2" / "bin" / "llama-bench").is_file()
+        else f"no AVX2-only llama.cpp in {anchors / 'llamacpp-avx2'} (benchmarks/real_models/setup_llamacpp_avx2.sh)",
         "vllm": "" if Path(envs.TOKENLOOM_VLLM_PYTHON).is_file() else f"no vLLM python at {envs.TOKENLOOM_VLLM_PYTHON}",
         "anchors": "" if (anchors / "workloads").is_dir() and Path(envs.TOKENLOOM_ANCHORS_SCRIPTS).is_dir()
         else f"no anchors' workloads in {anchors} or scripts in {envs.TOKENLOOM_ANCHORS_SCRIPTS}",
