@@ -4,7 +4,8 @@ The first call to `cpu_kernels()` compiles the C++ source with torch's extension
 (`-O3 -march=native -fopenmp`; ~10 s on the 2-core dev box) into
 `<cache>/kernels/cpu_kernels-<key>/`, where `<cache>` is tokenloom's cache directory
 (`$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else `~/.cache/tokenloom`) and `<key>`
-hashes the source, the torch and Python versions, the compiler flags and the CPU's feature flags
+hashes the source and the headers it includes (csrc/cpu_common.h: helpers it shares with the fused
+decoder), the torch and Python versions, the compiler flags and the CPU's feature flags
 (the build targets this CPU). Later processes import the cached library directly (~10 ms).
 Under TOKENLOOM_CPU_ISA every kernel library builds for the cap's `-march` (haswell for avx2) into
 `<stem>_<cap>-<key>/` instead (tokenloom/cpu_isa.py).

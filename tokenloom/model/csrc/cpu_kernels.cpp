@@ -37,26 +37,11 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define TL_AVX512 1
-#else
-#define TL_AVX512 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TL_AVX2 1
-#else
-#define TL_AVX2 0
-#endif
+#include "cpu_common.h"  // TL_AVX512, TL_AVX2, to_f, hsum8, load8f, quantize_kv_row
 
 namespace {
 
-using bf16 = c10::BFloat16;
-
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 x) { return static_cast<float>(x); }
-inline float to_f(int8_t x) { return static_cast<float>(x); }  // an int8 KV cache's value (times its scale)
+using namespace tlc;
 template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }
 template <> inline bf16 from_f<bf16>(float x) { return bf16(x); }  // round to nearest even
@@ -162,24 +147,6 @@ inline __m512 dot_lanes(const bf16* q, const bf16* k, int D) {
 #endif
 }
 #endif  // TL_AVX512
-
-// ------------------------------------------------------------------------------ int8 KV cache
-// --kv-cache-dtype int8: each (token, kv head) row of K or V is stored as D int8 values q and one
-// float32 scale s = absmax / 127 (symmetric, round to nearest even), value = q * s. Scales live in
-// their own [Hkv, num_blocks, block_size] tensors, so a slot's scale is at the slot's index. The
-// readers fold the scales into the scores (K) and the probabilities (V) instead of dequantizing rows
-// where they can. The torch path (attention.py, quantize_kv / dequantize) does the same arithmetic.
-template <typename T>
-inline void quantize_kv_row(const T* x, int D, int8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int d = 0; d < D; d++) amax = std::max(amax, std::fabs(to_f(x[d])));
-  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-  for (int d = 0; d < D; d++) {
-    const float r = std::nearbyint(to_f(x[d]) * inv);  // the default rounding mode: to nearest even
-    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
-  }
-  *scale = amax / 127.0f;
-}
 
 // ------------------------------------------------------------------------------ paged attention
 
@@ -606,22 +573,6 @@ inline float hmax8(__m256 v) {
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
 }
-inline float hsum8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_add_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8f(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 load8f(const bf16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // dst[d * 16 + j] = rows[j][d] for 8 rows (j = j0 .. j0 + 7) and 8 dims (d = d0 .. d0 + 7).
 template <typename T>
 inline void transpose8(const T* const* rows, int d0, float* dst) {

@@ -20,7 +20,7 @@
 
 namespace {
 
-using namespace tlq;        // bf16, QAct, hsum, g_force_scalar, TLQ_AVX2
+using namespace tlq;        // bf16, QAct, g_force_scalar, TLQ_AVX2; hsum8, load8f, quantize_kv_row
 using namespace tlq::gguf;  // the quantized linears' entry points
 
 constexpr int kDense = 0;   // part type: a float32 [N, K] matrix (GGML_TYPE_F32)
@@ -50,20 +50,13 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
   }
-  s = hsum(_mm256_add_ps(acc0, acc1));
+  s = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; i < n; i++) s += a[i] * b[i];
   return s;
 }
 
 #if TLQ_AVX2
-// 8 weights as floats: a float load, or bf16 -> fp32 by a 16-bit shift (bf16 is fp32's top half).
-inline __m256 load8_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_w(const bf16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
 // NR weight rows (from w, K apart) against MT activation rows (x, K apart): out[m * ldo + r]. Each
 // weight vector is loaded once for the MT rows; the next NR-row block is prefetched a cache line at a
 // time while this one streams (the hardware prefetcher alone follows only a few of the NR streams).
@@ -79,7 +72,7 @@ inline void dense_tile(const float* x, int64_t K, const W* w, const float* bias,
     if (prefetch && i % kLine == 0)
       for (int r = 0; r < NR; r++) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * K + i), _MM_HINT_T0);
     __m256 wv[NR];
-    for (int r = 0; r < NR; r++) wv[r] = load8_w(w + r * K + i);
+    for (int r = 0; r < NR; r++) wv[r] = load8f(w + r * K + i);
     for (int m = 0; m < MT; m++) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + i);
       for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
@@ -87,7 +80,7 @@ inline void dense_tile(const float* x, int64_t K, const W* w, const float* bias,
   }
   for (int m = 0; m < MT; m++)
     for (int r = 0; r < NR; r++) {
-      float s = hsum(acc[m][r]);
+      float s = hsum8(acc[m][r]);
       for (int64_t j = i; j < K; j++) s += x[m * K + j] * static_cast<float>(w[r * K + j]);
       out[m * ldo + r] = s + (bias ? bias[r] : 0.0f);
     }
@@ -251,16 +244,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Eight cache values as floats (bf16: the top half of a float).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-inline __m256 load8(const int8_t* p) {  // an int8 KV cache's values (its scales applied by the caller)
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // attend() for head_dim 8 * ND: the query and the output held in registers over all positions
 // (the generic loop re-read and re-wrote o [D] per position and converted bf16 one at a time), the
 // softmax's exp eight scores at a time.
@@ -277,12 +260,12 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; t++) {
     const KT* k = kc + ((h * nb + table[t / bs]) * bs + t % bs) * D;
-    __m256 a0 = _mm256_mul_ps(qv[0], load8(k)), a1 = _mm256_mul_ps(qv[1], load8(k + 8));
+    __m256 a0 = _mm256_mul_ps(qv[0], load8f(k)), a1 = _mm256_mul_ps(qv[1], load8f(k + 8));
     for (int j = 2; j < ND; j += 2) {
-      a0 = _mm256_fmadd_ps(qv[j], load8(k + 8 * j), a0);
-      a1 = _mm256_fmadd_ps(qv[j + 1], load8(k + 8 * j + 8), a1);
+      a0 = _mm256_fmadd_ps(qv[j], load8f(k + 8 * j), a0);
+      a1 = _mm256_fmadd_ps(qv[j + 1], load8f(k + 8 * j + 8), a1);
     }
-    scores[t] = hsum(_mm256_add_ps(a0, a1)) * (ksc ? scale * ksc[(h * nb + table[t / bs]) * bs + t % bs] : scale);
+    scores[t] = hsum8(_mm256_add_ps(a0, a1)) * (ksc ? scale * ksc[(h * nb + table[t / bs]) * bs + t % bs] : scale);
     mx = std::max(mx, scores[t]);
   }
   const __m256 mv = _mm256_set1_ps(mx);
@@ -293,7 +276,7 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
     _mm256_storeu_ps(scores.data() + t, ev);
     sv = _mm256_add_ps(sv, ev);
   }
-  float sum = hsum(sv);
+  float sum = hsum8(sv);
   for (; t < n; t++) {
     scores[t] = std::exp(scores[t] - mx);
     sum += scores[t];
@@ -304,7 +287,7 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
     const int64_t slot = (h * nb + table[t / bs]) * bs + t % bs;
     const KT* v = vc + slot * D;
     const __m256 w = _mm256_set1_ps(vsc ? scores[t] * vsc[slot] : scores[t]);
-    for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(w, load8(v + 8 * j), acc[j]);
+    for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(w, load8f(v + 8 * j), acc[j]);
   }
   const __m256 inv = _mm256_set1_ps(1.0f / sum);
   for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
@@ -340,11 +323,8 @@ inline float dot_cache(const float* q, const T* k, int64_t D) {
     float s = 0.0f;
 #if TLQ_AVX2
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= D; i += 8) {
-      const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), acc);
-    }
-    s = hsum(acc);
+    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8f(k + i), acc);
+    s = hsum8(acc);
 #endif
     for (; i < D; i++) s += q[i] * static_cast<float>(k[i]);
     return s;
@@ -354,17 +334,6 @@ inline float dot_cache(const float* q, const T* k, int64_t D) {
 template <typename T>
 inline void axpy_cache(float a, const T* v, float* o, int64_t D) {
   for (int64_t i = 0; i < D; i++) o[i] += a * static_cast<float>(v[i]);
-}
-
-// One (token, kv head) row into an int8 KV cache: symmetric, scale = absmax / 127, round to nearest
-// even (the arithmetic of cpu_kernels.cpp's quantize_kv_row and attention.py's quantize_kv).
-inline void quantize_kv_row(const float* x, int64_t D, int8_t* q, float* scale) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; d++) amax = std::max(amax, std::fabs(x[d]));
-  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
-  for (int64_t d = 0; d < D; d++)
-    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * inv))));
-  *scale = amax / 127.0f;
 }
 
 class FusedDecoder {

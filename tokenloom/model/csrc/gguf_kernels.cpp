@@ -49,7 +49,7 @@ bool tlq::g_force_scalar = false;
 
 namespace {
 
-using namespace tlq;  // bf16, QAct, quantize_act, hsum, g_force_scalar, TypeInfo
+using namespace tlq;  // bf16, QAct, quantize_act, hsum8, g_force_scalar, TypeInfo
 
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
@@ -509,7 +509,7 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64
     }
   }
   for (int r = 0; r < NR; r++)
-    for (int m = 0; m < MT; m++) out[r * MT + m] = hsum(acc[r][m]) + sacc[r][m];
+    for (int m = 0; m < MT; m++) out[r * MT + m] = hsum8(acc[r][m]) + sacc[r][m];
 }
 #endif  // TLQ_AVX2
 

@@ -1,5 +1,5 @@
 // What the GGUF kernels (gguf_kernels.cpp) and the fused decoder (fused_decode.cpp) share: the ISA
-// switches, activation quantization (QAct: the int8 groups every quantized linear multiplies), and
+// switches (and, through cpu_common.h, the helpers cpu_kernels.cpp uses too), activation quantization (QAct: the int8 groups every quantized linear multiplies), and
 // the entry points of gguf_kernels.cpp that the decoder calls. Both sources are compiled into one
 // extension (tokenloom/model/gguf_kernels.py), so this header is its only interface between them.
 //
@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TLQ_AVX2 1
@@ -35,7 +37,7 @@
 
 namespace tlq {
 
-using bf16 = c10::BFloat16;
+using namespace tlc;  // bf16, to_f, hsum8, load8f, quantize_kv_row (cpu_common.h, shared with cpu_kernels.cpp)
 
 extern bool g_force_scalar;  // tests hold the SIMD path to the plain one (set_force_scalar)
 
@@ -44,22 +46,10 @@ struct TypeInfo {
   int block_bytes;
 };
 
-#if TLQ_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
 // ------------------------------------------------------------------------ activation quantization
 // Groups of 32: q = round(x / d), d = max|x| / 127, s = d * sum(q); bs = the integer sums of q per
 // 16 (what ggml's block_q8_K calls bsums): the Q6_K tile kernel takes its quants unsigned and
 // subtracts 32 * bs, instead of sign-flipping every weight vector.
-
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 x) { return static_cast<float>(x); }
 
 #if TLQ_AVX2
 // One group of 32 floats, quantize_act's arithmetic eight lanes at a time: the same amax, d and
