@@ -6,7 +6,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 EOS_TOKEN_ID = 50256

@@ -14,7 +14,7 @@ from tokenloom.core.async_scheduler import AsyncScheduler
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.replay import replay
 from tokenloom.core.request import RequestStatus
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 
 
 def make_async_spec(k: int = 2, num_blocks: int = 1000, block_size: int = 4, max_model_len: int = 64,

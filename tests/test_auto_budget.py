@@ -20,7 +20,7 @@ from tokenloom.config import (
 )
 from tokenloom.core.auto_budget import LEARN_MIN_PREFILL, MIN_CHUNK, AutoTokenBudget
 from tokenloom.core.request import Request
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 

@@ -418,7 +418,7 @@ def test_the_configuration_picks_the_scheduler_class() -> None:
     from tokenloom.config import CacheConfig, SchedulerConfig
     from tokenloom.core.batch_scheduler import BatchScheduler
     from tokenloom.core.scheduler import Scheduler
-    from tokenloom.core.schedulers import make_scheduler
+    from tokenloom.core.scheduler_factory import make_scheduler
 
     cache = CacheConfig(block_size=16, num_blocks=64)
     assert type(make_scheduler(SchedulerConfig(max_model_len=64), cache)) is Scheduler

@@ -11,7 +11,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import RequestRejected, Scheduler
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 

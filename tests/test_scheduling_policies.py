@@ -21,7 +21,7 @@ from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.replay_trace import parse_trace
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.executor import UniProcExecutor
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import Sample, fit
+from tokenloom.sim.cost_fit import Sample, fit
 from tokenloom.sim.executor import SimulatedExecutor
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint
 from tokenloom.sim.runner import SimulatedRunner
@@ -267,7 +267,7 @@ def _shipped_or_synthetic_profile(tmp_path: Path) -> str:
         load_profile()
         return "default"
     except FileNotFoundError:
-        from tokenloom.sim.cost_model import FitError
+        from tokenloom.sim.cost_fit import FitError
 
         path = tmp_path / "synthetic.json"
         Profile("synthetic", "bfloat16", 16, {}, CostModel(TRUE_COEFFICIENTS), FitError(0, 0, 1, 0),
@@ -323,7 +323,7 @@ def test_a_thousand_sharegpt_requests_simulate_quickly() -> None:
 
 
 def test_profile_round_trip(tmp_path: Path) -> None:
-    from tokenloom.sim.cost_model import FitError
+    from tokenloom.sim.cost_fit import FitError
 
     prof = Profile("m", "float32", 16, {"cpu": "x"}, CostModel(TRUE_COEFFICIENTS), FitError(0.02, 0.05, 0.99, 2),
                    samples=[Sample(StepShape.of_rows([(0, 8, True)]), 0.01)], scheduler_overhead={"num_seqs": 1e-6},

@@ -20,7 +20,7 @@ from tokenloom.core.cost_model import CostModel, StepShape, load_step_cost_model
 from tokenloom.core.replay import replay
 from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.sampling_params import SamplingParams
 
 # 10 ms a step plus 1 ms a token: easy to work out by hand.

@@ -18,7 +18,7 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.cost_model import CostModel
 from tokenloom.core.replay_runner import ReplayRunner
 from tokenloom.core.request import Request
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.core.step_time_correction import (
     ALPHA,
     CLIP,

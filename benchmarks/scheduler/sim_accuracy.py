@@ -30,11 +30,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
-from tokenloom.core.schedulers import make_scheduler  # noqa: E402
+from tokenloom.core.scheduler_factory import make_scheduler  # noqa: E402
 from tokenloom.engine.core import EngineCore  # noqa: E402
 from tokenloom.engine.executor import UniProcExecutor  # noqa: E402
 from tokenloom.engine.trace import StepTracer  # noqa: E402
-from tokenloom.sim.cost_model import Sample, fit, fit_error  # noqa: E402
+from tokenloom.sim.cost_fit import Sample, fit, fit_error  # noqa: E402
 from tokenloom.sim.profile import Profile, load_profile, runner_fingerprint  # noqa: E402
 from tokenloom.sim.profiler import Grid, Row, StepDriver, scheduler_overhead, time_grid  # noqa: E402
 from tokenloom.sim.quiet import cpu_times, wait_for_quiet  # noqa: E402

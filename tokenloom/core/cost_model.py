@@ -1,5 +1,5 @@
 """The step-time cost model itself, pure Python (predicting a step; used by the scheduler and the simulator);
-sim/cost_model.py only fits it to profiled steps (numpy).
+sim/cost_fit.py only fits it to profiled steps (numpy).
 
 Seconds of one engine step as a linear function of the step's shape:
 
@@ -25,7 +25,7 @@ The attention terms follow how that runner computes attention on this CPU:
 
 Pure Python and below the engine (tokenloom/core), so that the scheduler's SLO budget controller
 (core/slo_budget.py) predicts a candidate step with the same model the simulator runs. The fit
-(least squares on profiled steps, numpy) stays in tokenloom/sim/cost_model.py; a profile's JSON is
+(least squares on profiled steps, numpy) stays in tokenloom/sim/cost_fit.py; a profile's JSON is
 read here only as far as the step model (`load_step_cost_model`).
 """
 

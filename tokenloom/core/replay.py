@@ -38,7 +38,7 @@ from tokenloom.core.replay_runner import (
 )
 from tokenloom.core.replay_trace import ScriptCycle, Trace, TraceRequest, parse_trace
 from tokenloom.core.scheduler import RequestRejected, Scheduler
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 

@@ -28,7 +28,7 @@ from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.replay_runner import ReplayRunner, admit_arrivals, pending_drafts, unfinished_ids
 from tokenloom.core.replay_trace import ScriptCycle, Trace
 from tokenloom.core.scheduler import RequestRejected
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 
 BATCH_QUEUE_SIZE = 2  # vLLM's max_concurrent_batches with async scheduling and no pipeline parallelism
 

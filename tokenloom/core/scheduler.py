@@ -1,4 +1,4 @@
-"""The Scheduler class itself (vLLM V1's unified, iteration-level scheduler); core/schedulers.py only picks
+"""The Scheduler class itself (vLLM V1's unified, iteration-level scheduler); core/scheduler_factory.py only picks
 which scheduler class a configuration runs.
 
 There is no prefill phase and no decode phase. Each request has `num_computed_tokens` and
@@ -23,7 +23,7 @@ admission and end through one hook set (`RequestLifecycle`, core/policies.py).
 
 This class is the continuous scheduler only. Variants subclass it, as vLLM's AsyncScheduler does:
 the comparison batching modes (static, request-level) in core/batch_scheduler.py override the two
-hooks `_hold_decodes` and `_admission_open`; core/schedulers.py picks the class for a configuration.
+hooks `_hold_decodes` and `_admission_open`; core/scheduler_factory.py picks the class for a configuration.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Scheduler:
         if scheduler_config.batching not in self.batching_modes:
             raise ValueError(
                 f"batching={scheduler_config.batching!r} is not run by {type(self).__name__}; "
-                "build the scheduler with tokenloom.core.schedulers.make_scheduler"
+                "build the scheduler with tokenloom.core.scheduler_factory.make_scheduler"
             )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config

@@ -34,7 +34,7 @@ from tokenloom.config import (
 from tokenloom.core.kv_cache_groups import layers_per_block, make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.prompt_fit import max_model_len_that_fits, resolve_max_model_len, sched_max_len_default
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_messages import EngineReady

@@ -23,7 +23,7 @@ from tokenloom.core.cost_model import CostModel
 from tokenloom.core.outputs import EngineCoreOutput, SchedulerOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import RequestRejected, Scheduler
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.trace import step_record
 from tokenloom.sampling_params import SamplingParams

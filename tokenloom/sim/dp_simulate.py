@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.cost_model import CostModel
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.router import Router, RouterConfig
 from tokenloom.sim.executor import SimulatedExecutor

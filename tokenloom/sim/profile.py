@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenloom.config import kv_cache_row_bytes
 from tokenloom.core.cost_model import PROFILE_FORMAT, CostModel, StepShape
-from tokenloom.sim.cost_model import FitError, Sample
+from tokenloom.sim.cost_fit import FitError, Sample
 
 FORMAT = PROFILE_FORMAT
 DEFAULT_PROFILE = "smollm2-135m-instruct-cpu.json"

@@ -30,7 +30,7 @@ from tokenloom.core.outputs import CachedRequestData, NewRequestData, SchedulerO
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import Sample, fit
+from tokenloom.sim.cost_fit import Sample, fit
 from tokenloom.sim.profile import Profile, runner_fingerprint, tokenloom_version
 from tokenloom.sim.quiet import wait_for_quiet
 from tokenloom.sim.runner import SimulatedRunner

@@ -23,7 +23,7 @@ from tokenloom.config import (
 )
 from tokenloom.core.cost_model import CostModel
 from tokenloom.core.prompt_fit import resolve_max_model_len, sched_max_len_default
-from tokenloom.core.schedulers import make_scheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_host import DEFAULT_CPU_KV_BYTES, check_async_scheduling
 from tokenloom.engine.trace import StepTracer
