@@ -490,7 +490,8 @@ def test_bodies_must_be_utf8(gen_http) -> None:
 
 def test_a_grammar_that_matches_nothing_is_400(gen_http) -> None:
     """A rule that only refers to itself parses, but allows no first token: the request's first sample was
-    refused by its own grammar, a 500 ("the grammar rejected the sampled tokens") after queueing."""
+    refused by its own grammar after queueing (a 500 then; a grammar that dead-ends later is a 400 at that point:
+    tests/test_structured_server.py)."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4,
             "structured_outputs": {"grammar": 'root ::= a\na ::= a "x"'}}
     r = gen_http.post("/v1/completions", json=body)

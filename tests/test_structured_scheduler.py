@@ -118,7 +118,9 @@ def test_a_token_the_grammar_rejects_finishes_the_request_with_an_error() -> Non
     sched.structured_output_manager.executor.shutdown(wait=True)
     so = sched.schedule()
     [out] = sched.update_from_output(so, ModelRunnerOutput(["c"], {"c": 0}, [[9]]))
-    assert out.finish_reason == "error" and "rejected" in out.error
+    assert out.finish_reason == "error"
+    assert out.error.startswith("the structured-output grammar allows no token here: after 0 ")
+    assert "[9] were refused" in out.error
 
 
 def test_compile_error_finishes_only_that_request() -> None:

@@ -144,6 +144,26 @@ def test_bad_input_is_a_400_with_the_reason(server, body, reason: str) -> None:
     assert reason in r.json()["error"]["message"]
 
 
+# Matches "a" and then nothing: `b` never ends, so after the first token the grammar allows none. It passes
+# validation (its first token exists); the dead end is met while generating.
+DEAD_END = 'root ::= "a" b\nb ::= b "x"'
+
+
+def test_a_grammar_that_dead_ends_while_generating_is_a_400_not_a_500(server) -> None:
+    body = {"messages": ASK, "max_tokens": 8, "guided_grammar": DEAD_END}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the structured-output grammar allows no token here: after 1 ")
+    # Streamed: the headers are sent, so the error is the stream's last event, with the same status.
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Say a", "max_tokens": 8, "guided_grammar": DEAD_END, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 400, events
+    # The engine goes on: a plain request right after.
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_max_tokens_cuts_a_grammar_with_length_and_partial_text(client) -> None:
     reply = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=ASK, max_completion_tokens=3,

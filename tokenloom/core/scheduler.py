@@ -57,7 +57,7 @@ from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.core.slo_budget import SloBudgetController
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
-from tokenloom.core.structured_output import StructuredOutputManager
+from tokenloom.core.structured_output import StructuredOutputManager, grammar_dead_end_message
 
 
 class RequestRejected(ValueError):
@@ -1072,7 +1072,7 @@ class Scheduler:
         assert manager is not None
         if not manager.accept_tokens(request, token_ids):
             request.status = RequestStatus.FINISHED_ERROR
-            request.error = f"the grammar rejected the sampled tokens {token_ids}"
+            request.error = grammar_dead_end_message(request.num_output_tokens - len(token_ids), token_ids)
             return True
         if not request.is_finished() and manager.is_terminated(request):
             request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (ignore_eos)

@@ -37,6 +37,21 @@ if TYPE_CHECKING:
 # without a tokenizer.
 NO_TOKENIZER_ERROR = "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
 
+# A request whose grammar allowed no token at this point (its text so far cannot be completed: a rule that
+# never ends, `root ::= "a" b`, `b ::= b "x"`), so the sampled token was refused. The request's own input is at
+# fault, so the server answers it as a 400 (server/errors.py generation_error); vLLM logs the mismatch and goes
+# on unconstrained. Every such message starts with these words.
+GRAMMAR_DEAD_END_ERROR = "the structured-output grammar allows no token here"
+
+
+def grammar_dead_end_message(num_generated: int, token_ids: Sequence[int]) -> str:
+    return (f"{GRAMMAR_DEAD_END_ERROR}: after {num_generated} generated tokens it cannot be completed (the sampled "
+            f"tokens {list(token_ids)} were refused; does a rule never end?)")
+
+
+def is_grammar_dead_end(error: str | None) -> bool:
+    return error is not None and error.startswith(GRAMMAR_DEAD_END_ERROR)
+
 
 class GrammarMatcher(Protocol):
     """One request's position in its grammar."""

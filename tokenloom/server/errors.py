@@ -16,6 +16,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from tokenloom.core.structured_output import is_grammar_dead_end
+
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -35,6 +37,16 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.headers = headers
+
+
+def generation_error_status(error: str | None) -> int:
+    """The status of a request the engine ended with an error: 400 when its own grammar could not be completed
+    (the request's input is at fault), else 500."""
+    return 400 if is_grammar_dead_end(error) else 500
+
+
+def generation_error(error: str | None, default: str = "generation failed") -> APIError:
+    return APIError(generation_error_status(error), error or default)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from tokenloom.server.beam_search import (
     reject_beam_only_fields,
 )
 from tokenloom.server.body import parse_model, read_json
-from tokenloom.server.errors import APIError
+from tokenloom.server.errors import generation_error
 from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import (
     chat_params,
@@ -113,7 +113,7 @@ def echo_text(req: ChatCompletionRequest) -> str:
 def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
                 tools: ToolSetup | None = None) -> dict[str, Any]:
     if comp.finish_reason == "error":
-        raise APIError(500, "generation failed")
+        raise generation_error(comp.error)
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     role = response_role(req)
     message: dict[str, Any] = {"role": role, "content": prefix + comp.text}
@@ -137,7 +137,7 @@ def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: st
     choices = []
     for comp in out.outputs:
         if comp.finish_reason == "error":
-            raise APIError(500, out.error or "generation failed")
+            raise generation_error(out.error)
         choices.append(chat_choice(req, comp, prefix, tools))
     usage = UsageCounter(details)
     usage.update(out)

@@ -19,7 +19,7 @@ from tokenloom.server.beam_search import (
     shape_logprobs,
 )
 from tokenloom.server.body import parse_model, read_json
-from tokenloom.server.errors import APIError
+from tokenloom.server.errors import generation_error
 from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import check_completion_request, completion_params, completion_prompts
 from tokenloom.server.protocol import CompletionRequest
@@ -131,7 +131,7 @@ async def create_completion(raw: Request) -> Response:
         usage.update(out)
         for comp in out.outputs:
             if comp.finish_reason == "error":
-                raise APIError(500, out.error or "generation failed")
+                raise generation_error(out.error)
             text, token_ids, lps = comp.text, comp.token_ids, comp.logprobs
             if req.echo:
                 text, token_ids, lps = echoed(out, comp, text, token_ids, lps)

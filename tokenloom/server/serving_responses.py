@@ -35,7 +35,7 @@ from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, Req
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.body import parse_model, read_json
-from tokenloom.server.errors import APIError
+from tokenloom.server.errors import APIError, generation_error, generation_error_status
 from tokenloom.server.headers import request_priority, response_headers
 from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import ResponsesRequest
@@ -473,7 +473,7 @@ async def create_response(raw: Request) -> Response:
     out = finals[engine_id]
     comp = out.outputs[0]
     if comp.finish_reason == "error":
-        raise APIError(500, out.error or "generation failed")
+        raise generation_error(out.error)
     body = ctx.response(_status(comp), whole_output(ctx, comp), out)
     ctx.store(store, body)
     return JSONResponse(body, headers=response_headers(state, raw, out))
@@ -593,8 +593,8 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
             last = out
             comp = out.outputs[0]
             if comp.finish_reason == "error":
-                yield write({"type": "error", "code": "server_error", "message": out.error or "generation failed",
-                             "param": None})
+                code = "invalid_request_error" if generation_error_status(out.error) == 400 else "server_error"
+                yield write({"type": "error", "code": code, "message": out.error or "generation failed", "param": None})
                 return
             final = comp.finish_reason is not None
             if parser is None:

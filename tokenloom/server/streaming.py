@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenloom.engine.async_llm import EngineDeadError, RequestStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
-from tokenloom.server.errors import sse_error
+from tokenloom.server.errors import generation_error_status, sse_error
 from tokenloom.server.protocol import StreamOptions
 from tokenloom.server.responses import DONE, UsageCounter, sse
 
@@ -90,7 +90,7 @@ async def sse_events(
                 if index in finished:
                     continue
                 if comp.finish_reason == "error":
-                    yield sse_error(500, out.error or "generation failed")
+                    yield sse_error(generation_error_status(out.error), out.error or "generation failed")
                     yield DONE
                     return
                 body = choice(index, out, comp)
