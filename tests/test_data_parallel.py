@@ -217,6 +217,9 @@ def test_llm_engine_over_one_engine_process_gives_the_in_process_engines_outputs
         assert not there.has_unfinished_requests()
         with pytest.raises(RuntimeError, match="needs the engine core in this process"):
             there.scheduler  # noqa: B018
+        for call in (there.list_loras, lambda: there.remove_lora(1)):  # adapters load per request there
+            with pytest.raises(ValueError, match="needs the engine core in this process"):
+                call()
         there.add_request(None, {"prompt_token_ids": PROMPTS[5]}, SamplingParams(max_tokens=400, ignore_eos=True))
         os.kill(there.client.client.process.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="died"):
