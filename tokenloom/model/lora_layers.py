@@ -7,7 +7,7 @@ the fused output (tokenloom/lora/models.py stacks them for one shrink and one ex
 
 The delta is added after the base linear's GEMM, whatever its method: float (oneDNN packed or not),
 int8 W8A8 (the adapter reads the activation the GEMM read, dequantized) or GGUF blocks. A step that
-holds an adapter row runs per op: the fused decode step (gguf_decode.py) has no LoRA; steps of
+holds an adapter row runs per op: the fused decode step (fused_decode.py) has no LoRA; steps of
 base-only requests keep it.
 """
 
