@@ -21,6 +21,7 @@ beyond vLLM, off by default), `_schedule_running`, `_schedule_waiting`, then `_m
 step has decided so far travels in one `_StepPlan`. The policies hear of a request's arrival,
 admission and end through one hook set (`RequestLifecycle`, core/policies.py).
 
+It implements SchedulerInterface (core/sched_interface.py), all the engine core sees of a scheduler.
 This class is the continuous scheduler only. Variants subclass it, as vLLM's AsyncScheduler does:
 the comparison batching modes (static, request-level) in core/batch_scheduler.py override the two
 hooks `_hold_decodes` and `_admission_open`; core/scheduler_factory.py picks the class for a configuration.
@@ -55,6 +56,7 @@ from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption, Reques
 from tokenloom.core.prompt_fit import prompt_fit, prompt_refusal
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
+from tokenloom.core.sched_interface import SchedulerInterface
 from tokenloom.core.slo_budget import SloBudgetController
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.core.structured_output import StructuredOutputManager, grammar_dead_end_message
@@ -114,7 +116,7 @@ class _StepPlan:
         self.token_budget -= num_new_tokens
 
 
-class Scheduler:
+class Scheduler(SchedulerInterface):
     # The `batching` values this class runs; a subclass that adds modes widens it.
     batching_modes: tuple[str, ...] = ("continuous",)
 
@@ -1186,6 +1188,13 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def num_running_requests(self) -> int:
+        return len(self.running)
+
+    def has_background_work(self) -> bool:
+        return any(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                   for r in self.waiting) or bool(self.aborted_while_loading)  # a load still to hear the end of
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones the runner has not been told about yet."""

@@ -22,7 +22,8 @@ from typing import Any
 
 from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import RequestRejected, Scheduler
+from tokenloom.core.sched_interface import SchedulerInterface
+from tokenloom.core.scheduler import RequestRejected
 from tokenloom.engine.executor import Executor, ExecutorDeadError
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
@@ -41,7 +42,7 @@ class _InFlight:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor, tracer: StepTracer | None = None) -> None:
+    def __init__(self, scheduler: SchedulerInterface, executor: Executor, tracer: StepTracer | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tracer = tracer
@@ -108,8 +109,7 @@ class EngineCore:
 
     def _waiting_on_background_work(self) -> bool:
         """A waiting request needs a grammar compile or a KV load that runs on another thread."""
-        return any(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
-                   for r in self.scheduler.waiting) or bool(self.scheduler.aborted_while_loading)
+        return self.scheduler.has_background_work()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """vLLM's EngineCore.step_with_batch_queue (engine/core.py:698-812).
@@ -212,7 +212,7 @@ class EngineCore:
             return
         lists = drafts.draft_token_ids
         if policy is not None:
-            lists = policy.trim(drafts.req_ids, lists, num_decoding=len(self.scheduler.running))
+            lists = policy.trim(drafts.req_ids, lists, num_decoding=self.scheduler.num_running_requests())
         self.scheduler.update_draft_token_ids(drafts.req_ids, lists)
 
     @staticmethod
