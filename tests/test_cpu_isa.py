@@ -28,7 +28,7 @@ def cpuinfo_flags(line: str) -> frozenset[str]:
 XEON = cpuinfo_flags("sse4_2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512cd avx512bw avx512vl avx_vnni "
                      "avx512_vnni avx512_bf16 avx512_fp16 amx_bf16 amx_tile amx_int8 avx512vbmi")
 EPYC = cpuinfo_flags("sse4_2 avx avx2 fma f16c bmi2 sha_ni")
-HAVE_AVX2 = cpu_isa.CAPS["avx2"].flags <= cpu_isa._native_flags()
+HAVE_AVX2 = cpu_isa.CAPS["avx2"].flags <= cpu_isa.this_cpu_flags()
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -60,7 +60,8 @@ _GATED_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "a
 
 
 @lru_cache(maxsize=1)
-def _native_flags() -> frozenset[str]:
+def this_cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo feature flags, uncapped (empty where there is no /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -79,7 +80,7 @@ def active_cap(native_flags: frozenset[str] | None = None) -> IsaCap | None:
     if name == NATIVE:
         return None
     cap = CAPS[name]
-    native = _native_flags() if native_flags is None else native_flags
+    native = this_cpu_flags() if native_flags is None else native_flags
     missing = sorted(cap.flags - native) if native else []
     if missing:
         raise ValueError(f"TOKENLOOM_CPU_ISA={name} asks for an ISA this CPU lacks (no {', '.join(missing)}); "
@@ -96,7 +97,7 @@ def cap_name() -> str:
 def cpu_flags(native_flags: frozenset[str] | None = None) -> frozenset[str]:
     """/proc/cpuinfo's feature flags (or `native_flags`) as a CPU of the capped level would show them
     (all of them without a cap)."""
-    flags = _native_flags() if native_flags is None else native_flags
+    flags = this_cpu_flags() if native_flags is None else native_flags
     cap = active_cap(flags)
     if cap is None:
         return flags

@@ -1186,9 +1186,6 @@ class Scheduler(SchedulerInterface):
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
-
     def num_running_requests(self) -> int:
         return len(self.running)
 

@@ -75,12 +75,9 @@ def build_seconds() -> float | None:
 
 
 def _cpu_signature() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
+    """The CPU's feature flags (cpu_isa reads them once), else its name: the build targets this CPU."""
+    if flags := cpu_isa.this_cpu_flags():
+        return " ".join(sorted(flags))
     import platform
 
     return platform.processor() or platform.machine()
