@@ -94,15 +94,15 @@ def test_a_step_with_decodes_gets_the_decodes_plus_the_chunk() -> None:
     auto = AutoTokenBudget(ceiling=2048, target_s=2.0)
     auto.observe(2048, 2048, 10.24)  # 400 tokens in 2 s
     decodes = [_decoding(f"d{i}", 100) for i in range(7)]
-    budget, why = auto.budget(decodes, [_prompt("p", 1000)], free_slots=10)
+    budget, why = auto.decide(decodes, [_prompt("p", 1000)], free_slots=10)
     assert budget == 7 + 400
     assert why == {"budget": 407, "chunk": 400, "ms_per_token": 5.0}
     # no decodes: no gap at stake, the ceiling
-    assert auto.budget([], [_prompt("p", 3000)], free_slots=10) == (2048, None)
+    assert auto.decide([], [_prompt("p", 3000)], free_slots=10) == (2048, None)
     # everything fits: the budget would not bind, nothing acts
-    assert auto.budget(decodes, [_prompt("p", 300)], free_slots=10) == (2048, None)
+    assert auto.decide(decodes, [_prompt("p", 300)], free_slots=10) == (2048, None)
     # no free slot: the waiting prompt cannot come in
-    assert auto.budget(decodes, [_prompt("p", 3000)], free_slots=0) == (2048, None)
+    assert auto.decide(decodes, [_prompt("p", 3000)], free_slots=0) == (2048, None)
 
 
 def test_the_chunk_never_falls_below_a_minimum_nor_a_padded_first_decode() -> None:
@@ -117,7 +117,7 @@ def test_the_chunk_never_falls_below_a_minimum_nor_a_padded_first_decode() -> No
 def test_a_fast_machine_keeps_the_ceiling() -> None:
     fast = AutoTokenBudget(ceiling=2048, target_s=2.0)
     fast.observe(2048, 2048, 0.5)  # a 2,048-token step in 0.5 s: the rule never binds
-    assert fast.budget([_decoding("d", 10)], [_prompt("p", 8000)], free_slots=4) == (2048, None)
+    assert fast.decide([_decoding("d", 10)], [_prompt("p", 8000)], free_slots=4) == (2048, None)
 
 
 # --- in the scheduler -----------------------------------------------------------------------------

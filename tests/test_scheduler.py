@@ -362,6 +362,26 @@ def test_batching_modes_release_slots_at_batch_end(mode: str) -> None:
     assert_scheduler_empty(sched)
 
 
+@pytest.mark.parametrize("mode", ["static", "request"])
+def test_batching_modes_survive_an_abort(mode: str) -> None:
+    """An abort (a client that disconnects) ends a batch member like a finish: the next batch forms once the
+    rest is done. (Before the batching modes became a policy, their scheduler's free hook did not take
+    finish_requests' arguments: every abort under --batching static|request raised TypeError.)"""
+    sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2, batching=mode)
+    first, second, late = create_requests(3, num_tokens=4, max_tokens=4, ignore_eos=True)
+    for r in (first, second, late):
+        sched.add_request(r)
+    step(sched)
+    sched.finish_requests(first.request_id, RequestStatus.FINISHED_ABORTED)
+    scheduled = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        scheduled.append(set(out.num_scheduled_tokens))
+    assert late.request_id not in set().union(*scheduled[:3])  # "1" still runs its batch out
+    assert any(late.request_id in ids for ids in scheduled)
+    assert_scheduler_empty(sched)
+
+
 def test_continuous_batching_fills_a_freed_slot_next_step() -> None:
     sched = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
     short = create_requests(1, num_tokens=4, max_tokens=2)[0]
@@ -416,20 +436,19 @@ def test_prefix_cache_stats_are_per_interval_and_count_resumed_requests_apart() 
 
 def test_the_configuration_picks_the_scheduler_class() -> None:
     from tokenloom.config import CacheConfig, SchedulerConfig
-    from tokenloom.core.batch_scheduler import BatchScheduler
+    from tokenloom.core.async_scheduler import AsyncScheduler
+    from tokenloom.core.batch_policy import BatchFormation
     from tokenloom.core.scheduler import Scheduler
     from tokenloom.core.scheduler_factory import make_scheduler
 
     cache = CacheConfig(block_size=16, num_blocks=64)
     assert type(make_scheduler(SchedulerConfig(max_model_len=64), cache)) is Scheduler
+    assert type(make_scheduler(SchedulerConfig(max_model_len=64, async_scheduling=True), cache)) is AsyncScheduler
     for mode in ("static", "request"):
-        sched_cfg = SchedulerConfig(max_model_len=64, batching=mode)
-        assert type(make_scheduler(sched_cfg, cache)) is BatchScheduler
-        # The continuous scheduler refuses a mode it does not run, rather than silently ignoring it.
-        with pytest.raises(ValueError, match=f"batching={mode!r}"):
-            Scheduler(sched_cfg, cache)
-    with pytest.raises(ValueError, match="batching='continuous'"):
-        BatchScheduler(SchedulerConfig(max_model_len=64), cache)
+        # The comparison modes are a policy of the one scheduler, not a subclass of it.
+        sched = make_scheduler(SchedulerConfig(max_model_len=64, batching=mode), cache)
+        assert type(sched) is Scheduler and isinstance(sched.batch_formation, BatchFormation)
+        assert sched.batch_formation.lockstep == (mode == "static")
 
 
 def test_preempted_req_ids_are_this_steps_preemptions() -> None:

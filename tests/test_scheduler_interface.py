@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from tokenloom.core.async_scheduler import AsyncScheduler
-from tokenloom.core.batch_scheduler import BatchScheduler
 from tokenloom.core.sched_interface import SchedulerInterface
 from tokenloom.core.scheduler import Scheduler
 
@@ -45,6 +44,6 @@ def test_the_reader_catches_a_private_read() -> None:
     assert scheduler_reads("def f(self):\n    return len(self.scheduler.waiting)\n") == {"waiting"}
 
 
-@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler, BatchScheduler])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
 def test_every_scheduler_class_implements_the_interface(cls) -> None:
     assert issubclass(cls, SchedulerInterface) and not inspect.isabstract(cls)

@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from tokenloom.core.outputs import SchedulerOutput
+from tokenloom.core.policies import StepContext, StepPolicy
 from tokenloom.core.request import Request
 
 ALPHA = 0.3  # weight of a new step in the rate: a machine that slows down is followed within a few steps
@@ -43,7 +45,7 @@ MIN_CHUNK = 16  # prompt tokens a step that carries decodes always offers, howev
 
 
 @dataclass
-class AutoTokenBudget:
+class AutoTokenBudget(StepPolicy):
     ceiling: int  # SchedulerConfig.token_budget_ceiling (2048)
     target_s: float  # seconds of prefill work a step that carries decodes may take
     num_spec_tokens: int = 0  # K: a padded first decode (1 + K tokens) must still fit the chunk
@@ -74,7 +76,19 @@ class AutoTokenBudget:
             return None
         return max(MIN_CHUNK, 1 + self.num_spec_tokens, int(self.target_s / spt))
 
-    def budget(self, running: list[Request], waiting: Iterable[Request], free_slots: int,
+    # The policy's hooks (core/policies.py StepPolicy) -------------------------------------------
+    def budget(self, ctx: StepContext, budget: int) -> int:
+        free_slots = ctx.free_slots()
+        decided, why = self.decide(ctx.running, ctx.waiting if free_slots > 0 else (), free_slots)
+        if why is not None:
+            ctx.actions["auto_budget"] = why
+        return min(budget, decided)
+
+    def step_done(self, output: SchedulerOutput, seconds: float) -> None:
+        self.observe(sum(output.num_prefill_tokens.values()), output.total_num_scheduled_tokens, seconds)
+
+    # The decision ------------------------------------------------------------------------------
+    def decide(self, running: list[Request], waiting: Iterable[Request], free_slots: int,
                ) -> tuple[int, dict[str, Any] | None]:  # fmt: skip
         """This step's budget, and why (None when it is the ceiling or cannot bind: nothing acted)."""
         chunk = self.chunk()

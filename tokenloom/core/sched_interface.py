@@ -5,9 +5,10 @@ The engine core (tokenloom/engine/core.py) talks to its scheduler only through t
 tests/test_scheduler_interface.py, reads the engine core's source and fails on any other): the step's three
 calls (`schedule`, `update_from_output`, and for speculation `update_draft_token_ids` /
 `update_draft_token_ids_in_output`; under async scheduling `fill_grammar_bitmask`), request arrival and end,
-and a few read-only facts. `Scheduler` (core/scheduler.py) is the one implementation; its variants subclass it
-as vLLM's AsyncScheduler does (core/async_scheduler.py: the placeholders of async scheduling) or override its
-two admission hooks (core/batch_scheduler.py: the comparison batching modes). Pure Python, no torch.
+and a few read-only facts. `Scheduler` (core/scheduler.py) is the one implementation; AsyncScheduler subclasses
+it as vLLM's does (core/async_scheduler.py: the placeholders of async scheduling). What varies a schedule
+beyond vLLM's (budgets, reserves, preemption for waiting requests, the comparison batching modes) is a
+policy behind the hooks of core/policies.py, not a subclass. Pure Python, no torch.
 """
 
 from __future__ import annotations

@@ -18,13 +18,15 @@ the first catches up with the second:
 The line-by-line reference is `vllm/v1/core/sched/scheduler.py` (vLLM 0.32); differences are listed
 in docs/scheduler.md. `schedule()` reads as those three parts: `_apply_policies` (the opt-in policies
 beyond vLLM, off by default), `_schedule_running`, `_schedule_waiting`, then `_make_output`; what the
-step has decided so far travels in one `_StepPlan`. The policies hear of a request's arrival,
-admission and end through one hook set (`RequestLifecycle`, core/policies.py).
+step has decided so far travels in one `_StepPlan`. Every policy beyond vLLM (the automatic and the
+SLO budget, the bounded prefill wait, priority preemption, the comparison batching modes) is a
+`StepPolicy` (core/policies.py): the scheduler calls its hooks at fixed points (arrival, admission,
+free; preempt, budget, reserve, admission and decode holds, the built output; the step's measured time)
+and holds no policy's logic itself.
 
 It implements SchedulerInterface (core/sched_interface.py), all the engine core sees of a scheduler.
-This class is the continuous scheduler only. Variants subclass it, as vLLM's AsyncScheduler does:
-the comparison batching modes (static, request-level) in core/batch_scheduler.py override the two
-hooks `_hold_decodes` and `_admission_open`; core/scheduler_factory.py picks the class for a configuration.
+AsyncScheduler (core/async_scheduler.py) subclasses it, as vLLM's does, for async scheduling's
+placeholders; core/scheduler_factory.py picks the class for a configuration.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from tokenloom.config import (
     check_long_prefill_threshold,
 )
 from tokenloom.core.auto_budget import AutoTokenBudget
-from tokenloom.core.cost_model import CostModel, StepShape
+from tokenloom.core.batch_policy import BatchFormation
+from tokenloom.core.cost_model import CostModel
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups, max_in_flight_tokens
 from tokenloom.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tokenloom.core.outputs import (
@@ -52,7 +55,7 @@ from tokenloom.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from tokenloom.core.policies import PrefillWaitBound, PriorityPreemption, RequestLifecycle
+from tokenloom.core.policies import HOOKS, PrefillWaitBound, PriorityPreemption, StepContext, StepPolicy, overriding
 from tokenloom.core.prompt_fit import prompt_fit, prompt_refusal
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
@@ -95,7 +98,6 @@ class _StepPlan:
     now: float
     token_budget: int
     threshold: int  # long_prefill_token_threshold in force this step (0: none)
-    hold_decodes: bool  # the comparison batching modes: prefills only this step
     scheduled_new_reqs: list[Request] = field(default_factory=list)
     scheduled_resumed_reqs: list[Request] = field(default_factory=list)
     scheduled_running_reqs: list[Request] = field(default_factory=list)
@@ -109,6 +111,9 @@ class _StepPlan:
     reserve: int = 0  # tokens held back from running requests for starved prompts
     starved: set[str] = field(default_factory=set)
     prefill_scheduled: bool = False  # a running prefill chunk is in the step: no first-decode padding
+    hold_decodes: bool = False  # a policy (static batching) holds decodes back: prefills only this step
+    # The step as the policies see it (made right after the plan, from its lists).
+    policy_view: StepContext = field(init=False, repr=False)
 
     def take(self, req_id: str, num_new_tokens: int, block_ids: tuple[list[int], ...]) -> None:
         self.req_to_new_block_ids[req_id] = block_ids
@@ -117,9 +122,6 @@ class _StepPlan:
 
 
 class Scheduler(SchedulerInterface):
-    # The `batching` values this class runs; a subclass that adds modes widens it.
-    batching_modes: tuple[str, ...] = ("continuous",)
-
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -132,11 +134,6 @@ class Scheduler(SchedulerInterface):
         needed only with --target-itl-ms / --target-ttft-ms (make_scheduler reads --step-cost-profile)."""
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before building a Scheduler")
-        if scheduler_config.batching not in self.batching_modes:
-            raise ValueError(
-                f"batching={scheduler_config.batching!r} is not run by {type(self).__name__}; "
-                "build the scheduler with tokenloom.core.scheduler_factory.make_scheduler"
-            )
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
@@ -178,7 +175,8 @@ class Scheduler(SchedulerInterface):
                                                         scheduler_config.async_scheduling),
         )
         self.requests: dict[str, Request] = {}
-        # Opt-in policies beyond vLLM (core/policies.py). None, the default, keeps vLLM's decisions.
+        # The policies beyond vLLM (core/policies.py), each None unless its knobs turn it on; vLLM's values
+        # (an explicit max_num_batched_tokens, continuous batching) run none of them.
         self.prefill_wait_bound = (
             PrefillWaitBound(scheduler_config.max_prefill_wait_ms / 1000.0, scheduler_config.max_prefill_wait_steps,
                              scheduler_config.min_prefill_chunk)
@@ -204,9 +202,14 @@ class Scheduler(SchedulerInterface):
                             self.num_spec_tokens)
             if scheduler_config.auto_token_budget else None
         )
-        # The policies above that run, for the request-lifecycle hooks (core/policies.py RequestLifecycle).
-        self.lifecycle_policies: list[RequestLifecycle] = [
-            p for p in (self.prefill_wait_bound, self.priority_preemption, self.slo_budget) if p is not None]
+        # The comparison baselines (core/batch_policy.py): batches formed from the queue's head.
+        self.batch_formation = (BatchFormation(lockstep=scheduler_config.batching == "static")
+                                if scheduler_config.batching != "continuous" else None)
+        # The policies that run, in the order each hook is asked; per hook, the ones that override it.
+        self.step_policies: list[StepPolicy] = [
+            p for p in (self.priority_preemption, self.slo_budget, self.auto_budget, self.prefill_wait_bound,
+                        self.batch_formation) if p is not None]
+        self._hooks: dict[str, list[StepPolicy]] = {h: overriding(self.step_policies, h) for h in HOOKS}
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -258,8 +261,19 @@ class Scheduler(SchedulerInterface):
             self.structured_output_manager.grammar_init(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
-        for policy in self.lifecycle_policies:
+        for policy in self._hooks["arrived"]:
             policy.arrived(request.request_id, self.num_schedule_calls)
+
+    def add_policy(self, policy: StepPolicy) -> None:
+        """Run one more policy (core/policies.py StepPolicy), asked after the configured ones: how a policy
+        of one's own plugs in where the scheduler is driven directly (the simulator, replays, tests).
+        Before the first request only: a policy that missed arrivals would judge requests it never saw."""
+        if self.requests:
+            raise ValueError("add_policy: the scheduler already holds requests; add policies before the first one")
+        if not isinstance(policy, StepPolicy):
+            raise TypeError(f"add_policy takes a StepPolicy (tokenloom.core.policies), got {type(policy).__name__}")
+        self.step_policies.append(policy)
+        self._hooks = {h: overriding(self.step_policies, h) for h in HOOKS}
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id
@@ -323,8 +337,8 @@ class Scheduler(SchedulerInterface):
             self.structured_output_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        for policy in self.lifecycle_policies:
-            policy.forget(request.request_id)
+        for policy in self._hooks["freed"]:
+            policy.freed(request.request_id)
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -334,9 +348,10 @@ class Scheduler(SchedulerInterface):
             now=self.clock(),
             token_budget=self.max_num_scheduled_tokens,
             threshold=self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0,
-            hold_decodes=self._hold_decodes(),
         )
-        self._apply_policies(plan)
+        if self.step_policies:  # none with vLLM's settings: its loop alone
+            plan.policy_view = self._policy_view(plan)
+            self._apply_policies(plan)
         # 1. RUNNING first.
         self._schedule_running(plan)
         # 2. WAITING next, unless this step preempted (never free blocks and fill them at once).
@@ -355,21 +370,37 @@ class Scheduler(SchedulerInterface):
         self.num_schedule_calls += 1
         return output
 
+    def _policy_view(self, plan: _StepPlan) -> StepContext:
+        """The step as the policies see it (core/policies.py StepContext): the plan's lists, not copies."""
+        return StepContext(now=plan.now, step=self.num_schedule_calls, running=self.running, waiting=self.waiting,
+                           requests=self.requests, kv_cache_manager=self.kv_cache_manager,
+                           max_num_running_reqs=self.max_num_running_reqs, threshold=plan.threshold,
+                           preempted=plan.preempted_reqs, actions=plan.policy_actions,
+                           _preempt=self._preempt_request)
+
     def _apply_policies(self, plan: _StepPlan) -> None:
-        """The opt-in policies (off by default) act before the passes: priority preemption frees room for
-        the waiting head, the SLO controller or the automatic budget sets this step's budget, the
-        bounded prefill wait holds tokens back for starved prompts. Why they act goes into
-        plan.policy_actions (the step trace shows it)."""
-        if self.priority_preemption is not None and self.waiting and self.running:
-            plan.bound_by = self._preempt_for_waiting(plan.now, plan.preempted_reqs, plan.policy_actions)
-        if self.slo_budget is not None:
-            plan.token_budget = self._slo_token_budget(plan.now, plan.threshold, plan.preempted_reqs,
-                                                       plan.policy_actions)
-        elif self.auto_budget is not None:
-            plan.token_budget = self._auto_token_budget(plan.preempted_reqs, plan.policy_actions)
-        if self.prefill_wait_bound is not None:
-            plan.reserve, plan.starved = self._prefill_reserve(plan.now, plan.token_budget, plan.preempted_reqs,
-                                                               plan.policy_actions)
+        """The policies' step hooks before the passes (none runs with vLLM's defaults): preemption for the
+        waiting head, this step's budget, tokens held back for starved prompts, a decode hold. Why
+        they act goes into plan.policy_actions (the step trace shows it)."""
+        view = plan.policy_view
+        for policy in self._hooks["preempt"]:
+            plan.bound_by = policy.preempt(view) or plan.bound_by
+        for policy in self._hooks["budget"]:
+            plan.token_budget = policy.budget(view, plan.token_budget)
+        for policy in self._hooks["reserve"]:
+            reserve, ids = policy.reserve(view, plan.token_budget)
+            plan.reserve += reserve
+            plan.starved.update(ids)
+        for policy in self._hooks["hold_decodes"]:
+            plan.hold_decodes |= policy.hold_decodes(view)
+
+    def _refuse_admission(self, plan: _StepPlan, request: Request) -> str | None:
+        """The first policy's reason to keep the head of the waiting queue out this step, or None."""
+        for policy in self._hooks["refuse_admission"]:
+            why = policy.refuse_admission(plan.policy_view, request)
+            if why is not None:
+                return why
+        return None
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Each running request in order takes min(deficit, threshold, budget left); when its slots do
@@ -484,8 +515,9 @@ class Scheduler(SchedulerInterface):
                 # Scheduling would exceed max_loras: step over it (vLLM's rule, scheduler.py).
                 skipped_waiting.append(self.waiting.pop_request())
                 continue
-            if not self._admission_open(request):
-                plan.bound_by = plan.bound_by or "batch"
+            refusal = self._refuse_admission(plan, request) if self._hooks["refuse_admission"] else None
+            if refusal is not None:
+                plan.bound_by = plan.bound_by or refusal
                 break
 
             num_external_computed = 0
@@ -572,7 +604,7 @@ class Scheduler(SchedulerInterface):
                 request.num_cached_tokens = num_computed_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = plan.now
-            for policy in self.lifecycle_policies:
+            for policy in self._hooks["admitted"]:
                 policy.admitted(request.request_id, self.num_schedule_calls)
             plan.cached_tokens[request.request_id] = num_new_local_computed + num_external_computed + num_loaded
             if pad_spec_decode:
@@ -730,8 +762,8 @@ class Scheduler(SchedulerInterface):
         if self.lora_config is not None:
             output.lora_names = {rid: req.lora_request.lora_name for rid in num_scheduled_tokens
                                  if (req := self.requests[rid]).lora_request is not None}
-        if self.slo_budget is not None and total:
-            output.predicted_step = self._predicted_step(num_scheduled_tokens, plan.scheduled_spec_decode_tokens)
+        for policy in self._hooks["scheduled"]:  # (non-empty only when some policy runs: the view exists)
+            policy.scheduled(plan.policy_view, output)
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
@@ -793,93 +825,12 @@ class Scheduler(SchedulerInterface):
             scheduled[request.request_id] = request.spec_token_ids[:num_spec]
         request.spec_token_ids = []
 
-    # Opt-in policies (tokenloom/core/policies.py) -------------------------------------------
-    def _preempt_for_waiting(self, now: float, preempted_reqs: list[Request], actions: dict[str, Any]) -> str | None:
-        """--enable-priority-preemption: free a slot / blocks for the highest-priority waiting request
-        by preempting strictly lower-priority running ones. It is admitted in the next step: a step
-        that preempted admits nobody (the same rule as preemption for a running request)."""
-        assert self.priority_preemption is not None
-        head = self.waiting.peek_request()
-        kv = self.kv_cache_manager
-        victims = self.priority_preemption.victims_for(head, self.running, self.num_schedule_calls)
-        need = kv.blocks_needed(head.num_tokens) + (kv.watermark_blocks if self.running else 0)
-
-        def short_of_blocks() -> bool:
-            return kv.block_pool.get_num_free_blocks() < need
-
-        if not victims or not (len(self.running) >= self.max_num_running_reqs or short_of_blocks()):
-            return None
-        if len(self.running) < self.max_num_running_reqs:
-            # Blocked by KV alone: preempt only if the victims' blocks can make it fit.
-            reclaimable = sum(kv.num_blocks_held(v.request_id) for v in victims)
-            if kv.block_pool.get_num_free_blocks() + reclaimable < need:
-                return None
-        preempted: list[str] = []
-        while victims and (len(self.running) >= self.max_num_running_reqs or short_of_blocks()):
-            victim = victims.pop()
-            self.running.remove(victim)
-            self._preempt_request(victim, now)
-            self.priority_preemption.preempted(victim)
-            preempted_reqs.append(victim)
-            preempted.append(victim.request_id)
-        actions["priority_preemption"] = {"for": head.request_id, "preempted": preempted}
-        return "priority_preemption"
-
-    def _prefill_reserve(
-        self, now: float, token_budget: int, preempted_reqs: list[Request], actions: dict[str, Any]
-    ) -> tuple[int, set[str]]:
-        """--max-prefill-wait-ms: tokens held back from the running requests for starved prompts."""
-        assert self.prefill_wait_bound is not None
-        head = self.waiting.peek_request() if self.waiting else None
-        can_admit = not preempted_reqs and len(self.running) < self.max_num_running_reqs
-        reserve, ids = self.prefill_wait_bound.reserve(now, self.num_schedule_calls, self.running, head, can_admit,
-                                                       token_budget)
-        if reserve:
-            actions["prefill_reserve"] = {"tokens": reserve, "requests": ids}
-        return reserve, set(ids)
-
-    def _slo_token_budget(
-        self, now: float, threshold: int, preempted_reqs: list[Request], actions: dict[str, Any]
-    ) -> int:
-        """--target-itl-ms (and --target-ttft-ms): this step's budget, at most max_num_batched_tokens."""
-        assert self.slo_budget is not None
-        # Waiting requests can be admitted only into free slots, and not at all in a step that preempted.
-        free_slots = 0 if preempted_reqs else self.max_num_running_reqs - len(self.running)
-        waiting = self.waiting if free_slots > 0 else ()
-        budget, why = self.slo_budget.budget(now, self.running, waiting, threshold, free_slots)
-        if why is not None:
-            actions["slo_budget"] = why
-        return budget
-
-    def _auto_token_budget(self, preempted_reqs: list[Request], actions: dict[str, Any]) -> int:
-        """The automatic budget (no explicit max_num_batched_tokens): this step's, at most the ceiling."""
-        assert self.auto_budget is not None
-        free_slots = 0 if preempted_reqs else self.max_num_running_reqs - len(self.running)
-        budget, why = self.auto_budget.budget(self.running, self.waiting if free_slots > 0 else (), free_slots)
-        if why is not None:
-            actions["auto_budget"] = why
-        return budget
-
-    def _predicted_step(self, num_scheduled_tokens: dict[str, int], spec: dict[str, list[int]]) -> tuple[float, float]:
-        """The profile's seconds for the step as scheduled (frontiers not advanced yet), as the
-        runner computes it: a row samples when it reaches its sequence's end, drafts included."""
-        assert self.slo_budget is not None
-        shape = StepShape()
-        for rid, n in num_scheduled_tokens.items():
-            r = self.requests[rid]
-            num_drafts = len(spec.get(rid, ()))
-            shape.add_row(r.num_computed_tokens, n, r.num_computed_tokens + n >= r.num_tokens + num_drafts, num_drafts)
-        return self.slo_budget.predict_raw(shape)
-
     def observe_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """The engine core reports how long a step took (wall seconds in the engine, virtual ones in the
-        simulator), after update_from_output; the SLO controller corrects its predictions with it.
-        The automatic budget learns this machine's rate from it. Nothing happens without either."""
-        if self.slo_budget is not None and scheduler_output.predicted_step is not None:
-            self.slo_budget.observe_step(scheduler_output.predicted_step, seconds)
-        if self.auto_budget is not None:
-            self.auto_budget.observe(sum(scheduler_output.num_prefill_tokens.values()),
-                                     scheduler_output.total_num_scheduled_tokens, seconds)
+        simulator), after update_from_output: the policies' step_done hook (the SLO controller corrects its
+        predictions with it, the automatic budget learns this machine's rate)."""
+        for policy in self._hooks["step_done"]:
+            policy.step_done(scheduler_output, seconds)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance the computed frontier now, after the output captured the old values: the runner
@@ -921,15 +872,6 @@ class Scheduler(SchedulerInterface):
             r.num_tokens_with_spec - r.num_computed_tokens > num_scheduled_tokens.get(r.request_id, 0)
             for r in self.running
         )
-
-    # Hooks for the comparison batching modes (core/batch_scheduler.py) -------------------------
-    def _hold_decodes(self) -> bool:
-        """Whether this step schedules prefills only. Continuous batching never holds decodes back."""
-        return False
-
-    def _admission_open(self, request: Request) -> bool:
-        """Whether the head of the waiting queue may be admitted now (budget and slots aside)."""
-        return True
 
     # Results back in -------------------------------------------------------------------------
     def update_from_output(

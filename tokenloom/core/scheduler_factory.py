@@ -1,8 +1,8 @@
 """Which scheduler class runs a configuration, and `make_scheduler` (vLLM: SchedulerConfig.get_scheduler_cls);
 the scheduler itself is core/scheduler.py.
 
-Build schedulers with `make_scheduler`: continuous batching is the vLLM Scheduler itself, the
-comparison modes its BatchScheduler subclass, async scheduling vLLM's AsyncScheduler subclass.
+Build schedulers with `make_scheduler`: the vLLM Scheduler itself (every batching mode: the comparison
+modes are a policy it runs, core/batch_policy.py), or for async scheduling vLLM's AsyncScheduler subclass.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ from collections.abc import Callable
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core.async_scheduler import AsyncScheduler
-from tokenloom.core.batch_scheduler import BatchScheduler
 from tokenloom.core.cost_model import CostModel, load_step_cost_model
 from tokenloom.core.scheduler import Scheduler
 
 
 def scheduler_class(scheduler_config: SchedulerConfig) -> type[Scheduler]:
-    if scheduler_config.batching in BatchScheduler.batching_modes:
-        return BatchScheduler
     if scheduler_config.async_scheduling:
         return AsyncScheduler
     return Scheduler

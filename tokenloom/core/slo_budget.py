@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.core.cost_model import CostModel, StepShape
-from tokenloom.core.policies import RequestLifecycle
+from tokenloom.core.outputs import SchedulerOutput
+from tokenloom.core.policies import StepContext, StepPolicy
 from tokenloom.core.request import Request
 from tokenloom.core.step_time_correction import StepTimeCorrection
 
@@ -70,7 +71,7 @@ ITL_MISS_SHARE = 0.01
 
 
 @dataclass
-class SloBudgetController(RequestLifecycle):
+class SloBudgetController(StepPolicy):
     cost_model: CostModel
     ceiling: int  # max_num_batched_tokens
     target_itl_s: float
@@ -86,11 +87,37 @@ class SloBudgetController(RequestLifecycle):
     # clock: the predicted clock is the profile's word alone, deterministic wherever it runs.
     correction: StepTimeCorrection = field(default_factory=StepTimeCorrection)
 
+    # The policy's hooks (core/policies.py StepPolicy) -------------------------------------------
     def arrived(self, request_id: str, step: int = 0) -> None:
         self.arrival[request_id] = self.predicted_now
 
-    def forget(self, request_id: str) -> None:
+    def freed(self, request_id: str) -> None:
         self.arrival.pop(request_id, None)
+
+    def budget(self, ctx: StepContext, budget: int) -> int:
+        # Waiting requests can be admitted only into free slots, and not at all in a step that preempted.
+        free_slots = ctx.free_slots()
+        decided, why = self.decide(ctx.now, ctx.running, ctx.waiting if free_slots > 0 else (), ctx.threshold,
+                                   free_slots)
+        if why is not None:
+            ctx.actions["slo_budget"] = why
+        return min(budget, decided)
+
+    def scheduled(self, ctx: StepContext, output: SchedulerOutput) -> None:
+        """The profile's seconds for the step as scheduled (frontiers not advanced yet), as the runner
+        computes it: a row samples when it reaches its sequence's end, drafts included."""
+        if not output.total_num_scheduled_tokens:
+            return
+        shape = StepShape()
+        for rid, n in output.num_scheduled_tokens.items():
+            r = ctx.requests[rid]
+            num_drafts = len(output.scheduled_spec_decode_tokens.get(rid, ()))
+            shape.add_row(r.num_computed_tokens, n, r.num_computed_tokens + n >= r.num_tokens + num_drafts, num_drafts)
+        output.predicted_step = self.predict_raw(shape)
+
+    def step_done(self, output: SchedulerOutput, seconds: float) -> None:
+        if output.predicted_step is not None:
+            self.observe_step(output.predicted_step, seconds)
 
     # What executed steps cost ------------------------------------------------------------------
     def predict_raw(self, shape: StepShape) -> tuple[float, float]:
@@ -110,7 +137,7 @@ class SloBudgetController(RequestLifecycle):
         return self.correction.seconds(total, decode, high)
 
     # The decision ------------------------------------------------------------------------------
-    def budget(
+    def decide(
         self, now: float, running: list[Request], waiting: Iterable[Request], threshold: int, free_slots: int,
     ) -> tuple[int, dict[str, Any] | None]:
         """This step's token budget, and why (None when it is the ceiling: the controller did not act)."""
