@@ -116,15 +116,26 @@ def margin(side: Greedy, i: int, other_token: int) -> float | None:
     return round(side.top[i][side.tokens[i]] - side.top[i][other_token], 4)
 
 
+def logprob_gap(ours: Greedy, theirs: Greedy, n: int) -> float | None:
+    """Mean |difference| of the two engines' logprobs of the shared greedy token over the first n
+    (common) steps: how close the two computations are, a continuous measure where the identical
+    count only moves at near-ties. None when n is 0."""
+    if n == 0:
+        return None
+    return round(sum(abs(ours.top[i][ours.tokens[i]] - theirs.top[i][ours.tokens[i]]) for i in range(n)) / n, 5)
+
+
 def compare(ours: list[Greedy], theirs: list[Greedy]) -> dict[str, list]:
-    prefix, ours_margin, theirs_margin = [], [], []
+    prefix, ours_margin, theirs_margin, gap = [], [], [], []
     for a, b in zip(ours, theirs):
         n = common_prefix(a.tokens, b.tokens)
         prefix.append(n)
         diverged = n < min(len(a.tokens), len(b.tokens))
         ours_margin.append(margin(a, n, b.tokens[n]) if diverged else None)
         theirs_margin.append(margin(b, n, a.tokens[n]) if diverged else None)
-    return {"common_prefix": prefix, "margin_first": ours_margin, "margin_llamacpp": theirs_margin}
+        gap.append(logprob_gap(a, b, n))
+    return {"common_prefix": prefix, "margin_first": ours_margin, "margin_llamacpp": theirs_margin,
+            "logprob_gap": gap}
 
 
 def main() -> None:
