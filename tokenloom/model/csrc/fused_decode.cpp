@@ -38,8 +38,7 @@ struct Part {
 struct QLin {
   std::vector<Part> parts;
   int64_t N = 0, K = 0;
-  unsigned forms = 0;  // bit form_bit(f): some part multiplies activations quantized in form f
-  bool quantized() const { return forms != 0; }
+  bool quantized = false;  // some part multiplies quantized activations
 };
 
 inline float dot_f32(const float* a, const float* b, int64_t n) {
@@ -176,20 +175,19 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
     L.parts.push_back(Part{w, static_cast<int>(t), bias, packed});
     L.N += w.size(0);
   }
-  for (const auto& p : L.parts)
-    if (!is_float_part(p.t)) L.forms |= form_bit(act_form(p.t));
+  for (const auto& p : L.parts) L.quantized |= !is_float_part(p.t);
   return L;
 }
 
 // Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region: each part's rows (or
-// tiles) split alike. acts holds x quantized in L.forms.
-void qlin_share(const QLin& L, const float* x, int64_t M, const QActSet& acts, float* out, int tid, int nth) {
+// tiles) split alike. act holds x quantized when L.quantized.
+void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth) {
   int64_t col = 0, b, e;
   for (const auto& p : L.parts) {
     const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
     if (p.packed.defined()) {
       thread_share(p.packed.size(0), tid, nth, b, e);
-      run_packed_range(p.t, acts[act_form(p.t)], p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
+      run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
       col += 8 * p.packed.size(0);
     } else if (is_float_part(p.t)) {
       thread_share(p.w.size(0), tid, nth, b, e);
@@ -197,7 +195,7 @@ void qlin_share(const QLin& L, const float* x, int64_t M, const QActSet& acts, f
       col += p.w.size(0);
     } else {
       thread_share(p.w.size(0), tid, nth, b, e);
-      run_quantized_range(p.t, acts[act_form(p.t)], p.w.data_ptr<uint8_t>(), p.w.size(1), bias, out + col, L.N, b, e);
+      run_quantized_range(p.t, act, p.w.data_ptr<uint8_t>(), p.w.size(1), bias, out + col, L.N, b, e);
       col += p.w.size(0);
     }
   }
@@ -452,15 +450,9 @@ class FusedDecoder {
     att_.resize(B * Hq_ * D_);
     gu_.resize(B * 2 * I_);
     act_.resize(B * I_);
-    unsigned h_forms = 0, att_forms = 0, ffn_forms = 0;  // the forms each input's linears multiply
-    for (const Layer& L : layers_) {
-      h_forms |= L.qkv.forms | L.gate_up.forms;
-      att_forms |= L.o.forms;
-      ffn_forms |= L.down.forms;
-    }
-    act_h_.shape(B, H_, h_forms);
-    act_att_.shape(B, Hq_ * D_, att_forms);
-    act_ffn_.shape(B, I_, ffn_forms);
+    act_h_.shape(B, H_);
+    if (Hq_ * D_ % 32 == 0) act_att_.shape(B, Hq_ * D_);
+    if (I_ % 32 == 0) act_ffn_.shape(B, I_);
     const bool f32_rope = cos.scalar_type() == at::kFloat, f32_kv = layers_[0].k_cache.scalar_type() == at::kFloat;
     if (layers_[0].k_cache.scalar_type() == at::kChar) {
       if (f32_rope)
@@ -552,7 +544,7 @@ class FusedDecoder {
         const int64_t nb = L.k_cache.size(1), bs = L.k_cache.size(2);
         for (int64_t r = r0; r < r1; r++) {
           rms_norm_f32(h + r * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x + r * H_);
-          act_h_.quantize_span(x, H_, L.qkv.forms, r * H_, (r + 1) * H_);
+          if (L.qkv.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
 #pragma omp barrier
         qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth);
@@ -585,11 +577,10 @@ class FusedDecoder {
           attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
                  att + r * AD + hq * D_, ksc, vsc);
         }
-        if (L.o.quantized()) {
+        if (L.o.quantized) {
 #pragma omp barrier
-          const int64_t u = QActSet::unit_of(L.o.forms);
-          thread_share(B * AD / u, tid, nth, b, e);
-          act_att_.quantize_span(att, AD, L.o.forms, b * u, e * u);
+          thread_share(B * AD / 32, tid, nth, b, e);
+          act_att_.quantize_groups(att, AD, b, e);
         }
 #pragma omp barrier
         qlin_share(L.o, att, B, act_att_, x, tid, nth);
@@ -599,23 +590,21 @@ class FusedDecoder {
           float* xr = x + r * H_;
           for (int64_t t = 0; t < H_; t++) hr[t] += xr[t];
           rms_norm_f32(hr, L.ffn_norm.data_ptr<float>(), H_, eps_, xr);
-          act_h_.quantize_span(x, H_, L.gate_up.forms, r * H_, (r + 1) * H_);
+          if (L.gate_up.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
 #pragma omp barrier
         qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth);
 #pragma omp barrier
-        // SiLU(gate) * up, and the down projection's activation quantization, a quantization unit
-        // (32 values, 256 for a K-quant) at a time: a thread quantizes the units it computed.
-        const int64_t u = QActSet::unit_of(L.down.forms);
-        const int64_t chunks = L.down.quantized() ? B * I_ / u : B * ((I_ + u - 1) / u);
+        // SiLU(gate) * up, and the down projection's activation quantization, 32 values at a time.
+        const int64_t chunks = L.down.quantized ? B * I_ / 32 : B * ((I_ + 31) / 32);
         thread_share(chunks, tid, nth, b, e);
         for (int64_t i = b; i < e; i++) {
-          const int64_t per_row = chunks / B, r = i / per_row, c0 = (i % per_row) * u;
+          const int64_t per_row = chunks / B, r = i / per_row, c0 = (i % per_row) * 32;
           const float* g = gu + r * 2 * I_;
           float* a = act + r * I_;
-          silu_mul(g + c0, g + I_ + c0, a + c0, std::min<int64_t>(u, I_ - c0));
+          silu_mul(g + c0, g + I_ + c0, a + c0, std::min<int64_t>(32, I_ - c0));
         }
-        act_ffn_.quantize_span(act, I_, L.down.forms, b * u, e * u);
+        if (L.down.quantized) act_ffn_.quantize_groups(act, I_, b, e);
 #pragma omp barrier
         qlin_share(L.down, act, B, act_ffn_, x, tid, nth);
 #pragma omp barrier
@@ -687,7 +676,7 @@ class FusedDecoder {
   std::vector<Layer> layers_;
   bool scales_pending_ = false;  // int8 caches set, their scales not yet
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
-  QActSet act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I
+  QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I
 };
 
 // out [M, N] float = x [M, K] float @ w.T (+ bias), w a contiguous float or bf16 [N, K]: the dense

@@ -10,13 +10,11 @@
 // Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks
 // of 256); block layouts as in ggml-common.h (see each `Type` below).
 //
-// The arithmetic is ggml's CPU backend's: the activations are quantized on the fly to int8 as ggml
-// quantizes them for the weight's type (gguf_quants.h's act_form: per 32 with an fp16 scale for
-// Q8_0 / Q4_0 / Q5_0 / Q4_1 / Q5_1, per 256 with a float scale for the K-quants; s = d * sum(q) per
-// group of 32 for the types with an offset), and each weight group of 32 meets its activation group
-// in integer dot products (AVX2 vpmaddubsw: unsigned weight bytes x signed activation bytes, pairs
-// summed to int16, then vpmaddwd to int32), scaled to float once per group (the K-quant tiles: once
-// per super-block). Every type is described as a sequence of 32-element groups, each with
+// The arithmetic is ggml's CPU backend's idea: the activations are quantized on the fly to int8 in
+// groups of 32 (scale d = max|x| / 127, and s = d * sum(q) for the types with an offset), and each
+// weight group of 32 meets its activation group in integer dot products (AVX2 vpmaddubsw: unsigned
+// weight bytes x signed activation bytes, pairs summed to int16, then vpmaddwd to int32), scaled to
+// float once per group. Every type is described as a sequence of 32-element groups, each with
 //   w       32 weight integers (unsigned 0..63, or signed for Q8_0 / Q3_K / Q6_K),
 //   mul     int16 multipliers for the two halves of the group (the K-quants' per-16 scales; else 1),
 //   a, b    floats: group value = a * sum(mul * w * q) * d_x + b * s_x
@@ -58,15 +56,6 @@ enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
 };
-static_assert(kTypeQ4_1 == kQ4_1 && kTypeQ5_1 == kQ5_1 && kTypeQ2_K == kQ2_K && kTypeQ6_K == kQ6_K,
-              "gguf_quants.h's type ids (act_form) are ggml's");
-
-// A kernel of type t reads activations quantized in act_form(t) (gguf_quants.h): a caller that
-// quantized them for another type would get silently wrong sums, so every dispatcher checks.
-inline void check_form(int t, const QAct& a) {
-  TORCH_CHECK(a.form == act_form(t), "GGML type ", t, " multiplies activations in form ", act_form(t), ", got ",
-              a.form);
-}
 
 
 // ------------------------------------------------------------------------------ per-type traits
@@ -524,25 +513,14 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64
 }
 #endif  // TLQ_AVX2
 
-// Plain C++: dequantize the row's blocks and dot them with the dequantized activation groups. Q4_1 /
-// Q5_1 multiply kActQ8_1 activations, whose s = fp16(d * sum(q)) is rounded on its own: their min
-// enters as m * s (ggml's arithmetic, and the SIMD kernels'), the quants as the block with m = 0.
-void dot_row_scalar(int t, const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, const float* xs,
-                    float* out, float* buf) {
+// Plain C++: dequantize the row's blocks and dot them with the dequantized activation groups.
+void dot_row_scalar(int t, const uint8_t* w, int64_t K, const int8_t* xq, const float* xd, float* out,
+                    float* buf) {
   const TypeInfo ti = type_info(t);
   const int64_t nb = K / ti.block_elems;
-  const bool min_times_s = t == kQ4_1 || t == kQ5_1;
-  uint8_t blk[32];
   double acc = 0.0;
   for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* src = w + b * ti.block_bytes;
-    if (min_times_s) {
-      std::memcpy(blk, src, ti.block_bytes);
-      std::memset(blk + 2, 0, 2);  // m (fp16) = 0
-      acc += static_cast<double>(h2f(src + 2)) * xs[b];
-      src = blk;
-    }
-    dequant_block(t, src, buf);
+    dequant_block(t, w + b * ti.block_bytes, buf);
     for (int e = 0; e < ti.block_elems; e++) {
       const int64_t k = b * ti.block_elems + e;
       acc += static_cast<double>(buf[e]) * (xd[k / 32] * xq[k]);
@@ -909,45 +887,38 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
 
 // Q4_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
 //
-// As ggml's Q4_K x Q8_K dot (ggml_gemv_q4_K_8x8_q8_K): the activations are in kActQ8_K form, one
-// scale per 256 columns, so a super-block's sums stay in int32 and become a float once per
-// super-block and activation row, times d * d_x (the mins' sum times dmin * d_x). Per group the AVX2
-// path scales the int16 sums of eight vpmaddubsw by the row's sub-block scale with vpmaddwd (the
-// scale in both int16 halves) and adds them in int32; with VNNI the scale stays a float (vpmulld
-// per row is two uops where a conversion and an FMA are one each, measured 2 % slower at four
-// rows), the group's sum converted and multiplied by it. The Q4_K mins meet the activation's
-// integer group sums (the bs pairs: ggml's bsums) in int32, two groups per vpmaddwd, once per
-// super-block. Q6_K takes its quants unsigned (0..63) and subtracts 32 * (the activation's per-16
-// sums) per sub-block, instead of sign-flipping all eight vectors of a group and its activations per
-// row. Bounds: a Q4_K group's |sum * scale| <= 32 * 15 * 127 * 63 = 3,840,480, a super-block's 8x
-// that (< 2^25: its one float conversion may round to even above 2^24, as ggml's does); a Q6_K
-// sub-block's |scale * sum((q - 32) x)| <= 16 * 32 * 127 * 128 = 8,323,072, sixteen of them < 2^28;
-// the Q4_K mins' sum <= 8 * 63 * 32 * 127 = 2,048,256.
+// As ggml's Q4_K x Q8_K dot, a group's integer sum is scaled by the row's integer sub-block scale in
+// int32 on AVX2 (vpmaddwd with the scale as the multiplier instead of ones; with VNNI the scale is a
+// float, vpmulld measured 2 % slower at four rows), and the
+// super-block's d / dmin multiply once per 256 columns: per group and activation row one int ->
+// float conversion and one FMA with the activation's per-32 scale remain (ggml has none, its
+// activations carrying one scale per 256; ours keep one per 32, see docs/performance.md "Greedy
+// agreement with llama.cpp"). Q6_K takes its quants unsigned (0..63) and subtracts 32 * (the
+// activation's per-16 sum) per sub-block, instead of sign-flipping all eight vectors of a group
+// and its activations per row. Both give exactly the integers the sign-trick form gave: the
+// products isum * scale stay below 2^24 (Q4_K: 32 * 15 * 127 * 63; Q6_K: 2 * 16 * 32 * 127 * 128),
+// so even their float conversion is exact.
 template <int T, int MT>
 inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* xq, const float* const* xd,
-                          const int16_t* const* xb, __m256* res) {
+                          const float* const* xs, const int16_t* const* xb, __m256* res) {
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < NS; sb++) {
     const uint8_t* p = tile + sb * TB;
     for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchTilesK * TB + o), _MM_HINT_T0);
-    __m256i isum[MT];  // this super-block's integer sums
-    __m256 sacc[MT];   // VNNI Q4_K: its sums times the float sub-block scales instead
-    for (int m = 0; m < MT; m++) {
-      isum[m] = _mm256_setzero_si256();
-      sacc[m] = _mm256_setzero_ps();
-    }
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256 sacc[MT], macc[MT];  // this super-block's sums before d (and, Q4_K, before dmin)
+    for (int m = 0; m < MT; m++) sacc[m] = macc[m] = _mm256_setzero_ps();
     if constexpr (T == kQ4_K) {
-      auto bytes8 = [&](int off, int g) {
-        return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * g)));
-      };
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;  // activation group
-        const __m256i sc = bytes8(kK4Scales, g);
+        auto bytes8 = [&](int off) {
+          return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * g)));
+        };
+        const __m256i sc = bytes8(kK4Scales);
+        const __m256 mn = _mm256_cvtepi32_ps(bytes8(kK4Mins));
 #if TLQ_VNNI
-        const __m256 scf = _mm256_cvtepi32_ps(sc);
+        const __m256 scf = _mm256_cvtepi32_ps(sc);  // vpmulld per row would cost two uops where this is one
 #else
         const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // the scale in both int16 halves
 #endif
@@ -956,37 +927,23 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         for (int m = 0; m < MT; m++) {
           const int8_t* x = xq[m] + 32 * gi;
 #if TLQ_VNNI
-          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(w, x)), scf, sacc[m]);
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(w, x)), _mm256_mul_ps(scf, _mm256_set1_ps(xd[m][gi])),
+                                    sacc[m]);
 #else
           // int16 sums of eight vpmaddubsw stay below 8 * 2 * 15 * 127 = 30480 (see dot_u4).
           __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
           for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16, sc16));
+          const __m256i isum = _mm256_madd_epi16(s16, sc16);
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[m][gi]), sacc[m]);
 #endif
+          macc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][gi]), macc[m]);
         }
       }
-      // Mins of groups 2k and 2k + 1 as the two int16 halves of each row's lane.
-      __m256i mn16[4];
-      for (int k = 0; k < 4; k++)
-        mn16[k] = _mm256_or_si256(bytes8(kK4Mins, 2 * k), _mm256_slli_epi32(bytes8(kK4Mins, 2 * k + 1), 16));
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       for (int m = 0; m < MT; m++) {
-        const int16_t* bs = xb[m] + 16 * sb;
-        __m256i imin = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-          // The activation's integer sums of groups 2k and 2k + 1 (|sum| <= 32 * 127 fits int16).
-          const uint32_t g0 = static_cast<uint16_t>(bs[4 * k] + bs[4 * k + 1]);
-          const uint32_t g1 = static_cast<uint16_t>(bs[4 * k + 2] + bs[4 * k + 3]);
-          imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn16[k], _mm256_set1_epi32(static_cast<int>(g0 | (g1 << 16)))));
-        }
-        const __m256 dx = _mm256_set1_ps(xd[m][8 * sb]);
-#if TLQ_VNNI
-        acc[m] = _mm256_fmadd_ps(sacc[m], _mm256_mul_ps(dv, dx), acc[m]);
-#else
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(dv, dx), acc[m]);
-#endif
-        // - dmin * d_x * sum(min * bsum)
-        accb[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(mv, dx), accb[m]);
+        acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
+        accb[m] = _mm256_fnmadd_ps(macc[m], mv, accb[m]);  // - dmin * sum(min * s_x)
       }
     } else {  // Q6_K: quants q in 0..63 (the value is q - 32), two scales per group (16 columns each)
       const __m256i m3 = _mm256_set1_epi8(0x30);
@@ -1040,11 +997,11 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
           lo = _mm256_sub_epi32(lo, _mm256_madd_epi16(sc16_lo, _mm256_set1_epi16(static_cast<short>(16 * bs_lo))));
           hi = _mm256_sub_epi32(hi, _mm256_madd_epi16(sc16_hi, _mm256_set1_epi16(static_cast<short>(16 * bs_hi))));
 #endif
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_add_epi32(lo, hi));
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(xd[m][gi]), sacc[m]);
         }
       }
-      for (int m = 0; m < MT; m++)
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[m][8 * sb])), acc[m]);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
     }
   }
   for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
@@ -1073,10 +1030,10 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
       __m256 r[4];
       if constexpr (packed_group_elems(T) == 256) {
         switch (mt) {
-          case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xb, r); break;
-          case 2: packed_tile_k<T, 2>(tp, NG, xq, xd, xb, r); break;
-          case 3: packed_tile_k<T, 3>(tp, NG, xq, xd, xb, r); break;
-          default: packed_tile_k<T, 4>(tp, NG, xq, xd, xb, r); break;
+          case 1: packed_tile_k<T, 1>(tp, NG, xq, xd, xs, xb, r); break;
+          case 2: packed_tile_k<T, 2>(tp, NG, xq, xd, xs, xb, r); break;
+          case 3: packed_tile_k<T, 3>(tp, NG, xq, xd, xs, xb, r); break;
+          default: packed_tile_k<T, 4>(tp, NG, xq, xd, xs, xb, r); break;
         }
       } else {
         switch (mt) {
@@ -1110,7 +1067,6 @@ void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float*
 // row_bytes per row): one thread's share (run_quantized splits the rows; the decoder splits them itself).
 void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                          int64_t ldo, int64_t n0, int64_t n1) {
-  check_form(t, a);
   const int64_t M = a.M, K = a.K, G = K / 32;
   const RowKernel simd = traits(t).rows;
   if (simd && !g_force_scalar) return simd(a, w, row_bytes, bias, out, ldo, n0, n1);
@@ -1118,7 +1074,7 @@ void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_byt
   for (int64_t n = n0; n < n1; n++)
     for (int64_t m = 0; m < M; m++) {
       float* o = out + m * ldo + n;
-      dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, a.s.data() + m * G, o, buf.data());
+      dot_row_scalar(t, w + n * row_bytes, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
       if (bias) *o += bias[n];
     }
 }
@@ -1262,7 +1218,6 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
 // back row by row.
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1) {
-  check_form(t, a);
   const TileKernel simd = traits(t).tile;
   if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1);
   const int64_t K = a.K, G = K / 32;
@@ -1292,8 +1247,7 @@ void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias
     for (int r = 0; r < 8; r++)
       for (int64_t m = 0; m < a.M; m++) {
         float* o = out + m * ldo + tile * 8 + r;
-        dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, a.s.data() + m * G, o,
-                       buf.data());
+        dot_row_scalar(t, rows.data() + r * G * bb, K, a.q.data() + m * K, a.d.data() + m * G, o, buf.data());
         if (bias) *o += bias[tile * 8 + r];
       }
   }
@@ -1320,7 +1274,7 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
                   out.size(1) == 8 * tiles, "out must be float [M, 8 * tiles]");
   const float* b_ptr = bias ? bias->data_ptr<float>() : nullptr;
   thread_local QAct act;
-  act.set(x.data_ptr<float>(), M, K, x.stride(0), act_form(static_cast<int>(qtype)));
+  act.set(x.data_ptr<float>(), M, K, x.stride(0));
   run_packed(static_cast<int>(qtype), act, pw.data_ptr<uint8_t>(), tiles, b_ptr, out.data_ptr<float>(), out.stride(0));
 }
 
@@ -1604,7 +1558,7 @@ void gguf_gemm_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw,
   }
   if (M == 0) return;
   thread_local QAct tl_act;
-  tl_act.set(x.data_ptr<float>(), M, K, x.stride(0), act_form(t));
+  tl_act.set(x.data_ptr<float>(), M, K, x.stride(0));
   const QAct& act = tl_act;  // the caller's: a thread_local named in the lambda would be each worker's own
   const uint8_t* w = pw.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
@@ -1617,13 +1571,12 @@ void gguf_gemm_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& pw,
 }
 
 // (q int8 [M, K], d [M, K / 32], s [M, K / 32], bs int16 [M, K / 16]): x float [M, K] quantized as the
-// kernels of GGML type qtype see it (act_form(qtype); tests hold the SIMD quantizer to the plain loop
-// byte for byte, and each form to ggml's rule).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x, int64_t qtype) {
+// kernels see it (tests hold the SIMD quantizer to the plain loop byte for byte).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_quantize_act(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "x must be contiguous float [M, K] with K a multiple of 32");
   QAct a;
-  a.set(x.data_ptr<float>(), x.size(0), x.size(1), x.size(1), act_form(static_cast<int>(qtype)));
+  a.set(x.data_ptr<float>(), x.size(0), x.size(1), x.size(1));
   const int64_t M = x.size(0), G = x.size(1) / 32;
   at::Tensor q = at::empty({M, x.size(1)}, x.options().dtype(at::kChar)), d = at::empty({M, G}, x.options()),
              s = at::empty({M, G}, x.options());
@@ -1654,9 +1607,9 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& w, int64
   thread_local QAct act;
   thread_local std::vector<float> f32out;
   if (x.scalar_type() == at::kFloat)
-    act.set(x.data_ptr<float>(), M, K, x.stride(0), act_form(static_cast<int>(qtype)));
+    act.set(x.data_ptr<float>(), M, K, x.stride(0));
   else if (x.scalar_type() == at::kBFloat16)
-    act.set(x.data_ptr<bf16>(), M, K, x.stride(0), act_form(static_cast<int>(qtype)));
+    act.set(x.data_ptr<bf16>(), M, K, x.stride(0));
   else
     TORCH_CHECK(false, "x must be float or bf16");
   if (out.scalar_type() == at::kFloat) {
