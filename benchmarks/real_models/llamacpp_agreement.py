@@ -21,9 +21,10 @@ Controls, each optional:
   tokenloom's dequantized path on that copy. Made with `$LB/llama-quantize --allow-requantize --pure
   --output-tensor-type f32 --token-embedding-type f32 IN.gguf OUT.gguf F32`.
 
-Both of llama.cpp's and tokenloom's quantized paths round every linear's input to int8 by ggml's
-rule for the weight type (per 32 with an fp16 scale for Q4_0/Q5_0/Q8_0 weights, per 256 for the
-K-quants), and a float difference of one ulp moves some of those roundings, so two implementations
+Both of llama.cpp's and tokenloom's quantized paths round every linear's input to int8 (ggml: per 32
+with an fp16 scale for Q4_0/Q5_0/Q8_0 weights, per 256 for the K-quants; tokenloom: per 32, float
+scale — ggml's rule was tried and measured no closer, docs/performance.md "ggml's activation
+rounding"), and a float difference of one ulp moves some of those roundings, so two implementations
 of the quantized arithmetic drift apart by about the rounding noise itself (docs/performance.md,
 "Greedy agreement with llama.cpp"). `logprob_gap` per prompt (the mean |difference| of the two
 engines' logprobs of the shared token over the common prefix) measures how far apart they are.
