@@ -38,5 +38,6 @@ def test_compare_reports_prefix_and_both_margins() -> None:
     assert r["common_prefix"] == [1, 1]
     assert r["margin_first"] == [0.4, None]  # ours: -0.5 - (-0.9); 6 is not in our top-N either
     assert r["margin_llamacpp"] == [0.2, None]
+    assert r["logprob_gap"] == [0.1, 0.0]  # the shared first token: |-0.1 - -0.2|, |-0.1 - -0.1|
     same = compare([ours[0]], [ours[0]])
-    assert same == {"common_prefix": [3], "margin_first": [None], "margin_llamacpp": [None]}
+    assert same == {"common_prefix": [3], "margin_first": [None], "margin_llamacpp": [None], "logprob_gap": [0.0]}

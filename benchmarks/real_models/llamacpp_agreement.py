@@ -23,9 +23,11 @@ Controls, each optional:
 
 Both of llama.cpp's and tokenloom's quantized paths round every linear's input to int8 (ggml: per 32
 with an fp16 scale for Q4_0/Q5_0/Q8_0 weights, per 256 for the K-quants; tokenloom: per 32, float
-scale), and a float difference of one ulp moves some of those roundings, so two implementations of
-the quantized arithmetic drift apart by about the rounding noise itself (docs/performance.md,
-"Greedy agreement with llama.cpp").
+scale — ggml's rule was tried and measured no closer, docs/performance.md "ggml's activation
+rounding"), and a float difference of one ulp moves some of those roundings, so two implementations
+of the quantized arithmetic drift apart by about the rounding noise itself (docs/performance.md,
+"Greedy agreement with llama.cpp"). `logprob_gap` per prompt (the mean |difference| of the two
+engines' logprobs of the shared token over the common prefix) measures how far apart they are.
 
     .venv/bin/python benchmarks/real_models/llamacpp_agreement.py [MODEL.gguf] \\
         --llama-server ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-server [--self-check] \\
@@ -116,15 +118,26 @@ def margin(side: Greedy, i: int, other_token: int) -> float | None:
     return round(side.top[i][side.tokens[i]] - side.top[i][other_token], 4)
 
 
+def logprob_gap(ours: Greedy, theirs: Greedy, n: int) -> float | None:
+    """Mean |difference| of the two engines' logprobs of the shared greedy token over the first n
+    (common) steps: how close the two computations are, a continuous measure where the identical
+    count only moves at near-ties. None when n is 0."""
+    if n == 0:
+        return None
+    return round(sum(abs(ours.top[i][ours.tokens[i]] - theirs.top[i][ours.tokens[i]]) for i in range(n)) / n, 5)
+
+
 def compare(ours: list[Greedy], theirs: list[Greedy]) -> dict[str, list]:
-    prefix, ours_margin, theirs_margin = [], [], []
+    prefix, ours_margin, theirs_margin, gap = [], [], [], []
     for a, b in zip(ours, theirs):
         n = common_prefix(a.tokens, b.tokens)
         prefix.append(n)
         diverged = n < min(len(a.tokens), len(b.tokens))
         ours_margin.append(margin(a, n, b.tokens[n]) if diverged else None)
         theirs_margin.append(margin(b, n, a.tokens[n]) if diverged else None)
-    return {"common_prefix": prefix, "margin_first": ours_margin, "margin_llamacpp": theirs_margin}
+        gap.append(logprob_gap(a, b, n))
+    return {"common_prefix": prefix, "margin_first": ours_margin, "margin_llamacpp": theirs_margin,
+            "logprob_gap": gap}
 
 
 def main() -> None:

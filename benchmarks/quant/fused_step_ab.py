@@ -1,0 +1,91 @@
+"""The fused decode step of a real GGUF from two csrc directories, A and B, in one process, alternated.
+
+Both versions of the GGUF kernels (gguf_kernels.cpp + fused_decode.cpp of each directory) load into
+one process under their own cache keys; each builds its own FusedDecoder over the same loaded
+weights (decoder_from_weights: its own 8-row copies) and KV cache. A round times `--steps`
+consecutive batch-1 steps (positions 0..steps-1) of A and of B, in alternating order. Unlike
+gguf_kernel_ab.py (random tiles, one matrix shape at a time), this is the whole step at the model's
+own shapes, threads and activations; unlike checkout_ab.py it leaves out the engine around it (the LM
+head, sampling, scheduling), so a kernel change shows undiluted.
+
+    flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/quant/fused_step_ab.py MODEL.gguf \\
+        /tmp/base/tokenloom/model/csrc tokenloom/model/csrc [--march native] [--rounds 11] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tokenloom
+from tokenloom.model.fused_decode import decoder_from_weights  # noqa: E402
+from tokenloom.model.gguf_weights import load_gguf_quantized  # noqa: E402
+from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
+from tokenloom.model.rotary import rope_inv_freq  # noqa: E402
+
+
+def build(name: str, csrc: Path, march: str) -> object:
+    """One version's extension: its gguf_kernels.cpp and fused_decode.cpp (headers from csrc)."""
+    sources = [csrc / "gguf_kernels.cpp", csrc / "fused_decode.cpp"]
+    return load_cached_extension(f"gguf_step_ab_{name}", sources, ["-O3", f"-march={march}", "-fopenmp"], LDFLAGS,
+                                 f"GGUF kernels {name}")[0]
+
+
+def step_ms(dec: object, steps: int, cos: torch.Tensor, sin: torch.Tensor, hidden: int) -> float:
+    """Mean ms of `steps` batch-1 steps at positions 0..steps-1 (block table 0..15 of 16 slots each)."""
+    table = torch.arange(16, dtype=torch.int32)[None]
+    out = torch.empty(1, hidden)
+    t0 = time.perf_counter()
+    for pos in range(steps):
+        dec.step(out, torch.tensor([100 + pos]), torch.tensor([pos]), torch.tensor([pos]), table, cos, sin)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a .gguf file")
+    ap.add_argument("a", type=Path, help="csrc directory of version A (e.g. main's)")
+    ap.add_argument("b", type=Path, help="csrc directory of version B")
+    ap.add_argument("--march", default="native")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--steps", type=int, default=64, help="steps per round (at most 256)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    load_start = os.getloadavg()
+    mods = {"A": build("A", a.a, a.march), "B": build("B", a.b, a.march)}
+    config, weights = load_gguf_quantized(a.model)
+    layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    decs, caches = {}, {}  # caches: each decoder's KV tensors, alive as long as it is
+    for name, mod in mods.items():
+        decs[name] = decoder_from_weights(mod, config, weights)
+        caches[name] = kv = torch.zeros(layers, 2, hkv, 16, 16, d)
+        decs[name].set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
+    freqs = torch.outer(torch.arange(256).float(), rope_inv_freq(config))
+    cos, sin = freqs.cos(), freqs.sin()
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(a.rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            times[name].append(step_ms(decs[name], a.steps, cos, sin, config.hidden_size))
+    ma, mb = statistics.median(times["A"]), statistics.median(times["B"])
+    result = {"model": Path(a.model).name, "march": a.march, "threads": a.threads, "rounds": a.rounds,
+              "steps": a.steps, "a": str(a.a), "b": str(a.b),
+              "a_step_ms": [round(t, 3) for t in times["A"]], "b_step_ms": [round(t, 3) for t in times["B"]],
+              "a_median_ms": round(ma, 3), "b_median_ms": round(mb, 3), "b_over_a_time": round(mb / ma, 4),
+              "rounds_b_faster": sum(tb < ta for ta, tb in zip(times["A"], times["B"])),
+              "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("_step_ms")}))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
