@@ -133,6 +133,32 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
         kernels.set_force_scalar(False)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_packed_tiles_shared_out_between_threads(qtype: Q) -> None:
+    """The tiles go out in chunks from a shared counter (run_packed): every tile computed exactly once,
+    and each row by one thread whole, so two threads give one thread's result bit for bit."""
+    n, k = 8 * 203, 256  # an odd number of tiles, more than one chunk each
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5))
+    packed = kernels.gguf_repack8(raw, int(qtype), k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    want = torch.empty(1, n)
+    kernels.gguf_linear(want, x, raw, int(qtype), None)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for nth in (1, 2, 3):
+            torch.set_num_threads(nth)
+            got = torch.full((1, n), float("nan"))
+            kernels.gguf_linear_packed(got, x, packed, int(qtype), None)
+            outs.append(got)
+    finally:
+        torch.set_num_threads(threads)
+    assert not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0], want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
     """Loading a GGUF dequantized (the default) handles the K-quants too, for every model family."""
