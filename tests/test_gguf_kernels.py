@@ -135,8 +135,8 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
 def test_packed_tiles_shared_out_between_threads(qtype: Q) -> None:
-    """The tiles go out in chunks from a shared counter (run_packed): every tile computed exactly once,
-    and each row by one thread whole, so two threads give one thread's result bit for bit."""
+    """However the tiles are split between threads (run_packed), every tile is computed exactly once and
+    each row by one thread whole, so two or three threads give one thread's result bit for bit."""
     n, k = 8 * 203, 256  # an odd number of tiles, more than one chunk each
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=5))
     packed = kernels.gguf_repack8(raw, int(qtype), k)

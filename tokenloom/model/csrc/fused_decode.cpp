@@ -13,9 +13,7 @@
 #include <omp.h>
 #include <pybind11/stl.h>
 
-#include <atomic>
 #include <cstring>
-#include <memory>
 #include <tuple>
 
 #include "gguf_quants.h"
@@ -146,12 +144,7 @@ inline void thread_share(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
 // parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
 using PartSpec = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
 
-// The most parts one linear may have: qlin_share's work counters are kMaxParts per linear.
-constexpr int kMaxParts = 8;
-
 QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
-  TORCH_CHECK(parts.size() <= static_cast<size_t>(kMaxParts), "a fused linear takes at most ", kMaxParts,
-              " parts, got ", parts.size());
   QLin L;
   L.K = K;
   for (const auto& [w, t, bias, is_packed] : parts) {
@@ -186,23 +179,15 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
   return L;
 }
 
-// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region. act holds x quantized
-// when L.quantized. The 8-row tiles of a packed part go out in chunks from `next[part]` (one counter per
-// part, zero when the region starts): a thread that finishes its chunk takes the next, so the two cores
-// of a VM, rarely equally fast, end a linear together instead of one spinning at the barrier for the
-// other (a static half each did: ~14 % of a 2-thread 1.5B step in libgomp's spin). Each row is still one
-// thread's whole dot product: the results do not depend on who computed them. Other parts split statically.
-void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth,
-                std::atomic<int64_t>* next) {
+// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region: each part's rows (or
+// tiles) split alike. act holds x quantized when L.quantized.
+void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth) {
   int64_t col = 0, b, e;
-  for (size_t i = 0; i < L.parts.size(); i++) {
-    const Part& p = L.parts[i];
+  for (const auto& p : L.parts) {
     const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
     if (p.packed.defined()) {
-      const int64_t tiles = p.packed.size(0), chunk = std::max<int64_t>(1, tiles / (32 * nth));
-      for (int64_t t0; (t0 = next[i].fetch_add(chunk, std::memory_order_relaxed)) < tiles;)
-        run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, t0,
-                         std::min(tiles, t0 + chunk));
+      thread_share(p.packed.size(0), tid, nth, b, e);
+      run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
       col += 8 * p.packed.size(0);
     } else if (is_float_part(p.t)) {
       thread_share(p.w.size(0), tid, nth, b, e);
@@ -539,13 +524,6 @@ class FusedDecoder {
     const bool f32_out = out.scalar_type() == at::kFloat;
     float* out_f = f32_out ? out.data_ptr<float>() : nullptr;
     bf16* out_b = f32_out ? nullptr : out.data_ptr<bf16>();
-    // The linears' work counters (qlin_share), zero before any thread takes work.
-    const size_t num_counters = layers_.size() * kLinearsPerLayer * kMaxParts;
-    if (num_counters_ < num_counters) {
-      work_.reset(new std::atomic<int64_t>[num_counters]);
-      num_counters_ = num_counters;
-    }
-    for (size_t i = 0; i < num_counters; i++) work_[i].store(0, std::memory_order_relaxed);
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -569,7 +547,7 @@ class FusedDecoder {
           if (L.qkv.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
 #pragma omp barrier
-        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth, next_work(l, 0));
+        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth);
 #pragma omp barrier
         // Rotary on each q/k head; a k head also writes this step's K and V of its kv head.
         thread_share(B * (Hq_ + Hkv_), tid, nth, b, e);
@@ -605,7 +583,7 @@ class FusedDecoder {
           act_att_.quantize_groups(att, AD, b, e);
         }
 #pragma omp barrier
-        qlin_share(L.o, att, B, act_att_, x, tid, nth, next_work(l, 1));
+        qlin_share(L.o, att, B, act_att_, x, tid, nth);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; r++) {
           float* hr = h + r * H_;
@@ -615,7 +593,7 @@ class FusedDecoder {
           if (L.gate_up.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
 #pragma omp barrier
-        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth, next_work(l, 2));
+        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth);
 #pragma omp barrier
         // SiLU(gate) * up, and the down projection's activation quantization, 32 values at a time.
         const int64_t chunks = L.down.quantized ? B * I_ / 32 : B * ((I_ + 31) / 32);
@@ -628,7 +606,7 @@ class FusedDecoder {
         }
         if (L.down.quantized) act_ffn_.quantize_groups(act, I_, b, e);
 #pragma omp barrier
-        qlin_share(L.down, act, B, act_ffn_, x, tid, nth, next_work(l, 3));
+        qlin_share(L.down, act, B, act_ffn_, x, tid, nth);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; r++)
           for (int64_t t = 0; t < H_; t++) h[r * H_ + t] += x[r * H_ + t];
@@ -696,13 +674,6 @@ class FusedDecoder {
   bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  // qlin_share's counters: kMaxParts for each of a layer's kLinearsPerLayer linears (qkv, o, gate_up, down).
-  static constexpr int kLinearsPerLayer = 4;
-  std::unique_ptr<std::atomic<int64_t>[]> work_;
-  size_t num_counters_ = 0;
-  std::atomic<int64_t>* next_work(size_t layer, int linear) {
-    return work_.get() + (layer * kLinearsPerLayer + linear) * kMaxParts;
-  }
   bool scales_pending_ = false;  // int8 caches set, their scales not yet
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
   QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I

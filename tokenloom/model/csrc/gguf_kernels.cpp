@@ -36,7 +36,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1258,21 +1257,10 @@ int64_t tile_grain(int64_t tiles) {
   return std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
 }
 
-// The tiles go out in chunks from a shared counter (as the fused step's linears, fused_decode.cpp
-// qlin_share), not a static half per thread: on a VM's two cores, rarely equally fast, a static split
-// left the faster one spinning at the join (the 1.5B's 191 MB LM head is a fifth of its decode step).
 void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
-  const int nth = at::get_num_threads();
-  const int64_t grain = tile_grain(tiles);
-  if (nth <= 1 || tiles <= grain || at::in_parallel_region()) {
-    run_packed_range(t, a, pw, bias, out, ldo, 0, tiles);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(grain, tiles / (32 * nth));
-  std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(nth)
-  for (int64_t t0; (t0 = next.fetch_add(chunk, std::memory_order_relaxed)) < tiles;)
-    run_packed_range(t, a, pw, bias, out, ldo, t0, std::min(tiles, t0 + chunk));
+  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
+    run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
+  });
 }
 
 // out [M, 8 * tiles] = x @ W.T + bias, W in the 8-row layout (gguf_repack8).
