@@ -78,8 +78,7 @@ class AutoTokenBudget(StepPolicy):
 
     # The policy's hooks (core/policies.py StepPolicy) -------------------------------------------
     def budget(self, ctx: StepContext, budget: int) -> int:
-        free_slots = ctx.free_slots()
-        decided, why = self.decide(ctx.running, ctx.waiting if free_slots > 0 else (), free_slots)
+        decided, why = self.decide(ctx.running, ctx.admissible_waiting(), ctx.free_slots())
         if why is not None:
             ctx.actions["auto_budget"] = why
         return min(budget, decided)

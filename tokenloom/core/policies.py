@@ -79,6 +79,10 @@ class StepContext:
         never frees blocks and fills them at once)."""
         return 0 if self.preempted else self.max_num_running_reqs - len(self.running)
 
+    def admissible_waiting(self) -> Iterable[Request]:
+        """The waiting queue when a request could be admitted this step (a slot free), else nothing."""
+        return self.waiting if self.free_slots() > 0 else ()
+
     def preempt(self, request: Request) -> None:
         """Preempt a running request (recompute: its blocks and progress go; it waits again)."""
         self.running.remove(request)
@@ -129,8 +133,8 @@ class StepPolicy:
         """The step ran in `seconds` (wall time in the engine, virtual in the simulator)."""
 
 
-HOOKS = ("arrived", "admitted", "freed", "preempt", "budget", "reserve", "hold_decodes", "refuse_admission",
-         "scheduled", "step_done")
+# Every hook, in the order StepPolicy declares them.
+HOOKS = tuple(name for name, value in vars(StepPolicy).items() if callable(value) and not name.startswith("_"))
 
 
 def overriding(policies: Iterable[StepPolicy], hook: str) -> list[StepPolicy]:
@@ -215,7 +219,7 @@ class PriorityPreemption(StepPolicy):
         head = ctx.waiting.peek_request()
         kv = ctx.kv_cache_manager
         victims = self.victims_for(head, ctx.running, ctx.step)
-        need = kv.blocks_needed(head.num_tokens) + (kv.watermark_blocks if ctx.running else 0)
+        need = kv.blocks_needed(head.num_tokens) + kv.watermark_blocks  # (others run: the watermark applies)
 
         def slots_full() -> bool:
             return len(ctx.running) >= ctx.max_num_running_reqs

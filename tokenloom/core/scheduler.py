@@ -209,7 +209,7 @@ class Scheduler(SchedulerInterface):
         self.step_policies: list[StepPolicy] = [
             p for p in (self.priority_preemption, self.slo_budget, self.auto_budget, self.prefill_wait_bound,
                         self.batch_formation) if p is not None]
-        self._hooks: dict[str, list[StepPolicy]] = {h: overriding(self.step_policies, h) for h in HOOKS}
+        self._hooks: dict[str, list[StepPolicy]] = self._index_hooks()
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -273,7 +273,11 @@ class Scheduler(SchedulerInterface):
         if not isinstance(policy, StepPolicy):
             raise TypeError(f"add_policy takes a StepPolicy (tokenloom.core.policies), got {type(policy).__name__}")
         self.step_policies.append(policy)
-        self._hooks = {h: overriding(self.step_policies, h) for h in HOOKS}
+        self._hooks = self._index_hooks()
+
+    def _index_hooks(self) -> dict[str, list[StepPolicy]]:
+        """Per hook, the policies of step_policies that override it (the only ones the scheduler asks)."""
+        return {h: overriding(self.step_policies, h) for h in HOOKS}
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id

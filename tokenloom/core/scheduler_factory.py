@@ -31,10 +31,7 @@ def make_scheduler(
 ) -> Scheduler:
     """`step_cost_model`: the SLO budget controller's predictor (the simulator hands its own);
     --step-cost-profile, when set, is read instead."""
-    cls = scheduler_class(scheduler_config)
-    if not scheduler_config.slo_targets:  # no controller, no predictor (the comparison modes take none)
-        return cls(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config)
-    if scheduler_config.step_cost_profile is not None:
+    if scheduler_config.slo_targets and scheduler_config.step_cost_profile is not None:
         step_cost_model = load_step_cost_model(scheduler_config.step_cost_profile)
-    return cls(scheduler_config, cache_config, clock=clock, speculative_config=speculative_config,
-               step_cost_model=step_cost_model)
+    return scheduler_class(scheduler_config)(scheduler_config, cache_config, clock=clock,
+                                             speculative_config=speculative_config, step_cost_model=step_cost_model)

@@ -95,10 +95,7 @@ class SloBudgetController(StepPolicy):
         self.arrival.pop(request_id, None)
 
     def budget(self, ctx: StepContext, budget: int) -> int:
-        # Waiting requests can be admitted only into free slots, and not at all in a step that preempted.
-        free_slots = ctx.free_slots()
-        decided, why = self.decide(ctx.now, ctx.running, ctx.waiting if free_slots > 0 else (), ctx.threshold,
-                                   free_slots)
+        decided, why = self.decide(ctx.now, ctx.running, ctx.admissible_waiting(), ctx.threshold, ctx.free_slots())
         if why is not None:
             ctx.actions["slo_budget"] = why
         return min(budget, decided)
