@@ -159,6 +159,37 @@ def test_packed_tiles_shared_out_between_threads(qtype: Q) -> None:
     torch.testing.assert_close(outs[0], want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("scalar", [False, True], ids=["simd", "plain"])
+def test_stolen_tiles_are_computed_once_and_alike(scalar: bool) -> None:
+    """Work stealing (TileCursor, gguf_quants.h): four threads on this machine's cores start and run
+    unevenly, so threads that end their own tiles take the back half of another's. Whoever computes
+    a tile, the result is one thread's result bit for bit and no tile is left out (the output starts
+    as NaN); the steal counter shows stealing did run."""
+    qtype = Q.Q4_K
+    n, k = 8 * 401, 512
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=11))
+    packed = kernels.gguf_repack8(raw, int(qtype), k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    kernels.set_force_scalar(scalar)
+    try:
+        torch.set_num_threads(1)
+        want = torch.empty(2, n)
+        kernels.gguf_linear_packed(want, x, packed, int(qtype), None)
+        torch.set_num_threads(4)
+        steals = kernels.tile_steals()
+        for _ in range(40 if scalar else 200):
+            got = torch.full((2, n), float("nan"))
+            kernels.gguf_linear_packed(got, x, packed, int(qtype), None)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            if kernels.tile_steals() > steals + 20:
+                break
+        assert kernels.tile_steals() > steals, "no thread stole: the test did not exercise stealing"
+    finally:
+        torch.set_num_threads(threads)
+        kernels.set_force_scalar(False)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
     """Loading a GGUF dequantized (the default) handles the K-quants too, for every model family."""

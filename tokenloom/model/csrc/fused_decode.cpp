@@ -14,6 +14,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
 #include <tuple>
 
 #include "gguf_quants.h"
@@ -134,17 +135,15 @@ inline void run_float_part_range(const Part& p, const float* x, int64_t M, int64
     run_dense_range(x, M, K, p.w.data_ptr<float>(), bias, out, ldo, n0, n1);
 }
 
-// Thread tid's contiguous share [b, e) of n units, nth threads (the decoder's static split).
-inline void thread_share(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
-  const int64_t q = n / nth, r = n % nth;
-  b = tid * q + std::min<int64_t>(tid, r);
-  e = b + q + (tid < r ? 1 : 0);
-}
+// The most parts one linear may have (q, k, v of different types; qlin_share keeps cursors per part).
+constexpr int kMaxParts = 8;
 
 // parts: (weight, GGML type, bias, packed); packed: the weight is already in the 8-row layout.
 using PartSpec = std::tuple<at::Tensor, int64_t, c10::optional<at::Tensor>, bool>;
 
 QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
+  TORCH_CHECK(parts.size() <= static_cast<size_t>(kMaxParts), "a fused linear takes at most ", kMaxParts,
+              " parts, got ", parts.size());
   QLin L;
   L.K = K;
   for (const auto& [w, t, bias, is_packed] : parts) {
@@ -179,15 +178,28 @@ QLin make_qlin(const std::vector<PartSpec>& parts, int64_t K) {
   return L;
 }
 
-// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region: each part's rows (or
-// tiles) split alike. act holds x quantized when L.quantized.
-void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth) {
+// Thread tid's first share of each packed part's tiles: before the barrier that precedes qlin_share
+// (cursors: kMaxParts x nth).
+void qlin_steal_init(const QLin& L, TileCursor* cursors, int tid, int nth) {
+  for (size_t i = 0; i < L.parts.size(); i++)
+    if (L.parts[i].packed.defined()) steal_init(cursors + i * nth, L.parts[i].packed.size(0), tid, nth);
+}
+
+// Thread tid's share of out [M, L.N] = x @ L.T + bias inside a parallel region. act holds x quantized
+// when L.quantized. A packed part's tiles start as contiguous halves and a thread that ends its own
+// steals from another's end (steal_run, gguf_quants.h; cursors set by qlin_steal_init); other parts
+// split statically.
+void qlin_share(const QLin& L, const float* x, int64_t M, const QAct& act, float* out, int tid, int nth,
+                TileCursor* cursors) {
   int64_t col = 0, b, e;
-  for (const auto& p : L.parts) {
+  for (size_t i = 0; i < L.parts.size(); i++) {
+    const Part& p = L.parts[i];
     const float* bias = p.bias ? p.bias->data_ptr<float>() : nullptr;
     if (p.packed.defined()) {
-      thread_share(p.packed.size(0), tid, nth, b, e);
-      run_packed_range(p.t, act, p.packed.data_ptr<uint8_t>(), bias, out + col, L.N, b, e);
+      const uint8_t* pw = p.packed.data_ptr<uint8_t>();
+      float* o = out + col;
+      steal_run(cursors + i * nth, tid, nth,
+                [&](TileCursor& c) { run_packed_cursor(p.t, act, pw, bias, o, L.N, c); });
       col += 8 * p.packed.size(0);
     } else if (is_float_part(p.t)) {
       thread_share(p.w.size(0), tid, nth, b, e);
@@ -524,7 +536,13 @@ class FusedDecoder {
     const bool f32_out = out.scalar_type() == at::kFloat;
     float* out_f = f32_out ? out.data_ptr<float>() : nullptr;
     bf16* out_b = f32_out ? nullptr : out.data_ptr<bf16>();
-#pragma omp parallel num_threads(at::get_num_threads())
+    const int max_threads = at::get_num_threads();
+    if (num_cursors_ < static_cast<size_t>(kMaxParts * max_threads)) {
+      num_cursors_ = kMaxParts * max_threads;
+      cursors_.reset(new TileCursor[num_cursors_]);
+    }
+    TileCursor* cursors = cursors_.get();
+#pragma omp parallel num_threads(max_threads)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
       int64_t r0, r1, b, e;
@@ -546,8 +564,9 @@ class FusedDecoder {
           rms_norm_f32(h + r * H_, L.attn_norm.data_ptr<float>(), H_, eps_, x + r * H_);
           if (L.qkv.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
+        qlin_steal_init(L.qkv, cursors, tid, nth);
 #pragma omp barrier
-        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth);
+        qlin_share(L.qkv, x, B, act_h_, qkv, tid, nth, cursors);
 #pragma omp barrier
         // Rotary on each q/k head; a k head also writes this step's K and V of its kv head.
         thread_share(B * (Hq_ + Hkv_), tid, nth, b, e);
@@ -582,8 +601,9 @@ class FusedDecoder {
           thread_share(B * AD / 32, tid, nth, b, e);
           act_att_.quantize_groups(att, AD, b, e);
         }
+        qlin_steal_init(L.o, cursors, tid, nth);
 #pragma omp barrier
-        qlin_share(L.o, att, B, act_att_, x, tid, nth);
+        qlin_share(L.o, att, B, act_att_, x, tid, nth, cursors);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; r++) {
           float* hr = h + r * H_;
@@ -592,8 +612,9 @@ class FusedDecoder {
           rms_norm_f32(hr, L.ffn_norm.data_ptr<float>(), H_, eps_, xr);
           if (L.gate_up.quantized) act_h_.quantize_groups(x, H_, r * H_ / 32, (r + 1) * H_ / 32);
         }
+        qlin_steal_init(L.gate_up, cursors, tid, nth);
 #pragma omp barrier
-        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth);
+        qlin_share(L.gate_up, x, B, act_h_, gu, tid, nth, cursors);
 #pragma omp barrier
         // SiLU(gate) * up, and the down projection's activation quantization, 32 values at a time.
         const int64_t chunks = L.down.quantized ? B * I_ / 32 : B * ((I_ + 31) / 32);
@@ -605,8 +626,9 @@ class FusedDecoder {
           silu_mul(g + c0, g + I_ + c0, a + c0, std::min<int64_t>(32, I_ - c0));
         }
         if (L.down.quantized) act_ffn_.quantize_groups(act, I_, b, e);
+        qlin_steal_init(L.down, cursors, tid, nth);
 #pragma omp barrier
-        qlin_share(L.down, act, B, act_ffn_, x, tid, nth);
+        qlin_share(L.down, act, B, act_ffn_, x, tid, nth, cursors);
 #pragma omp barrier
         for (int64_t r = r0; r < r1; r++)
           for (int64_t t = 0; t < H_; t++) h[r * H_ + t] += x[r * H_ + t];
@@ -674,6 +696,8 @@ class FusedDecoder {
   bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  std::unique_ptr<TileCursor[]> cursors_;  // qlin_share's work-stealing cursors: kMaxParts x threads
+  size_t num_cursors_ = 0;
   bool scales_pending_ = false;  // int8 caches set, their scales not yet
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
   QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I

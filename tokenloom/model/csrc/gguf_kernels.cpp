@@ -70,6 +70,10 @@ using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, c
 // 8-row tiles [t0, t1) of out = x @ W.T + bias, W in the 8-row layout.
 using TileKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                             int64_t t1);
+// The same from t0 while a tile is below t1, or, given a cursor, below its end read before each tile
+// (its next stored as each begins: work stealing, gguf_quants.h).
+using TileRunKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                               int64_t t0, int64_t t1, TileCursor* cur);
 
 struct TypeTraits {
   int type;
@@ -78,7 +82,7 @@ struct TypeTraits {
   int tile_bytes;  // one 8-row tile group (8 rows x tile_elems columns), 0 without an 8-row layout
   int tile_elems;
   RowKernel rows;   // any batch over raw blocks
-  TileKernel tile;  // a few activation rows over 8-row tiles: decode, speculative verification
+  TileRunKernel tile;  // a few activation rows over 8-row tiles: decode, speculative verification
   TileKernel gemm;  // prefill-sized batches over 8-row tiles
 };
 
@@ -88,7 +92,7 @@ void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float*
                 int64_t n0, int64_t n1);
 template <int T>
 void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                         int64_t t1);
+                         int64_t t1, TileCursor* cur);
 template <int T>
 void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                        int64_t t1);
@@ -1009,11 +1013,12 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
 
 template <int T>
 void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                         int64_t t1) {
+                         int64_t t1, TileCursor* cur) {
   const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T), NG = K / packed_group_elems(T);
   // Tile outer, rows inner: a tile (8 rows x K, a few KB) stays in L1 while every group of 4
   // activation rows passes over it, so a prefill-sized M reads the weights once, not M / 4 times.
-  for (int64_t tile = t0; tile < t1; tile++) {
+  for (int64_t tile = t0; tile < (cur ? cur->end.load(std::memory_order_relaxed) : t1); tile++) {
+    if (cur) cur->next.store(tile + 1, std::memory_order_relaxed);
     const uint8_t* tp = pw + tile * NG * TB;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
@@ -1218,8 +1223,8 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
 // back row by row.
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1) {
-  const TileKernel simd = traits(t).tile;
-  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1);
+  const TileRunKernel simd = traits(t).tile;
+  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1, nullptr);
   const int64_t K = a.K, G = K / 32;
   if (packed_group_elems(t) == 256) {  // K-quants: the tile's rows dequantized, dot_row_scalar's sums
     const int64_t NS = K / 256;
@@ -1253,14 +1258,40 @@ void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias
   }
 }
 
+// The tiles of `cur` (see TileCursor): the SIMD kernel's own loop, or the plain one a tile at a time.
+void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                       TileCursor& cur) {
+  const TileRunKernel simd = traits(t).tile;
+  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, cur.next.load(std::memory_order_relaxed), 0, &cur);
+  for (int64_t tile = cur.next.load(std::memory_order_relaxed); tile < cur.end.load(std::memory_order_relaxed); tile++) {
+    cur.next.store(tile + 1, std::memory_order_relaxed);
+    run_packed_range(t, a, pw, bias, out, ldo, tile, tile + 1);
+  }
+}
+
 int64_t tile_grain(int64_t tiles) {
   return std::max<int64_t>(1, std::min<int64_t>(8, tiles / (4 * at::get_num_threads()) + 1));
 }
 
+// The tiles start as contiguous halves and a thread that ends its own steals from another's end
+// (TileCursor, gguf_quants.h), as the fused step's linears do: on a VM's two cores, rarely equally
+// fast, a static split left the faster spinning at the join (the 1.5B's 191 MB LM head is a fifth of
+// its decode step).
 void run_packed(int t, const QAct& a, const uint8_t* pw, int64_t tiles, const float* bias, float* out, int64_t ldo) {
-  at::parallel_for(0, tiles, tile_grain(tiles), [&](int64_t t0, int64_t t1) {
-    run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
-  });
+  const int64_t grain = tile_grain(tiles);
+  const int nth = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain));
+  if (nth <= 1 || at::in_parallel_region()) {
+    run_packed_range(t, a, pw, bias, out, ldo, 0, tiles);
+    return;
+  }
+  std::vector<TileCursor> cursors(nth);
+#pragma omp parallel num_threads(nth)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    steal_init(cursors.data(), tiles, tid, n);
+#pragma omp barrier
+    steal_run(cursors.data(), tid, n, [&](TileCursor& c) { run_packed_cursor(t, a, pw, bias, out, ldo, c); });
+  }
 }
 
 // out [M, 8 * tiles] = x @ W.T + bias, W in the 8-row layout (gguf_repack8).
@@ -1749,6 +1780,10 @@ void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias
                       int64_t t1) {
   ::run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
 }
+void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                       TileCursor& cur) {
+  ::run_packed_cursor(t, a, pw, bias, out, ldo, cur);
+}
 }  // namespace tlq::gguf
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1770,5 +1805,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
   m.def("set_force_scalar", &set_force_scalar);
+  m.def("tile_steals", [] { return g_tile_steals.load(); });
   tlq::register_fused_decode(m);  // FusedDecoder, dense_linear (fused_decode.cpp)
 }

@@ -15,6 +15,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -168,6 +169,81 @@ struct QAct {
   }
 };
 
+// ------------------------------------------------------------------------ work stealing
+// A parallel region's threads share a linear's 8-row tiles as contiguous halves, and a thread that
+// ends its own takes the back half of what another has not begun. A static half each left the faster
+// of a VM's two cores (rarely equally fast: another tenant, a late wake-up, slower memory under one
+// half) spinning at every join, ~14 % of a 1.5B decode step in libgomp's spin; handing out small
+// chunks from one shared counter balanced the 1.5B but made SmolLM2's step 1.46x slower (chunks
+// taken alternately: both threads wrote the same output lines, neither read one stream). Here each
+// thread reads one stream in one kernel call that checks the cursor's `end` before each tile.
+//
+// TileCursor: one thread's tiles [next, end). The owner stores `next` as it begins a tile (plain
+// stores, no lock: the tile loop stays a plain loop); only a thief changes `end`, by compare-and-swap,
+// so two thieves never take the same tiles. A thief leaves the owner the tile it may be on and the one
+// after (x86 may still hold the owner's last `next` store in its store buffer), so no tile is begun
+// twice in practice; were one ever, both would write the same bytes, since a tile is always one
+// thread's whole dot products and its result does not depend on who computed it.
+struct alignas(64) TileCursor {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> end{0};
+  // Only while no thief can read this cursor (before the barrier that precedes its use), or by its
+  // owner after its own tiles ran out (a concurrent thief then sees at most a range it cannot take).
+  void set(int64_t b, int64_t e) {
+    next.store(INT64_MAX / 2, std::memory_order_relaxed);  // empty while end moves
+    end.store(e, std::memory_order_relaxed);
+    next.store(b, std::memory_order_relaxed);
+  }
+  // The back half of the tiles not yet begun, leaving the owner two; false when there are too few.
+  bool steal_back(int64_t& b, int64_t& e) {
+    int64_t hi = end.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = next.load(std::memory_order_relaxed) + 1;  // the tile after the owner's next
+      if (hi - lo < 2) return false;
+      const int64_t mid = hi - (hi - lo) / 2;
+      if (end.compare_exchange_weak(hi, mid, std::memory_order_relaxed)) {
+        b = mid;
+        e = hi;
+        return true;
+      }
+    }
+  }
+};
+
+// How many ranges steal_run has stolen in this process (tests check that stealing ran).
+inline std::atomic<int64_t> g_tile_steals{0};
+
+// Thread tid's contiguous share [b, e) of n units among nth threads (the static split).
+inline void thread_share(int64_t n, int tid, int nth, int64_t& b, int64_t& e) {
+  const int64_t q = n / nth, r = n % nth;
+  b = tid * q + std::min<int64_t>(tid, r);
+  e = b + q + (tid < r ? 1 : 0);
+}
+
+// Thread tid's first share of n tiles: before a barrier that precedes steal_run on `cursors` (every
+// thread's cursor is set before any thread may steal from it).
+inline void steal_init(TileCursor* cursors, int64_t n, int tid, int nth) {
+  int64_t b, e;
+  thread_share(n, tid, nth, b, e);
+  cursors[tid].set(b, e);
+}
+
+// run(cursor) runs the tiles of `cursor` (from its next, while next < end); this thread's own first,
+// then ranges stolen from the others (each stolen range becomes its own cursor, so it can be stolen
+// back) until none has tiles to spare.
+template <typename F>
+void steal_run(TileCursor* cursors, int tid, int nth, F&& run) {
+  for (;;) {
+    run(cursors[tid]);
+    int64_t b, e;
+    bool stole = false;
+    for (int k = 1; k < nth && !stole; k++) stole = cursors[(tid + k) % nth].steal_back(b, e);
+    if (!stole) return;
+    g_tile_steals.fetch_add(1, std::memory_order_relaxed);
+    cursors[tid].set(b, e);
+  }
+}
+
 // gguf_kernels.cpp's entry points for the fused decoder (each the function of the same name there).
 namespace gguf {
 TypeInfo type_info(int t);
@@ -182,6 +258,8 @@ void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_byt
                          int64_t ldo, int64_t n0, int64_t n1);
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1);
+void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                       TileCursor& cur);
 }  // namespace gguf
 
 // fused_decode.cpp's bindings (FusedDecoder, dense_linear), added to the module gguf_kernels.cpp defines.
