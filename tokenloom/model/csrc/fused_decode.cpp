@@ -14,7 +14,6 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
-#include <memory>
 #include <tuple>
 
 #include "gguf_quants.h"
@@ -537,11 +536,9 @@ class FusedDecoder {
     float* out_f = f32_out ? out.data_ptr<float>() : nullptr;
     bf16* out_b = f32_out ? nullptr : out.data_ptr<bf16>();
     const int max_threads = at::get_num_threads();
-    if (num_cursors_ < static_cast<size_t>(kMaxParts * max_threads)) {
-      num_cursors_ = kMaxParts * max_threads;
-      cursors_.reset(new TileCursor[num_cursors_]);
-    }
-    TileCursor* cursors = cursors_.get();
+    if (cursors_.size() < static_cast<size_t>(kMaxParts * max_threads))
+      cursors_ = std::vector<TileCursor>(kMaxParts * max_threads);
+    TileCursor* cursors = cursors_.data();
 #pragma omp parallel num_threads(max_threads)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -696,8 +693,7 @@ class FusedDecoder {
   bool embed_packed_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  std::unique_ptr<TileCursor[]> cursors_;  // qlin_share's work-stealing cursors: kMaxParts x threads
-  size_t num_cursors_ = 0;
+  std::vector<TileCursor> cursors_;  // qlin_share's work-stealing cursors: kMaxParts x threads
   bool scales_pending_ = false;  // int8 caches set, their scales not yet
   std::vector<float> h_, x_, qkv_, att_, gu_, act_;
   QAct act_h_, act_att_, act_ffn_;  // activations quantized for the linears of input H, Hq * D, I

@@ -70,10 +70,10 @@ using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, c
 // 8-row tiles [t0, t1) of out = x @ W.T + bias, W in the 8-row layout.
 using TileKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                             int64_t t1);
-// The same from t0 while a tile is below t1, or, given a cursor, below its end read before each tile
-// (its next stored as each begins: work stealing, gguf_quants.h).
+// The tiles of a cursor: from its next while below its end, read before each tile, its next stored as
+// each begins (work stealing, gguf_quants.h; a fixed range [t0, t1) is a cursor no one steals from).
 using TileRunKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
-                               int64_t t0, int64_t t1, TileCursor* cur);
+                               TileCursor& cur);
 
 struct TypeTraits {
   int type;
@@ -91,8 +91,8 @@ template <int T>
 void row_kernel(const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out, int64_t ldo,
                 int64_t n0, int64_t n1);
 template <int T>
-void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                         int64_t t1, TileCursor* cur);
+void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                         TileCursor& cur);
 template <int T>
 void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                        int64_t t1);
@@ -1012,13 +1012,14 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
 }
 
 template <int T>
-void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                         int64_t t1, TileCursor* cur) {
+void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
+                         TileCursor& cur) {
   const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T), NG = K / packed_group_elems(T);
   // Tile outer, rows inner: a tile (8 rows x K, a few KB) stays in L1 while every group of 4
   // activation rows passes over it, so a prefill-sized M reads the weights once, not M / 4 times.
-  for (int64_t tile = t0; tile < (cur ? cur->end.load(std::memory_order_relaxed) : t1); tile++) {
-    if (cur) cur->next.store(tile + 1, std::memory_order_relaxed);
+  for (int64_t tile = cur.next.load(std::memory_order_relaxed); tile < cur.end.load(std::memory_order_relaxed);
+       tile++) {
+    cur.next.store(tile + 1, std::memory_order_relaxed);
     const uint8_t* tp = pw + tile * NG * TB;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
@@ -1224,7 +1225,11 @@ void gguf_dequantize_packed(at::Tensor out, const at::Tensor& pw, int64_t qtype)
 void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                       int64_t t1) {
   const TileRunKernel simd = traits(t).tile;
-  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, t0, t1, nullptr);
+  if (simd && !g_force_scalar) {
+    TileCursor all;
+    all.set(t0, t1);
+    return simd(a, pw, bias, out, ldo, all);
+  }
   const int64_t K = a.K, G = K / 32;
   if (packed_group_elems(t) == 256) {  // K-quants: the tile's rows dequantized, dot_row_scalar's sums
     const int64_t NS = K / 256;
@@ -1262,7 +1267,7 @@ void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias
 void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
                        TileCursor& cur) {
   const TileRunKernel simd = traits(t).tile;
-  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, cur.next.load(std::memory_order_relaxed), 0, &cur);
+  if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, cur);
   for (int64_t tile = cur.next.load(std::memory_order_relaxed); tile < cur.end.load(std::memory_order_relaxed); tile++) {
     cur.next.store(tile + 1, std::memory_order_relaxed);
     run_packed_range(t, a, pw, bias, out, ldo, tile, tile + 1);
@@ -1775,10 +1780,6 @@ void packed_row(int t, const uint8_t* pw, int64_t K, int64_t row, float* buf, fl
 void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                          int64_t ldo, int64_t n0, int64_t n1) {
   ::run_quantized_range(t, a, w, row_bytes, bias, out, ldo, n0, n1);
-}
-void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                      int64_t t1) {
-  ::run_packed_range(t, a, pw, bias, out, ldo, t0, t1);
 }
 void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
                        TileCursor& cur) {

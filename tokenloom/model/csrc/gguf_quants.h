@@ -256,8 +256,6 @@ at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K);
 void packed_row(int t, const uint8_t* pw, int64_t K, int64_t row, float* buf, float* out);
 void run_quantized_range(int t, const QAct& a, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                          int64_t ldo, int64_t n0, int64_t n1);
-void run_packed_range(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
-                      int64_t t1);
 void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
                        TileCursor& cur);
 }  // namespace gguf
