@@ -119,3 +119,31 @@ def test_default_path_combines_with_structured_outputs(engine_kwargs: dict) -> N
     kv = engine.scheduler.kv_cache_manager
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
     engine.close()
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_default_path_under_data_parallel_gives_one_engines_tokens() -> None:
+    """Two engine processes on the quantized default, one request each (each engine its own GGUF kernels
+    and share of the cores, so its own thread count for the GEMVs' work stealing), give the greedy tokens
+    the single engine gives for each request alone: a row's result does not depend on how many threads
+    computed it. (Alone, because on the quantized path it may depend on the rows batched with it: a
+    prefill of more rows takes the batched GEMM, which sums in another order.)"""
+    from tokenloom.engine.llm import LLM
+
+    prompts = ["Write a short story about a lighthouse keeper who finds a message in a bottle on the shore.",
+               "Explain in simple words why the sky looks blue during the day and red at sunset, step by step."]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = LLM(max_model_len=512)
+    try:
+        assert one.llm_engine.config.quantization == "gguf"
+        want = [list(one.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    finally:
+        one.llm_engine.close()
+    two = LLM(max_model_len=512, data_parallel_size=2, routing_policy="round_robin")
+    try:
+        got = [list(o.outputs[0].token_ids) for o in two.generate(prompts, params, use_tqdm=False)]
+        assert two.llm_engine.client.client.router.num_routed == [1, 1]
+    finally:
+        two.shutdown()
+    assert got == want
