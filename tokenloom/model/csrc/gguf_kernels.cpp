@@ -767,7 +767,7 @@ inline __m256i bcast4(const int8_t* p) {
 // which caps the lines in flight; an L2 prefetch frees its buffer at the L2, so more lines are in
 // flight, and the L1 prefetch one d later finds its line in L2 (or the L3, for a model the L3
 // holds, where an L2-only prefetch lost 3-6 %). Fused step, both build orders, 2-core Xeon: 0.5B
-// -17 %, 1.5B -12 % under AVX2 (docs/performance.md "Weight prefetch in two stages").
+// -19 %, 1.5B -12 % under AVX2 (docs/performance.md "Weight prefetch in two stages").
 template <int TB>
 inline void prefetch_two_stage(const uint8_t* p, int d) {
   for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * d * TB + o), _MM_HINT_T1);
