@@ -774,13 +774,11 @@ inline void prefetch_two_stage(const uint8_t* p, int d) {
   for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + d * TB + o), _MM_HINT_T0);
 }
 
+// d: groups of the 32-element types (176-288 bytes each) and, for Q4_K / Q6_K, super-block tiles
+// (1,184 / 1,680 bytes). For the K-quants, L2 stages 3 and 4 tiles ahead measured slower than 2 (and,
+// before the L2 stage, L1 prefetches 2 and 4 tiles ahead slower than 1).
 constexpr int kPrefetchGroups = 8;
-// Q4_K / Q6_K: super-block tiles (1,184 / 1,680 bytes) ahead (a one-stage L1 prefetch 2 and 4 tiles
-// ahead measured no better; the macro is how those runs built their variants).
-#ifndef TLQ_PREFETCH_TILES_K
-#define TLQ_PREFETCH_TILES_K 1
-#endif
-constexpr int kPrefetchTilesK = TLQ_PREFETCH_TILES_K;
+constexpr int kPrefetchTilesK = 1;
 
 // The 8 nibble vectors of 128 bytes in the Q4 lane layout: w[v] holds elements 4v..4v+3 of each row.
 inline void load_nibbles(const uint8_t* v, __m256i* w) {
