@@ -70,8 +70,8 @@ using RowKernel = void (*)(const QAct& a, const uint8_t* w, int64_t row_bytes, c
 // 8-row tiles [t0, t1) of out = x @ W.T + bias, W in the 8-row layout.
 using TileKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                             int64_t t1);
-// The tiles of a cursor: from its next while below its end, read before each tile, its next stored as
-// each begins (work stealing, gguf_quants.h; a fixed range [t0, t1) is a cursor no one steals from).
+// The tiles of a cursor (TileCursor::for_each_tile, gguf_quants.h: work stealing; a fixed range
+// [t0, t1) is a cursor no one steals from).
 using TileRunKernel = void (*)(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo,
                                TileCursor& cur);
 
@@ -1028,9 +1028,7 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
   const int64_t M = a.M, K = a.K, G = K / 32, TB = packed_tile_bytes(T), NG = K / packed_group_elems(T);
   // Tile outer, rows inner: a tile (8 rows x K, a few KB) stays in L1 while every group of 4
   // activation rows passes over it, so a prefill-sized M reads the weights once, not M / 4 times.
-  for (int64_t tile = cur.next.load(std::memory_order_relaxed); tile < cur.end.load(std::memory_order_relaxed);
-       tile++) {
-    cur.next.store(tile + 1, std::memory_order_relaxed);
+  cur.for_each_tile([&](int64_t tile) {
     const uint8_t* tp = pw + tile * NG * TB;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mt = static_cast<int>(std::min<int64_t>(4, M - m0));
@@ -1067,7 +1065,7 @@ void linear_packed_range(const QAct& a, const uint8_t* pw, const float* bias, fl
         _mm256_storeu_ps(o, v);
       }
     }
-  }
+  });
 }
 
 #endif
@@ -1279,10 +1277,7 @@ void run_packed_cursor(int t, const QAct& a, const uint8_t* pw, const float* bia
                        TileCursor& cur) {
   const TileRunKernel simd = traits(t).tile;
   if (simd && !g_force_scalar) return simd(a, pw, bias, out, ldo, cur);
-  for (int64_t tile = cur.next.load(std::memory_order_relaxed); tile < cur.end.load(std::memory_order_relaxed); tile++) {
-    cur.next.store(tile + 1, std::memory_order_relaxed);
-    run_packed_range(t, a, pw, bias, out, ldo, tile, tile + 1);
-  }
+  cur.for_each_tile([&](int64_t tile) { run_packed_range(t, a, pw, bias, out, ldo, tile, tile + 1); });
 }
 
 int64_t tile_grain(int64_t tiles) {

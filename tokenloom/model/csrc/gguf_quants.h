@@ -194,6 +194,15 @@ struct alignas(64) TileCursor {
     end.store(e, std::memory_order_relaxed);
     next.store(b, std::memory_order_relaxed);
   }
+  // The owner's loop: tile(i) for each of its tiles, `next` stored as each begins and `end` read
+  // again before each (a thief may have lowered it).
+  template <typename F>
+  void for_each_tile(F&& tile) {
+    for (int64_t i = next.load(std::memory_order_relaxed); i < end.load(std::memory_order_relaxed); i++) {
+      next.store(i + 1, std::memory_order_relaxed);
+      tile(i);
+    }
+  }
   // The back half of the tiles not yet begun, leaving the owner two; false when there are too few.
   bool steal_back(int64_t& b, int64_t& e) {
     int64_t hi = end.load(std::memory_order_relaxed);
