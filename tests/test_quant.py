@@ -69,6 +69,43 @@ def test_int8_linear_close_to_float(bias: bool) -> None:
     assert rel < 0.02, rel
 
 
+def _int8_layer(w: torch.Tensor) -> LinearBase:
+    lin = LinearBase(w, None, UnquantizedLinearMethod(), "probe")
+    lin.set_quant_method(quant.Int8LinearMethod(kernels=None))
+    return lin
+
+
+def test_int8_gemm_is_exact_at_full_range() -> None:
+    """The int32 sums equal int64 ones with every weight and activation at +-127, the case oneDNN's
+    GEMM saturates on CPUs without VNNI (vpmaddubsw's int16 pairs); there the layer splits its weight."""
+    w = torch.tensor([[1.0, -1.0] * 48] * 8 + [[1.0] * 96] * 8)  # per-channel scale 1/127: q = +-127
+    lin = _int8_layer(w)
+    x = quant.Int8Rows(torch.full((17, 96), 127, dtype=torch.int8), torch.ones(17))
+    x.q[1::2] *= -1
+    want = x.q.long() @ (w * 127).long().t()
+    assert torch.equal(lin.quant_method.apply_input(lin, x).acc.long(), want)
+
+
+def test_split_weight_halves_are_exact_and_narrow() -> None:
+    q = torch.arange(-127, 128, dtype=torch.int8)
+    hi, lo = quant.split_weight(q)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(2 * hi.int() + lo.int(), q.int())
+    assert hi.min() == -64 and hi.max() == 63 and set(lo.tolist()) == {0, 1}
+
+
+def test_split_int8_layer_gives_the_same_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 96, generator=g), torch.randn(9, 96, generator=g)
+    qw, _ = quant.quantize_weight(w)
+    monkeypatch.setattr(quant, "int_mm_exact", lambda: False)
+    split = _int8_layer(w)
+    assert split.qweight_lo is not None
+    assert torch.equal(2 * split.qweight.int() + split.qweight_lo.int(), qw.int())
+    xq = split.quant_method.quantize_input(x)
+    assert torch.equal(split.quant_method.apply_input(split, xq).acc.long(), xq.q.long() @ qw.long())
+
+
 # --------------------------------------------------------------------------- kernels
 
 @needs_kernels

@@ -3,8 +3,10 @@
 Weights are quantized once at load, symmetric per output channel; activations per row (token) at
 run time, symmetric too: scale = max|v| / 127, q = round-half-even(v * 127 / max|v|). The GEMM is
 `torch._int_mm` (oneDNN; AVX512-VNNI runs int8 dot products at twice the bf16 rate), and the int32
-result is scaled back by row scale × channel scale. The LM head stays in the run dtype: it decides
-the sampled token, and in a decode step it is only the sampling rows' GEMM.
+result is scaled back by row scale × channel scale. Where oneDNN's int8 GEMM saturates (see
+`int_mm_exact`), the weight is kept as two exact 7-bit and 1-bit halves instead. The LM head stays
+in the run dtype: it decides the sampled token, and in a decode step it is only the sampling rows'
+GEMM.
 
 Per-row activation scales are at the mercy of outlier channels (a few input channels of a layer
 run 10-100x larger than the rest, so every other channel gets few levels). SmoothQuant's remedy,
@@ -23,6 +25,8 @@ the smoothing folds live in tokenloom/model/smoothquant.py.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +38,7 @@ from tokenloom.config import QUANTIZATION_METHODS
 from tokenloom.model.linear import LinearBase, LinearMethodBase, PendingOutput, UnquantizedLinearMethod
 
 CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
+logger = logging.getLogger(__name__)
 
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:
@@ -67,6 +72,29 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (int8 [K, N] contiguous, the GEMM's B operand; fp32 scales [N])."""
     q, scale = quantize_rows(weight)
     return q.t().contiguous(), scale
+
+
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether `torch._int_mm` computes exact int8 products on this CPU. oneDNN's JIT GEMM for CPUs
+    without VNNI (AVX-512 without VNNI; AVX2 under ONEDNN_MAX_CPU_ISA) shifts the activations to
+    unsigned bytes and multiplies them with vpmaddubsw, whose int16 pair sums saturate at 32767:
+    127 x 127 activations and weights came back as garbage (its docs ask for 7-bit weights there).
+    Asked once per process with the worst case, so any oneDNN build and CPU is covered."""
+    a = torch.full((17, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 16), 127, dtype=torch.int8)
+    exact = bool((torch._int_mm(a, b) == 64 * 127 * 127).all())
+    if not exact:
+        logger.warning("this CPU's int8 GEMM (oneDNN without VNNI) saturates full-range int8 weights: "
+                       "int8 layers keep each weight as exact 7-bit and 1-bit halves (two GEMMs)")
+    return exact
+
+
+def split_weight(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 W -> (hi, lo) with W = 2 * hi + lo, hi = floor(W / 2) in [-64, 63] and lo in {0, 1}: each
+    a weight oneDNN's saturating GEMM multiplies exactly (255 x 63 x 2 < 32768)."""
+    hi = torch.div(qweight, 2, rounding_mode="floor").to(torch.int8)
+    return hi, (qweight - 2 * hi).to(torch.int8)
 
 
 def dequant(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor,
@@ -112,16 +140,24 @@ class Int8LinearMethod(LinearMethodBase):
     """W8A8: y = x @ W.T + b with W int8 per output channel (`layer.qweight` [in, out],
     `layer.scale` fp32 [out], `layer.bias` fp32) and x quantized per row. With the kernels every
     producer of its input (norm, SiLU-and-mul, a previous int8 GEMM's scale-back) is one fused
-    kernel that writes int8 rows (see LinearMethodBase)."""
+    kernel that writes int8 rows (see LinearMethodBase). Where `torch._int_mm` saturates
+    (`int_mm_exact`), `layer.qweight` holds floor(W / 2) and `layer.qweight_lo` the rest (0 or 1),
+    and the GEMM is 2 * (x @ hi) + x @ lo: the same int32 sums, at two GEMMs' cost."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         assert layer.weight is not None, f"{layer.prefix}: no float weight to quantize"
         layer.qweight, layer.scale = quantize_weight(layer.weight)
+        layer.qweight_lo = None
+        if not int_mm_exact():
+            layer.qweight, layer.qweight_lo = split_weight(layer.qweight)
         layer.bias = None if layer.bias is None else layer.bias.float().contiguous()
         layer.weight = None
 
     def apply_input(self, layer: LinearBase, x: Int8Rows) -> Int8Accumulator:
-        return Int8Accumulator(torch._int_mm(x.q, layer.qweight), x.scale, layer, self.kernels)
+        acc = torch._int_mm(x.q, layer.qweight)
+        if layer.qweight_lo is not None:
+            acc = acc.mul_(2).add_(torch._int_mm(x.q, layer.qweight_lo))
+        return Int8Accumulator(acc, x.scale, layer, self.kernels)
 
     def dense_input(self, x: Int8Rows) -> torch.Tensor:
         return x.q.float() * x.scale[:, None]
