@@ -10,6 +10,9 @@ against the unquantized activations bounds what that quantization costs.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -103,6 +106,48 @@ def test_bad_input_is_rejected() -> None:
         kernels.gguf_linear(torch.empty(1, 4), torch.randn(1, 64), raw, int(Q.F16), None)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.gguf_embedding(torch.empty(1, 64), raw, int(Q.Q4_1), torch.tensor([4]))
+
+
+def _vma_flags(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only")
+def test_repacked_weights_share_huge_page_chunks() -> None:
+    """Repacked weights live in chunks that start on a 2 MiB boundary, madvised for huge pages; small ones are
+    carved one after another (64-byte aligned, nothing rounded up to 2 MiB); a chunk goes with its last weight.
+    Independent of what other tests left alive: a weight above the 64 MiB chunk size always opens its own."""
+    big = kernels.gguf_repack8(torch.zeros(64, 34 * 31_000, dtype=torch.uint8), int(Q.Q8_0), 32 * 31_000)  # 67 MB
+    base = big.data_ptr()
+    assert base % (2 << 20) == 0
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _vma_flags(base).get("THPeligible") == "1"
+    raw = torch.from_numpy(random_blocks(Q.Q4_1, 64, 96, seed=5))
+    first = kernels.gguf_repack8(raw, int(Q.Q4_1), 96)
+    second = kernels.gguf_repack8(raw, int(Q.Q4_1), 96)
+    assert second.data_ptr() == first.data_ptr() + (first.numel() + 63) // 64 * 64  # the next 64-byte boundary
+    assert first.data_ptr() % 64 == 0 and torch.equal(first, second)
+    want, got = torch.empty(64, 96), torch.empty(64, 96)
+    kernels.gguf_dequantize(want, raw, int(Q.Q4_1))
+    kernels.gguf_dequantize_packed(got, second, int(Q.Q4_1))
+    assert torch.equal(got, want)
+    del big, first, second  # the big one's chunk (and the small ones', which fit in its tail) is returned
+    assert _vma_flags(base).get("THPeligible") is None
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
