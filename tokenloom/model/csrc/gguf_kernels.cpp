@@ -723,17 +723,37 @@ namespace {
 constexpr size_t kHugePageBytes = size_t(2) << 20;
 constexpr size_t kWeightChunkBytes = size_t(64) << 20;
 
+// A chunk is its own anonymous mapping (not malloc's: a large block can come from the heap's free lists,
+// and goes back there when freed, still resident), trimmed to a 2 MiB boundary and returned to the OS
+// when its last weight goes.
 struct WeightChunk {
-  uint8_t* base;
+  uint8_t* base = nullptr;
   size_t bytes;
   explicit WeightChunk(size_t n) : bytes(n) {
-    base = static_cast<uint8_t*>(std::aligned_alloc(kHugePageBytes, n));
-    TORCH_CHECK(base != nullptr, "out of memory for ", n, " bytes of repacked weights");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#if defined(__linux__)
+    void* raw = mmap(nullptr, n + kHugePageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    TORCH_CHECK(raw != MAP_FAILED, "out of memory for ", n, " bytes of repacked weights");
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+    if (aligned > start) munmap(raw, aligned - start);  // the unaligned head and tail go back at once
+    const size_t tail = start + kHugePageBytes - aligned;  // > 0: the mapping ends at start + n + 2 MiB
+    munmap(reinterpret_cast<void*>(aligned + n), tail);
+    base = reinterpret_cast<uint8_t*>(aligned);
+#if defined(MADV_HUGEPAGE)
     madvise(base, n, MADV_HUGEPAGE);  // a hint: fails harmlessly where THP is off
 #endif
+#else
+    base = static_cast<uint8_t*>(std::aligned_alloc(kHugePageBytes, n));
+    TORCH_CHECK(base != nullptr, "out of memory for ", n, " bytes of repacked weights");
+#endif
   }
-  ~WeightChunk() { std::free(base); }
+  ~WeightChunk() {
+#if defined(__linux__)
+    munmap(base, bytes);
+#else
+    std::free(base);
+#endif
+  }
   WeightChunk(const WeightChunk&) = delete;
   WeightChunk& operator=(const WeightChunk&) = delete;
 };
