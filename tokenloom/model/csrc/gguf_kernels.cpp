@@ -723,12 +723,12 @@ namespace {
 constexpr size_t kHugePageBytes = size_t(2) << 20;
 constexpr size_t kWeightChunkBytes = size_t(64) << 20;
 
-// A chunk is its own anonymous mapping (not malloc's: a large block can come from the heap's free lists,
-// and goes back there when freed, still resident), trimmed to a 2 MiB boundary and returned to the OS
-// when its last weight goes.
+// A chunk is its own anonymous mapping trimmed to a 2 MiB boundary, not malloc's: a block that size can come
+// from the heap's free lists and would go back there, still resident, when its last weight goes.
 struct WeightChunk {
   uint8_t* base = nullptr;
   size_t bytes;
+  size_t used = 0;  // bytes handed out, each weight from a 64-byte boundary (under g_weight_chunk_mu)
   explicit WeightChunk(size_t n) : bytes(n) {
 #if defined(__linux__)
     void* raw = mmap(nullptr, n + kHugePageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -759,8 +759,7 @@ struct WeightChunk {
 };
 
 std::mutex g_weight_chunk_mu;
-std::weak_ptr<WeightChunk> g_weight_chunk;
-size_t g_weight_chunk_used = 0;
+std::weak_ptr<WeightChunk> g_weight_chunk;  // the chunk new weights go to, while any weight holds it
 
 // An uninitialised uint8 [rows, cols] tensor for repacked weights (64-byte aligned, in a huge-page chunk).
 at::Tensor weight_buffer(int64_t rows, int64_t cols) {
@@ -770,14 +769,13 @@ at::Tensor weight_buffer(int64_t rows, int64_t cols) {
   {
     std::lock_guard<std::mutex> lock(g_weight_chunk_mu);
     chunk = g_weight_chunk.lock();
-    if (!chunk || g_weight_chunk_used + bytes > chunk->bytes) {
+    if (!chunk || chunk->used + bytes > chunk->bytes) {
       const size_t n = std::max(kWeightChunkBytes, (bytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes);
       chunk = std::make_shared<WeightChunk>(n);
       g_weight_chunk = chunk;
-      g_weight_chunk_used = 0;
     }
-    offset = g_weight_chunk_used;
-    g_weight_chunk_used = (offset + bytes + 63) / 64 * 64;
+    offset = chunk->used;
+    chunk->used = (offset + bytes + 63) / 64 * 64;
   }
   auto* keep = new std::shared_ptr<WeightChunk>(std::move(chunk));
   return at::from_blob((*keep)->base + offset, {rows, cols}, [keep](void*) { delete keep; },
