@@ -28,6 +28,11 @@ F16_FIELDS = {
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
 }  # fmt: skip
 TYPES = list(F16_FIELDS)
+# The types with an 8-row layout (gguf_repack8), and of those the K-quants (tiles of 256 columns).
+PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_TILED = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Bytes of a repacked tile group against the file's 8 blocks: the K-quants' six-bit scales and mins unpacked.
+PACKED_GROWTH = {Q.Q4_K: (1184, 1152), Q.Q5_K: (1440, 1408)}
 
 kernels = gguf_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="GGUF kernels unavailable (no compiler)")
@@ -151,16 +156,17 @@ def test_repacked_weights_share_huge_page_chunks() -> None:
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
     """The 8-row interleaved layout (gguf_repack8 + gguf_linear_packed) computes what the row kernel does."""
     kernels.set_force_scalar(scalar)
     try:
-        n, k = (24, 512) if qtype in (Q.Q4_K, Q.Q6_K) else (24, 96)
+        n, k = (24, 512) if qtype in K_TILED else (24, 96)
         raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
         packed = kernels.gguf_repack8(raw, int(qtype), k)
-        # Same bytes, reordered; Q4_K's six-bit scales and mins unpacked to bytes (1184 per 1152).
-        assert packed.numel() == (raw.numel() * 1184 // 1152 if qtype == Q.Q4_K else raw.numel())
+        # Same bytes, reordered; Q4_K's and Q5_K's six-bit scales and mins unpacked to bytes.
+        grown, file = PACKED_GROWTH.get(qtype, (1, 1))
+        assert packed.numel() == raw.numel() * grown // file
         want_w, got_w = torch.empty(n, k), torch.empty(n, k)
         kernels.gguf_dequantize(want_w, raw, int(qtype))
         kernels.gguf_dequantize_packed(got_w, packed, int(qtype))
@@ -246,10 +252,10 @@ def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
     torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
 def test_embedding_rows_from_the_packed_layout(qtype: Q) -> None:
     """A tied embedding reads its rows from the LM head's 8-row copy: the same values as the file's rows."""
-    n, k = (24, 512) if qtype in (Q.Q4_K, Q.Q6_K) else (24, 96)
+    n, k = (24, 512) if qtype in K_TILED else (24, 96)
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=11))
     packed = kernels.gguf_repack8(raw, int(qtype), k)
     ids = torch.tensor([0, 7, 8, 23, 5, 5])
@@ -285,9 +291,6 @@ def test_activation_quantizer_simd_matches_plain() -> None:
     assert torch.equal(bs, q.reshape(5, -1, 16).sum(-1, dtype=torch.int16))  # the per-16 sums Q6_K's tiles use
 
 
-PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q6_K]
-
-
 @pytest.mark.parametrize("scalar", [False, True], ids=["simd", "scalar"])
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
@@ -298,7 +301,7 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
     single-tile tail after the pairs), K spanning several unpacked chunks plus a partial one, bias."""
     kernels.set_force_scalar(scalar)
     try:
-        kquant = qtype in (Q.Q4_K, Q.Q6_K)
+        kquant = qtype in K_TILED
         n, k = (40, 256 * 5) if kquant else (40, 32 * 37)  # 5 tiles; K = 2.5 / 2.3 chunks of 16 groups
         raw = torch.from_numpy(random_blocks(qtype, n, k, seed=7))
         packed = kernels.gguf_repack8(raw, int(qtype), k)
@@ -330,21 +333,21 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
 
 
 def extreme_blocks(qtype: Q, n: int, k: int) -> np.ndarray:
-    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q6_K 63) and the
-    sub-block scales at theirs (Q4_K 63, Q6_K -128 in even rows and 127 in odd ones)."""
+    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q5_K 31, Q6_K 63) and
+    the sub-block scales at theirs (Q4_K / Q5_K 63, Q6_K -128 in even rows and 127 in odd ones)."""
     raw = random_blocks(qtype, n, k, seed=17).reshape(n, k // 256, -1)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):
         raw[:, :, 4:16] = 0xFF  # six-bit scales and mins all 63
-        raw[:, :, 16:144] = 0xFF  # nibbles all 15
+        raw[:, :, 16:] = 0xFF  # nibbles all 15 (and Q5_K's fifth bits all set)
     else:
         raw[:, :, 0:192] = 0xFF  # ql and qh: q = 63
         raw[:, :, 192:208] = np.where(np.arange(n) % 2 == 0, 0x80, 0x7F)[:, None, None]
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", K_TILED, ids=lambda t: t.name)
 def test_packed_k_quant_tiles_match_float64(qtype: Q) -> None:
-    """The batch-1 and few-row (speculative verification) Q4_K / Q6_K tile kernels, whose sums stay in
+    """The batch-1 and few-row (speculative verification) K-quant tile kernels, whose sums stay in
     integers scaled by the sub-block scales (Q6_K: unsigned quants minus 32 times the activation's
     per-16 sums), against float64 of the dequantized weights times the kernel's quantized
     activations: random blocks, and blocks at the int16 / int32 limits with activations of +-127."""

@@ -113,8 +113,8 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
 #define TLQ_TILED(T) TLQ_SIMD(row_kernel<T>), TLQ_SIMD(linear_packed_range<T>), TLQ_SIMD(gemm_packed_range<T>)
 #define TLQ_ROWS_ONLY(T) TLQ_SIMD(row_kernel<T>), nullptr, nullptr
 
-// Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's six-bit scales and mins
-// unpacked to bytes (1,184 per 8 x 144), see "8-row interleaved layouts" below.
+// Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's and Q5_K's six-bit scales and
+// mins unpacked to bytes (1,184 per 8 x 144, 1,440 per 8 x 176), see "8-row interleaved layouts" below.
 constexpr TypeTraits kTypeTraits[] = {
     {kQ4_0, 32, 18, 144, 32, TLQ_TILED(kQ4_0)},
     {kQ4_1, 32, 20, 160, 32, TLQ_TILED(kQ4_1)},
@@ -124,7 +124,7 @@ constexpr TypeTraits kTypeTraits[] = {
     {kQ2_K, 256, 84, 0, 256, TLQ_ROWS_ONLY(kQ2_K)},
     {kQ3_K, 256, 110, 0, 256, TLQ_ROWS_ONLY(kQ3_K)},
     {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
-    {kQ5_K, 256, 176, 0, 256, TLQ_ROWS_ONLY(kQ5_K)},
+    {kQ5_K, 256, 176, 1440, 256, TLQ_TILED(kQ5_K)},
     {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
 };
 #undef TLQ_ROWS_ONLY
@@ -637,16 +637,22 @@ constexpr bool packed_has_min(int t) { return t == kQ4_1 || t == kQ5_1; }
 constexpr bool packed_five_bit(int t) { return t == kQ5_0 || t == kQ5_1; }
 constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; }  // after d[8] (and m[8])
 
-// Q4_K / Q6_K tiles, per super-block of 8 rows x 256 columns (then, per group g of 32 columns, the
-// quants in the Q4 lane layout above):
+// Q4_K / Q5_K / Q6_K tiles, per super-block of 8 rows x 256 columns (then, per group g of 32 columns,
+// the quants in the Q4 lane layout above):
 //   Q4_K:  d[8] f16, dmin[8] f16, scale[g][r] u8 (64), min[g][r] u8 (64), then 8 x 128 bytes of nibbles
 //          (the six-bit scales and mins unpacked to bytes: 1184 bytes against the file's 1152)
+//   Q5_K:  Q4_K's first 160 bytes, then per group 128 bytes of nibbles and 32 bytes of fifth bits in
+//          Q5_0's form (byte 4r + i, bit v = the fifth bit of nibble vector v): 1440 against 1408
 //   Q6_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, 128 bytes), then per group 128 bytes of low
 //          nibbles and 2 x 32 bytes of high bit pairs: byte 4r + i of the first holds, in bits 2v and
 //          2v + 1, the high pair of nibble vector v (v = 0..3), the second of v = 4..7 (same bytes
 //          as the file)
 constexpr int kK4Scales = 32, kK4Mins = 96, kK4Quants = 160;
+constexpr int kK5GroupBytes = 160;  // Q5_K: scales and mins where Q4_K has them, groups from kK4Quants
 constexpr int kK6Scales = 16, kK6Groups = 144, kK6GroupBytes = 192;
+
+// Q4_K / Q5_K: where group g's nibble vectors begin in a super-block tile (Q5_K's fifth bits follow them).
+constexpr int k4_group_offset(int t, int g) { return kK4Quants + (t == kQ5_K ? kK5GroupBytes : 128) * g; }
 
 // Offset of the quants in an ordinary block of a 4/5-bit type, and its fifth bits (Q5 only).
 constexpr int block_qs_offset(int t) { return t == kQ4_0 ? 2 : t == kQ4_1 ? 4 : t == kQ5_0 ? 6 : 8; }
@@ -660,20 +666,29 @@ inline void put_nibbles(const int* q, int r, uint8_t* v) {
     for (int i = 0; i < 4; i++) v[32 * j + 4 * r + i] = static_cast<uint8_t>((q[8 * j + i] & 15) | ((q[8 * j + 4 + i] & 15) << 4));
 }
 
-// Row r's Q4_K / Q6_K block into its super-block tile o.
+// Row r's Q4_K / Q5_K / Q6_K block into its super-block tile o.
 void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
-  if (t == kQ4_K) {
+  if (t == kQ4_K || t == kQ5_K) {
+    const bool five = t == kQ5_K;
     std::memcpy(o + 2 * r, blk, 2);           // d
     std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // dmin
     int sc[8], mn[8];
     k4_scales(blk + 4, sc, mn);
+    const uint8_t* qh = blk + 16;  // Q5_K: bit g of byte l is the fifth bit of element l of group g
     for (int g = 0; g < 8; g++) {
       o[kK4Scales + 8 * g + r] = static_cast<uint8_t>(sc[g]);
       o[kK4Mins + 8 * g + r] = static_cast<uint8_t>(mn[g]);
-      const uint8_t* qs = blk + 16 + 32 * (g / 2);
+      const uint8_t* qs = blk + (five ? 48 : 16) + 32 * (g / 2);
       int q[32];
-      for (int l = 0; l < 32; l++) q[l] = g % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4;
-      put_nibbles(q, r, o + kK4Quants + 128 * g);
+      for (int l = 0; l < 32; l++) q[l] = (g % 2 == 0 ? qs[l] & 0x0F : qs[l] >> 4) | (five ? ((qh[l] >> g) & 1) << 4 : 0);
+      uint8_t* v = o + k4_group_offset(t, g);
+      put_nibbles(q, r, v);
+      if (five)
+        for (int i = 0; i < 4; i++) {  // nibble vector vv holds elements 4 vv + i (see put_nibbles)
+          uint8_t bits = 0;
+          for (int vv = 0; vv < 8; vv++) bits |= static_cast<uint8_t>(((q[4 * vv + i] >> 4) & 1) << vv);
+          v[128 + 4 * r + i] = bits;
+        }
     }
     return;
   }
@@ -795,7 +810,7 @@ at::Tensor gguf_repack8(const at::Tensor& w, int64_t qtype, int64_t K) {
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int bb = type_info(t).block_bytes;
-  if (t == kQ4_K || t == kQ6_K) {
+  if (packed_group_elems(t) == 256) {
     at::parallel_for(0, N / 8, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t tile = t0; tile < t1; tile++)
         for (int64_t g = 0; g < G; g++)
@@ -860,9 +875,9 @@ inline void prefetch_two_stage(const uint8_t* p, int d) {
   for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + d * TB + o), _MM_HINT_T0);
 }
 
-// d: groups of the 32-element types (176-288 bytes each) and, for Q4_K / Q6_K, super-block tiles
-// (1,184 / 1,680 bytes). For the K-quants, L2 stages 3 and 4 tiles ahead measured slower than 2 (and,
-// before the L2 stage, L1 prefetches 2 and 4 tiles ahead slower than 1).
+// d: groups of the 32-element types (176-288 bytes each) and, for the K-quants, super-block tiles
+// (1,184 / 1,440 / 1,680 bytes for Q4_K / Q5_K / Q6_K). For the K-quants, L2 stages 3 and 4 tiles
+// ahead measured slower than 2 (and, before the L2 stage, L1 prefetches 2 and 4 tiles ahead slower than 1).
 constexpr int kPrefetchGroups = 8;
 constexpr int kPrefetchTilesK = 1;
 
@@ -874,6 +889,21 @@ inline void load_nibbles(const uint8_t* v, __m256i* w) {
     w[2 * j] = _mm256_and_si256(n, lo4);
     w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(n, 4), lo4);
   }
+}
+
+// The fifth bits of a group in the Q5 lane layout (32 bytes at h32: byte 4r + i, bit v belongs to nibble
+// vector v) moved to bit 4 of each w[v] (load_nibbles' output): Q5_0, Q5_1 and Q5_K.
+inline void or_fifth_bits(const uint8_t* h32, __m256i* w) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h32));
+  const __m256i b4 = _mm256_set1_epi8(0x10);
+  w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
+  w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
+  w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), b4));
+  w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), b4));
+  w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, b4));
+  w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), b4));
+  w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), b4));
+  w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
 }
 
 // Per row (int32 lane r): sum over the group's 32 columns of 4-bit quants w times int8 x. The int16
@@ -945,18 +975,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
       constexpr bool five = packed_five_bit(T);
       __m256i w[8];
       load_nibbles(p + off, w);
-      if constexpr (five) {  // vector v's fifth bits are bit v of each byte: move it to bit 4
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 128));
-        const __m256i b4 = _mm256_set1_epi8(0x10);
-        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
-        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
-        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), b4));
-        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), b4));
-        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, b4));
-        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), b4));
-        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), b4));
-        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
-      }
+      if constexpr (five) or_fifth_bits(p + off + 128, w);
       // With a min (Q4_1, Q5_1): + m * s_x; without, the quants are offset by 8 (Q4_0) or 16
       // (Q5_0): - 8 d * s_x or - 16 d * s_x.
       const __m256 bv = packed_has_min(T)
@@ -986,7 +1005,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
   for (int m = 0; m < MT; m++) res[m] = _mm256_add_ps(acc[m], accb[m]);
 }
 
-// Q4_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
+// Q4_K / Q5_K / Q6_K over their super-block tiles (NS super-blocks of 256 columns): out lanes = the 8 rows.
 //
 // As ggml's Q4_K x Q8_K dot, a group's integer sum is scaled by the row's integer sub-block scale in
 // int32 on AVX2 (vpmaddwd with the scale as the multiplier instead of ones; with VNNI the scale is a
@@ -997,7 +1016,8 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
 // agreement with llama.cpp"). Q6_K takes its quants unsigned (0..63) and subtracts 32 * (the
 // activation's per-16 sum) per sub-block, instead of sign-flipping all eight vectors of a group
 // and its activations per row. Both give exactly the integers the sign-trick form gave: the
-// products isum * scale stay below 2^24 (Q4_K: 32 * 15 * 127 * 63; Q6_K: 2 * 16 * 32 * 127 * 128),
+// products isum * scale stay below 2^24 (Q4_K: 32 * 15 * 127 * 63; Q5_K: 32 * 31 * 127 * 63; Q6_K:
+// 2 * 16 * 32 * 127 * 128),
 // so even their float conversion is exact.
 template <int T, int MT>
 inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* xq, const float* const* xd,
@@ -1008,9 +1028,9 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
   for (int64_t sb = 0; sb < NS; sb++) {
     const uint8_t* p = tile + sb * TB;
     prefetch_two_stage<TB>(p, kPrefetchTilesK);
-    __m256 sacc[MT], macc[MT];  // this super-block's sums before d (and, Q4_K, before dmin)
+    __m256 sacc[MT], macc[MT];  // this super-block's sums before d (and, Q4_K / Q5_K, before dmin)
     for (int m = 0; m < MT; m++) sacc[m] = macc[m] = _mm256_setzero_ps();
-    if constexpr (T == kQ4_K) {
+    if constexpr (T == kQ4_K || T == kQ5_K) {
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;  // activation group
         auto bytes8 = [&](int off) {
@@ -1024,17 +1044,29 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         const __m256i sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // the scale in both int16 halves
 #endif
         __m256i w[8];
-        load_nibbles(p + kK4Quants + 128 * g, w);
+        load_nibbles(p + k4_group_offset(T, g), w);
+        if constexpr (T == kQ5_K) or_fifth_bits(p + k4_group_offset(T, g) + 128, w);
         for (int m = 0; m < MT; m++) {
           const int8_t* x = xq[m] + 32 * gi;
 #if TLQ_VNNI
           sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(w, x)), _mm256_mul_ps(scf, _mm256_set1_ps(xd[m][gi])),
                                     sacc[m]);
 #else
-          // int16 sums of eight vpmaddubsw stay below 8 * 2 * 15 * 127 = 30480 (see dot_u4).
-          __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
-          for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
-          const __m256i isum = _mm256_madd_epi16(s16, sc16);
+          __m256i isum;
+          if constexpr (T == kQ4_K) {
+            // int16 sums of eight vpmaddubsw stay below 8 * 2 * 15 * 127 = 30480 (see dot_u4).
+            __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(x));
+            for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+            isum = _mm256_madd_epi16(s16, sc16);
+          } else {
+            // 5-bit quants: two chains of four, each below 4 * 2 * 31 * 127 = 31496 in int16.
+            __m256i lo = _mm256_maddubs_epi16(w[0], bcast4(x)), hi = _mm256_maddubs_epi16(w[4], bcast4(x + 16));
+            for (int j = 1; j < 4; j++) {
+              lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+              hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[4 + j], bcast4(x + 16 + 4 * j)));
+            }
+            isum = _mm256_add_epi32(_mm256_madd_epi16(lo, sc16), _mm256_madd_epi16(hi, sc16));
+          }
           sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[m][gi]), sacc[m]);
 #endif
           macc[m] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[m][gi]), macc[m]);
@@ -1230,19 +1262,20 @@ void unpack_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, uint8_t* row
 // tile's groups (super-blocks for the K-quants). The arithmetic of dequant_block.
 void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out, int64_t ldo) {
   const int64_t TB = packed_tile_bytes(t);
-  if (t == kQ4_K || t == kQ6_K) {
+  if (packed_group_elems(t) == 256) {
     for (int64_t sb = 0; sb < G; sb++) {
       const uint8_t* p = pw + (tile * G + sb) * TB;
       for (int r = 0; r < 8; r++) {
         const float d = h2f(p + 2 * r);
         float* o = out + r * ldo + 256 * sb;
         for (int g = 0; g < 8; g++) {
-          const uint8_t* v = p + (t == kQ4_K ? kK4Quants + 128 * g : kK6Groups + kK6GroupBytes * g);
+          const uint8_t* v = p + (t == kQ6_K ? kK6Groups + kK6GroupBytes * g : k4_group_offset(t, g));
           for (int e = 0; e < 32; e++) {
             const int vv = e / 4, i = e % 4;  // nibble vector vv, byte 4r + i
             const uint8_t b = v[32 * (vv / 2) + 4 * r + i];
             int q = vv % 2 == 0 ? b & 0x0F : b >> 4;
-            if (t == kQ4_K) {
+            if (t != kQ6_K) {  // Q4_K / Q5_K
+              if (t == kQ5_K) q |= ((v[128 + 4 * r + i] >> vv) & 1) << 4;
               const float dl = d * p[kK4Scales + 8 * g + r], ml = h2f(p + 16 + 2 * r) * p[kK4Mins + 8 * g + r];
               o[32 * g + e] = dl * q - ml;
             } else {
@@ -1459,7 +1492,7 @@ struct R8Type {
   static constexpr bool kSigned = T == kQ8_0 || T == kQ6_K;
   static constexpr bool kTwoScales = T == kQ6_K;
   static constexpr bool kHasB = !kSigned;
-  static constexpr int kChain = T == kQ8_0 ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ6_K) ? 4 : 8;
+  static constexpr int kChain = T == kQ8_0 ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ6_K) ? 4 : 8;
 
   static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
     constexpr int TB = packed_tile_bytes(T);
@@ -1469,18 +1502,19 @@ struct R8Type {
       float* a = c.a + 8 * i;
       float* b = c.b + 8 * i;
       __m256i w[8];
-      if constexpr (T == kQ4_K || T == kQ6_K) {
+      if constexpr (packed_group_elems(T) == 256) {
         const uint8_t* p = tp + (g / 8) * TB;
         const int s = static_cast<int>(g % 8);
         const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-        if constexpr (T == kQ4_K) {
+        if constexpr (T == kQ4_K || T == kQ5_K) {
           auto bytes8 = [&](int off) {
             return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + off + 8 * s))));
           };
           const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
           _mm256_store_ps(a, _mm256_mul_ps(dv, bytes8(kK4Scales)));
           _mm256_store_ps(b, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, bytes8(kK4Mins))));
-          load_nibbles(p + kK4Quants + 128 * s, w);
+          load_nibbles(p + k4_group_offset(T, s), w);
+          if constexpr (T == kQ5_K) or_fifth_bits(p + k4_group_offset(T, s) + 128, w);
         } else {
           const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
           auto scale8 = [&](int sub) {
@@ -1513,18 +1547,7 @@ struct R8Type {
           constexpr int off = packed_nibble_offset(T);
           constexpr bool five = packed_five_bit(T);
           load_nibbles(p + off, w);
-          if constexpr (five) {  // vector v's fifth bits are bit v of each byte: to bit 4
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + off + 128));
-            const __m256i b4 = _mm256_set1_epi8(0x10);
-            w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), b4));
-            w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), b4));
-            w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), b4));
-            w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), b4));
-            w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, b4));
-            w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), b4));
-            w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), b4));
-            w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
-          }
+          if constexpr (five) or_fifth_bits(p + off + 128, w);
           // Q4_1 / Q5_1: + m * s_x; Q4_0 / Q5_0: quants offset by 8 / 16, so - 8 d * s_x / - 16 d * s_x.
           _mm256_store_ps(b, packed_has_min(T) ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))
                                                : _mm256_mul_ps(dv, _mm256_set1_ps(five ? -16.0f : -8.0f)));
