@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -201,6 +202,61 @@ def test_q5_gguf_loads_dequantized(tiny_dirs, tmp_path: Path) -> None:
     path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "q5.gguf", "Q5_0")
     loaded = load_model(path)
     assert all(torch.isfinite(w).all() for w in loaded.weights.values())
+
+
+def test_i_quant_gguf_loads_through_the_reference_dequantizer(tiny_dirs, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A file of an i-quant type (IQ4_NL here; IQ4_XS, IQ3_S ... alike), which no tokenloom kernel reads,
+    loads with those tensors dequantized by gguf's reference: as float on the dequantizing path, as
+    Q8_0 blocks (gguf's own Q8_0 quantizer's bytes) for the kernels on the quantized one, which auto
+    picks; both say so and generate alike."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.model.gguf_weights import GGUFWeight
+    from tokenloom.sampling_params import SamplingParams
+
+    hf = load_model(tiny_dirs["llama", False])
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "iq4.gguf", "IQ4_NL")
+    file = read_gguf(path)
+    assert {t.qtype for t in file.tensors.values() if len(t.shape) == 2} == {Q.IQ4_NL}
+    down = file.tensors["blk.1.ffn_down.weight"]
+    want_down = torch.from_numpy(gguf.quants.dequantize(down.raw, Q.IQ4_NL)).reshape(down.shape)
+    for quantized, kept_as in ((False, "float32"), (True, "Q8_0")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenloom.model.gguf"):
+            loaded = load_model(path, quantized=quantized)
+        assert f"tensors of GGML type IQ4_NL have no tokenloom kernel; dequantized by gguf's reference and kept " \
+               f"as {kept_as}" in caplog.text
+        got_down = loaded.weights["model.layers.1.mlp.down_proj.weight"]
+        if quantized:
+            assert isinstance(got_down, GGUFWeight) and got_down.qtype == Q.Q8_0
+            want_q8 = gguf.quants.quantize(want_down.numpy(), Q.Q8_0)
+            assert np.array_equal(got_down.data.numpy(), want_q8)
+            got_down = got_down.dequantize()
+            torch.testing.assert_close(got_down, want_down, rtol=0, atol=float(want_down.abs().max()) / 254 + 1e-6)
+        else:
+            assert torch.equal(got_down, want_down)
+        for name, original in hf.weights.items():  # 4-bit levels: within a level step of the largest value
+            got = loaded.weights[name]
+            got = got.dequantize() if isinstance(got, GGUFWeight) else got
+            torch.testing.assert_close(got, original, rtol=0, atol=0.3 * float(original.abs().max()))
+    from tokenloom.model.loader import resolve_quantization
+
+    assert resolve_quantization(None, path, torch.device("cpu")) == "gguf"
+    tokens = {}
+    for quantization in ("gguf", "none"):
+        engine = LLMEngine(EngineConfig(model=str(path), quantization=quantization, dtype="float32", max_model_len=64))
+        try:
+            engine.add_request("r", {"prompt_token_ids": list(range(3, 19))},
+                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens[quantization] = out.outputs[0].token_ids
+        finally:
+            engine.close()
+    # Q8_0 of the IQ4 values and int8 activations against float: a tiny random model's near-ties may part
+    # late; the first tokens agree.
+    assert len(tokens["gguf"]) == 6 and tokens["gguf"][:2] == tokens["none"][:2], tokens
 
 
 def test_missing_and_malformed_paths(tmp_path: Path) -> None:

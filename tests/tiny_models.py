@@ -200,7 +200,8 @@ def _stack_experts(tensors: dict[str, torch.Tensor], num_layers: int, num_expert
 def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32") -> Path:
     """Write the model in `hf_dir` as a GGUF at `out_path`, 2-D weights stored as `qtype`.
 
-    `qtype` is any type `gguf.quants.quantize` can produce (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, ...).
+    `qtype` is any type `gguf.quants.quantize` can produce (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, ...), or
+    IQ4_NL (quantize_iq4_nl).
     The tokenizer, if the directory has one, goes in as llama.cpp's "gpt2" (byte-level BPE) metadata.
     """
     from safetensors.torch import load_file
@@ -312,10 +313,29 @@ def _tokenizer_config(hf_dir: Path) -> dict[str, Any]:
     return json.loads(config_file.read_text()) if config_file.is_file() else {}
 
 
+# IQ4_NL's 16 levels (ggml's kvalues_iq4nl).
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_iq4_nl(data: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks (gguf.quants has no IQ quantizer): per 32 values d = x[argmax |x|] / -127 and each
+    value the nearest level (ggml's first guess, without its search for a better d). uint8 [..., bytes]."""
+    x = data.reshape(-1, 32).astype(np.float32)
+    amax = x[np.arange(len(x)), np.abs(x).argmax(axis=1)]
+    d = (amax / -127.0).astype(np.float16)
+    inv = np.where(d != 0, 1.0 / d.astype(np.float32), 0.0)
+    q = np.abs(x[:, :, None] * inv[:, None, None] - IQ4_NL_LEVELS).argmin(axis=2).astype(np.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)  # element j: low nibble of byte j, j + 16: its high nibble
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), qs], axis=1)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // 32 * 18)
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: str) -> None:
     # Like llama.cpp, keep 1-D tensors (norms, biases) in F32 whatever the file type.
     ggml_type = gguf.GGMLQuantizationType[qtype] if data.ndim > 1 else gguf.GGMLQuantizationType.F32
-    if ggml_type == gguf.GGMLQuantizationType.F32:
+    if ggml_type == gguf.GGMLQuantizationType.IQ4_NL:
+        writer.add_tensor(name, quantize_iq4_nl(data), raw_dtype=ggml_type)
+    elif ggml_type == gguf.GGMLQuantizationType.F32:
         writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     elif ggml_type == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, data.astype(np.float16))

@@ -1,4 +1,5 @@
-"""GGUF files: the header parser, the dequantizers (F32/F16/BF16/Q8_0/Q4_0/Q4_1), and the mapping of
+"""GGUF files: the header parser, the dequantizers (F32/F16/BF16/Q8_0/Q4_0/Q4_1 here, the other kernel types
+through the compiled kernels, the i-quants through gguf's numpy reference), and the mapping of
 llama.cpp's tensor names and metadata onto Hugging Face's (`load_gguf` → ModelConfig + weights).
 
 GGUF headers are parsed here rather than with `gguf.GGUFReader`: the reader builds a numpy view per array
@@ -9,6 +10,7 @@ hold our torch dequantizers to (they are bit-identical and ~2.5x faster).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -33,8 +35,19 @@ from tokenloom.model.gguf_families import (
 )
 
 Q = GGMLQuantizationType
-SUPPORTED_GGUF_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-                        Q.Q6_K)
+logger = logging.getLogger(__name__)
+# The types the compiled kernels (or the torch dequantizers) read.
+KERNEL_READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                     Q.Q6_K)
+# The types only gguf's numpy reference dequantizes: the i-quants (IQ4_XS, IQ4_NL, IQ3_S ... common in
+# published GGUFs), the ternary TQ1_0 / TQ2_0 and MXFP4. A file holding them loads with those tensors
+# dequantized once, at load: kept as float on the dequantizing path, requantized to Q8_0 on the quantized
+# one (gguf_weights.requantize_q8_0). Slower to load and more memory than the file (the loader says so),
+# where a refusal would leave the user with nothing.
+REFERENCE_ONLY_TYPES = tuple(
+    getattr(Q, name) for name in ("IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
+                                  "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4") if hasattr(Q, name))
+SUPPORTED_GGUF_TYPES = KERNEL_READ_TYPES + REFERENCE_ONLY_TYPES
 
 
 @dataclass
@@ -199,6 +212,10 @@ def dequantize(tensor: GGUFTensor) -> torch.Tensor:
         return torch.from_numpy(raw.view(np.float16)).reshape(tensor.shape)
     if tensor.qtype == Q.BF16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(tensor.shape)
+    if tensor.qtype in REFERENCE_ONLY_TYPES:
+        from gguf.quants import dequantize as gguf_dequantize
+
+        return torch.from_numpy(gguf_dequantize(raw, tensor.qtype)).float().reshape(tensor.shape)
     if tensor.qtype not in _BLOCK_DEQUANTIZERS:
         return _dequantize_k(tensor)
     blocks = torch.from_numpy(raw).reshape(-1, GGML_QUANT_SIZES[tensor.qtype][1])
@@ -280,8 +297,24 @@ def hf_name_from_gguf(name: str, architecture: str = "llama") -> str:
     raise ValueError(f"unexpected GGUF tensor {name!r} for a {architecture} model; tokenloom's loader does not know it")
 
 
+def note_reference_only_types(gguf: GGUFFile, path: str | os.PathLike[str], kept_as: str,
+                              bytes_per_weight: float) -> None:
+    """Says, once per load, which tensors only the numpy reference reads (REFERENCE_ONLY_TYPES) and what
+    they become at load (`kept_as`: float on the dequantizing path, Q8_0 on the quantized one)."""
+    slow = [t for t in gguf.tensors.values() if t.qtype in REFERENCE_ONLY_TYPES]
+    if not slow:
+        return
+    file_mib = sum(t.raw.nbytes for t in slow) / 2**20
+    mib = sum(int(np.prod(t.shape, dtype=np.int64)) for t in slow) * bytes_per_weight / 2**20
+    logger.warning("%s: %d tensors of GGML type %s have no tokenloom kernel; dequantized by gguf's reference "
+                   "and kept as %s (%.0f MiB of weights where the file holds %.0f MiB). Q4_K_M, Q5_K_M, Q6_K and "
+                   "Q8_0 files run as they are.", Path(path).name, len(slow),
+                   "/".join(sorted({t.qtype.name for t in slow})), kept_as, mib, file_mib)
+
+
 def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     gguf = read_gguf(path)
+    note_reference_only_types(gguf, path, str(dtype).removeprefix("torch."), torch.finfo(dtype).bits / 8)
     config = config_from_gguf(gguf, name=path.stem)
     weights = {}
     for name, tensor in gguf.tensors.items():

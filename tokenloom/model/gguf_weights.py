@@ -27,9 +27,11 @@ from gguf import GGMLQuantizationType
 from tokenloom import envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf import (
+    REFERENCE_ONLY_TYPES,
     config_from_gguf,
     dequantize,
     hf_name_from_gguf,
+    note_reference_only_types,
     read_gguf,
     unpermute_rope_rows,
 )
@@ -114,14 +116,17 @@ class GGUFWeight:
 
 
 def has_kernel_matrices(path: str | os.PathLike[str]) -> bool:
-    """Whether the file has a 2-D tensor of a type the GGUF kernels run (a header read; no weights)."""
-    return any(t.qtype in KERNEL_TYPES and len(t.shape) == 2 for t in read_gguf(Path(path)).tensors.values())
+    """Whether the file has a 2-D tensor of a type the GGUF kernels run, or of an i-quant type, which loads
+    as Q8_0 for them (requantize_q8_0): a header read, no weights."""
+    kept = KERNEL_TYPES + REFERENCE_ONLY_TYPES
+    return any(t.qtype in kept and len(t.shape) == 2 for t in read_gguf(Path(path)).tensors.values())
 
 
 def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
     """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32."""
     path = Path(path)
     gguf = read_gguf(path)
+    note_reference_only_types(gguf, path, "Q8_0", 34 / 32)  # see requantize_q8_0
     config = config_from_gguf(gguf, name=path.stem)
     weights: dict[str, torch.Tensor | GGUFWeight] = {}
     for name, tensor in gguf.tensors.items():
@@ -144,6 +149,11 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
             if heads is not None:
                 data = unpermute_rope_rows(data, heads).contiguous()
             weights[hf_name] = GGUFWeight(data, int(tensor.qtype), (n, k))
+        elif tensor.qtype in REFERENCE_ONLY_TYPES and len(tensor.shape) == 2:
+            w = _requantize_reference_only(tensor)
+            if heads is not None:
+                w = GGUFWeight(unpermute_rope_rows(w.data, heads).contiguous(), w.qtype, w.shape)
+            weights[hf_name] = w
         else:
             value = _dequantize_any(tensor).float()
             if heads is not None:
@@ -152,6 +162,40 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
     # The family's storage conventions, as the dequantizing loader undoes them (Gemma's 1 + w norms,
     # Qwen3-MoE's stacked experts, which are 3-D and so come out float, Phi-3's fused matrices).
     return config, finish_family_weights(config, weights)  # type: ignore[arg-type]
+
+
+def requantize_q8_0(value: torch.Tensor) -> GGUFWeight:
+    """A float [N, K] matrix as Q8_0 blocks (ggml's arithmetic, as gguf.quants.quantize: per 32 values
+    d = max|x| / 127, q = x / d rounded half away from zero, d stored as float16).
+
+    What the i-quants (IQ4_XS, IQ4_NL, IQ3_S ...; no tokenloom kernel) become at load on the quantized
+    path: their values, dequantized by gguf's reference, kept as Q8_0, which every kernel path runs (the
+    tiles, the batched GEMM, the fused step). A 4-bit i-quant's values are a level of 16 times a per-32
+    (or per-256 x per-32) scale, so Q8_0's 255 steps per 32 values hold them within half a step of
+    the block's largest value / 127; the weights take 1.06 bytes each, twice an IQ4's and a quarter of
+    float32's."""
+    n, k = value.shape
+    x = value.float().reshape(n, k // 32, 32)
+    d = x.abs().amax(dim=-1, keepdim=True) / 127
+    y = x * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = y.abs()
+    q = torch.sign(y) * (a.floor() + (2 * (a - a.floor())).floor())  # gguf's np_roundf
+    blocks = torch.cat([d.to(torch.float16).view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1)
+    return GGUFWeight(blocks.reshape(n, -1).contiguous(), int(Q.Q8_0), (n, k))
+
+
+def _requantize_reference_only(tensor) -> GGUFWeight:  # noqa: ANN001 - a loader GGUFTensor
+    """An i-quant matrix as Q8_0, a slab of rows at a time: the float32 copy of a whole embedding table
+    (and gguf's numpy intermediates beside it) would cost several times the model's memory at load."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = tensor.shape
+    raw = tensor.raw.reshape(n, -1)
+    out = torch.empty(n, k // 32 * 34, dtype=torch.uint8)
+    for r0 in range(0, n, 1024):
+        r1 = min(n, r0 + 1024)
+        out[r0:r1] = requantize_q8_0(torch.from_numpy(gguf_dequantize(raw[r0:r1], tensor.qtype))).data
+    return GGUFWeight(out, int(Q.Q8_0), (n, k))
 
 
 def _dequantize_any(tensor) -> torch.Tensor:  # noqa: ANN001 - a loader GGUFTensor

@@ -57,7 +57,9 @@ class WeightReader:
         return self(name) if name in self.weights else None
 
     def cat(self, names: list[str]) -> torch.Tensor:
-        return self._convert(torch.cat([self._raw(n) for n in names], dim=0))
+        # Each part converted first: a mixed linear may hold GGUF blocks beside float parts (an i-quant
+        # q / k with a Q5_1 v: llama.cpp falls back to another type where a row does not fit its blocks).
+        return torch.cat([self(n) for n in names], dim=0)
 
     def cat_optional(self, names: list[str]) -> torch.Tensor | None:
         present = [n in self.weights for n in names]
