@@ -26,13 +26,14 @@ Q = GGMLQuantizationType
 F16_FIELDS = {
     Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    Q.IQ4_NL: [0], Q.IQ4_XS: [0],
 }  # fmt: skip
 TYPES = list(F16_FIELDS)
 # The types with an 8-row layout (gguf_repack8), and of those the K-quants (tiles of 256 columns).
-PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_TILED = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# Bytes of a repacked tile group against the file's 8 blocks: the K-quants' six-bit scales and mins unpacked.
-PACKED_GROWTH = {Q.Q4_K: (1184, 1152), Q.Q5_K: (1440, 1408)}
+PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+K_TILED = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+# Bytes of a repacked tile group against the file's 8 blocks: the six-bit scales (and mins) unpacked.
+PACKED_GROWTH = {Q.Q4_K: (1184, 1152), Q.Q5_K: (1440, 1408), Q.IQ4_XS: (1104, 1088)}
 
 kernels = gguf_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="GGUF kernels unavailable (no compiler)")
@@ -252,7 +253,7 @@ def test_loader_dequantizes_every_kernel_type(qtype: Q) -> None:
     torch.testing.assert_close(got, torch.from_numpy(gguf_dequantize(raw, qtype).astype(np.float32)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_embedding_rows_from_the_packed_layout(qtype: Q) -> None:
     """A tied embedding reads its rows from the LM head's 8-row copy: the same values as the file's rows."""
     n, k = (24, 512) if qtype in K_TILED else (24, 96)
@@ -333,10 +334,14 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
 
 
 def extreme_blocks(qtype: Q, n: int, k: int) -> np.ndarray:
-    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q5_K 31, Q6_K 63) and
-    the sub-block scales at theirs (Q4_K / Q5_K 63, Q6_K -128 in even rows and 127 in odd ones)."""
+    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q5_K 31, Q6_K 63, IQ4_XS
+    the level -127) and the sub-block scales at theirs (Q4_K / Q5_K 63, Q6_K -128 in even rows and 127
+    in odd ones, IQ4_XS -32 and 31)."""
     raw = random_blocks(qtype, n, k, seed=17).reshape(n, k // 256, -1)
-    if qtype in (Q.Q4_K, Q.Q5_K):
+    if qtype == Q.IQ4_XS:
+        raw[:, :, 2:8] = np.where(np.arange(n) % 2 == 0, 0x00, 0xFF)[:, None, None]  # six-bit scale 0 / 63
+        raw[:, :, 8:] = 0  # every index 0: the level -127
+    elif qtype in (Q.Q4_K, Q.Q5_K):
         raw[:, :, 4:16] = 0xFF  # six-bit scales and mins all 63
         raw[:, :, 16:] = 0xFF  # nibbles all 15 (and Q5_K's fifth bits all set)
     else:

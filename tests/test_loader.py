@@ -26,6 +26,7 @@ from tests.tiny_models import (
 from tokenloom.model import gguf as gguf_file
 from tokenloom.model import loader, paths
 from tokenloom.model.gguf import dequantize, permute_rope_rows, read_gguf, unpermute_rope_rows
+from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.model.hf import config_from_hf
 from tokenloom.model.loader import default_model_path, expected_weight_shapes, load_model, resolve_model_path
 from tokenloom.model.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -204,28 +205,44 @@ def test_q5_gguf_loads_dequantized(tiny_dirs, tmp_path: Path) -> None:
     assert all(torch.isfinite(w).all() for w in loaded.weights.values())
 
 
-def test_i_quant_gguf_loads_through_the_reference_dequantizer(tiny_dirs, tmp_path: Path,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    """A file of an i-quant type (IQ4_NL here; IQ4_XS, IQ3_S ... alike), which no tokenloom kernel reads,
-    loads with those tensors dequantized by gguf's reference: as float on the dequantizing path, as
-    Q8_0 blocks (gguf's own Q8_0 quantizer's bytes) for the kernels on the quantized one, which auto
-    picks; both say so and generate alike."""
+def _greedy_tokens(path: Path, quantization: str) -> list[int]:
     from tokenloom.config import EngineConfig
     from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.model.gguf_weights import GGUFWeight
     from tokenloom.sampling_params import SamplingParams
 
+    engine = LLMEngine(EngineConfig(model=str(path), quantization=quantization, dtype="float32", max_model_len=64))
+    tokens: list[int] = []
+    try:
+        engine.add_request("r", {"prompt_token_ids": list(range(3, 19))},
+                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.outputs[0].token_ids
+    finally:
+        engine.close()
+    return tokens
+
+
+def test_reference_only_gguf_loads_through_the_reference_dequantizer(tiny_dirs, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A file of a type no tokenloom kernel reads (MXFP4 here; IQ3_S, IQ2_*, TQ2_0 ... alike) loads with
+    those tensors dequantized by gguf's reference: as float on the dequantizing path, as Q8_0 blocks
+    (gguf's own Q8_0 quantizer's bytes) for the kernels on the quantized one, which auto picks; both say
+    so and generate alike."""
+    from tokenloom.model.gguf_weights import GGUFWeight
+    from tokenloom.model.loader import resolve_quantization
+
     hf = load_model(tiny_dirs["llama", False])
-    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "iq4.gguf", "IQ4_NL")
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "mxfp4.gguf", "MXFP4")
     file = read_gguf(path)
-    assert {t.qtype for t in file.tensors.values() if len(t.shape) == 2} == {Q.IQ4_NL}
+    assert {t.qtype for t in file.tensors.values() if len(t.shape) == 2} == {Q.MXFP4}
     down = file.tensors["blk.1.ffn_down.weight"]
-    want_down = torch.from_numpy(gguf.quants.dequantize(down.raw, Q.IQ4_NL)).reshape(down.shape)
+    want_down = torch.from_numpy(gguf.quants.dequantize(down.raw, Q.MXFP4)).reshape(down.shape)
     for quantized, kept_as in ((False, "float32"), (True, "Q8_0")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="tokenloom.model.gguf"):
             loaded = load_model(path, quantized=quantized)
-        assert f"tensors of GGML type IQ4_NL have no tokenloom kernel; dequantized by gguf's reference and kept " \
+        assert f"tensors of GGML type MXFP4 have no tokenloom kernel; dequantized by gguf's reference and kept " \
                f"as {kept_as}" in caplog.text
         got_down = loaded.weights["model.layers.1.mlp.down_proj.weight"]
         if quantized:
@@ -236,26 +253,35 @@ def test_i_quant_gguf_loads_through_the_reference_dequantizer(tiny_dirs, tmp_pat
             torch.testing.assert_close(got_down, want_down, rtol=0, atol=float(want_down.abs().max()) / 254 + 1e-6)
         else:
             assert torch.equal(got_down, want_down)
-        for name, original in hf.weights.items():  # 4-bit levels: within a level step of the largest value
+        for name, original in hf.weights.items():  # 4-bit values: within a step of the largest value
             got = loaded.weights[name]
             got = got.dequantize() if isinstance(got, GGUFWeight) else got
             torch.testing.assert_close(got, original, rtol=0, atol=0.3 * float(original.abs().max()))
-    from tokenloom.model.loader import resolve_quantization
-
     assert resolve_quantization(None, path, torch.device("cpu")) == "gguf"
-    tokens = {}
-    for quantization in ("gguf", "none"):
-        engine = LLMEngine(EngineConfig(model=str(path), quantization=quantization, dtype="float32", max_model_len=64))
-        try:
-            engine.add_request("r", {"prompt_token_ids": list(range(3, 19))},
-                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    tokens[quantization] = out.outputs[0].token_ids
-        finally:
-            engine.close()
-    # Q8_0 of the IQ4 values and int8 activations against float: a tiny random model's near-ties may part
-    # late; the first tokens agree.
+    # Q8_0 of the MXFP4 values and int8 activations against float: a tiny random model's near-ties may
+    # part late; the first tokens agree.
+    tokens = {q: _greedy_tokens(path, q) for q in ("gguf", "none")}
+    assert len(tokens["gguf"]) == 6 and tokens["gguf"][:2] == tokens["none"][:2], tokens
+
+
+@pytest.mark.skipif(gguf_kernels() is None, reason="the GGUF kernels did not build here")
+def test_iq4_nl_gguf_runs_on_its_own_blocks(tiny_dirs, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """IQ4_NL (and IQ4_XS) have kernels: the quantized loader keeps the file's blocks (no requantizing, no
+    warning), which dequantize to gguf's reference values, and the engine generates as the dequantized
+    model does."""
+    from tokenloom.model.gguf_weights import GGUFWeight
+
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "iq4.gguf", "IQ4_NL")
+    down = read_gguf(path).tensors["blk.1.ffn_down.weight"]
+    with caplog.at_level(logging.WARNING, logger="tokenloom.model.gguf"):
+        loaded = load_model(path, quantized=True)
+    assert "no tokenloom kernel" not in caplog.text
+    got = loaded.weights["model.layers.1.mlp.down_proj.weight"]
+    assert isinstance(got, GGUFWeight) and got.qtype == Q.IQ4_NL
+    assert np.array_equal(got.data.numpy().reshape(-1), down.raw)
+    want = torch.from_numpy(gguf.quants.dequantize(down.raw, Q.IQ4_NL)).reshape(down.shape)
+    assert torch.equal(got.dequantize(), want)
+    tokens = {q: _greedy_tokens(path, q) for q in ("gguf", "none")}
     assert len(tokens["gguf"]) == 6 and tokens["gguf"][:2] == tokens["none"][:2], tokens
 
 

@@ -38,7 +38,7 @@ from tokenloom.model.gguf import (
 from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, ROPE_PERMUTED, finish_family_weights
 
 Q = GGMLQuantizationType
-KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -168,12 +168,12 @@ def requantize_q8_0(value: torch.Tensor) -> GGUFWeight:
     """A float [N, K] matrix as Q8_0 blocks (ggml's arithmetic, as gguf.quants.quantize: per 32 values
     d = max|x| / 127, q = x / d rounded half away from zero, d stored as float16).
 
-    What the i-quants (IQ4_XS, IQ4_NL, IQ3_S ...; no tokenloom kernel) become at load on the quantized
-    path: their values, dequantized by gguf's reference, kept as Q8_0, which every kernel path runs (the
-    tiles, the batched GEMM, the fused step). A 4-bit i-quant's values are a level of 16 times a per-32
-    (or per-256 x per-32) scale, so Q8_0's 255 steps per 32 values hold them within half a step of
-    the block's largest value / 127; the weights take 1.06 bytes each, twice an IQ4's and a quarter of
-    float32's."""
+    What the types without a tokenloom kernel (IQ3_S, IQ2_*, IQ1_*, TQ1_0 / TQ2_0, MXFP4) become at load
+    on the quantized path: their values, dequantized by gguf's reference, kept as Q8_0, which every kernel
+    path runs (the tiles, the batched GEMM, the fused step). Their values are a few levels times a
+    per-32 (or per-256 x per-32) scale, so Q8_0's 255 steps per 32 values hold them within half a step
+    of the block's largest value / 127; the weights take 1.06 bytes each (a quarter of float32's, two to
+    four times the file's)."""
     n, k = value.shape
     x = value.float().reshape(n, k // 32, 32)
     d = x.abs().amax(dim=-1, keepdim=True) / 127

@@ -7,8 +7,8 @@
 //   gguf_dequantize  W -> float / bf16 [N, K]   (the large-batch fallback and the loader)
 //   gguf_embedding   rows `ids` of W -> float / bf16 (the embedding lookup of a quantized token_embd)
 //
-// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks
-// of 256); block layouts as in ggml-common.h (see each `Type` below).
+// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
+// (super-blocks of 256); block layouts as in ggml-common.h (see each `Type` below).
 //
 // The arithmetic is ggml's CPU backend's idea: the activations are quantized on the fly to int8 in
 // groups of 32 (scale d = max|x| / 127, and s = d * sum(q) for the types with an offset), and each
@@ -63,7 +63,12 @@ using namespace tlq;  // bf16, QAct, quantize_act, hsum8, g_force_scalar, TypeIn
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23,
 };
+
+// IQ4_NL / IQ4_XS: a 4-bit index picks one of 16 non-uniform levels (ggml's kvalues_iq4nl), times the
+// block's scale (IQ4_NL: d per 32; IQ4_XS: d per 256 times a six-bit scale minus 32 per 32).
+constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 
 // ------------------------------------------------------------------------------ per-type traits
@@ -126,6 +131,8 @@ constexpr TypeTraits kTypeTraits[] = {
     {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
     {kQ5_K, 256, 176, 1440, 256, TLQ_TILED(kQ5_K)},
     {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
+    {kIQ4_NL, 32, 18, 144, 32, TLQ_TILED(kIQ4_NL)},
+    {kIQ4_XS, 256, 136, 1104, 256, TLQ_TILED(kIQ4_XS)},
 };
 #undef TLQ_ROWS_ONLY
 #undef TLQ_TILED
@@ -190,6 +197,12 @@ inline void k3_scales(const uint8_t* s, int* sc) {
     const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
     sc[j] = (lo | (hi << 4)) - 32;
   }
+}
+
+// IQ4_XS: group ib's six-bit scale (low four bits in scales_l, high two in scales_h), minus 32.
+inline int iq4xs_scale(const uint8_t* b, int ib) {
+  const int sh = b[2] | (b[3] << 8);
+  return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
 }
 
 void dequant_block(int t, const uint8_t* b, float* y) {
@@ -290,6 +303,21 @@ void dequant_block(int t, const uint8_t* b, float* y) {
           o[l + 64] = d * static_cast<float>(sc[is + 4]) * v2;
           o[l + 96] = d * static_cast<float>(sc[is + 6]) * v3;
         }
+      }
+      break;
+    }
+    case kIQ4_NL: {
+      const float d = h2f(b);
+      nibbles32(b + 2, q);
+      for (int j = 0; j < 32; j++) y[j] = d * static_cast<float>(kIQ4Levels[q[j]]);
+      break;
+    }
+    case kIQ4_XS: {
+      const float d = h2f(b);
+      for (int ib = 0; ib < 8; ib++) {
+        const float dl = d * static_cast<float>(iq4xs_scale(b, ib));
+        nibbles32(b + 8 + 16 * ib, q);
+        for (int j = 0; j < 32; j++) y[32 * ib + j] = dl * static_cast<float>(kIQ4Levels[q[j]]);
       }
       break;
     }
@@ -463,6 +491,23 @@ inline void groups_q2_k(const uint8_t* b, F&& f) {
   }
 }
 
+// IQ4: 32 indices (0..15) to their signed levels, one vpshufb (the 16 levels in both 128-bit lanes).
+inline __m256i iq4_levels(__m256i idx) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Levels));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), idx);
+}
+template <typename F>
+inline void groups_iq4_nl(const uint8_t* b, F&& f) {
+  f(Group{iq4_levels(nib_lo_hi(b + 2)), _mm256_set1_epi16(1), h2f(b), 0.0f, {}, 0.0f});
+}
+template <typename F>
+inline void groups_iq4_xs(const uint8_t* b, F&& f) {
+  const float d = h2f(b);
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int ib = 0; ib < 8; ib++)
+    f(Group{iq4_levels(nib_lo_hi(b + 8 + 16 * ib)), one, d * static_cast<float>(iq4xs_scale(b, ib)), 0.0f, {}, 0.0f});
+}
+
 // Calls f(group) for every 32-element group of one block, in element order.
 template <int T, typename F>
 inline void groups(const uint8_t* b, F&& f) {
@@ -475,12 +520,15 @@ inline void groups(const uint8_t* b, F&& f) {
   else if constexpr (T == kQ3_K) groups_q3_k(b, f);
   else if constexpr (T == kQ4_K) groups_q4_k(b, f);
   else if constexpr (T == kQ5_K) groups_q5_k(b, f);
+  else if constexpr (T == kIQ4_NL) groups_iq4_nl(b, f);
+  else if constexpr (T == kIQ4_XS) groups_iq4_xs(b, f);
   else groups_q6_k(b, f);
 }
 
-constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K; }
+constexpr bool is_iq4(int T) { return T == kIQ4_NL || T == kIQ4_XS; }
+constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T); }
 constexpr bool has_mul(int T) { return T == kQ2_K || T == kQ3_K || T == kQ6_K; }
-constexpr bool has_b(int T) { return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K); }
+constexpr bool has_b(int T) { return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K || is_iq4(T)); }
 
 
 // NR weight rows against MT activation rows: out[r * MT + m]. NR * MT independent accumulators keep
@@ -497,7 +545,7 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64
       sacc[r][m] = 0.0f;
     }
   const __m256i one = _mm256_set1_epi16(1);
-  constexpr int kGroups = (T == kQ2_K || T == kQ3_K || T == kQ4_K || T == kQ5_K || T == kQ6_K) ? 8 : 1;
+  constexpr int kGroups = find_traits(T)->block_elems / 32;  // groups of 32 per block
   for (int64_t blk = 0; blk < nblocks; blk++) {
     for (int r = 0; r < NR; r++) {
       int64_t g = blk * kGroups;  // activation group index
@@ -623,6 +671,7 @@ void linear_avx2_range(const int8_t* q, const float* d, const float* s, int64_t 
 //                 bit 2j = fifth bit of w[r][8j + i], bit 2j + 1 = that of w[r][8j + 4 + i] (so the
 //                 kernel's nibble vector v takes bit v of every byte)
 //   Q8_0:         d[8] f16, then 8 x 32 bytes: vector j, byte 4r + i = w[r][4j + i]
+//   IQ4_NL:       as Q4_0 (the nibbles are level indices, looked up by the kernels)
 // Same bytes as the file. The kernel then gets row r's partial dot product in lane r of the
 // accumulator: four activation bytes are broadcast to every lane, one vpmaddubsw + add per 4
 // columns for all eight rows, and the eight scales load as one vector (vcvtph2ps). About a third of
@@ -643,6 +692,8 @@ constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; 
 //          (the six-bit scales and mins unpacked to bytes: 1184 bytes against the file's 1152)
 //   Q5_K:  Q4_K's first 160 bytes, then per group 128 bytes of nibbles and 32 bytes of fifth bits in
 //          Q5_0's form (byte 4r + i, bit v = the fifth bit of nibble vector v): 1440 against 1408
+//   IQ4_XS: d[8] f16, scale[g][r] i8 (the six-bit scale minus 32, 64 bytes), then 8 x 128 bytes of level
+//          indices: 1104 against 1088
 //   Q6_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, 128 bytes), then per group 128 bytes of low
 //          nibbles and 2 x 32 bytes of high bit pairs: byte 4r + i of the first holds, in bits 2v and
 //          2v + 1, the high pair of nibble vector v (v = 0..3), the second of v = 4..7 (same bytes
@@ -650,12 +701,13 @@ constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; 
 constexpr int kK4Scales = 32, kK4Mins = 96, kK4Quants = 160;
 constexpr int kK5GroupBytes = 160;  // Q5_K: scales and mins where Q4_K has them, groups from kK4Quants
 constexpr int kK6Scales = 16, kK6Groups = 144, kK6GroupBytes = 192;
+constexpr int kXSScales = 16, kXSQuants = 80;  // IQ4_XS
 
 // Q4_K / Q5_K: where group g's nibble vectors begin in a super-block tile (Q5_K's fifth bits follow them).
 constexpr int k4_group_offset(int t, int g) { return kK4Quants + (t == kQ5_K ? kK5GroupBytes : 128) * g; }
 
 // Offset of the quants in an ordinary block of a 4/5-bit type, and its fifth bits (Q5 only).
-constexpr int block_qs_offset(int t) { return t == kQ4_0 ? 2 : t == kQ4_1 ? 4 : t == kQ5_0 ? 6 : 8; }
+constexpr int block_qs_offset(int t) { return t == kQ4_0 || t == kIQ4_NL ? 2 : t == kQ4_1 ? 4 : t == kQ5_0 ? 6 : 8; }
 constexpr int block_qh_offset(int t) { return t == kQ5_0 ? 2 : 4; }
 
 bool packable(int64_t qtype) { return packed_tile_bytes(static_cast<int>(qtype)) > 0; }
@@ -666,8 +718,18 @@ inline void put_nibbles(const int* q, int r, uint8_t* v) {
     for (int i = 0; i < 4; i++) v[32 * j + 4 * r + i] = static_cast<uint8_t>((q[8 * j + i] & 15) | ((q[8 * j + 4 + i] & 15) << 4));
 }
 
-// Row r's Q4_K / Q5_K / Q6_K block into its super-block tile o.
+// Row r's Q4_K / Q5_K / Q6_K / IQ4_XS block into its super-block tile o.
 void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
+  if (t == kIQ4_XS) {
+    std::memcpy(o + 2 * r, blk, 2);  // d
+    for (int g = 0; g < 8; g++) {
+      o[kXSScales + 8 * g + r] = static_cast<uint8_t>(static_cast<int8_t>(iq4xs_scale(blk, g)));
+      int q[32];
+      nibbles32(blk + 8 + 16 * g, q);
+      put_nibbles(q, r, o + kXSQuants + 128 * g);
+    }
+    return;
+  }
   if (t == kQ4_K || t == kQ5_K) {
     const bool five = t == kQ5_K;
     std::memcpy(o + 2 * r, blk, 2);           // d
@@ -953,12 +1015,15 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
         accb[0] = _mm256_fmadd_ps(sum, sc, accb[0]);
       else
         acc[0] = _mm256_fmadd_ps(sum, sc, acc[0]);
-    } else if constexpr (T == kQ8_0) {
+    } else if constexpr (T == kQ8_0 || T == kIQ4_NL) {  // signed weights: |w| x (x with w's sign)
       __m256i w[8], wa[8];
-      for (int j = 0; j < 8; j++) {
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
-        wa[j] = _mm256_sign_epi8(w[j], w[j]);
+      if constexpr (T == kIQ4_NL) {
+        load_nibbles(p + 16, w);
+        for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
+      } else {
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
       }
+      for (int j = 0; j < 8; j++) wa[j] = _mm256_sign_epi8(w[j], w[j]);
       for (int m = 0; m < MT; m++) {
         const int8_t* x = xq[m] + 32 * g;
         __m256i s0 = dpbusd(_mm256_setzero_si256(), wa[0], _mm256_sign_epi8(bcast4(x), w[0]));
@@ -1078,6 +1143,44 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
         acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
         accb[m] = _mm256_fnmadd_ps(macc[m], mv, accb[m]);  // - dmin * sum(min * s_x)
       }
+    } else if constexpr (T == kIQ4_XS) {  // signed levels (|w| x x with w's sign), one signed scale per group
+      for (int g = 0; g < 8; g++) {
+        const int64_t gi = 8 * sb + g;
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kXSScales + 8 * g)));
+#if TLQ_VNNI
+        const __m256 scf = _mm256_cvtepi32_ps(sc);
+#else
+        // The signed scale in both int16 halves of its lane (a blend: an OR would keep the sign bits).
+        const __m256i sc16 = _mm256_blend_epi16(sc, _mm256_slli_epi32(sc, 16), 0xAA);
+#endif
+        __m256i w[8], wa[8];
+        load_nibbles(p + kXSQuants + 128 * g, w);
+        for (int j = 0; j < 8; j++) {
+          w[j] = iq4_levels(w[j]);
+          wa[j] = _mm256_sign_epi8(w[j], w[j]);
+        }
+        for (int m = 0; m < MT; m++) {
+          const int8_t* x = xq[m] + 32 * gi;
+          auto xs8 = [&](int j) { return _mm256_sign_epi8(bcast4(x + 4 * j), w[j]); };
+#if TLQ_VNNI
+          __m256i s0 = dpbusd(_mm256_setzero_si256(), wa[0], xs8(0)), s1 = dpbusd(_mm256_setzero_si256(), wa[1], xs8(1));
+          for (int j = 2; j < 8; j += 2) {
+            s0 = dpbusd(s0, wa[j], xs8(j));
+            s1 = dpbusd(s1, wa[j + 1], xs8(j + 1));
+          }
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                                    _mm256_mul_ps(scf, _mm256_set1_ps(xd[m][gi])), sacc[m]);
+#else
+          // One vpmaddubsw's pair sums of |level| <= 127 by |x| <= 127 stay below 2 * 127 * 127 = 32258 in
+          // int16, so each is scaled on its own by vpmaddwd (|sum| <= 32 * 127 * 127 * 32 < 2^24).
+          __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[0], xs8(0)), sc16);
+          for (int j = 1; j < 8; j++) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], xs8(j)), sc16));
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xd[m][gi]), sacc[m]);
+#endif
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
     } else {  // Q6_K: quants q in 0..63 (the value is q - 32), two scales per group (16 columns each)
       const __m256i m3 = _mm256_set1_epi8(0x30);
       for (int g = 0; g < 8; g++) {
@@ -1269,12 +1372,17 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
         const float d = h2f(p + 2 * r);
         float* o = out + r * ldo + 256 * sb;
         for (int g = 0; g < 8; g++) {
-          const uint8_t* v = p + (t == kQ6_K ? kK6Groups + kK6GroupBytes * g : k4_group_offset(t, g));
+          const uint8_t* v = p + (t == kQ6_K    ? kK6Groups + kK6GroupBytes * g
+                                  : t == kIQ4_XS ? kXSQuants + 128 * g
+                                                 : k4_group_offset(t, g));
           for (int e = 0; e < 32; e++) {
             const int vv = e / 4, i = e % 4;  // nibble vector vv, byte 4r + i
             const uint8_t b = v[32 * (vv / 2) + 4 * r + i];
             int q = vv % 2 == 0 ? b & 0x0F : b >> 4;
-            if (t != kQ6_K) {  // Q4_K / Q5_K
+            if (t == kIQ4_XS) {
+              const int8_t sc = static_cast<int8_t>(p[kXSScales + 8 * g + r]);
+              o[32 * g + e] = d * static_cast<float>(sc) * static_cast<float>(kIQ4Levels[q]);
+            } else if (t != kQ6_K) {  // Q4_K / Q5_K
               if (t == kQ5_K) q |= ((v[128 + 4 * r + i] >> vv) & 1) << 4;
               const float dl = d * p[kK4Scales + 8 * g + r], ml = h2f(p + 16 + 2 * r) * p[kK4Mins + 8 * g + r];
               o[32 * g + e] = dl * q - ml;
@@ -1310,7 +1418,10 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
           const uint8_t b = v[32 * j + 4 * r + i];
           const uint8_t h = five ? v[128 + 4 * r + i] : 0;
           const int lo = (b & 0x0F) | (((h >> (2 * j)) & 1) << 4), hi = (b >> 4) | (((h >> (2 * j + 1)) & 1) << 4);
-          if (has_min) {
+          if (t == kIQ4_NL) {
+            o[8 * j + i] = d * static_cast<float>(kIQ4Levels[lo]);
+            o[8 * j + 4 + i] = d * static_cast<float>(kIQ4Levels[hi]);
+          } else if (has_min) {
             o[8 * j + i] = d * lo + m;
             o[8 * j + 4 + i] = d * hi + m;
           } else {
@@ -1489,10 +1600,10 @@ struct R8Chunk {
 //   unpack      groups [g0, g0 + n) of one tile (its first byte: tp) into the chunk
 template <int T>
 struct R8Type {
-  static constexpr bool kSigned = T == kQ8_0 || T == kQ6_K;
+  static constexpr bool kSigned = T == kQ8_0 || T == kQ6_K || is_iq4(T);
   static constexpr bool kTwoScales = T == kQ6_K;
   static constexpr bool kHasB = !kSigned;
-  static constexpr int kChain = T == kQ8_0 ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ6_K) ? 4 : 8;
+  static constexpr int kChain = (T == kQ8_0 || is_iq4(T)) ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ6_K) ? 4 : 8;
 
   static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
     constexpr int TB = packed_tile_bytes(T);
@@ -1515,6 +1626,11 @@ struct R8Type {
           _mm256_store_ps(b, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, bytes8(kK4Mins))));
           load_nibbles(p + k4_group_offset(T, s), w);
           if constexpr (T == kQ5_K) or_fifth_bits(p + k4_group_offset(T, s) + 128, w);
+        } else if constexpr (T == kIQ4_XS) {
+          _mm256_store_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kXSScales + 8 * s))))));
+          load_nibbles(p + kXSQuants + 128 * s, w);
+          for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
         } else {
           const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
           auto scale8 = [&](int sub) {
@@ -1543,6 +1659,9 @@ struct R8Type {
         _mm256_store_ps(a, dv);
         if constexpr (T == kQ8_0) {
           for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
+        } else if constexpr (T == kIQ4_NL) {
+          load_nibbles(p + 16, w);
+          for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
         } else {
           constexpr int off = packed_nibble_offset(T);
           constexpr bool five = packed_five_bit(T);
@@ -1868,6 +1987,7 @@ bool gguf_type_supported(int64_t qtype) {
   switch (static_cast<int>(qtype)) {
     case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1:
     case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K:
+    case kIQ4_NL: case kIQ4_XS:
       return true;
     default:
       return false;
