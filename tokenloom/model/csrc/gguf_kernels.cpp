@@ -968,6 +968,20 @@ inline void or_fifth_bits(const uint8_t* h32, __m256i* w) {
   w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), b4));
 }
 
+// Q6_K's high bit pairs (2 x 32 bytes at h64: byte 4r + i of the first holds in bits 2v, 2v + 1 the pair of
+// nibble vector v = 0..3, the second's of v = 4..7) moved to bits 4-5 of each w[v].
+inline void or_high_pairs(const uint8_t* h64, __m256i* w) {
+  const __m256i m3 = _mm256_set1_epi8(0x30);
+  for (int half = 0; half < 2; half++) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h64 + 32 * half));
+    __m256i* v = w + 4 * half;
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), m3));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(h, 2), m3));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(h, m3));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi16(h, 2), m3));
+  }
+}
+
 // Per row (int32 lane r): sum over the group's 32 columns of 4-bit quants w times int8 x. The int16
 // sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
 inline __m256i dot_u4(const __m256i* w, const int8_t* x) {
@@ -1182,7 +1196,6 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
     } else {  // Q6_K: quants q in 0..63 (the value is q - 32), two scales per group (16 columns each)
-      const __m256i m3 = _mm256_set1_epi8(0x30);
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;
         const uint8_t* v = p + kK6Groups + kK6GroupBytes * g;
@@ -1190,19 +1203,9 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
           return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)));
         };
         const __m256i sc_lo = scale8(2 * g), sc_hi = scale8(2 * g + 1);
-        const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
-        const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
         __m256i w[8];
         load_nibbles(v, w);
-        // High pair of vector vv at bits 2 vv: moved to bits 4-5.
-        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
-        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m3));
-        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h0, m3));
-        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m3));
-        w[4] = _mm256_or_si256(w[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m3));
-        w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m3));
-        w[6] = _mm256_or_si256(w[6], _mm256_and_si256(h1, m3));
-        w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m3));
+        or_high_pairs(v + 128, w);
 #if !TLQ_VNNI
         // The signed scale in both int16 halves of its lane (a blend: an OR would keep the sign bits).
         const __m256i sc16_lo = _mm256_blend_epi16(sc_lo, _mm256_slli_epi32(sc_lo, 16), 0xAA);
@@ -1639,18 +1642,9 @@ struct R8Type {
           };
           _mm256_store_ps(a, scale8(2 * s));
           _mm256_store_ps(c.a2 + 8 * i, scale8(2 * s + 1));
-          const __m256i m3 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
-          const __m256i h0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 128));
-          const __m256i h1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 160));
+          const __m256i c32 = _mm256_set1_epi8(32);
           load_nibbles(v, w);
-          w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m3));
-          w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m3));
-          w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h0, m3));
-          w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m3));
-          w[4] = _mm256_or_si256(w[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m3));
-          w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m3));
-          w[6] = _mm256_or_si256(w[6], _mm256_and_si256(h1, m3));
-          w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m3));
+          or_high_pairs(v + 128, w);
           for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], c32);
         }
       } else {
