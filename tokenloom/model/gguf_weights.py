@@ -107,8 +107,8 @@ class GGUFWeight:
         return self.split([self.shape[0] // n] * n)
 
     def repacked(self, kernels: object) -> GGUFWeight:
-        """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-        Q6_K), else self."""
+        """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K,
+        Q5_K, Q6_K, IQ4_XS), else self."""
         if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
             return self
         data = kernels.gguf_repack8(self.data, self.qtype, self.shape[1])  # type: ignore[attr-defined]
@@ -116,8 +116,8 @@ class GGUFWeight:
 
 
 def has_kernel_matrices(path: str | os.PathLike[str]) -> bool:
-    """Whether the file has a 2-D tensor of a type the GGUF kernels run, or of an i-quant type, which loads
-    as Q8_0 for them (requantize_q8_0): a header read, no weights."""
+    """Whether the file has a 2-D tensor of a type the GGUF kernels run, or of one that loads as Q8_0 for
+    them (REFERENCE_ONLY_TYPES, requantize_q8_0): a header read, no weights."""
     kept = KERNEL_TYPES + REFERENCE_ONLY_TYPES
     return any(t.qtype in kept and len(t.shape) == 2 for t in read_gguf(Path(path)).tensors.values())
 
@@ -185,8 +185,9 @@ def requantize_q8_0(value: torch.Tensor) -> GGUFWeight:
 
 
 def _requantize_reference_only(tensor) -> GGUFWeight:  # noqa: ANN001 - a loader GGUFTensor
-    """An i-quant matrix as Q8_0, a slab of rows at a time: the float32 copy of a whole embedding table
-    (and gguf's numpy intermediates beside it) would cost several times the model's memory at load."""
+    """A matrix of a REFERENCE_ONLY_TYPES type as Q8_0, a slab of rows at a time: the float32 copy of a
+    whole embedding table (and gguf's numpy intermediates beside it) would cost several times the model's
+    memory at load."""
     from gguf.quants import dequantize as gguf_dequantize
 
     n, k = tensor.shape

@@ -57,8 +57,8 @@ class WeightReader:
         return self(name) if name in self.weights else None
 
     def cat(self, names: list[str]) -> torch.Tensor:
-        # Each part converted first: a mixed linear may hold GGUF blocks beside float parts (an i-quant
-        # q / k with a Q5_1 v: llama.cpp falls back to another type where a row does not fit its blocks).
+        # Each part converted first: a linear may hold GGUF blocks beside a float part (an F16 / F32 matrix
+        # in a quantized file, as some llama.cpp mixes write), which then runs as one float matrix.
         return torch.cat([self(n) for n in names], dim=0)
 
     def cat_optional(self, names: list[str]) -> torch.Tensor | None:
