@@ -127,7 +127,7 @@ constexpr TypeTraits kTypeTraits[] = {
     {kQ5_1, 32, 24, 192, 32, TLQ_TILED(kQ5_1)},
     {kQ8_0, 32, 34, 272, 32, TLQ_TILED(kQ8_0)},
     {kQ2_K, 256, 84, 0, 256, TLQ_ROWS_ONLY(kQ2_K)},
-    {kQ3_K, 256, 110, 0, 256, TLQ_ROWS_ONLY(kQ3_K)},
+    {kQ3_K, 256, 110, 912, 256, TLQ_TILED(kQ3_K)},
     {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
     {kQ5_K, 256, 176, 1440, 256, TLQ_TILED(kQ5_K)},
     {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
@@ -694,6 +694,10 @@ constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; 
 //          Q5_0's form (byte 4r + i, bit v = the fifth bit of nibble vector v): 1440 against 1408
 //   IQ4_XS: d[8] f16, scale[g][r] i8 (the six-bit scale minus 32, 64 bytes), then 8 x 128 bytes of level
 //          indices: 1104 against 1088
+//   Q3_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, minus 32), then per group 2 x 32 bytes of low bit
+//          pairs (byte 4r + i of plane p holds in bits 2k, 2k + 1 the pair of nibble vector 4p + k) and 32
+//          bytes of third bits (bit v: vector v's); the quants unsigned 0..7, the value q - 4: 912
+//          against 880
 //   Q6_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, 128 bytes), then per group 128 bytes of low
 //          nibbles and 2 x 32 bytes of high bit pairs: byte 4r + i of the first holds, in bits 2v and
 //          2v + 1, the high pair of nibble vector v (v = 0..3), the second of v = 4..7 (same bytes
@@ -702,6 +706,8 @@ constexpr int kK4Scales = 32, kK4Mins = 96, kK4Quants = 160;
 constexpr int kK5GroupBytes = 160;  // Q5_K: scales and mins where Q4_K has them, groups from kK4Quants
 constexpr int kK6Scales = 16, kK6Groups = 144, kK6GroupBytes = 192;
 constexpr int kXSScales = 16, kXSQuants = 80;  // IQ4_XS
+constexpr int kK3Scales = 16, kK3Groups = 144, kK3GroupBytes = 96;
+static_assert(kK3Scales == kK6Scales, "the Q3_K / Q6_K kernels read the sub-block scales at one offset");
 
 // Q4_K / Q5_K: where group g's nibble vectors begin in a super-block tile (Q5_K's fifth bits follow them).
 constexpr int k4_group_offset(int t, int g) { return kK4Quants + (t == kQ5_K ? kK5GroupBytes : 128) * g; }
@@ -718,8 +724,31 @@ inline void put_nibbles(const int* q, int r, uint8_t* v) {
     for (int i = 0; i < 4; i++) v[32 * j + 4 * r + i] = static_cast<uint8_t>((q[8 * j + i] & 15) | ((q[8 * j + 4 + i] & 15) << 4));
 }
 
-// Row r's Q4_K / Q5_K / Q6_K / IQ4_XS block into its super-block tile o.
+// Row r's Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS block into its super-block tile o.
 void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
+  if (t == kQ3_K) {
+    std::memcpy(o + 2 * r, blk + 108, 2);  // d
+    int sc[16];
+    k3_scales(blk + 96, sc);
+    for (int sb = 0; sb < 16; sb++) o[kK3Scales + 8 * sb + r] = static_cast<uint8_t>(static_cast<int8_t>(sc[sb]));
+    for (int g = 0; g < 8; g++) {
+      int q[32];  // unsigned 0..7 (dequant_block's value + 4): the low pair, and the hmask bit as bit 2
+      for (int l = 0; l < 32; l++) q[l] = ((blk[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3) | (((blk[l] >> g) & 1) << 2);
+      uint8_t* v = o + kK3Groups + kK3GroupBytes * g;
+      for (int i = 0; i < 4; i++) {  // nibble vector vv holds elements 4 vv + i (see put_nibbles)
+        uint8_t p0 = 0, p1 = 0, h = 0;
+        for (int vv = 0; vv < 4; vv++) {
+          p0 |= static_cast<uint8_t>((q[4 * vv + i] & 3) << (2 * vv));
+          p1 |= static_cast<uint8_t>((q[16 + 4 * vv + i] & 3) << (2 * vv));
+        }
+        for (int vv = 0; vv < 8; vv++) h |= static_cast<uint8_t>(((q[4 * vv + i] >> 2) & 1) << vv);
+        v[4 * r + i] = p0;
+        v[32 + 4 * r + i] = p1;
+        v[64 + 4 * r + i] = h;
+      }
+    }
+    return;
+  }
   if (t == kIQ4_XS) {
     std::memcpy(o + 2 * r, blk, 2);  // d
     for (int g = 0; g < 8; g++) {
@@ -982,6 +1011,20 @@ inline void or_high_pairs(const uint8_t* h64, __m256i* w) {
   }
 }
 
+// A Q3_K tile group (96 bytes at v, see the layout above) as unsigned 0..7 in w[0..7] (load_nibbles' order).
+inline void load_q3(const uint8_t* v, __m256i* w) {
+  const __m256i m3 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+  for (int p = 0; p < 2; p++) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * p));
+    for (int k = 0; k < 4; k++) w[4 * p + k] = _mm256_and_si256(_mm256_srli_epi16(pairs, 2 * k), m3);
+  }
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64));  // bit v of each byte: to bit 2
+  w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 2), b2));
+  w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 1), b2));
+  w[2] = _mm256_or_si256(w[2], _mm256_and_si256(h, b2));
+  for (int k = 3; k < 8; k++) w[k] = _mm256_or_si256(w[k], _mm256_and_si256(_mm256_srli_epi16(h, k - 2), b2));
+}
+
 // Per row (int32 lane r): sum over the group's 32 columns of 4-bit quants w times int8 x. The int16
 // sums of eight vpmaddubsw results stay below 8 * 2 * 15 * 127 = 30480.
 inline __m256i dot_u4(const __m256i* w, const int8_t* x) {
@@ -1195,17 +1238,23 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
       }
       const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
-    } else {  // Q6_K: quants q in 0..63 (the value is q - 32), two scales per group (16 columns each)
+    } else {  // Q6_K / Q3_K: quants q in 0..63 / 0..7 (the value is q - 32 / q - 4), a scale per 16 columns
+      // kK3Scales == kK6Scales: the sub-block scales sit at the same offset in both tiles.
+      constexpr int kOff = T == kQ6_K ? 32 : 4;
       for (int g = 0; g < 8; g++) {
         const int64_t gi = 8 * sb + g;
-        const uint8_t* v = p + kK6Groups + kK6GroupBytes * g;
         auto scale8 = [&](int sub) {
           return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)));
         };
         const __m256i sc_lo = scale8(2 * g), sc_hi = scale8(2 * g + 1);
         __m256i w[8];
-        load_nibbles(v, w);
-        or_high_pairs(v + 128, w);
+        if constexpr (T == kQ6_K) {
+          const uint8_t* v = p + kK6Groups + kK6GroupBytes * g;
+          load_nibbles(v, w);
+          or_high_pairs(v + 128, w);
+        } else {
+          load_q3(p + kK3Groups + kK3GroupBytes * g, w);
+        }
 #if !TLQ_VNNI
         // The signed scale in both int16 halves of its lane (a blend: an OR would keep the sign bits).
         const __m256i sc16_lo = _mm256_blend_epi16(sc_lo, _mm256_slli_epi32(sc_lo, 16), 0xAA);
@@ -1221,20 +1270,20 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
             lo = dpbusd(lo, w[j], bcast4(x + 4 * j));
             hi = dpbusd(hi, w[4 + j], bcast4(x + 16 + 4 * j));
           }
-          lo = _mm256_mullo_epi32(_mm256_sub_epi32(lo, _mm256_set1_epi32(32 * bs_lo)), sc_lo);
-          hi = _mm256_mullo_epi32(_mm256_sub_epi32(hi, _mm256_set1_epi32(32 * bs_hi)), sc_hi);
+          lo = _mm256_mullo_epi32(_mm256_sub_epi32(lo, _mm256_set1_epi32(kOff * bs_lo)), sc_lo);
+          hi = _mm256_mullo_epi32(_mm256_sub_epi32(hi, _mm256_set1_epi32(kOff * bs_hi)), sc_hi);
 #else
           // Two u8 (<= 63) x s8 products per int16 lane, two such summed: <= 4 * 63 * 127 = 32004.
           auto pair = [&](int j) {
             return _mm256_add_epi16(_mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)),
                                     _mm256_maddubs_epi16(w[j + 1], bcast4(x + 4 * j + 4)));
           };
-          // sc * sum(q x) - sc * 32 * bs: the second as vpmaddwd of sc in both halves with 16 * bs
+          // sc * sum(q x) - sc * kOff * bs: the second as vpmaddwd of sc in both halves with kOff / 2 * bs
           // (|16 * bs| <= 16 * 16 * 127 = 32512 fits int16).
           __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(pair(0), sc16_lo), _mm256_madd_epi16(pair(2), sc16_lo));
           __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(pair(4), sc16_hi), _mm256_madd_epi16(pair(6), sc16_hi));
-          lo = _mm256_sub_epi32(lo, _mm256_madd_epi16(sc16_lo, _mm256_set1_epi16(static_cast<short>(16 * bs_lo))));
-          hi = _mm256_sub_epi32(hi, _mm256_madd_epi16(sc16_hi, _mm256_set1_epi16(static_cast<short>(16 * bs_hi))));
+          lo = _mm256_sub_epi32(lo, _mm256_madd_epi16(sc16_lo, _mm256_set1_epi16(static_cast<short>(kOff / 2 * bs_lo))));
+          hi = _mm256_sub_epi32(hi, _mm256_madd_epi16(sc16_hi, _mm256_set1_epi16(static_cast<short>(kOff / 2 * bs_hi))));
 #endif
           sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_set1_ps(xd[m][gi]), sacc[m]);
         }
@@ -1380,6 +1429,13 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
                                                  : k4_group_offset(t, g));
           for (int e = 0; e < 32; e++) {
             const int vv = e / 4, i = e % 4;  // nibble vector vv, byte 4r + i
+            if (t == kQ3_K) {
+              const uint8_t* w3 = p + kK3Groups + kK3GroupBytes * g;
+              const int q3 = ((w3[32 * (vv / 4) + 4 * r + i] >> (2 * (vv % 4))) & 3) | (((w3[64 + 4 * r + i] >> vv) & 1) << 2);
+              const int8_t sc = static_cast<int8_t>(p[kK3Scales + 8 * (2 * g + e / 16) + r]);
+              o[32 * g + e] = d * static_cast<float>(sc) * (q3 - 4);
+              continue;
+            }
             const uint8_t b = v[32 * (vv / 2) + 4 * r + i];
             int q = vv % 2 == 0 ? b & 0x0F : b >> 4;
             if (t == kIQ4_XS) {
@@ -1594,19 +1650,21 @@ struct R8Chunk {
 };
 
 // Per-type knowledge of the batched GEMM, in one place.
-//   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (Q8_0, Q6_K)
-//   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q6_K
+//   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (Q8_0, Q3_K, Q6_K, IQ4_*)
+//   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q3_K, Q6_K
 //   kHasB       an s_x term (offset or min)
 //   kChain      vpmaddubsw results summed in int16 before vpmaddwd (AVX2): 8 for 4-bit quants
-//               (< 8 * 2 * 15 * 127 = 30480), 4 for 5-bit and Q6_K (< 4 * 2 * 32 * 127 = 32512),
+//               (< 8 * 2 * 15 * 127 = 30480), 4 for 5-bit and Q6_K (< 4 * 2 * 32 * 127 = 32512) and for
+//               Q3_K (its two scales split a group's vectors at 4),
 //               1 for Q8_0 (one product pair already reaches 2 * 128 * 127)
 //   unpack      groups [g0, g0 + n) of one tile (its first byte: tp) into the chunk
 template <int T>
 struct R8Type {
-  static constexpr bool kSigned = T == kQ8_0 || T == kQ6_K || is_iq4(T);
-  static constexpr bool kTwoScales = T == kQ6_K;
+  static constexpr bool kSigned = T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T);
+  static constexpr bool kTwoScales = T == kQ3_K || T == kQ6_K;
   static constexpr bool kHasB = !kSigned;
-  static constexpr int kChain = (T == kQ8_0 || is_iq4(T)) ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ6_K) ? 4 : 8;
+  static constexpr int kChain =
+      (T == kQ8_0 || is_iq4(T)) ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ3_K || T == kQ6_K) ? 4 : 8;
 
   static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
     constexpr int TB = packed_tile_bytes(T);
@@ -1634,18 +1692,22 @@ struct R8Type {
                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kXSScales + 8 * s))))));
           load_nibbles(p + kXSQuants + 128 * s, w);
           for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
-        } else {
-          const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
+        } else {  // Q6_K / Q3_K: a scale per 16 (at the same offset in both tiles), quants minus 32 / 4
           auto scale8 = [&](int sub) {
             return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)))));
           };
           _mm256_store_ps(a, scale8(2 * s));
           _mm256_store_ps(c.a2 + 8 * i, scale8(2 * s + 1));
-          const __m256i c32 = _mm256_set1_epi8(32);
-          load_nibbles(v, w);
-          or_high_pairs(v + 128, w);
-          for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], c32);
+          if constexpr (T == kQ6_K) {
+            const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
+            load_nibbles(v, w);
+            or_high_pairs(v + 128, w);
+          } else {
+            load_q3(p + kK3Groups + kK3GroupBytes * s, w);
+          }
+          const __m256i off = _mm256_set1_epi8(T == kQ6_K ? 32 : 4);
+          for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], off);
         }
       } else {
         const uint8_t* p = tp + g * TB;
