@@ -165,7 +165,7 @@ def test_packed_layout_matches_rows(qtype: Q, scalar: bool) -> None:
         n, k = (24, 512) if qtype in K_TILED else (24, 96)
         raw = torch.from_numpy(random_blocks(qtype, n, k, seed=3))
         packed = kernels.gguf_repack8(raw, int(qtype), k)
-        # Same bytes, reordered; Q4_K's and Q5_K's six-bit scales and mins unpacked to bytes.
+        # Same bytes, reordered; the K-quants' and IQ4_XS's six-bit scales (and mins) unpacked to bytes.
         grown, file = PACKED_GROWTH.get(qtype, (1, 1))
         assert packed.numel() == raw.numel() * grown // file
         want_w, got_w = torch.empty(n, k), torch.empty(n, k)

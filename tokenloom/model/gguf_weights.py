@@ -28,6 +28,7 @@ from tokenloom import envs
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf import (
     REFERENCE_ONLY_TYPES,
+    GGUFTensor,
     config_from_gguf,
     dequantize,
     hf_name_from_gguf,
@@ -188,14 +189,13 @@ def _requantize_reference_only(tensor) -> GGUFWeight:  # noqa: ANN001 - a loader
     """A matrix of a REFERENCE_ONLY_TYPES type as Q8_0, a slab of rows at a time: the float32 copy of a
     whole embedding table (and gguf's numpy intermediates beside it) would cost several times the model's
     memory at load."""
-    from gguf.quants import dequantize as gguf_dequantize
-
     n, k = tensor.shape
     raw = tensor.raw.reshape(n, -1)
     out = torch.empty(n, k // 32 * 34, dtype=torch.uint8)
     for r0 in range(0, n, 1024):
         r1 = min(n, r0 + 1024)
-        out[r0:r1] = requantize_q8_0(torch.from_numpy(gguf_dequantize(raw[r0:r1], tensor.qtype))).data
+        slab = GGUFTensor(name=tensor.name, qtype=tensor.qtype, shape=(r1 - r0, k), raw=raw[r0:r1])
+        out[r0:r1] = requantize_q8_0(dequantize(slab)).data
     return GGUFWeight(out, int(Q.Q8_0), (n, k))
 
 
