@@ -20,3 +20,19 @@ def engine_leak_check(request):
     problems = leak_check.collect_leaks()
     if problems:
         pytest.fail("the test left the engine dirty:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def transformers_default_model():
+    """transformers' own GGUF loader over the default model, float32, eval mode: the reference three
+    modules hold the engine to. Loaded once per run (reading the GGUF's fields and dequantizing takes
+    20-35 s on 2 cores); the tests only read it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenloom.model.loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model

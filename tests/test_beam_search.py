@@ -19,7 +19,6 @@ from tokenloom.engine.beam_search import (
     search_is_decided,
 )
 from tokenloom.engine.llm import LLM
-from tokenloom.model.loader import resolve_model_path
 from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 
 QUESTIONS = ["Is water wet? Answer yes or no.", "What is 2+2?", "Say hi."]
@@ -114,12 +113,8 @@ def _reference_beam_search(hf, prompt: list[int], width: int, steps: int, eos: i
 
 
 @pytest.mark.slow
-def test_equals_a_beam_search_over_transformers_logprobs(llm) -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(None)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+def test_equals_a_beam_search_over_transformers_logprobs(llm, transformers_default_model) -> None:
+    hf = transformers_default_model
     eos = llm.get_tokenizer().eos_token_id
     cases = [(QUESTIONS[0], 3, 5, False, 1.0), (QUESTIONS[0], 3, 5, False, 0.0), (QUESTIONS[1], 3, 3, True, 1.0)]
     for question, width, steps, ignore_eos, lp in cases:

@@ -426,13 +426,10 @@ def test_q4_0_dequantizer_matches_gguf() -> None:
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers_gguf_loader(default_model: loader.LoadedModel) -> None:
-    """transformers dequantizes and un-permutes on its own; ~10 s, and needs `accelerate`."""
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    path = default_model.path
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).state_dict()
+def test_default_model_matches_transformers_gguf_loader(default_model: loader.LoadedModel,
+                                                         transformers_default_model) -> None:
+    """transformers dequantizes and un-permutes on its own (tests/conftest.py loads it once a run)."""
+    reference = dict(transformers_default_model.state_dict())
     del reference["lm_head.weight"]
     _assert_same_weights(default_model.weights, {k: v.float() for k, v in reference.items()}, atol=1e-6)
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tokenloom.engine.llm import LLM
-from tokenloom.model.loader import resolve_model_path
 from tokenloom.sampling_params import SamplingParams
 
 CHATS = [
@@ -23,10 +22,7 @@ NEW_TOKENS = 40  # past the first sentence of every answer; 64 doubled the trans
 
 
 @pytest.mark.slow
-def test_greedy_equals_transformers_on_8_chat_prompts() -> None:
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(None)
+def test_greedy_equals_transformers_on_8_chat_prompts(transformers_default_model) -> None:
     # The dequantized float path (quantization="none") is what transformers runs; the default keeps the
     # GGUF blocks and quantizes activations (test_default_quantized_path_follows_float below).
     llm = LLM(dtype="float32", quantization="none", max_num_batched_tokens=256)  # small budget: prompts share steps
@@ -36,8 +32,7 @@ def test_greedy_equals_transformers_on_8_chat_prompts() -> None:
     ours = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    hf.eval()
+    hf = transformers_default_model
     eos = tok.eos_token_id
     for prompt, out in zip(prompts, ours):
         with torch.inference_mode():
