@@ -30,8 +30,8 @@ F16_FIELDS = {
 }  # fmt: skip
 TYPES = list(F16_FIELDS)
 # The types with an 8-row layout (gguf_repack8), and of those the K-quants (tiles of 256 columns).
-PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
-K_TILED = (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+PACKED_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+K_TILED = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 # Bytes of a repacked tile group against the file's 8 blocks: the six-bit scales (and mins) unpacked.
 PACKED_GROWTH = {Q.Q3_K: (912, 880), Q.Q4_K: (1184, 1152), Q.Q5_K: (1440, 1408), Q.IQ4_XS: (1104, 1088)}
 
@@ -334,11 +334,16 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
 
 
 def extreme_blocks(qtype: Q, n: int, k: int) -> np.ndarray:
-    """Blocks at the integer sums' limits: every quant at its maximum (Q4_K 15, Q5_K 31, Q6_K 63, Q3_K -4,
-    IQ4_XS the level -127) and the sub-block scales at theirs (Q4_K / Q5_K 63, Q6_K -128 in even rows and
-    127 in odd ones, Q3_K and IQ4_XS -32 and 31)."""
+    """Blocks at the integer sums' limits: every quant at its maximum (Q2_K 3, Q4_K 15, Q5_K 31, Q6_K 63, Q3_K
+    -4, IQ4_XS the level -127) and the sub-block scales at theirs (Q2_K scale and min 15, or one 15 and the
+    other 0 in odd rows; Q4_K / Q5_K 63, Q6_K -128 in even rows and 127 in odd ones, Q3_K and IQ4_XS -32 and
+    31)."""
     raw = random_blocks(qtype, n, k, seed=17).reshape(n, k // 256, -1)
-    if qtype == Q.Q3_K:
+    if qtype == Q.Q2_K:
+        rows = np.arange(n)
+        raw[:, :, 0:16] = np.where(rows % 2 == 0, 0xFF, np.where(rows % 4 == 1, 0x0F, 0xF0))[:, None, None]
+        raw[:, :, 16:80] = 0xFF  # every quant 3
+    elif qtype == Q.Q3_K:
         raw[:, :, 0:96] = 0  # hmask and low pairs 0: every value -4
         raw[:, :, 96:108] = np.where(np.arange(n) % 2 == 0, 0x00, 0xFF)[:, None, None]  # six-bit scales 0 / 63
     elif qtype == Q.IQ4_XS:

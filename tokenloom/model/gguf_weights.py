@@ -108,8 +108,8 @@ class GGUFWeight:
         return self.split([self.shape[0] // n] * n)
 
     def repacked(self, kernels: object) -> GGUFWeight:
-        """The 8-row layout when the kernels have one for this type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q3_K,
-        Q4_K, Q5_K, Q6_K, IQ4_XS), else self."""
+        """The 8-row layout when the kernels have one for this type (every type of KERNEL_TYPES) and the rows
+        come in eights, else self."""
         if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
             return self
         data = kernels.gguf_repack8(self.data, self.qtype, self.shape[1])  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@
 //   w       32 weight integers (unsigned 0..63, or signed for Q8_0 / Q3_K / Q6_K),
 //   mul     int16 multipliers for the two halves of the group (the K-quants' per-16 scales; else 1),
 //   a, b    floats: group value = a * sum(mul * w * q) * d_x + b * s_x
-// plus, for Q2_K alone, a per-16 integer "min" dot product. The kernel template then handles any
+// plus, for Q2_K alone, a per-16 integer "min" dot product. The row kernel template then handles any
 // number of tokens, four at a time, each weight group unpacked once for all four.
 //
 // Without AVX2/FMA/F16C the same functions run plain C++ (dequantize a block, dot with the
@@ -116,7 +116,6 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
 #define TLQ_SIMD(kernel) nullptr
 #endif
 #define TLQ_TILED(T) TLQ_SIMD(row_kernel<T>), TLQ_SIMD(linear_packed_range<T>), TLQ_SIMD(gemm_packed_range<T>)
-#define TLQ_ROWS_ONLY(T) TLQ_SIMD(row_kernel<T>), nullptr, nullptr
 
 // Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's and Q5_K's six-bit scales and
 // mins unpacked to bytes (1,184 per 8 x 144, 1,440 per 8 x 176), see "8-row interleaved layouts" below.
@@ -126,7 +125,7 @@ constexpr TypeTraits kTypeTraits[] = {
     {kQ5_0, 32, 22, 176, 32, TLQ_TILED(kQ5_0)},
     {kQ5_1, 32, 24, 192, 32, TLQ_TILED(kQ5_1)},
     {kQ8_0, 32, 34, 272, 32, TLQ_TILED(kQ8_0)},
-    {kQ2_K, 256, 84, 0, 256, TLQ_ROWS_ONLY(kQ2_K)},
+    {kQ2_K, 256, 84, 672, 256, TLQ_TILED(kQ2_K)},
     {kQ3_K, 256, 110, 912, 256, TLQ_TILED(kQ3_K)},
     {kQ4_K, 256, 144, 1184, 256, TLQ_TILED(kQ4_K)},
     {kQ5_K, 256, 176, 1440, 256, TLQ_TILED(kQ5_K)},
@@ -134,7 +133,6 @@ constexpr TypeTraits kTypeTraits[] = {
     {kIQ4_NL, 32, 18, 144, 32, TLQ_TILED(kIQ4_NL)},
     {kIQ4_XS, 256, 136, 1104, 256, TLQ_TILED(kIQ4_XS)},
 };
-#undef TLQ_ROWS_ONLY
 #undef TLQ_TILED
 #undef TLQ_SIMD
 
@@ -694,6 +692,9 @@ constexpr int packed_nibble_offset(int t) { return packed_has_min(t) ? 32 : 16; 
 //          Q5_0's form (byte 4r + i, bit v = the fifth bit of nibble vector v): 1440 against 1408
 //   IQ4_XS: d[8] f16, scale[g][r] i8 (the six-bit scale minus 32, 64 bytes), then 8 x 128 bytes of level
 //          indices: 1104 against 1088
+//   Q2_K:  d[8] f16, dmin[8] f16, then the file's scale bytes sc[s][r] (16 sub-blocks of 16: scale in the
+//          low nibble, min in the high one, 128 bytes), then per group 2 x 32 bytes of bit pairs as Q3_K's
+//          low pairs; the value d * scale * q - dmin * min, q in 0..3: 672 bytes, the file's
 //   Q3_K:  d[8] f16, scale[s][r] i8 (16 sub-blocks of 16, minus 32), then per group 2 x 32 bytes of low bit
 //          pairs (byte 4r + i of plane p holds in bits 2k, 2k + 1 the pair of nibble vector 4p + k) and 32
 //          bytes of third bits (bit v: vector v's); the quants unsigned 0..7, the value q - 4: 912
@@ -707,6 +708,7 @@ constexpr int kK5GroupBytes = 160;  // Q5_K: scales and mins where Q4_K has them
 constexpr int kK6Scales = 16, kK6Groups = 144, kK6GroupBytes = 192;
 constexpr int kXSScales = 16, kXSQuants = 80;  // IQ4_XS
 constexpr int kK3Scales = 16, kK3Groups = 144, kK3GroupBytes = 96;
+constexpr int kK2Scales = 32, kK2Groups = 160, kK2GroupBytes = 64;
 static_assert(kK3Scales == kK6Scales, "the Q3_K / Q6_K kernels read the sub-block scales at one offset");
 
 // Q4_K / Q5_K: where group g's nibble vectors begin in a super-block tile (Q5_K's fifth bits follow them).
@@ -724,8 +726,33 @@ inline void put_nibbles(const int* q, int r, uint8_t* v) {
     for (int i = 0; i < 4; i++) v[32 * j + 4 * r + i] = static_cast<uint8_t>((q[8 * j + i] & 15) | ((q[8 * j + 4 + i] & 15) << 4));
 }
 
-// Row r's Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS block into its super-block tile o.
+// Group g's 32 values q (0..3) of row r as bit pairs: plane p's byte 4r + i holds in bits 2k, 2k + 1 the
+// pair of nibble vector 4p + k (Q2_K's quants, Q3_K's low bits), vector vv holding elements 4 vv + i.
+inline void put_bit_pairs(const int* q, int r, uint8_t* v) {
+  for (int i = 0; i < 4; i++) {
+    uint8_t p0 = 0, p1 = 0;
+    for (int vv = 0; vv < 4; vv++) {
+      p0 |= static_cast<uint8_t>((q[4 * vv + i] & 3) << (2 * vv));
+      p1 |= static_cast<uint8_t>((q[16 + 4 * vv + i] & 3) << (2 * vv));
+    }
+    v[4 * r + i] = p0;
+    v[32 + 4 * r + i] = p1;
+  }
+}
+
+// Row r's Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS block into its super-block tile o.
 void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
+  if (t == kQ2_K) {
+    std::memcpy(o + 2 * r, blk + 80, 2);       // d
+    std::memcpy(o + 16 + 2 * r, blk + 82, 2);  // dmin
+    for (int sb = 0; sb < 16; sb++) o[kK2Scales + 8 * sb + r] = blk[sb];
+    for (int g = 0; g < 8; g++) {
+      int q[32];
+      for (int l = 0; l < 32; l++) q[l] = (blk[16 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3;
+      put_bit_pairs(q, r, o + kK2Groups + kK2GroupBytes * g);
+    }
+    return;
+  }
   if (t == kQ3_K) {
     std::memcpy(o + 2 * r, blk + 108, 2);  // d
     int sc[16];
@@ -735,15 +762,10 @@ void repack_k_block(int t, const uint8_t* blk, int r, uint8_t* o) {
       int q[32];  // unsigned 0..7 (dequant_block's value + 4): the low pair, and the hmask bit as bit 2
       for (int l = 0; l < 32; l++) q[l] = ((blk[32 + 32 * (g / 4) + l] >> (2 * (g % 4))) & 3) | (((blk[l] >> g) & 1) << 2);
       uint8_t* v = o + kK3Groups + kK3GroupBytes * g;
+      put_bit_pairs(q, r, v);
       for (int i = 0; i < 4; i++) {  // nibble vector vv holds elements 4 vv + i (see put_nibbles)
-        uint8_t p0 = 0, p1 = 0, h = 0;
-        for (int vv = 0; vv < 4; vv++) {
-          p0 |= static_cast<uint8_t>((q[4 * vv + i] & 3) << (2 * vv));
-          p1 |= static_cast<uint8_t>((q[16 + 4 * vv + i] & 3) << (2 * vv));
-        }
+        uint8_t h = 0;
         for (int vv = 0; vv < 8; vv++) h |= static_cast<uint8_t>(((q[4 * vv + i] >> 2) & 1) << vv);
-        v[4 * r + i] = p0;
-        v[32 + 4 * r + i] = p1;
         v[64 + 4 * r + i] = h;
       }
     }
@@ -1011,13 +1033,19 @@ inline void or_high_pairs(const uint8_t* h64, __m256i* w) {
   }
 }
 
-// A Q3_K tile group (96 bytes at v, see the layout above) as unsigned 0..7 in w[0..7] (load_nibbles' order).
-inline void load_q3(const uint8_t* v, __m256i* w) {
-  const __m256i m3 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+// Two planes of bit pairs (64 bytes at v, put_bit_pairs' form) as 0..3 in w[0..7] (load_nibbles' order).
+inline void load_bit_pairs(const uint8_t* v, __m256i* w) {
+  const __m256i m3 = _mm256_set1_epi8(3);
   for (int p = 0; p < 2; p++) {
     const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 32 * p));
     for (int k = 0; k < 4; k++) w[4 * p + k] = _mm256_and_si256(_mm256_srli_epi16(pairs, 2 * k), m3);
   }
+}
+
+// A Q3_K tile group (96 bytes at v, see the layout above) as unsigned 0..7 in w[0..7] (load_nibbles' order).
+inline void load_q3(const uint8_t* v, __m256i* w) {
+  const __m256i b2 = _mm256_set1_epi8(4);
+  load_bit_pairs(v, w);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64));  // bit v of each byte: to bit 2
   w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 2), b2));
   w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 1), b2));
@@ -1199,6 +1227,58 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
       for (int m = 0; m < MT; m++) {
         acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
         accb[m] = _mm256_fnmadd_ps(macc[m], mv, accb[m]);  // - dmin * sum(min * s_x)
+      }
+    } else if constexpr (T == kQ2_K) {
+      // Quants 0..3 times the sub-block scale, minus the sub-block min times the activation's per-16 sum:
+      // two integer sums per group and row, d and dmin once per super-block. The sums stay exact in
+      // float: |scaled| <= 2 * 16 * 3 * 127 * 15 = 182880, |mins| <= 2 * 15 * 16 * 127 = 60960.
+      for (int g = 0; g < 8; g++) {
+        const int64_t gi = 8 * sb + g;
+        auto bytes8 = [&](int sub) {
+          return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK2Scales + 8 * sub)));
+        };
+        const __m256i b_lo = bytes8(2 * g), b_hi = bytes8(2 * g + 1), lo4 = _mm256_set1_epi32(0x0F);
+        const __m256i sc_lo = _mm256_and_si256(b_lo, lo4), sc_hi = _mm256_and_si256(b_hi, lo4);
+        // The two mins in the int16 halves of each lane (low: columns 0..15): one vpmaddwd with the two bsums.
+        const __m256i mn = _mm256_or_si256(_mm256_srli_epi32(b_lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(b_hi, 4), 16));
+#if !TLQ_VNNI
+        const __m256i sc16_lo = _mm256_or_si256(sc_lo, _mm256_slli_epi32(sc_lo, 16));  // the scale in both halves
+        const __m256i sc16_hi = _mm256_or_si256(sc_hi, _mm256_slli_epi32(sc_hi, 16));
+#endif
+        __m256i w[8];
+        load_bit_pairs(p + kK2Groups + kK2GroupBytes * g, w);
+        for (int m = 0; m < MT; m++) {
+          const int8_t* x = xq[m] + 32 * gi;
+          const uint32_t bs = static_cast<uint16_t>(xb[m][2 * gi]) |
+                              (static_cast<uint32_t>(static_cast<uint16_t>(xb[m][2 * gi + 1])) << 16);
+#if TLQ_VNNI
+          __m256i lo = dpbusd(_mm256_setzero_si256(), w[0], bcast4(x));
+          __m256i hi = dpbusd(_mm256_setzero_si256(), w[4], bcast4(x + 16));
+          for (int j = 1; j < 4; j++) {
+            lo = dpbusd(lo, w[j], bcast4(x + 4 * j));
+            hi = dpbusd(hi, w[4 + j], bcast4(x + 16 + 4 * j));
+          }
+          const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
+#else
+          // Four vpmaddubsw results of 2-bit quants stay below 4 * 2 * 3 * 127 = 3048 in int16.
+          __m256i lo = _mm256_maddubs_epi16(w[0], bcast4(x)), hi = _mm256_maddubs_epi16(w[4], bcast4(x + 16));
+          for (int j = 1; j < 4; j++) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[4 + j], bcast4(x + 16 + 4 * j)));
+          }
+          const __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(lo, sc16_lo), _mm256_madd_epi16(hi, sc16_hi));
+#endif
+          const __m256i imin = _mm256_madd_epi16(mn, _mm256_set1_epi32(static_cast<int>(bs)));
+          const __m256 dx = _mm256_set1_ps(xd[m][gi]);
+          sacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dx, sacc[m]);
+          macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), dx, macc[m]);
+        }
+      }
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      for (int m = 0; m < MT; m++) {
+        acc[m] = _mm256_fmadd_ps(sacc[m], dv, acc[m]);
+        accb[m] = _mm256_fnmadd_ps(macc[m], mv, accb[m]);  // - dmin * sum(min * bsum * d_x)
       }
     } else if constexpr (T == kIQ4_XS) {  // signed levels (|w| x x with w's sign), one signed scale per group
       for (int g = 0; g < 8; g++) {
@@ -1429,6 +1509,13 @@ void dequant_tile(int t, const uint8_t* pw, int64_t tile, int64_t G, float* out,
                                                  : k4_group_offset(t, g));
           for (int e = 0; e < 32; e++) {
             const int vv = e / 4, i = e % 4;  // nibble vector vv, byte 4r + i
+            if (t == kQ2_K) {
+              const uint8_t* w2 = p + kK2Groups + kK2GroupBytes * g;
+              const int q2 = (w2[32 * (vv / 4) + 4 * r + i] >> (2 * (vv % 4))) & 3;
+              const uint8_t scm = p[kK2Scales + 8 * (2 * g + e / 16) + r];
+              o[32 * g + e] = d * static_cast<float>(scm & 0x0F) * q2 - h2f(p + 16 + 2 * r) * static_cast<float>(scm >> 4);
+              continue;
+            }
             if (t == kQ3_K) {
               const uint8_t* w3 = p + kK3Groups + kK3GroupBytes * g;
               const int q3 = ((w3[32 * (vv / 4) + 4 * r + i] >> (2 * (vv % 4))) & 3) | (((w3[64 + 4 * r + i] >> vv) & 1) << 2);
@@ -1647,24 +1734,28 @@ struct R8Chunk {
   alignas(32) float a[kGemmChunk * 8];
   alignas(32) float a2[kGemmChunk * 8];
   alignas(32) float b[kGemmChunk * 8];
+  alignas(32) float b2[kGemmChunk * 8];  // Q2_K: the min of columns 16..31 (b: of 0..15)
 };
 
 // Per-type knowledge of the batched GEMM, in one place.
 //   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (Q8_0, Q3_K, Q6_K, IQ4_*)
-//   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q3_K, Q6_K
+//   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q2_K, Q3_K, Q6_K
 //   kHasB       an s_x term (offset or min)
+//   kMins16     a min per 16 columns (b, b2) meeting the activation's per-16 sums d_x * bs: Q2_K
 //   kChain      vpmaddubsw results summed in int16 before vpmaddwd (AVX2): 8 for 4-bit quants
 //               (< 8 * 2 * 15 * 127 = 30480), 4 for 5-bit and Q6_K (< 4 * 2 * 32 * 127 = 32512) and for
-//               Q3_K (its two scales split a group's vectors at 4),
+//               Q2_K / Q3_K (their two scales split a group's vectors at 4),
 //               1 for Q8_0 (one product pair already reaches 2 * 128 * 127)
 //   unpack      groups [g0, g0 + n) of one tile (its first byte: tp) into the chunk
 template <int T>
 struct R8Type {
   static constexpr bool kSigned = T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T);
-  static constexpr bool kTwoScales = T == kQ3_K || T == kQ6_K;
-  static constexpr bool kHasB = !kSigned;
-  static constexpr int kChain =
-      (T == kQ8_0 || is_iq4(T)) ? 1 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || T == kQ3_K || T == kQ6_K) ? 4 : 8;
+  static constexpr bool kTwoScales = T == kQ2_K || T == kQ3_K || T == kQ6_K;
+  static constexpr bool kMins16 = T == kQ2_K;
+  static constexpr bool kHasB = !kSigned && !kMins16;
+  static constexpr int kChain = (T == kQ8_0 || is_iq4(T))                                                 ? 1
+                                : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || kTwoScales) ? 4
+                                                                                         : 8;
 
   static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
     constexpr int TB = packed_tile_bytes(T);
@@ -1687,6 +1778,19 @@ struct R8Type {
           _mm256_store_ps(b, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, bytes8(kK4Mins))));
           load_nibbles(p + k4_group_offset(T, s), w);
           if constexpr (T == kQ5_K) or_fifth_bits(p + k4_group_offset(T, s) + 128, w);
+        } else if constexpr (T == kQ2_K) {
+          auto bytes8 = [&](int sub) {
+            return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK2Scales + 8 * sub)));
+          };
+          const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+          const __m256i lo4 = _mm256_set1_epi32(0x0F);
+          for (int half = 0; half < 2; half++) {
+            const __m256i sm = bytes8(2 * s + half);
+            _mm256_store_ps((half ? c.a2 : c.a) + 8 * i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_and_si256(sm, lo4))));
+            _mm256_store_ps((half ? c.b2 : c.b) + 8 * i,
+                            _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_srli_epi32(sm, 4)))));
+          }
+          load_bit_pairs(p + kK2Groups + kK2GroupBytes * s, w);
         } else if constexpr (T == kIQ4_XS) {
           _mm256_store_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kXSScales + 8 * s))))));
@@ -1737,7 +1841,7 @@ struct R8Type {
 // sums so far (zeroed when `first`), updated. xq / xd / xs: the rows' bytes, d and s at the chunk.
 template <int T, int MT, int NT>
 inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const float* const* xd,
-                      const float* const* xs, float* acc, bool first) {
+                      const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
   using R = R8Type<T>;
   __m256 f[MT][NT];
   for (int m = 0; m < MT; m++)
@@ -1800,6 +1904,10 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
         if constexpr (R::kTwoScales)
           f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[m][t]), _mm256_mul_ps(_mm256_load_ps(c[t].a2 + 8 * g), dx), f[m][t]);
         if constexpr (R::kHasB) f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b + 8 * g), _mm256_set1_ps(xs[m][g]), f[m][t]);
+        if constexpr (R::kMins16) {
+          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b + 8 * g), _mm256_set1_ps(xd[m][g] * xb[m][2 * g]), f[m][t]);
+          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b2 + 8 * g), _mm256_set1_ps(xd[m][g] * xb[m][2 * g + 1]), f[m][t]);
+        }
       }
     }
   }
@@ -1810,12 +1918,12 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
 // r8_kernel for mt (1..MT) rows.
 template <int T, int NT, int MT = kGemmMR>
 inline void r8_rows(const R8Chunk* c, int n, int mt, const int8_t* const* xq, const float* const* xd,
-                    const float* const* xs, float* acc, bool first) {
+                    const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
   if constexpr (MT == 1) {
-    r8_kernel<T, 1, NT>(c, n, xq, xd, xs, acc, first);
+    r8_kernel<T, 1, NT>(c, n, xq, xd, xs, xb, acc, first);
   } else {
-    if (mt == MT) return r8_kernel<T, MT, NT>(c, n, xq, xd, xs, acc, first);
-    r8_rows<T, NT, MT - 1>(c, n, mt, xq, xd, xs, acc, first);
+    if (mt == MT) return r8_kernel<T, MT, NT>(c, n, xq, xd, xs, xb, acc, first);
+    r8_rows<T, NT, MT - 1>(c, n, mt, xq, xd, xs, xb, acc, first);
   }
 }
 
@@ -1841,17 +1949,19 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
           const int8_t* xq[kGemmMR];
           const float* xd[kGemmMR];
           const float* xs[kGemmMR];
+          const int16_t* xb[kGemmMR];
           for (int i = 0; i < mt; i++) {
             const int64_t row = m0 + m + i;
             xq[i] = a.q.data() + row * K + 32 * g0;
             xd[i] = a.d.data() + row * G + g0;
             xs[i] = a.s.data() + row * G + g0;
+            xb[i] = a.bs.data() + row * 2 * G + 2 * g0;
           }
           float* ac = acc + m * kGemmNT * 8;
           if (nt == kGemmNT)
-            r8_rows<T, kGemmNT>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
+            r8_rows<T, kGemmNT>(chunks, n, mt, xq, xd, xs, xb, ac, g0 == 0);
           else
-            r8_rows<T, 1>(chunks, n, mt, xq, xd, xs, ac, g0 == 0);
+            r8_rows<T, 1>(chunks, n, mt, xq, xd, xs, xb, ac, g0 == 0);
         }
       }
       for (int64_t m = 0; m < mb; m++)
