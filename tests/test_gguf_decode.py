@@ -7,6 +7,7 @@ must stay within cosine 0.99 of the reference at every position and pick the sam
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -160,3 +161,58 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path) -> None:
         load_model(tmp_path, quantized=True)
     with pytest.raises(ConfigError, match="CPU only"):
         EngineConfig(quantization="gguf", device="cuda")
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """Q2_K blocks of float rows [N, K] (K % 256 == 0; gguf.quants has no K-quant quantizer): per 16
+    values a min (<= 0) and a scale of (max - min) / 3, both as four bits of the super-block's dmin / d,
+    each value the nearest of its four levels. ggml's layout (block_q2_K): scales[16] (scale | min << 4),
+    qs[64] (element 128 h + 32 s + l in bits 2s of byte 32 h + l), d and dmin as float16."""
+    n, k = x.shape
+    sub = x.reshape(n, k // 256, 16, 16).astype(np.float32)
+    mn = np.maximum(0.0, -sub.min(axis=-1))
+    sc = (sub.max(axis=-1) + mn) / 3.0
+    d = (sc.max(axis=-1) / 15.0).astype(np.float16)
+    dmin = (mn.max(axis=-1) / 15.0).astype(np.float16)
+    df, dminf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc4 = np.clip(np.round(np.divide(sc, df, out=np.zeros_like(sc), where=df > 0)), 0, 15).astype(np.uint8)
+    mn4 = np.clip(np.round(np.divide(mn, dminf, out=np.zeros_like(mn), where=dminf > 0)), 0, 15).astype(np.uint8)
+    step = (df * sc4)[..., None]
+    q = np.divide(sub + (dminf * mn4)[..., None], step, out=np.zeros_like(sub), where=step > 0)
+    q = np.clip(np.round(q), 0, 3).astype(np.uint8).reshape(n, k // 256, 2, 4, 32)  # [.., h, s, l]
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 2) | (q[:, :, :, 2] << 4) | (q[:, :, :, 3] << 6)).reshape(n, k // 256, 64)
+    blocks = np.concatenate([sc4 | (mn4 << 4), qs, d.view(np.uint8).reshape(n, -1, 2),
+                             dmin.view(np.uint8).reshape(n, -1, 2)], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def test_decoder_runs_q2_k_down_projections(model) -> None:
+    """The fused step with a K-quant part in its 8-row tile: every layer's down projection (K = 1536, the
+    only linear of this model whose K is a multiple of 256) requantized to Q2_K, against the dense
+    forward of the same weights dequantized (so only the int8 activations differ)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    config, weights = model
+    weights = dict(weights)
+    for i in range(config.num_hidden_layers):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        w = weights[name].dequantize().numpy()
+        blocks = quantize_q2_k(w)
+        back = gguf_dequantize(blocks, GGMLQuantizationType.Q2_K)
+        assert np.abs(back - w).mean() < 0.5 * np.abs(w).mean()  # a rough quantizer, but a quantizer
+        weights[name] = GGUFWeight(torch.from_numpy(blocks), int(GGMLQuantizationType.Q2_K), tuple(w.shape))
+    dec = decoder_from_weights(kernels, config, weights)
+    layers, hkv, d, bs = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4
+    kv = torch.zeros(layers, 2, hkv, 8, bs, d)
+    dec.set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
+    freqs = torch.outer(torch.arange(64).float(), rope_inv_freq(config))
+    table = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
+    got = []
+    for pos, tok in enumerate(PROMPT):
+        out = torch.empty(1, config.hidden_size)
+        slot = int(table[0, pos // bs]) * bs + pos % bs
+        dec.step(out, torch.tensor([tok]), torch.tensor([pos]), torch.tensor([slot]), table, freqs.cos(), freqs.sin())
+        got.append(out)
+    want = reference_hidden(config, weights, PROMPT)
+    assert F.cosine_similarity(torch.cat(got), want).min().item() > 0.99
