@@ -26,7 +26,7 @@ Q = GGMLQuantizationType
 F16_FIELDS = {
     Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
     Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-    Q.IQ4_NL: [0], Q.IQ4_XS: [0],
+    Q.IQ4_NL: [0], Q.IQ4_XS: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0],
 }  # fmt: skip
 TYPES = list(F16_FIELDS)
 # The types with an 8-row layout (gguf_repack8), and of those the K-quants (tiles of 256 columns).
@@ -382,3 +382,12 @@ def test_packed_k_quant_tiles_match_float64(qtype: Q) -> None:
             scale = (x.double().abs() @ w.abs().T) + bias.abs().double() + 1e-3
             err = ((out.double() - want).abs() / scale).max().item()
             assert err < 1e-5, f"{qtype.name} m={m}: error {err:.2e}"
+
+
+def test_iq_grid_header_is_what_gguf_py_gives() -> None:
+    """csrc/iq_grids.h (the IQ3 types' grid tables the kernels read) is what tokenloom/model/iq_grids.py
+    writes from gguf-py's copies today: regenerate it with `python -m tokenloom.model.iq_grids`."""
+    from tokenloom.model import iq_grids
+
+    assert iq_grids.HEADER.read_text() == iq_grids.header_text()
+    assert iq_grids.grid_words(__import__("gguf").quants.IQ3_XXS)[:2] == [0x04040404, 0x04040414]  # ggml's first two

@@ -489,3 +489,35 @@ def test_incremental_detokenizer_with_prompt_context(default_tokenizer: Tokenize
     chunks = torch.tensor(generated).split(2)  # several ids per step, as tensors
     text = "".join(detok.step(chunk) for chunk in chunks) + detok.flush()
     assert text == tok.decode(prompt + generated)[len(tok.decode(prompt)) :] == " 42 — 四十二 🙂"
+
+
+@pytest.mark.skipif(gguf_kernels() is None, reason="the GGUF kernels did not build here")
+def test_iq3_layout_choice_requantizes_or_keeps_the_blocks(tiny_dirs, tmp_path: Path, monkeypatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The IQ3 types (Q8_0_WHEN_IT_FITS) load as Q8_0 when that copy fits in half the available memory and
+    keep the file's blocks when it does not, or as TOKENLOOM_GGUF_IQ3_LAYOUT says; the log says which.
+    The tiny models' rows are too short for IQ3's blocks of 256, so IQ4_NL stands in for the policy."""
+    from tokenloom.model import gguf_weights
+
+    path = write_gguf_from_hf(tiny_dirs["llama", False], tmp_path / "iq4.gguf", "IQ4_NL")
+    down = read_gguf(path).tensors["blk.1.ffn_down.weight"]
+    want = torch.from_numpy(gguf.quants.dequantize(down.raw, Q.IQ4_NL)).reshape(down.shape)
+    monkeypatch.setattr(gguf_weights, "Q8_0_WHEN_IT_FITS", (Q.IQ4_NL,))
+    cases = [("auto", 1 << 40, Q.Q8_0, "requantized to Q8_0"), ("auto", 1 << 10, Q.IQ4_NL, "half the available"),
+             ("auto", None, Q.IQ4_NL, "half the available"), ("q8_0", 1 << 10, Q.Q8_0, "requantized to Q8_0"),
+             ("blocks", 1 << 40, Q.IQ4_NL, "TOKENLOOM_GGUF_IQ3_LAYOUT=blocks")]
+    for choice, available, qtype, said in cases:
+        monkeypatch.setenv("TOKENLOOM_GGUF_IQ3_LAYOUT", choice)
+        monkeypatch.setattr(gguf_weights, "available_memory_bytes", lambda available=available: available)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tokenloom.model.gguf_weights"):
+            got = load_model(path, quantized=True).weights["model.layers.1.mlp.down_proj.weight"]
+        assert said in caplog.text, (choice, available, caplog.text)
+        assert got.qtype == qtype, (choice, available)
+        if qtype == Q.IQ4_NL:
+            assert np.array_equal(got.data.numpy().reshape(-1), down.raw)
+        else:  # within half a Q8_0 step of the block's largest value
+            torch.testing.assert_close(got.dequantize(), want, rtol=0, atol=float(want.abs().max()) / 254 + 1e-6)
+    monkeypatch.setenv("TOKENLOOM_GGUF_IQ3_LAYOUT", "sometimes")
+    with pytest.raises(ValueError, match="TOKENLOOM_GGUF_IQ3_LAYOUT must be one of auto, q8_0, blocks"):
+        load_model(path, quantized=True)

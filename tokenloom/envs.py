@@ -141,6 +141,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_GGUF_DEQUANT_ROWS": lambda: _int("TOKENLOOM_GGUF_DEQUANT_ROWS", 32, "a number of rows", minimum=1),
     "TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS": lambda: _int(
         "TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS", 4096, "a number of rows", minimum=1),
+    # IQ3_XXS / IQ3_S matrices on the quantized path: `auto` requantizes them to Q8_0 when that copy fits
+    # in half the available memory (about twice as fast, about twice the memory), else keeps the file's
+    # blocks; `q8_0` / `blocks` choose one (tokenloom/model/gguf_weights.py, iq3_as_q8_0).
+    "TOKENLOOM_GGUF_IQ3_LAYOUT": lambda: _choice("TOKENLOOM_GGUF_IQ3_LAYOUT", "auto", ("auto", "q8_0", "blocks")),
     # 1: float32/bf16 models keep plain layer weights for the fused decode step (off: oneDNN-packed).
     "TOKENLOOM_FUSED_FLOAT": lambda: _flag("TOKENLOOM_FUSED_FLOAT", False),
     # 0: float GEMMs stay on F.linear instead of oneDNN pre-packed weights.

@@ -38,14 +38,14 @@ Q = GGMLQuantizationType
 logger = logging.getLogger(__name__)
 # The types the compiled kernels (or the torch dequantizers) read.
 KERNEL_READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-                     Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
-# The types only gguf's numpy reference dequantizes: the i-quants below 4 bits (IQ3_S, IQ3_XXS, IQ2_*,
-# IQ1_*), the ternary TQ1_0 / TQ2_0 and MXFP4. A file holding them loads with those tensors
+                     Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_XXS, Q.IQ3_S)
+# The types only gguf's numpy reference dequantizes: the i-quants below 3 bits (IQ2_*, IQ1_*), the
+# ternary TQ1_0 / TQ2_0 and MXFP4. A file holding them loads with those tensors
 # dequantized once, at load: kept as float on the dequantizing path, requantized to Q8_0 on the quantized
 # one (gguf_weights.requantize_q8_0). Slower to load and more memory than the file (the loader says so),
 # where a refusal would leave the user with nothing.
 REFERENCE_ONLY_TYPES = tuple(
-    getattr(Q, name) for name in ("IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
+    getattr(Q, name) for name in ("IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
                                   "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4") if hasattr(Q, name))
 SUPPORTED_GGUF_TYPES = KERNEL_READ_TYPES + REFERENCE_ONLY_TYPES
 

@@ -16,6 +16,7 @@ docs/performance.md for the crossover measurements).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +39,15 @@ from tokenloom.model.gguf import (
 )
 from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, ROPE_PERMUTED, finish_family_weights
 
+logger = logging.getLogger(__name__)
 Q = GGMLQuantizationType
-KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+KERNEL_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+                Q.IQ3_XXS, Q.IQ3_S)
 _ROPE_FREQS = "rope_freqs.weight"
+# The i-quants with a kernel of their own whose decode is compute-bound (a grid lookup per four weights):
+# requantized to Q8_0 at load, the same values decode about twice as fast on these CPUs for about twice
+# the memory (docs/performance.md, "IQ3 files"). Where that copy would not fit they keep their blocks.
+Q8_0_WHEN_IT_FITS = (Q.IQ3_XXS, Q.IQ3_S)
 
 
 def gemm_min_rows() -> int:
@@ -108,8 +115,8 @@ class GGUFWeight:
         return self.split([self.shape[0] // n] * n)
 
     def repacked(self, kernels: object) -> GGUFWeight:
-        """The 8-row layout when the kernels have one for this type (every type of KERNEL_TYPES) and the rows
-        come in eights, else self."""
+        """The 8-row layout when the kernels have one for this type (every type of KERNEL_TYPES but the IQ3
+        types) and the rows come in eights, else self."""
         if self.packed8 or self.shape[0] % 8 or not kernels.gguf_packable(self.qtype):  # type: ignore[attr-defined]
             return self
         data = kernels.gguf_repack8(self.data, self.qtype, self.shape[1])  # type: ignore[attr-defined]
@@ -123,11 +130,51 @@ def has_kernel_matrices(path: str | os.PathLike[str]) -> bool:
     return any(t.qtype in kept and len(t.shape) == 2 for t in read_gguf(Path(path)).tensors.values())
 
 
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (/proc/meminfo MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def iq3_as_q8_0(tensors: list, path: Path) -> bool:  # noqa: ANN001 - loader GGUFTensors
+    """Whether the file's IQ3 matrices (Q8_0_WHEN_IT_FITS) load as Q8_0: TOKENLOOM_GGUF_IQ3_LAYOUT, by
+    default `auto`: when the extra memory of that copy is at most half of what is available now."""
+    if not tensors:
+        return False
+    file_bytes = sum(t.raw.nbytes for t in tensors)
+    q8_bytes = sum(int(t.shape[0]) * int(t.shape[1]) // 32 * 34 for t in tensors)
+    choice = envs.TOKENLOOM_GGUF_IQ3_LAYOUT
+    available = available_memory_bytes()
+    if choice == "auto":
+        as_q8 = available is not None and q8_bytes - file_bytes <= available // 2
+    else:
+        as_q8 = choice == "q8_0"
+    kinds = "/".join(sorted({t.qtype.name for t in tensors}))
+    if as_q8:
+        logger.info("%s: %d %s matrices requantized to Q8_0 (%.0f MiB where the file holds %.0f MiB): about twice "
+                    "as fast to decode; TOKENLOOM_GGUF_IQ3_LAYOUT=blocks keeps the file's blocks", path.name,
+                    len(tensors), kinds, q8_bytes / 2**20, file_bytes / 2**20)
+    else:
+        logger.info("%s: %d %s matrices kept as the file's blocks (%.0f MiB; as Q8_0 they would take %.0f MiB, %s)",
+                    path.name, len(tensors), kinds, file_bytes / 2**20, q8_bytes / 2**20,
+                    "TOKENLOOM_GGUF_IQ3_LAYOUT=blocks" if choice == "blocks" else "more than half the available memory")
+    return as_q8
+
+
 def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
     """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32."""
     path = Path(path)
     gguf = read_gguf(path)
     note_reference_only_types(gguf, path, "Q8_0", 34 / 32)  # see requantize_q8_0
+    requantized = REFERENCE_ONLY_TYPES
+    if iq3_as_q8_0([t for t in gguf.tensors.values() if t.qtype in Q8_0_WHEN_IT_FITS and len(t.shape) == 2], path):
+        requantized = REFERENCE_ONLY_TYPES + Q8_0_WHEN_IT_FITS
     config = config_from_gguf(gguf, name=path.stem)
     weights: dict[str, torch.Tensor | GGUFWeight] = {}
     for name, tensor in gguf.tensors.items():
@@ -144,14 +191,14 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
             heads = config.num_attention_heads
         elif config.architecture in ROPE_PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_key_value_heads
-        if tensor.qtype in KERNEL_TYPES and len(tensor.shape) == 2:
+        if tensor.qtype in KERNEL_TYPES and tensor.qtype not in requantized and len(tensor.shape) == 2:
             n, k = tensor.shape
             data = torch.from_numpy(tensor.raw).view(n, -1)
             if heads is not None:
                 data = unpermute_rope_rows(data, heads).contiguous()
             weights[hf_name] = GGUFWeight(data, int(tensor.qtype), (n, k))
-        elif tensor.qtype in REFERENCE_ONLY_TYPES and len(tensor.shape) == 2:
-            w = _requantize_reference_only(tensor)
+        elif tensor.qtype in requantized and len(tensor.shape) == 2:
+            w = _requantize_q8_0_slabs(tensor)
             if heads is not None:
                 w = GGUFWeight(unpermute_rope_rows(w.data, heads).contiguous(), w.qtype, w.shape)
             weights[hf_name] = w
@@ -185,10 +232,10 @@ def requantize_q8_0(value: torch.Tensor) -> GGUFWeight:
     return GGUFWeight(blocks.reshape(n, -1).contiguous(), int(Q.Q8_0), (n, k))
 
 
-def _requantize_reference_only(tensor) -> GGUFWeight:  # noqa: ANN001 - a loader GGUFTensor
-    """A matrix of a REFERENCE_ONLY_TYPES type as Q8_0, a slab of rows at a time: the float32 copy of a
-    whole embedding table (and gguf's numpy intermediates beside it) would cost several times the model's
-    memory at load."""
+def _requantize_q8_0_slabs(tensor) -> GGUFWeight:  # noqa: ANN001 - a loader GGUFTensor
+    """A matrix of a REFERENCE_ONLY_TYPES (or Q8_0_WHEN_IT_FITS) type as Q8_0, a slab of rows at a time: the
+    float32 copy of a whole embedding table (and gguf's numpy intermediates beside it) would cost several
+    times the model's memory at load."""
     n, k = tensor.shape
     raw = tensor.raw.reshape(n, -1)
     out = torch.empty(n, k // 32 * 34, dtype=torch.uint8)

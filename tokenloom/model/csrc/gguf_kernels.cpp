@@ -7,8 +7,8 @@
 //   gguf_dequantize  W -> float / bf16 [N, K]   (the large-batch fallback and the loader)
 //   gguf_embedding   rows `ids` of W -> float / bf16 (the embedding lookup of a quantized token_embd)
 //
-// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
-// (super-blocks of 256); block layouts as in ggml-common.h (see each `Type` below).
+// Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+// IQ3_XXS, IQ3_S (super-blocks of 256); block layouts as in ggml-common.h (see each `Type` below).
 //
 // The arithmetic is ggml's CPU backend's idea: the activations are quantized on the fly to int8 in
 // groups of 32 (scale d = max|x| / 127, and s = d * sum(q) for the types with an offset), and each
@@ -52,6 +52,7 @@
 #endif
 
 #include "gguf_quants.h"
+#include "iq_grids.h"
 
 bool tlq::g_force_scalar = false;
 
@@ -63,7 +64,7 @@ using namespace tlq;  // bf16, QAct, quantize_act, hsum8, g_force_scalar, TypeIn
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23,
+  kIQ3_XXS = 18, kIQ4_NL = 20, kIQ3_S = 21, kIQ4_XS = 23,
 };
 
 // IQ4_NL / IQ4_XS: a 4-bit index picks one of 16 non-uniform levels (ggml's kvalues_iq4nl), times the
@@ -116,6 +117,7 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
 #define TLQ_SIMD(kernel) nullptr
 #endif
 #define TLQ_TILED(T) TLQ_SIMD(row_kernel<T>), TLQ_SIMD(linear_packed_range<T>), TLQ_SIMD(gemm_packed_range<T>)
+#define TLQ_ROWS_ONLY(T) TLQ_SIMD(row_kernel<T>), nullptr, nullptr
 
 // Tile bytes: d[8] f16 (and m[8] / dmin[8]), then the quants; Q4_K's and Q5_K's six-bit scales and
 // mins unpacked to bytes (1,184 per 8 x 144, 1,440 per 8 x 176), see "8-row interleaved layouts" below.
@@ -132,7 +134,11 @@ constexpr TypeTraits kTypeTraits[] = {
     {kQ6_K, 256, 210, 1680, 256, TLQ_TILED(kQ6_K)},
     {kIQ4_NL, 32, 18, 144, 32, TLQ_TILED(kIQ4_NL)},
     {kIQ4_XS, 256, 136, 1104, 256, TLQ_TILED(kIQ4_XS)},
+    // Row by row on the file's blocks (no 8-row layout: prefill-sized batches dequantize, see envs.py).
+    {kIQ3_XXS, 256, 98, 0, 256, TLQ_ROWS_ONLY(kIQ3_XXS)},
+    {kIQ3_S, 256, 110, 0, 256, TLQ_ROWS_ONLY(kIQ3_S)},
 };
+#undef TLQ_ROWS_ONLY
 #undef TLQ_TILED
 #undef TLQ_SIMD
 
@@ -202,6 +208,20 @@ inline int iq4xs_scale(const uint8_t* b, int ib) {
   const int sh = b[2] | (b[3] << 8);
   return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
 }
+
+// IQ3_XXS: the 32 sign bits of a group (bit e: element e negative) from its four seven-bit indices into
+// ggml's ksigns table, whose entry i is i with an eighth bit making the byte's parity even.
+inline uint32_t iq3xxs_signs(uint32_t aux) {
+  uint32_t bits = 0;
+  for (int k = 0; k < 4; k++) {
+    const uint32_t i = (aux >> (7 * k)) & 127;
+    bits |= (i | ((static_cast<uint32_t>(__builtin_popcount(i)) & 1) << 7)) << (8 * k);
+  }
+  return bits;
+}
+
+// IQ3_S: grid index l (0..7) of group ib: eight bits in qs, the ninth in qh.
+inline int iq3s_index(const uint8_t* b, int ib, int l) { return b[2 + 8 * ib + l] | (((b[66 + ib] >> l) & 1) << 8); }
 
 void dequant_block(int t, const uint8_t* b, float* y) {
   int q[32];
@@ -319,6 +339,31 @@ void dequant_block(int t, const uint8_t* b, float* y) {
       }
       break;
     }
+    case kIQ3_XXS:
+    case kIQ3_S: {
+      // A group of 32: eight grid points of four values, a sign per value, one scale.
+      const float d = h2f(b);
+      for (int ib = 0; ib < 8; ib++) {
+        float db;
+        uint32_t signs;
+        if (t == kIQ3_XXS) {
+          const uint32_t aux = u32(b + 66 + 4 * ib);
+          db = d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f;
+          signs = iq3xxs_signs(aux);
+        } else {
+          db = d * static_cast<float>(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F));
+          signs = u32(b + 74 + 4 * ib);
+        }
+        for (int l = 0; l < 8; l++) {
+          const uint32_t point = t == kIQ3_XXS ? kIQ3XXSGrid[b[2 + 8 * ib + l]] : kIQ3SGrid[iq3s_index(b, ib, l)];
+          for (int j = 0; j < 4; j++) {
+            const int e = 4 * l + j;
+            y[32 * ib + e] = db * static_cast<float>((point >> (8 * j)) & 0xFF) * (((signs >> e) & 1) ? -1.0f : 1.0f);
+          }
+        }
+      }
+      break;
+    }
     default:
       TORCH_CHECK(false, "unsupported GGML type ", t);
   }
@@ -355,12 +400,20 @@ inline __m256i nib_lo_hi(const uint8_t* qs) {  // 16 bytes -> 32 nibbles (low on
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
 }
 
-inline __m256i bits_to_0x10(uint32_t x) {  // byte j = 0x10 if bit j of x is set, else 0
+inline __m256i bits_to_mask(uint32_t x) {  // byte j = 0xFF if bit j of x is set, else 0
   const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
   const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuf);
   const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
-  const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit);
-  return _mm256_and_si256(on, _mm256_set1_epi8(0x10));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit);
+}
+
+inline __m256i bits_to_0x10(uint32_t x) {  // byte j = 0x10 if bit j of x is set, else 0
+  return _mm256_and_si256(bits_to_mask(x), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i negate_where(__m256i v, uint32_t signs) {  // byte j negated where bit j of signs is set
+  const __m256i neg = bits_to_mask(signs);
+  return _mm256_sub_epi8(_mm256_xor_si256(v, neg), neg);
 }
 
 inline __m256i mask_bit(__m256i bytes, int bit) {  // 0xFF where (byte >> bit) & 1
@@ -506,6 +559,58 @@ inline void groups_iq4_xs(const uint8_t* b, F&& f) {
     f(Group{iq4_levels(nib_lo_hi(b + 8 + 16 * ib)), one, d * static_cast<float>(iq4xs_scale(b, ib)), 0.0f, {}, 0.0f});
 }
 
+// IQ3_XXS's sign bytes: entry i is the eight signs (+1 / -1 bytes) of ksigns[i] (see iq3xxs_signs), so a
+// group's 32 signs are four loads (ggml's keven_signs_q2xs).
+struct IQ3XXSSignTable {
+  uint64_t v[128];
+  constexpr IQ3XXSSignTable() : v() {
+    for (uint32_t i = 0; i < 128; i++) {
+      uint32_t parity = 0;
+      for (int k = 0; k < 7; k++) parity ^= (i >> k) & 1;
+      const uint32_t bits = i | (parity << 7);
+      uint64_t bytes = 0;
+      for (int k = 0; k < 8; k++) bytes |= static_cast<uint64_t>(((bits >> k) & 1) ? 0xFF : 0x01) << (8 * k);
+      v[i] = bytes;
+    }
+  }
+};
+alignas(64) constexpr IQ3XXSSignTable kIQ3XXSSigns;
+
+// IQ3_XXS / IQ3_S: eight grid points (four byte values each, in element order), their indices made in
+// one vector and read back one by one (vpgatherdd is slow on many of the CPUs this runs on), then the
+// signs: the weights are the grid values with their signs, for the signed dot product.
+template <typename F>
+inline void groups_iq3_xxs(const uint8_t* b, F&& f) {
+  const float d = h2f(b);
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int ib = 0; ib < 8; ib++) {
+    const uint8_t* q = b + 2 + 8 * ib;
+    const uint32_t aux = u32(b + 66 + 4 * ib);
+    auto point = [&](int l) { return static_cast<int>(kIQ3XXSGrid[q[l]]); };
+    const __m256i v = _mm256_set_epi32(point(7), point(6), point(5), point(4), point(3), point(2), point(1), point(0));
+    auto signs8 = [&](int k) { return static_cast<long long>(kIQ3XXSSigns.v[(aux >> (7 * k)) & 127]); };
+    const __m256i sg = _mm256_set_epi64x(signs8(3), signs8(2), signs8(1), signs8(0));
+    f(Group{_mm256_sign_epi8(v, sg), one, d * (0.5f + static_cast<float>(aux >> 28)) * 0.5f, 0.0f, {}, 0.0f});
+  }
+}
+template <typename F>
+inline void groups_iq3_s(const uint8_t* b, F&& f) {
+  const float d = h2f(b);
+  const __m256i one = _mm256_set1_epi16(1);
+  const __m256i ninth = _mm256_set1_epi32(256), shifts = _mm256_set_epi32(1, 2, 3, 4, 5, 6, 7, 8);
+  alignas(32) int32_t idx[8];
+  for (int ib = 0; ib < 8; ib++) {
+    // Index l: qs byte l, and bit l of qh moved to bit 8.
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * ib)));
+    const __m256i hi = _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(b[66 + ib]), shifts), ninth);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), _mm256_or_si256(lo, hi));
+    auto point = [&](int l) { return static_cast<int>(kIQ3SGrid[idx[l]]); };
+    const __m256i v = _mm256_set_epi32(point(7), point(6), point(5), point(4), point(3), point(2), point(1), point(0));
+    const int sc = (b[106 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+    f(Group{negate_where(v, u32(b + 74 + 4 * ib)), one, d * static_cast<float>(1 + 2 * sc), 0.0f, {}, 0.0f});
+  }
+}
+
 // Calls f(group) for every 32-element group of one block, in element order.
 template <int T, typename F>
 inline void groups(const uint8_t* b, F&& f) {
@@ -520,13 +625,18 @@ inline void groups(const uint8_t* b, F&& f) {
   else if constexpr (T == kQ5_K) groups_q5_k(b, f);
   else if constexpr (T == kIQ4_NL) groups_iq4_nl(b, f);
   else if constexpr (T == kIQ4_XS) groups_iq4_xs(b, f);
+  else if constexpr (T == kIQ3_XXS) groups_iq3_xxs(b, f);
+  else if constexpr (T == kIQ3_S) groups_iq3_s(b, f);
   else groups_q6_k(b, f);
 }
 
 constexpr bool is_iq4(int T) { return T == kIQ4_NL || T == kIQ4_XS; }
-constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T); }
+constexpr bool is_iq3(int T) { return T == kIQ3_XXS || T == kIQ3_S; }
+constexpr bool is_signed(int T) { return T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T) || is_iq3(T); }
 constexpr bool has_mul(int T) { return T == kQ2_K || T == kQ3_K || T == kQ6_K; }
-constexpr bool has_b(int T) { return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K || is_iq4(T)); }
+constexpr bool has_b(int T) {
+  return !(T == kQ8_0 || T == kQ2_K || T == kQ3_K || T == kQ6_K || is_iq4(T) || is_iq3(T));
+}
 
 
 // NR weight rows against MT activation rows: out[r * MT + m]. NR * MT independent accumulators keep
@@ -2153,7 +2263,7 @@ bool gguf_type_supported(int64_t qtype) {
   switch (static_cast<int>(qtype)) {
     case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1:
     case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K:
-    case kIQ4_NL: case kIQ4_XS:
+    case kIQ4_NL: case kIQ4_XS: case kIQ3_XXS: case kIQ3_S:
       return true;
     default:
       return false;
