@@ -80,5 +80,6 @@ def test_the_cache_key_hashes_every_header_a_build_includes(tmp_path) -> None:
     c.write_text("inline int x = 2;\n")  # a header two includes deep
     assert kernels_mod._cache_key([a], [], []) != key
     shipped = kernels_mod.build_inputs(gguf_kernels_mod.SOURCES)
-    assert [p.name for p in shipped] == ["gguf_kernels.cpp", "fused_decode.cpp", "gguf_quants.h", "cpu_common.h"]
+    assert [p.name for p in shipped] == ["gguf_kernels.cpp", "fused_decode.cpp", "gguf_quants.h", "iq_grids.h",
+                                        "cpu_common.h"]
     assert [p.name for p in kernels_mod.build_inputs([kernels_mod.SOURCE])] == ["cpu_kernels.cpp", "cpu_common.h"]
