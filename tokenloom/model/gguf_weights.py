@@ -142,7 +142,7 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def iq3_as_q8_0(tensors: list, path: Path) -> bool:  # noqa: ANN001 - loader GGUFTensors
+def iq3_as_q8_0(tensors: list[GGUFTensor], path: Path) -> bool:
     """Whether the file's IQ3 matrices (Q8_0_WHEN_IT_FITS) load as Q8_0: TOKENLOOM_GGUF_IQ3_LAYOUT, by
     default `auto`: when the extra memory of that copy is at most half of what is available now."""
     if not tensors:
