@@ -136,8 +136,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # GGUF weights in the 8-row layouts: batches of at least this many rows run the batched int8 GEMM
     # (gguf_gemm_packed) instead of the small-batch tile kernel.
     "TOKENLOOM_GGUF_GEMM_ROWS": lambda: _int("TOKENLOOM_GGUF_GEMM_ROWS", 64, "a number of rows", minimum=1),
-    # GGUF weights without an 8-row layout (a row count not a multiple of 8): batches of at least this many rows
-    # dequantize and run a float GEMM; the 8-row layouts do so only from the second (4096).
+    # GGUF weights without an 8-row layout (IQ3 blocks, or a row count not a multiple of 8): batches of at
+    # least this many rows dequantize and run a float GEMM; the 8-row layouts do so only from the second (4096).
     "TOKENLOOM_GGUF_DEQUANT_ROWS": lambda: _int("TOKENLOOM_GGUF_DEQUANT_ROWS", 32, "a number of rows", minimum=1),
     "TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS": lambda: _int(
         "TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS", 4096, "a number of rows", minimum=1),

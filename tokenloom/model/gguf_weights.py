@@ -150,8 +150,8 @@ def iq3_as_q8_0(tensors: list[GGUFTensor], path: Path) -> bool:
     file_bytes = sum(t.raw.nbytes for t in tensors)
     q8_bytes = sum(int(t.shape[0]) * int(t.shape[1]) // 32 * 34 for t in tensors)
     choice = envs.TOKENLOOM_GGUF_IQ3_LAYOUT
-    available = available_memory_bytes()
     if choice == "auto":
+        available = available_memory_bytes()
         as_q8 = available is not None and q8_bytes - file_bytes <= available // 2
     else:
         as_q8 = choice == "q8_0"

@@ -209,14 +209,18 @@ inline int iq4xs_scale(const uint8_t* b, int ib) {
   return (((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)) - 32;
 }
 
-// IQ3_XXS: the 32 sign bits of a group (bit e: element e negative) from its four seven-bit indices into
-// ggml's ksigns table, whose entry i is i with an eighth bit making the byte's parity even.
+// IQ3_XXS: entry i of ggml's ksigns table, the eight sign bits of a seven-bit index: i with an eighth bit
+// making the byte's parity even.
+constexpr uint32_t iq3xxs_ksign(uint32_t i) {
+  uint32_t parity = 0;
+  for (int k = 0; k < 7; k++) parity ^= (i >> k) & 1;
+  return i | (parity << 7);
+}
+
+// IQ3_XXS: the 32 sign bits of a group (bit e: element e negative) from its four seven-bit indices.
 inline uint32_t iq3xxs_signs(uint32_t aux) {
   uint32_t bits = 0;
-  for (int k = 0; k < 4; k++) {
-    const uint32_t i = (aux >> (7 * k)) & 127;
-    bits |= (i | ((static_cast<uint32_t>(__builtin_popcount(i)) & 1) << 7)) << (8 * k);
-  }
+  for (int k = 0; k < 4; k++) bits |= iq3xxs_ksign((aux >> (7 * k)) & 127) << (8 * k);
   return bits;
 }
 
@@ -565,9 +569,7 @@ struct IQ3XXSSignTable {
   uint64_t v[128];
   constexpr IQ3XXSSignTable() : v() {
     for (uint32_t i = 0; i < 128; i++) {
-      uint32_t parity = 0;
-      for (int k = 0; k < 7; k++) parity ^= (i >> k) & 1;
-      const uint32_t bits = i | (parity << 7);
+      const uint32_t bits = iq3xxs_ksign(i);
       uint64_t bytes = 0;
       for (int k = 0; k < 8; k++) bytes |= static_cast<uint64_t>(((bits >> k) & 1) ? 0xFF : 0x01) << (8 * k);
       v[i] = bytes;
