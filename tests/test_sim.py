@@ -412,6 +412,26 @@ def test_shipped_profile_is_the_fit_of_its_own_samples(name: str) -> None:
     assert _refit_disagreements(tuned)
 
 
+def test_hardware_identity_tells_masked_cpu_names_apart() -> None:
+    """Two 2-core VMs both named "AMD EPYC" (a Zen 4 and a Zen 5: the same profile was 2x off on the second)
+    are different hardware; so is one CPU capped to another ISA level; a profile from before the family,
+    model and flags were recorded matches nothing."""
+    from tokenloom.sim.profiler import hardware_info, hardware_mismatch
+
+    zen4 = {"cpu": "AMD EPYC", "cpu_family": "25", "cpu_model": "17", "cores": 2,
+            "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"]}  # fmt: skip
+    zen5 = dict(zen4, cpu_family="26", cpu_model="2")
+    assert hardware_mismatch(zen4, dict(zen4, torch_threads=1)) is None  # only the identity keys count
+    assert "cpu_family" in (hardware_mismatch(zen4, zen5) or "")
+    assert "isa" in (hardware_mismatch(zen4, dict(zen4, isa=["avx2"])) or "")
+    assert "cores" in (hardware_mismatch(zen4, dict(zen4, cores=4)) or "")
+    old = {"cpu": "AMD EPYC", "cores": 2}
+    assert "re-profile" in (hardware_mismatch(old, zen4) or "")
+    here = hardware_info("cpu")
+    assert hardware_mismatch(here, hardware_info("cpu")) is None
+    assert set(here["isa"]) <= {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile"}
+
+
 def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None:
     """`is_stale` compares a source hash only, so re-stamping without re-measuring passes it. This times
     three step shapes (a prefill, a decode batch, a mixed step) of the default model on the real runner
@@ -422,19 +442,12 @@ def test_shipped_profile_predicts_this_runner_within_its_own_fit_error() -> None
 
     from tokenloom.model.loader import load_model, resolve_model_path
     from tokenloom.model.runner import ModelRunner
-    from tokenloom.sim.profiler import Row, StepDriver, hardware_info
+    from tokenloom.sim.profiler import Row, StepDriver, hardware_info, hardware_mismatch
     from tokenloom.sim.quiet import wait_for_quiet
 
     prof = load_profile("default")
-    here = hardware_info("cpu")
-    if (here["cpu"], here["cores"]) != (prof.hardware["cpu"], prof.hardware["cores"]):
-        pytest.skip(f"profiled on {prof.hardware['cpu']} x{prof.hardware['cores']}; this is {here['cpu']} "
-                    f"x{here['cores']}")
-    from tokenloom.model.platform import cpu_supports_bf16
-
-    if prof.dtype == "bfloat16" and not cpu_supports_bf16():
-        # Same model name, another ISA: bf16 without AVX-512-BF16/AMX is emulated, many times slower.
-        pytest.skip(f"profiled in bfloat16 on a CPU with native bf16; this {here['cpu']} has none")
+    if (why := hardware_mismatch(prof.hardware, hardware_info("cpu"))) is not None:
+        pytest.skip(f"not the profile's hardware: {why}")
     if not wait_for_quiet(10.0):  # before loading the model: a busy machine skips at little cost
         pytest.skip("the CPUs stayed busy with other work: step times would describe the neighbours")
     runner = ModelRunner(load_model(resolve_model_path(None), torch.bfloat16), block_size=prof.block_size,

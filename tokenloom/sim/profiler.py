@@ -228,20 +228,61 @@ def scheduler_overhead(
     return {"overhead": max(float(fixed), 0.0), "num_seqs": max(float(per_seq), 0.0)}
 
 
+# The CPU feature flags that pick the runner's kernels (float32 or bf16, VNNI or maddubs int8 dots, AMX), so
+# step times of one profile hold only where they are the same.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile")
+# What makes two machines the same hardware for a profile. A VM often shows a masked model name ("AMD
+# EPYC" on a Zen 4 and a Zen 5 alike, whose prefill steps are 2x apart), so the family and model numbers
+# and the kernel flags count beside it.
+HARDWARE_IDENTITY_KEYS = ("cpu", "cpu_family", "cpu_model", "isa", "cores")
+
+
+def _cpuinfo_first_processor() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block ends at its blank line
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def hardware_info(device: str) -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-                            "torch": torch.__version__, "device": device}  # fmt: skip
+    from tokenloom import cpu_isa
+
+    fields = _cpuinfo_first_processor()
+    flags = cpu_isa.cpu_flags()  # as TOKENLOOM_CPU_ISA caps them: the kernels a profile measured
+    info: dict[str, Any] = {
+        "cpu": fields.get("model name", platform.processor() or platform.machine()),
+        "cpu_family": fields.get("cpu family", ""),
+        "cpu_model": fields.get("model", ""),
+        "isa": [f for f in KERNEL_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device,
+    }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def hardware_mismatch(profiled: dict[str, Any], here: dict[str, Any]) -> str | None:
+    """Why a profile measured on `profiled` does not describe `here` (both `hardware_info` dicts), or None
+    when it does. A profile that does not record one of the identity keys (made before they were
+    recorded) cannot be matched: its CPU is unknown."""
+    for key in HARDWARE_IDENTITY_KEYS:
+        if key not in profiled:
+            return f"the profile does not record the CPU's {key!r}: re-profile to compare"
+        if profiled[key] != here.get(key):
+            return f"{key}: profiled on {profiled[key]!r}, this machine has {here.get(key)!r}"
+    return None
 
 
 def time_grid(
