@@ -1,6 +1,6 @@
 """The data-parallel simulator: N simulated engines behind the router on one virtual clock.
 
-Deterministic figures (the shipped default profile's cost model, the shared-prefix workload of
+Deterministic figures (a pinned copy of the default profile's cost model, the shared-prefix workload of
 docs/data_parallel.md): cache-aware routing keeps the prefix cache hit where round robin thrashes it,
 a hot group does not pile onto one engine under load, and one engine simulates as `simulate` does.
 """
@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from tests.sched_utils import PINNED_SIM_PROFILE
 from tokenloom.router import RouterConfig
 from tokenloom.sim.dp_simulate import simulate_dp
 from tokenloom.sim.profile import load_profile
@@ -21,7 +22,7 @@ from tokenloom.workload.shared_prefix import group_of, shared_prefix_requests
 
 @pytest.fixture(scope="module")
 def profile():
-    return load_profile("default")
+    return load_profile(PINNED_SIM_PROFILE)
 
 
 def _run(profile, policy, dp=2, rate=4.0, num_blocks=256, **workload):

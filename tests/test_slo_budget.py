@@ -13,7 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.sched_utils import assert_scheduler_empty, create_requests, decodes_then_long_prompt, step
+from tests.sched_utils import (
+    PINNED_SIM_PROFILE,
+    assert_scheduler_empty,
+    create_requests,
+    decodes_then_long_prompt,
+    step,
+)
 from tests.test_scheduler_properties import _block_accounting
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig
 from tokenloom.core.cost_model import CostModel, StepShape, load_step_cost_model
@@ -178,7 +184,7 @@ def test_replay_with_the_predicted_clock_is_deterministic_and_records_why(tmp_pa
 
 
 def test_simulated_itl_p99_meets_the_target() -> None:
-    """The shipped profile on a virtual clock: chats plus documents; the default budget's step with a
+    """The pinned profile on a virtual clock: chats plus documents; the default budget's step with a
     document chunk is far over 150 ms, the controller's ITL p99 is within it."""
     import numpy as np
 
@@ -192,7 +198,7 @@ def test_simulated_itl_p99_meets_the_target() -> None:
         t += float(rng.exponential(0.5))
         n = 2000 if i % 4 == 3 else int(rng.integers(100, 400))
         reqs.append(BenchRequest(f"r{i}", [int(x) for x in rng.integers(100, 40000, n)], n, 64, True, t))
-    profile = load_profile("default")
+    profile = load_profile(PINNED_SIM_PROFILE)
     cache = CacheConfig(block_size=16, num_blocks=20000)
 
     def itl_p99(trace: io.StringIO | None = None, **knobs) -> float:

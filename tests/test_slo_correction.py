@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.sched_utils import assert_scheduler_empty, create_requests, step
+from tests.sched_utils import PINNED_SIM_PROFILE, assert_scheduler_empty, create_requests, step
 from tests.test_scheduler_properties import _block_accounting
 from tests.test_slo_budget import LINEAR, _slo_traces
 from tokenloom.config import CacheConfig, SchedulerConfig
@@ -174,11 +174,11 @@ def _chats_and_documents(n: int = 30):
 
 
 def _simulate(k: float, clock: str = "engine"):
-    """The shipped profile runs the simulation; the controller predicts with it times `k`."""
+    """The pinned profile runs the simulation; the controller predicts with it times `k`."""
     from tokenloom.sim.profile import load_profile
     from tokenloom.sim.simulate import simulate
 
-    real = load_profile("default").step_model
+    real = load_profile(PINNED_SIM_PROFILE).step_model
     cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, target_itl_ms=150,
                           slo_clock=clock)
     res = simulate(_chats_and_documents(), cfg, CacheConfig(block_size=16, num_blocks=20000), real,
@@ -208,7 +208,7 @@ def test_simulator_with_the_exact_profile_is_unchanged() -> None:
     from tokenloom.workload.clock import VirtualClock
     from tokenloom.workload.driver import run_workload
 
-    model = load_profile("default").step_model
+    model = load_profile(PINNED_SIM_PROFILE).step_model
     clock = VirtualClock()
     cfg = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=128, max_model_len=4096, target_itl_ms=150)
     sched = make_scheduler(cfg, CacheConfig(block_size=16, num_blocks=20000), clock=clock, step_cost_model=model)
