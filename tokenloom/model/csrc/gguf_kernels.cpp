@@ -1825,6 +1825,10 @@ void gguf_linear_packed(at::Tensor out, const at::Tensor& x, const at::Tensor& p
 // blocks that stay in L2 (gemm_row_block), tiles (pairs) inside, chunks of K inside that (L1), so a
 // chunk is unpacked once per row block and a row block's activations are read from L2 once per tile
 // pair. Threads: at::parallel_for over the tiles, as run_packed.
+// With AVX-512 VNNI a tile pair's vector j (2 x 8 rows x 4 columns) is one 64-byte register: the
+// chunk holds the pair interleaved, and r8_kernel512 runs kGemm512MR activation rows per call on
+// one zmm accumulator each (per 64 products one vpdpbusd and one broadcast, against two of each
+// and, for signed types, two sign flips on 256-bit registers).
 constexpr int kGemmChunk = 16;  // groups of 32 columns per unpacked chunk (a multiple of 8: whole K-quant super-blocks)
 #ifndef TLQ_GEMM_MR
 #define TLQ_GEMM_MR 2
@@ -1841,16 +1845,26 @@ int64_t gemm_row_block(int64_t K) {
 }
 
 #if TLQ_AVX2
+// kGemmNT tiles' unpacked chunk, interleaved: group g's vector j of tile t at q + qoff(g, j, t) (the
+// tiles' vectors j side by side: one 64-byte load takes a pair), the 8 rows' factors of group g and
+// tile t at a + foff(g, t) (a pair's 16 side by side).
 struct R8Chunk {
-  alignas(32) uint8_t q[kGemmChunk * 256];
-  alignas(32) float a[kGemmChunk * 8];
-  alignas(32) float a2[kGemmChunk * 8];
-  alignas(32) float b[kGemmChunk * 8];
-  alignas(32) float b2[kGemmChunk * 8];  // Q2_K: the min of columns 16..31 (b: of 0..15)
+  alignas(64) uint8_t q[kGemmChunk * 256 * kGemmNT];
+  alignas(64) float a[kGemmChunk * 8 * kGemmNT];
+  alignas(64) float a2[kGemmChunk * 8 * kGemmNT];
+  alignas(64) float b[kGemmChunk * 8 * kGemmNT];
+  alignas(64) float b2[kGemmChunk * 8 * kGemmNT];  // Q2_K: the min of columns 16..31 (b: of 0..15)
+  static constexpr int qoff(int g, int j, int t) { return 32 * ((8 * g + j) * kGemmNT + t); }
+  static constexpr int foff(int g, int t) { return 8 * (g * kGemmNT + t); }
 };
 
 // Per-type knowledge of the batched GEMM, in one place.
-//   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (Q8_0, Q3_K, Q6_K, IQ4_*)
+//   kOffset     VNNI: a signed type's integers taken unsigned, w + 128 (Q8_0, IQ4_*) or the stored
+//               quants before their offset of 32 / 4 (Q6_K / Q3_K). vpdpbusd sums u8 x s8 into int32
+//               with no int16 step, and sum((w + o) x) - o sum(x) = sum(w x): the kernel subtracts
+//               o times the activation's integer sums (bs, per 16) from each group's int32 sum, the
+//               same integers as the signed form without its two sign flips per product
+//   kSigned     signed integers: vpmaddubsw takes |w| and x with w's sign (the same types on AVX2)
 //   kTwoScales  a per 16 columns (a for vectors 0..3, a2 for 4..7): Q2_K, Q3_K, Q6_K
 //   kHasB       an s_x term (offset or min)
 //   kMins16     a min per 16 columns (b, b2) meeting the activation's per-16 sums d_x * bs: Q2_K
@@ -1861,21 +1875,26 @@ struct R8Chunk {
 //   unpack      groups [g0, g0 + n) of one tile (its first byte: tp) into the chunk
 template <int T>
 struct R8Type {
-  static constexpr bool kSigned = T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T);
+  static constexpr bool kSignedType = T == kQ8_0 || T == kQ3_K || T == kQ6_K || is_iq4(T);
+  static constexpr bool kOffset = TLQ_VNNI && kSignedType;
+  static constexpr int kOffsetValue = T == kQ6_K ? 32 : T == kQ3_K ? 4 : 128;  // kOffset: bytes = w + this
+  static constexpr bool kSigned = kSignedType && !kOffset;
   static constexpr bool kTwoScales = T == kQ2_K || T == kQ3_K || T == kQ6_K;
   static constexpr bool kMins16 = T == kQ2_K;
-  static constexpr bool kHasB = !kSigned && !kMins16;
+  static constexpr bool kHasB = !kSignedType && !kMins16;
   static constexpr int kChain = (T == kQ8_0 || is_iq4(T))                                                 ? 1
                                 : (T == kQ5_0 || T == kQ5_1 || T == kQ5_K || kTwoScales) ? 4
                                                                                          : 8;
 
-  static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c) {
+  // Groups [g0, g0 + n) of one tile (its first byte: tp) into slot t of the chunk.
+  static void unpack(const uint8_t* tp, int64_t g0, int n, R8Chunk& c, int t) {
     constexpr int TB = packed_tile_bytes(T);
     for (int i = 0; i < n; i++) {
       const int64_t g = g0 + i;
-      __m256i* q = reinterpret_cast<__m256i*>(c.q + 256 * i);
-      float* a = c.a + 8 * i;
-      float* b = c.b + 8 * i;
+      float* a = c.a + R8Chunk::foff(i, t);
+      float* a2 = c.a2 + R8Chunk::foff(i, t);
+      float* b = c.b + R8Chunk::foff(i, t);
+      float* b2 = c.b2 + R8Chunk::foff(i, t);
       __m256i w[8];
       if constexpr (packed_group_elems(T) == 256) {
         const uint8_t* p = tp + (g / 8) * TB;
@@ -1898,8 +1917,8 @@ struct R8Type {
           const __m256i lo4 = _mm256_set1_epi32(0x0F);
           for (int half = 0; half < 2; half++) {
             const __m256i sm = bytes8(2 * s + half);
-            _mm256_store_ps((half ? c.a2 : c.a) + 8 * i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_and_si256(sm, lo4))));
-            _mm256_store_ps((half ? c.b2 : c.b) + 8 * i,
+            _mm256_store_ps(half ? a2 : a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_and_si256(sm, lo4))));
+            _mm256_store_ps(half ? b2 : b,
                             _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_srli_epi32(sm, 4)))));
           }
           load_bit_pairs(p + kK2Groups + kK2GroupBytes * s, w);
@@ -1908,13 +1927,14 @@ struct R8Type {
                                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kXSScales + 8 * s))))));
           load_nibbles(p + kXSQuants + 128 * s, w);
           for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
+          if constexpr (kOffset) flip_sign_bits(w);
         } else {  // Q6_K / Q3_K: a scale per 16 (at the same offset in both tiles), quants minus 32 / 4
           auto scale8 = [&](int sub) {
             return _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kK6Scales + 8 * sub)))));
           };
           _mm256_store_ps(a, scale8(2 * s));
-          _mm256_store_ps(c.a2 + 8 * i, scale8(2 * s + 1));
+          _mm256_store_ps(a2, scale8(2 * s + 1));
           if constexpr (T == kQ6_K) {
             const uint8_t* v = p + kK6Groups + kK6GroupBytes * s;
             load_nibbles(v, w);
@@ -1922,8 +1942,10 @@ struct R8Type {
           } else {
             load_q3(p + kK3Groups + kK3GroupBytes * s, w);
           }
-          const __m256i off = _mm256_set1_epi8(T == kQ6_K ? 32 : 4);
-          for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], off);
+          if constexpr (!kOffset) {  // kOffset keeps the stored quants
+            const __m256i off = _mm256_set1_epi8(kOffsetValue);
+            for (int j = 0; j < 8; j++) w[j] = _mm256_sub_epi8(w[j], off);
+          }
         }
       } else {
         const uint8_t* p = tp + g * TB;
@@ -1931,9 +1953,11 @@ struct R8Type {
         _mm256_store_ps(a, dv);
         if constexpr (T == kQ8_0) {
           for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j));
+          if constexpr (kOffset) flip_sign_bits(w);
         } else if constexpr (T == kIQ4_NL) {
           load_nibbles(p + 16, w);
           for (int j = 0; j < 8; j++) w[j] = iq4_levels(w[j]);
+          if constexpr (kOffset) flip_sign_bits(w);
         } else {
           constexpr int off = packed_nibble_offset(T);
           constexpr bool five = packed_five_bit(T);
@@ -1944,15 +1968,26 @@ struct R8Type {
                                                : _mm256_mul_ps(dv, _mm256_set1_ps(five ? -16.0f : -8.0f)));
         }
       }
-      for (int j = 0; j < 8; j++) _mm256_store_si256(q + j, w[j]);
+      for (int j = 0; j < 8; j++) _mm256_store_si256(reinterpret_cast<__m256i*>(c.q + R8Chunk::qoff(i, j, t)), w[j]);
     }
   }
+
+  // kOffset's w + 128 as unsigned bytes: the sign bit flipped.
+  static void flip_sign_bits(__m256i* w) {
+    const __m256i sign = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; j++) w[j] = _mm256_xor_si256(w[j], sign);
+  }
+
+  // kOffset: o sum(x) per scale, to take from the int32 sums (s: columns 0..15, or the group's 32;
+  // s2: columns 16..31). bs: the activation row's per-16 integer sums at the group.
+  static int offset_sum(const int16_t* bs) { return kOffsetValue * (kTwoScales ? bs[0] : bs[0] + bs[1]); }
+  static int offset_sum2(const int16_t* bs) { return kOffsetValue * bs[1]; }
 };
 
 // MT activation rows x NT unpacked tiles over a chunk's n groups. acc [MT][kGemmNT][8]: the float
 // sums so far (zeroed when `first`), updated. xq / xd / xs: the rows' bytes, d and s at the chunk.
 template <int T, int MT, int NT>
-inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const float* const* xd,
+inline void r8_kernel(const R8Chunk& c, int n, const int8_t* const* xq, const float* const* xd,
                       const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
   using R = R8Type<T>;
   __m256 f[MT][NT];
@@ -1968,7 +2003,7 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
     for (int j = 0; j < 8; j++) {
       __m256i w[NT], wa[NT];
       for (int t = 0; t < NT; t++) {
-        w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c[t].q + 256 * g + 32 * j));
+        w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q + R8Chunk::qoff(g, j, t)));
         wa[t] = R::kSigned ? _mm256_sign_epi8(w[t], w[t]) : w[t];
       }
       for (int m = 0; m < MT; m++) {
@@ -1988,7 +2023,7 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
       for (int j = j0; j < j0 + R::kChain; j++) {
         __m256i w[NT], wa[NT];
         for (int t = 0; t < NT; t++) {
-          w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c[t].q + 256 * g + 32 * j));
+          w[t] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c.q + R8Chunk::qoff(g, j, t)));
           wa[t] = R::kSigned ? _mm256_sign_epi8(w[t], w[t]) : w[t];
         }
         for (int m = 0; m < MT; m++) {
@@ -2009,16 +2044,26 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
         }
     }
 #endif
+    if constexpr (R::kOffset)
+      for (int m = 0; m < MT; m++) {
+        const __m256i o = _mm256_set1_epi32(R::offset_sum(xb[m] + 2 * g));
+        const __m256i o2 = _mm256_set1_epi32(R::offset_sum2(xb[m] + 2 * g));
+        for (int t = 0; t < NT; t++) {
+          s[m][t] = _mm256_sub_epi32(s[m][t], o);
+          if constexpr (R::kTwoScales) s2[m][t] = _mm256_sub_epi32(s2[m][t], o2);
+        }
+      }
     for (int m = 0; m < MT; m++) {
       const __m256 dx = _mm256_set1_ps(xd[m][g]);
       for (int t = 0; t < NT; t++) {
-        f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][t]), _mm256_mul_ps(_mm256_load_ps(c[t].a + 8 * g), dx), f[m][t]);
+        const int fo = R8Chunk::foff(g, t);
+        f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m][t]), _mm256_mul_ps(_mm256_load_ps(c.a + fo), dx), f[m][t]);
         if constexpr (R::kTwoScales)
-          f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[m][t]), _mm256_mul_ps(_mm256_load_ps(c[t].a2 + 8 * g), dx), f[m][t]);
-        if constexpr (R::kHasB) f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b + 8 * g), _mm256_set1_ps(xs[m][g]), f[m][t]);
+          f[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[m][t]), _mm256_mul_ps(_mm256_load_ps(c.a2 + fo), dx), f[m][t]);
+        if constexpr (R::kHasB) f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c.b + fo), _mm256_set1_ps(xs[m][g]), f[m][t]);
         if constexpr (R::kMins16) {
-          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b + 8 * g), _mm256_set1_ps(xd[m][g] * xb[m][2 * g]), f[m][t]);
-          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c[t].b2 + 8 * g), _mm256_set1_ps(xd[m][g] * xb[m][2 * g + 1]), f[m][t]);
+          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c.b + fo), _mm256_set1_ps(xd[m][g] * xb[m][2 * g]), f[m][t]);
+          f[m][t] = _mm256_fmadd_ps(_mm256_load_ps(c.b2 + fo), _mm256_set1_ps(xd[m][g] * xb[m][2 * g + 1]), f[m][t]);
         }
       }
     }
@@ -2029,7 +2074,7 @@ inline void r8_kernel(const R8Chunk* c, int n, const int8_t* const* xq, const fl
 
 // r8_kernel for mt (1..MT) rows.
 template <int T, int NT, int MT = kGemmMR>
-inline void r8_rows(const R8Chunk* c, int n, int mt, const int8_t* const* xq, const float* const* xd,
+inline void r8_rows(const R8Chunk& c, int n, int mt, const int8_t* const* xq, const float* const* xd,
                     const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
   if constexpr (MT == 1) {
     r8_kernel<T, 1, NT>(c, n, xq, xd, xs, xb, acc, first);
@@ -2039,13 +2084,78 @@ inline void r8_rows(const R8Chunk* c, int n, int mt, const int8_t* const* xq, co
   }
 }
 
+#if TLQ_VNNI && TLQ_GEMM_NT == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TLQ_GEMM512 1
+constexpr int kGemm512MR = 4;  // activation rows per r8_kernel512 call: 3 zmm (s, s2, f) each
+
+// r8_kernel on a tile pair in 512-bit registers: lanes 0..7 tile 0's rows, 8..15 tile 1's. The
+// same integers and the same float formula per group as r8_kernel (kOffset: no signed types here),
+// so the same outputs.
+template <int T, int MT>
+inline void r8_kernel512(const R8Chunk& c, int n, const int8_t* const* xq, const float* const* xd,
+                         const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
+  using R = R8Type<T>;
+  static_assert(kGemmNT == 2 && !R::kSigned, "a tile pair per register, unsigned weight bytes");
+  __m512 f[MT];
+  for (int m = 0; m < MT; m++) f[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * 16);
+  for (int g = 0; g < n; g++) {
+    __m512i s[MT], s2[MT];
+    for (int m = 0; m < MT; m++) s[m] = s2[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j++) {
+      const __m512i w = _mm512_load_si512(c.q + R8Chunk::qoff(g, j, 0));
+      for (int m = 0; m < MT; m++) {
+        int32_t v;
+        std::memcpy(&v, xq[m] + 32 * g + 4 * j, 4);
+        const __m512i xv = _mm512_set1_epi32(v);
+        if (R::kTwoScales && j >= 4)
+          s2[m] = _mm512_dpbusd_epi32(s2[m], w, xv);
+        else
+          s[m] = _mm512_dpbusd_epi32(s[m], w, xv);
+      }
+    }
+    const int fo = R8Chunk::foff(g, 0);
+    const __m512 av = _mm512_load_ps(c.a + fo);
+    for (int m = 0; m < MT; m++) {
+      if constexpr (R::kOffset) {
+        s[m] = _mm512_sub_epi32(s[m], _mm512_set1_epi32(R::offset_sum(xb[m] + 2 * g)));
+        if constexpr (R::kTwoScales) s2[m] = _mm512_sub_epi32(s2[m], _mm512_set1_epi32(R::offset_sum2(xb[m] + 2 * g)));
+      }
+      const __m512 dx = _mm512_set1_ps(xd[m][g]);
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[m]), _mm512_mul_ps(av, dx), f[m]);
+      if constexpr (R::kTwoScales)
+        f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2[m]), _mm512_mul_ps(_mm512_load_ps(c.a2 + fo), dx), f[m]);
+      if constexpr (R::kHasB) f[m] = _mm512_fmadd_ps(_mm512_load_ps(c.b + fo), _mm512_set1_ps(xs[m][g]), f[m]);
+      if constexpr (R::kMins16) {
+        f[m] = _mm512_fmadd_ps(_mm512_load_ps(c.b + fo), _mm512_set1_ps(xd[m][g] * xb[m][2 * g]), f[m]);
+        f[m] = _mm512_fmadd_ps(_mm512_load_ps(c.b2 + fo), _mm512_set1_ps(xd[m][g] * xb[m][2 * g + 1]), f[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm512_storeu_ps(acc + m * 16, f[m]);
+}
+
+template <int T, int MT = kGemm512MR>
+inline void r8_rows512(const R8Chunk& c, int n, int mt, const int8_t* const* xq, const float* const* xd,
+                       const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
+  if constexpr (MT == 1) {
+    r8_kernel512<T, 1>(c, n, xq, xd, xs, xb, acc, first);
+  } else {
+    if (mt == MT) return r8_kernel512<T, MT>(c, n, xq, xd, xs, xb, acc, first);
+    r8_rows512<T, MT - 1>(c, n, mt, xq, xd, xs, xb, acc, first);
+  }
+}
+#else
+#define TLQ_GEMM512 0
+constexpr int kGemm512MR = 1;
+#endif
+
 // Tiles [t0, t1) of out = x @ W.T + bias over all M rows: one thread's share.
 template <int T>
 void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, float* out, int64_t ldo, int64_t t0,
                        int64_t t1) {
   const int64_t M = a.M, K = a.K, G = K / 32, tile_bytes = K / packed_group_elems(T) * packed_tile_bytes(T);
   const int64_t MB = gemm_row_block(K);
-  thread_local R8Chunk chunks[kGemmNT];
+  thread_local R8Chunk chunk;
   thread_local std::vector<float> accbuf;
   accbuf.resize(MB * kGemmNT * 8);
   float* acc = accbuf.data();
@@ -2055,13 +2165,20 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
       const int nt = static_cast<int>(std::min<int64_t>(kGemmNT, t1 - tile));
       for (int64_t g0 = 0; g0 < G; g0 += kGemmChunk) {
         const int n = static_cast<int>(std::min<int64_t>(kGemmChunk, G - g0));
-        for (int t = 0; t < nt; t++) R8Type<T>::unpack(pw + (tile + t) * tile_bytes, g0, n, chunks[t]);
-        for (int64_t m = 0; m < mb; m += kGemmMR) {
-          const int mt = static_cast<int>(std::min<int64_t>(kGemmMR, mb - m));
-          const int8_t* xq[kGemmMR];
-          const float* xd[kGemmMR];
-          const float* xs[kGemmMR];
-          const int16_t* xb[kGemmMR];
+        for (int t = 0; t < nt; t++) R8Type<T>::unpack(pw + (tile + t) * tile_bytes, g0, n, chunk, t);
+#if TLQ_GEMM512
+        const bool wide = nt == kGemmNT;  // a whole pair: the 512-bit kernel
+        const int64_t mr = wide ? kGemm512MR : kGemmMR;
+#else
+        const int64_t mr = kGemmMR;
+#endif
+        for (int64_t m = 0; m < mb; m += mr) {
+          const int mt = static_cast<int>(std::min<int64_t>(mr, mb - m));
+          constexpr int kMaxMR = std::max(kGemmMR, kGemm512MR);
+          const int8_t* xq[kMaxMR];
+          const float* xd[kMaxMR];
+          const float* xs[kMaxMR];
+          const int16_t* xb[kMaxMR];
           for (int i = 0; i < mt; i++) {
             const int64_t row = m0 + m + i;
             xq[i] = a.q.data() + row * K + 32 * g0;
@@ -2070,10 +2187,16 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
             xb[i] = a.bs.data() + row * 2 * G + 2 * g0;
           }
           float* ac = acc + m * kGemmNT * 8;
+#if TLQ_GEMM512
+          if (wide) {
+            r8_rows512<T>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
+            continue;
+          }
+#endif
           if (nt == kGemmNT)
-            r8_rows<T, kGemmNT>(chunks, n, mt, xq, xd, xs, xb, ac, g0 == 0);
+            r8_rows<T, kGemmNT>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
           else
-            r8_rows<T, 1>(chunks, n, mt, xq, xd, xs, xb, ac, g0 == 0);
+            r8_rows<T, 1>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
         }
       }
       for (int64_t m = 0; m < mb; m++)
