@@ -69,6 +69,11 @@ def main() -> None:
         "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "runs": runs,
     }
+    if all("tokenloom_prefill_tok_s" in r for rs in runs.values() for r in rs):  # --ttft-prompt-len given
+        result["a_prefill_tok_s"] = [round(r["tokenloom_prefill_tok_s"], 1) for r in runs["A"]]
+        result["b_prefill_tok_s"] = [round(r["tokenloom_prefill_tok_s"], 1) for r in runs["B"]]
+        result["b_over_a_prefill_median_of_pairs"] = round(statistics.median(
+            rb["tokenloom_prefill_tok_s"] / ra["tokenloom_prefill_tok_s"] for ra, rb in zip(runs["A"], runs["B"])), 4)
     if all("llamacpp_tok_s" in r for rs in runs.values() for r in rs):
         result["llamacpp_tok_s"] = [round(r["llamacpp_tok_s"], 2) for rs in runs.values() for r in rs]
         result["a_ratio_to_llamacpp"] = round(med("A", "ratio"), 4)
