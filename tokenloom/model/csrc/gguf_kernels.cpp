@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <memory>
 #include <mutex>
 #include <tuple>
@@ -1839,9 +1840,14 @@ constexpr int kGemmChunk = 16;  // groups of 32 columns per unpacked chunk (a mu
 constexpr int kGemmMR = TLQ_GEMM_MR;  // activation rows per micro-kernel call
 constexpr int kGemmNT = TLQ_GEMM_NT;  // tiles per micro-kernel call (1 or 2)
 
-// Activation rows per block: the block's int8 rows (rows x K bytes) within ~192 KB of L2.
+// Activation rows per block: the block's int8 rows (rows x K bytes) within 40 % of this core's L2
+// (at least 192 KB).
 int64_t gemm_row_block(int64_t K) {
-  return std::max<int64_t>(16, std::min<int64_t>(128, (192 * 1024 / K) & ~int64_t{3}));
+  static const int64_t budget = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return std::max<int64_t>(192 * 1024, l2 > 0 ? static_cast<int64_t>(l2) * 2 / 5 : 0);
+  }();
+  return std::max<int64_t>(16, std::min<int64_t>(128, (budget / K) & ~int64_t{3}));
 }
 
 #if TLQ_AVX2
