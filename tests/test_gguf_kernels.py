@@ -333,6 +333,24 @@ def test_batched_gemm_matches_reference(qtype: Q, scalar: bool) -> None:
         kernels.set_force_scalar(False)
 
 
+def test_gemm_crossover_follows_the_micro_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GGUFLinear's switch from the tile kernel to the batched GEMM sits where the build's GEMM
+    overtakes it: 8 rows with the 512-bit micro-kernel (built exactly where AVX-512 VNNI is, TOKENLOOM_CPU_ISA
+    capping), 64 with the 256-bit one; TOKENLOOM_GGUF_GEMM_ROWS overrides, a bad value is refused by name."""
+    from tokenloom import cpu_isa
+    from tokenloom.model.gguf_weights import GEMM_MIN_ROWS_NARROW, GEMM_MIN_ROWS_WIDE, gemm_min_rows
+
+    monkeypatch.delenv("TOKENLOOM_GGUF_GEMM_ROWS", raising=False)
+    wide = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_isa.cpu_flags()
+    assert kernels.has_wide_gemm() == wide
+    assert gemm_min_rows(kernels) == (GEMM_MIN_ROWS_WIDE if wide else GEMM_MIN_ROWS_NARROW)
+    monkeypatch.setenv("TOKENLOOM_GGUF_GEMM_ROWS", "24")
+    assert gemm_min_rows(kernels) == 24
+    monkeypatch.setenv("TOKENLOOM_GGUF_GEMM_ROWS", "many")
+    with pytest.raises(ValueError, match="TOKENLOOM_GGUF_GEMM_ROWS"):
+        gemm_min_rows(kernels)
+
+
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
 def test_batched_gemm_pair_and_single_tile_paths_agree_bit_for_bit(qtype: Q) -> None:
     """The batched GEMM runs whole tile pairs through one micro-kernel (AVX-512: a pair per 64-byte

@@ -134,8 +134,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
         "TOKENLOOM_FUSED_DECODE_ROWS", 8, "an integer (0 turns the fused step off)",
         fallback="TOKENLOOM_GGUF_FUSED_ROWS"),
     # GGUF weights in the 8-row layouts: batches of at least this many rows run the batched int8 GEMM
-    # (gguf_gemm_packed) instead of the small-batch tile kernel.
-    "TOKENLOOM_GGUF_GEMM_ROWS": lambda: _int("TOKENLOOM_GGUF_GEMM_ROWS", 64, "a number of rows", minimum=1),
+    # (gguf_gemm_packed) instead of the small-batch tile kernel. 0 (unset): the kernels' crossover
+    # (tokenloom/model/gguf_weights.py, gemm_min_rows).
+    "TOKENLOOM_GGUF_GEMM_ROWS": lambda: _int("TOKENLOOM_GGUF_GEMM_ROWS", 0, "a number of rows (0: automatic)",
+                                             minimum=0),
     # GGUF weights without an 8-row layout (IQ3 blocks, or a row count not a multiple of 8): batches of at
     # least this many rows dequantize and run a float GEMM; the 8-row layouts do so only from the second (4096).
     "TOKENLOOM_GGUF_DEQUANT_ROWS": lambda: _int("TOKENLOOM_GGUF_DEQUANT_ROWS", 32, "a number of rows", minimum=1),

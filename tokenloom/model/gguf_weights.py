@@ -20,6 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +51,23 @@ _ROPE_FREQS = "rope_freqs.weight"
 Q8_0_WHEN_IT_FITS = (Q.IQ3_XXS, Q.IQ3_S)
 
 
-def gemm_min_rows() -> int:
+# The crossovers of gemm_min_rows, measured with benchmarks/quant/gguf_prefill_gemm.py --tiles.
+GEMM_MIN_ROWS_WIDE = 8  # the GEMM's 512-bit micro-kernel (AVX-512 VNNI)
+GEMM_MIN_ROWS_NARROW = 64  # its 256-bit one (AVX2, AVX-VNNI)
+
+
+def gemm_min_rows(kernels: Any) -> int:
     """Batches of at least this many rows over an 8-row layout run the batched GEMM
     (`gguf_gemm_packed`: weights converted to int8 chunks on the fly, register-blocked micro-kernel)
-    instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS. 64: on
-    SmolLM2's Q4_1 linears (K = 576 / 1536, one thread, benchmarks/quant/gguf_prefill_gemm.py) the two
-    are even at 32-64 rows (the tile kernel's 4-bit unpack is cheap there); on the 0.5B's Q5_0 / Q6_K
-    the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
-    return envs.TOKENLOOM_GGUF_GEMM_ROWS
+    instead of the small-batch tile kernel (`gguf_linear_packed`); TOKENLOOM_GGUF_GEMM_ROWS overrides.
+    With the 512-bit micro-kernel (AVX-512 VNNI) 8: on a Zen 5 the GEMM is 1.4-2.0x the tile kernel at
+    8 rows and about even at 4 (the 0.5B's and 1.5B's linears, 2 threads), and a 32-request server
+    decodes 1.15x faster with it. With the 256-bit one 64: on SmolLM2's Q4_1 linears (K = 576 / 1536,
+    one thread) the two are even at 32-64 rows (the tile kernel's 4-bit unpack is cheap there); on the
+    0.5B's Q5_0 / Q6_K the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
+    if envs.TOKENLOOM_GGUF_GEMM_ROWS > 0:
+        return envs.TOKENLOOM_GGUF_GEMM_ROWS
+    return GEMM_MIN_ROWS_WIDE if kernels.has_wide_gemm() else GEMM_MIN_ROWS_NARROW
 
 
 def dequant_min_rows(packed8: bool = False) -> int:
@@ -306,7 +316,7 @@ class GGUFLinear:
             bias = None if self.bias is None else self.bias[col : col + n]
             if m >= dequant_min_rows(p.packed8):  # this part's float GEMM
                 out[:, col : col + n] = F.linear(xf, p.dequantize(torch.float32), bias)
-            elif p.packed8 and m >= gemm_min_rows():
+            elif p.packed8 and m >= gemm_min_rows(k):
                 k.gguf_gemm_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             elif p.packed8:
                 k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]

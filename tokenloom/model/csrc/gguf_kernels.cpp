@@ -2447,6 +2447,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_type_supported", &gguf_type_supported);
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
+  m.def("has_wide_gemm", [] { return TLQ_GEMM512 != 0; });  // the batched GEMM's 512-bit micro-kernel
   m.def("set_force_scalar", &set_force_scalar);
   m.def("tile_steals", [] { return g_tile_steals.load(); });
   tlq::register_fused_decode(m);  // FusedDecoder, dense_linear (fused_decode.cpp)
