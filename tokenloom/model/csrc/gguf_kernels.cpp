@@ -1839,6 +1839,12 @@ constexpr int kGemmChunk = 16;  // groups of 32 columns per unpacked chunk (a mu
 #endif
 constexpr int kGemmMR = TLQ_GEMM_MR;  // activation rows per micro-kernel call
 constexpr int kGemmNT = TLQ_GEMM_NT;  // tiles per micro-kernel call (1 or 2)
+// The 512-bit micro-kernel (r8_kernel512): AVX-512 VNNI, tile pairs.
+#if TLQ_VNNI && TLQ_GEMM_NT == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TLQ_GEMM512 1
+#else
+#define TLQ_GEMM512 0
+#endif
 
 // Activation rows per block: the block's int8 rows (rows x K bytes) within 40 % of this core's L2
 // (at least 192 KB).
@@ -2090,8 +2096,7 @@ inline void r8_rows(const R8Chunk& c, int n, int mt, const int8_t* const* xq, co
   }
 }
 
-#if TLQ_VNNI && TLQ_GEMM_NT == 2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define TLQ_GEMM512 1
+#if TLQ_GEMM512
 constexpr int kGemm512MR = 4;  // activation rows per r8_kernel512 call: 3 zmm (s, s2, f) each
 
 // r8_kernel on a tile pair in 512-bit registers: lanes 0..7 tile 0's rows, 8..15 tile 1's. The
@@ -2151,7 +2156,6 @@ inline void r8_rows512(const R8Chunk& c, int n, int mt, const int8_t* const* xq,
   }
 }
 #else
-#define TLQ_GEMM512 0
 constexpr int kGemm512MR = 1;
 #endif
 
