@@ -16,6 +16,7 @@ docs/performance.md for the crossover measurements).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -67,7 +68,13 @@ def gemm_min_rows(kernels: Any) -> int:
     0.5B's Q5_0 / Q6_K the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
     if envs.TOKENLOOM_GGUF_GEMM_ROWS > 0:
         return envs.TOKENLOOM_GGUF_GEMM_ROWS
-    return GEMM_MIN_ROWS_WIDE if kernels.has_wide_gemm() else GEMM_MIN_ROWS_NARROW
+    return GEMM_MIN_ROWS_WIDE if _has_wide_gemm(kernels) else GEMM_MIN_ROWS_NARROW
+
+
+@functools.cache
+def _has_wide_gemm(kernels: Any) -> bool:
+    """A build's constant, asked once: gemm_min_rows runs for every linear of every batched step."""
+    return bool(kernels.has_wide_gemm())
 
 
 def dequant_min_rows(packed8: bool = False) -> int:

@@ -2059,10 +2059,10 @@ inline void r8_kernel(const R8Chunk& c, int n, const int8_t* const* xq, const fl
     if constexpr (R::kOffset)
       for (int m = 0; m < MT; m++) {
         const __m256i o = _mm256_set1_epi32(R::offset_sum(xb[m] + 2 * g));
-        const __m256i o2 = _mm256_set1_epi32(R::offset_sum2(xb[m] + 2 * g));
-        for (int t = 0; t < NT; t++) {
-          s[m][t] = _mm256_sub_epi32(s[m][t], o);
-          if constexpr (R::kTwoScales) s2[m][t] = _mm256_sub_epi32(s2[m][t], o2);
+        for (int t = 0; t < NT; t++) s[m][t] = _mm256_sub_epi32(s[m][t], o);
+        if constexpr (R::kTwoScales) {
+          const __m256i o2 = _mm256_set1_epi32(R::offset_sum2(xb[m] + 2 * g));
+          for (int t = 0; t < NT; t++) s2[m][t] = _mm256_sub_epi32(s2[m][t], o2);
         }
       }
     for (int m = 0; m < MT; m++) {
@@ -2084,15 +2084,15 @@ inline void r8_kernel(const R8Chunk& c, int n, const int8_t* const* xq, const fl
     for (int t = 0; t < NT; t++) _mm256_storeu_ps(acc + (m * kGemmNT + t) * 8, f[m][t]);
 }
 
-// r8_kernel for mt (1..MT) rows.
-template <int T, int NT, int MT = kGemmMR>
-inline void r8_rows(const R8Chunk& c, int n, int mt, const int8_t* const* xq, const float* const* xd,
-                    const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
+// run(std::integral_constant<int, mt>{}) for a row count mt in 1..MT known only at run time: the
+// micro-kernels' row tails.
+template <int MT, typename F>
+inline void with_rows(int mt, F&& run) {
   if constexpr (MT == 1) {
-    r8_kernel<T, 1, NT>(c, n, xq, xd, xs, xb, acc, first);
+    run(std::integral_constant<int, 1>{});
   } else {
-    if (mt == MT) return r8_kernel<T, MT, NT>(c, n, xq, xd, xs, xb, acc, first);
-    r8_rows<T, NT, MT - 1>(c, n, mt, xq, xd, xs, xb, acc, first);
+    if (mt == MT) return run(std::integral_constant<int, MT>{});
+    with_rows<MT - 1>(mt, run);
   }
 }
 
@@ -2145,16 +2145,6 @@ inline void r8_kernel512(const R8Chunk& c, int n, const int8_t* const* xq, const
   for (int m = 0; m < MT; m++) _mm512_storeu_ps(acc + m * 16, f[m]);
 }
 
-template <int T, int MT = kGemm512MR>
-inline void r8_rows512(const R8Chunk& c, int n, int mt, const int8_t* const* xq, const float* const* xd,
-                       const float* const* xs, const int16_t* const* xb, float* acc, bool first) {
-  if constexpr (MT == 1) {
-    r8_kernel512<T, 1>(c, n, xq, xd, xs, xb, acc, first);
-  } else {
-    if (mt == MT) return r8_kernel512<T, MT>(c, n, xq, xd, xs, xb, acc, first);
-    r8_rows512<T, MT - 1>(c, n, mt, xq, xd, xs, xb, acc, first);
-  }
-}
 #else
 constexpr int kGemm512MR = 1;
 #endif
@@ -2199,14 +2189,18 @@ void gemm_packed_range(const QAct& a, const uint8_t* pw, const float* bias, floa
           float* ac = acc + m * kGemmNT * 8;
 #if TLQ_GEMM512
           if (wide) {
-            r8_rows512<T>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
+            with_rows<kGemm512MR>(mt, [&](auto rows) {
+              r8_kernel512<T, decltype(rows)::value>(chunk, n, xq, xd, xs, xb, ac, g0 == 0);
+            });
             continue;
           }
 #endif
-          if (nt == kGemmNT)
-            r8_rows<T, kGemmNT>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
-          else
-            r8_rows<T, 1>(chunk, n, mt, xq, xd, xs, xb, ac, g0 == 0);
+          with_rows<kGemmMR>(mt, [&](auto rows) {
+            if (nt == kGemmNT)
+              r8_kernel<T, decltype(rows)::value, kGemmNT>(chunk, n, xq, xd, xs, xb, ac, g0 == 0);
+            else
+              r8_kernel<T, decltype(rows)::value, 1>(chunk, n, xq, xd, xs, xb, ac, g0 == 0);
+          });
         }
       }
       for (int64_t m = 0; m < mb; m++)
