@@ -2110,19 +2110,23 @@ inline void r8_kernel512(const R8Chunk& c, int n, const int8_t* const* xq, const
   __m512 f[MT];
   for (int m = 0; m < MT; m++) f[m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + m * 16);
   for (int g = 0; g < n; g++) {
-    __m512i s[MT], s2[MT];
-    for (int m = 0; m < MT; m++) s[m] = s2[m] = _mm512_setzero_si512();
+    // Two int32 chains per sum (vectors j even / odd), added at the group's end: vpdpbusd's latency
+    // (4-5 cycles) over MT chains alone would cap it below one a cycle. Integer sums: the same values.
+    __m512i s[MT], s2[MT], t[MT], t2[MT];
+    for (int m = 0; m < MT; m++) s[m] = s2[m] = t[m] = t2[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; j++) {
       const __m512i w = _mm512_load_si512(c.q + R8Chunk::qoff(g, j, 0));
       for (int m = 0; m < MT; m++) {
         int32_t v;
         std::memcpy(&v, xq[m] + 32 * g + 4 * j, 4);
         const __m512i xv = _mm512_set1_epi32(v);
-        if (R::kTwoScales && j >= 4)
-          s2[m] = _mm512_dpbusd_epi32(s2[m], w, xv);
-        else
-          s[m] = _mm512_dpbusd_epi32(s[m], w, xv);
+        __m512i& acc_j = R::kTwoScales && j >= 4 ? (j & 1 ? t2[m] : s2[m]) : (j & 1 ? t[m] : s[m]);
+        acc_j = _mm512_dpbusd_epi32(acc_j, w, xv);
       }
+    }
+    for (int m = 0; m < MT; m++) {
+      s[m] = _mm512_add_epi32(s[m], t[m]);
+      if constexpr (R::kTwoScales) s2[m] = _mm512_add_epi32(s2[m], t2[m]);
     }
     const int fo = R8Chunk::foff(g, 0);
     const __m512 av = _mm512_load_ps(c.a + fo);
