@@ -35,7 +35,7 @@ def machine(monkeypatch):
     monkeypatch.setattr(execution_plan, "_gguf_kernels_available", lambda: state.gguf_kernels)
     state.kernels = SimpleNamespace(packed_layout_supported=lambda block_size, head_dim: state.packed_layout)
     for name in ("TOKENLOOM_FUSED_FLOAT", "TOKENLOOM_FUSED_DECODE_ROWS", "TOKENLOOM_GGUF_FUSED_ROWS",
-                 "TOKENLOOM_KV_PACKED"):
+                 "TOKENLOOM_KV_PACKED", "TOKENLOOM_GGUF_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
     return state
 
@@ -46,6 +46,19 @@ def test_gguf_llama_takes_the_fused_decode_step(machine) -> None:
     assert plan.fused_decode and plan.fused_decode_rows == 8 and plan.prepack == PREPACK_ALL
     assert not plan.kv_packed  # the fused step reads the plain layout
     assert "fused decode step up to 8 rows" in plan.describe() and "quantized GEMV/GEMM" in plan.describe()
+
+
+@pytest.mark.parametrize("vendor, stages", [("AuthenticAMD", 1), ("GenuineIntel", 2), ("", 2)])
+def test_the_weight_prefetch_follows_the_cpu_vendor(machine, monkeypatch, vendor, stages) -> None:
+    monkeypatch.setattr(execution_plan.cpu_isa, "this_cpu_vendor", lambda: vendor)
+    plan = plan_execution(config(), CPU, torch.float32, "gguf", machine.kernels)
+    assert plan.gguf_prefetch_stages == stages and f"{stages}-stage weight prefetch" in plan.describe()
+    for override, forced in (("one-stage", 1), ("two-stage", 2)):
+        monkeypatch.setenv("TOKENLOOM_GGUF_PREFETCH", override)
+        assert plan_execution(config(), CPU, torch.float32, "gguf", machine.kernels).gguf_prefetch_stages == forced
+    monkeypatch.setenv("TOKENLOOM_GGUF_PREFETCH", "three-stage")
+    with pytest.raises(ValueError, match="TOKENLOOM_GGUF_PREFETCH"):
+        plan_execution(config(), CPU, torch.float32, "gguf", machine.kernels)
 
 
 def test_gguf_without_its_kernels_dequantizes_per_op(machine) -> None:
@@ -122,7 +135,8 @@ def test_the_execution_overrides_are_read_only_by_the_planner() -> None:
     model_room = Path(execution_plan.__file__).parent
     readers = {}
     for path in model_room.rglob("*.py"):
-        names = set(re.findall(r"envs\.(TOKENLOOM_FUSED_DECODE_ROWS|TOKENLOOM_FUSED_FLOAT|TOKENLOOM_KV_PACKED)",
+        names = set(re.findall(r"envs\.(TOKENLOOM_FUSED_DECODE_ROWS|TOKENLOOM_FUSED_FLOAT|TOKENLOOM_KV_PACKED"
+                               r"|TOKENLOOM_GGUF_PREFETCH)",
                                path.read_text(encoding="utf-8")))
         if names:
             readers[path.name] = names

@@ -211,6 +211,32 @@ def test_packed_tiles_shared_out_between_threads(qtype: Q) -> None:
     torch.testing.assert_close(outs[0], want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_the_weight_prefetch_stages_change_no_output(qtype: Q) -> None:
+    """The tile kernels' prefetch (one stage or two, the plan's choice by CPU vendor) is hints only: both
+    give the same outputs bit for bit, at decode and at few-row widths; any other stage count is refused."""
+    n, k = 8 * 37, 512
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=17))
+    packed = kernels.gguf_repack8(raw, int(qtype), k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    before = kernels.weight_prefetch_stages()
+    outs = {}
+    try:
+        for stages in (1, 2):
+            kernels.set_weight_prefetch_stages(stages)
+            assert kernels.weight_prefetch_stages() == stages
+            for m in (1, 3):
+                outs[stages, m] = torch.full((m, n), float("nan"))
+                kernels.gguf_linear_packed(outs[stages, m], x[:m], packed, int(qtype), None)
+        with pytest.raises(RuntimeError, match="must be 1 or 2"):
+            kernels.set_weight_prefetch_stages(3)
+    finally:
+        kernels.set_weight_prefetch_stages(before)
+    for m in (1, 3):
+        assert not outs[1, m].isnan().any()
+        torch.testing.assert_close(outs[1, m], outs[2, m], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("scalar", [False, True], ids=["simd", "plain"])
 def test_stolen_tiles_are_computed_once_and_alike(scalar: bool) -> None:
     """Work stealing (TileCursor, gguf_quants.h): four threads on this machine's cores start and run

@@ -71,6 +71,19 @@ def this_cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def this_cpu_vendor() -> str:
+    """This CPU's /proc/cpuinfo vendor_id ("AuthenticAMD", "GenuineIntel", ...; "" where unknown). A cap
+    does not change it: it decides tuning (how the kernels prefetch), not which instructions exist."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def active_cap(native_flags: frozenset[str] | None = None) -> IsaCap | None:
     """The cap TOKENLOOM_CPU_ISA asks for (None: native), checked against this CPU (or against
     `native_flags`, another CPU's /proc/cpuinfo flags).

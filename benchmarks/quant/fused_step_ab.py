@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tokenloom
 from tokenloom.model.fused_decode import decoder_from_weights  # noqa: E402
+from tokenloom.model.gguf_kernels import with_engine_prefetch  # noqa: E402
 from tokenloom.model.gguf_weights import load_gguf_quantized  # noqa: E402
 from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
 from tokenloom.model.rotary import rope_inv_freq  # noqa: E402
@@ -44,8 +45,9 @@ from tokenloom.model.rotary import rope_inv_freq  # noqa: E402
 def build(name: str, csrc: Path, march: str) -> object:
     """One version's extension: its gguf_kernels.cpp and fused_decode.cpp (headers from csrc)."""
     sources = [csrc / "gguf_kernels.cpp", csrc / "fused_decode.cpp"]
-    return load_cached_extension(f"gguf_step_ab_{name}", sources, ["-O3", f"-march={march}", "-fopenmp"], LDFLAGS,
-                                 f"GGUF kernels {name}")[0]
+    module = load_cached_extension(f"gguf_step_ab_{name}", sources, ["-O3", f"-march={march}", "-fopenmp"], LDFLAGS,
+                                   f"GGUF kernels {name}")[0]
+    return with_engine_prefetch(module)
 
 
 def step_ms(dec: object, steps: int, cos: torch.Tensor, sin: torch.Tensor, hidden: int) -> float:

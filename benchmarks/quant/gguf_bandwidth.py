@@ -29,12 +29,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     from tokenloom.model.fused_decode import decoder_from_weights
-    from tokenloom.model.gguf_kernels import gguf_kernels
+    from tokenloom.model.gguf_kernels import gguf_kernels, with_engine_prefetch
     from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
     from tokenloom.model.rotary import rope_inv_freq
 
     torch.set_num_threads(a.threads)
     k = gguf_kernels()
+    if k is not None:
+        with_engine_prefetch(k)
     if k is None:
         raise SystemExit("GGUF kernels unavailable")
     config, weights = load_gguf_quantized(a.model)

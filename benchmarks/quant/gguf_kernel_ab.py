@@ -32,6 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tokenloom
+from tokenloom.model.gguf_kernels import with_engine_prefetch  # noqa: E402
 from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
 
 # type: (float16 field offsets, block bytes, block elements, matrix shape, matrices). The K-quants
@@ -77,8 +78,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     flags = ["-O3", f"-march={a.march}", "-fopenmp"]
-    mods = {name: load_cached_extension(f"gguf_ab_{name}", extension_sources(src), flags, LDFLAGS,
-                                        f"GGUF kernels {name}")[0]
+    mods = {name: with_engine_prefetch(load_cached_extension(f"gguf_ab_{name}", extension_sources(src), flags, LDFLAGS,
+                                                             f"GGUF kernels {name}")[0])
             for name, src in (("A", a.a), ("B", a.b))}
     rng = np.random.default_rng(0)
     types = [Q[name.strip()] for name in a.types.split(",")]

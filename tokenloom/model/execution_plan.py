@@ -52,6 +52,9 @@ class ExecutionPlan:
     # sliding window or soft-capping, which the model finds as it builds the layers: `with_torch_attention`).
     kernel_attention: bool
     quantized_kernels: bool  # GGUF weights: the GGUF kernels' quantized GEMV / GEMM (else dequantize per call)
+    # How those kernels prefetch the weights they stream: 2 stages (L2, then L1) or 1 (L1); by CPU vendor
+    # (gguf_prefetch_stages), applied to the kernels by the runner.
+    gguf_prefetch_stages: int
     prepack: str  # which run-dtype linears oneDNN pre-packs: PREPACK_ALL, PREPACK_LM_HEAD or PREPACK_NONE
     fused_decode: bool  # small all-decode steps run the whole stack in one compiled call
     fused_decode_rows: int  # ... up to this many sequences (TOKENLOOM_FUSED_DECODE_ROWS)
@@ -88,7 +91,8 @@ class ExecutionPlan:
         """One line for the start-up log."""
         weights = self.weights
         if self.quantization == "gguf":
-            weights += " (quantized GEMV/GEMM kernels)" if self.quantized_kernels else " (dequantized per call)"
+            weights += (f" (quantized GEMV/GEMM kernels, {self.gguf_prefetch_stages}-stage weight prefetch)"
+                        if self.quantized_kernels else " (dequantized per call)")
         fused = f"up to {self.fused_decode_rows} rows" if self.fused_decode else "off"
         cap = f" (capped: TOKENLOOM_CPU_ISA={self.isa_cap})" if self.isa_cap != cpu_isa.NATIVE else ""
         isa = f"{self.isa}{cap}, " if self.isa else ""
@@ -104,6 +108,18 @@ def fused_stack_covers(config: ModelConfig) -> bool:
     rope = config.rope_scaling or {}
     return (config.architecture in ("llama", "qwen2") and not config.sliding_window
             and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
+
+
+def gguf_prefetch_stages(vendor: str | None = None) -> int:
+    """How many stages the GGUF tile kernels prefetch their weights in (csrc/gguf_kernels.cpp,
+    prefetch_two_stage): TOKENLOOM_GGUF_PREFETCH, else 1 (L1 only) on AMD and 2 (L2, then L1) elsewhere.
+    Measured (docs/performance.md, "The weight prefetch by CPU vendor"): on Intel Xeons the L2 stage
+    took 12-19 % off the decode step; on AMD Zen 4 dropping it took 5-10 % off."""
+    choice = envs.TOKENLOOM_GGUF_PREFETCH
+    if choice != "auto":
+        return 1 if choice == "one-stage" else 2
+    vendor = cpu_isa.this_cpu_vendor() if vendor is None else vendor
+    return 1 if vendor == "AuthenticAMD" else 2
 
 
 def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: str | None,
@@ -155,7 +171,7 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
         device=device, dtype=dtype, quantization=quantization,
         isa=torch_isa, isa_cap=cpu_isa.cap_name() if on_cpu else cpu_isa.NATIVE,
         cpu_kernels=kernels is not None, kernel_attention=kernels is not None,
-        quantized_kernels=quantized_kernels, prepack=prepack,
+        quantized_kernels=quantized_kernels, gguf_prefetch_stages=gguf_prefetch_stages(), prepack=prepack,
         fused_decode=fused, fused_decode_rows=rows, fused_decode_covered=covered,
         kv_packed_supported=kv_packed_supported)
 

@@ -61,6 +61,9 @@ namespace {
 
 using namespace tlq;  // bf16, QAct, quantize_act, hsum8, g_force_scalar, TypeInfo
 
+// Whether the tile kernels' weight prefetch runs its L2 stage (prefetch_two_stage; the plan's choice).
+bool g_prefetch_l2 = true;
+
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
@@ -1095,9 +1098,16 @@ inline __m256i bcast4(const int8_t* p) {
 // flight, and the L1 prefetch one d later finds its line in L2 (or the L3, for a model the L3
 // holds, where an L2-only prefetch lost 3-6 %). Fused step, both build orders, 2-core Xeon: 0.5B
 // -19 %, 1.5B -12 % under AVX2 (docs/performance.md "Weight prefetch in two stages").
+// On AMD's Zen 4 the L2 stage costs instead (its L2 stream prefetcher already runs ahead, and AMD
+// cores treat T1 like T0): the L1 stage alone made the 1.5B's fused step 0.90x the time, the 0.5B's
+// 0.95x. So the stages are the execution plan's choice (tokenloom/model/execution_plan.py, by CPU
+// vendor; TOKENLOOM_GGUF_PREFETCH): g_prefetch_l2 says whether the L2 stage runs. Hints only: the
+// outputs do not depend on it. (g_prefetch_l2 is defined with the ISA-independent globals above.)
+
 template <int TB>
 inline void prefetch_two_stage(const uint8_t* p, int d) {
-  for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * d * TB + o), _MM_HINT_T1);
+  if (g_prefetch_l2)
+    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * d * TB + o), _MM_HINT_T1);
   for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + d * TB + o), _MM_HINT_T0);
 }
 
@@ -2450,6 +2460,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
   m.def("has_wide_gemm", [] { return TLQ_GEMM512 != 0; });  // the batched GEMM's 512-bit micro-kernel
+  // The tile kernels' weight prefetch: 2 stages (L2, then L1) or 1 (L1 only); see prefetch_two_stage.
+  m.def("set_weight_prefetch_stages", [](int stages) {
+    TORCH_CHECK(stages == 1 || stages == 2, "weight prefetch stages must be 1 or 2, got ", stages);
+    g_prefetch_l2 = stages == 2;
+  });
+  m.def("weight_prefetch_stages", [] { return g_prefetch_l2 ? 2 : 1; });
   m.def("set_force_scalar", &set_force_scalar);
   m.def("tile_steals", [] { return g_tile_steals.load(); });
   tlq::register_fused_decode(m);  // FusedDecoder, dense_linear (fused_decode.cpp)
