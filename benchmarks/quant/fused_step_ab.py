@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tokenloom
+from tokenloom.model.execution_plan import with_engine_prefetch  # noqa: E402
 from tokenloom.model.fused_decode import decoder_from_weights  # noqa: E402
-from tokenloom.model.gguf_kernels import with_engine_prefetch  # noqa: E402
 from tokenloom.model.gguf_weights import load_gguf_quantized  # noqa: E402
 from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
 from tokenloom.model.rotary import rope_inv_freq  # noqa: E402

@@ -28,8 +28,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
+    from tokenloom.model.execution_plan import with_engine_prefetch
     from tokenloom.model.fused_decode import decoder_from_weights
-    from tokenloom.model.gguf_kernels import gguf_kernels, with_engine_prefetch
+    from tokenloom.model.gguf_kernels import gguf_kernels
     from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight, load_gguf_quantized
     from tokenloom.model.rotary import rope_inv_freq
 

@@ -32,7 +32,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tokenloom
-from tokenloom.model.gguf_kernels import with_engine_prefetch  # noqa: E402
+from tokenloom.model.execution_plan import with_engine_prefetch  # noqa: E402
 from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
 
 # type: (float16 field offsets, block bytes, block elements, matrix shape, matrices). The K-quants

@@ -122,6 +122,15 @@ def gguf_prefetch_stages(vendor: str | None = None) -> int:
     return 1 if vendor == "AuthenticAMD" else 2
 
 
+def with_engine_prefetch(module: ModuleType) -> ModuleType:
+    """`module` (a build of the GGUF kernels' sources, e.g. a benchmark's A or B) set to prefetch weights as
+    the engine's plan does on this machine; a build from before the choice existed keeps its own. The
+    runner applies the plan itself."""
+    if hasattr(module, "set_weight_prefetch_stages"):
+        module.set_weight_prefetch_stages(gguf_prefetch_stages())
+    return module
+
+
 def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: str | None,
                    kernels: ModuleType | None, *, sharded: bool = False, block_size: int = 16,
                    kv_cache_dtype: str = "auto") -> ExecutionPlan:

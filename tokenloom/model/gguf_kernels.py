@@ -43,17 +43,6 @@ def gguf_kernels() -> ModuleType | None:
     return load_once(_state, _lock, _load)
 
 
-def with_engine_prefetch(module: ModuleType) -> ModuleType:
-    """`module` (a build of these sources, e.g. a benchmark's A or B) set to prefetch weights as the engine's
-    plan does on this machine (execution_plan.gguf_prefetch_stages); a build from before the choice existed
-    keeps its own. The runner applies the plan itself."""
-    if hasattr(module, "set_weight_prefetch_stages"):
-        from tokenloom.model.execution_plan import gguf_prefetch_stages
-
-        module.set_weight_prefetch_stages(gguf_prefetch_stages())
-    return module
-
-
 def _load() -> ModuleType | None:
     try:
         module, _ = load_cached_extension("gguf_kernels", SOURCES, CFLAGS, LDFLAGS, "GGUF kernels")
