@@ -21,7 +21,7 @@ Capping *up*, to an ISA this CPU lacks, is an error. Pure Python: imported befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from tokenloom import envs
@@ -59,29 +59,29 @@ TORCH_CAPABILITY_RANK = {"DEFAULT": 0, "NO AVX": 0, "AVX2": 1, "AVX512": 2, "AVX
 _GATED_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx10")
 
 
-@lru_cache(maxsize=1)
-def this_cpu_flags() -> frozenset[str]:
-    """This CPU's /proc/cpuinfo feature flags, uncapped (empty where there is no /proc/cpuinfo)."""
+@cache
+def _cpuinfo_field(name: str) -> str:
+    """The first processor's `name` field in /proc/cpuinfo ("" where there is none, or no /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def this_cpu_vendor() -> str:
-    """This CPU's /proc/cpuinfo vendor_id ("AuthenticAMD", "GenuineIntel", ...; "" where unknown). A cap
-    does not change it: it decides tuning (how the kernels prefetch), not which instructions exist."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == name:
+                return value.strip()
     except OSError:
         pass
     return ""
+
+
+@lru_cache(maxsize=1)
+def this_cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo feature flags, uncapped (empty where there is no /proc/cpuinfo)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def this_cpu_vendor() -> str:
+    """This CPU's /proc/cpuinfo vendor_id ("AuthenticAMD", "GenuineIntel", ...; "" where unknown). A cap
+    does not change it: it decides tuning (how the kernels prefetch), not which instructions exist."""
+    return _cpuinfo_field("vendor_id")
 
 
 def active_cap(native_flags: frozenset[str] | None = None) -> IsaCap | None:

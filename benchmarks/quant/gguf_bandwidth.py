@@ -36,10 +36,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     k = gguf_kernels()
-    if k is not None:
-        with_engine_prefetch(k)
     if k is None:
         raise SystemExit("GGUF kernels unavailable")
+    with_engine_prefetch(k)
     config, weights = load_gguf_quantized(a.model)
     dec = decoder_from_weights(k, config, weights)
     n_layers, hkv, d, bs = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16

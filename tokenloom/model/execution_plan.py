@@ -110,7 +110,7 @@ def fused_stack_covers(config: ModelConfig) -> bool:
             and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
 
 
-def gguf_prefetch_stages(vendor: str | None = None) -> int:
+def gguf_prefetch_stages() -> int:
     """How many stages the GGUF tile kernels prefetch their weights in (csrc/gguf_kernels.cpp,
     prefetch_two_stage): TOKENLOOM_GGUF_PREFETCH, else 1 (L1 only) on AMD and 2 (L2, then L1) elsewhere.
     Measured (docs/performance.md, "The weight prefetch by CPU vendor"): on Intel Xeons the L2 stage
@@ -118,8 +118,7 @@ def gguf_prefetch_stages(vendor: str | None = None) -> int:
     choice = envs.TOKENLOOM_GGUF_PREFETCH
     if choice != "auto":
         return 1 if choice == "one-stage" else 2
-    vendor = cpu_isa.this_cpu_vendor() if vendor is None else vendor
-    return 1 if vendor == "AuthenticAMD" else 2
+    return 1 if cpu_isa.this_cpu_vendor() == "AuthenticAMD" else 2
 
 
 def with_engine_prefetch(module: ModuleType) -> ModuleType:

@@ -1098,12 +1098,11 @@ inline __m256i bcast4(const int8_t* p) {
 // flight, and the L1 prefetch one d later finds its line in L2 (or the L3, for a model the L3
 // holds, where an L2-only prefetch lost 3-6 %). Fused step, both build orders, 2-core Xeon: 0.5B
 // -19 %, 1.5B -12 % under AVX2 (docs/performance.md "Weight prefetch in two stages").
-// On AMD's Zen 4 the L2 stage costs instead (its L2 stream prefetcher already runs ahead, and AMD
-// cores treat T1 like T0): the L1 stage alone made the 1.5B's fused step 0.90x the time, the 0.5B's
-// 0.95x. So the stages are the execution plan's choice (tokenloom/model/execution_plan.py, by CPU
-// vendor; TOKENLOOM_GGUF_PREFETCH): g_prefetch_l2 says whether the L2 stage runs. Hints only: the
-// outputs do not depend on it. (g_prefetch_l2 is defined with the ISA-independent globals above.)
-
+// On AMD's Zen 4 the L2 stage costs instead (measured, not explained: perf there has no hardware
+// counters): the L1 stage alone made the 1.5B's fused step 0.90x the time, the 0.5B's 0.95x. So the
+// stages are the execution plan's choice (tokenloom/model/execution_plan.py, by CPU vendor;
+// TOKENLOOM_GGUF_PREFETCH): g_prefetch_l2 (defined with the ISA-independent globals above) says
+// whether the L2 stage runs. Hints only: the outputs do not depend on it.
 template <int TB>
 inline void prefetch_two_stage(const uint8_t* p, int d) {
   if (g_prefetch_l2)
