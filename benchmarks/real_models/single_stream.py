@@ -22,6 +22,14 @@ AVX2 proxy of an AMD EPYC on an AVX-512 Xeon, against llama.cpp built for AVX2 o
 Without --llama-bench only tokenloom runs. `--quantization` defaults to the engine's own default (a
 quantized GGUF stays quantized); `--quantization none` is the dequantized float path. The result also
 has the weights' bytes in memory and the process RSS after the engine is built (before any request).
+
+`--bandwidth-probe` reads a 512 MiB buffer with torch's threads (`read_gbs`) right before and after each
+side of each round: a cloud VM's DRAM bandwidth moves between phases of seconds to minutes (a 2-core
+Zen 4 switched between ~55 and ~35 GB/s for every buffer of every process at once), and a model whose
+step is bound by the bus moves with it. The result then has each round's four probes, each side's
+share of the bandwidth it had (the weight bytes a decode step reads, from the GGUF's tensor table, times
+tok/s, over the mean of its two probes), and, per phase ("low" / "high" read bandwidth, `phases`), the
+medians over the rounds whose four probes all fell in it (`by_phase`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.* and tokenloom
 
@@ -64,6 +76,46 @@ def ttft_ms(engine, prompt_len: int, seed: int) -> float:  # noqa: ANN001 - an L
     return 1e3 * (time.perf_counter() - t0)
 
 
+def new_probe_buffer() -> torch.Tensor:
+    """512 MiB of float32: far larger than any L3, so each read comes from DRAM."""
+    import torch  # here, not at the top: torch must load after tokenloom has applied the ISA cap
+
+    return torch.ones(128 * 2**20)
+
+
+def read_gbs(buffer: torch.Tensor, reps: int = 3) -> float:
+    """The machine's read bandwidth now, GB/s: the best of `reps` torch sums of `buffer` (larger than any cache)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+def decode_bytes_per_token(gguf_path: str) -> int:
+    """Bytes of weights one decode step reads, from the GGUF's tensor table: every tensor, less the token
+    embedding (one row a token) unless the file has no `output.weight` (tied: the LM head reads all of it).
+    The same for both engines, which keep the blocks as stored (tokenloom in 8-row copies of equal size)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_path).tensors}
+    untied = "output.weight" in sizes
+    return sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if untied else 0)
+
+
+def phases(probes: list[list[float]], spread: float = 1.25) -> list[str]:
+    """Per round, the machine's phase: "low" or "high" when all of its probes (both sides, before and after)
+    fall on one side of the geometric mean of the lowest and highest probe of the run, else "mixed". A run
+    whose probes all lie within `spread` of each other had one phase: every round is "one"."""
+    flat = [x for p in probes for x in p]
+    lo, hi = min(flat), max(flat)
+    if hi <= spread * lo:
+        return ["one"] * len(probes)
+    cut = (lo * hi) ** 0.5
+    return ["high" if min(p) > cut else "low" if max(p) < cut else "mixed" for p in probes]
+
+
 def rss_now_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -89,6 +141,8 @@ def main() -> None:
     ap.add_argument("--cpu-isa", default=None, choices=["native", "avx2", "avx512", "avx512_vnni", "avx512_bf16"],
                     help="run tokenloom as on a CPU with only this ISA (TOKENLOOM_CPU_ISA; default: the variable, "
                          "else native)")
+    ap.add_argument("--bandwidth-probe", action="store_true",
+                    help="read 512 MiB before and after each side of each round; report the phase-matched ratio")
     a = ap.parse_args()
     if a.cpu_isa:  # before tokenloom (and through it torch) loads: torch reads its cap once
         os.environ["TOKENLOOM_CPU_ISA"] = a.cpu_isa
@@ -105,19 +159,28 @@ def main() -> None:
     weights_mib = engine.runner.model.weight_bytes() / 2**20
     rss_mib = rss_now_mib()
     ttft_ms(engine, a.ttft_prompt_len, seed=-1)  # warm-up: first prefill builds the dequantized-GEMM path
+    probe_buffer = new_probe_buffer() if a.bandwidth_probe else None
+    probes: list[list[float]] = []  # per round: tokenloom before, after, then llama.cpp before, after
     ours, theirs, our_ttft, their_ttft = [], [], [], []
     for r in range(a.rounds):
+        probe = [read_gbs(probe_buffer)] if a.bandwidth_probe else []
         res = run(engine, 1, a.prompt_len, a.output_len, seed=r)
+        probe += [read_gbs(probe_buffer)] if a.bandwidth_probe else []
         ours.append(1000.0 / res["step_ms_median"])
         our_ttft.append(ttft_ms(engine, a.ttft_prompt_len, seed=r))
         line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s, TTFT {our_ttft[-1]:6.1f} ms "
                 f"(host work outside the model {res['overhead_ms_median']} ms)")
         if a.llama_bench:
+            probe += [read_gbs(probe_buffer)] if a.bandwidth_probe else []
             tg, ttft = llama_bench(a.llama_bench, model, a.threads, a.output_len, a.ttft_prompt_len,
                                    tuple(a.llama_arg))
+            probe += [read_gbs(probe_buffer)] if a.bandwidth_probe else []
             theirs.append(tg)
             their_ttft.append(ttft)
             line += f"; llama.cpp {tg:7.1f} tok/s, TTFT {ttft:6.1f} ms"
+        if probe:
+            probes.append(probe)
+            line += " (read GB/s " + " ".join(f"{x:.1f}" for x in probe) + ")"
         print(line, flush=True)
     result = {"model": Path(model).name, "cpu_isa": cap_name(), "quantization": engine.config.quantization or "none",
               "dtype": str(engine.dtype).replace("torch.", ""), "tokenloom_tok_s": statistics.median(ours),
@@ -138,6 +201,30 @@ def main() -> None:
         result["ratio"] = result["tokenloom_tok_s"] / result["llamacpp_tok_s"]
         result["llamacpp_prefill_tok_s"] = 1e3 * a.ttft_prompt_len / result["llamacpp_ttft_ms"]
         result["prefill_ratio"] = result["tokenloom_prefill_tok_s"] / result["llamacpp_prefill_tok_s"]
+    if probes:
+        # Each side's share of the bus: the weight bytes a token reads times tok/s, over the read bandwidth
+        # probed around it (a quantized GGUF only: a dequantized model reads other bytes).
+        token_gb = decode_bytes_per_token(model) / 1e9 if model.endswith(".gguf") and quant != "none" else None
+        result["read_gbs_rounds"] = [[round(x, 1) for x in p] for p in probes]
+        result["decode_gb_per_token"] = token_gb and round(token_gb, 4)
+        if token_gb:
+            result["tokenloom_bus_share_rounds"] = [round(token_gb * t / statistics.mean(p[:2]), 3)
+                                                    for t, p in zip(ours, probes)]
+        if theirs:
+            if token_gb:
+                result["llamacpp_bus_share_rounds"] = [round(token_gb * t / statistics.mean(p[2:]), 3)
+                                                       for t, p in zip(theirs, probes)]
+            result["ratio_rounds"] = [round(o / t, 3) for o, t in zip(ours, theirs)]
+            result["phase_rounds"] = phase_of = phases(probes)
+            # Per phase: the rounds wholly inside it, the median read GB/s, tok/s of each side and ratio.
+            result["by_phase"] = {
+                phase: {"rounds": len(idx),
+                        "read_gbs": round(statistics.median(x for i in idx for x in probes[i]), 1),
+                        "tokenloom_tok_s": round(statistics.median(ours[i] for i in idx), 2),
+                        "llamacpp_tok_s": round(statistics.median(theirs[i] for i in idx), 2),
+                        "ratio": round(statistics.median(ours[i] / theirs[i] for i in idx), 3)}
+                for phase in ("low", "high", "one")
+                if (idx := [i for i, ph in enumerate(phase_of) if ph == phase])}
     print(json.dumps(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
