@@ -9,8 +9,11 @@ time, nothing in parallel: run it on a quiet machine.
 
     .venv/bin/python benchmarks/real_models/defaults_on_real_models.py \\
         --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench \\
-        [--models smollm2,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b] [--rounds 3] \\
+        [--models smollm2,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b] [--rounds 3] [--bandwidth-probe] \\
         [--json docs/figures/defaults_real_models.json]
+
+`--bandwidth-probe` passes single_stream.py's: each round tagged with the read bandwidth around it, and the
+decode ratio per phase of a cloud VM's memory beside the table's (docs/performance.md, "The VM's two phases").
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ def model_file(name: str) -> str:
 
 
 def single_stream(model: str, rounds: int, quantization: str, llama_bench: str | None, out_json: Path,
-                  llama_args: tuple[str, ...] = ()) -> dict:
+                  llama_args: tuple[str, ...] = (), bandwidth_probe: bool = False) -> dict:
     cmd = [sys.executable, str(HERE / "single_stream.py"), model, "--rounds", str(rounds), "--quantization",
            quantization, "--ttft-prompt-len", "512", "--output-len", "128", "--json", str(out_json)]
+    if bandwidth_probe:
+        cmd.append("--bandwidth-probe")
     if llama_bench:
         cmd += ["--llama-bench", llama_bench, *(f"--llama-arg={x}" for x in llama_args)]
     print("$", " ".join(cmd), flush=True)
@@ -59,6 +64,8 @@ def main() -> None:
     ap.add_argument("--no-dequantized", action="store_true", help="skip the --quantization none runs")
     ap.add_argument("--dequantized-models", default="smollm2,qwen2.5-coder-0.5b",
                     help="models to run dequantized too (the 1.5B in float32 needs ~6 GiB and minutes)")
+    ap.add_argument("--bandwidth-probe", action="store_true",
+                    help="tag each round with the machine's read bandwidth; add the decode ratio per phase")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     tmp = Path(tempfile.gettempdir()) / "tokenloom_defaults"
@@ -67,7 +74,7 @@ def main() -> None:
     for name in a.models.split(","):
         model = model_file(name)
         row = {"model": name, "default": single_stream(model, a.rounds, "default", a.llama_bench, tmp / f"{name}.json",
-                                                         tuple(a.llama_arg))}
+                                                         tuple(a.llama_arg), a.bandwidth_probe)}
         if not a.no_dequantized and name in a.dequantized_models.split(","):
             row["dequantized"] = single_stream(model, max(1, a.rounds - 1), "none", None, tmp / f"{name}-none.json")
         rows.append(row)
@@ -81,6 +88,11 @@ def main() -> None:
               f"{d.get('llamacpp_tok_s', nan):.1f} | {d['tokenloom_prefill_tok_s']:.0f} / "
               f"{n.get('tokenloom_prefill_tok_s', nan):.0f} / {d.get('llamacpp_prefill_tok_s', nan):.0f}"
               f" | {d['weights_mib']:.0f} ({d['file_mib']:.0f}) | {d['rss_after_start_mib']:.0f} |")
+    for r in rows:  # per phase of the VM's memory, where the rounds were tagged and it had more than one
+        for phase, f in r["default"].get("by_phase", {}).items():
+            if phase != "one":
+                print(f"{r['model']}, {phase} read bandwidth ({f['read_gbs']} GB/s, {f['rounds']} rounds): "
+                      f"decode {f['tokenloom_tok_s']} vs {f['llamacpp_tok_s']} tok/s, {f['ratio']}x")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
