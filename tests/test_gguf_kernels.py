@@ -213,8 +213,8 @@ def test_packed_tiles_shared_out_between_threads(qtype: Q) -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 def test_the_weight_prefetch_stages_change_no_output(qtype: Q) -> None:
-    """The tile kernels' prefetch (one stage or two, the plan's choice by CPU vendor) is hints only: both
-    give the same outputs bit for bit, at decode and at few-row widths; any other stage count is refused."""
+    """The tile kernels' prefetch (none, one stage or two: the plan's choice by CPU vendor) is hints only:
+    all give the same outputs bit for bit, at decode and at few-row widths; any other stage count is refused."""
     n, k = 8 * 37, 512
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=17))
     packed = kernels.gguf_repack8(raw, int(qtype), k)
@@ -222,19 +222,21 @@ def test_the_weight_prefetch_stages_change_no_output(qtype: Q) -> None:
     before = kernels.weight_prefetch_stages()
     outs = {}
     try:
-        for stages in (1, 2):
+        for stages in (0, 1, 2):
             kernels.set_weight_prefetch_stages(stages)
             assert kernels.weight_prefetch_stages() == stages
             for m in (1, 3):
                 outs[stages, m] = torch.full((m, n), float("nan"))
                 kernels.gguf_linear_packed(outs[stages, m], x[:m], packed, int(qtype), None)
-        with pytest.raises(RuntimeError, match="must be 1 or 2"):
-            kernels.set_weight_prefetch_stages(3)
+        for bad in (3, -1):
+            with pytest.raises(RuntimeError, match="must be 0, 1 or 2"):
+                kernels.set_weight_prefetch_stages(bad)
     finally:
         kernels.set_weight_prefetch_stages(before)
     for m in (1, 3):
-        assert not outs[1, m].isnan().any()
-        torch.testing.assert_close(outs[1, m], outs[2, m], rtol=0, atol=0)
+        assert not outs[0, m].isnan().any()
+        torch.testing.assert_close(outs[1, m], outs[0, m], rtol=0, atol=0)
+        torch.testing.assert_close(outs[2, m], outs[0, m], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scalar", [False, True], ids=["simd", "plain"])

@@ -148,9 +148,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # blocks; `q8_0` / `blocks` choose one (tokenloom/model/gguf_weights.py, iq3_as_q8_0).
     "TOKENLOOM_GGUF_IQ3_LAYOUT": lambda: _choice("TOKENLOOM_GGUF_IQ3_LAYOUT", "auto", ("auto", "q8_0", "blocks")),
     # How the GGUF tile kernels prefetch the weights they stream: `two-stage` (L2 two strides ahead, then L1
-    # one ahead) or `one-stage` (L1 only); `auto` picks by CPU vendor, one stage on AMD, two elsewhere
-    # (tokenloom/model/execution_plan.py, gguf_prefetch_stages). Hints only: the outputs do not change.
-    "TOKENLOOM_GGUF_PREFETCH": lambda: _choice("TOKENLOOM_GGUF_PREFETCH", "auto", ("auto", "one-stage", "two-stage")),
+    # one ahead), `one-stage` (L1 only) or `none` (the hardware prefetchers alone); `auto` picks by CPU
+    # vendor, none on AMD, two stages elsewhere (tokenloom/model/execution_plan.py, gguf_prefetch_stages).
+    # Hints only: the outputs do not change.
+    "TOKENLOOM_GGUF_PREFETCH": lambda: _choice("TOKENLOOM_GGUF_PREFETCH", "auto",
+                                               ("auto", "none", "one-stage", "two-stage")),
     # 1: float32/bf16 models keep plain layer weights for the fused decode step (off: oneDNN-packed).
     "TOKENLOOM_FUSED_FLOAT": lambda: _flag("TOKENLOOM_FUSED_FLOAT", False),
     # 0: float GEMMs stay on F.linear instead of oneDNN pre-packed weights.

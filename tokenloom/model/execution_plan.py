@@ -52,8 +52,8 @@ class ExecutionPlan:
     # sliding window or soft-capping, which the model finds as it builds the layers: `with_torch_attention`).
     kernel_attention: bool
     quantized_kernels: bool  # GGUF weights: the GGUF kernels' quantized GEMV / GEMM (else dequantize per call)
-    # How those kernels prefetch the weights they stream: 2 stages (L2, then L1) or 1 (L1); by CPU vendor
-    # (gguf_prefetch_stages), applied to the kernels by the runner.
+    # How those kernels prefetch the weights they stream: 2 stages (L2, then L1), 1 (L1) or 0 (none, the
+    # hardware prefetchers alone); by CPU vendor (gguf_prefetch_stages), applied to the kernels by the runner.
     gguf_prefetch_stages: int
     prepack: str  # which run-dtype linears oneDNN pre-packs: PREPACK_ALL, PREPACK_LM_HEAD or PREPACK_NONE
     fused_decode: bool  # small all-decode steps run the whole stack in one compiled call
@@ -91,8 +91,10 @@ class ExecutionPlan:
         """One line for the start-up log."""
         weights = self.weights
         if self.quantization == "gguf":
-            weights += (f" (quantized GEMV/GEMM kernels, {self.gguf_prefetch_stages}-stage weight prefetch)"
-                        if self.quantized_kernels else " (dequantized per call)")
+            prefetch = (f"{self.gguf_prefetch_stages}-stage weight prefetch" if self.gguf_prefetch_stages
+                        else "no software weight prefetch")
+            weights += (f" (quantized GEMV/GEMM kernels, {prefetch})" if self.quantized_kernels
+                        else " (dequantized per call)")
         fused = f"up to {self.fused_decode_rows} rows" if self.fused_decode else "off"
         cap = f" (capped: TOKENLOOM_CPU_ISA={self.isa_cap})" if self.isa_cap != cpu_isa.NATIVE else ""
         isa = f"{self.isa}{cap}, " if self.isa else ""
@@ -110,15 +112,19 @@ def fused_stack_covers(config: ModelConfig) -> bool:
             and rope.get("rope_type", rope.get("type")) in (None, "default", "llama3"))
 
 
+PREFETCH_STAGES = {"none": 0, "one-stage": 1, "two-stage": 2}  # TOKENLOOM_GGUF_PREFETCH's values
+
+
 def gguf_prefetch_stages() -> int:
     """How many stages the GGUF tile kernels prefetch their weights in (csrc/gguf_kernels.cpp,
-    prefetch_two_stage): TOKENLOOM_GGUF_PREFETCH, else 1 (L1 only) on AMD and 2 (L2, then L1) elsewhere.
-    Measured (docs/performance.md, "The weight prefetch by CPU vendor"): on Intel Xeons the L2 stage
-    took 12-19 % off the decode step; on AMD Zen 4 dropping it took 5-10 % off."""
+    prefetch_weights): TOKENLOOM_GGUF_PREFETCH, else 0 (none: the hardware prefetchers alone) on AMD and 2
+    (L2, then L1) elsewhere. Measured (docs/performance.md, "The weight prefetch by CPU vendor"): on Intel
+    Xeons the L2 stage took 12-19 % off the decode step; on AMD Zen 4 each stage dropped took time off
+    (the L2 stage 5-10 %, then the L1 stage 9-13 % more wherever one core's stream is the limit)."""
     choice = envs.TOKENLOOM_GGUF_PREFETCH
     if choice != "auto":
-        return 1 if choice == "one-stage" else 2
-    return 1 if cpu_isa.this_cpu_vendor() == "AuthenticAMD" else 2
+        return PREFETCH_STAGES[choice]
+    return 0 if cpu_isa.this_cpu_vendor() == "AuthenticAMD" else 2
 
 
 def with_engine_prefetch(module: ModuleType) -> ModuleType:

@@ -61,8 +61,11 @@ namespace {
 
 using namespace tlq;  // bf16, QAct, quantize_act, hsum8, g_force_scalar, TypeInfo
 
-// Whether the tile kernels' weight prefetch runs its L2 stage (prefetch_two_stage; the plan's choice).
-bool g_prefetch_l2 = true;
+// How the tile kernels prefetch the weights they stream (prefetch_weights; the execution plan's choice):
+// 2 = an L2 stage, then L1; 1 = the L1 stage alone; 0 = none, the hardware prefetchers alone.
+int g_prefetch_stages = 2;
+// The stages, read once per tile run. Atomic (relaxed): the module's setter may run on another thread.
+inline int prefetch_stages() { return __atomic_load_n(&g_prefetch_stages, __ATOMIC_RELAXED); }
 
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
@@ -1098,16 +1101,20 @@ inline __m256i bcast4(const int8_t* p) {
 // flight, and the L1 prefetch one d later finds its line in L2 (or the L3, for a model the L3
 // holds, where an L2-only prefetch lost 3-6 %). Fused step, both build orders, 2-core Xeon: 0.5B
 // -19 %, 1.5B -12 % under AVX2 (docs/performance.md "Weight prefetch in two stages").
-// On AMD's Zen 4 the L2 stage costs instead (measured, not explained: perf there has no hardware
-// counters): the L1 stage alone made the 1.5B's fused step 0.90x the time, the 0.5B's 0.95x. So the
+// On AMD's Zen 4 each stage costs instead (measured, not explained: perf there has no hardware
+// counters): the L1 stage alone made the 1.5B's fused step 0.90x the time, and no software prefetch at
+// all 0.87x of that again where a core's own stream is the limit (level where the bus is). So the
 // stages are the execution plan's choice (tokenloom/model/execution_plan.py, by CPU vendor;
-// TOKENLOOM_GGUF_PREFETCH): g_prefetch_l2 (defined with the ISA-independent globals above) says
-// whether the L2 stage runs. Hints only: the outputs do not depend on it.
+// TOKENLOOM_GGUF_PREFETCH): g_prefetch_stages (defined with the ISA-independent globals above).
+// Hints only: the outputs do not depend on them.
 template <int TB>
-inline void prefetch_two_stage(const uint8_t* p, int d) {
-  if (g_prefetch_l2)
-    for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 2 * d * TB + o), _MM_HINT_T1);
-  for (int o = 0; o < TB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + d * TB + o), _MM_HINT_T0);
+inline void prefetch_weights(const uint8_t* p, int d, int stages) {
+  // Inline asm, not _mm_prefetch: with the stage count read before the loop, GCC 12 at -O3 emitted none
+  // of the guarded _mm_prefetch calls (objdump: no prefetcht0 / prefetcht1 left in the tile kernels).
+  if (stages == 2)
+    for (int o = 0; o < TB; o += 64) asm volatile("prefetcht1 %0" : : "m"(p[2 * d * TB + o]));
+  if (stages >= 1)
+    for (int o = 0; o < TB; o += 64) asm volatile("prefetcht0 %0" : : "m"(p[d * TB + o]));
 }
 
 // d: groups of the 32-element types (176-288 bytes each) and, for the K-quants, super-block tiles
@@ -1201,9 +1208,10 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
   const __m256i one = _mm256_set1_epi16(1);
+  const int stages = prefetch_stages();
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* p = tile + g * TB;
-    prefetch_two_stage<TB>(p, kPrefetchGroups);
+    prefetch_weights<TB>(p, kPrefetchGroups, stages);
     const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     if constexpr (T == kQ8_0 && MT == 1) {
       // Batch 1: each weight vector loaded and used once, two integer chains, and the float sums of
@@ -1297,9 +1305,10 @@ inline void packed_tile_k(const uint8_t* tile, int64_t NS, const int8_t* const* 
   constexpr int TB = packed_tile_bytes(T);
   __m256 acc[MT], accb[MT];
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+  const int stages = prefetch_stages();
   for (int64_t sb = 0; sb < NS; sb++) {
     const uint8_t* p = tile + sb * TB;
-    prefetch_two_stage<TB>(p, kPrefetchTilesK);
+    prefetch_weights<TB>(p, kPrefetchTilesK, stages);
     __m256 sacc[MT], macc[MT];  // this super-block's sums before d (and, Q4_K / Q5_K, before dmin)
     for (int m = 0; m < MT; m++) sacc[m] = macc[m] = _mm256_setzero_ps();
     if constexpr (T == kQ4_K || T == kQ5_K) {
@@ -2459,12 +2468,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
   m.def("has_wide_gemm", [] { return TLQ_GEMM512 != 0; });  // the batched GEMM's 512-bit micro-kernel
-  // The tile kernels' weight prefetch: 2 stages (L2, then L1) or 1 (L1 only); see prefetch_two_stage.
+  // The tile kernels' weight prefetch: 2 stages (L2, then L1), 1 (L1 only) or 0 (none); see prefetch_weights.
   m.def("set_weight_prefetch_stages", [](int stages) {
-    TORCH_CHECK(stages == 1 || stages == 2, "weight prefetch stages must be 1 or 2, got ", stages);
-    g_prefetch_l2 = stages == 2;
+    TORCH_CHECK(stages >= 0 && stages <= 2, "weight prefetch stages must be 0, 1 or 2, got ", stages);
+    __atomic_store_n(&g_prefetch_stages, stages, __ATOMIC_RELAXED);
   });
-  m.def("weight_prefetch_stages", [] { return g_prefetch_l2 ? 2 : 1; });
+  m.def("weight_prefetch_stages", [] { return prefetch_stages(); });
   m.def("set_force_scalar", &set_force_scalar);
   m.def("tile_steals", [] { return g_tile_steals.load(); });
   tlq::register_fused_decode(m);  // FusedDecoder, dense_linear (fused_decode.cpp)
