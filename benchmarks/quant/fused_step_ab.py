@@ -50,6 +50,22 @@ def build(name: str, csrc: Path, march: str) -> object:
     return with_engine_prefetch(module)
 
 
+def decoder_with_cache(module: object, config: object, weights: dict) -> tuple[object, torch.Tensor]:
+    """A FusedDecoder of `module` over the loaded weights (its own 8-row copies) and its KV tensors, 16 blocks of
+    16 slots a layer (the caller keeps the tensor alive as long as the decoder)."""
+    decoder = decoder_from_weights(module, config, weights)
+    layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    kv = torch.zeros(layers, 2, hkv, 16, 16, d)
+    decoder.set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
+    return decoder, kv
+
+
+def rope_tables(config: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions 0..255 (step_ms's positions)."""
+    freqs = torch.outer(torch.arange(256).float(), rope_inv_freq(config))
+    return freqs.cos(), freqs.sin()
+
+
 def step_ms(dec: object, steps: int, cos: torch.Tensor, sin: torch.Tensor, hidden: int) -> float:
     """Mean ms of `steps` batch-1 steps at positions 0..steps-1 (block table 0..15 of 16 slots each)."""
     table = torch.arange(16, dtype=torch.int32)[None]
@@ -80,14 +96,10 @@ def main() -> None:
     order = ("A", "B") if a.build_first == "A" else ("B", "A")
     mods = {name: build(name, a.a if name == "A" else a.b, a.march) for name in order}
     config, weights = load_gguf_quantized(a.model)
-    layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     decs, caches = {}, {}  # caches: each decoder's KV tensors, alive as long as it is
     for name, mod in mods.items():
-        decs[name] = decoder_from_weights(mod, config, weights)
-        caches[name] = kv = torch.zeros(layers, 2, hkv, 16, 16, d)
-        decs[name].set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
-    freqs = torch.outer(torch.arange(256).float(), rope_inv_freq(config))
-    cos, sin = freqs.cos(), freqs.sin()
+        decs[name], caches[name] = decoder_with_cache(mod, config, weights)
+    cos, sin = rope_tables(config)
     times: dict[str, list[float]] = {"A": [], "B": []}
     for r in range(a.rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):

@@ -22,12 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks and tokenloom
-from benchmarks.quant.fused_step_ab import step_ms  # noqa: E402
+from benchmarks.quant.fused_step_ab import build, decoder_with_cache, rope_tables, step_ms  # noqa: E402
 from benchmarks.real_models.single_stream import new_probe_buffer, phases, read_gbs  # noqa: E402
-from tokenloom.model.fused_decode import decoder_from_weights  # noqa: E402
 from tokenloom.model.gguf_weights import load_gguf_quantized  # noqa: E402
-from tokenloom.model.kernels import LDFLAGS, load_cached_extension  # noqa: E402
-from tokenloom.model.rotary import rope_inv_freq  # noqa: E402
 
 CSRC = Path(__file__).resolve().parents[2] / "tokenloom" / "model" / "csrc"
 
@@ -44,16 +41,10 @@ def main() -> None:
     a = ap.parse_args()
     settings = [int(x) for x in a.stages.split(",")]
     torch.set_num_threads(a.threads)
-    sources = [CSRC / "gguf_kernels.cpp", CSRC / "fused_decode.cpp"]
-    module = load_cached_extension(f"gguf_prefetch_step_{a.march}", sources, ["-O3", f"-march={a.march}", "-fopenmp"],
-                                   LDFLAGS, f"GGUF kernels ({a.march})")[0]
+    module = build(f"prefetch_{a.march}", CSRC, a.march)
     config, weights = load_gguf_quantized(a.model)
-    decoder = decoder_from_weights(module, config, weights)
-    layers, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    kv = torch.zeros(layers, 2, hkv, 16, 16, d)
-    decoder.set_kv_caches([kv[i, 0] for i in range(layers)], [kv[i, 1] for i in range(layers)])
-    freqs = torch.outer(torch.arange(256).float(), rope_inv_freq(config))
-    cos, sin = freqs.cos(), freqs.sin()
+    decoder, _kv = decoder_with_cache(module, config, weights)  # _kv: alive as long as the decoder
+    cos, sin = rope_tables(config)
     probe = new_probe_buffer()
     before = module.weight_prefetch_stages()
     probes: list[list[float]] = []

@@ -118,9 +118,10 @@ PREFETCH_STAGES = {"none": 0, "one-stage": 1, "two-stage": 2}  # TOKENLOOM_GGUF_
 def gguf_prefetch_stages() -> int:
     """How many stages the GGUF tile kernels prefetch their weights in (csrc/gguf_kernels.cpp,
     prefetch_weights): TOKENLOOM_GGUF_PREFETCH, else 0 (none: the hardware prefetchers alone) on AMD and 2
-    (L2, then L1) elsewhere. Measured (docs/performance.md, "The weight prefetch by CPU vendor"): on Intel
-    Xeons the L2 stage took 12-19 % off the decode step; on AMD Zen 4 each stage dropped took time off
-    (the L2 stage 5-10 %, then the L1 stage 9-13 % more wherever one core's stream is the limit)."""
+    (L2, then L1) elsewhere. Measured (docs/performance.md, "The weight prefetch by CPU vendor" and "No
+    software prefetch on AMD"): on Intel Xeons the L2 stage took 12-19 % off the decode step; on AMD Zen 4
+    each stage dropped took time off (the L2 stage 5-10 %, then the L1 stage 7-16 % more wherever one
+    core's stream is the limit, 1-4 % where the shared link is)."""
     choice = envs.TOKENLOOM_GGUF_PREFETCH
     if choice != "auto":
         return PREFETCH_STAGES[choice]
