@@ -44,3 +44,22 @@ def test_an_untied_model_reads_one_embedding_row_a_token(tmp_path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     assert decode_bytes_per_token(str(path)) == (16 * 16 + 64 * 16) * 4
+
+
+def test_waiting_for_the_fast_phase_stops_at_the_first_fast_reading_or_the_limit() -> None:
+    from benchmarks.real_models.single_stream import wait_for_bandwidth
+
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def probe_from(readings: list[float]):  # noqa: ANN202 - each probe takes a second of the fake clock
+        def probe() -> float:
+            now[0] += 1.0
+            return readings.pop(0)
+        return probe
+
+    assert wait_for_bandwidth(probe_from([35.0, 36.0, 55.0, 56.0]), 50.0, 60.0, clock) == 3.0
+    now[0] = 0.0
+    assert wait_for_bandwidth(probe_from([35.0] * 10), 50.0, 4.0, clock) == 4.0  # gave up: the round runs anyway

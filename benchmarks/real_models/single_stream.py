@@ -29,7 +29,10 @@ Zen 4 switched between ~55 and ~35 GB/s for every buffer of every process at onc
 step is bound by the bus moves with it. The result then has each round's four probes, each side's
 share of the bandwidth it had (the weight bytes a decode step reads, from the GGUF's tensor table, times
 tok/s, over the mean of its two probes), and, per phase ("low" / "high" read bandwidth, `phases`), the
-medians over the rounds whose four probes all fell in it (`by_phase`).
+medians over the rounds whose four probes all fell in it (`by_phase`). `--wait-for-gbs X` (with the probe)
+starts each side only once a probe reads at least X GB/s (or after `--wait-max-s`): so that more rounds fall
+wholly in the fast phase when it is the rarer one; both sides wait alike, and the probes still decide which
+rounds count for which phase.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,6 +95,15 @@ def read_gbs(buffer: torch.Tensor, reps: int = 3) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - t0)
     return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+def wait_for_bandwidth(probe: Callable[[], float], at_least: float, max_s: float,
+                       clock: Callable[[], float] = time.monotonic) -> float:
+    """Probe until a reading is at least `at_least` GB/s or `max_s` seconds have passed; the seconds waited."""
+    start = clock()
+    while probe() < at_least and clock() - start < max_s:
+        pass
+    return clock() - start
 
 
 def decode_bytes_per_token(gguf_path: str) -> int:
@@ -143,7 +156,12 @@ def main() -> None:
                          "else native)")
     ap.add_argument("--bandwidth-probe", action="store_true",
                     help="read 512 MiB before and after each side of each round; report the phase-matched ratio")
+    ap.add_argument("--wait-for-gbs", type=float, default=None,
+                    help="with --bandwidth-probe: start each side only once a probe reads this many GB/s")
+    ap.add_argument("--wait-max-s", type=float, default=120.0, help="give up waiting for --wait-for-gbs after this")
     a = ap.parse_args()
+    if a.wait_for_gbs is not None and not a.bandwidth_probe:
+        ap.error("--wait-for-gbs needs --bandwidth-probe")
     if a.cpu_isa:  # before tokenloom (and through it torch) loads: torch reads its cap once
         os.environ["TOKENLOOM_CPU_ISA"] = a.cpu_isa
     import tokenloom  # noqa: F401 - first, so that it caps torch's kernels under TOKENLOOM_CPU_ISA
@@ -162,7 +180,15 @@ def main() -> None:
     probe_buffer = new_probe_buffer() if a.bandwidth_probe else None
     probes: list[list[float]] = []  # per round: tokenloom before, after, then llama.cpp before, after
     ours, theirs, our_ttft, their_ttft = [], [], [], []
+    waited_s: list[float] = []  # per side, in run order: the seconds spent waiting for --wait-for-gbs
+
+    def wait_for_phase() -> None:
+        if a.wait_for_gbs is not None:
+            waited_s.append(round(wait_for_bandwidth(lambda: read_gbs(probe_buffer), a.wait_for_gbs,
+                                                     a.wait_max_s), 1))
+
     for r in range(a.rounds):
+        wait_for_phase()
         probe = [read_gbs(probe_buffer)] if a.bandwidth_probe else []
         res = run(engine, 1, a.prompt_len, a.output_len, seed=r)
         probe += [read_gbs(probe_buffer)] if a.bandwidth_probe else []
@@ -171,6 +197,7 @@ def main() -> None:
         line = (f"round {r}: tokenloom {ours[-1]:7.1f} tok/s, TTFT {our_ttft[-1]:6.1f} ms "
                 f"(host work outside the model {res['overhead_ms_median']} ms)")
         if a.llama_bench:
+            wait_for_phase()
             probe += [read_gbs(probe_buffer)] if a.bandwidth_probe else []
             tg, ttft = llama_bench(a.llama_bench, model, a.threads, a.output_len, a.ttft_prompt_len,
                                    tuple(a.llama_arg))
@@ -207,6 +234,9 @@ def main() -> None:
         token_gb = decode_bytes_per_token(model) / 1e9 if model.endswith(".gguf") and quant != "none" else None
         result["read_gbs_rounds"] = [[round(x, 1) for x in p] for p in probes]
         result["decode_gb_per_token"] = token_gb and round(token_gb, 4)
+        if waited_s:
+            result["wait_for_gbs"] = a.wait_for_gbs
+            result["waited_s_sides"] = waited_s
         if token_gb:
             result["tokenloom_bus_share_rounds"] = [round(token_gb * t / statistics.mean(p[:2]), 3)
                                                     for t, p in zip(ours, probes)]
