@@ -3,7 +3,9 @@ controls that say why they part.
 
 The 8 chat prompts of quant_quality.py are rendered with tokenloom's chat template into token ids;
 each engine continues the same ids greedily for `--max-tokens` (llama-server's /completion with
-`return_tokens`, one slot, `-t --threads`, an f32 KV cache like ours). Both run past the end of the
+`return_tokens`, one slot, `-t --threads`, an f32 KV cache; tokenloom in float32). `--defaults` runs both
+as a user gets them instead: tokenloom's `--dtype auto` (bf16 on a CPU with AVX512-BF16 or AMX: bf16
+activations between layers, a bf16 KV cache), llama.cpp's f16 KV cache. Both run past the end of the
 answer the same way: llama-server's `ignore_eos` bans every end-of-generation token (its logit bias
 -inf for the vocabulary's EOG set, which its response lists), while tokenloom's (vLLM's) only keeps
 going after sampling one, so tokenloom gets a -100 logit bias on that same set. Reported per prompt:
@@ -63,11 +65,13 @@ class Greedy:
 
 
 def llamacpp_greedy(binary: str, model: str, prompts: list[list[int]], max_tokens: int, threads: int,
-                    extra: list[str]) -> tuple[list[Greedy], list[int]]:
-    """llama.cpp's greedy continuations, and its end-of-generation tokens (those `ignore_eos` banned)."""
+                    extra: list[str], kv_f32: bool = True) -> tuple[list[Greedy], list[int]]:
+    """llama.cpp's greedy continuations, and its end-of-generation tokens (those `ignore_eos` banned).
+    `kv_f32`: an f32 KV cache (else llama.cpp's default, f16)."""
     port = free_port()
+    kv = ["-ctk", "f32", "-ctv", "f32"] if kv_f32 else []
     proc = subprocess.Popen([binary, "-m", model, "-t", str(threads), "-np", "1", "-c", "2048", "--port", str(port),
-                             "-ctk", "f32", "-ctv", "f32", *extra],
+                             *kv, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc)
@@ -92,11 +96,11 @@ def llamacpp_greedy(binary: str, model: str, prompts: list[list[int]], max_token
 
 
 def tokenloom_greedy(model: str, quantization: str, prompts: list[list[int]], max_tokens: int,
-                     banned: list[int]) -> list[Greedy]:
+                     banned: list[int], dtype: str = "float32") -> list[Greedy]:
     from tokenloom.engine.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype="float32", quantization=quantization)
+    llm = LLM(model, dtype=dtype, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N,
                             logit_bias={t: -100.0 for t in banned})
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -151,7 +155,11 @@ def main() -> None:
     ap.add_argument("--f32-copy", default=None, help="the same weights as an F32 GGUF (see the docstring)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tokens-out", default=None, help="every engine's tokens, for float64_reference.py")
+    ap.add_argument("--defaults", action="store_true",
+                    help="both engines as a user runs them: tokenloom's --dtype auto (bf16 where the CPU has "
+                         "AVX512-BF16 or AMX), llama.cpp's f16 KV cache (else float32 and an f32 KV cache on both)")
     a = ap.parse_args()
+    dtype = "auto" if a.defaults else "float32"
     from tokenloom.model.loader import resolve_model_path
     from tokenloom.model.tokenizer import load_tokenizer
 
@@ -160,19 +168,21 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHATS]
 
     def llamacpp(path: str, *extra: str) -> list[Greedy]:
-        return llamacpp_greedy(a.llama_server, path, prompts, a.max_tokens, a.threads, [*a.llama_arg, *extra])[0]
+        return llamacpp_greedy(a.llama_server, path, prompts, a.max_tokens, a.threads, [*a.llama_arg, *extra],
+                               kv_f32=not a.defaults)[0]
 
-    theirs, eog = llamacpp_greedy(a.llama_server, model, prompts, a.max_tokens, a.threads, a.llama_arg)
+    theirs, eog = llamacpp_greedy(a.llama_server, model, prompts, a.max_tokens, a.threads, a.llama_arg,
+                                  kv_f32=not a.defaults)
     runs = {"llamacpp": theirs}
     for name, quant in (("gguf", "gguf"), ("dequantized", "none")):
-        runs[name] = tokenloom_greedy(model, quant, prompts, a.max_tokens, eog)
+        runs[name] = tokenloom_greedy(model, quant, prompts, a.max_tokens, eog, dtype)
     rows = {name: compare(runs[name], runs["llamacpp"]) for name in ("gguf", "dequantized")}
     if a.self_check:
         runs["llamacpp_fa_off"] = llamacpp(model, "-fa", "off")
         rows["llamacpp_fa_off"] = compare(runs["llamacpp_fa_off"], runs["llamacpp"])
     if a.f32_copy:
         runs["llamacpp_f32"] = llamacpp(a.f32_copy)
-        runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog)
+        runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog, dtype)
         rows["f32_copy"] = compare(runs["dequantized_f32"], runs["llamacpp_f32"])
     if a.tokens_out:
         Path(a.tokens_out).write_text(json.dumps({"model": model, "prompts": prompts, "banned_eog": eog,
@@ -182,6 +192,7 @@ def main() -> None:
                           for k, r in rows.items())
         print(f"{c[:40]:40s}  {cells}")
     summary = {"model": Path(model).name, "max_tokens": a.max_tokens, "llama_args": a.llama_arg, "banned_eog": eog,
+               "defaults": a.defaults, "tokenloom_dtype": dtype,
                **{f"{k}_identical": sum(n == a.max_tokens for n in r["common_prefix"]) for k, r in rows.items()},
                **{f"{k}_{field}": v for k, r in rows.items() for field, v in r.items()}}
     print(json.dumps(summary))
