@@ -71,6 +71,24 @@ def test_engine_defaults_and_opt_out(tiny_files: dict[str, Path]) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("quantization", [None, "none"])
+def test_a_bf16_run_keeps_the_heads_fp32_logits(tiny_files: dict[str, Path], quantization: str | None) -> None:
+    """The GGUF head (and the bf16-head kernel) sum in fp32: the greedy path's logits (`fp32=False`) are
+    those same fp32 values, not a bf16 rounding of them, so a greedy request picks the token the sampler's
+    fp32 path (a request with logprobs) picks, also at near-ties that bf16 would tie or swap."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_files["q8_0"]), quantization=quantization, dtype="bfloat16",
+                                    max_model_len=64))
+    model = engine.runner.model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    fast, full = model.compute_logits(hidden, fp32=False), model.compute_logits(hidden)
+    assert full.dtype == torch.float32 and torch.equal(fast.float(), full)
+    if quantization is None or model.head_kernels is not None:  # the head summed in fp32 and kept it
+        assert fast.dtype == torch.float32
+        assert not torch.equal(full, full.bfloat16().float())  # more than bf16's 8 bits survive
+    assert torch.equal(model.kernels.argmax_rows(fast), full.argmax(dim=-1))
+
+
+@needs_kernels
 @pytest.mark.parametrize("override, stages", [("none", 0), ("two-stage", 2)])
 def test_the_engine_applies_its_planned_weight_prefetch(tiny_files: dict[str, Path], monkeypatch, override: str,
                                                         stages: int) -> None:

@@ -300,12 +300,17 @@ class DecoderModel:
         return self.norm(hidden, h, self.dense_method)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-        """Hidden states of the sampling rows [S, H] -> logits [S, V] (fp32, or the run dtype)."""
+        """Hidden states of the sampling rows [S, H] -> logits [S, V]: fp32, or with `fp32=False` whatever
+        the head computed (the run dtype from oneDNN; fp32 from the GGUF and bf16-head kernels, which sum
+        in fp32). Never rounded to bf16 after an fp32 sum: bf16 keeps 8 bits, so two logits near 16 less than
+        0.0625 apart would tie (then the lower token id wins the argmax) or swap; and the greedy path and the
+        sampler's (`fp32=True`, requests with logprobs) see the same values."""
+        gguf_head = getattr(self.lm_head, "gguf", None)
         if self.head_kernels is not None and hidden.shape[0] > 0:
             logits = torch.empty(hidden.shape[0], self.lm_head.weight.shape[0])
             self.head_kernels.dense_linear(logits, hidden.float().contiguous(), self.lm_head.weight, None)
-            if not fp32:
-                logits = logits.to(self.dtype)
+        elif gguf_head is not None:  # the GGUF linear method's apply, with its fp32 sums kept
+            logits = gguf_head(hidden, out_dtype=torch.float32)
         else:
             logits = self.lm_head(hidden)
         if self.shard.tp_size > 1:  # vocab-parallel head: every rank's slice, cut back to the vocabulary

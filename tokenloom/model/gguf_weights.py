@@ -308,12 +308,15 @@ class GGUFLinear:
             bias = torch.cat([b.float() if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)])
         return cls(merged, bias, kernels)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in `out_dtype` (default: x's). The kernels sum in fp32, so an fp32 output of
+        bf16 rows costs nothing more (the LM head's logits keep it: see DecoderModel.compute_logits)."""
         m = x.shape[0]
+        out_dtype = x.dtype if out_dtype is None else out_dtype
         if self.kernels is None or all(m >= dequant_min_rows(p.packed8) for p in self.parts):
             w = torch.cat([p.dequantize(x.dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(x, w, bias)
+            return F.linear(x, w, bias).to(out_dtype)
         k = self.kernels
         xf = x.float().contiguous()  # a no-op for fp32 rows
         out = torch.empty(m, self.out_features, dtype=torch.float32)
@@ -330,4 +333,4 @@ class GGUFLinear:
             else:
                 k.gguf_linear(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             col += n
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -27,7 +27,8 @@ CPU; `cpu_kernels=False` or TOKENLOOM_CPU_KERNELS=0 turn them off), the step run
 block-table row per sequence (no decode grouping, masks or key biases), the KV cache is left
 uninitialised (nothing unwritten reaches a result) and, for bf16, stored in the kernels' packed
 layout; the last layer runs attention, o-proj and MLP for the sampling rows only; all-greedy
-batches take the kernels' argmax of the bf16 logits.
+batches take the kernels' argmax of the head's own logits (fp32 from the GGUF / bf16-head kernels, bf16
+from oneDNN's bf16 GEMM), the values the sampler's fp32 path sees too.
 
 Threads (CPU): torch intra-op threads = usable cores (2 here; oneDNN GEMMs scale with them),
 inter-op threads = 1 (nothing runs concurrently); OMP_NUM_THREADS overrides. On an oversubscribed
@@ -397,8 +398,9 @@ class ModelRunner:
                 self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits, grammar)
                 return
             if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
-                # The kernels' argmax of the run-dtype logits: the same tokens as the sampler's
-                # argmax of fp32 logits, without the fp32 copy (torch's bf16 argmax is ~10x slower).
+                # The kernels' argmax of the head's own logits (compute_logits(fp32=False): no cast):
+                # the same tokens as the sampler's argmax of them in fp32, without the fp32 copy of
+                # bf16 ones (torch's bf16 argmax is ~10x slower).
                 logits = self.model.compute_logits(hidden, fp32=False)
                 if grammar is not None:
                     apply_grammar_bitmask(logits, grammar)
