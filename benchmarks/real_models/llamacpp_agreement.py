@@ -5,7 +5,8 @@ The 8 chat prompts of quant_quality.py are rendered with tokenloom's chat templa
 each engine continues the same ids greedily for `--max-tokens` (llama-server's /completion with
 `return_tokens`, one slot, `-t --threads`, an f32 KV cache; tokenloom in float32). `--defaults` runs both
 as a user gets them instead: tokenloom's `--dtype auto` (bf16 on a CPU with AVX512-BF16 or AMX: bf16
-activations between layers, a bf16 KV cache), llama.cpp's f16 KV cache. Both run past the end of the
+activations between layers, a bf16 KV cache), llama.cpp's f16 KV cache (the `--f32-copy` control stays
+float32 with an f32 KV cache on both: it is the float-arithmetic reference). Both run past the end of the
 answer the same way: llama-server's `ignore_eos` bans every end-of-generation token (its logit bias
 -inf for the vocabulary's EOG set, which its response lists), while tokenloom's (vLLM's) only keeps
 going after sampling one, so tokenloom gets a -100 logit bias on that same set. Reported per prompt:
@@ -180,9 +181,10 @@ def main() -> None:
     if a.self_check:
         runs["llamacpp_fa_off"] = llamacpp(model, "-fa", "off")
         rows["llamacpp_fa_off"] = compare(runs["llamacpp_fa_off"], runs["llamacpp"])
-    if a.f32_copy:
-        runs["llamacpp_f32"] = llamacpp(a.f32_copy)
-        runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog, dtype)
+    if a.f32_copy:  # the float-arithmetic control: float32 and an f32 KV cache on both, --defaults or not
+        runs["llamacpp_f32"] = llamacpp_greedy(a.llama_server, a.f32_copy, prompts, a.max_tokens, a.threads,
+                                               a.llama_arg, kv_f32=True)[0]
+        runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog, "float32")
         rows["f32_copy"] = compare(runs["dequantized_f32"], runs["llamacpp_f32"])
     if a.tokens_out:
         Path(a.tokens_out).write_text(json.dumps({"model": model, "prompts": prompts, "banned_eog": eog,
