@@ -168,9 +168,9 @@ def main() -> None:
     tok = load_tokenizer(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHATS]
 
-    def llamacpp(path: str, *extra: str) -> list[Greedy]:
+    def llamacpp(path: str, *extra: str, kv_f32: bool = not a.defaults) -> list[Greedy]:
         return llamacpp_greedy(a.llama_server, path, prompts, a.max_tokens, a.threads, [*a.llama_arg, *extra],
-                               kv_f32=not a.defaults)[0]
+                               kv_f32=kv_f32)[0]
 
     theirs, eog = llamacpp_greedy(a.llama_server, model, prompts, a.max_tokens, a.threads, a.llama_arg,
                                   kv_f32=not a.defaults)
@@ -182,8 +182,7 @@ def main() -> None:
         runs["llamacpp_fa_off"] = llamacpp(model, "-fa", "off")
         rows["llamacpp_fa_off"] = compare(runs["llamacpp_fa_off"], runs["llamacpp"])
     if a.f32_copy:  # the float-arithmetic control: float32 and an f32 KV cache on both, --defaults or not
-        runs["llamacpp_f32"] = llamacpp_greedy(a.llama_server, a.f32_copy, prompts, a.max_tokens, a.threads,
-                                               a.llama_arg, kv_f32=True)[0]
+        runs["llamacpp_f32"] = llamacpp(a.f32_copy, kv_f32=True)
         runs["dequantized_f32"] = tokenloom_greedy(a.f32_copy, "none", prompts, a.max_tokens, eog, "float32")
         rows["f32_copy"] = compare(runs["dequantized_f32"], runs["llamacpp_f32"])
     if a.tokens_out:

@@ -117,6 +117,9 @@ class DecoderModel:
             head = getattr(self.lm_head, "gguf", None)
             if head is not None and len(head.parts) == 1 and head.parts[0].packed8:
                 self.embed_tokens = head.parts[0]  # one copy of the blocks, not two
+        if getattr(self.lm_head, "gguf", None) is not None:
+            # Its kernels sum in fp32: the logits keep those sums (compute_logits), not a bf16 rounding of them.
+            self.lm_head.out_dtype = torch.float32
         self.layers = [layer_cls(config, get, f"model.layers.{i}.", self.dense_method, layer_idx=i)
                        for i in range(config.num_hidden_layers)]
         self._fall_back_for_unsupported_attention()
@@ -305,13 +308,10 @@ class DecoderModel:
         in fp32). Never rounded to bf16 after an fp32 sum: bf16 keeps 8 bits, so two logits near 16 less than
         0.0625 apart would tie (then the lower token id wins the argmax) or swap; and the greedy path and the
         sampler's (`fp32=True`, requests with logprobs) see the same values."""
-        gguf_head = getattr(self.lm_head, "gguf", None)
         if self.head_kernels is not None and hidden.shape[0] > 0:
             logits = torch.empty(hidden.shape[0], self.lm_head.weight.shape[0])
             self.head_kernels.dense_linear(logits, hidden.float().contiguous(), self.lm_head.weight, None)
-        elif gguf_head is not None:  # the GGUF linear method's apply, with its fp32 sums kept
-            logits = gguf_head(hidden, out_dtype=torch.float32)
-        else:
+        else:  # a GGUF head's out_dtype is fp32 (set where the head is built)
             logits = self.lm_head(hidden)
         if self.shard.tp_size > 1:  # vocab-parallel head: every rank's slice, cut back to the vocabulary
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.shard.vocab_size]

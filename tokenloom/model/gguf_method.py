@@ -26,8 +26,8 @@ class GGUFLinearMethod(LinearMethodBase):
         self.gguf_kernels = gguf_kernels()
 
     def apply_input(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        out = layer.gguf(x)  # type: ignore[attr-defined]
-        return out if layer.out_dtype is None or out.dtype == layer.out_dtype else out.to(layer.out_dtype)
+        # The kernels sum in fp32 and write the layer's out_dtype from those sums (an fp32 head keeps them).
+        return layer.gguf(x, out_dtype=layer.out_dtype)  # type: ignore[attr-defined]
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.apply_input(layer, x)
