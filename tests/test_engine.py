@@ -153,6 +153,48 @@ def test_min_tokens_holds_back_stop_strings_as_vllm(tiny) -> None:
     assert expected(m - 1) != expected(m)  # the case tells the off-by-one apart
 
 
+def test_delta_outputs_add_up_to_the_cumulative_ones(tiny_dir) -> None:
+    """vLLM's RequestOutputKind.DELTA: each output carries only what is new (text, token ids, logprobs, and
+    the prompt's logprobs chunk by chunk) and the pieces add up to a CUMULATIVE run's last output."""
+    from dataclasses import replace
+
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.sampling_params import RequestOutputKind
+
+    def values(lps: list) -> list:
+        return [None if d is None else {t: lp.logprob for t, lp in d.items()} for d in lps]
+
+    # A budget of 8 tokens splits the 22-token prompt into chunks, each scoring its own prompt logprobs.
+    engine = LLMEngine.from_args(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4,
+                                 max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1,
+                                n=2)
+        prompt = _prompts(1, length=22)[0]
+        runs = {}
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+            rid = engine.add_request(None, prompt, replace(params, output_kind=kind))
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += [o for o in engine.step() if o.request_id == rid]
+            runs[kind] = outs
+    finally:
+        engine.close()
+    last, deltas = runs[RequestOutputKind.CUMULATIVE][-1], runs[RequestOutputKind.DELTA]
+    assert len(deltas) > 12 and deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    for i in range(2):
+        assert "".join(o.outputs[i].text for o in deltas) == last.outputs[i].text
+        assert [t for o in deltas for t in o.outputs[i].token_ids] == last.outputs[i].token_ids
+        assert len(deltas[-1].outputs[i].token_ids) < 12  # the last output is a delta, not the whole
+        assert values([lp for o in deltas for lp in o.outputs[i].logprobs]) == values(last.outputs[i].logprobs)
+        assert deltas[-1].outputs[i].cumulative_logprob == pytest.approx(last.outputs[i].cumulative_logprob)
+    pieces = [o.prompt_logprobs for o in deltas]
+    assert sum(1 for p in pieces if p) >= 3  # one piece per scored chunk, each position once
+    flat = [lp for p in pieces for lp in p]
+    assert flat[0] is None and len(flat) == len(last.prompt_logprobs) == 22
+    assert values(flat) == values(last.prompt_logprobs)
+
+
 def test_streaming_deltas_never_show_a_stop_string(tiny) -> None:
     engine = tiny.llm_engine
     base = tiny.generate(["Hello"], GREEDY, use_tqdm=False)[0].outputs[0].text

@@ -21,6 +21,7 @@ class RequestOutputKind(enum.Enum):
     """When the engine hands out a RequestOutput for a request (vLLM's names)."""
 
     CUMULATIVE = 0  # after every step that advanced it: the text and tokens so far (+ this step's delta_*)
+    DELTA = 1  # after every step that advanced it: only what is new (text, token_ids, logprobs, prompt_logprobs)
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate: nothing reads the partial ones)
 
 

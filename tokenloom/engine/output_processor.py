@@ -61,6 +61,8 @@ class _Parent:
     completions: list[_Completion]
     # prompt_logprobs: [None (the first token has none), {token: Logprob}, ...], filled as chunks compute.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_ready: int = 0  # positions the chunks have scored so far (they come in order)
+    prompt_logprobs_sent: int = 0  # positions a DELTA output has handed out
 
 
 class OutputProcessor:
@@ -125,6 +127,7 @@ class OutputProcessor:
                 first, entries = out.new_prompt_logprobs
                 for k, lp in enumerate(entries):
                     parent.prompt_logprobs[first + k] = self._logprob_dict(lp)
+                parent.prompt_logprobs_ready = max(parent.prompt_logprobs_ready, first + len(entries))
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
             touched[parent.request_id] = parent
@@ -249,6 +252,13 @@ class OutputProcessor:
             num_preemptions=sum(r.num_preemptions for r in cores),
         )
         errors = [c.error for c in parent.completions if c.error]
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None and parent.completions[0].params.output_kind is RequestOutputKind.DELTA:
+            # vLLM's pop: each position once, as its chunk is scored (the first output's starts with None).
+            sent, parent.prompt_logprobs_sent = parent.prompt_logprobs_sent, parent.prompt_logprobs_ready
+            prompt_logprobs = prompt_logprobs[sent : parent.prompt_logprobs_ready]
+        elif prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -260,7 +270,7 @@ class OutputProcessor:
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
             kv_transfer_params=parent.completions[0].kv_transfer_params,
             error=errors[0] if errors else None,
-            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod
@@ -294,12 +304,17 @@ class OutputProcessor:
         delta_lp = c.logprobs[c.sent_logprobs_len :] if c.logprobs is not None else None
         c.sent_text_len, c.sent_token_len = visible, len(c.token_ids)
         c.sent_logprobs_len = len(c.logprobs) if c.logprobs is not None else 0
+        if c.params.output_kind is RequestOutputKind.DELTA:  # vLLM's: only the new part (the sum stays whole)
+            text, token_ids, logprobs = delta_text, list(delta_ids), delta_lp
+        else:
+            text, token_ids = c.text, list(c.token_ids)
+            logprobs = list(c.logprobs) if c.logprobs is not None else None
         return CompletionOutput(
             index=c.index,
-            text=c.text,
-            token_ids=list(c.token_ids),
+            text=text,
+            token_ids=token_ids,
             cumulative_logprob=c.cumulative_logprob,
-            logprobs=list(c.logprobs) if c.logprobs is not None else None,
+            logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             delta_text=delta_text,
