@@ -218,3 +218,23 @@ def test_max_model_len_is_resolved_once_by_the_engine(llm_engine) -> None:
     with pytest.raises(ConfigError, match="larger than the model's context length"):
         resolve_max_model_len(replace(config, max_model_len=8192), model_max_len=4096, default=512)
     assert llm_engine.scheduler_config.max_model_len == llm_engine.input_processor.info.max_model_len == 64
+
+
+def test_the_start_up_log_names_the_context_the_default_max_model_len_leaves_out(caplog) -> None:
+    from tokenloom.engine.core_host import EngineCoreHost
+
+    def resolved(model_max_len: int, pool_tokens: int, **kwargs: Any) -> tuple[int, str]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tokenloom.engine.core_host"):
+            sched = EngineCoreHost._scheduler_config(engine_config_from_kwargs(**kwargs), model_max_len, pool_tokens)
+        return sched.max_model_len, caplog.text
+
+    # A 32k model on a pool that holds it: capped at 8,192, and the log says how far it can go.
+    length, log = resolved(32768, 32768)
+    assert length == 8192 and "the model's context is 32768" in log and "up to 32768 with this KV pool" in log
+    # A pool that holds less than the cap: the pool bounds it, and the log says what raises it.
+    length, log = resolved(32768, 5000)
+    assert length == 5000 and "a larger --kv-cache-memory" in log
+    # Nothing left out (the whole context is the default), or the user chose: no line.
+    assert resolved(4096, 32768) == (4096, "")
+    assert resolved(32768, 32768, max_model_len=16384) == (16384, "")

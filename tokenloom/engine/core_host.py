@@ -359,6 +359,13 @@ class EngineCoreHost:
         sched = config.scheduler or SchedulerConfig()
         max_model_len = resolve_max_model_len(config, model_max_len,
                                               default=sched_max_len_default(config, model_max_len, pool_tokens))
+        if config.max_model_len is None and max_model_len < model_max_len:
+            # vLLM's default is the model's whole context; ours stops at 8,192 and what the pool holds: the
+            # start-up log says so, or a long prompt's refusal would be the first a user hears of it.
+            how = (f"--max-model-len raises it, up to {pool_tokens} with this KV pool" if pool_tokens > max_model_len
+                   else "the KV pool holds no longer request: a larger --kv-cache-memory and --max-model-len raise it")
+            logger.info("max_model_len %d by default; the model's context is %d (%s)",
+                        max_model_len, model_max_len, how)
         return replace(sched, max_model_len=max_model_len)  # SchedulerConfig checks it against its knobs
 
     def lora_info(self) -> dict[str, Any] | None:
