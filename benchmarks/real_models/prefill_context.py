@@ -7,10 +7,12 @@ llama-bench's `pp` rate for `-p N` (`-t` threads, one repetition per round). The
 `--rounds` times per length, so that a shared machine's load hits both alike; medians reported.
 
     .venv/bin/python benchmarks/real_models/prefill_context.py [MODEL.gguf] [--quantization gguf] \\
-        --lengths 1024 4096 8192 [--max-num-batched-tokens 512] \\
+        --lengths 1024 4096 8192 [--max-num-batched-tokens 512] [--max-model-len 32768] \\
         --llama-bench ~/.cache/tokenloom-anchors/llamacpp-build/bin/llama-bench [--rounds 2] [--json out.json]
 
-Without --llama-bench only tokenloom runs.
+Without --llama-bench only tokenloom runs. The engine's default context is capped at 8,192 tokens (a small
+KV pool stays useful); a longer length raises it to that length + 1 unless --max-model-len says otherwise
+(the 0.5B's full context: `--lengths 32767`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the token budget (default: the engine's)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's context (default: the engine's, raised to the longest length + 1 if needed)")
     ap.add_argument("--llama-bench", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
@@ -52,9 +56,11 @@ def main() -> None:
     from tokenloom.model.loader import resolve_model_path
 
     model = str(resolve_model_path(a.model))
-    kwargs: dict = {"dtype": a.dtype}  # max_model_len: the model's context (a prompt of context - 1 fits)
+    kwargs: dict = {"dtype": a.dtype}  # max_model_len: the default (the model context, 8,192 at most)
     if a.quantization != "default":
         kwargs["quantization"] = a.quantization
+    if a.max_model_len or max(a.lengths) >= 8192:
+        kwargs["max_model_len"] = a.max_model_len or max(a.lengths) + 1
     if a.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
     engine = LLMEngine.from_args(model=model, **kwargs)
