@@ -66,6 +66,8 @@ _LAZY = {
     "EmbeddingRequestOutput": "tokenloom.engine.outputs",
     "ClassificationRequestOutput": "tokenloom.engine.outputs",
     "ScoringRequestOutput": "tokenloom.engine.outputs",
+    "TextPrompt": "tokenloom.inputs",
+    "TokensPrompt": "tokenloom.inputs",
 }
 
 

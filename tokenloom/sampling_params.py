@@ -5,6 +5,7 @@ Pure Python: the scheduler core reads the stop conditions, the model's sampler r
 
 from __future__ import annotations
 
+import copy
 import enum
 import json
 import math
@@ -119,6 +120,22 @@ class SamplingParams:
     # vLLM's extra_args: what the engine passes through to its parts; "kv_transfer_params" reaches the KV
     # connector (disaggregated prefill: tokenloom/kv_transfer, docs/kv_offload.md).
     extra_args: dict[str, Any] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as max_model_len allows), applied where the
+    # engine takes the prompt in (LLMEngine.add_request; the server has its own request field).
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True  # False: token ids only, the outputs' text stays "" (no stop strings then)
+    # vLLM's field, which only its slow-tokenizer path reads; every tokenizer here is a fast one, which
+    # decodes special tokens as they are, so (as in vLLM with a fast tokenizer) it changes nothing.
+    spaces_between_special_tokens: bool = True
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's: the fields given as None take their defaults (what an API layer with optional fields needs)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy, safe to change without touching this one."""
+        return copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
@@ -204,6 +221,11 @@ class SamplingParams:
             bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
+            bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+        if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
+            bad("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids given as parameters must exist in the model's vocabulary (ValueError naming the field)."""

@@ -28,7 +28,12 @@ from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
 from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
-from tokenloom.engine.input_processor import InputProcessor, InvalidRequestError, check_lora_request
+from tokenloom.engine.input_processor import (
+    InputProcessor,
+    InvalidRequestError,
+    check_lora_request,
+    truncate_prompt_ids,
+)
 from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
@@ -191,6 +196,7 @@ class AsyncLLM:
         LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None."""
         self._check_can_take(request_id)
         self.input_processor.check_generation_model()
+        prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
         self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=True)
         self.check_admission(params.n)
         arrival = time.monotonic()

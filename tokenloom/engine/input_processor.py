@@ -37,6 +37,10 @@ class InvalidRequestError(RequestRejected):
         self.param = param
 
 
+# The keys of vLLM's prompt dicts for inputs other than text and token ids (tokenloom/inputs.py).
+_OTHER_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "cache_salt")
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, info: EngineReady) -> None:
         self.tokenizer = tokenizer
@@ -47,6 +51,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            other = next((k for k in _OTHER_INPUTS if k in prompt), None)
+            if other is not None:  # vLLM's other input kinds: refused, not silently run as the text alone
+                raise InvalidRequestError(f"a prompt's {other!r} is not supported: tokenloom's models read text "
+                                          "(give 'prompt' or 'prompt_token_ids')", "prompt")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -104,6 +112,22 @@ class InputProcessor:
         refusal = prompt_refusal(fit, max_tokens=params.max_tokens, max_tokens_in_context=max_tokens_in_context)
         if refusal is not None:
             raise InvalidRequestError(refusal.message, refusal.param)
+
+
+def truncate_prompt_ids(ids: list[int], keep: int | None, max_model_len: int, side: str = "left") -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: as many as leave room for one output token),
+    the last ones by default (truncation side "left"), the first ones with "right"; None keeps them all."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len="
+                                  f"{max_model_len}. Please request a smaller truncation size.",
+                                  "truncate_prompt_tokens")
+    if keep < 0:
+        keep = max_model_len - 1
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[len(ids) - keep:]
 
 
 def check_lora_request(lora_request: Any, lora_config: Any) -> None:

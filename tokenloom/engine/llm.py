@@ -92,17 +92,40 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Chat conversations rendered with the model's own chat template (`lora_request` as generate's)."""
+        """vLLM's `LLM.chat`, its arguments in its order: conversations rendered with the model's chat template
+        (or `chat_template`), `tools` and `chat_template_kwargs` passed to it; `continue_final_message` goes on
+        from the last (assistant) message instead of opening a new turn. Content given as a list of parts
+        is joined text (vLLM's "string" content format, which "auto" picks for a text model's template);
+        "openai" hands the parts to the template as they are. `lora_request` as generate's."""
+        if add_generation_prompt and continue_final_message:  # vLLM's message
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": render_conversation(tok, i, conv, add_generation_prompt)}
-                   for i, conv in enumerate(conversations(messages))]
+        convs = conversations(messages, join_parts=chat_template_content_format != "openai")
+        prompts = [{"prompt_token_ids": render_conversation(
+            tok, i, conv, add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs)}
+            for i, conv in enumerate(convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: drop the cached prefix blocks (LLMEngine.reset_prefix_cache)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def beam_search(
         self,

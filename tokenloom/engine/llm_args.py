@@ -55,8 +55,35 @@ def priority_list(priority: Any, n: int) -> list[int]:
     return values
 
 
-def conversations(messages: Any) -> list[list[dict[str, Any]]]:
-    """LLM.chat's `messages`: one conversation (a list of message dicts) or a list of conversations."""
+# The content parts that carry text, and the key that holds it (vLLM's chat parsing; the server's too).
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                  "thinking": "thinking"}
+
+
+def _joined_parts(where: str, parts: list[Any]) -> str:
+    """A list of content parts as one text, joined with newlines (vLLM's "string" content format); a text part
+    without its text is skipped, as vLLM does; any other part is an error (these models read text only)."""
+    texts = []
+    for k, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+        if key is None:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"messages: {where}, content part {k}: only text parts are supported "
+                             f"({', '.join(TEXT_PART_KEYS)}), got {kind!r}")
+        value = part.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"messages: {where}, content part {k}: its {key!r} must be a string")
+        if value is not None:
+            texts.append(value)
+    return "\n".join(texts)
+
+
+def conversations(messages: Any, join_parts: bool = True) -> list[list[dict[str, Any]]]:
+    """LLM.chat's `messages`: one conversation (a list of message dicts) or a list of conversations.
+    `join_parts`: content given as a list of parts becomes their joined text (else the template gets the list)."""
     if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
         messages = [messages]
     if not isinstance(messages, list | tuple) or not all(
@@ -71,16 +98,27 @@ def conversations(messages: Any) -> list[list[dict[str, Any]]]:
             if not isinstance(message.get("content"), str | list | None):
                 raise ValueError(f"messages: conversation {i}, message {j}: 'content' must be a string or a list of "
                                  f"content parts, got {type(message['content']).__name__}")
-    # No content renders as empty text, as vLLM's chat parsing and the server do (templates read it)
-    return [[m if m.get("content") is not None else {**m, "content": ""} for m in conv] for conv in messages]
+    def normalized(i: int, j: int, message: dict[str, Any]) -> dict[str, Any]:
+        content = message.get("content")
+        if content is None:  # no content renders as empty text, as vLLM's chat parsing and the server do
+            return {**message, "content": ""}
+        if join_parts and isinstance(content, list):
+            return {**message, "content": _joined_parts(f"conversation {i}, message {j}", content)}
+        return message
+
+    return [[normalized(i, j, m) for j, m in enumerate(conv)] for i, conv in enumerate(messages)]
 
 
-def render_conversation(tokenizer: Any, i: int, conversation: list[dict[str, Any]],
-                        add_generation_prompt: bool) -> list[int]:
+def render_conversation(tokenizer: Any, i: int, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        tools: list[dict[str, Any]] | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The chat template over one conversation, as token ids. A template that fails on these messages
     (content of the wrong type, roles out of order...) is the caller's mistake: a ValueError saying which."""
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=True)
+        return tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=True,
+                                             **(chat_template_kwargs or {}))
     except Exception as exc:  # Jinja raises its own types (UndefinedError, TemplateError), templates raise anything
         raise ValueError(f"cannot apply the chat template to conversation {i}: {type(exc).__name__}: {exc}") from None

@@ -27,7 +27,7 @@ from tokenloom.engine.core_client import SyncEngineCoreClient
 from tokenloom.engine.core_host import EngineCoreHost
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.inproc_client import InprocClient
-from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request
+from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request, truncate_prompt_ids
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -154,6 +154,8 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.tokenize(prompt)
+        token_ids = truncate_prompt_ids(token_ids, params.truncate_prompt_tokens,
+                                        self.input_processor.info.max_model_len)
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
@@ -222,6 +224,22 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.client.has_unfinished_requests()
+
+    # vLLM's LLMEngine getters.
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished (a request with n > 1 counts once)."""
+        return self.output_processor.num_unfinished()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: drop every cached prefix block. False when blocks are still in use by requests, unless
+        `reset_running_requests` (they are then preempted and recompute). The engine core must run in this
+        process (the server's engine processes are reset through their own API)."""
+        # With a step in flight (async scheduling) its late output finds the preempted requests as the
+        # scheduler expects after any preemption, and the worker runs steps in order (as abort relies on).
+        return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests)
 
     def reset_scheduler(
         self,

@@ -84,7 +84,7 @@ class OutputProcessor:
         for i, core in enumerate(core_requests):
             params = core.sampling_params
             detok = None
-            if self.tokenizer is not None and core.pooling_params is None:
+            if self.tokenizer is not None and core.pooling_params is None and params.detokenize:
                 from tokenloom.model.tokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(
@@ -271,6 +271,7 @@ class OutputProcessor:
             kv_transfer_params=parent.completions[0].kv_transfer_params,
             error=errors[0] if errors else None,
             prompt_logprobs=prompt_logprobs,
+            lora_request=first.lora_request,
         )
 
     @staticmethod
@@ -320,6 +321,7 @@ class OutputProcessor:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_lp,
+            lora_request=c.core_request.lora_request,
         )
 
     def _forget(self, parent: _Parent) -> None:

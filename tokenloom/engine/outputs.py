@@ -27,6 +27,7 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, Logprob]] | None = None
+    lora_request: Any = None  # vLLM's: the LoRA adapter this completion ran with, or None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -72,6 +73,7 @@ class RequestOutput:
     error: str | None = None
     # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: Any = None  # vLLM's: the LoRA adapter the request ran with (a LoRARequest), or None
 
 
 # Pooling models (vLLM's vllm/outputs.py shapes) -----------------------------------------------------

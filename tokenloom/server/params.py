@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom import envs
 from tokenloom.engine.generation_config import server_default
+from tokenloom.engine.input_processor import InvalidRequestError, truncate_prompt_ids
+from tokenloom.engine.llm_args import TEXT_PART_KEYS
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import (
@@ -125,17 +127,10 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
 def truncate_prompt(ids: list[int], req: SamplingRequest, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep N tokens (-1: as many as leave room for one output token),
     the last N by default (truncation_side "left"), the first N with "right"."""
-    n = req.truncate_prompt_tokens
-    if n is None:
-        return ids
-    if n > max_model_len:
-        raise APIError(400, f"truncate_prompt_tokens={n} cannot be greater than max_model_len={max_model_len}. "
-                            "Please request a smaller truncation size.", "truncate_prompt_tokens")
-    if n < 0:
-        n = max_model_len - 1
-    if len(ids) <= n:
-        return ids
-    return ids[:n] if req.truncation_side == "right" else ids[len(ids) - n:]
+    try:
+        return truncate_prompt_ids(ids, req.truncate_prompt_tokens, max_model_len, req.truncation_side or "left")
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 # Completions --------------------------------------------------------------------------------------
@@ -263,15 +258,11 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int,
 
 
 # vLLM's text-like content parts, each with the key that holds its text.
-_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-                   "thinking": "thinking"}
-
-
 def _part_text(i: int, part: ContentPart | str) -> str | None:
     """A content part's text (None: a text part without text, which vLLM skips); other parts are a 400."""
     if isinstance(part, str):
         return part
-    key = _TEXT_PART_KEYS.get(part.type)
+    key = TEXT_PART_KEYS.get(part.type)
     if key is None:
         raise APIError(400, f"messages.{i}.content: only text parts are supported (text, input_text, output_text, "
                             f"refusal, thinking), got {part.type!r}", "messages")

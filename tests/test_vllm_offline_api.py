@@ -1,0 +1,112 @@
+"""vLLM's offline API beyond generate: LLM.chat's arguments, reset_prefix_cache, the prompt TypedDicts,
+SamplingParams' clone / from_optional / truncate_prompt_tokens / detokenize, and the engine's getters.
+Each is what vLLM code written against `vllm.LLM` / `vllm.LLMEngine` calls; run on a tiny real model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom import LLM, SamplingParams, TextPrompt, TokensPrompt
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    llm = LLM(str(make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)), dtype="float32",
+              num_blocks=128, block_size=4, max_model_len=64)
+    yield llm
+    llm.shutdown()
+
+
+def _rendered(llm: LLM, out) -> str:  # noqa: ANN001 - a RequestOutput
+    return llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def test_chat_takes_vllms_arguments(tiny) -> None:
+    chat = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "How are"}]
+    # continue_final_message: the assistant's turn stays open, so the model goes on from "How are".
+    out = tiny.chat(chat, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert _rendered(tiny, out).endswith("<|im_start|>assistant\nHow are")
+    closed = tiny.chat(chat, GREEDY, use_tqdm=False, add_generation_prompt=False)[0]
+    assert _rendered(tiny, closed).endswith("How are<|im_end|>\n")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tiny.chat(chat, GREEDY, continue_final_message=True)  # add_generation_prompt defaults to True
+    # chat_template (the request's own) and chat_template_kwargs (variables the template reads).
+    template = "{% for m in messages %}[{{ greeting }} {{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    out = tiny.chat(chat[:1], GREEDY, use_tqdm=False, chat_template=template,
+                    chat_template_kwargs={"greeting": "hi"})[0]
+    assert _rendered(tiny, out) == "[hi user: Hello]"
+    # Content as parts: joined text (vLLM's "string" format, what "auto" picks here); "openai" hands them on.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "you"}]}]
+    out = tiny.chat(parts, GREEDY, use_tqdm=False)[0]
+    assert "<|im_start|>user\nHello\nyou<|im_end|>" in _rendered(tiny, out)
+    listing = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    out = tiny.chat(parts, GREEDY, use_tqdm=False, chat_template=listing, chat_template_content_format="openai")[0]
+    assert _rendered(tiny, out) == "<Hello><you>"
+    with pytest.raises(ValueError, match="only text parts"):
+        tiny.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], GREEDY)
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        tiny.chat(chat[:1], GREEDY, chat_template_content_format="html")
+
+
+def test_reset_prefix_cache_drops_the_cached_prompt(tiny) -> None:
+    prompt = TokensPrompt(prompt_token_ids=list(range(3, 40)))
+    tiny.generate(prompt, GREEDY, use_tqdm=False)
+    assert tiny.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    assert tiny.reset_prefix_cache() is True
+    assert tiny.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny) -> None:
+    ids = list(range(3, 33))
+    out = tiny.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=2, truncate_prompt_tokens=5),
+                        use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-5:]
+    long = list(range(3, 3 + 100))  # past max_model_len 64: -1 keeps what leaves room for one token
+    out = tiny.generate(TokensPrompt(prompt_token_ids=long), SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-63:] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="cannot be greater than max_model_len=64"):
+        tiny.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1 or -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_detokenize_false_gives_token_ids_only(tiny) -> None:
+    text = tiny.generate(TextPrompt(prompt="Hello"), GREEDY, use_tqdm=False)[0].outputs[0]
+    ids = tiny.generate(TextPrompt(prompt="Hello"), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                   detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert ids.token_ids == text.token_ids and text.text and ids.text == ""
+    with pytest.raises(ValueError, match="only supported when detokenize is True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_sampling_params_clone_and_from_optional() -> None:
+    params = SamplingParams(stop=["a"], logit_bias={3: 1.0}, max_tokens=5)
+    twin = params.clone()
+    twin.stop.append("b")
+    twin.logit_bias[4] = 2.0
+    assert params.stop == ["a"] and params.logit_bias == {3: 1.0} and twin.max_tokens == 5
+    made = SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None, seed=None)
+    assert (made.temperature, made.top_p, made.max_tokens, made.seed) == (1.0, 0.5, 16, None)
+
+
+def test_prompt_dicts_for_other_inputs_are_refused_by_name(tiny) -> None:
+    for key, value in (("multi_modal_data", {"image": object()}), ("prompt_embeds", [[0.0]]), ("cache_salt", "s")):
+        with pytest.raises(ValueError, match=f"'{key}' is not supported"):
+            tiny.generate({"prompt": "Hello", key: value}, GREEDY, use_tqdm=False)
+    assert tiny.llm_engine.get_num_unfinished_requests() == 0  # nothing was queued
+
+
+def test_engine_getters_and_outputs_name_their_adapter(tiny) -> None:
+    engine = tiny.llm_engine
+    rid = engine.add_request(None, "Hello", SamplingParams(max_tokens=3, n=2, seed=1))
+    assert engine.get_num_unfinished_requests() == 1 and engine.get_tokenizer() is tiny.get_tokenizer()
+    last = None
+    while engine.has_unfinished_requests():
+        last = next((o for o in engine.step() if o.request_id == rid), last)
+    assert engine.get_num_unfinished_requests() == 0
+    assert last.lora_request is None and all(c.lora_request is None for c in last.outputs)
