@@ -192,6 +192,7 @@ class AsyncLLM:
         self._check_can_take(request_id)
         self.input_processor.check_generation_model()
         self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=True)
+        params = self.input_processor.process_params(params)
         self.check_admission(params.n)
         arrival = time.monotonic()
         extra_eos = getattr(self.info, "extra_eos_token_ids", None)

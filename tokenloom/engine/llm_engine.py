@@ -155,6 +155,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.tokenize(prompt)
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
+        params = self.input_processor.process_params(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
             check_lora_request(lora_request, self.input_processor.info.lora)
