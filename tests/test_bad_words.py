@@ -9,9 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
+from tokenloom.model.rejection_sampler import RejectionSampler, VerifyRequest
+from tokenloom.model.sampler import Sampler, SamplingRow
 from tokenloom.model.tokenizer import load_tokenizer
 from tokenloom.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
 
 # --------------------------------------------------------------------------- tokenization
 
@@ -75,3 +81,64 @@ def test_bad_words_refused_with_a_clear_message(tokenizer) -> None:
             _ids(tokenizer, word)
     with pytest.raises(ValueError, match=r"out of the vocabulary \(size 20000\): \[29856\]"):
         _ids(tokenizer, "foo", vocab_size=20_000)  # " foo" is 29856
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+def _row(words: list[list[int]], prompt: list[int], output: list[int], **kw: Any) -> SamplingRow:
+    params = SamplingParams(**{"temperature": 0.0, **kw}, _bad_words_token_ids=words)
+    return SamplingRow(params, prompt + output, len(prompt))
+
+
+def _peaked(rows: int, order: list[int], vocab: int = 10) -> torch.Tensor:
+    """Logits ranking `order` first, second, ... in every row."""
+    logits = torch.zeros(rows, vocab)
+    for rank, token in enumerate(order):
+        logits[:, token] = 10.0 - rank
+    return logits
+
+
+def test_a_one_token_word_is_banned_from_the_first_output() -> None:
+    sampler = Sampler()
+    logits = _peaked(2, [5, 6])
+    # An all-greedy batch takes the argmax shortcut when nothing needs processing: bad words must stop it.
+    assert sampler(logits, [_row([[5]], [1, 2], []), _row([[5]], [1, 2], [5])]).token_ids == [6, 6]
+    assert sampler(logits, [_row([], [1, 2], []), _row([[7]], [1, 2], [])]).token_ids == [5, 5]
+    # A random row never draws it either, however likely.
+    rows = [_row([[5]], [1], [], temperature=1.0) for _ in range(200)]
+    assert 5 not in sampler(_peaked(200, [5, 6]), rows).token_ids
+
+
+def test_a_multi_token_word_is_banned_only_after_its_prefix_among_the_outputs() -> None:
+    sampler = Sampler()
+    word = [[3, 5]]
+    cases = [
+        ([1, 2], [3], 6),  # the outputs end with the prefix: 5 is banned
+        ([1, 2], [4, 3], 6),
+        ([1, 2], [3, 4], 5),  # the prefix is there, but not last
+        ([1, 3], [], 5),  # the prefix ends the prompt: the prompt does not count (vLLM's)
+        ([1, 2], [], 5),
+    ]
+    rows = [_row(word, prompt, output) for prompt, output, _ in cases]
+    assert sampler(_peaked(len(rows), [5, 6]), rows).token_ids == [want for _, _, want in cases]
+    # A three-token word needs both prefix tokens among the outputs.
+    word3 = [[1, 3, 5]]
+    rows = [_row(word3, [1], [3]), _row(word3, [0], [1, 3]), _row(word3, [0], [2, 3])]
+    assert sampler(_peaked(3, [5, 6]), rows).token_ids == [5, 6, 5]
+
+
+def test_verification_bans_after_a_prefix_that_ends_in_drafts() -> None:
+    """vLLM's apply_bad_words_with_drafts: draft position j sees the outputs plus drafts 0..j-1."""
+    word = [[3, 5]]
+    targets = torch.stack([_peaked(1, [3, 6])[0], _peaked(1, [5, 6])[0], _peaked(1, [5, 6])[0]])
+    # Drafts 3, 5: row 0 accepts 3; row 1 would take 5, but 3 now precedes it, so 6 (the draft 5 rejected).
+    params = SamplingParams(temperature=0.0, _bad_words_token_ids=word)
+    req = VerifyRequest(SamplingRow(params, [1, 2, 9], 2), [3, 5])
+    assert RejectionSampler()(targets, [req]).token_ids == [[3, 6]]
+    # Without the word, both drafts and the bonus token are accepted.
+    plain = VerifyRequest(SamplingRow(SamplingParams(temperature=0.0), [1, 2, 9], 2), [3, 5])
+    assert RejectionSampler()(targets, [plain]).token_ids == [[3, 5, 5]]
+    # The bonus row sees every draft: 3 as the last draft bans 5 there too.
+    req = VerifyRequest(SamplingRow(params, [1, 2, 9], 2), [3])
+    assert RejectionSampler()(targets[:2], [req]).token_ids == [[3, 6]]
