@@ -142,3 +142,99 @@ def test_verification_bans_after_a_prefix_that_ends_in_drafts() -> None:
     # The bonus row sees every draft: 3 as the last draft bans 5 there too.
     req = VerifyRequest(SamplingRow(params, [1, 2, 9], 2), [3])
     assert RejectionSampler()(targets[:2], [req]).token_ids == [[3, 6]]
+
+
+# --------------------------------------------------------------------------- through the engine
+
+# Greedy continuations of the default model (float path): " small town nestled in the heart of a bustling
+# city. The town was known for ..." (" town" twice, " was" after the second), and " sat on the mat.\n\n..."
+# after a prompt that repeats "sat on the mat", so n-gram drafts propose " mat" right after " the".
+PROMPTS = ["Once upon a time, there was a",
+           "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"]
+WORDS = [["town was"], ["the mat"], ["town"]]
+FLOAT = dict(quantization="none", dtype="float32", max_model_len=512, kv_cache_memory=64 << 20)
+
+
+def _first_ban(tokens: list[int], sequences: list[list[int]]) -> int | None:
+    """The index of the first output that completes one of `sequences` (all of it among the outputs)."""
+    for k in range(len(tokens)):
+        if any(len(s) <= k + 1 and tokens[k + 1 - len(s) : k + 1] == s for s in sequences):
+            return k
+    return None
+
+
+def _generate(llm: Any, words: list[str] | None) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=words)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _close(llm: Any) -> None:
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    try:
+        assert kv.block_pool.get_num_free_blocks() == kv.num_blocks, "blocks leaked"
+    finally:
+        llm.llm_engine.close()
+
+
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[str, Any]:
+    """The plain synchronous engine's greedy tokens: without bad words, and with each of WORDS (and the
+    words' token-id sequences, as the engine's input processor made them)."""
+    from tokenloom import LLM
+
+    llm = LLM(None, **FLOAT)
+    try:
+        sequences = {w[0]: llm.llm_engine.input_processor.process_params(SamplingParams(bad_words=w))
+                     .bad_words_token_ids for w in WORDS}  # fmt: skip
+        return {"free": _generate(llm, None), "banned": {w[0]: _generate(llm, w) for w in WORDS},
+                "sequences": sequences}
+    finally:
+        _close(llm)
+
+
+@pytest.mark.slow
+def test_greedy_generation_avoids_the_word_exactly_where_it_would_complete(plain_runs) -> None:
+    free, sequences = plain_runs["free"], plain_runs["sequences"]
+    assert sequences["town was"] == [[19090, 436], [3102, 436]]  # "town was", " town was"
+    assert sequences["town"] == [[19090], [3102]]
+    for word, outputs in plain_runs["banned"].items():
+        for prompt, want, got in zip(PROMPTS, free, outputs):
+            k = _first_ban(want, sequences[word])
+            assert _first_ban(got, sequences[word]) is None, (word, prompt)
+            if k is None:  # the word never came up: nothing changes
+                assert got == want, (word, prompt)
+                continue
+            # Token for token the same up to the token that would complete the word, then another one.
+            assert got[:k] == want[:k] and got[k] != want[k], (word, prompt, k)
+    # A multi-token word is banned only after its prefix: " town" is still generated, twice (once before
+    # " nestled", then where " was" followed it), and " was" elsewhere would be too.
+    town_was = plain_runs["banned"]["town was"][0]
+    assert town_was.count(3102) == 2 and town_was[:13] == free[0][:13] and town_was[13] != 436
+    # " the" (the prefix) is still generated, only " mat" never after it.
+    the_mat = plain_runs["banned"]["the mat"][1]
+    assert the_mat[:3] == free[1][:3] == [2643, 335, 260] and free[1][3] == 1171 and the_mat[3] != 1171
+    # A one-token word is never generated, in either form.
+    assert not {19090, 3102} & set(plain_runs["banned"]["town"][0]) and 3102 in free[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs", [dict(speculative_config=NGRAM), dict(async_scheduling=True),
+                                   dict(speculative_config=NGRAM, async_scheduling=True)],
+                         ids=["ngram", "async", "async-ngram"])
+def test_bad_words_give_the_same_tokens_with_drafts_and_async_scheduling(plain_runs, knobs) -> None:
+    """No output holds a banned sequence, and the tokens are the plain engine's, word for word. With drafts,
+    " the mat" is proposed from the prompt: the " mat" draft must be rejected because the " the" draft
+    before it is the prefix."""
+    from tokenloom import LLM
+
+    llm = LLM(None, **FLOAT, **knobs)
+    try:
+        got = {w[0]: _generate(llm, w) for w in WORDS}
+        if "speculative_config" in knobs:
+            stats = llm.llm_engine.scheduler.spec_decoding_totals
+            assert stats is not None and stats.num_draft_tokens > 0
+    finally:
+        _close(llm)
+    for word, outputs in got.items():
+        assert all(_first_ban(tokens, plain_runs["sequences"][word]) is None for tokens in outputs), word
+    assert got == plain_runs["banned"]
