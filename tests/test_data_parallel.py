@@ -1,5 +1,6 @@
-"""Data-parallel engines under one AsyncLLM: the same greedy tokens as one engine, aborts that reach the
-engine owning the request, and an engine killed mid-run failing only its own requests.
+"""Data-parallel engines under one AsyncLLM: the same greedy tokens as one engine (bad_words applied in
+both engines), aborts that reach the engine owning the request, and an engine killed mid-run failing only
+its own requests.
 
 Real engine processes on a tiny random model (fp32, so the two engines' threads cannot change a
 greedy choice); each test starts its engines once and stops them.
@@ -87,10 +88,18 @@ def test_greedy_tokens_dp2_equal_dp1(tiny_dir):
         assert router.num_routed == [4, 4]  # both engines served
         assert llm.llm_engine.client.scheduler_stats.prefix_cache_queries > 0  # the engines' reports, summed
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # a second call on the same engines
+        # bad_words reach both engine processes as token ids: with " on" and " the" left and " on" biased to
+        # win, "on on" bans " on" right after " on" only, so the two alternate whatever the weights.
+        tok = llm.get_tokenizer()
+        (on,), (the,) = tok.encode(" on", add_special_tokens=False), tok.encode(" the", add_special_tokens=False)
+        steered = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, allowed_token_ids=[on, the],
+                                 logit_bias={on: 100.0}, bad_words=["on on"])
+        banned = llm.generate(prompts[:4], steered, use_tqdm=False)
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == one
     assert [list(o.outputs[0].token_ids) for o in again] == one[:2]
+    assert [list(o.outputs[0].token_ids) for o in banned] == [[on, the, on, the, on]] * 4
     assert all(len(t) == 12 for t in one)
 
 

@@ -28,8 +28,8 @@ _PROMPTS = st.one_of(
 )
 _PARAM_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens",
                  "min_tokens", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "allowed_token_ids", "logprob_token_ids", "ignore_eos",
-                 "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "extra_args"]
+                 "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "logprob_token_ids",
+                 "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "extra_args"]
 _HOSTILE_VALUES = st.sampled_from([float("nan"), float("inf"), -float("inf"), 2**63, -(2**63) - 1, 10**30,
                                    {TINY_VOCAB: 1.0}, {1: float("nan")}, {1: "x"}, [TINY_VOCAB], [-1], [], "x", 5,
                                    {"regex": "(ab"}, (1, 2), {1, 2}])

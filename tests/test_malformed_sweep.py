@@ -78,6 +78,7 @@ _COMMON_HOSTILE: dict[str, list[Any]] = {
     "presence_penalty": [-2.1, 2.1, 1e308], "frequency_penalty": [-2.1, 1e308], "repetition_penalty": [0, -1, 1e308],
     "stop": [[""], [None], [[]], ["a"] * 2000, "x" * 5000, [{"a": 1}]],
     "stop_token_ids": _HUGE_IDS, "allowed_token_ids": [[], *_HUGE_IDS], "logprob_token_ids": _HUGE_IDS,
+    "bad_words": [[""], ["   "], "x", [None], [1], [["a"]], {"a": 1}, ["a"] * 2000, ["x" * 5000]],
     "logit_bias": [{"1": "x"}, {"-1": 1}, {str(TINY_VOCAB): 1}, {"1": 1e308}, {" 1 ": 1}, {"1.5": 1},
                    {"0x1": 1}, {"１": 1}, {"": 1}, {"1" * 30: 1}, {"1": None}],
     "stream": [True, "true", 1], "stream_options": [{"include_usage": "x"}, {"continuous_usage_stats": True},

@@ -1,6 +1,6 @@
 """vLLM's API extensions through a live `tokenloom serve` (tiny model): every accepted parameter does
 what it says — echo, prompt_logprobs, truncation, logit_bias, allowed_token_ids,
-return_tokens_as_token_ids, stream_options, return_token_ids — plus request ids, ORCA headers, the
+return_tokens_as_token_ids, stream_options, return_token_ids, bad_words — plus request ids, ORCA headers, the
 batch chat endpoint, /load, /invocations, /tokenizer_info, --root-path, vLLM-named metrics, and (with vLLM's
 flags) X-Request-Id on every response and usage.prompt_tokens_details."""
 
@@ -127,6 +127,35 @@ def test_logit_bias_allowed_tokens_and_tokens_as_ids(http) -> None:
     chat = _post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                 "logprobs": True, "return_tokens_as_token_ids": True, **GREEDY})
     assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_bad_words_on_both_endpoints(http) -> None:
+    """vLLM's bad_words: allowed_token_ids leave " on" and " the", a +100 bias makes " on" win every step, so
+    the tokens say what the ban did whatever the weights: "on" (one token either way) is never generated;
+    "on on" only after " on", so the two alternate."""
+    def ids(text: str) -> list[int]:
+        return _post(http, "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+
+    (on,), (the,) = ids(" on"), ids(" the")
+    steer = {"allowed_token_ids": [on, the], "logit_bias": {str(on): 100}, "return_token_ids": True, **GREEDY}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **steer}
+    for words, want in ((None, [on] * 5), (["on"], [the] * 5), (["on on"], [on, the, on, the, on])):
+        extra = {} if words is None else {"bad_words": words}
+        completion = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 5, **steer, **extra})
+        assert completion["choices"][0]["token_ids"] == want, words
+        answer = _post(http, "/v1/chat/completions", {**chat, **extra})
+        assert answer["choices"][0]["token_ids"] == want, words
+    for value, message in (("on", "valid list"), ([1], "valid string"), (["  "], "at least one token")):
+        for path, body in (("/v1/completions", {"prompt": PROMPT_IDS}), ("/v1/chat/completions", chat)):
+            bad = http.post(path, json={"model": MODEL, **body, "bad_words": value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words", bad.text
+            assert message in bad.json()["error"]["message"], bad.text
+    # Refused where nothing would apply it: beam search, and /v1/responses (its request has no bad_words).
+    beams = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT_IDS, "n": 2, "use_beam_search": True,
+                                               "max_tokens": 2, "bad_words": ["on"]})
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "bad_words", beams.text
+    responses = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "bad_words": ["on"]})
+    assert responses.status_code == 400 and responses.json()["error"]["param"] == "bad_words", responses.text
 
 
 def test_truncate_prompt_tokens_keeps_the_requested_side(http) -> None:

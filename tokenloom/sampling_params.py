@@ -109,6 +109,10 @@ class SamplingParams:
     # Added to the logits before sampling (token id -> bias, clamped to [-100, 100] as in vLLM).
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Words never to generate (vLLM's bad_words): the engine turns each into token-id sequences with the
+    # model's tokenizer (update_from_tokenizer); the sampler bans a sequence's last token once the outputs
+    # end with the rest of it.
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding (JSON schema, regex, choice, grammar): vLLM's field of the same name.
@@ -117,6 +121,9 @@ class SamplingParams:
     eos_token_id: int | None = field(default=None, repr=False)
     # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
     max_logprobs: int = field(default=20, repr=False)
+    # bad_words as token-id sequences, filled in by the engine's input processor (vLLM's private
+    # _bad_words_token_ids): an init field, so dataclasses.replace (n > 1 fan-out, extra EOS ids) keeps it.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # vLLM's extra_args: what the engine passes through to its parts; "kv_transfer_params" reaches the KV
     # connector (disaggregated prefill: tokenloom/kv_transfer, docs/kv_offload.md).
     extra_args: dict[str, Any] | None = None
@@ -148,6 +155,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words is not None:
+            self.bad_words = _bad_words_list(self.bad_words)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}")
         for name in _NUMBER_FIELDS:  # before any comparison, which would raise a TypeError naming no field
@@ -235,6 +244,43 @@ class SamplingParams:
             if bad is not None:
                 raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})")
 
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        """vLLM's update_from_tokenizer: bad_words as token-id sequences (bad_words_token_ids).
+
+        Each word is tokenized as written (left-stripped) and with a leading space, so that it is banned
+        at the start of the text and after a space alike; the spaced form is kept only where it starts
+        with another token and has as many tokens (else it is the same ban, or a different split that
+        vLLM does not ban). `vocab_size`: the bound ids must stay under (the model's logits row;
+        default the tokenizer's size). ValueError for a word that tokenizes to nothing or to ids out of
+        the vocabulary."""
+        if not self.bad_words:
+            self._bad_words_token_ids = None
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain: list[int] = []
+            for add_prefix_space in (False, True):
+                prompt = (" " if add_prefix_space else "") + word.lstrip()
+                ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+                if not add_prefix_space:
+                    if not ids:  # "" or whitespace: nothing to ban, and vLLM indexes its first id
+                        raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+                    plain = ids
+                    sequences.append(ids)
+                elif ids and ids[0] != plain[0] and len(ids) == len(plain):
+                    sequences.append(ids)
+        bound = tokenizer.vocab_size if vocab_size is None else vocab_size
+        invalid = [t for ids in sequences for t in ids if not 0 <= t < bound]
+        if invalid:
+            raise ValueError(f"bad_words tokenize to ids out of the vocabulary (size {bound}): {invalid}; "
+                             f"token ids must satisfy 0 <= token_id <= {bound - 1}")
+        self._bad_words_token_ids = sequences
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """bad_words as token-id sequences, once the engine tokenized them (None before, or without words)."""
+        return self._bad_words_token_ids
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
@@ -300,6 +346,16 @@ def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:
         shown = [t[:40] + "..." if isinstance(t, str) and len(t) > 40 else t for t in invalid[:10]]
         raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}")
     return out
+
+
+def _bad_words_list(words: Any) -> list[str]:
+    """bad_words as a list of strings; a bare string is refused (iterated, it would ban letter by letter)."""
+    if not isinstance(words, list | tuple):
+        raise ValueError(f"bad_words must be a list of strings, got {type(words).__name__}")
+    for word in words:
+        if not isinstance(word, str):
+            raise ValueError(f"bad_words must be a list of strings, got an entry of type {type(word).__name__}")
+    return list(words)
 
 
 def _exceeds_json_nesting(spec: Any, limit: int) -> bool:

@@ -198,6 +198,7 @@ class AsyncLLM:
         self.input_processor.check_generation_model()
         prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
         self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=True)
+        params = self.input_processor.process_params(params)
         self.check_admission(params.n)
         arrival = time.monotonic()
         extra_eos = getattr(self.info, "extra_eos_token_ids", None)

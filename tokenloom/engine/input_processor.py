@@ -6,7 +6,9 @@ InputProcessor, v1/engine/input_processor.py).
     Request(s) for the engine core
 
 LLMEngine, the data-parallel LLM and AsyncLLM (the server) all take prompts through it, so a bad
-prompt is refused with the same message whichever front end it came through. What it checks against
+prompt is refused with the same message whichever front end it came through. It also finishes the
+request's SamplingParams where they need the tokenizer (bad_words into token ids, `process_params`):
+the engine processes get the ids, never the tokenizer. What it checks against
 is the engine core's EngineReady (the engine process sends it; an in-process engine makes its own).
 The scheduler still refuses what it can never run (RequestRejected): the simulator and the replay
 harness drive it with no front end.
@@ -14,6 +16,7 @@ harness drive it with no front end.
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec
@@ -76,6 +79,21 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", param)
         return list(ids)
+
+    def process_params(self, params: SamplingParams) -> SamplingParams:
+        """The params the engine core gets: bad_words as token-id sequences (vLLM's update_from_tokenizer),
+        on a copy, since the caller's object may be shared by other requests. InvalidRequestError for a
+        word that tokenizes to nothing or out of the model's vocabulary."""
+        if not params.bad_words and params.bad_words_token_ids is None:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer, and this engine has none", "bad_words")
+        params = copy.copy(params)
+        try:
+            params.update_from_tokenizer(self.tokenizer, self.info.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "bad_words") from None
+        return params
 
     def check_generation_model(self) -> None:
         """A generation request needs a generation model."""

@@ -157,6 +157,7 @@ class LLMEngine:
         token_ids = truncate_prompt_ids(token_ids, params.truncate_prompt_tokens,
                                         self.input_processor.info.max_model_len)
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
+        params = self.input_processor.process_params(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
             check_lora_request(lora_request, self.input_processor.info.lora)

@@ -3,8 +3,10 @@ for drafts without draft probabilities.
 
 A request with d drafts x_1..x_d contributes d + 1 logits rows; row j is the target model's
 distribution after the context plus x_1..x_j, processed exactly as the plain sampler would process
-it for that context (allowed_token_ids, min_tokens, logit_bias, penalties over the outputs including
-the drafts before it, temperature, min-p, top-k, top-p: the same code, tokenloom/model/sampler.py).
+it for that context (allowed_token_ids, bad_words, min_tokens, logit_bias, penalties over the outputs
+including the drafts before it, temperature, min-p, top-k, top-p: the same code, tokenloom/model/sampler.py).
+So a bad word's prefix may end in a draft: vLLM's apply_bad_words_with_drafts checks each draft position
+against the outputs plus the drafts before it, as here.
 allowed_token_ids and logit_bias were once skipped here: under speculation a request could get a token
 outside its allowed set (tests/test_rejection_sampler.py).
 
@@ -45,6 +47,7 @@ from tokenloom.model.sampler import (
     _min_tokens_active,
     all_plain_greedy,
     apply_allowed_token_ids,
+    apply_bad_words,
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
@@ -140,9 +143,11 @@ class RejectionSampler:
             return RejectionOutput(greedy_accept(logits.argmax(dim=-1).tolist(), reqs), None)
         processed = logits
         if any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params) for r in rows):
-            # The plain sampler's order (sampler.py): allowed tokens, min_tokens, logit bias, penalties.
+            # The plain sampler's order (sampler.py): allowed tokens, bad words, min_tokens, logit bias,
+            # penalties.
             processed = logits.clone()
             apply_allowed_token_ids(processed, rows)
+            apply_bad_words(processed, rows)
             apply_min_tokens(processed, rows)
             apply_logit_bias(processed, rows)
             apply_penalties(processed, rows)

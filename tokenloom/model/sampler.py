@@ -2,8 +2,10 @@
 
 Order of operations, per row:
   1. raw logprobs (log_softmax of the model's logits) if the request asked for logprobs;
-  2. allowed_token_ids: every other token masked to -inf; then min_tokens: stop tokens masked to
-     -inf while fewer than min_tokens outputs exist; then logit_bias added (vLLM's logits processors);
+  2. allowed_token_ids: every other token masked to -inf; then bad_words: the last token of each
+     bad-word sequence masked to -inf where the row's outputs end with the rest of it; then
+     min_tokens: stop tokens masked to -inf while fewer than min_tokens outputs exist; then
+     logit_bias added (vLLM's order of its logits processors);
   3. penalties: repetition (prompt + output; divide positive logits, multiply negative ones),
      then frequency (x count in output) and presence (x seen in output), OpenAI style;
   4. greedy rows take the argmax here;
@@ -94,6 +96,7 @@ class Sampler:
         if any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params) for r in rows):
             logits = logits.clone()
             apply_allowed_token_ids(logits, rows)
+            apply_bad_words(logits, rows)
             apply_min_tokens(logits, rows)
             apply_logit_bias(logits, rows)
             apply_penalties(logits, rows)
@@ -135,7 +138,9 @@ def _has_penalties(p: SamplingParams) -> bool:
 
 
 def _has_processors(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.allowed_token_ids is not None
+    # bad_words count even when no word's prefix ends the outputs this step: the greedy shortcuts
+    # (here, the runner's kernels argmax, speculative verification) must not skip the check.
+    return bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
 
 
 def _min_tokens_active(row: SamplingRow) -> bool:
@@ -143,7 +148,8 @@ def _min_tokens_active(row: SamplingRow) -> bool:
 
 
 def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
-    """Every row takes the argmax and needs nothing else (no logprobs, penalties, min_tokens)."""
+    """Every row takes the argmax and needs nothing else (no logprobs, penalties, min_tokens, logits
+    processors: allowed_token_ids, logit_bias, bad_words)."""
     return all(
         r.params.temperature < _GREEDY_EPS
         and r.params.logprobs is None
@@ -166,6 +172,32 @@ def apply_allowed_token_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -
             masked = torch.full_like(logits[i], float("-inf"))
             masked[keep] = logits[i, keep]
             logits[i] = masked
+
+
+def bad_word_bans(row: SamplingRow) -> list[int]:
+    """The tokens `row` may not sample next for its bad words (vLLM's _apply_bad_words_single_batch): the
+    last token of every sequence whose other tokens are the row's last outputs. Only outputs count, not
+    the prompt, so a word needs room for its prefix among them; a one-token word is always banned."""
+    words = row.params.bad_words_token_ids
+    if not words:
+        return []
+    tokens, end, num_outputs = row.token_ids, len(row.token_ids), row.num_output_tokens
+    banned = []
+    for word in words:
+        prefix = len(word) - 1
+        # Indexed one by one rather than sliced: a verification row's ExtendedTokens would copy the
+        # whole context for each slice.
+        if prefix <= num_outputs and all(tokens[end - prefix + j] == word[j] for j in range(prefix)):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        banned = [t for t in bad_word_bans(row) if t < vocab]
+        if banned:
+            logits[i, banned] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

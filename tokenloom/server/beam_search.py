@@ -44,6 +44,7 @@ NOT_APPLIED: dict[str, Unsupported] = {
     "min_tokens": _ignored("min_tokens", (0,)),
     "logit_bias": _ignored("logit_bias", ({},)),
     "allowed_token_ids": _ignored("allowed_token_ids", ()),
+    "bad_words": _ignored("bad_words", ([],)),
     "prompt_logprobs": _ignored("prompt_logprobs", ()),
 }
 

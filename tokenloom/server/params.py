@@ -102,6 +102,7 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
             skip_special_tokens=req.skip_special_tokens,
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,

@@ -75,6 +75,7 @@ class SamplingRequest(BaseModel):
     return_token_ids: Bool | None = None
     return_tokens_as_token_ids: Bool | None = None
     allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None  # never generated (tokenized by the engine: SamplingParams.bad_words)
     logprob_token_ids: list[TokenId] | None = None
     prompt_logprobs: Int | None = None
     truncate_prompt_tokens: Annotated[int, BeforeValidator(_integral), Field(ge=-1)] | None = None

@@ -28,7 +28,6 @@ COMMON: dict[str, Unsupported] = {
                                            ("auto", "xgrammar")),
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported (use "
                                              "structured_outputs.disable_any_whitespace)"),
-    "bad_words": Unsupported("bad_words is not supported yet", ([],)),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
     "spaces_between_special_tokens": Unsupported(
         "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
@@ -69,6 +68,9 @@ RESPONSES: dict[str, Unsupported] = {
     "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
                                           "what its blocks hold)"),
     "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    # Served on /v1/completions and /v1/chat/completions; the Responses request carries no bad_words.
+    "bad_words": Unsupported("bad_words is not supported on /v1/responses (use /v1/completions or "
+                             "/v1/chat/completions)", ([],)),
 }
 
 
