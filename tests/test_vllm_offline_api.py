@@ -82,6 +82,9 @@ def test_detokenize_false_gives_token_ids_only(tiny) -> None:
     assert ids.token_ids == text.token_ids and text.text and ids.text == ""
     with pytest.raises(ValueError, match="only supported when detokenize is True"):
         SamplingParams(stop=["x"], detokenize=False)
+    SamplingParams(spaces_between_special_tokens=True)  # vLLM's default, as copied code passes it
+    with pytest.raises(ValueError, match="fast tokenizers ignore it"):
+        SamplingParams(spaces_between_special_tokens=False)
 
 
 def test_sampling_params_clone_and_from_optional() -> None:

@@ -132,7 +132,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: token ids only, the outputs' text stays "" (no stop strings then)
     # vLLM's field, which only its slow-tokenizer path reads; every tokenizer here is a fast one, which
-    # decodes special tokens as they are, so (as in vLLM with a fast tokenizer) it changes nothing.
+    # decodes special tokens as they are: True (the default) is accepted, False refused as the server does.
     spaces_between_special_tokens: bool = True
 
     @classmethod
@@ -233,6 +233,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+        if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
+            bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
             bad("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
