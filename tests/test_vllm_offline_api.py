@@ -85,6 +85,8 @@ def test_detokenize_false_gives_token_ids_only(tiny) -> None:
     SamplingParams(spaces_between_special_tokens=True)  # vLLM's default, as copied code passes it
     with pytest.raises(ValueError, match="fast tokenizers ignore it"):
         SamplingParams(spaces_between_special_tokens=False)
+    with pytest.raises(ValueError, match="per-request logits_processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
 
 
 def test_sampling_params_clone_and_from_optional() -> None:

@@ -134,6 +134,9 @@ class SamplingParams:
     # vLLM's field, which only its slow-tokenizer path reads; every tokenizer here is a fast one, which
     # decodes special tokens as they are: True (the default) is accepted, False refused as the server does.
     spaces_between_special_tokens: bool = True
+    # vLLM V1's field too, and refused there as here: per-request Python callables do not run in the
+    # batched sampler (vLLM's engine-level --logits-processors have no counterpart here either).
+    logits_processors: Any = field(default=None, repr=False)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -233,6 +236,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+        if self.logits_processors:
+            bad("per-request logits_processors are not supported (neither are they in vLLM V1); use logit_bias, "
+                "allowed_token_ids, bad_words or structured_outputs")
         if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
             bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
