@@ -87,6 +87,22 @@ def test_detokenize_false_gives_token_ids_only(tiny) -> None:
         SamplingParams(spaces_between_special_tokens=False)
     with pytest.raises(ValueError, match="per-request logits_processors are not supported"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
+    # vLLM's test_detokenize_false: no decoded_token on any logprob (sampled or prompt) without detokenizing.
+    quiet = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False, logprobs=3, prompt_logprobs=3)
+    out = tiny.generate(TextPrompt(prompt="Hello, world! How are you"), quiet, use_tqdm=False)[0]
+    assert out.outputs[0].text == "" and len(out.prompt_logprobs) > 1 and len(out.outputs[0].logprobs) == 4
+    for position in out.prompt_logprobs[1:] + out.outputs[0].logprobs:
+        assert 3 <= len(position) <= 4 and all(lp.decoded_token is None for lp in position.values())
+
+
+def test_best_of_other_than_n_is_refused_when_the_request_is_added(tiny) -> None:
+    params = SamplingParams(n=2, best_of=3, seed=1)  # made as vLLM's test makes it; refused by generate
+    with pytest.raises(ValueError, match="best_of is not supported"):
+        tiny.generate("Hello", params, use_tqdm=False)
+    assert len(tiny.generate("Hello", SamplingParams(n=2, best_of=2, seed=1, max_tokens=2), use_tqdm=False)[0]
+               .outputs) == 2
+    with pytest.raises(ValueError, match="best_of must be an integer >= n"):
+        SamplingParams(n=3, best_of=2)
 
 
 def test_sampling_params_clone_and_from_optional() -> None:

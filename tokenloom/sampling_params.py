@@ -137,6 +137,9 @@ class SamplingParams:
     # vLLM V1's field too, and refused there as here: per-request Python callables do not run in the
     # batched sampler (vLLM's engine-level --logits-processors have no counterpart here either).
     logits_processors: Any = field(default=None, repr=False)
+    # vLLM's field; as in vLLM V1, a best_of other than n is refused when the request is added (the engine's
+    # input processor, with the server's words), not when the params are made.
+    best_of: int | None = field(default=None, repr=False)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -236,6 +239,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if self.logits_processors:
             bad("per-request logits_processors are not supported (neither are they in vLLM V1); use logit_bias, "
                 "allowed_token_ids, bad_words or structured_outputs")

@@ -83,7 +83,9 @@ class InputProcessor:
     def process_params(self, params: SamplingParams) -> SamplingParams:
         """The params the engine core gets: bad_words as token-id sequences (vLLM's update_from_tokenizer),
         on a copy, since the caller's object may be shared by other requests. InvalidRequestError for a
-        word that tokenizes to nothing or out of the model's vocabulary."""
+        word that tokenizes to nothing or out of the model's vocabulary, and for a best_of other than n."""
+        if params.best_of is not None and params.best_of != params.n:  # the server's rule (server/params.py)
+            raise InvalidRequestError("best_of is not supported (other than equal to n)", "best_of")
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
         if self.tokenizer is None:

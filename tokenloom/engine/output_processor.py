@@ -126,7 +126,7 @@ class OutputProcessor:
                 # Indexed by position: a chunk recomputed after preemption overwrites itself.
                 first, entries = out.new_prompt_logprobs
                 for k, lp in enumerate(entries):
-                    parent.prompt_logprobs[first + k] = self._logprob_dict(lp)
+                    parent.prompt_logprobs[first + k] = self._logprob_dict(lp, decode=comp.params.detokenize)
                 parent.prompt_logprobs_ready = max(parent.prompt_logprobs_ready, first + len(entries))
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
@@ -179,7 +179,8 @@ class OutputProcessor:
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:
-                comp.logprobs.append(self._logprob_dict(lp, ranked=comp.params.logprob_token_ids is None))
+                comp.logprobs.append(self._logprob_dict(lp, ranked=comp.params.logprob_token_ids is None,
+                                                        decode=comp.params.detokenize))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
@@ -218,12 +219,13 @@ class OutputProcessor:
         comp.text = comp.text[: idx + len(s)] if comp.params.include_stop_str_in_output else comp.text[:idx]
         return s
 
-    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True) -> dict[int, Logprob]:
+    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True) -> dict[int, Logprob]:
         # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
-        d = {tid: Logprob(v, rank + 1 if ranked else None, self._token_text(tid))
-             for rank, (tid, v) in enumerate(lp.top)}
+        # decode=False (detokenize=False): no decoded_token, as vLLM.
+        text = self._token_text if decode else lambda _: None
+        d = {tid: Logprob(v, rank + 1 if ranked else None, text(tid)) for rank, (tid, v) in enumerate(lp.top)}
         if lp.token_id not in d:
-            d[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
+            d[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
         return d
 
     def _token_text(self, token_id: int) -> str | None:
