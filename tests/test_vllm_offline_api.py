@@ -131,3 +131,16 @@ def test_engine_getters_and_outputs_name_their_adapter(tiny) -> None:
         last = next((o for o in engine.step() if o.request_id == rid), last)
     assert engine.get_num_unfinished_requests() == 0
     assert last.lora_request is None and all(c.lora_request is None for c in last.outputs)
+
+
+def test_one_priority_applies_to_every_prompt(tiny) -> None:
+    """vLLM's test_multiple_priority / test_single_prompt_priority: an integer is every prompt's priority."""
+    prompts = ["Hello", "How are you", "One two three"]
+    assert len(tiny.generate(prompts, GREEDY, priority=1, use_tqdm=False)) == 3
+    assert len(tiny.generate(prompts[0], GREEDY, priority=1, use_tqdm=False)) == 1
+    assert len(tiny.generate(prompts[0], GREEDY, priority=[0], use_tqdm=False)) == 1
+    for bad in ([0, 0], []):
+        with pytest.raises(ValueError, match="value\\(s\\) for 3 prompt"):
+            tiny.generate(prompts, GREEDY, priority=bad, use_tqdm=False)
+    with pytest.raises(TypeError, match="priority must be an integer or a list"):
+        tiny.generate(prompts, GREEDY, priority=True, use_tqdm=False)

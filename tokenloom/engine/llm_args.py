@@ -42,11 +42,14 @@ def per_prompt(value: T | Iterable[T], cls: type, n: int, name: str) -> list[T]:
 
 
 def priority_list(priority: Any, n: int) -> list[int]:
-    """vLLM's `priority`: one integer per prompt (None: all 0)."""
+    """vLLM's `priority`: one integer per prompt, or one integer for every prompt (None: all 0)."""
     if priority is None:
         return [0] * n
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        return [priority] * n
     if isinstance(priority, str | bytes | dict) or not isinstance(priority, Iterable):
-        raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
+        raise TypeError(f"priority must be an integer or a list of integers, one per prompt, got "
+                        f"{type(priority).__name__}")
     values = list(priority)
     if any(isinstance(p, bool) or not isinstance(p, int) for p in values):
         raise TypeError(f"priority must be a list of integers, one per prompt, got {values[:5]!r}")
