@@ -144,3 +144,33 @@ def test_one_priority_applies_to_every_prompt(tiny) -> None:
             tiny.generate(prompts, GREEDY, priority=bad, use_tqdm=False)
     with pytest.raises(TypeError, match="priority must be an integer or a list"):
         tiny.generate(prompts, GREEDY, priority=True, use_tqdm=False)
+
+
+def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
+    """Code written for vLLM passes gpu_memory_utilization and enforce_eager: both are engine arguments here.
+    On CPU the first is named as not applying (the pool is kv_cache_memory's); on CUDA it sizes the KV cache."""
+    from tokenloom.config import ConfigError
+    from tokenloom.engine.core_host import cuda_kv_budget
+
+    with caplog.at_level("INFO", logger="tokenloom.engine.core_host"):
+        llm = LLM(str(tiny_dir_for_args), dtype="float32", gpu_memory_utilization=0.5, enforce_eager=True,
+                  kv_cache_memory=None, max_model_len=32)
+    try:
+        assert "gpu_memory_utilization applies to CUDA devices" in caplog.text
+        assert len(llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
+    gib = 1 << 30
+    # vLLM's share of the whole GPU, less what is in use (weights, other processes), less the activation reserve.
+    assert cuda_kv_budget(free=60 * gib, total=80 * gib, gpu_memory_utilization=0.9) == 72 * gib - 20 * gib - gib
+    assert cuda_kv_budget(free=60 * gib, total=80 * gib, gpu_memory_utilization=None) == 54 * gib - gib
+    with pytest.raises(ConfigError, match="leaves no room for the KV cache"):
+        cuda_kv_budget(free=10 * gib, total=80 * gib, gpu_memory_utilization=0.5)
+    for bad in (0, 1.5, -0.1, True, "0.5"):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number in"):
+            LLM(str(tiny_dir_for_args), gpu_memory_utilization=bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_for_args(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_args"), arch="llama", seed=5)

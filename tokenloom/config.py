@@ -802,9 +802,19 @@ class EngineConfig:
     kv_cache_memory: int | None = knob(
         None, "bytes for the KV cache, e.g. 2GiB (default: 2GiB on CPU, 90% of free memory on CUDA)",
         parse=parse_bytes)
-    # None: the model's context length, capped by what the KV cache can hold.
+    # vLLM's: the share of the GPU's whole memory this engine may take (weights, activations, KV cache); sizes the
+    # KV pool on CUDA when kv_cache_memory is not given. A CPU's pool is kv_cache_memory's (the start-up log says so).
+    gpu_memory_utilization: float | None = knob(
+        None, "CUDA: the fraction of the GPU's memory the engine may use, the KV cache sized to fit (vLLM's; "
+        "default: 90% of the memory free after loading); ignored on CPU, where --kv-cache-memory sizes it",
+        simulated=False)
+    # vLLM's: run without CUDA graphs. tokenloom captures none, so every engine runs eagerly either way; accepted
+    # so that code written for vLLM runs as it is.
+    enforce_eager: bool = knob(False, "vLLM's; tokenloom always runs eagerly (no CUDA graphs), so either value "
+                               "runs the same", simulated=False)
+    # None: the model's context length, capped at 8,192 and by what the KV cache can hold.
     max_model_len: int | None = knob(
-        None, "longest prompt + output (default: the model's context, capped by the KV pool)")
+        None, "longest prompt + output (default: the model's context, at most 8,192 and what the KV pool holds)")
     generation_config: GenerationConfigMode = knob(
         "auto", "auto: the model directory's generation_config.json gives the default sampling parameters "
         "(vLLM's default); vllm: ignore it", simulated=False)
@@ -876,6 +886,9 @@ class EngineConfig:
             raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
 
 
 # ----------------------------------------------------------------------- engine arguments (derived)

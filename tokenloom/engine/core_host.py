@@ -52,6 +52,21 @@ from tokenloom.engine.trace import StepTracer
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
+ACTIVATION_RESERVE_BYTES = 1 << 30  # what a CUDA KV budget leaves for activations
+
+
+def cuda_kv_budget(free: int, total: int, gpu_memory_utilization: float | None) -> int:
+    """The KV cache's bytes on a GPU with `free` of `total` bytes free once the weights are loaded: 90 % of the free
+    memory by default; with vLLM's gpu_memory_utilization, that share of the whole GPU less what is in use already
+    (this engine's weights and anything else on the device). Both leave ACTIVATION_RESERVE_BYTES for activations."""
+    if gpu_memory_utilization is None:
+        return int(free * 0.9) - ACTIVATION_RESERVE_BYTES
+    budget = int(total * gpu_memory_utilization) - (total - free) - ACTIVATION_RESERVE_BYTES
+    if budget <= 0:
+        raise ConfigError(f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache: "
+                          f"{(total - free) >> 20} MiB of the GPU's {total >> 20} MiB are in use already (weights "
+                          f"included) and {ACTIVATION_RESERVE_BYTES >> 20} MiB are kept for activations; raise it")
+    return budget
 
 
 class EngineCoreHost:
@@ -343,9 +358,12 @@ class EngineCoreHost:
             if device.type == "cuda":
                 import torch
 
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * 0.9) - (1 << 30)  # leave room for activations
+                free, total = torch.cuda.mem_get_info(device)
+                budget = cuda_kv_budget(free, total, config.gpu_memory_utilization)
             else:
+                if config.gpu_memory_utilization is not None:
+                    logger.info("gpu_memory_utilization applies to CUDA devices; on CPU the KV pool is "
+                                "--kv-cache-memory's (%d MiB)", DEFAULT_CPU_KV_BYTES >> 20)
                 budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // block_bytes
         if num_blocks < 1:
