@@ -63,24 +63,31 @@ TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "
                   "thinking": "thinking"}
 
 
+def part_text(part: Any) -> str | None:
+    """One content part's text: a string as it is, a text part's text (None when it has none: vLLM skips it);
+    any other part is a ValueError (these models read text only). The server's parts come here as dicts too."""
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    key = TEXT_PART_KEYS.get(kind) if isinstance(part, dict) else None
+    if key is None:
+        raise ValueError(f"only text parts are supported ({', '.join(TEXT_PART_KEYS)}), got {kind!r}")
+    value = part.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"the {key!r} of a {kind!r} part must be a string")
+    return value
+
+
 def _joined_parts(where: str, parts: list[Any]) -> str:
-    """A list of content parts as one text, joined with newlines (vLLM's "string" content format); a text part
-    without its text is skipped, as vLLM does; any other part is an error (these models read text only)."""
+    """A list of content parts as one text, joined with newlines (vLLM's "string" content format)."""
     texts = []
     for k, part in enumerate(parts):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
-        if key is None:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"messages: {where}, content part {k}: only text parts are supported "
-                             f"({', '.join(TEXT_PART_KEYS)}), got {kind!r}")
-        value = part.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"messages: {where}, content part {k}: its {key!r} must be a string")
-        if value is not None:
-            texts.append(value)
+        try:
+            text = part_text(part)
+        except ValueError as exc:
+            raise ValueError(f"messages: {where}, content part {k}: {exc}") from None
+        if text is not None:
+            texts.append(text)
     return "\n".join(texts)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom import envs
 from tokenloom.engine.generation_config import server_default
 from tokenloom.engine.input_processor import InvalidRequestError, truncate_prompt_ids
-from tokenloom.engine.llm_args import TEXT_PART_KEYS
+from tokenloom.engine.llm_args import part_text
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import (
@@ -258,19 +258,13 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int, max_model_len: int,
                             structured_outputs=structured_outputs)
 
 
-# vLLM's text-like content parts, each with the key that holds its text.
 def _part_text(i: int, part: ContentPart | str) -> str | None:
-    """A content part's text (None: a text part without text, which vLLM skips); other parts are a 400."""
-    if isinstance(part, str):
-        return part
-    key = TEXT_PART_KEYS.get(part.type)
-    if key is None:
-        raise APIError(400, f"messages.{i}.content: only text parts are supported (text, input_text, output_text, "
-                            f"refusal, thinking), got {part.type!r}", "messages")
-    value = part.text if key == "text" else (part.model_extra or {}).get(key)
-    if value is not None and not isinstance(value, str):
-        raise APIError(400, f"messages.{i}.content: the {key!r} of a {part.type!r} part must be a string", "messages")
-    return value
+    """A content part's text by the offline chat's rule (engine/llm_args.py part_text); other parts are a 400."""
+    as_dict = part if isinstance(part, str) else {**(part.model_extra or {}), "type": part.type, "text": part.text}
+    try:
+        return part_text(as_dict)
+    except ValueError as exc:
+        raise APIError(400, f"messages.{i}.content: {exc}", "messages") from None
 
 
 def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
