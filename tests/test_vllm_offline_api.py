@@ -174,3 +174,31 @@ def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
 @pytest.fixture(scope="module")
 def tiny_dir_for_args(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_args"), arch="llama", seed=5)
+
+
+def test_delta_outputs_with_async_speculation_structured_outputs_and_bad_words(tiny_dir_for_args) -> None:
+    """DELTA is the front end's: under async scheduling with n-gram drafts, a JSON grammar or bad words its
+    pieces still add up to the CUMULATIVE run's output (text, token ids, logprobs)."""
+    from tokenloom.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    llm = LLM(str(tiny_dir_for_args), dtype="float32", num_blocks=128, block_size=4, max_model_len=64,
+              async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    try:
+        for extra in ({}, {"structured_outputs": StructuredOutputsParams(json={"type": "object"})},
+                      {"bad_words": ["the"]}):
+            runs = {}
+            for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+                params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1,
+                                        output_kind=kind, **extra)
+                rid = engine.add_request(None, "one two three one two three one two", params)
+                outs = []
+                while engine.has_unfinished_requests():
+                    outs += [o for o in engine.step() if o.request_id == rid]
+                runs[kind] = outs
+            last, deltas = runs[RequestOutputKind.CUMULATIVE][-1].outputs[0], runs[RequestOutputKind.DELTA]
+            assert "".join(o.outputs[0].text for o in deltas) == last.text, extra
+            assert [t for o in deltas for t in o.outputs[0].token_ids] == last.token_ids, extra
+            assert sum(len(o.outputs[0].logprobs) for o in deltas) == len(last.logprobs) == len(last.token_ids)
+    finally:
+        llm.shutdown()
