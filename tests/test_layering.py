@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
+    "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.inputs": 0,  # vLLM's prompt TypedDicts: what the engine takes in, beside the params
@@ -32,8 +33,8 @@ LEVELS = {
     "tokenloom.cli": 7,
     "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
-NO_TORCH = ("tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params", "tokenloom.envs",
-            "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs")
+NO_TORCH = ("tokenloom.exceptions", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
+            "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs")
 
 
 def room(module: str) -> str:

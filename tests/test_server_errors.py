@@ -233,6 +233,16 @@ def test_what_vllm_accepts_is_accepted(http) -> None:
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
 
 
+def test_empty_prompts_are_refused_with_vllms_words(http) -> None:
+    """vLLM's CompletionRequest validator refuses an empty prompt with its own sentence, its input processor an
+    empty prompt among others with another; clients (and vLLM's tests) match on these."""
+    for prompt in ("", []):
+        err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt": prompt}), 400, "prompt")
+        assert err["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", err
+    err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt": [[1, 2], []]}), 400, "prompt")
+    assert "The decoder prompt cannot be empty" in err["message"], err
+
+
 def test_completion_max_tokens_null_means_16(http) -> None:
     """vLLM's completions turn an explicit null into the default (16), not 'until the context is full'."""
     body = {**CMPL, "max_tokens": None, "ignore_eos": True, "temperature": 0}

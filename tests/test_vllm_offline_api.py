@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_models import make_tiny_hf_model
-from tokenloom import LLM, SamplingParams, TextPrompt, TokensPrompt
+from tokenloom import LLM, BeamSearchParams, SamplingParams, TextPrompt, TokensPrompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -202,3 +202,26 @@ def test_delta_outputs_with_async_speculation_structured_outputs_and_bad_words(t
             assert sum(len(o.outputs[0].logprobs) for o in deltas) == len(last.logprobs) == len(last.token_ids)
     finally:
         llm.shutdown()
+
+
+def test_refusals_are_vllms_validation_error_with_its_words(tiny) -> None:
+    """Code written for vLLM catches `vllm.exceptions.VLLMValidationError`; tokenloom raises it by that name
+    (also a ValueError), with the words vLLM's tests match (tests/entrypoints/llm/test_prompt_validation.py,
+    test_generate.py, tests/samplers/test_non_finite_params.py)."""
+    from tokenloom.exceptions import ValidationError, VLLMValidationError
+
+    assert VLLMValidationError is ValidationError and issubclass(VLLMValidationError, ValueError)
+    with pytest.raises(VLLMValidationError, match="decoder prompt cannot be empty"):
+        tiny.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="out of vocabulary"):
+        tiny.generate({"prompt_token_ids": [999999]}, GREEDY, use_tqdm=False)
+    with pytest.raises(VLLMValidationError) as exc:
+        tiny.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    assert exc.value.parameter == "sampling_params"
+    with pytest.raises(VLLMValidationError, match="priority"):
+        tiny.generate(["a", "b"], GREEDY, priority=[], use_tqdm=False)
+    for field in ("temperature", "repetition_penalty"):
+        with pytest.raises(VLLMValidationError, match=field):
+            SamplingParams(**{field: float("nan")})
+    with pytest.raises(VLLMValidationError, match="decoder prompt cannot be empty"):
+        tiny.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloom.exceptions import ValidationError
+
 POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 # The parameters each task reads (vLLM's valid_parameters); others set by the user are a 400.
 _VALID = {
@@ -55,8 +57,8 @@ class PoolingParams:
                            ("use_activation", bool), ("task", str)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-                raise ValueError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__} or None, "
-                                 f"got {value!r}"[:200])
+                raise ValidationError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__} or None, "
+                                      f"got {value!r}"[:200])
 
     def verify(self, task: str, model_dim: int | None = None, is_matryoshka: bool = False,
                default_normalize: bool = True) -> None:
@@ -64,26 +66,26 @@ class PoolingParams:
         sentence-transformers checkpoint without a Normalize module says False); raise ValueError for
         a parameter the task does not read."""
         if task not in POOLING_TASKS:
-            raise ValueError(f"unknown pooling task {task!r}; one of {', '.join(POOLING_TASKS)}")
+            raise ValidationError(f"unknown pooling task {task!r}; one of {', '.join(POOLING_TASKS)}")
         self._check_types()
         if self.task is not None and self.task != task:
-            raise ValueError(f"the PoolingParams' task is {self.task!r}, the request's {task!r}")
+            raise ValidationError(f"the PoolingParams' task is {self.task!r}, the request's {task!r}")
         self.task = task
         for name in ("dimensions", "normalize", "use_activation"):
             if getattr(self, name) is not None and name not in _VALID[task]:
-                raise ValueError(f"Task {task} only supports {list(_VALID[task])} parameters, does not support "
-                                 f"{name!r} parameter")
+                raise ValidationError(f"Task {task} only supports {list(_VALID[task])} parameters, does not support "
+                                      f"{name!r} parameter")
         if self.dimensions is not None:
             if not is_matryoshka:
-                raise ValueError("Model does not support matryoshka representation, "
-                                 "changing output dimensions will lead to poor results.")
+                raise ValidationError("Model does not support matryoshka representation, "
+                                      "changing output dimensions will lead to poor results.")
             if self.dimensions < 1:
-                raise ValueError("Dimensions must be greater than 0")
+                raise ValidationError("Dimensions must be greater than 0")
             if model_dim is not None and self.dimensions > model_dim:
-                raise ValueError(f"dimensions={self.dimensions} is larger than the model's {model_dim}")
+                raise ValidationError(f"dimensions={self.dimensions} is larger than the model's {model_dim}")
         if task in ("embed", "token_embed") and self.normalize is None:
             self.normalize = default_normalize
         if task in ("classify", "score", "token_classify") and self.use_activation is None:
             self.use_activation = True
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
-            raise ValueError("truncate_prompt_tokens must be -1, a positive int, or None")
+            raise ValidationError("truncate_prompt_tokens must be -1, a positive int, or None")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom import envs
+from tokenloom.exceptions import ValidationError
 
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
 _UNLIMITED = 1 << 30
@@ -48,20 +49,20 @@ class StructuredOutputsParams:
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                  if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(
+            raise ValidationError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
                 f"structural_tag; got {kinds or 'none'}"
             )
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
-            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            raise ValidationError("structured_outputs.choice must be a non-empty list of strings")
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+                raise ValidationError(f"structured_outputs.{name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+            raise ValidationError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
         check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
         check_json_nesting(self.structural_tag, structural_tag=True)
 
@@ -152,23 +153,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+            raise ValidationError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):  # list() of a number or a dict would fail, or succeed, obscurely
             value = getattr(self, name)
             if value is not None and not isinstance(value, list | tuple):
-                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+                raise ValidationError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.bad_words is not None:
             self.bad_words = _bad_words_list(self.bad_words)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}")
+            raise ValidationError(f"logit_bias must be a dict of token id to bias, got "
+                                  f"{type(self.logit_bias).__name__}")
         for name in _NUMBER_FIELDS:  # before any comparison, which would raise a TypeError naming no field
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{name} must be a number, got {value!r}")
+                raise ValidationError(f"{name} must be a number, got {value!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.seed == -1:  # vLLM: -1 means no seed
@@ -179,7 +181,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(msg: str) -> None:
-            raise ValueError(msg)
+            raise ValidationError(msg)
 
         verify_num_sequences(self.n, "n")
         if not math.isfinite(self.temperature):
@@ -256,7 +258,7 @@ class SamplingParams:
                           ("logprob_token_ids", self.logprob_token_ids or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                raise ValueError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})")
+                raise ValidationError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})")
 
     def update_from_tokenizer(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         """vLLM's update_from_tokenizer: bad_words as token-id sequences (bad_words_token_ids).
@@ -278,7 +280,7 @@ class SamplingParams:
                 ids = list(tokenizer.encode(prompt, add_special_tokens=False))
                 if not add_prefix_space:
                     if not ids:  # "" or whitespace: nothing to ban, and vLLM indexes its first id
-                        raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+                        raise ValidationError(f"bad_words entries must tokenize to at least one token, got {word!r}")
                     plain = ids
                     sequences.append(ids)
                 elif ids and ids[0] != plain[0] and len(ids) == len(plain):
@@ -286,8 +288,8 @@ class SamplingParams:
         bound = tokenizer.vocab_size if vocab_size is None else vocab_size
         invalid = [t for ids in sequences for t in ids if not 0 <= t < bound]
         if invalid:
-            raise ValueError(f"bad_words tokenize to ids out of the vocabulary (size {bound}): {invalid}; "
-                             f"token ids must satisfy 0 <= token_id <= {bound - 1}")
+            raise ValidationError(f"bad_words tokenize to ids out of the vocabulary (size {bound}): {invalid}; "
+                                  f"token ids must satisfy 0 <= token_id <= {bound - 1}")
         self._bad_words_token_ids = sequences
 
     @property
@@ -329,13 +331,13 @@ def max_n_sequences() -> int:
 def verify_num_sequences(value: Any, name: str) -> None:
     """vLLM's _verify_num_sequences, its messages."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, but is of type {type(value)}")
+        raise ValidationError(f"{name} must be an int, but is of type {type(value)}")
     if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}.")
+        raise ValidationError(f"{name} must be at least 1, got {value}.")
     cap = max_n_sequences()
     if value > cap:
-        raise ValueError(f"{name} must be at most {cap}, got {value}. To increase this limit, set the "
-                         "VLLM_MAX_N_SEQUENCES environment variable.")
+        raise ValidationError(f"{name} must be at most {cap}, got {value}. To increase this limit, set the "
+                              "VLLM_MAX_N_SEQUENCES environment variable.")
 
 
 # The float fields __post_init__ compares and computes with; an int is a number too (temperature=1).
@@ -354,21 +356,21 @@ def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:
             invalid.append(token)
             continue
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
-            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token_id}")
+            raise ValidationError(f"logit_bias values must be finite numbers, got {bias!r} for token {token_id}")
         out[token_id] = min(max(float(bias), -100.0), 100.0)
     if invalid:
         shown = [t[:40] + "..." if isinstance(t, str) and len(t) > 40 else t for t in invalid[:10]]
-        raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}")
+        raise ValidationError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {shown!r}")
     return out
 
 
 def _bad_words_list(words: Any) -> list[str]:
     """bad_words as a list of strings; a bare string is refused (iterated, it would ban letter by letter)."""
     if not isinstance(words, list | tuple):
-        raise ValueError(f"bad_words must be a list of strings, got {type(words).__name__}")
+        raise ValidationError(f"bad_words must be a list of strings, got {type(words).__name__}")
     for word in words:
         if not isinstance(word, str):
-            raise ValueError(f"bad_words must be a list of strings, got an entry of type {type(word).__name__}")
+            raise ValidationError(f"bad_words must be a list of strings, got an entry of type {type(word).__name__}")
     return list(words)
 
 
@@ -397,8 +399,8 @@ def check_json_nesting(spec: Any, *, structural_tag: bool = False) -> None:
     levels (a structural tag gets its wrapper's levels on top)."""
     limit = MAX_STRUCTURED_OUTPUT_JSON_NESTING + (STRUCTURAL_TAG_WRAPPER_NESTING if structural_tag else 0)
     if spec and _exceeds_json_nesting(spec, limit):
-        raise ValueError("The JSON schema is nested too deeply: objects and arrays may nest at most "
-                         f"{MAX_STRUCTURED_OUTPUT_JSON_NESTING} levels")
+        raise ValidationError("The JSON schema is nested too deeply: objects and arrays may nest at most "
+                              f"{MAX_STRUCTURED_OUTPUT_JSON_NESTING} levels")
 
 
 @dataclass
@@ -422,19 +424,19 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int):
-            raise ValueError(f"beam_width must be an int, but is of type {type(self.beam_width)}")
+            raise ValidationError(f"beam_width must be an int, but is of type {type(self.beam_width)}")
         if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+            raise ValidationError(f"beam_width must be at least 1, got {self.beam_width}.")
         if self.beam_width > MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}.")
+            raise ValidationError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}.")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ValidationError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, int | float) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}")
+            raise ValidationError(f"temperature must be non-negative, got {self.temperature!r}")
         if not isinstance(self.length_penalty, int | float) or self.length_penalty != self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+            raise ValidationError(f"length_penalty must be a number, got {self.length_penalty!r}")
         # Refused rather than ignored: tokenloom's beam search does not constrain or watermark beams.
         if self.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported with beam search")
+            raise ValidationError("structured_outputs is not supported with beam search")
         if self.watermarking:
-            raise ValueError("watermarking is not supported")
+            raise ValidationError("watermarking is not supported")

@@ -63,10 +63,12 @@ from tokenloom.core.sched_interface import SchedulerInterface
 from tokenloom.core.slo_budget import SloBudgetController
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.core.structured_output import StructuredOutputManager, grammar_dead_end_message
+from tokenloom.exceptions import ValidationError
 
 
-class RequestRejected(ValueError):
-    """A request that can never be served under this configuration."""
+class RequestRejected(ValidationError):
+    """A request that can never be served under this configuration (a ValueError, and vLLM's
+    VLLMValidationError by its other name: tokenloom/exceptions.py)."""
 
 
 @dataclass

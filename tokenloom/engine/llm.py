@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import engine_config_from_kwargs
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
-from tokenloom.engine.input_processor import PromptType
+from tokenloom.engine.input_processor import EMPTY_PROMPT, PromptType
 from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.outputs import (
@@ -26,6 +26,7 @@ from tokenloom.engine.outputs import (
     ScoringRequestOutput,
 )
 from tokenloom.engine.pooling import cosine, cross_encoder_pair, score_pairs
+from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -38,8 +39,8 @@ def _lora_requests(lora_request: Any, n: int) -> list[Any]:
     list with one per prompt."""
     if isinstance(lora_request, list | tuple):
         if len(lora_request) != n:
-            raise ValueError(f"lora_request: {len(lora_request)} LoRARequests for {n} prompts (give one, or one "
-                             "per prompt)")
+            raise ValidationError(f"lora_request: {len(lora_request)} LoRARequests for {n} prompts (give one, or "
+                                  "one per prompt)", parameter="lora_request")
         return list(lora_request)
     return [lora_request] * n
 
@@ -148,7 +149,7 @@ class LLM:
         for prompt, lora in zip(prompts, loras):
             text, token_ids = self.llm_engine.input_processor.tokenize(prompt)
             if not token_ids:
-                raise ValueError("the prompt is empty")
+                raise ValidationError(EMPTY_PROMPT, parameter="prompt")
             items.append({"prompt_token_ids": token_ids, "prompt": text, "lora_request": lora})
         tok = self.get_tokenizer()
         eos = tok.eos_token_id

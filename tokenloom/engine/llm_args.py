@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from tokenloom.exceptions import ValidationError
+
 T = TypeVar("T")
 
 
@@ -37,7 +39,7 @@ def per_prompt(value: T | Iterable[T], cls: type, n: int, name: str) -> list[T]:
         raise TypeError(f"{name} must be a {cls.__name__} or a list of them (one per prompt), got a list holding "
                         f"a {type(bad).__name__}")
     if len(values) != n:
-        raise ValueError(f"{name} must be one {cls.__name__} or one per prompt")
+        raise ValidationError(f"{name} must be one {cls.__name__} or one per prompt", parameter=name)
     return values
 
 
@@ -54,7 +56,8 @@ def priority_list(priority: Any, n: int) -> list[int]:
     if any(isinstance(p, bool) or not isinstance(p, int) for p in values):
         raise TypeError(f"priority must be a list of integers, one per prompt, got {values[:5]!r}")
     if len(values) != n:
-        raise ValueError(f"priority: {len(values)} value(s) for {n} prompt(s) (give one per prompt)")
+        raise ValidationError(f"priority: {len(values)} value(s) for {n} prompt(s) (give one per prompt)",
+                              parameter="priority")
     return values
 
 

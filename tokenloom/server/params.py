@@ -190,8 +190,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
         items = [prompt]
     else:
         items = list(prompt)
-    if not items:
-        raise APIError(400, "the prompt is empty", "prompt")
+    if not prompt:  # "" or []: vLLM's CompletionRequest validator's words
+        raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     out = []
     for item in items:
         if isinstance(item, str):
