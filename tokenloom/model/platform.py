@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 import torch
 
 from tokenloom import cpu_isa, envs
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -51,6 +54,13 @@ def cpu_has_fast_int8() -> bool:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "float16":
+        # vLLM code asks for float16 ("half") to halve the weights; the kernels have no float16 path, so it runs
+        # as auto's choice, bfloat16 where the hardware has it (the same 16 bits a value), said once at load.
+        chosen = resolve_dtype("auto", device)
+        logger.warning("dtype float16 runs as %s here: tokenloom's kernels have no float16 path",
+                       str(chosen).removeprefix("torch."))
+        return chosen
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or auto")
