@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+# The fixtures vLLM's offline tests take from vLLM's tests/conftest.py (`vllm_runner`, `example_prompts`), as
+# stand-ins that run tokenloom: same names, constructor and methods, so a vendored test changes only its imports.
+# example_prompts.txt is vLLM 0.32.0's tests/prompts/example.txt (SPDX-FileCopyrightText: Copyright contributors
+# to the vLLM project), unchanged.
+"""`vllm_runner` builds a tokenloom.LLM in place of vLLM's.
+
+Every model a test names runs as the default model (SmolLM2-135M-Instruct, shipped with the package): the
+tests' models live on the Hugging Face Hub, which the test machines cannot reach. `$TOKENLOOM_PEER_MODEL` names
+another (a path or a registered name). vLLM's GPU and compiler knobs that tokenloom has no use for (kernel and
+compilation configs, default_torch_num_threads) are dropped; every other keyword goes to `LLM` as it is, so an
+argument tokenloom does not know fails the test loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.config import engine_args
+from tokenloom.sampling_params import BeamSearchParams
+
+PROMPTS_FILE = Path(__file__).with_name("example_prompts.txt")
+# vLLM's knobs for its GPU build; tokenloom runs eagerly and sizes its own threads.
+_DROPPED = ("kernel_config", "compilation_config", "default_torch_num_threads")
+
+
+def _takes(name: str) -> bool:
+    return any(name in (a.name, a.field) for a in engine_args())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # vLLM's conftest marks: memory clean-up between its GPU tests, nothing to do here.
+    config.addinivalue_line("markers", "skip_global_cleanup: vLLM's (no global clean-up after the test)")
+
+
+class VllmRunner:
+    """vLLM's tests/conftest.py VllmRunner over tokenloom.LLM, with its test defaults (seed 0, max_model_len
+    1024, block_size 16, chunked prefill off)."""
+
+    def __init__(self, model_name: str, runner: str = "auto", convert: str = "auto",
+                 tokenizer_name: str | None = None, tokenizer_mode: str = "auto", trust_remote_code: bool = True,
+                 seed: int = 0, max_model_len: int | None = 1024, dtype: str = "auto",
+                 disable_log_stats: bool = True, tensor_parallel_size: int = 1, block_size: int = 16,
+                 enable_chunked_prefill: bool | None = False, enforce_eager: bool | None = False,
+                 **kwargs: Any) -> None:  # fmt: skip
+        del model_name, tokenizer_name, tokenizer_mode, trust_remote_code  # the served model's own
+        for name in _DROPPED:
+            kwargs.pop(name, None)
+        if runner != "auto":
+            kwargs["runner"] = runner
+        if convert != "auto":
+            kwargs["convert"] = convert
+        if disable_log_stats is not True or _takes("disable_log_stats"):
+            kwargs["disable_log_stats"] = disable_log_stats
+        self.llm = LLM(os.environ.get("TOKENLOOM_PEER_MODEL") or None, seed=seed, max_model_len=max_model_len,
+                       dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                       block_size=block_size, enable_chunked_prefill=enable_chunked_prefill,
+                       enforce_eager=bool(enforce_eager), **kwargs)
+
+    @staticmethod
+    def get_inputs(prompts: list[Any], **multimodal: Any) -> list[dict[str, Any]]:
+        if any(v is not None for v in multimodal.values()):
+            pytest.skip("multimodal inputs: tokenloom serves text models")
+        inputs = []
+        for prompt in prompts:
+            if isinstance(prompt, dict):
+                inputs.append(dict(prompt))
+            elif isinstance(prompt, str):
+                inputs.append({"prompt": prompt})
+            else:
+                inputs.append({"prompt_token_ids": list(prompt)})
+        return inputs
+
+    def generate(self, prompts: list[Any], sampling_params: SamplingParams, images: Any = None, videos: Any = None,
+                 audios: Any = None, return_logprobs: bool = False, **kwargs: Any) -> Any:  # fmt: skip
+        inputs = self.get_inputs(prompts, images=images, videos=videos, audios=audios)
+        req_outputs = self.llm.generate(inputs, sampling_params=sampling_params, **kwargs)
+        outputs, logprobs = [], []
+        for req_output in req_outputs:
+            prompt_str, prompt_ids = req_output.prompt, req_output.prompt_token_ids
+            ids, strs, req_logprobs = [], [], []
+            if req_output.prompt_logprobs:
+                req_logprobs.extend(req_output.prompt_logprobs)
+            for sample in req_output.outputs:
+                ids.append(prompt_ids + list(sample.token_ids))
+                strs.append((prompt_str or "") + sample.text)
+                if sample.logprobs:
+                    req_logprobs.extend(sample.logprobs)
+            outputs.append((ids, strs))
+            logprobs.append(req_logprobs)
+        return outputs if not return_logprobs else (outputs, logprobs)
+
+    @staticmethod
+    def _final_steps_generate_w_logprobs(req_outputs: list[Any], include_prompt_token_ids: bool = False) -> list:
+        outputs: list[tuple] = []
+        for req_output in req_outputs:
+            assert len(req_output.outputs) > 0
+            for sample in req_output.outputs:  # vLLM's: the last sample's figures per request
+                output_str, output_ids, output_logprobs = sample.text, list(sample.token_ids), sample.logprobs
+            if include_prompt_token_ids:
+                outputs.append((output_ids, output_str, output_logprobs, req_output.prompt_token_ids,
+                                req_output.prompt_logprobs))
+            else:
+                outputs.append((output_ids, output_str, output_logprobs, req_output.prompt_logprobs))
+        return outputs
+
+    def generate_w_logprobs(self, prompts: list[str], sampling_params: SamplingParams, images: Any = None,
+                            audios: Any = None, videos: Any = None, include_prompt_token_ids: bool = False,
+                            **kwargs: Any) -> list:  # fmt: skip
+        inputs = self.get_inputs(prompts, images=images, videos=videos, audios=audios)
+        req_outputs = self.llm.generate(inputs, sampling_params=sampling_params, **kwargs)
+        outputs = self._final_steps_generate_w_logprobs(req_outputs, include_prompt_token_ids)
+        # Without prompt logprobs asked for, the last element (None) is left off, as vLLM's does.
+        return [x[0:-1] for x in outputs] if sampling_params.prompt_logprobs is None else outputs
+
+    def generate_greedy(self, prompts: list[Any], max_tokens: int, images: Any = None, videos: Any = None,
+                        audios: Any = None, **kwargs: Any) -> list[tuple[list[int], str]]:  # fmt: skip
+        outputs = self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), images=images,
+                                videos=videos, audios=audios, **kwargs)
+        return [(output_ids[0], output_str[0]) for output_ids, output_str in outputs]
+
+    def generate_greedy_logprobs(self, prompts: list[str], max_tokens: int, num_logprobs: int | None,
+                                 num_prompt_logprobs: int | None = None, images: Any = None, audios: Any = None,
+                                 videos: Any = None, stop_token_ids: list[int] | None = None,
+                                 stop: list[str] | None = None, **kwargs: Any) -> list:  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=num_logprobs,
+                                prompt_logprobs=num_prompt_logprobs, stop_token_ids=stop_token_ids, stop=stop)
+        return self.generate_w_logprobs(prompts, params, images=images, audios=audios, videos=videos, **kwargs)
+
+    def generate_beam_search(self, prompts: list[str], beam_width: int, max_tokens: int, images: Any = None,
+                             videos: Any = None, audios: Any = None,
+                             concurrency_limit: int | None = None) -> list[tuple[list[list[int]], list[str]]]:
+        inputs = self.get_inputs(prompts, images=images, videos=videos, audios=audios)
+        outputs = self.llm.beam_search(inputs, BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens),
+                                       concurrency_limit=concurrency_limit)
+        return [([x.tokens for x in o.sequences], [x.text for x in o.sequences]) for o in outputs]
+
+    def get_llm(self) -> LLM:
+        return self.llm
+
+    def __enter__(self) -> VllmRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.llm.shutdown()
+        del self.llm
+
+
+@pytest.fixture(scope="session")
+def vllm_runner() -> type[VllmRunner]:
+    return VllmRunner
+
+
+@pytest.fixture
+def example_prompts() -> list[str]:
+    return PROMPTS_FILE.read_text().splitlines(keepends=True)  # vLLM's readlines(): each keeps its newline
