@@ -56,6 +56,9 @@ _cap_torch_isa()
 _LAZY = {
     "LLM": "tokenloom.engine.llm",
     "LLMEngine": "tokenloom.engine.llm_engine",
+    "AsyncLLM": "tokenloom.engine.async_llm",
+    "EngineArgs": "tokenloom.engine.args",
+    "AsyncEngineArgs": "tokenloom.engine.args",
     "SamplingParams": "tokenloom.sampling_params",
     "StructuredOutputsParams": "tokenloom.sampling_params",
     "BeamSearchParams": "tokenloom.sampling_params",

@@ -7,12 +7,15 @@ help text, choices and defaults come from each field's `knob(...)`: a new knob n
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable, Iterable
+from dataclasses import field, make_dataclass
 from typing import Any
 
-from tokenloom.config import EngineArg, engine_args, engine_config_from_kwargs, parse_bytes
+from tokenloom.config import EngineArg, EngineConfig, engine_args, engine_config_from_kwargs, parse_bytes
 
-__all__ = ["add_engine_args", "engine_config_from_args", "engine_kwargs_from_args", "parse_bytes", "cli_type"]
+__all__ = ["add_engine_args", "engine_config_from_args", "engine_kwargs_from_args", "parse_bytes", "cli_type",
+           "EngineArgs", "AsyncEngineArgs"]
 
 _GROUPS = {"engine": "engine", "scheduler": "scheduler", "cache": "KV cache",
            "parallel": "data parallel (docs/data_parallel.md)"}
@@ -82,3 +85,56 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_config_from_args(args: argparse.Namespace):
     return engine_config_from_kwargs(model=getattr(args, "model", None), **engine_kwargs_from_args(args))
+
+
+# vLLM's EngineArgs / AsyncEngineArgs ----------------------------------------------------------------------
+class _EngineArgsMethods:
+    """What vLLM's EngineArgs does besides holding the arguments: read them from a command line, make the
+    engine's config. The fields are made from the config's knobs (below), so a new knob needs no edit here."""
+
+    model: str | None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The arguments given (None: not given, the config's default applies)."""
+        return {a.name: getattr(self, a.name) for a in engine_args() if getattr(self, a.name) is not None}
+
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig these arguments make (vLLM's create_engine_config); a bad value is a ConfigError
+        naming it."""
+        return engine_config_from_kwargs(model=self.model, **self.engine_kwargs())
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """vLLM's: the engine's flags (and `--model`) on `parser`, which is returned."""
+        parser.add_argument("--model", default=None,
+                            help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
+        add_engine_args(parser, with_model=False)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> Any:
+        """The arguments a parser made by add_cli_args read (unknown attributes of `args` are ignored)."""
+        return cls(model=getattr(args, "model", None), **engine_kwargs_from_args(args))
+
+
+def _engine_args_fields() -> list[tuple[str, Any, Any]]:
+    # Engine knobs default to their value; scheduler and cache knobs to None ("not given", as on the command
+    # line), so that their config's own default applies, which may depend on other knobs.
+    fields_ = [("model", "str | None", field(default=None))]
+    for a in engine_args():
+        default = a.default if a.section == "engine" else None
+        fields_.append((a.name, Any, field(default=copy.deepcopy(default) if isinstance(default, list | dict)
+                                           else default)))
+    return fields_
+
+
+# vLLM's EngineArgs: every engine argument by vLLM's name, e.g. EngineArgs(model=..., max_num_seqs=8); a dataclass,
+# so vLLM's `LLM(**dataclasses.asdict(engine_args))` works as in vLLM's examples.
+EngineArgs = make_dataclass("EngineArgs", _engine_args_fields(), bases=(_EngineArgsMethods,), kw_only=True,
+                            namespace={"__module__": __name__})
+EngineArgs.__doc__ = ("vLLM's EngineArgs: the engine's arguments by vLLM's names (tokenloom/config.py's knobs), "
+                      "given to LLMEngine.from_engine_args / AsyncLLM.from_engine_args or LLM(**asdict(args)).")
+# vLLM's AsyncEngineArgs adds front-end logging switches; tokenloom's front end takes the same arguments.
+AsyncEngineArgs = make_dataclass("AsyncEngineArgs", [], bases=(EngineArgs,), kw_only=True,
+                                 namespace={"__module__": __name__})
+AsyncEngineArgs.__doc__ = "vLLM's AsyncEngineArgs (the same arguments as EngineArgs), for AsyncLLM.from_engine_args."

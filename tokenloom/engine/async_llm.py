@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +86,7 @@ class RequestStream:
     def close(self) -> None:
         """Abort every request of the stream that has not finished (idempotent)."""
         for request_id in list(self.pending):
-            self._engine.abort(request_id)
+            self._engine.abort_request(request_id)
         self.pending.clear()
 
 
@@ -122,6 +123,7 @@ class AsyncLLM:
         self._mirrors: dict[str, Request] = {}  # core request id -> local mirror, while unfinished
         self._num_sent = 0  # core requests sent to the engines
         self._num_received: dict[int, int] = {}  # ... of which each engine had seen, as of its last batch
+        self._attached = False
 
     @classmethod
     def from_client(
@@ -148,6 +150,7 @@ class AsyncLLM:
     def attach(self) -> None:
         """Start receiving engine outputs; call from the running event loop."""
         self.client.attach(self._on_outputs, self._on_engine_failure)
+        self._attached = True
 
     def shutdown(self) -> None:
         self.accepting = False
@@ -270,8 +273,83 @@ class AsyncLLM:
                 f"(limit {limit}); retry later"
             )
 
+    # vLLM's public API: from_engine_args, generate, abort, check_health ------------------------------
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, start_engine_loop: bool = True, usage_context: Any = None,
+                         stat_loggers: list[StatLogger] | None = None, **_: Any) -> AsyncLLM:
+        """vLLM's AsyncLLM.from_engine_args(AsyncEngineArgs(...)): start the engine core in its process (as
+        `tokenloom serve` does: tokenloom/engine/clients.py's make_client) and wait until it is ready.
+        `stat_loggers`: callables given each IterationStats (tokenloom's loggers, not vLLM's classes);
+        `start_engine_loop` and `usage_context` are vLLM's and change nothing here (outputs are received
+        from the first `generate` on, in its event loop)."""
+        from tokenloom.engine.clients import make_client
+
+        config = engine_args.create_engine_config()
+        engine = cls.from_client(make_client(config), config.model)
+        engine.stat_loggers.extend(stat_loggers or [])
+        return engine
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
+                       **_: Any) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
+        """vLLM's AsyncLLM.generate: one request's RequestOutputs as they come (as `sampling_params.output_kind`
+        says: every step's cumulative state, only what is new, or the final one), until it finishes. The
+        prompt is text, token ids or vLLM's prompt dict; a bad request raises here, before any output.
+        Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks. vLLM's
+        other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored."""
+        self._receive_outputs()
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        if sampling_params is None:  # the model's generation_config defaults, as the server's
+            sampling_params = SamplingParams(**dict(getattr(self.info, "sampling_defaults", None) or {}))
+        if sampling_params.structured_outputs is not None:
+            from tokenloom.model.grammar import validate_structured_outputs
+
+            validate_structured_outputs(sampling_params.structured_outputs)
+        text, token_ids = self.input_processor.tokenize(prompt)
+        stream = self.open_stream()
+        self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
+                         lora_request=lora_request)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # finished: nothing pending; left early: the engine drops the request
+            stream.close()
+
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
+        """vLLM's AsyncLLM.abort: stop these requests now (unknown or finished ids are ignored); each one's
+        `generate` ends with a final output, finish_reason "abort", holding what was generated (vLLM's)."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._finish(rid, "abort", None, deliver=True)
+
+    async def check_health(self) -> None:
+        """vLLM's: raises EngineDeadError once the engine core is gone."""
+        if (reason := self.dead_reason) is not None:
+            raise EngineDeadError(reason)
+
+    async def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_reason is None and self.accepting
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError(self.dead_reason or "the engine core is gone")
+
+    def _receive_outputs(self) -> None:
+        """Attach to the running event loop once (the server attaches at start-up; vLLM-style callers
+        reach here first through generate)."""
+        if not self._attached:
+            self.attach()
+
     # Requests out ---------------------------------------------------------------------------------
-    def abort(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> None:
         """The client is gone: free its blocks in the engine now; nobody reads the final output."""
         self._finish(request_id, "abort", None, deliver=False)
 

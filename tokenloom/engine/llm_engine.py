@@ -84,6 +84,16 @@ class LLMEngine:
     def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         return cls(engine_config_from_kwargs(model=model, **kwargs))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool = False) -> LLMEngine:
+        """vLLM's LLMEngine.from_engine_args(EngineArgs(...)) (tokenloom/engine/args.py). vLLM's other arguments
+        change nothing here: the engine core runs in this process unless the config needs processes."""
+        if stat_loggers:
+            raise ValueError("stat_loggers: vLLM's stat logger classes do not apply to tokenloom's LLMEngine "
+                             "(its RequestOutputs carry each request's metrics)")
+        return cls(engine_args.create_engine_config())
+
     # The in-process engine core ---------------------------------------------------------------------
     def core_host(self, what: str = "this") -> EngineCoreHost:
         """The EngineCoreHost the InprocClient owns; RuntimeError naming `what` when the engine core runs in

@@ -104,6 +104,9 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
 
+    def has_unfinished_requests(self) -> bool:  # vLLM's OutputProcessor name
+        return bool(self._parents)
+
     def core_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return [c.core_request.request_id for c in parent.completions] if parent else []

@@ -1,0 +1,115 @@
+"""vLLM's public engine API beyond `LLM`: EngineArgs / AsyncEngineArgs, LLMEngine.from_engine_args and
+AsyncLLM.from_engine_args with `async for out in engine.generate(prompt, params, request_id)`, `abort`,
+`check_health` — what code written against `vllm.AsyncLLM` (a custom asyncio server) calls. Tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+import pytest
+
+from tests.tiny_models import make_tiny_hf_model
+from tokenloom import LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, SamplingParams
+from tokenloom.config import ConfigError
+from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.exceptions import VLLMValidationError
+from tokenloom.sampling_params import RequestOutputKind
+
+
+@pytest.fixture(scope="module")
+def tiny_args(tmp_path_factory) -> dict:
+    model = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
+    return {"model": str(model), "dtype": "float32", "num_blocks": 128, "block_size": 4, "max_model_len": 64}
+
+
+def test_engine_args_are_vllms(tiny_args) -> None:
+    args = EngineArgs(**tiny_args, max_num_seqs=3, enforce_eager=True)
+    config = args.create_engine_config()
+    assert config.scheduler.max_num_seqs == 3 and config.cache.block_size == 4 and config.model == tiny_args["model"]
+    assert issubclass(AsyncEngineArgs, EngineArgs)
+    with pytest.raises(TypeError, match="bogus"):
+        EngineArgs(bogus=1)
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        EngineArgs(max_num_seqs=0).create_engine_config()
+    # vLLM's command-line round trip, and its examples' LLM(**asdict(engine_args)).
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parsed = EngineArgs.from_cli_args(parser.parse_args(["--model", "m.gguf", "--max-num-seqs", "4"]))
+    assert parsed.model == "m.gguf" and parsed.max_num_seqs == 4 and parsed.block_size is None
+    llm = LLM(**dataclasses.asdict(args))
+    try:
+        assert llm.llm_engine.scheduler_config.max_num_seqs == 3
+    finally:
+        llm.shutdown()
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+        assert len(outs[0].outputs[0].token_ids) == 3
+    finally:
+        engine.close()
+
+
+async def _collect(engine: AsyncLLM, request_id: str, params: SamplingParams, prompt="Hello, my name is") -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**tiny_args))
+        try:
+            # Concurrent requests, each output kind: DELTA pieces add up, FINAL_ONLY is one output.
+            kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY]
+            runs = await asyncio.gather(*[
+                _collect(engine, f"r{i}", SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.5, seed=33,
+                                                          output_kind=kinds[i % 3], n=1 + i % 2))
+                for i in range(9)])  # fmt: skip
+            for i, outs in enumerate(runs):
+                assert outs[-1].finished and len(outs[-1].outputs) == 1 + i % 2
+                kind = kinds[i % 3]
+                if kind is RequestOutputKind.FINAL_ONLY:
+                    assert len(outs) == 1 and all(len(c.token_ids) == 6 for c in outs[0].outputs)
+                elif kind is RequestOutputKind.DELTA:
+                    for idx in range(1 + i % 2):
+                        assert sum(len(c.token_ids) for o in outs for c in o.outputs if c.index == idx) == 6
+                else:
+                    assert all(len(c.token_ids) == 6 for c in outs[-1].outputs)
+            assert not engine.output_processor.has_unfinished_requests()
+
+            # abort(): the request's generate ends with a final output, finish_reason "abort" (vLLM's).
+            long = SamplingParams(max_tokens=50, ignore_eos=True)
+            outs = []
+            async for out in engine.generate("Hello", long, "long"):
+                outs.append(out)
+                if len(outs) == 1:
+                    await engine.abort("long")
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+            assert 0 < len(outs[-1].outputs[0].token_ids) < 50
+            # Cancelling the consumer aborts the request in the engine (its KV blocks are freed).
+            started = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in engine.generate("Hello", long, "gone"):
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not engine.output_processor.has_unfinished_requests() and engine.num_unfinished == 0
+            # A bad request raises before any output, as vLLM's; the engine keeps serving.
+            with pytest.raises(VLLMValidationError, match="decoder prompt cannot be empty"):
+                await _collect(engine, "bad", long, prompt="")
+            outs = await _collect(engine, "after", SamplingParams(max_tokens=2, ignore_eos=True), prompt=[5, 6])
+            assert len(outs[-1].outputs[0].token_ids) == 2
+            await engine.check_health()
+            assert engine.is_running and not engine.errored
+        finally:
+            engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+
+    asyncio.run(run())
