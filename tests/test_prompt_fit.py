@@ -75,7 +75,7 @@ def test_the_scheduler_and_the_front_ends_refuse_with_one_rules_words(tmp_path) 
                         kv_cache_group_windows=[g.sliding_window for g in kv.kv_cache_groups],
                         max_in_flight_tokens=kv.max_in_flight_tokens or 0)
     front = InputProcessor(None, ready)  # type: ignore[arg-type]
-    cases = [([], 8, "the prompt is empty"), ([5] * max_len, 8, "leaves no room to generate"),
+    cases = [([], 8, "The decoder prompt cannot be empty"), ([5] * max_len, 8, "leaves no room to generate"),
              ([5] * 20, 22, "21 KV-cache blocks are needed (11 in the full-attention group")]
     for i, (ids, max_tokens, words) in enumerate(cases):
         params = SamplingParams(max_tokens=max_tokens)

@@ -166,7 +166,7 @@ def _reject_reason(prompt_len: int, max_tokens: int, cfg: dict[str, Any]) -> str
     request forever). Applying tokenloom's rules here keeps the compared request sets identical.
     """
     if prompt_len == 0:
-        return "the prompt is empty"
+        return "The decoder prompt cannot be empty"
     if prompt_len >= cfg["max_model_len"]:
         return "prompt leaves no room to generate within max_model_len"
     final_len = min(prompt_len + max_tokens, cfg["max_model_len"])

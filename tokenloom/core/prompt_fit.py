@@ -88,6 +88,10 @@ def prompt_fit(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
                      tuple(g.sliding_window for g in groups), block_size)
 
 
+# vLLM's input processor's words for an empty prompt (vLLM's tests match "decoder prompt cannot be empty").
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+
+
 @dataclass(frozen=True)
 class PromptRefusal:
     """Why a request can never run: the message (vLLM's wording) and the request field to blame."""
@@ -104,7 +108,7 @@ def prompt_refusal(fit: PromptFit, *, pooling: bool = False, max_tokens: int | N
     max_model_len, as vLLM's LLM)."""
     n_prompt, max_len = fit.num_prompt_tokens, fit.max_model_len
     if fit.empty:
-        return PromptRefusal("the prompt is empty", "prompt")
+        return PromptRefusal(EMPTY_PROMPT, "prompt")
     if pooling:
         if n_prompt > max_len:
             return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request "

@@ -40,9 +40,6 @@ class InvalidRequestError(RequestRejected):
         self.param = param
 
 
-# What vLLM's input processor says of an empty prompt (vLLM's tests match "decoder prompt cannot be empty").
-EMPTY_PROMPT = "The decoder prompt cannot be empty"
-
 # The keys of vLLM's prompt dicts for inputs other than text and token ids (tokenloom/inputs.py).
 _OTHER_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "cache_salt")
 
@@ -132,8 +129,6 @@ class InputProcessor:
                 params.check_vocab(info.vocab_size)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), str(exc).split(" ", 1)[0]) from None
-        if fit.empty:  # vLLM's input processor's words (the scheduler's own refusal says "the prompt is empty")
-            raise InvalidRequestError(EMPTY_PROMPT, "prompt")
         refusal = prompt_refusal(fit, max_tokens=params.max_tokens, max_tokens_in_context=max_tokens_in_context)
         if refusal is not None:
             raise InvalidRequestError(refusal.message, refusal.param)

@@ -12,8 +12,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import engine_config_from_kwargs
+from tokenloom.core.prompt_fit import EMPTY_PROMPT
 from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
-from tokenloom.engine.input_processor import EMPTY_PROMPT, PromptType
+from tokenloom.engine.input_processor import PromptType
 from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.outputs import (

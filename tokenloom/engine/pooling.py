@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenloom.config import ConfigError, EngineConfig
+from tokenloom.core.prompt_fit import EMPTY_PROMPT
+from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 
 
@@ -135,7 +137,7 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, ma
                              "Please request a smaller truncation size.")
         token_ids = token_ids[-k:] if k else []
     if not token_ids:
-        raise ValueError("the prompt is empty")
+        raise ValidationError(EMPTY_PROMPT, parameter="prompt")
     if len(token_ids) > max_model_len:
         raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                          f"{len(token_ids)} tokens in the input for embedding generation. Please reduce the length "
