@@ -815,6 +815,13 @@ class EngineConfig:
     # so that code written for vLLM runs as it is.
     enforce_eager: bool = knob(False, "vLLM's; tokenloom always runs eagerly (no CUDA graphs), so either value "
                                "runs the same", simulated=False)
+    # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set. The figures
+    # behind /metrics and RequestOutput.metrics are kept either way (they cost next to nothing), so the
+    # offline LLM, for which vLLM defaults it to True, runs the same with either value.
+    disable_log_stats: bool = knob(
+        False, "no periodic 'Avg prompt throughput ...' stats line in the server's log (vLLM's; the interval is "
+        "$TOKENLOOM_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, default 10 s); /metrics is kept",
+        simulated=False)
     # None: the model's context length, capped at 8,192 and by what the KV cache can hold.
     max_model_len: int | None = knob(
         None, "longest prompt + output (default: the model's context, at most 8,192 and what the KV pool holds)")

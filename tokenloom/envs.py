@@ -103,6 +103,19 @@ def _vllm_python() -> str:
             or str(_anchors_dir() / "vllm-venv" / "bin" / "python"))
 
 
+def _log_stats_interval_s() -> float:
+    for name in ("TOKENLOOM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL"):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"${name} must be a number of seconds, got {raw!r}") from None
+            # vLLM's rule: a value of 0 or less means its default (a zero-period loop would spin).
+            return value if value > 0 else 10.0
+    return 10.0
+
+
 def _keep_alive_s() -> float:
     for name in ("TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
         raw = os.environ.get(name)
@@ -184,6 +197,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH": lambda: os.environ.get("TOKENLOOM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") == "1",
     # Seconds an idle HTTP keep-alive connection stays open (also vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
     "TOKENLOOM_HTTP_TIMEOUT_KEEP_ALIVE": _keep_alive_s,
+    # Seconds between the server's stats lines ("Engine 000: Avg prompt throughput ..."; off with
+    # --disable-log-stats); also vLLM's VLLM_LOG_STATS_INTERVAL. 0 or less: the default, 10 (vLLM's).
+    "TOKENLOOM_LOG_STATS_INTERVAL": _log_stats_interval_s,
     # /v1/responses with store: the most responses kept in memory for previous_response_id and GET
     # (least recently used go first; 0 stores none). vLLM keeps them in memory too, without a bound.
     "TOKENLOOM_RESPONSES_STORE_SIZE": lambda: _int(

@@ -7,8 +7,8 @@ LLMEngine), core.py (EngineCore.step), core_client.py (the client protocols; MPC
 dp_client.py + core_proc.py + core_messages.py + request_mirrors.py (the engine-core processes), clients.py
 (make_client: which client a front end gets), async_llm.py (AsyncLLM for the server),
 input_processor.py (tokenize and check a prompt, for every front end), output_processor.py, outputs.py,
-trace.py (the step trace), iteration_stats.py, args.py (CLI flags derived from tokenloom/config.py),
-cli.py (`tokenloom generate | chat`).
+trace.py (the step trace), iteration_stats.py, stat_logging.py (the server's periodic stats line), args.py
+(CLI flags derived from tokenloom/config.py), cli.py (`tokenloom generate | chat`).
 
 May import: tokenloom.config, tokenloom.sampling_params, tokenloom.core, tokenloom.model. Never
 server, workload, bench, sim or explore.

@@ -36,6 +36,9 @@ class IterationStats:
     step: StepInfo | None = None
     ipc_latency: float | None = None  # batch built in the engine → received here
     num_prompt_tokens: int = 0  # prompts of the requests that got their first token
+    # ... less the tokens they found in the prefix cache or loaded through a KV connector: the prompt tokens
+    # actually computed (vLLM's prompt_token_stats.computed, what its logged prompt throughput counts).
+    num_computed_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)

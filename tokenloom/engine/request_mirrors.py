@@ -33,6 +33,7 @@ def update_mirrors(batch: EngineCoreOutputs, mirrors: dict[str, Request], stats:
                 mirror.first_token_time = ts
                 stats.time_to_first_tokens.append(ts - mirror.arrival_time)
                 stats.num_prompt_tokens += mirror.num_prompt_tokens
+                stats.num_computed_prompt_tokens += _computed_prompt_tokens(mirror)
             else:
                 stats.inter_token_latencies.append(ts - (mirror.last_token_time or ts))
             mirror.last_token_time = ts
@@ -43,3 +44,10 @@ def update_mirrors(batch: EngineCoreOutputs, mirrors: dict[str, Request], stats:
             mirror.num_preemptions = batch.num_preemptions.get(out.request_id, 0)
             if mirror.pooling_params is not None and out.finish_reason == "stop":
                 stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
+                stats.num_computed_prompt_tokens += _computed_prompt_tokens(mirror)
+
+
+def _computed_prompt_tokens(mirror: Request) -> int:
+    """The prompt tokens the engine computed: the prompt less what its first scheduling found cached
+    (prefix cache or KV connector; -1 until then, when nothing was found)."""
+    return max(0, mirror.num_prompt_tokens - max(mirror.num_cached_tokens, 0))

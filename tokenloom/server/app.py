@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -25,6 +27,7 @@ from tokenloom.engine.async_llm import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
 from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
@@ -47,15 +50,23 @@ LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/com
                         "/invocations"})
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
-    state = ServerState(engine, config)
+def build_app(engine: AsyncLLM, config: ServerConfig, log_stats_interval_s: float | None = None) -> FastAPI:
+    """`log_stats_interval_s`: log vLLM's stats line this often (None: never, --disable-log-stats)."""
+    state = ServerState(engine, config, log_stats=log_stats_interval_s is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.attach()
+        stats_task = None
+        if state.stat_logger is not None and log_stats_interval_s is not None:
+            stats_task = asyncio.create_task(_log_stats_forever(state.stat_logger, log_stats_interval_s))
         try:
             yield
         finally:  # uvicorn gets here after in-flight requests finished (or were cut)
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
             engine.shutdown()
             state.close()
 
@@ -76,6 +87,17 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     if config.root_path:
         app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app
+
+
+async def _log_stats_forever(stat_logger: PerEngineStatLogger, interval_s: float) -> None:
+    """vLLM's api_server loop: the stats line every `interval_s`. A failure is logged and the loop goes on:
+    the log is for people, and must never take serving down."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stat_logger.log()
+        except Exception:
+            logger.exception("the periodic stats log failed")
 
 
 def _add_routes(app: FastAPI) -> None:

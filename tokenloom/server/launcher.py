@@ -52,6 +52,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
     before the model loads."""
     t_launch = time.perf_counter()
     keep_alive_s = http_keep_alive_s()  # a bad value fails here, before the model loads
+    # vLLM's periodic stats line, on unless --disable-log-stats (a bad interval also fails here).
+    log_stats_interval_s = None if engine_config.disable_log_stats else envs.TOKENLOOM_LOG_STATS_INTERVAL
     if sock is None:
         sock = bind_socket(config.host, config.port)
     log_level = "DEBUG" if config.uvicorn_log_level == "trace" else config.uvicorn_log_level.upper()
@@ -80,7 +82,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         if config.enable_auto_tool_choice and config.tool_call_parser:
             # vLLM's start-up check: a parser whose format needs a token the vocabulary lacks stops here.
             check_tokenizer(config.tool_call_parser, engine.tokenizer, engine.info.model_name)
-        app = build_app(engine, config)
+        app = build_app(engine, config, log_stats_interval_s)
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
             access_log=config.access_log, lifespan="on",

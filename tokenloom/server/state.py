@@ -12,6 +12,7 @@ from fastapi import Request
 
 from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
@@ -23,7 +24,9 @@ T = TypeVar("T")
 
 
 class ServerState:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, log_stats: bool = False) -> None:
+        """`log_stats`: keep the figures for the periodic stats line (`stat_logger`; the app's lifespan
+        calls its log()); off with --disable-log-stats."""
         self.engine = engine
         self.config = config
         self.model_names = list(config.served_model_names or [engine.info.model_name])
@@ -43,6 +46,10 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks, config.metrics_prefix,
                                      engine.info, engine.data_parallel_size)
         engine.stat_loggers.append(self.metrics.record)
+        self.stat_logger: PerEngineStatLogger | None = None
+        if log_stats:
+            self.stat_logger = PerEngineStatLogger(engine.data_parallel_size, engine.info.device)
+            engine.stat_loggers.append(self.stat_logger.record)
 
     def model_name(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
