@@ -775,6 +775,57 @@ def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None)
         )
 
 
+# ------------------------------------------------------------------------------ structured outputs
+# vLLM 0.32's StructuredOutputsConfig (vllm/config/structured_outputs.py): the engine-wide structured-output
+# options, LLM(structured_outputs_config={...}) or --structured-outputs-config JSON. tokenloom has one backend,
+# xgrammar ("auto" picks it); vLLM's others and its reasoning parsers are refused by name, so a config written
+# for vLLM fails at start-up instead of running something else.
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+_VLLM_ONLY_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """backend: auto or xgrammar (the same here); disable_any_whitespace: compact JSON for every JSON request
+    (a request's own StructuredOutputsParams.disable_any_whitespace also turns it on); the others are vLLM's
+    fields, accepted only at their defaults (they configure machinery tokenloom does not have)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    reasoning_parser_plugin: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend in _VLLM_ONLY_BACKENDS:
+            raise ConfigError(
+                f"structured_outputs_config.backend: {self.backend!r} is a vLLM backend tokenloom does not have; "
+                "tokenloom's structured outputs run on xgrammar ('xgrammar' or 'auto')"
+            )
+        _check_choice("structured_outputs_config.backend", self.backend, Literal["auto", "xgrammar"])
+        for name in ("disable_any_whitespace", "disable_additional_properties", "enable_in_reasoning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"structured_outputs_config.{name} must be true or false, got "
+                                  f"{getattr(self, name)!r}")
+        # vLLM's own checks, in its words (its model validator).
+        if self.disable_any_whitespace and self.backend not in ("xgrammar", "guidance"):
+            raise ConfigError("disable_any_whitespace is only supported for xgrammar and guidance backends.")
+        if self.disable_additional_properties:
+            raise ConfigError("disable_additional_properties is only supported for the guidance backend.")
+        if self.reasoning_parser or self.reasoning_parser_plugin or self.enable_in_reasoning:
+            raise ConfigError(
+                "structured_outputs_config: reasoning parsers (reasoning_parser, reasoning_parser_plugin, "
+                "enable_in_reasoning) are vLLM's; tokenloom has none"
+            )
+
+    @classmethod
+    def from_any(cls, value: StructuredOutputsConfig | dict[str, Any] | str | None) -> StructuredOutputsConfig:
+        """A config from an instance, a dict, its JSON text, or None (the defaults)."""
+        return _config_from_any(cls, value, "structured_outputs_config") or cls()
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRAConfig: the adapters' limits, made from EngineConfig's LoRA knobs when enable_lora is set.
@@ -839,6 +890,13 @@ class EngineConfig:
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4}\' or \'{"method": "suffix"}\' (docs/speculative.md)', flags=("-sc",))
 
+    # vLLM's --structured-outputs-config, given as a StructuredOutputsConfig, a dict or its JSON text;
+    # __post_init__ makes it a StructuredOutputsConfig (the defaults when None).
+    structured_outputs_config: StructuredOutputsConfig | None = knob(
+        None, 'engine-wide structured-output options (vLLM\'s), e.g. \'{"backend": "xgrammar", '
+        '"disable_any_whitespace": true}\' (backend: auto or xgrammar; docs/structured_outputs.md)',
+        simulated=False)
+
     # vLLM's --runner / --convert: one runner type per engine, detected from the checkpoint (auto: a
     # BERT-style encoder or a *ForSequenceClassification is a pooling model; a causal LM generates).
     runner: RunnerType = knob("auto", "generate or pooling (embeddings, classification, scoring); auto: from "
@@ -874,6 +932,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
+        self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

@@ -44,6 +44,11 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
     # JSON without optional whitespace (vLLM's option; the default allows any, as JSON does).
     disable_any_whitespace: bool = False
+    # vLLM's options for its guidance / outlines backends, taken so that vLLM's calls construct: xgrammar's
+    # JSON is always what disable_additional_properties asks for (no property the schema does not name), so
+    # either value runs the same; whitespace_pattern is refused when the request is added (xgrammar has none).
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from tokenloom.exceptions import ValidationError
 from tokenloom.sampling_params import StructuredOutputsParams
 
 # JSON Schema string formats xgrammar generates (vLLM's list); others are refused up front.
@@ -53,9 +54,13 @@ class XgrammarMatcher:
 
 
 class XgrammarBackend:
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, max_threads: int | None = None,
+                 disable_any_whitespace: bool = False) -> None:
         # vocab_size is the model's (its logits' width), which may pad past the tokenizer's.
         self.vocab_size = vocab_size
+        # The engine's structured_outputs_config.disable_any_whitespace (vLLM's XgrammarBackend reads it from
+        # there): compact JSON for every request; a request's own flag turns it on for that request alone.
+        self.disable_any_whitespace = disable_any_whitespace
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
         if max_threads is None:
             # vLLM gives xgrammar 8 threads. On a small CPU that many compile threads take the cores
@@ -70,7 +75,7 @@ class XgrammarBackend:
             # The key's spec carries the whitespace choice as a prefix (see grammar_key).
             any_ws, _, schema = spec.partition("|")
             schema = schema if kind == "json" else '{"type": "object"}'
-            compact = any_ws == "compact"
+            compact = any_ws == "compact" or self.disable_any_whitespace
             return self.compiler.compile_json_schema(
                 schema, any_whitespace=not compact, separators=(",", ":") if compact else None
             )
@@ -79,8 +84,14 @@ class XgrammarBackend:
         if kind == "choice":
             return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
         if kind == "grammar":
+            # vLLM's rule: a grammar with no `::=` rule is Lark (xgrammar converts it), else EBNF (GBNF).
+            if grammar_is_likely_lark(spec):
+                return self.compiler.compile_lark(spec)
             return self.compiler.compile_grammar(spec)
         if kind == "structural_tag":
+            legacy = _legacy_structural_tag(spec)
+            if legacy is not None:
+                return self.compiler.compile_structural_tag(*legacy)
             return self.compiler.compile_structural_tag(spec)
         raise ValueError(f"unknown structured output kind {kind!r}")
 
@@ -98,14 +109,20 @@ class XgrammarBackend:
         bitmask[dst].copy_(bitmask[src])
 
 
-def make_xgrammar_backend(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
+def make_xgrammar_backend(tokenizer: Any, vocab_size: int, disable_any_whitespace: bool = False) -> XgrammarBackend:
     """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`)."""
-    return XgrammarBackend(getattr(tokenizer, "hf", tokenizer), vocab_size)
+    return XgrammarBackend(getattr(tokenizer, "hf", tokenizer), vocab_size,
+                           disable_any_whitespace=disable_any_whitespace)
 
 
 # Validation (API side, no tokenizer) -------------------------------------------------------------
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise ValueError saying what is wrong with the constraint; cheap (no vocabulary pass)."""
+    """Raise ValidationError (a ValueError; vLLM's VLLMValidationError) saying what is wrong with the
+    constraint; cheap (no vocabulary pass). The first words are vLLM's where vLLM's tests match on them."""
+    if params.whitespace_pattern is not None:
+        # vLLM's field for its outlines/guidance backends; xgrammar has no whitespace regex to give it to.
+        raise ValidationError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                              "(use disable_any_whitespace for compact JSON)", parameter="structured_outputs")
     _validate_key(*params.key)
 
 
@@ -120,29 +137,60 @@ def _validate_key(kind: str, spec: str) -> None:
         try:
             xgr.Grammar.from_json_schema(json.dumps(schema))
         except Exception as exc:
-            raise ValueError(f"the JSON schema cannot be turned into a grammar: {_short(exc)}") from None
+            raise ValidationError(f"the JSON schema cannot be turned into a grammar: {_short(exc)}") from None
     elif kind == "regex":
         try:
             xgr.Grammar.from_regex(spec)
         except Exception as exc:
-            raise ValueError(f"the regex does not compile: {_short(exc)}") from None
+            raise ValidationError(f"the regex does not compile: {_short(exc)}") from None
     elif kind == "grammar":
-        if _looks_like_lark(spec):
-            raise ValueError("Lark grammars are not supported; give the grammar in EBNF (GBNF) with a root rule")
+        lark = grammar_is_likely_lark(spec)
         try:
-            grammar = xgr.Grammar.from_ebnf(spec)
+            grammar = xgr.Grammar.from_lark(spec) if lark else xgr.Grammar.from_ebnf(spec)
         except Exception as exc:
-            raise ValueError(f"the grammar does not parse as EBNF: {_short(exc)}") from None
+            syntax = "Lark (it has no '::=' rule)" if lark else "EBNF"
+            raise ValidationError(f"{INVALID_GRAMMAR} (the grammar does not parse as {syntax}: {_short(exc)})"
+                                  ) from None
         if _matches_nothing(grammar):
             # Compiled against the model's vocabulary it would allow no first token either: the request's
             # first sample would be refused by its own grammar (a 500 after the queue, not a 400 here).
-            raise ValueError("the grammar matches no text: its root rule never reaches a terminal (a rule that "
-                             "only refers to itself?)")
+            raise ValidationError("the grammar matches no text: its root rule never reaches a terminal (a rule "
+                                  "that only refers to itself?)")
     elif kind == "structural_tag":
         try:
-            xgr.Grammar.from_structural_tag(spec)
+            legacy = _legacy_structural_tag(spec)
+            if legacy is not None:
+                xgr.Grammar.from_structural_tag(*legacy)
+            else:
+                xgr.Grammar.from_structural_tag(spec)
         except Exception as exc:
-            raise ValueError(f"invalid structural_tag: {_short(exc)}") from None
+            raise ValidationError(f"{INVALID_STRUCTURAL_TAG} (invalid structural_tag: {_short(exc)})") from None
+
+
+# vLLM's sentences (validate_xgrammar_grammar), which its tests match on; tokenloom's reason follows them.
+INVALID_GRAMMAR = "Invalid grammar specification."
+INVALID_STRUCTURAL_TAG = "Invalid structural tag specification."
+UNSUPPORTED_JSON = "The provided JSON schema contains features not supported by xgrammar."
+
+
+def grammar_is_likely_lark(text: str) -> bool:
+    """vLLM's test (v1/structured_output/utils.py): Lark unless some line, comments (# or //) removed, has a
+    `::=` rule definition. So text that is neither ("not a grammar") is read as Lark and refused as such."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in text.split("\n"))
+
+
+def _legacy_structural_tag(spec: str) -> tuple[list[Any], list[str]] | None:
+    """vLLM's older structural tag form, {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, as
+    xgrammar's (tags, triggers) arguments; None for the current form ({"type": "structural_tag", "format"})."""
+    try:
+        tag = json.loads(spec)
+    except ValueError:
+        return None  # xgrammar says what is wrong with it
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return None
+    tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in tag["structures"]]
+    return tags, tag["triggers"]
 
 
 @functools.cache
@@ -165,22 +213,22 @@ def _parse_schema(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        raise ValidationError(f"the JSON schema is not valid JSON: {exc}") from None
 
 
 def _check_json_schema(schema: Any) -> None:
     import jsonschema
 
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"the JSON schema must be an object, not {type(schema).__name__}")
+        raise ValidationError(f"the JSON schema must be an object, not {type(schema).__name__}")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise ValueError(f"invalid JSON schema at {where}: {exc.message}") from None
+        raise ValidationError(f"invalid JSON schema at {where}: {exc.message}") from None
     feature = unsupported_json_feature(schema)
     if feature:
-        raise ValueError(f"unsupported JSON schema feature: {feature}")
+        raise ValidationError(f"{UNSUPPORTED_JSON} (unsupported JSON schema feature: {feature})")
 
 
 def unsupported_json_feature(schema: Any, path: str = "") -> str | None:
@@ -214,10 +262,6 @@ def unsupported_json_feature(schema: Any, path: str = "") -> str | None:
                 and (found := unsupported_json_feature(value, f"{path}/{key}"))):
             return found
     return None
-
-
-def _looks_like_lark(text: str) -> bool:
-    return "::=" not in text and any(line.strip().startswith(("start:", "?start:")) for line in text.splitlines())
 
 
 def _short(exc: Exception) -> str:
