@@ -141,6 +141,9 @@ class SamplingParams:
     # vLLM's field; as in vLLM V1, a best_of other than n is refused when the request is added (the engine's
     # input processor, with the server's words), not when the params are made.
     best_of: int | None = field(default=None, repr=False)
+    # vLLM's: hand logprobs and prompt_logprobs back as a tokenloom.logprobs.FlatLogprobs (a few flat lists
+    # read as the list of dicts is) instead of one dict per position, for less garbage-collector work.
+    flat_logprobs: bool = False
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:

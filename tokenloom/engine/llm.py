@@ -49,8 +49,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
         (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray): the LLMEngine
-        then steps them through its SyncMPClient, otherwise its engine core runs in this process."""
-        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs))
+        then steps them through its SyncMPClient, otherwise its engine core runs in this process.
+        `max_logprobs` (vLLM's, default 20): the most logprobs / prompt_logprobs a request may ask for."""
+        max_logprobs = kwargs.pop("max_logprobs", 20)
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs), max_logprobs=max_logprobs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -161,7 +163,8 @@ class LLM:
             return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
 
         return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
-                                   eos, concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
+                                   eos, max_logprobs=self.llm_engine.max_logprobs,
+                                   concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
 
     # Pooling models (vLLM's LLM.encode / embed / classify / score) ---------------------------------
     def encode(
