@@ -151,6 +151,26 @@ class VllmRunner:
         del self.llm
 
 
+class AutoTokenizer:
+    """transformers' AutoTokenizer as the vendored tests call it, for the served model whatever name they give
+    (theirs are on the Hub): the same tokenizer the engine runs, loaded by transformers so that its keyword
+    arguments (add_prefix_space, ...) apply as they would to the named model's."""
+
+    @staticmethod
+    def from_pretrained(model_name: str, **kwargs: Any) -> Any:
+        del model_name  # the served model's own, as for vllm_runner
+        from transformers import AutoTokenizer as _AutoTokenizer
+
+        from tokenloom.model.paths import default_cache_dir, resolve_model_path
+        from tokenloom.model.tokenizer import _gguf_cache_entry, load_tokenizer
+
+        path = resolve_model_path(os.environ.get("TOKENLOOM_PEER_MODEL") or None)
+        if path.is_file():  # a GGUF: its tokenizer as tokenloom converted and cached it (done here if not yet)
+            load_tokenizer(path)
+            path = _gguf_cache_entry(path, default_cache_dir())
+        return _AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def vllm_runner() -> type[VllmRunner]:
     return VllmRunner
