@@ -258,3 +258,16 @@ def test_max_logprobs_is_an_engine_argument_and_flat_logprobs_read_as_the_lists(
     assert flat.prompt_logprobs[0] == {} and lists.prompt_logprobs[0] is None  # vLLM's: None reads back as {}
     assert list(flat.prompt_logprobs[1:]) == lists.prompt_logprobs[1:]
     assert len(flat.outputs[0].logprobs[1:3]) == 2 and flat.outputs[0].logprobs[1:3][0] == lists.outputs[0].logprobs[1]
+
+
+def test_chat_takes_priority_as_generate_does(tiny) -> None:
+    """vLLM's LLM.chat(priority=...) (tests/entrypoints/llm/test_chat.py::test_chat_priority): one value for every
+    conversation or one each, a list of the wrong length refused by name; it was an unknown keyword here."""
+    from tokenloom.exceptions import VLLMValidationError
+
+    chat = [{"role": "user", "content": "Hello"}]
+    assert len(tiny.chat(chat, GREEDY, use_tqdm=False, priority=1)) == 1
+    assert len(tiny.chat([chat, chat], GREEDY, use_tqdm=False, priority=[0, 1])) == 2
+    with pytest.raises(VLLMValidationError, match="priority"):
+        tiny.chat([chat, chat], GREEDY, use_tqdm=False, priority=[0])
+    assert tiny.llm_engine.get_num_unfinished_requests() == 0

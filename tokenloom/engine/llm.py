@@ -99,6 +99,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -110,7 +111,8 @@ class LLM:
         (or `chat_template`), `tools` and `chat_template_kwargs` passed to it; `continue_final_message` goes on
         from the last (assistant) message instead of opening a new turn. Content given as a list of parts
         is joined text (vLLM's "string" content format, which "auto" picks for a text model's template);
-        "openai" hands the parts to the template as they are. `lora_request` as generate's."""
+        "openai" hands the parts to the template as they are. `lora_request` and `priority` (one for every
+        conversation, or one each) as generate's."""
         if add_generation_prompt and continue_final_message:  # vLLM's message
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if chat_template_content_format not in ("auto", "string", "openai"):
@@ -124,7 +126,7 @@ class LLM:
             tok, i, conv, add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs)}
             for i, conv in enumerate(convs)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: drop the cached prefix blocks (LLMEngine.reset_prefix_cache)."""
