@@ -271,3 +271,19 @@ def test_chat_takes_priority_as_generate_does(tiny) -> None:
     with pytest.raises(VLLMValidationError, match="priority"):
         tiny.chat([chat, chat], GREEDY, use_tqdm=False, priority=[0])
     assert tiny.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_a_prompt_filling_the_context_is_refused_in_vllms_offline_words(tiny) -> None:
+    """vLLM's input processor, which its tests/v1/e2e/general/test_context_length.py matches: a prompt exactly
+    max_model_len long leaves no room for the one output token. One token shorter runs."""
+    from tokenloom.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as exc:
+        tiny.generate({"prompt_token_ids": [43] * 64}, GREEDY, use_tqdm=False)
+    assert ("The decoder prompt (length 64) plus the number of requested output tokens (at least 1) is longer than "
+            "the maximum model length of 64. Make sure that `max_model_len` is no smaller than the number of text "
+            "tokens (prompt + requested output tokens).") in str(exc.value)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    assert len(tiny.generate({"prompt_token_ids": [43] * 63}, one, use_tqdm=False)[0].outputs[0].token_ids) == 1
+    with pytest.raises(VLLMValidationError, match="maximum context length is 64"):  # longer: vLLM's renderer's
+        tiny.generate({"prompt_token_ids": [43] * 65}, GREEDY, use_tqdm=False)
