@@ -171,6 +171,51 @@ class AutoTokenizer:
         return _AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
 
 
+class HfRunner:
+    """vLLM's tests/conftest.py HfRunner, the part its sampler tests call (generate, generate_beam_search), over
+    transformers' own GGUF loader of the served model (tests/conftest.py's `transformers_default_model`, float32,
+    loaded once per run): the HF reference for the default model, which is a GGUF, whatever name a test gives."""
+
+    model: Any = None  # set by the hf_runner fixture
+
+    def __init__(self, model_name: str, dtype: str = "auto", **kwargs: Any) -> None:
+        del model_name, dtype, kwargs  # the served model, as transformers loads the GGUF (float32)
+        self.tokenizer = AutoTokenizer.from_pretrained("")
+
+    def generate(self, prompts: list[str], **kwargs: Any) -> list[tuple[list[list[int]], list[str]]]:
+        import torch
+
+        outputs = []
+        for prompt in prompts:
+            inputs = self.tokenizer(prompt, return_tensors="pt")
+            with torch.inference_mode():
+                output_ids = self.model.generate(**inputs, use_cache=True, **kwargs)
+            output_str = self.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
+                                                     clean_up_tokenization_spaces=False)
+            outputs.append((output_ids.cpu().tolist(), output_str))
+        return outputs
+
+    def generate_beam_search(self, prompts: list[str], beam_width: int,
+                             max_tokens: int) -> list[tuple[list[list[int]], list[str]]]:
+        outputs = self.generate(prompts, do_sample=False, max_new_tokens=max_tokens, num_beams=beam_width,
+                                num_return_sequences=beam_width)
+        for i, (output_ids, output_str) in enumerate(outputs):  # vLLM's: pad tokens dropped
+            outputs[i] = ([[x for x in ids if x != self.tokenizer.pad_token_id] for ids in output_ids], output_str)
+        return outputs
+
+    def __enter__(self) -> HfRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def hf_runner(transformers_default_model: Any) -> type[HfRunner]:
+    HfRunner.model = transformers_default_model
+    return HfRunner
+
+
 @pytest.fixture(scope="session")
 def vllm_runner() -> type[VllmRunner]:
     return VllmRunner
