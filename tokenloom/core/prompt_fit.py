@@ -116,8 +116,8 @@ def prompt_refusal(fit: PromptFit, *, pooling: bool = False, max_tokens: int | N
                              f"(at least 1) is longer than the maximum model length of {max_len}. Make sure that "
                              "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
                              f"output tokens). This model's maximum context length is {max_len} tokens, and your "
-                             f"request has {n_prompt} input tokens, which leaves no room to generate. Please reduce the length of "
-                             "the input.", "prompt")
+                             f"request has {n_prompt} input tokens, which leaves no room to generate. Please "
+                             "reduce the length of the input.", "prompt")
     elif fit.no_room_to_generate:
         return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request has "
                              f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length "
