@@ -119,3 +119,15 @@ def test_server_options_come_from_server_config_knobs(monkeypatch) -> None:
     assert not config.access_log
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--allowed-origins", "not json"])
+
+
+def test_the_automatic_budget_holds_max_model_len_with_chunked_prefill_off() -> None:
+    """vLLM's EngineArgs: with chunked prefill off and no max_num_batched_tokens, the budget is at least
+    max_model_len (a whole prompt must fit one step); vLLM's LLM(max_model_len=4096, enable_chunked_prefill=False)
+    was refused here. An explicit budget below max_model_len is still refused."""
+    sched = cfg.SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096)
+    assert sched.token_budget_ceiling == 4096
+    assert cfg.SchedulerConfig(enable_chunked_prefill=False, max_model_len=1024).token_budget_ceiling == 2048
+    assert cfg.SchedulerConfig(max_model_len=4096).token_budget_ceiling == 2048  # chunked: the prompt is split
+    with pytest.raises(ConfigError, match="with chunked prefill off"):
+        cfg.SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=2048)

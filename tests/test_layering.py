@@ -22,6 +22,7 @@ LEVELS = {
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.inputs": 0,  # vLLM's prompt TypedDicts: what the engine takes in, beside the params
+    "tokenloom.logprobs": 0,  # vLLM's Logprob / FlatLogprobs: what the engine hands back, beside the params
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.lora": 1.5,  # LoRA adapters: torch arithmetic and files, below the model room that hooks them in
     "tokenloom.distributed": 1.5,  # process groups and collectives: torch, but below the model that calls them
@@ -34,7 +35,8 @@ LEVELS = {
     "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
 NO_TORCH = ("tokenloom.exceptions", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
-            "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs")
+            "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
+            "tokenloom.logprobs")
 
 
 def room(module: str) -> str:

@@ -268,3 +268,21 @@ def test_nan_logits_stay_among_the_allowed_tokens(sampler: Sampler, kw) -> None:
     rows = [row(temperature=1.0, seed=1, allowed_token_ids=[4, 9, 11], **kw) for _ in range(3)]
     assert all(t in (4, 9, 11) for t in sampler(logits, rows).token_ids)
     assert sampler(logits, rows).token_ids[1:] == [4, 9]
+
+
+def test_min_tokens_gives_the_stop_token_back_when_the_grammar_allows_nothing_else() -> None:
+    """vLLM's MinTokensLogitsProcessor: under min_tokens a structured-output row whose grammar mask left only
+    the stop token samples it (the grammar is complete) instead of a token the grammar refuses; a row without a
+    grammar, or with other tokens left, keeps its stop token masked."""
+    from tokenloom.model.sampler import apply_min_tokens
+    from tokenloom.sampling_params import StructuredOutputsParams
+
+    grammar = StructuredOutputsParams(json={"type": "boolean"})
+    only_eos = torch.full((3, 4), float("-inf"))
+    only_eos[:, EOS] = -0.1
+    rows = [row(min_tokens=5, max_tokens=8, structured_outputs=grammar), row(min_tokens=5, max_tokens=8)]
+    apply_min_tokens(only_eos[:2], rows)
+    assert only_eos[0, EOS] == -0.1 and torch.isneginf(only_eos[1]).all()
+    open_row = torch.tensor([[-1.0, -2.0, -0.1, float("-inf")]])
+    apply_min_tokens(open_row, rows[:1])
+    assert torch.isneginf(open_row[0, EOS]) and open_row[0, 0] == -1.0

@@ -81,3 +81,15 @@ def test_request_chat_template_needs_trust():
     plain = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                                   "chat_template_kwargs": {"enable_thinking": False}})
     check_request_chat_template(plain, trusted=False)
+
+
+def test_min_tokens_refusals_use_vllms_words() -> None:
+    """vLLM's SamplingParams sentences, which its tests/v1/e2e/general/test_min_tokens.py matches."""
+    from tokenloom.exceptions import VLLMValidationError
+    from tokenloom.sampling_params import SamplingParams as _SP
+
+    with pytest.raises(VLLMValidationError, match="min_tokens must be greater than or equal to 0, got -1"):
+        _SP(min_tokens=-1, max_tokens=10)
+    with pytest.raises(VLLMValidationError, match="min_tokens must be less than or equal to max_tokens=10, got 15"):
+        _SP(min_tokens=15, max_tokens=10)
+    _SP(min_tokens=10, max_tokens=10)

@@ -225,3 +225,65 @@ def test_refusals_are_vllms_validation_error_with_its_words(tiny) -> None:
             SamplingParams(**{field: float("nan")})
     with pytest.raises(VLLMValidationError, match="decoder prompt cannot be empty"):
         tiny.beam_search([""], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+def test_max_logprobs_is_an_engine_argument_and_flat_logprobs_read_as_the_lists(tiny_dir_for_args) -> None:
+    """vLLM's LLM(max_logprobs=N) caps logprobs / prompt_logprobs when a request is added (its words), and
+    SamplingParams(flat_logprobs=True) hands back FlatLogprobs holding what the lists hold (vLLM's
+    tests/samplers/test_logprobs.py takes both)."""
+    from tokenloom.exceptions import VLLMValidationError
+    from tokenloom.logprobs import FlatLogprobs
+
+    llm = LLM(str(tiny_dir_for_args), dtype="float32", num_blocks=64, block_size=4, max_model_len=64,
+              max_logprobs=3)
+    try:
+        with pytest.raises(VLLMValidationError, match="Requested sample logprobs of 4, which is greater than max "
+                                                      "allowed: 3"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match="Requested prompt logprobs of 5, which is greater than max "
+                                                      "allowed: 3") as exc:
+            llm.generate("Hello", SamplingParams(max_tokens=2, prompt_logprobs=5), use_tqdm=False)
+        assert exc.value.parameter == "prompt_logprobs"
+        assert llm.llm_engine.get_num_unfinished_requests() == 0
+        runs = {flat: llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3,
+                                                                 prompt_logprobs=3, flat_logprobs=flat),
+                                   use_tqdm=False)[0] for flat in (False, True)}
+    finally:
+        llm.shutdown()
+    lists, flat = runs[False], runs[True]
+    assert isinstance(lists.outputs[0].logprobs, list) and isinstance(lists.prompt_logprobs, list)
+    assert isinstance(flat.outputs[0].logprobs, FlatLogprobs) and isinstance(flat.prompt_logprobs, FlatLogprobs)
+    assert flat.outputs[0].token_ids == lists.outputs[0].token_ids
+    assert list(flat.outputs[0].logprobs) == lists.outputs[0].logprobs
+    assert flat.prompt_logprobs[0] == {} and lists.prompt_logprobs[0] is None  # vLLM's: None reads back as {}
+    assert list(flat.prompt_logprobs[1:]) == lists.prompt_logprobs[1:]
+    assert len(flat.outputs[0].logprobs[1:3]) == 2 and flat.outputs[0].logprobs[1:3][0] == lists.outputs[0].logprobs[1]
+
+
+def test_chat_takes_priority_as_generate_does(tiny) -> None:
+    """vLLM's LLM.chat(priority=...) (tests/entrypoints/llm/test_chat.py::test_chat_priority): one value for every
+    conversation or one each, a list of the wrong length refused by name; it was an unknown keyword here."""
+    from tokenloom.exceptions import VLLMValidationError
+
+    chat = [{"role": "user", "content": "Hello"}]
+    assert len(tiny.chat(chat, GREEDY, use_tqdm=False, priority=1)) == 1
+    assert len(tiny.chat([chat, chat], GREEDY, use_tqdm=False, priority=[0, 1])) == 2
+    with pytest.raises(VLLMValidationError, match="priority"):
+        tiny.chat([chat, chat], GREEDY, use_tqdm=False, priority=[0])
+    assert tiny.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_a_prompt_filling_the_context_is_refused_in_vllms_offline_words(tiny) -> None:
+    """vLLM's input processor, which its tests/v1/e2e/general/test_context_length.py matches: a prompt exactly
+    max_model_len long leaves no room for the one output token. One token shorter runs."""
+    from tokenloom.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as exc:
+        tiny.generate({"prompt_token_ids": [43] * 64}, GREEDY, use_tqdm=False)
+    assert ("The decoder prompt (length 64) plus the number of requested output tokens (at least 1) is longer than "
+            "the maximum model length of 64. Make sure that `max_model_len` is no smaller than the number of text "
+            "tokens (prompt + requested output tokens).") in str(exc.value)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    assert len(tiny.generate({"prompt_token_ids": [43] * 63}, one, use_tqdm=False)[0].outputs[0].token_ids) == 1
+    with pytest.raises(VLLMValidationError, match="maximum context length is 64"):  # longer: vLLM's renderer's
+        tiny.generate({"prompt_token_ids": [43] * 65}, GREEDY, use_tqdm=False)

@@ -221,9 +221,13 @@ class SchedulerConfig:
 
     @property
     def token_budget_ceiling(self) -> int:
-        """The most tokens a step may hold: max_num_batched_tokens, or 2048 when it is automatic. What
+        """The most tokens a step may hold: max_num_batched_tokens, or 2048 when it is automatic (max_model_len
+        if longer with chunked prefill off, as vLLM). What
         the KV pool, max_model_len and the speculative-decoding checks are sized by."""
         if self.max_num_batched_tokens is None:
+            if not self.enable_chunked_prefill and self.max_model_len:
+                # vLLM's (EngineArgs): without chunking, a prompt as long as max_model_len must fit one step.
+                return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
             return DEFAULT_MAX_NUM_BATCHED_TOKENS
         return self.max_num_batched_tokens
 

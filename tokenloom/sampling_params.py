@@ -146,6 +146,9 @@ class SamplingParams:
     # vLLM's field; as in vLLM V1, a best_of other than n is refused when the request is added (the engine's
     # input processor, with the server's words), not when the params are made.
     best_of: int | None = field(default=None, repr=False)
+    # vLLM's: hand logprobs and prompt_logprobs back as a tokenloom.logprobs.FlatLogprobs (a few flat lists
+    # read as the list of dicts is) instead of one dict per position, for less garbage-collector work.
+    flat_logprobs: bool = False
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -213,10 +216,12 @@ class SamplingParams:
             bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not isinstance(self.min_tokens, int):
+            bad(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if self.min_tokens < 0:  # vLLM's words, which its tests (test_min_tokens.py) match
+            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         cap = self.max_logprobs if self.max_logprobs >= 0 else 1 << 62
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= cap):
             bad(f"logprobs must be an integer in [0, {cap}], got {self.logprobs!r}")

@@ -113,6 +113,15 @@ def prompt_refusal(fit: PromptFit, *, pooling: bool = False, max_tokens: int | N
         if n_prompt > max_len:
             return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request "
                                  f"has {n_prompt} input tokens. Please reduce the length of the input.", "prompt")
+    elif fit.no_room_to_generate and n_prompt == max_len:
+        # vLLM's words (its input processor's _validate_model_input), which its tests match, then tokenloom's
+        # (which callers match on); one message whichever front end refuses it.
+        return PromptRefusal(f"The decoder prompt (length {n_prompt}) plus the number of requested output tokens "
+                             f"(at least 1) is longer than the maximum model length of {max_len}. Make sure that "
+                             "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
+                             f"output tokens). This model's maximum context length is {max_len} tokens, and your "
+                             f"request has {n_prompt} input tokens, which leaves no room to generate. Please "
+                             "reduce the length of the input.", "prompt")
     elif fit.no_room_to_generate:
         return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request has "
                              f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length "

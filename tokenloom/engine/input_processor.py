@@ -97,6 +97,18 @@ class InputProcessor:
             raise InvalidRequestError(str(exc), "bad_words") from None
         return params
 
+    def check_logprobs(self, params: SamplingParams, max_logprobs: int) -> None:
+        """vLLM's engine-side cap (SamplingParams._validate_logprobs, its words): logprobs and prompt_logprobs at
+        most `max_logprobs` (-1, as either: the whole vocabulary)."""
+        vocab = self.info.vocab_size
+        cap = vocab if max_logprobs == -1 else max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            n = getattr(params, name)
+            n = vocab if n == -1 else n
+            if n and n > cap:
+                raise InvalidRequestError(f"Requested {what} logprobs of {n}, which is greater than max allowed: "
+                                          f"{cap}", name)
+
     def check_generation_model(self) -> None:
         """A generation request needs a generation model."""
         pooling = self.info.pooling

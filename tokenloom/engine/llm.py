@@ -50,8 +50,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
         (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray): the LLMEngine
-        then steps them through its SyncMPClient, otherwise its engine core runs in this process."""
-        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs))
+        then steps them through its SyncMPClient, otherwise its engine core runs in this process.
+        `max_logprobs` (vLLM's, default 20): the most logprobs / prompt_logprobs a request may ask for."""
+        max_logprobs = kwargs.pop("max_logprobs", 20)
+        self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs), max_logprobs=max_logprobs)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -98,6 +100,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -109,7 +112,8 @@ class LLM:
         (or `chat_template`), `tools` and `chat_template_kwargs` passed to it; `continue_final_message` goes on
         from the last (assistant) message instead of opening a new turn. Content given as a list of parts
         is joined text (vLLM's "string" content format, which "auto" picks for a text model's template);
-        "openai" hands the parts to the template as they are. `lora_request` as generate's."""
+        "openai" hands the parts to the template as they are. `lora_request` and `priority` (one for every
+        conversation, or one each) as generate's."""
         if add_generation_prompt and continue_final_message:  # vLLM's message
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if chat_template_content_format not in ("auto", "string", "openai"):
@@ -123,7 +127,7 @@ class LLM:
             tok, i, conv, add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs)}
             for i, conv in enumerate(convs)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: drop the cached prefix blocks (LLMEngine.reset_prefix_cache)."""
@@ -162,7 +166,8 @@ class LLM:
             return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
 
         return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
-                                   eos, concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
+                                   eos, max_logprobs=self.llm_engine.max_logprobs,
+                                   concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
 
     # Pooling models (vLLM's LLM.encode / embed / classify / score) ---------------------------------
     def encode(

@@ -49,9 +49,13 @@ class LLMEngine:
     """The front end (InputProcessor in, OutputProcessor out) over a SyncEngineCoreClient (self.client)."""
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
-                 multiprocess_mode: bool | None = None, log_level: str = "warning") -> None:  # fmt: skip
+                 multiprocess_mode: bool | None = None, log_level: str = "warning",
+                 max_logprobs: int = 20) -> None:  # fmt: skip
         """`multiprocess_mode`: run the engine core(s) in processes of their own (None: only where the config
-        needs it, data parallelism or engine cores placed by Ray). `clock`: the in-process scheduler's."""
+        needs it, data parallelism or engine cores placed by Ray). `clock`: the in-process scheduler's.
+        `max_logprobs`: vLLM's engine argument, the most logprobs / prompt_logprobs a request may ask for (-1:
+        the whole vocabulary); the server's --max-logprobs is its own option, checked where it parses requests."""
+        self.max_logprobs = max_logprobs
         if multiprocess_mode is None:
             multiprocess_mode = needs_engine_processes(config)
         client: Any = make_client(config, log_level, multiprocess_mode=multiprocess_mode, asyncio_mode=False,
@@ -81,8 +85,8 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
-        return cls(engine_config_from_kwargs(model=model, **kwargs))
+    def from_args(cls, model: str | None = None, max_logprobs: int = 20, **kwargs: Any) -> LLMEngine:
+        return cls(engine_config_from_kwargs(model=model, **kwargs), max_logprobs=max_logprobs)
 
     @classmethod
     def from_engine_args(cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None,
@@ -167,6 +171,7 @@ class LLMEngine:
         token_ids = truncate_prompt_ids(token_ids, params.truncate_prompt_tokens,
                                         self.input_processor.info.max_model_len)
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
+        self.input_processor.check_logprobs(params, self.max_logprobs)
         params = self.input_processor.process_params(params)
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:

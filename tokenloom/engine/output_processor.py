@@ -20,6 +20,7 @@ from tokenloom.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from tokenloom.logprobs import as_container
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -264,6 +265,7 @@ class OutputProcessor:
             prompt_logprobs = prompt_logprobs[sent : parent.prompt_logprobs_ready]
         elif prompt_logprobs is not None:
             prompt_logprobs = list(prompt_logprobs)
+        prompt_logprobs = as_container(prompt_logprobs, parent.completions[0].params.flat_logprobs)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -315,17 +317,18 @@ class OutputProcessor:
         else:
             text, token_ids = c.text, list(c.token_ids)
             logprobs = list(c.logprobs) if c.logprobs is not None else None
+        flat = c.params.flat_logprobs  # the containers the request asked for (vLLM's FlatLogprobs or lists)
         return CompletionOutput(
             index=c.index,
             text=text,
             token_ids=token_ids,
             cumulative_logprob=c.cumulative_logprob,
-            logprobs=logprobs,
+            logprobs=as_container(logprobs, flat),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
-            delta_logprobs=delta_lp,
+            delta_logprobs=as_container(delta_lp, flat),
             lora_request=c.core_request.lora_request,
         )
 

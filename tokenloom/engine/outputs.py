@@ -5,12 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+# Defined in tokenloom/logprobs.py (vLLM's vllm.logprobs); code also imports Logprob from here.
+from tokenloom.logprobs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401  (Logprob: re-exported)
 
 
 @dataclass
@@ -19,14 +15,15 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # One dict per generated token: token_id -> Logprob (the sampled token and the top-n).
-    logprobs: list[dict[int, Logprob]] | None = None
+    # One dict per generated token: token_id -> Logprob (the sampled token and the top-n); a FlatLogprobs
+    # read the same way with SamplingParams(flat_logprobs=True).
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     # Since the previous output of this request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[dict[int, Logprob]] | None = None
+    delta_logprobs: SampleLogprobs | None = None
     lora_request: Any = None  # vLLM's: the LoRA adapter this completion ran with, or None
 
     def finished(self) -> bool:
@@ -72,7 +69,7 @@ class RequestOutput:
     num_cache_creation_tokens: int = 0
     error: str | None = None
     # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     lora_request: Any = None  # vLLM's: the LoRA adapter the request ran with (a LoRARequest), or None
 
 

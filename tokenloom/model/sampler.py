@@ -210,11 +210,17 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Stop tokens to -inf while a row has fewer than min_tokens outputs. A structured-output row whose grammar
+    (applied first) leaves only stop tokens gets them back, as vLLM's MinTokensLogitsProcessor does: a grammar
+    that can only end must end, not sample outside itself (which tokenloom reported as a grammar dead end)."""
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         if _min_tokens_active(row):
             ids = [t for t in row.params.all_stop_token_ids if t < vocab]
+            kept = logits[i, ids].clone() if row.params.structured_outputs is not None else None
             logits[i, ids] = float("-inf")
+            if kept is not None and bool(torch.isneginf(logits[i]).all()):
+                logits[i, ids] = kept
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -154,6 +154,71 @@ class VllmRunner:
         del self.llm
 
 
+class AutoTokenizer:
+    """transformers' AutoTokenizer as the vendored tests call it, for the served model whatever name they give
+    (theirs are on the Hub): the same tokenizer the engine runs, loaded by transformers so that its keyword
+    arguments (add_prefix_space, ...) apply as they would to the named model's."""
+
+    @staticmethod
+    def from_pretrained(model_name: str, **kwargs: Any) -> Any:
+        del model_name  # the served model's own, as for vllm_runner
+        from transformers import AutoTokenizer as _AutoTokenizer
+
+        from tokenloom.model.paths import default_cache_dir, resolve_model_path
+        from tokenloom.model.tokenizer import _gguf_cache_entry, load_tokenizer
+
+        path = resolve_model_path(os.environ.get("TOKENLOOM_PEER_MODEL") or None)
+        if path.is_file():  # a GGUF: its tokenizer as tokenloom converted and cached it (done here if not yet)
+            load_tokenizer(path)
+            path = _gguf_cache_entry(path, default_cache_dir())
+        return _AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+
+
+class HfRunner:
+    """vLLM's tests/conftest.py HfRunner, the part its sampler tests call (generate, generate_beam_search), over
+    transformers' own GGUF loader of the served model (tests/conftest.py's `transformers_default_model`, float32,
+    loaded once per run): the HF reference for the default model, which is a GGUF, whatever name a test gives."""
+
+    model: Any = None  # set by the hf_runner fixture
+
+    def __init__(self, model_name: str, dtype: str = "auto", **kwargs: Any) -> None:
+        del model_name, dtype, kwargs  # the served model, as transformers loads the GGUF (float32)
+        self.tokenizer = AutoTokenizer.from_pretrained("")
+
+    def generate(self, prompts: list[str], **kwargs: Any) -> list[tuple[list[list[int]], list[str]]]:
+        import torch
+
+        outputs = []
+        for prompt in prompts:
+            inputs = self.tokenizer(prompt, return_tensors="pt")
+            with torch.inference_mode():
+                output_ids = self.model.generate(**inputs, use_cache=True, **kwargs)
+            output_str = self.tokenizer.batch_decode(output_ids, skip_special_tokens=True,
+                                                     clean_up_tokenization_spaces=False)
+            outputs.append((output_ids.cpu().tolist(), output_str))
+        return outputs
+
+    def generate_beam_search(self, prompts: list[str], beam_width: int,
+                             max_tokens: int) -> list[tuple[list[list[int]], list[str]]]:
+        outputs = self.generate(prompts, do_sample=False, max_new_tokens=max_tokens, num_beams=beam_width,
+                                num_return_sequences=beam_width)
+        for i, (output_ids, output_str) in enumerate(outputs):  # vLLM's: pad tokens dropped
+            outputs[i] = ([[x for x in ids if x != self.tokenizer.pad_token_id] for ids in output_ids], output_str)
+        return outputs
+
+    def __enter__(self) -> HfRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def hf_runner(transformers_default_model: Any) -> type[HfRunner]:
+    HfRunner.model = transformers_default_model
+    return HfRunner
+
+
 @pytest.fixture(scope="session")
 def vllm_runner() -> type[VllmRunner]:
     return VllmRunner
