@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.config import engine_args
 from tokenloom.sampling_params import BeamSearchParams
 
 PROMPTS_FILE = Path(__file__).with_name("example_prompts.txt")
@@ -30,10 +29,6 @@ _DROPPED = ("kernel_config", "compilation_config", "default_torch_num_threads")
 # How vLLM reads the named checkpoint (its weights' and config's format, its tokenizer): the model that runs is
 # the default one, read as tokenloom reads it, as tokenizer_mode is (test_vllm_struct_output_generate.py).
 _DROPPED += ("load_format", "config_format")
-
-
-def _takes(name: str) -> bool:
-    return any(name in (a.name, a.field) for a in engine_args())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,10 +53,8 @@ class VllmRunner:
             kwargs["runner"] = runner
         if convert != "auto":
             kwargs["convert"] = convert
-        if disable_log_stats is not True or _takes("disable_log_stats"):
-            kwargs["disable_log_stats"] = disable_log_stats
         self.llm = LLM(os.environ.get("TOKENLOOM_PEER_MODEL") or None, seed=seed, max_model_len=max_model_len,
-                       dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                       dtype=dtype, disable_log_stats=disable_log_stats, tensor_parallel_size=tensor_parallel_size,
                        block_size=block_size, enable_chunked_prefill=enable_chunked_prefill,
                        enforce_eager=bool(enforce_eager), **kwargs)
 
