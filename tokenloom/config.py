@@ -29,7 +29,7 @@ Policy = Literal["fcfs", "priority"]
 BatchingMode = Literal["continuous", "static", "request"]
 # Where the SLO budget controller's request ages come from (core/slo_budget.py).
 SloClock = Literal["engine", "predicted"]
-# float16 is refused: the CPU kernels (tokenloom/model/kernels) run float32 and bfloat16 only.
+# The CPU kernels (tokenloom/model/kernels) run float32 and bfloat16; float16 runs as auto's choice (platform.py).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's other names for the same dtypes.
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
