@@ -78,7 +78,8 @@ def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
                     assert all(len(c.token_ids) == 6 for c in outs[-1].outputs)
             assert not engine.output_processor.has_unfinished_requests()
 
-            # abort(): the request's generate ends with a final output, finish_reason "abort" (vLLM's).
+            # abort(): the request's generate ends with a final output, finish_reason "abort" (vLLM's), holding
+            # what was generated; several ids at once too.
             long = SamplingParams(max_tokens=50, ignore_eos=True)
             outs = []
             async for out in engine.generate("Hello", long, "long"):
@@ -87,6 +88,21 @@ def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
                     await engine.abort("long")
             assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
             assert 0 < len(outs[-1].outputs[0].token_ids) < 50
+            firsts = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+            async def until_aborted(rid: str) -> list:
+                seen = []
+                async for out in engine.generate("Hello", long, rid):
+                    seen.append(out)
+                    firsts[rid].set()
+                return seen
+
+            tasks = [asyncio.create_task(until_aborted(rid)) for rid in firsts]
+            for event in firsts.values():
+                await event.wait()
+            await engine.abort(["a", "b", "never-seen"])
+            for seen in await asyncio.gather(*tasks):
+                assert seen[-1].outputs[0].finish_reason == "abort" and len(seen[-1].outputs[0].token_ids) > 0
             # Cancelling the consumer aborts the request in the engine (its KV blocks are freed).
             started = asyncio.Event()
 
@@ -105,6 +121,9 @@ def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
                 await _collect(engine, "bad", long, prompt="")
             outs = await _collect(engine, "after", SamplingParams(max_tokens=2, ignore_eos=True), prompt=[5, 6])
             assert len(outs[-1].outputs[0].token_ids) == 2
+            # A max_tokens past the context stops at max_model_len (64), as vLLM's engine (its server refuses it).
+            outs = await _collect(engine, "past", SamplingParams(max_tokens=50_000, ignore_eos=True), prompt=[5, 6])
+            assert len(outs[-1].outputs[0].token_ids) == 62 and outs[-1].outputs[0].finish_reason == "length"
             await engine.check_health()
             assert engine.is_running and not engine.errored
         finally:

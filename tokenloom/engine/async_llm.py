@@ -193,14 +193,17 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: Any = None,
+        max_tokens_in_context: bool = True,
     ) -> None:
         """Validate and enqueue; raises InvalidRequestError, EngineOverloadedError, EngineDeadError or
         EngineDrainingError before anything is sent. Outputs arrive on `stream`. `lora_request`: the
-        LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None."""
+        LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None. `max_tokens_in_context`:
+        refuse a max_tokens past the context, as vLLM's serving layer (the server); False lets the request
+        stop at max_model_len ("length"), as vLLM's engine does for AsyncLLM.generate and LLM."""
         self._check_can_take(request_id)
         self.input_processor.check_generation_model()
         prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
-        self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=True)
+        self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=max_tokens_in_context)
         params = self.input_processor.process_params(params)
         self.check_admission(params.n)
         arrival = time.monotonic()
@@ -309,7 +312,7 @@ class AsyncLLM:
         text, token_ids = self.input_processor.tokenize(prompt)
         stream = self.open_stream()
         self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
-                         lora_request=lora_request)
+                         lora_request=lora_request, max_tokens_in_context=False)
         try:
             async for out in stream:
                 yield out
@@ -324,8 +327,8 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         """vLLM's: raises EngineDeadError once the engine core is gone."""
-        if (reason := self.dead_reason) is not None:
-            raise EngineDeadError(reason)
+        if self.errored:
+            raise self.dead_error
 
     async def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
