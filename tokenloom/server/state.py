@@ -12,11 +12,11 @@ from fastapi import Request
 
 from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
-from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.serving_models import ServingModels
 
