@@ -34,6 +34,7 @@ _DROPPED += ("load_format", "config_format")
 def pytest_configure(config: pytest.Config) -> None:
     # vLLM's conftest marks: memory clean-up between its GPU tests, nothing to do here.
     config.addinivalue_line("markers", "skip_global_cleanup: vLLM's (no global clean-up after the test)")
+    config.addinivalue_line("markers", "cpu_model: vLLM's (its CPU CI selects these tests)")
 
 
 class VllmRunner:
