@@ -1,11 +1,12 @@
-"""Prometheus: vLLM's four spec_decode counters (our prefix), fed from the scheduler's running totals."""
+"""Prometheus: vLLM's four spec_decode counters under each prefix in force, fed from the scheduler's running
+totals."""
 
 from __future__ import annotations
 
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.core.spec_decode_stats import SpecDecodingStats
 from tokenloom.engine.iteration_stats import IterationStats
-from tokenloom.server.metrics import ServerMetrics
+from tokenloom.engine.metrics import PrometheusMetrics
 
 
 def _stats(spec: SpecDecodingStats | None) -> IterationStats:
@@ -14,19 +15,19 @@ def _stats(spec: SpecDecodingStats | None) -> IterationStats:
     return IterationStats(timestamp=0.0, scheduler=sched)
 
 
-def _spec_lines(m: ServerMetrics) -> list[str]:
+def _spec_lines(m: PrometheusMetrics) -> list[str]:
     return [line for line in m.render().decode().splitlines()
             if "spec_decode" in line and not line.startswith("#") and "_created" not in line]
 
 
 def test_no_spec_counters_without_speculation():
-    m = ServerMetrics("m", 10)
+    m = PrometheusMetrics("m", 10)
     m.record(_stats(None))
     assert _spec_lines(m) == []
 
 
 def test_exactly_the_four_counters_from_running_totals():
-    m = ServerMetrics("m", 10)
+    m = PrometheusMetrics("m", 10, prefix="tokenloom")
     totals = SpecDecodingStats.new(3)
     totals.observe_draft(3, 3)
     totals.observe_draft(3, 1)
@@ -45,3 +46,20 @@ def test_exactly_the_four_counters_from_running_totals():
     per_pos = [values[f'tokenloom:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}}']
                for i in range(3)]
     assert per_pos == [2, 1, 1]
+
+
+def test_vllm_names_under_the_default_prefix():
+    """`--metrics-prefix both` (the default) exports vLLM's names too: dashboards and vLLM's test_llm_engine.py
+    read vllm:spec_decode_*; `tokenloom` alone exports none of them."""
+    both = PrometheusMetrics("m", 10)
+    totals = SpecDecodingStats.new(2)
+    totals.observe_draft(2, 1)
+    both.record(_stats(totals.copy()))
+    names = {line.split("{")[0] for line in _spec_lines(both)}
+    assert {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"} < names
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in _spec_lines(both)}
+    assert values['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'] == 0
+    ours = PrometheusMetrics("m", 10, prefix="tokenloom")
+    ours.record(_stats(totals.copy()))
+    assert not any(line.startswith("vllm:") for line in _spec_lines(ours))

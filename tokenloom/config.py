@@ -870,9 +870,9 @@ class EngineConfig:
     # so that code written for vLLM runs as it is.
     enforce_eager: bool = knob(False, "vLLM's; tokenloom always runs eagerly (no CUDA graphs), so either value "
                                "runs the same", simulated=False)
-    # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set. The figures
-    # behind /metrics and RequestOutput.metrics are kept either way (they cost next to nothing), so the
-    # offline LLM, for which vLLM defaults it to True, runs the same with either value.
+    # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set; the figures
+    # behind /metrics and RequestOutput.metrics are kept either way. Offline it decides whether LLMEngine
+    # records per-step Prometheus figures for get_metrics() (LLM defaults it to True, as vLLM's).
     disable_log_stats: bool = knob(
         False, "no periodic 'Avg prompt throughput ...' stats line in the server's log (vLLM's; the interval is "
         "$TOKENLOOM_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, default 10 s); /metrics is kept",

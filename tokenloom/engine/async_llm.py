@@ -35,9 +35,9 @@ from tokenloom.engine.input_processor import (
     check_lora_request,
     truncate_prompt_ids,
 )
-from tokenloom.engine.iteration_stats import FinishedRequestStats, IterationStats
+from tokenloom.engine.iteration_stats import IterationStats, StatLogger, log_stats, record_finished
 from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
+from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.request_mirrors import update_mirrors
 from tokenloom.pooling_params import PoolingParams
@@ -48,7 +48,6 @@ if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads i
 
 logger = logging.getLogger(__name__)
 
-StatLogger = Callable[[IterationStats], None]
 
 
 class EngineOverloadedError(RuntimeError):
@@ -428,42 +427,7 @@ class AsyncLLM:
     # Figures --------------------------------------------------------------------------------------
     def _record_finished(self, out: RequestOutput, tracked: _Tracked, stats: IterationStats) -> None:
         """Stats for each completion of `out` that just finished; its mirror is dropped."""
-        if isinstance(out, PoolingRequestOutput):
-            core = tracked.cores[0]
-            if not out.finished or self._mirrors.pop(core.request_id, None) is None:
-                return
-            end = core.finished_time or stats.timestamp
-            queued = core.first_scheduled_time
-            reason = "stop" if out.error is None else ("abort" if "abort" in out.error else "error")
-            stats.finished.append(FinishedRequestStats(
-                finish_reason=reason, e2e_latency=end - core.arrival_time,
-                queue_time=None if queued is None else queued - core.arrival_time,
-                num_prompt_tokens=core.num_prompt_tokens, num_generation_tokens=0,
-                inference_time=None if queued is None else end - queued,
-                prefill_time=None if queued is None else end - queued, decode_time=0.0, n_param=1))
-            return
-        for comp, core in zip(out.outputs, tracked.cores):
-            if comp.finish_reason is None or self._mirrors.pop(core.request_id, None) is None:
-                continue
-            end = core.finished_time or stats.timestamp
-            queued = core.first_scheduled_time
-            stats.finished.append(FinishedRequestStats(
-                finish_reason=comp.finish_reason,
-                e2e_latency=end - core.arrival_time,
-                queue_time=None if queued is None else queued - core.arrival_time,
-                num_prompt_tokens=core.num_prompt_tokens,
-                num_generation_tokens=len(comp.token_ids),
-                inference_time=None if queued is None else end - queued,
-                prefill_time=None if queued is None or core.first_token_time is None
-                else core.first_token_time - queued,
-                decode_time=None if core.first_token_time is None else end - core.first_token_time,
-                max_tokens_param=core.sampling_params.max_tokens,
-                n_param=len(tracked.cores) if comp.index == 0 else None,
-            ))
+        record_finished(out, tracked.cores, stats, lambda core: self._mirrors.pop(core.request_id, None) is not None)
 
     def _log(self, stats: IterationStats) -> None:
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger(stats)
-            except Exception:  # figures must never take serving down
-                logger.exception("stat logger failed")
+        log_stats(self.stat_loggers, stats)

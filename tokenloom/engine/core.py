@@ -24,6 +24,7 @@ from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.sched_interface import SchedulerInterface
 from tokenloom.core.scheduler import RequestRejected
+from tokenloom.engine.core_messages import StepInfo
 from tokenloom.engine.executor import Executor, ExecutorDeadError
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
@@ -90,6 +91,16 @@ class EngineCore:
     def has_work(self) -> bool:
         """Something to schedule, a finished id to report, or a step in flight to collect."""
         return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    def step_reported(self) -> tuple[list[EngineCoreOutput], StepInfo | None]:
+        """One step() and, for metrics, what it did: a StepInfo when a step finished (async scheduling: a call
+        may only launch one) and did something (an empty step while grammars compile says nothing), else
+        None. The engine-core process and the in-process client report steps by this one rule."""
+        num_steps = self.num_steps
+        outputs = self.step()
+        if self.num_steps != num_steps and (self.last_step_tokens or outputs):
+            return outputs, StepInfo(self.last_step_tokens, self.last_step_time)
+        return outputs, None
 
     def step(self) -> list[EngineCoreOutput]:
         if self.batch_queue_size > 1:

@@ -40,6 +40,7 @@ from tokenloom import envs
 from tokenloom.config import EngineConfig
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
+from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -48,6 +49,7 @@ from tokenloom.engine.core_messages import (
     EngineProgress,
     EngineReady,
     Shutdown,
+    StepInfo,
 )
 from tokenloom.engine.core_proc import run_engine_core
 from tokenloom.engine.exceptions import EngineStartError
@@ -88,6 +90,14 @@ class SyncEngineCoreClient(EngineCoreClient, Protocol):
         ...
 
     def has_unfinished_requests(self) -> bool:
+        ...
+
+    # For LLMEngine's metrics (disable_log_stats=False): the steps behind the last get_output() and the
+    # scheduler's latest report (every engine's, summed); None before the first across processes.
+    steps: list[StepInfo]
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats | None:
         ...
 
     def add_lora(self, lora_request: Any) -> bool:

@@ -219,12 +219,7 @@ class EngineCoreProc:
             step: StepInfo | None = None
             outputs: list[EngineCoreOutput] = []
             if self.core.has_work():
-                num_steps = self.core.num_steps
-                outputs = self.core.step()
-                # A step finished (async scheduling: a call may only launch one) and did something (an
-                # empty step while grammars compile says nothing).
-                if self.core.num_steps != num_steps and (self.core.last_step_tokens or outputs):
-                    step = StepInfo(self.core.last_step_tokens, self.core.last_step_time)
+                outputs, step = self.core.step_reported()
             if step is not None or handled:
                 self.outbox.send(self._batch(outputs, step))
 

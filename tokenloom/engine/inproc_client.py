@@ -15,14 +15,16 @@ from typing import Any
 from tokenloom.config import EngineConfig
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
+from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_host import EngineCoreHost
-from tokenloom.engine.core_messages import EngineReady
+from tokenloom.engine.core_messages import EngineReady, StepInfo
 
 
 class InprocClient:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         """Load the model and build the engine core here (minutes for a large model)."""
         self.host = EngineCoreHost(config, clock)
+        self.steps: list[StepInfo] = []  # what the last get_output()'s step did (LLMEngine's step metrics)
 
     def engine_ready(self) -> EngineReady:
         """The engine core as it is now (reset_scheduler may change its limits)."""
@@ -35,7 +37,14 @@ class InprocClient:
         self.host.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> list[EngineCoreOutput]:
-        return self.host.engine_core.step()
+        outputs, step = self.host.engine_core.step_reported()
+        self.steps = [] if step is None else [step]
+        return outputs
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's report now (what an engine-core process sends with each batch)."""
+        return self.host.scheduler.make_stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.host.engine_core.has_unfinished_requests()

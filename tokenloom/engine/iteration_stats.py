@@ -1,15 +1,24 @@
 """Figures the API process derives from each batch of engine outputs, for metrics (vLLM's IterationStats).
 
 AsyncLLM fills one IterationStats per batch it receives (and one per abort it performs) and hands it to
-its stat loggers, e.g. the server's Prometheus metrics. Latencies are seconds on `time.monotonic()`.
+its stat loggers, e.g. the server's Prometheus metrics; LLMEngine does the same per step when stats are on
+(disable_log_stats=False), for LLM.get_metrics(). Both count through the helpers below, so a figure means
+the same offline and served. Latencies are seconds on the engine's clock (`time.monotonic()` unless a test
+gives the in-process scheduler another).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_messages import StepInfo
+from tokenloom.engine.outputs import PoolingRequestOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,3 +55,80 @@ class IterationStats:
     # With data parallelism: the engine whose batch this is, and its own report (`scheduler` is the sum).
     engine_index: int | None = None
     engine_scheduler: SchedulerStats | None = None
+
+
+StatLogger = Callable[[IterationStats], None]
+
+
+def count_new_tokens(stats: IterationStats, request: Request, num_new_tokens: int, ts: float,
+                     prev_token_time: float | None) -> None:  # fmt: skip
+    """Count `num_new_tokens` that `request` produced at `ts`. `prev_token_time` None: its first tokens
+    (time to first token, and its prompt counts as processed), else when its previous tokens came."""
+    if prev_token_time is None:
+        stats.time_to_first_tokens.append(ts - request.arrival_time)
+        stats.num_prompt_tokens += request.num_prompt_tokens
+        stats.num_computed_prompt_tokens += computed_prompt_tokens(request)
+    else:
+        stats.inter_token_latencies.append(ts - prev_token_time)
+    stats.num_generation_tokens += num_new_tokens
+
+
+def count_pooled_prompt(stats: IterationStats, request: Request) -> None:
+    """A pooling request finished: its prompt was computed (it produces no tokens to count it by)."""
+    stats.num_prompt_tokens += request.num_prompt_tokens
+    stats.num_computed_prompt_tokens += computed_prompt_tokens(request)
+
+
+def computed_prompt_tokens(request: Request) -> int:
+    """The prompt tokens the engine computed: the prompt less what its first scheduling found cached
+    (prefix cache or KV connector; -1 until then, when nothing was found)."""
+    return max(0, request.num_prompt_tokens - max(request.num_cached_tokens, 0))
+
+
+def record_finished(out: RequestOutput | PoolingRequestOutput, cores: list[Request], stats: IterationStats,
+                    take: Callable[[Request], bool]) -> None:  # fmt: skip
+    """Append a FinishedRequestStats for each completion of `out` that finished. `take(core)` says whether
+    that core request is still uncounted (and marks it counted): a RequestOutput with n > 1 repeats its
+    finished completions in every later output, and each must count once."""
+    if isinstance(out, PoolingRequestOutput):
+        core = cores[0]
+        if not out.finished or not take(core):
+            return
+        end = core.finished_time or stats.timestamp
+        queued = core.first_scheduled_time
+        reason = "stop" if out.error is None else ("abort" if "abort" in out.error else "error")
+        stats.finished.append(FinishedRequestStats(
+            finish_reason=reason, e2e_latency=end - core.arrival_time,
+            queue_time=None if queued is None else queued - core.arrival_time,
+            num_prompt_tokens=core.num_prompt_tokens, num_generation_tokens=0,
+            inference_time=None if queued is None else end - queued,
+            prefill_time=None if queued is None else end - queued, decode_time=0.0, n_param=1))
+        return
+    for comp, core in zip(out.outputs, cores):
+        if comp.finish_reason is None or not take(core):
+            continue
+        end = core.finished_time or stats.timestamp
+        queued = core.first_scheduled_time
+        stats.finished.append(FinishedRequestStats(
+            finish_reason=comp.finish_reason,
+            e2e_latency=end - core.arrival_time,
+            queue_time=None if queued is None else queued - core.arrival_time,
+            num_prompt_tokens=core.num_prompt_tokens,
+            num_generation_tokens=len(comp.token_ids),
+            inference_time=None if queued is None else end - queued,
+            prefill_time=None if queued is None or core.first_token_time is None
+            else core.first_token_time - queued,
+            decode_time=None if core.first_token_time is None else end - core.first_token_time,
+            max_tokens_param=core.sampling_params.max_tokens,
+            n_param=len(cores) if comp.index == 0 else None,
+        ))
+
+
+def log_stats(stat_loggers: Iterable[StatLogger], stats: IterationStats) -> None:
+    """Hand `stats` to every stat logger; one that fails is logged and skipped (figures must never take
+    serving or generation down)."""
+    for stat_logger in stat_loggers:
+        try:
+            stat_logger(stats)
+        except Exception:
+            logger.exception("stat logger failed")

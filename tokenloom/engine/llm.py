@@ -17,6 +17,7 @@ from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
 from tokenloom.engine.input_processor import PromptType
 from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.metrics_reader import Metric
 from tokenloom.engine.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -51,8 +52,10 @@ class LLM:
         """`data_parallel_size=N` (vLLM's name) runs N engine-core processes behind the router
         (`routing_policy`, `distributed_executor_backend="ray"` to place them with Ray): the LLMEngine
         then steps them through its SyncMPClient, otherwise its engine core runs in this process.
-        `max_logprobs` (vLLM's, default 20): the most logprobs / prompt_logprobs a request may ask for."""
+        `max_logprobs` (vLLM's, default 20): the most logprobs / prompt_logprobs a request may ask for.
+        `disable_log_stats` defaults to True here, as vLLM's LLM: False keeps metrics for `get_metrics()`."""
         max_logprobs = kwargs.pop("max_logprobs", 20)
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default: no per-step figures unless asked
         self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs), max_logprobs=max_logprobs)
 
     def get_tokenizer(self):
@@ -128,6 +131,12 @@ class LLM:
             chat_template=chat_template, tools=tools, chat_template_kwargs=chat_template_kwargs)}
             for i, conv in enumerate(convs)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of this LLM's `vllm:` Prometheus figures as vLLM's reader types (Counter, Gauge,
+        Histogram, Vector; tokenloom.engine.metrics_reader). Needs disable_log_stats=False (AssertionError
+        otherwise, as vLLM's)."""
+        return self.llm_engine.get_metrics()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: drop the cached prefix blocks (LLMEngine.reset_prefix_cache)."""

@@ -8,6 +8,11 @@ built here by EngineCoreHost, engine/core_host.py, and stepped by get_output()) 
 engine-core processes (data parallelism, engine cores placed by Ray), then a SyncMPClient over them.
 `LLM` drives both the same way.
 
+With stats on (`disable_log_stats=False`, vLLM's rule: LLMEngine's default, off by default under `LLM`) each
+step also builds an IterationStats, counted by the same helpers as AsyncLLM's (engine/iteration_stats.py),
+and hands it to `stat_loggers`: by default the server's Prometheus figures (engine/metrics.py) in a registry of
+this engine's own, which `get_metrics()` reads back as vLLM's reader types (engine/metrics_reader.py).
+
 The in-process engine core's parts (scheduler, runner, executor, engine_core, configs) are readable as
 attributes of this engine, through the properties below: benchmarks and tests inspect them. They raise
 a clear error when the engine core lives in another process.
@@ -28,6 +33,16 @@ from tokenloom.engine.core_host import EngineCoreHost
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.inproc_client import InprocClient
 from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request, truncate_prompt_ids
+from tokenloom.engine.iteration_stats import (
+    IterationStats,
+    StatLogger,
+    count_new_tokens,
+    count_pooled_prompt,
+    log_stats,
+    record_finished,
+)
+from tokenloom.engine.metrics import PrometheusMetrics
+from tokenloom.engine.metrics_reader import Metric, get_metrics_snapshot
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
@@ -83,6 +98,17 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, ready)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        # Metrics (vLLM's log_stats): only with stats on, so the default LLM pays nothing for them.
+        self.log_stats = not config.disable_log_stats
+        self.stat_loggers: list[StatLogger] = []
+        self.metrics: PrometheusMetrics | None = None
+        if self.log_stats:
+            # vLLM's names only: get_metrics() reads `vllm:` figures, as vLLM's reader does.
+            self.metrics = PrometheusMetrics(self.model_name, ready.num_blocks, prefix="vllm", info=ready)
+            self.stat_loggers.append(self.metrics.record)
+        self._stat_parents: dict[str, list[Request]] = {}  # request id -> its core requests, while unfinished
+        self._stat_cores: dict[str, Request] = {}  # core request id -> Request, until its finish is counted
+        self._token_times: dict[str, float] = {}  # core request id -> when its latest counted tokens came
 
     @classmethod
     def from_args(cls, model: str | None = None, max_logprobs: int = 20, **kwargs: Any) -> LLMEngine:
@@ -186,7 +212,15 @@ class LLMEngine:
             self.client.abort_requests(added)
             raise
         self.output_processor.add_request(request_id, text, token_ids, cores, arrival)
+        self._track(request_id, cores)
         return request_id
+
+    def _track(self, request_id: str, cores: list[Request]) -> None:
+        """Keep `cores` for the metrics: the engine writes their timestamps (the scheduler in process, the
+        SyncMPClient's mirrors across processes), which the figures are counted from."""
+        if self.log_stats:
+            self._stat_parents[request_id] = cores
+            self._stat_cores.update((core.request_id, core) for core in cores)
 
     def add_pooling_request(
         self,
@@ -217,6 +251,7 @@ class LLMEngine:
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
         self.client.add_request(core)
         self.output_processor.add_request(request_id, text, token_ids, [core], arrival)
+        self._track(request_id, [core])
         return request_id
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -228,15 +263,65 @@ class LLMEngine:
             out = self.output_processor.finish_aborted(rid)
             if out is not None:
                 results.append(out)
+        if self.log_stats:  # aborts count as vLLM's request_success{finished_reason="abort"}
+            stats = IterationStats(self.clock())
+            self._record_finished(results, stats)
+            log_stats(self.stat_loggers, stats)
         return results
 
     # The step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         core_outputs = self.client.get_output()
+        stats = self._count_outputs(core_outputs) if self.log_stats else None
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:  # a stop string ended these: free their blocks now
             self.client.abort_requests(to_abort)
+        if stats is not None:
+            self._record_finished(outputs, stats)
+            log_stats(self.stat_loggers, stats)
+            for step in self.client.steps[1:]:  # batches of several engine steps (engine processes)
+                log_stats(self.stat_loggers, IterationStats(stats.timestamp, step=step))
         return outputs
+
+    # Metrics (stats on) ------------------------------------------------------------------------------
+    def _count_outputs(self, core_outputs: list[Any]) -> IterationStats:
+        """The step's IterationStats: the scheduler's report and step figures, and the tokens of `core_outputs`
+        counted as AsyncLLM counts them (count_new_tokens), at the times the engine stamped on the Requests."""
+        steps = self.client.steps
+        stats = IterationStats(self.clock(), self.client.scheduler_stats, steps[0] if steps else None)
+        for out in core_outputs:
+            core = self._stat_cores.get(out.request_id)
+            if core is None:  # finished here already (stop string, abort): late tokens are not counted
+                continue
+            if out.new_token_ids:
+                ts = core.last_token_time or stats.timestamp
+                count_new_tokens(stats, core, len(out.new_token_ids), ts, self._token_times.get(out.request_id))
+                self._token_times[out.request_id] = ts
+            if out.finished and core.pooling_params is not None and out.finish_reason == "stop":
+                count_pooled_prompt(stats, core)
+        return stats
+
+    def _record_finished(self, outputs: list[Any], stats: IterationStats) -> None:
+        for out in outputs:
+            cores = self._stat_parents.get(out.request_id)
+            if cores is None:
+                continue
+            record_finished(out, cores, stats, self._take)
+            if out.finished:
+                del self._stat_parents[out.request_id]
+
+    def _take(self, core: Request) -> bool:
+        """True the first time `core`'s finish is counted (record_finished's guard)."""
+        self._token_times.pop(core.request_id, None)
+        return self._stat_cores.pop(core.request_id, None) is not None
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLMEngine.get_metrics(): this engine's Prometheus figures as vLLM's reader types (Counter,
+        Gauge, Histogram, Vector). vLLM asserts stats are on; so does this."""
+        if self.metrics is None:
+            raise AssertionError("Stat logging disabled: build the engine with disable_log_stats=False "
+                                 "(the LLM's default is True, as vLLM's)")
+        return get_metrics_snapshot(self.metrics.registry)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_unfinished() > 0 or self.client.has_unfinished_requests()

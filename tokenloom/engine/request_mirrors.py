@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tokenloom.core.request import Request
 from tokenloom.engine.core_messages import EngineCoreOutputs
-from tokenloom.engine.iteration_stats import IterationStats
+from tokenloom.engine.iteration_stats import IterationStats, count_new_tokens, count_pooled_prompt
 
 
 def update_mirrors(batch: EngineCoreOutputs, mirrors: dict[str, Request], stats: IterationStats) -> None:
@@ -29,25 +29,15 @@ def update_mirrors(batch: EngineCoreOutputs, mirrors: dict[str, Request], stats:
         mirror.num_cached_tokens = out.num_cached_tokens
         mirror.num_cache_creation_tokens = out.num_cache_creation_tokens
         if out.new_token_ids:
-            if mirror.first_token_time is None:
+            first = mirror.first_token_time is None
+            count_new_tokens(stats, mirror, len(out.new_token_ids), ts,
+                             None if first else (mirror.last_token_time or ts))
+            if first:
                 mirror.first_token_time = ts
-                stats.time_to_first_tokens.append(ts - mirror.arrival_time)
-                stats.num_prompt_tokens += mirror.num_prompt_tokens
-                stats.num_computed_prompt_tokens += _computed_prompt_tokens(mirror)
-            else:
-                stats.inter_token_latencies.append(ts - (mirror.last_token_time or ts))
             mirror.last_token_time = ts
             mirror.append_output_token_ids(out.new_token_ids)
-            stats.num_generation_tokens += len(out.new_token_ids)
         if out.finished:
             mirror.finished_time = ts
             mirror.num_preemptions = batch.num_preemptions.get(out.request_id, 0)
             if mirror.pooling_params is not None and out.finish_reason == "stop":
-                stats.num_prompt_tokens += mirror.num_prompt_tokens  # pooled: its prompt was computed
-                stats.num_computed_prompt_tokens += _computed_prompt_tokens(mirror)
-
-
-def _computed_prompt_tokens(mirror: Request) -> int:
-    """The prompt tokens the engine computed: the prompt less what its first scheduling found cached
-    (prefix cache or KV connector; -1 until then, when nothing was found)."""
-    return max(0, mirror.num_prompt_tokens - max(mirror.num_cached_tokens, 0))
+                count_pooled_prompt(stats, mirror)

@@ -18,7 +18,7 @@ from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import AsyncEngineCoreClient
-from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
+from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady, StepInfo
 from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.iteration_stats import IterationStats
@@ -36,6 +36,7 @@ class SyncMPClient:
         self._failure: str | None = None
         self._loop = asyncio.new_event_loop()
         self._arrived: asyncio.Event | None = None
+        self.steps: list[StepInfo] = []  # the steps behind the last get_output()'s batches (LLMEngine's metrics)
 
     def engine_ready(self) -> EngineReady:
         """Waits (once) for every engine to load, then starts hearing from them. Stops them if that fails."""
@@ -100,7 +101,10 @@ class SyncMPClient:
             message, self._failure = self._failure, None
             raise EngineDeadError(message)
         outputs: list[EngineCoreOutput] = []
-        stats = IterationStats(time.monotonic())  # (LLMEngine logs no iteration stats; the mirrors need one)
+        # LLMEngine counts tokens from the mirrors it shares with this client (the Requests it added), the same
+        # way in process or not; the figures update_mirrors adds up here are not used.
+        stats = IterationStats(time.monotonic())
+        self.steps = [batch.step for batch in self._batches if batch.step is not None]
         for batch in self._batches:
             self._engine_stats[batch.engine_index] = batch.stats
             update_mirrors(batch, self._mirrors, stats)

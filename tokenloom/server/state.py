@@ -12,11 +12,11 @@ from fastapi import Request
 
 from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
-from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.serving_models import ServingModels
 
@@ -43,7 +43,7 @@ class ServerState:
         # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
         # tokenizer is never entered from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self.metrics = ServerMetrics(self.model_names[0], engine.info.num_blocks, config.metrics_prefix,
+        self.metrics = PrometheusMetrics(self.model_names[0], engine.info.num_blocks, config.metrics_prefix,
                                      engine.info, engine.data_parallel_size)
         engine.stat_loggers.append(self.metrics.record)
         self.stat_logger: PerEngineStatLogger | None = None

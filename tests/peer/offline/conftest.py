@@ -34,6 +34,7 @@ _DROPPED += ("load_format", "config_format")
 def pytest_configure(config: pytest.Config) -> None:
     # vLLM's conftest marks: memory clean-up between its GPU tests, nothing to do here.
     config.addinivalue_line("markers", "skip_global_cleanup: vLLM's (no global clean-up after the test)")
+    config.addinivalue_line("markers", "cpu_model: vLLM's (its CPU CI selects these tests)")
 
 
 class VllmRunner:
@@ -49,6 +50,9 @@ class VllmRunner:
         del model_name, tokenizer_name, tokenizer_mode, trust_remote_code  # the served model's own
         for name in _DROPPED:
             kwargs.pop(name, None)
+        # vLLM's default, a no-op: tokenloom always loads the tokenizer; True still goes to LLM, which refuses it.
+        if kwargs.get("skip_tokenizer_init") is False:
+            del kwargs["skip_tokenizer_init"]
         if runner != "auto":
             kwargs["runner"] = runner
         if convert != "auto":

@@ -4,10 +4,12 @@
 autoscalers written for vLLM work unchanged and tokenloom's own dashboards keep theirs; `vllm` or
 `tokenloom` exports one set.
 
-Fed by AsyncLLM's IterationStats: one per batch from the engine (scheduler gauges, step figures,
+Fed by the IterationStats AsyncLLM (the server's /metrics) or LLMEngine (the offline LLM.get_metrics(),
+with disable_log_stats=False) builds: one per batch from the engine (scheduler gauges, step figures,
 tokens, latencies) and one per abort. Counters from the engine (preemptions, prefix-cache queries
-and hits) arrive as running totals and are added as differences. A private registry keeps several
-servers in one process (tests) apart.
+and hits) arrive as running totals and are added as differences. A private registry per instance keeps
+several servers or LLMs in one process apart. It lives in the engine room so the offline engine can
+record the same figures; the server imports it from here.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class _Fanout:
             c.observe(value)
 
 
-class ServerMetrics:
+class PrometheusMetrics:
     def __init__(self, model_name: str, num_blocks: int, prefix: str = "both", info: Any = None,
                  data_parallel_size: int = 1) -> None:
         self.registry = r = CollectorRegistry()
@@ -131,6 +133,7 @@ class ServerMetrics:
                                      "A step's outputs: built in the engine process → received by the API", _IPC)
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "external_queries": 0, "external_hits": 0}
         self._labels = labels
+        self._prefixes = prefixes
         self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
         # Data parallelism: the families above are the sum over engines; these carry engine="i".
         self.engines: _EngineMetrics | None = None
@@ -159,7 +162,7 @@ class ServerMetrics:
                 self._record_lora(sched)
             if sched.spec_decoding is not None:
                 if self.spec_decode is None:
-                    self.spec_decode = SpecDecodeMetrics(self.registry, self._labels)
+                    self.spec_decode = SpecDecodeMetrics(self.registry, self._labels, self._prefixes)
                 self.spec_decode.record(sched.spec_decoding)
         if self.engines is not None and stats.engine_index is not None and stats.engine_scheduler is not None:
             self.engines.record(stats.engine_index, stats.engine_scheduler)
@@ -256,21 +259,27 @@ class _EngineMetrics:
 
 
 class SpecDecodeMetrics:
-    """vLLM's SpecDecodingProm counters (vllm/v1/spec_decode/metrics.py), fed with running totals."""
+    """vLLM's SpecDecodingProm counters (vllm/v1/spec_decode/metrics.py), fed with running totals, under each
+    prefix in force (vLLM's test_llm_engine.py reads vllm:spec_decode_num_accepted_tokens_per_pos)."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenloom:{name}", doc, list(labels), registry=registry).labels(**labels)
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str],
+                 prefixes: tuple[str, ...] = ("tokenloom",)) -> None:  # fmt: skip
+        def counter(name: str, doc: str) -> _Fanout:
+            return _Fanout([Counter(f"{p}:{name}", doc, list(labels), registry=registry).labels(**labels)
+                            for p in prefixes])
 
         self.drafts = counter("spec_decode_num_drafts", "Verified drafts (requests x steps with drafts)")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.per_pos = Counter("tokenloom:spec_decode_num_accepted_tokens_per_pos",
-                               "Draft tokens accepted, by position in the draft", [*labels, "position"],
-                               registry=registry)
+        self.per_pos = [Counter(f"{p}:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by position in the draft", [*labels, "position"],
+                                registry=registry) for p in prefixes]
         self._labels = labels
         self._seen = [0, 0, 0]
         self._seen_pos: list[int] = []
+
+    def _pos(self, pos: int) -> _Fanout:
+        return _Fanout([c.labels(**self._labels, position=str(pos)) for c in self.per_pos])
 
     def record(self, totals) -> None:
         for i, (counter, total) in enumerate(((self.drafts, totals.num_drafts),
@@ -282,7 +291,7 @@ class SpecDecodeMetrics:
         for pos, total in enumerate(totals.num_accepted_tokens_per_pos):
             if pos == len(self._seen_pos):
                 self._seen_pos.append(0)
-                self.per_pos.labels(**self._labels, position=str(pos))  # exported from 0 on
+                self._pos(pos)  # exported from 0 on
             if total > self._seen_pos[pos]:
-                self.per_pos.labels(**self._labels, position=str(pos)).inc(total - self._seen_pos[pos])
+                self._pos(pos).inc(total - self._seen_pos[pos])
                 self._seen_pos[pos] = total
