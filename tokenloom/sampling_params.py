@@ -419,7 +419,8 @@ class BeamSearchParams:
 
     Each step every live beam is a one-token request asking for 2 * beam_width logprobs; candidates
     are ranked by cumulative logprob, and the finished ones by cumulative logprob / length **
-    length_penalty (length counts the prompt, as vLLM's does).
+    length_penalty (length counts the prompt, as vLLM's does). `structured_outputs` constrains every
+    beam (LLM.beam_search only, as in vLLM; the server refuses it with use_beam_search).
     """
 
     beam_width: int
@@ -445,8 +446,9 @@ class BeamSearchParams:
             raise ValidationError(f"temperature must be non-negative, got {self.temperature!r}")
         if not isinstance(self.length_penalty, int | float) or self.length_penalty != self.length_penalty:
             raise ValidationError(f"length_penalty must be a number, got {self.length_penalty!r}")
-        # Refused rather than ignored: tokenloom's beam search does not constrain or watermark beams.
-        if self.structured_outputs is not None:
-            raise ValidationError("structured_outputs is not supported with beam search")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValidationError("structured_outputs must be a StructuredOutputsParams, got "
+                                  f"{type(self.structured_outputs).__name__}")
+        # Refused rather than ignored: tokenloom's beam search does not watermark beams.
         if self.watermarking:
             raise ValidationError("watermarking is not supported")

@@ -17,17 +17,33 @@ and the new token are computed again.
 vLLM's two paths differ: offline beams keep the prompt and a final EOS in `tokens` and `text`; online
 outputs are the generated tokens only, EOS dropped unless include_stop_str_in_output, with
 finish_reason "stop"/"length".
+
+Structured outputs (offline only, as in vLLM 0.32, whose server drops them from beam search; tokenloom's server
+refuses them): `BeamGrammar` constrains each step. A grammar compiled once per search; per beam a matcher replays
+the beam's generated tokens (vLLM's rule: no state is kept between steps). A beam whose grammar has terminated
+(or allows nothing) is completed, if it generated anything; otherwise its allowed next tokens go to its step
+request as `allowed_token_ids` when there are at most MAX_NUM_ALLOWED_TOKEN_IDS of them, and its candidates are
+filtered to the allowed set either way (the raw logprobs the step returns are from before the mask; for a larger
+set the filter is the only enforcement).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from tokenloom.engine.outputs import Logprob, RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloom.core.structured_output import GrammarBackend
+
+# vLLM's _MAX_NUM_ALLOWED_TOKEN_IDS (its engine's cap on allowed_token_ids, MAX_NUM_ALLOWED_TOKEN_IDS in
+# vllm/v1/worker/gpu/sample/logit_bias.py). tokenloom's sampler has no such cap; keeping vLLM's keeps its
+# candidates: the sampled token rides along with the top logprobs, and only under the mask is it an allowed one.
+MAX_NUM_ALLOWED_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -142,8 +158,51 @@ def search_is_decided(completed: list[BeamSearchSequence], beams: list[BeamSearc
     return kth > bound
 
 
+# Structured outputs (vLLM's _init_beam_search_structured_output / _build_beam_sampling_params) -------------
+class BeamGrammar:
+    """One search's grammar: compiled once by the engine's grammar backend (the StructuredOutputManager's
+    xgrammar one), a fresh matcher per beam and step that replays the beam's generated tokens. vLLM replays
+    too (its backends cannot clone a matcher); the replay is microseconds a token, the bitmask fill the cost."""
+
+    def __init__(self, backend: GrammarBackend, key: tuple[str, str], eos_token_id: int | None) -> None:
+        self.backend = backend
+        self.compiled = backend.compile(*key)
+        # The grammar's end is EOS, the token that finishes a beam (vLLM's backend: the tokenizer's EOS).
+        self.stop_token_ids = [eos_token_id] if eos_token_id is not None else []
+        self.bitmask = backend.allocate_bitmask(1)
+
+    def allowed_next(self, generated: Sequence[int]) -> list[int] | None:
+        """The token ids the grammar allows after `generated`; None when it has terminated, rejects a
+        generated token (a step's logprobs filter keeps that from happening) or allows nothing: the beam is done."""
+        matcher = self.backend.matcher(self.compiled, self.stop_token_ids)
+        for token in generated:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                return None
+        if matcher.is_terminated():
+            return None
+        matcher.fill_bitmask(self.bitmask, 0)
+        return self.backend.allowed_token_ids(self.bitmask, 0) or None
+
+
+def constrained_step_params(beams: Sequence[BeamSearchSequence], base: SamplingParams,
+                            grammar: BeamGrammar) -> list[tuple[SamplingParams, frozenset[int]] | None]:
+    """Per beam, its step request's params and the set its candidates are filtered to; None for a beam the
+    grammar has finished. The per-step rule of vLLM's _build_beam_sampling_params."""
+    entries: list[tuple[SamplingParams, frozenset[int]] | None] = []
+    for beam in beams:
+        allowed = grammar.allowed_next(beam.tokens[len(beam.orig_prompt["prompt_token_ids"]):])
+        if allowed is None:
+            entries.append(None)
+            continue
+        # Above the cap the step runs unmasked and the logprobs filter alone enforces the grammar (vLLM's rule).
+        params = replace(base, allowed_token_ids=allowed) if len(allowed) <= MAX_NUM_ALLOWED_TOKEN_IDS else base
+        entries.append((params, frozenset(allowed)))
+    return entries
+
+
 # Offline (vLLM's BeamSearchOfflineMixin.beam_search) ----------------------------------------------------
-RunStep = Callable[[list[dict[str, Any]], SamplingParams], list[RequestOutput]]
+# One-token requests for the given prompts, one SamplingParams for all or one per prompt.
+RunStep = Callable[[list[dict[str, Any]], SamplingParams | list[SamplingParams]], list[RequestOutput]]
 
 
 def beam_search_offline(
@@ -156,10 +215,12 @@ def beam_search_offline(
     concurrency_limit: int | None = None,
     use_tqdm: bool = False,
     early_stop: bool = True,
+    grammar: BeamGrammar | None = None,
 ) -> list[BeamSearchOutput]:
     """`prompts`: {"prompt_token_ids": [...], "prompt": text or None} each. `run_step` runs one-token
     requests to completion (LLM.generate); `decode(ids, skip_special_tokens)` is the tokenizer's.
-    `early_stop=False` runs every one of max_tokens steps, as vLLM does (same answer, more steps)."""
+    `early_stop=False` runs every one of max_tokens steps, as vLLM does (same answer, more steps).
+    `grammar`: params.structured_outputs compiled (LLM.beam_search builds it), constraining every beam."""
     base = step_sampling_params(params, max_logprobs)
     sort_key = create_sort_beams_key_function(eos_token_id, params.length_penalty)
     instances = [BeamSearchInstance({"type": "token", **p}) for p in prompts]
@@ -174,7 +235,7 @@ def beam_search_offline(
 
             steps = tqdm(steps, desc="Beam search", unit="token", unit_scale=False)
         for _ in steps:
-            if _offline_step(batch, base, run_step, eos_token_id, params.ignore_eos, params.beam_width):
+            if _offline_step(batch, base, run_step, eos_token_id, params.ignore_eos, params.beam_width, grammar):
                 break
             for instance in batch:
                 if not (early_stop and instance.beams):
@@ -196,15 +257,36 @@ def beam_search_offline(
 
 
 def _offline_step(batch: list[BeamSearchInstance], base: SamplingParams, run_step: RunStep,
-                  eos_token_id: int | None, ignore_eos: bool, beam_width: int) -> bool:
+                  eos_token_id: int | None, ignore_eos: bool, beam_width: int,
+                  grammar: BeamGrammar | None = None) -> bool:
     """One token for every live beam of the batch; True when no beam is left to extend."""
+    allowed_sets: list[frozenset[int] | None] | None = None
+    if grammar is not None:
+        entries = constrained_step_params([beam for instance in batch for beam in instance.beams], base, grammar)
+        allowed_sets, pos = [], 0
+        for instance in batch:
+            live = []
+            for beam, entry in zip(instance.beams, entries[pos:pos + len(instance.beams)]):
+                if entry is None:
+                    # The grammar has ended: the beam is finished (vLLM drops one that generated nothing).
+                    if len(beam.tokens) > len(beam.orig_prompt["prompt_token_ids"]):
+                        instance.completed.append(beam)
+                else:
+                    live.append(beam)
+                    allowed_sets.append(entry[1])
+            pos += len(instance.beams)
+            instance.beams = live
+        step_params: SamplingParams | list[SamplingParams] = [entry[0] for entry in entries if entry is not None]
+    else:
+        step_params = base
     all_beams = [beam for instance in batch for beam in instance.beams]
     if not all_beams:
         return True
-    results = run_step([beam.get_prompt() for beam in all_beams], base)
+    results = run_step([beam.get_prompt() for beam in all_beams], step_params)
     pos = 0
     for instance in batch:
         beams, outs = instance.beams, results[pos:pos + len(instance.beams)]
+        allowed_of = allowed_sets[pos:pos + len(beams)] if allowed_sets is not None else [None] * len(beams)
         pos += len(beams)
         if any(out.outputs[0].finish_reason == "abort" for out in outs):
             for beam in beams:
@@ -213,11 +295,15 @@ def _offline_step(batch: list[BeamSearchInstance], base: SamplingParams, run_ste
             instance.beams = []
             continue
         candidates = []
-        for beam, out in zip(beams, outs):
+        for beam, out, allowed in zip(beams, outs, allowed_of):
             logprobs = step_logprobs(out)
             if logprobs is None:
                 continue
             for token_id, lp in logprobs.items():
+                # The step's logprobs are the raw ones, from before any mask: a token outside the grammar is
+                # no candidate (the only enforcement where the allowed set was too large to send).
+                if allowed is not None and token_id not in allowed:
+                    continue
                 new = BeamSearchSequence(beam.orig_prompt, tokens=beam.tokens + [token_id],
                                          logprobs=beam.logprobs + [logprobs],
                                          cum_logprob=beam.cum_logprob + lp.logprob)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import engine_config_from_kwargs
 from tokenloom.core.prompt_fit import EMPTY_PROMPT
-from tokenloom.engine.beam_search import BeamSearchOutput, beam_search_offline
+from tokenloom.engine.beam_search import BeamGrammar, BeamSearchOutput, beam_search_offline
 from tokenloom.engine.input_processor import PromptType
 from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
@@ -154,7 +154,8 @@ class LLM:
         with `tokens` (prompt included), `text` (prompt included), `cum_logprob` and per-step `logprobs`.
         Runs as one-token requests over the engine (tokenloom/engine/beam_search.py); at most
         `concurrency_limit` prompts are searched at once; `lora_request` (one, or one per prompt) runs
-        every beam of a prompt with its adapter."""
+        every beam of a prompt with its adapter; `params.structured_outputs` constrains every beam to the grammar
+        (vLLM 0.32's rule: beam_search.py's BeamGrammar)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = prompt_list(prompts)
@@ -170,13 +171,22 @@ class LLM:
         if eos is None:
             eos = self.llm_engine.eos_token_id
 
-        def run_step(step_prompts: list[dict[str, Any]], step_params: SamplingParams) -> list[RequestOutput]:
+        grammar = None
+        if params.structured_outputs is not None:
+            # Refused here as a request would be (a bad schema, an unsupported feature), then compiled once.
+            from tokenloom.model.grammar import validate_structured_outputs
+
+            validate_structured_outputs(params.structured_outputs)
+            grammar = BeamGrammar(self.llm_engine.grammar_backend(), params.structured_outputs.key, eos)
+
+        def run_step(step_prompts: list[dict[str, Any]],
+                     step_params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
             step_loras = [p.pop("lora_request", None) for p in step_prompts]
             return self.generate(step_prompts, step_params, use_tqdm=False, lora_request=step_loras)
 
         return beam_search_offline(items, params, run_step, lambda ids, skip: tok.decode(ids, skip_special_tokens=skip),
                                    eos, max_logprobs=self.llm_engine.max_logprobs,
-                                   concurrency_limit=concurrency_limit, use_tqdm=use_tqdm)
+                                   concurrency_limit=concurrency_limit, use_tqdm=use_tqdm, grammar=grammar)
 
     # Pooling models (vLLM's LLM.encode / embed / classify / score) ---------------------------------
     def encode(

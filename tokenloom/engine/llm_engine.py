@@ -27,6 +27,7 @@ from typing import Any
 
 from tokenloom.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs
 from tokenloom.core.request import Request
+from tokenloom.core.structured_output import NO_TOKENIZER_ERROR, GrammarBackend
 from tokenloom.engine.clients import make_client, needs_engine_processes
 from tokenloom.engine.core_client import SyncEngineCoreClient
 from tokenloom.engine.core_host import EngineCoreHost
@@ -71,6 +72,9 @@ class LLMEngine:
         `max_logprobs`: vLLM's engine argument, the most logprobs / prompt_logprobs a request may ask for (-1:
         the whole vocabulary); the server's --max-logprobs is its own option, checked where it parses requests."""
         self.max_logprobs = max_logprobs
+        # Beam search compiles its grammar in this process (grammar_backend) whether or not the engine core is.
+        self.structured_outputs_config = config.structured_outputs_config
+        self._grammar_backend: Any = None
         if multiprocess_mode is None:
             multiprocess_mode = needs_engine_processes(config)
         client: Any = make_client(config, log_level, multiprocess_mode=multiprocess_mode, asyncio_mode=False,
@@ -333,6 +337,23 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output grammar backend for grammars used in this process (beam search's): the in-process
+        engine core's own (StructuredOutputManager.backend: its vocabulary table is built once, and xgrammar's
+        compile cache is shared), else one built here as the engine cores build theirs, once."""
+        if self.tokenizer is None:  # skip_tokenizer_init: a grammar is compiled against the vocabulary
+            raise ValueError(NO_TOKENIZER_ERROR)
+        if isinstance(self.client, InprocClient):
+            return self.client.host.structured_output_manager.backend
+        if self._grammar_backend is None:
+            from tokenloom.model.grammar import make_xgrammar_backend
+
+            so_config = self.structured_outputs_config
+            self._grammar_backend = make_xgrammar_backend(
+                self.tokenizer, self.input_processor.info.vocab_size,
+                disable_any_whitespace=so_config is not None and so_config.disable_any_whitespace)
+        return self._grammar_backend
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """vLLM's: drop every cached prefix block. False when blocks are still in use by requests, unless

@@ -108,6 +108,13 @@ class XgrammarBackend:
     def copy_row(self, bitmask: torch.Tensor, src: int, dst: int) -> None:
         bitmask[dst].copy_(bitmask[src])
 
+    def allowed_token_ids(self, bitmask: torch.Tensor, index: int) -> list[int]:
+        """The token ids a row allows (beam search sends them as a step's allowed_token_ids): bit i % 32 of
+        int32 word i // 32 is token i, as vLLM's _bitmask_to_token_ids reads it."""
+        ids = torch.arange(self.vocab_size)
+        bits = (bitmask[index][ids >> 5] >> (ids & 31)) & 1
+        return ids[bits.bool()].tolist()
+
 
 def make_xgrammar_backend(tokenizer: Any, vocab_size: int, disable_any_whitespace: bool = False) -> XgrammarBackend:
     """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`)."""

@@ -64,6 +64,8 @@ def check_beam_search(obj: dict[str, Any], req: SamplingRequest, structured: Str
         raise APIError(400, "max_tokens must be at least 1 with beam search", "max_tokens")
     reject_unsupported(obj, NOT_APPLIED)
     if structured is not None:
+        # Offline beam search applies them (vLLM 0.32's rule, engine/beam_search.py); vLLM's online beam search
+        # drops them (to_beam_search_params does not carry them), which would be a silent 200 here.
         raise APIError(400, "structured outputs are not supported with beam search", "structured_outputs")
 
 
