@@ -267,7 +267,7 @@ class LLMEngine:
             out = self.output_processor.finish_aborted(rid)
             if out is not None:
                 results.append(out)
-        if self.log_stats:  # aborts count as vLLM's request_success{finished_reason="abort"}
+        if results and self.log_stats:  # aborts count as vLLM's request_success{finished_reason="abort"}
             stats = IterationStats(self.clock())
             self._record_finished(results, stats)
             log_stats(self.stat_loggers, stats)
