@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test lint bench-setup bench-models figures-quick figure clean
+.PHONY: setup serve test test-peer lint bench-setup bench-models figures-quick figure clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -94,6 +94,10 @@ figure: setup
 test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# vLLM's own tests vendored in tests/peer, with the long cases `make test` skips (tests/peer/offline/conftest.py).
+test-peer: setup $(VENV)/.test-installed
+	TOKENLOOM_PEER_FULL=1 $(BIN)/python -m pytest -q tests/peer
 
 lint: setup $(VENV)/.test-installed
 	$(BIN)/ruff check tokenloom tests benchmarks
