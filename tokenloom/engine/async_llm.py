@@ -20,7 +20,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.core.request import Request
@@ -29,6 +28,7 @@ from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
 from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.input_processor import (
     InputProcessor,
     InvalidRequestError,
@@ -111,6 +111,9 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.output_processor = OutputProcessor(tokenizer)
         self.input_processor = InputProcessor(tokenizer, ready)
+        # The engines' generation_config defaults, as LLMEngine holds them for engine processes.
+        self.generation_defaults = GenerationDefaults(dict(getattr(ready, "sampling_defaults", None) or {}),
+                                                      list(getattr(ready, "extra_eos_token_ids", None) or []))
         self.stat_loggers: list[StatLogger] = []
         # Called once the engine process is found dead, after every request in flight was failed
         # (the server uses it to exit, as vLLM's does).
@@ -206,10 +209,7 @@ class AsyncLLM:
         params = self.input_processor.process_params(params)
         self.check_admission(params.n)
         arrival = time.monotonic()
-        extra_eos = getattr(self.info, "extra_eos_token_ids", None)
-        if extra_eos and not params.ignore_eos:  # the model's generation_config EOS ids (as vLLM)
-            params = replace(params, stop_token_ids=list(params.stop_token_ids or [])
-                             + [t for t in extra_eos if t not in (params.stop_token_ids or [])])
+        params = self.generation_defaults.apply_eos(params)  # the model's generation_config EOS ids (as vLLM)
         if lora_request is not None:
             check_lora_request(lora_request, self.info.lora)
         cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority, lora_request)
@@ -303,7 +303,7 @@ class AsyncLLM:
         if request_id is None:
             request_id = uuid.uuid4().hex
         if sampling_params is None:  # the model's generation_config defaults, as the server's
-            sampling_params = SamplingParams(**dict(getattr(self.info, "sampling_defaults", None) or {}))
+            sampling_params = self.generation_defaults.sampling_params()
         if sampling_params.structured_outputs is not None:
             from tokenloom.model.grammar import validate_structured_outputs
 

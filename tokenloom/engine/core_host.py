@@ -335,14 +335,12 @@ class EngineCoreHost:
         """Grammars for structured outputs; the xgrammar backend is built on the first constrained
         request, in a compile thread (it reads the whole vocabulary: about 2 s)."""
         tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
-        # vLLM's engine-wide disable_any_whitespace is its backend's: every JSON grammar compiles compact.
         so_config = self.config.structured_outputs_config
-        compact = so_config is not None and so_config.disable_any_whitespace
 
         def backend() -> Any:
             from tokenloom.model.grammar import make_xgrammar_backend
 
-            return make_xgrammar_backend(tokenizer, vocab_size, disable_any_whitespace=compact)
+            return make_xgrammar_backend(tokenizer, vocab_size, so_config)
 
         return StructuredOutputManager(backend)
 

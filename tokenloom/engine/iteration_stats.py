@@ -92,36 +92,38 @@ def record_finished(out: RequestOutput | PoolingRequestOutput, cores: list[Reque
     finished completions in every later output, and each must count once."""
     if isinstance(out, PoolingRequestOutput):
         core = cores[0]
-        if not out.finished or not take(core):
-            return
-        end = core.finished_time or stats.timestamp
-        queued = core.first_scheduled_time
-        reason = "stop" if out.error is None else ("abort" if "abort" in out.error else "error")
-        stats.finished.append(FinishedRequestStats(
-            finish_reason=reason, e2e_latency=end - core.arrival_time,
-            queue_time=None if queued is None else queued - core.arrival_time,
-            num_prompt_tokens=core.num_prompt_tokens, num_generation_tokens=0,
-            inference_time=None if queued is None else end - queued,
-            prefill_time=None if queued is None else end - queued, decode_time=0.0, n_param=1))
+        if out.finished and take(core):
+            reason = "stop" if out.error is None else ("abort" if "abort" in out.error else "error")
+            end = core.finished_time or stats.timestamp
+            # A pooled prompt's "first token" is its end: all of its time is prefill.
+            stats.finished.append(_finished_stats(core, reason, 0, end, end, None, 1))
         return
     for comp, core in zip(out.outputs, cores):
         if comp.finish_reason is None or not take(core):
             continue
-        end = core.finished_time or stats.timestamp
-        queued = core.first_scheduled_time
-        stats.finished.append(FinishedRequestStats(
-            finish_reason=comp.finish_reason,
-            e2e_latency=end - core.arrival_time,
-            queue_time=None if queued is None else queued - core.arrival_time,
-            num_prompt_tokens=core.num_prompt_tokens,
-            num_generation_tokens=len(comp.token_ids),
-            inference_time=None if queued is None else end - queued,
-            prefill_time=None if queued is None or core.first_token_time is None
-            else core.first_token_time - queued,
-            decode_time=None if core.first_token_time is None else end - core.first_token_time,
-            max_tokens_param=core.sampling_params.max_tokens,
-            n_param=len(cores) if comp.index == 0 else None,
-        ))
+        stats.finished.append(_finished_stats(core, comp.finish_reason, len(comp.token_ids),
+                                              core.finished_time or stats.timestamp, core.first_token_time,
+                                              core.sampling_params.max_tokens,
+                                              len(cores) if comp.index == 0 else None))
+
+
+def _finished_stats(core: Request, reason: str, num_generation_tokens: int, end: float,
+                    first_token_time: float | None, max_tokens: int | None, n: int | None) -> FinishedRequestStats:
+    """vLLM's per-request phases from `core`'s timestamps: queued (arrival → first scheduled), prefill
+    (→ first token), decode (→ `end`)."""
+    queued = core.first_scheduled_time
+    return FinishedRequestStats(
+        finish_reason=reason,
+        e2e_latency=end - core.arrival_time,
+        queue_time=None if queued is None else queued - core.arrival_time,
+        num_prompt_tokens=core.num_prompt_tokens,
+        num_generation_tokens=num_generation_tokens,
+        inference_time=None if queued is None else end - queued,
+        prefill_time=None if queued is None or first_token_time is None else first_token_time - queued,
+        decode_time=None if first_token_time is None else end - first_token_time,
+        max_tokens_param=max_tokens,
+        n_param=n,
+    )
 
 
 def log_stats(stat_loggers: Iterable[StatLogger], stats: IterationStats) -> None:

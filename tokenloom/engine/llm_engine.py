@@ -349,10 +349,8 @@ class LLMEngine:
         if self._grammar_backend is None:
             from tokenloom.model.grammar import make_xgrammar_backend
 
-            so_config = self.structured_outputs_config
-            self._grammar_backend = make_xgrammar_backend(
-                self.tokenizer, self.input_processor.info.vocab_size,
-                disable_any_whitespace=so_config is not None and so_config.disable_any_whitespace)
+            self._grammar_backend = make_xgrammar_backend(self.tokenizer, self.input_processor.info.vocab_size,
+                                                          self.structured_outputs_config)
         return self._grammar_backend
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

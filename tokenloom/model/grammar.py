@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from tokenloom.config import StructuredOutputsConfig
 from tokenloom.exceptions import ValidationError
 from tokenloom.sampling_params import StructuredOutputsParams
 
@@ -116,10 +117,12 @@ class XgrammarBackend:
         return ids[bits.bool()].tolist()
 
 
-def make_xgrammar_backend(tokenizer: Any, vocab_size: int, disable_any_whitespace: bool = False) -> XgrammarBackend:
-    """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`)."""
-    return XgrammarBackend(getattr(tokenizer, "hf", tokenizer), vocab_size,
-                           disable_any_whitespace=disable_any_whitespace)
+def make_xgrammar_backend(tokenizer: Any, vocab_size: int,
+                          structured_outputs_config: StructuredOutputsConfig | None = None) -> XgrammarBackend:
+    """From tokenloom's Tokenizer (its Hugging Face tokenizer is `.hf`), with the engine's structured-output
+    options (vLLM's engine-wide disable_any_whitespace: every JSON grammar compiles compact)."""
+    compact = structured_outputs_config is not None and structured_outputs_config.disable_any_whitespace
+    return XgrammarBackend(getattr(tokenizer, "hf", tokenizer), vocab_size, disable_any_whitespace=compact)
 
 
 # Validation (API side, no tokenizer) -------------------------------------------------------------
