@@ -1,7 +1,7 @@
 """LLM.beam_search constrained by structured outputs (vLLM 0.32's offline rule, tokenloom/engine/beam_search.py).
 
 The step rule without a model (which tokens a beam's step may send and keep, a finished grammar completing its
-beam, the allowed_token_ids cap), then the tiny random llama on the float path: every returned sequence satisfies
+beam, allowed_token_ids always sent), then the tiny random llama on the float path: every returned sequence satisfies
 its regex / choice / JSON schema, also with length_penalty and concurrency_limit. A random model makes the point
 sharper than a trained one: left alone it would write anything.
 """
@@ -43,17 +43,17 @@ def _output(logprobs: dict[int, float]) -> RequestOutput:
                          metrics=RequestMetrics(arrival_time=0.0))
 
 
-def test_step_sends_allowed_ids_up_to_the_cap_and_keeps_only_allowed_candidates(monkeypatch) -> None:
+def test_step_sends_every_allowed_id_and_keeps_only_allowed_candidates() -> None:
     base = SamplingParams(logprobs=4, max_tokens=1, temperature=0.0)
     prompt = {"type": "token", "prompt_token_ids": [9, 9]}
     beam = BeamSearchSequence(prompt, tokens=[9, 9], logprobs=[])
     [(params, allowed)] = constrained_step_params([beam], base, FakeGrammar([[5, 6, 7]]))
     assert params.allowed_token_ids == [5, 6, 7] and allowed == {5, 6, 7} and params.logprobs == 4
-    monkeypatch.setattr(bs, "MAX_NUM_ALLOWED_TOKEN_IDS", 2)  # a larger set than the engine-side cap: not sent
-    [(params, allowed)] = constrained_step_params([beam], base, FakeGrammar([[5, 6, 7]]))
-    assert params.allowed_token_ids is None and allowed == {5, 6, 7}
+    many = list(range(10, 3000))  # past vLLM's 1024 cap: still sent, so the sampled token is an allowed one
+    [(params, allowed)] = constrained_step_params([beam], base, FakeGrammar([many]))
+    assert params.allowed_token_ids == many and allowed == set(many)
 
-    # Unmasked (above the cap), the step's raw logprobs name tokens the grammar forbids: they are no candidates.
+    # The step's raw logprobs (from before the mask) name tokens the grammar forbids: they are no candidates.
     sent: list[Any] = []
 
     def run_step(prompts: list[dict[str, Any]], params: Any) -> list[RequestOutput]:
@@ -63,7 +63,7 @@ def test_step_sends_allowed_ids_up_to_the_cap_and_keeps_only_allowed_candidates(
     instance = BeamSearchInstance(prompt)
     assert not bs._offline_step([instance], base, run_step, EOS, False, 4, FakeGrammar([[5, 6, 7], [EOS]]))
     assert sorted(b.tokens[-1] for b in instance.beams) == [5, 7]
-    assert [p.allowed_token_ids for p in sent[0]] == [None]
+    assert [p.allowed_token_ids for p in sent[0]] == [[5, 6, 7]]
 
 
 def test_a_beam_whose_grammar_ended_is_completed_and_an_empty_one_dropped() -> None:
@@ -183,3 +183,21 @@ def test_an_invalid_constraint_is_refused_before_any_step(llm: Any) -> None:
     bad = StructuredOutputsParams(json={"type": "integer", "multipleOf": 5})
     with pytest.raises(ValueError, match="not supported by xgrammar"):
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=bad))
+
+
+@pytest.mark.slow
+def test_a_trained_model_keeps_its_beams_where_its_top_tokens_are_all_forbidden() -> None:
+    """The default model after "A code:100-" wants more digits: none of its top raw logprobs is a letter, and
+    4,892 tokens are allowed. Sent vLLM's way (no mask past 1024 ids) every beam died and the search returned
+    nothing; masked, the sampled token is an allowed one and the beams go on."""
+    from tokenloom import LLM
+
+    llm = LLM()
+    try:
+        pattern = r"[0-9]{3}-[a-z]{4}"
+        out = llm.beam_search(["A code:"], BeamSearchParams(beam_width=2, max_tokens=12,
+                                                             structured_outputs=StructuredOutputsParams(regex=pattern)))
+        texts = [s.text.removeprefix("A code:") for s in out[0].sequences]
+        assert texts and all(re.fullmatch(pattern, t) for t in texts), texts
+    finally:
+        llm.shutdown()

@@ -22,9 +22,9 @@ Structured outputs (offline only, as in vLLM 0.32, whose server drops them from 
 refuses them): `BeamGrammar` constrains each step. A grammar compiled once per search; per beam a matcher replays
 the beam's generated tokens (vLLM's rule: no state is kept between steps). A beam whose grammar has terminated
 (or allows nothing) is completed, if it generated anything; otherwise its allowed next tokens go to its step
-request as `allowed_token_ids` when there are at most MAX_NUM_ALLOWED_TOKEN_IDS of them, and its candidates are
-filtered to the allowed set either way (the raw logprobs the step returns are from before the mask; for a larger
-set the filter is the only enforcement).
+request as `allowed_token_ids` (however many: vLLM stops sending them past 1024, see constrained_step_params),
+and its candidates are filtered to the allowed set (the raw logprobs the step returns are from before the mask;
+the sampled token, an allowed one, rides along).
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ from tokenloom.sampling_params import BeamSearchParams, SamplingParams
 if TYPE_CHECKING:
     from tokenloom.core.structured_output import GrammarBackend
 
-# vLLM's _MAX_NUM_ALLOWED_TOKEN_IDS (its engine's cap on allowed_token_ids, MAX_NUM_ALLOWED_TOKEN_IDS in
-# vllm/v1/worker/gpu/sample/logit_bias.py). tokenloom's sampler has no such cap; keeping vLLM's keeps its
-# candidates: the sampled token rides along with the top logprobs, and only under the mask is it an allowed one.
-MAX_NUM_ALLOWED_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -194,8 +190,11 @@ def constrained_step_params(beams: Sequence[BeamSearchSequence], base: SamplingP
         if allowed is None:
             entries.append(None)
             continue
-        # Above the cap the step runs unmasked and the logprobs filter alone enforces the grammar (vLLM's rule).
-        params = replace(base, allowed_token_ids=allowed) if len(allowed) <= MAX_NUM_ALLOWED_TOKEN_IDS else base
+        # Always masked: vLLM sends at most 1024 ids (its GPU sampler's cap) and runs a larger set unmasked, so
+        # a beam whose raw top logprobs hold no allowed token dies, and a search can return nothing (SmolLM2,
+        # regex [0-9]{3}-[a-z]{4}: every beam died at the letters, 4,892 allowed ids). tokenloom's sampler has
+        # no cap, so the sampled token is always an allowed one and every live beam keeps a candidate.
+        params = replace(base, allowed_token_ids=allowed)
         entries.append((params, frozenset(allowed)))
     return entries
 
