@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import re
 
 import pytest
 
@@ -132,3 +133,26 @@ def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
             await engine.check_health()
 
     asyncio.run(run())
+
+
+def test_async_llm_generate_with_data_parallel_async_scheduling_drafts_and_a_grammar(tiny_args) -> None:
+    """The new API over the engine's other features at once: two engine processes, async scheduling, n-gram
+    drafts, a regex constraint; every request's text follows the regex."""
+    from tokenloom import StructuredOutputsParams
+
+    pattern = r"[0-9]{3}-[a-z]{2}"
+
+    async def run() -> list[str]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            **tiny_args, data_parallel_size=2, async_scheduling=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}))
+        try:
+            params = SamplingParams(max_tokens=16, temperature=0.0,
+                                    structured_outputs=StructuredOutputsParams(regex=pattern))
+            runs = await asyncio.gather(*[_collect(engine, f"g{i}", params, prompt=[5 + i, 6, 7]) for i in range(4)])
+            return [outs[-1].outputs[0].text for outs in runs]
+        finally:
+            engine.shutdown()
+
+    texts = asyncio.run(run())
+    assert len(texts) == 4 and all(re.fullmatch(pattern, t) for t in texts), texts
