@@ -63,3 +63,26 @@ def test_vllm_names_under_the_default_prefix():
     ours = PrometheusMetrics("m", 10, prefix="tokenloom")
     ours.record(_stats(totals.copy()))
     assert not any(line.startswith("vllm:") for line in _spec_lines(ours))
+
+
+def test_data_parallel_engines_spec_decoding_totals_add_up() -> None:
+    """With several engines the front end sums their reports (engine_stats.sum_engine_stats): the drafts counted
+    must be every engine's, not dropped (the server's /metrics, its stats line and LLM.get_metrics read the sum)."""
+    from tokenloom.core.scheduler import SchedulerStats
+    from tokenloom.core.spec_decode_stats import SpecDecodingStats
+    from tokenloom.engine.engine_stats import sum_engine_stats
+
+    def report(drafts: int, accepted_per_pos: list[int]) -> SchedulerStats:
+        spec = SpecDecodingStats.new(2)
+        spec.num_drafts, spec.num_draft_tokens = drafts, 2 * drafts
+        spec.num_accepted_tokens_per_pos = list(accepted_per_pos)
+        spec.num_accepted_tokens = sum(accepted_per_pos)
+        return SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5, num_free_blocks=4,
+                              num_preemptions_total=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                              spec_decoding=spec)
+
+    total = sum_engine_stats({0: report(3, [2, 1]), 1: report(5, [4, 0])}).spec_decoding
+    assert total is not None
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens) == (8, 16, 7)
+    assert total.num_accepted_tokens_per_pos == [6, 1]
+    assert sum_engine_stats({0: report(1, [1, 0])}).spec_decoding is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tokenloom.core.kv_cache_manager import PrefixCacheStats
 from tokenloom.core.scheduler import SchedulerStats
+from tokenloom.core.spec_decode_stats import SpecDecodingStats
 
 
 def sum_engine_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
@@ -22,6 +23,7 @@ def sum_engine_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
         running_lora_adapters=_sum_counts([r.running_lora_adapters for r in reports]),
         waiting_lora_adapters=_sum_counts([r.waiting_lora_adapters for r in reports]),
         connector_prefix_cache_totals=_sum_prefix_stats([r.connector_prefix_cache_totals for r in reports]),
+        spec_decoding=_sum_spec_decoding([r.spec_decoding for r in reports]),
     )
 
 
@@ -43,4 +45,20 @@ def _sum_prefix_stats(parts: list[PrefixCacheStats | None]) -> PrefixCacheStats 
     for p in parts:
         if p is not None:
             total.merge(p)
+    return total
+
+
+def _sum_spec_decoding(parts: list[SpecDecodingStats | None]) -> SpecDecodingStats | None:
+    """The engines' speculative-decoding totals as one (None without speculative decoding). Every engine
+    drafts the same number of tokens a step (one config); the per-position counts add up position by position."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    total = SpecDecodingStats.new(max(p.num_spec_tokens for p in present))
+    for p in present:
+        total.num_drafts += p.num_drafts
+        total.num_draft_tokens += p.num_draft_tokens
+        total.num_accepted_tokens += p.num_accepted_tokens
+        for i, n in enumerate(p.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[i] += n
     return total
