@@ -877,6 +877,11 @@ class EngineConfig:
         False, "no periodic 'Avg prompt throughput ...' stats line in the server's log (vLLM's; the interval is "
         "$TOKENLOOM_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, default 10 s); /metrics is kept",
         simulated=False)
+    # vLLM's: no tokenizer is loaded (token ids in, token ids out, as RL trainers and token-level clients use it);
+    # what needs one (text prompts, chat, stop strings, bad_words, structured outputs) is refused by name.
+    skip_tokenizer_init: bool = knob(
+        False, "load no tokenizer (vLLM's): prompts must be token ids, outputs carry token ids and empty text; "
+        "text prompts, chat, stop strings, bad_words and structured outputs are refused", simulated=False)
     # None: the model's context length, capped at 8,192 and by what the KV cache can hold.
     max_model_len: int | None = knob(
         None, "longest prompt + output (default: the model's context, at most 8,192 and what the KV pool holds)")

@@ -170,6 +170,10 @@ class SamplingParams:
                 raise ValidationError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # vLLM's: `logprobs=True` asks for one (a bool is an int to Python, not to torch's topk).
+        for name in ("logprobs", "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         if self.bad_words is not None:
             self.bad_words = _bad_words_list(self.bad_words)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):

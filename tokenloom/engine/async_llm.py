@@ -30,6 +30,7 @@ from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.exceptions import EngineDeadError
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.input_processor import (
+    NO_TOKENIZER,
     InputProcessor,
     InvalidRequestError,
     check_lora_request,
@@ -40,6 +41,7 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.request_mirrors import update_mirrors
+from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
@@ -102,9 +104,10 @@ class AsyncLLM:
         self,
         client: AsyncEngineCoreClient,
         ready: EngineReady,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         max_waiting_requests: int | None = None,
     ) -> None:
+        """`tokenizer` None: built with skip_tokenizer_init (token-id prompts, token-id outputs)."""
         self.client = client
         self.info = ready
         self.tokenizer = tokenizer
@@ -134,15 +137,16 @@ class AsyncLLM:
         model: str | None,
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
+        skip_tokenizer_init: bool = False,
     ) -> AsyncLLM:
-        """Load the tokenizer here while the (already spawned) engine process loads the model, then wait
-        for the engine to be ready: as long as it makes progress, a stall of at most `ready_timeout_s`
-        (default $TOKENLOOM_ENGINE_READY_TIMEOUT; MPClient.wait_ready). Stops the engine process if
-        anything fails."""
+        """Load the tokenizer here (none with `skip_tokenizer_init`) while the (already spawned) engine process
+        loads the model, then wait for the engine to be ready: as long as it makes progress, a stall of at most
+        `ready_timeout_s` (default $TOKENLOOM_ENGINE_READY_TIMEOUT; MPClient.wait_ready). Stops the engine process
+        if anything fails."""
         from tokenloom.model.tokenizer import load_tokenizer
 
         try:
-            tokenizer = load_tokenizer(model)
+            tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
             ready = client.wait_ready(ready_timeout_s)
         except BaseException:
             client.shutdown()
@@ -287,7 +291,7 @@ class AsyncLLM:
         from tokenloom.engine.clients import make_client
 
         config = engine_args.create_engine_config()
-        engine = cls.from_client(make_client(config), config.model)
+        engine = cls.from_client(make_client(config), config.model, skip_tokenizer_init=config.skip_tokenizer_init)
         engine.stat_loggers.extend(stat_loggers or [])
         return engine
 
@@ -330,6 +334,9 @@ class AsyncLLM:
             raise self.dead_error
 
     async def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's ValueError when built with skip_tokenizer_init)."""
+        if self.tokenizer is None:
+            raise ValidationError(NO_TOKENIZER, parameter="skip_tokenizer_init", value=True)
         return self.tokenizer
 
     @property

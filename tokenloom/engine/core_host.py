@@ -153,8 +153,10 @@ class EngineCoreHost:
         self.model_config = loaded.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         # Through `tokenizers` where it can: the engine-core process then never imports transformers.
-        self.tokenizer = load_tokenizer(config.model, lazy_transformers=True)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        # skip_tokenizer_init: none at all; the EOS id is then the model's own (config / GGUF metadata), as
+        # vLLM's generation config supplies it there.
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, lazy_transformers=True)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id
         self.generation_defaults = load_generation_defaults(path if path.is_dir() else path.parent / "_none",
@@ -195,6 +197,9 @@ class EngineCoreHost:
 
         calibration = None
         if config.quantization == "int8":
+            if self.tokenizer is None:
+                raise ConfigError("quantization int8 calibrates its activation scales on text, which needs the "
+                                  "tokenizer: drop skip_tokenizer_init or choose another quantization")
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
@@ -268,7 +273,7 @@ class EngineCoreHost:
         bert_config, weights = load_bert(path, dtype)
         self.model_config = bert_config
         self.model_name = config.model or path.name
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
         self.eos_token_id = None
         self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
         pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)
@@ -336,6 +341,8 @@ class EngineCoreHost:
         request, in a compile thread (it reads the whole vocabulary: about 2 s)."""
         tokenizer, vocab_size = self.tokenizer, self.model_config.vocab_size
         so_config = self.config.structured_outputs_config
+        if tokenizer is None:  # skip_tokenizer_init: no vocabulary to compile a grammar against
+            return StructuredOutputManager(None)
 
         def backend() -> Any:
             from tokenloom.model.grammar import make_xgrammar_backend

@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # the tokenizer module imports torch
 
 PromptType = str | list[int] | dict[str, Any]
 
+# vLLM's words where an engine built with skip_tokenizer_init meets what needs the tokenizer it did not load.
+TEXT_PROMPT_WITHOUT_TOKENIZER = "You cannot pass text prompts when `skip_tokenizer_init=True`"
+NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
+
 
 class InvalidRequestError(RequestRejected):
     """The request can never be served as sent (a client error); `param` names the culprit field. A
@@ -45,14 +49,21 @@ _OTHER_INPUTS = ("prompt_embeds", "multi_modal_data", "mm_processor_kwargs", "mu
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, info: EngineReady) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, info: EngineReady) -> None:
+        """`tokenizer` None: the engine was built with skip_tokenizer_init (token-id prompts only)."""
         self.tokenizer = tokenizer
         self.info = info
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids; refused by vLLM's sentence when the engine loaded no tokenizer."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(TEXT_PROMPT_WITHOUT_TOKENIZER, "prompt")
+        return self.tokenizer.encode(text)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids): text is tokenized, token ids are checked."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             other = next((k for k in _OTHER_INPUTS if k in prompt), None)
             if other is not None:  # vLLM's other input kinds: refused, not silently run as the text alone
@@ -64,7 +75,7 @@ class InputProcessor:
                 if not isinstance(prompt["prompt"], str):
                     raise InvalidRequestError(f"a prompt dict's 'prompt' must be a string, got "
                                               f"{type(prompt['prompt']).__name__}", "prompt")
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.encode(prompt["prompt"])
             raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, list):
             return None, self.check_token_ids(prompt)
@@ -86,6 +97,8 @@ class InputProcessor:
         word that tokenizes to nothing or out of the model's vocabulary, and for a best_of other than n."""
         if params.best_of is not None and params.best_of != params.n:  # the server's rule (server/params.py)
             raise InvalidRequestError("best_of is not supported (other than equal to n)", "best_of")
+        if self.tokenizer is None:
+            self._check_without_tokenizer(params)
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
         if self.tokenizer is None:
@@ -96,6 +109,19 @@ class InputProcessor:
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "bad_words") from None
         return params
+
+    @staticmethod
+    def _check_without_tokenizer(params: SamplingParams) -> None:
+        """skip_tokenizer_init: what needs text is refused, not run without it. vLLM refuses a grammar here and
+        ignores stop strings (no detokenizer sees the text); tokenloom refuses those too rather than let a
+        request run past the stop its caller asked for."""
+        if params.structured_outputs is not None:
+            from tokenloom.core.structured_output import NO_TOKENIZER_ERROR
+
+            raise InvalidRequestError(NO_TOKENIZER_ERROR, "structured_outputs")
+        if params.stop:
+            raise InvalidRequestError("stop strings are matched on the detokenized text, and skip_tokenizer_init=True "
+                                      "loads no tokenizer: give stop_token_ids instead", "stop")
 
     def check_logprobs(self, params: SamplingParams, max_logprobs: int) -> None:
         """vLLM's engine-side cap (SamplingParams._validate_logprobs, its words): logprobs and prompt_logprobs at

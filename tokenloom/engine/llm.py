@@ -59,7 +59,8 @@ class LLM:
         self.llm_engine = LLMEngine(engine_config_from_kwargs(model=model, **kwargs), max_logprobs=max_logprobs)
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        """The model's tokenizer (vLLM's ValueError when the LLM was built with skip_tokenizer_init)."""
+        return self.llm_engine.get_tokenizer()
 
     def shutdown(self) -> None:
         """Stop the engine: the data-parallel engine processes, or the in-process engine's threads."""
@@ -254,7 +255,7 @@ class LLM:
         if info.is_cross_encoder:
             prompts, params_list = [], []
             for a, b in pairs:
-                ids, split = cross_encoder_pair(engine.tokenizer, a, b)
+                ids, split = cross_encoder_pair(engine.get_tokenizer(), a, b)
                 params = (pooling_params or PoolingParams()).clone()
                 params.extra_kwargs = {"compressed_token_type_ids": split}
                 prompts.append({"prompt_token_ids": ids})

@@ -33,7 +33,15 @@ from tokenloom.engine.core_client import SyncEngineCoreClient
 from tokenloom.engine.core_host import EngineCoreHost
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.inproc_client import InprocClient
-from tokenloom.engine.input_processor import InputProcessor, PromptType, check_lora_request, truncate_prompt_ids
+from tokenloom.engine.input_processor import (
+    NO_TOKENIZER,
+    TEXT_PROMPT_WITHOUT_TOKENIZER,
+    InputProcessor,
+    InvalidRequestError,
+    PromptType,
+    check_lora_request,
+    truncate_prompt_ids,
+)
 from tokenloom.engine.iteration_stats import (
     IterationStats,
     StatLogger,
@@ -48,6 +56,7 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.pooling import encode_text, prepare_pooling_params, truncate_prompt
+from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
@@ -84,6 +93,8 @@ class LLMEngine:
             if isinstance(client, InprocClient):
                 self.tokenizer = client.host.tokenizer
                 self.generation_defaults = client.host.generation_defaults
+            elif config.skip_tokenizer_init:  # vLLM's: token ids in and out, no tokenizer anywhere
+                self.tokenizer = None
             else:  # load the tokenizer here while the engine processes load the model
                 from tokenloom.model.tokenizer import load_tokenizer
 
@@ -247,6 +258,8 @@ class LLMEngine:
         max_len = self.input_processor.info.max_model_len
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            if self.tokenizer is None:
+                raise InvalidRequestError(TEXT_PROMPT_WITHOUT_TOKENIZER, "prompt")
             token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
         else:
             text, token_ids = self.input_processor.tokenize(prompt)
@@ -336,6 +349,9 @@ class LLMEngine:
         return self.output_processor.num_unfinished()
 
     def get_tokenizer(self) -> Any:
+        """The engine's tokenizer; vLLM's ValueError when it was built with skip_tokenizer_init."""
+        if self.tokenizer is None:
+            raise ValidationError(NO_TOKENIZER, parameter="skip_tokenizer_init", value=True)
         return self.tokenizer
 
     def grammar_backend(self) -> GrammarBackend:

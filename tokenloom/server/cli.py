@@ -65,6 +65,9 @@ def _serve_on(args: argparse.Namespace, sock) -> int:
     config = ServerConfig(**{a.field: getattr(args, a.name) for a in server_args()})
     try:
         config.validate_tools()
+        if args.enable_auto_tool_choice and args.skip_tokenizer_init:
+            raise ValueError("--enable-auto-tool-choice parses tool calls from the generated text, which "
+                             "--skip-tokenizer-init does not make: use one or the other")
     except ValueError as exc:
         print(f"tokenloom serve: {exc}", file=sys.stderr)
         return 1

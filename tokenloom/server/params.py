@@ -7,7 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloom import envs
 from tokenloom.engine.generation_config import server_default
-from tokenloom.engine.input_processor import InvalidRequestError, truncate_prompt_ids
+from tokenloom.engine.input_processor import (
+    NO_TOKENIZER,
+    TEXT_PROMPT_WITHOUT_TOKENIZER,
+    InvalidRequestError,
+    truncate_prompt_ids,
+)
 from tokenloom.engine.llm_args import part_text
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, verify_num_sequences
 from tokenloom.server.errors import APIError
@@ -180,9 +185,10 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
                             structured_outputs=structured_outputs)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
+def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer | None,
                        max_model_len: int) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) for each prompt of the batch. Runs in the tokenizer thread."""
+    """(text or None, token ids) for each prompt of the batch. Runs in the tokenizer thread. `tokenizer` None
+    (--skip-tokenizer-init): token-id prompts only, and nothing that needs their text (echo, token strings)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -192,6 +198,8 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
         items = list(prompt)
     if not prompt:  # "" or []: vLLM's CompletionRequest validator's words
         raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if tokenizer is None:
+        _check_without_tokenizer(req, items)
     out = []
     for item in items:
         if isinstance(item, str):
@@ -205,6 +213,17 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer,
             text = tokenizer.decode(truncated, skip_special_tokens=False)
         out.append((text, truncated))
     return out
+
+
+def _check_without_tokenizer(req: CompletionRequest, items: list[Any]) -> None:
+    """--skip-tokenizer-init: a text prompt, echo (the prompt's text) and logprobs' token strings need the
+    tokenizer: 400s in vLLM's words (return_tokens_as_token_ids gives logprobs that need none)."""
+    if any(isinstance(item, str) for item in items):
+        raise APIError(400, TEXT_PROMPT_WITHOUT_TOKENIZER, "prompt")
+    if req.echo:
+        raise APIError(400, NO_TOKENIZER, "echo")
+    if req.logprobs is not None and not req.return_tokens_as_token_ids:
+        raise APIError(400, "Unable to get tokenizer because `skip_tokenizer_init=True`", "skip_tokenizer_init")
 
 
 # Chat ---------------------------------------------------------------------------------------------

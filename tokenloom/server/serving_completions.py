@@ -43,7 +43,7 @@ async def create_completion(raw: Request) -> Response:
         check_beam_search(obj, req, structured, completion=True)
     else:
         reject_beam_only_fields(req)
-    prompts = await state.in_tokenizer_thread(completion_prompts, req, state.tokenizer, state.max_model_len)
+    prompts = await state.in_tokenizer_thread(completion_prompts, req, state.engine.tokenizer, state.max_model_len)
     params = [completion_params(req, len(ids), state.max_model_len, state.vocab_size,
                                  state.config.max_logprobs, state.sampling_defaults, structured) for _, ids in prompts]
     base_id = base_request_id(raw, req.request_id)

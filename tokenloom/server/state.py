@@ -6,12 +6,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 
 from tokenloom import envs
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.input_processor import NO_TOKENIZER
 from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
@@ -19,6 +20,9 @@ from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.serving_models import ServingModels
+
+if TYPE_CHECKING:  # the tokenizer module imports torch
+    from tokenloom.model.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -32,7 +36,6 @@ class ServerState:
         self.model_names = list(config.served_model_names or [engine.info.model_name])
         # The base model's names and the LoRA adapters served (--lora-modules, runtime loading).
         self.models = ServingModels(self.model_names, getattr(engine.info, "lora", None), config.lora_modules)
-        self.tokenizer = engine.tokenizer
         self.max_model_len = engine.info.max_model_len
         self.vocab_size = engine.info.vocab_size
         self.server_load = 0  # generation requests in flight (GET /load)
@@ -71,6 +74,14 @@ class ServerState:
     def lora_request(self, requested: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""
         return self.models.lora_request(requested)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; with --skip-tokenizer-init (none loaded) whatever needs it is a 400 in vLLM's
+        words (chat, text prompts, /tokenize, tool calls, ...); completions of token ids read engine.tokenizer."""
+        if self.engine.tokenizer is None:
+            raise APIError(400, NO_TOKENIZER, "skip_tokenizer_init")
+        return self.engine.tokenizer
 
     async def in_tokenizer_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         loop = asyncio.get_running_loop()

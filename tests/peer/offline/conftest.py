@@ -70,9 +70,6 @@ class VllmRunner:
         del model_name, tokenizer_name, tokenizer_mode, trust_remote_code  # the served model's own
         for name in _DROPPED:
             kwargs.pop(name, None)
-        # vLLM's default, a no-op: tokenloom always loads the tokenizer; True still goes to LLM, which refuses it.
-        if kwargs.get("skip_tokenizer_init") is False:
-            del kwargs["skip_tokenizer_init"]
         if runner != "auto":
             kwargs["runner"] = runner
         if convert != "auto":

@@ -4,12 +4,9 @@
 # point at tokenloom (vLLM's metrics reader types: tokenloom.engine.metrics_reader), `vllm_runner`
 # (tests/peer/offline/conftest.py) runs the default model for any name, and test_skip_tokenizer_initialization
 # builds LLM(None) (the default model) in place of its Hub model. Left out, as vLLM-only machinery: the two
-# profiler tests (tokenloom has no start_profile / ProfilerAlreadyActiveError) and
-# test_compatibility_with_skip_tokenizer_init with its fixture (tokenloom always loads the tokenizer and refuses
-# skip_tokenizer_init when the LLM is built, so the fixture, not the test, would fail). xfail(strict=True), with
-# the reasons at each: the multimodal processor cache test (it stubs vLLM's LLMEngine internals),
-# test_skip_tokenizer_initialization (the refusal is what it checks) and test_engine_metrics (model-specific:
-# the default model stops at EOS before max_tokens).
+# profiler tests (tokenloom has no start_profile / ProfilerAlreadyActiveError).
+# xfail(strict=True), with the reasons at each: the multimodal processor cache test (it stubs vLLM's LLMEngine
+# internals) and test_engine_metrics (model-specific: the default model stops at EOS before max_tokens).
 import random
 from typing import TYPE_CHECKING
 from unittest.mock import MagicMock, call
@@ -96,6 +93,23 @@ def vllm_model(vllm_runner, request):
         yield vllm_model
 
 
+@pytest.fixture(
+    # Function scope decouples tests & allows
+    # env var adjustment via monkeypatch
+    scope="function",
+    # Prefix caching
+    params=[False, True],
+)
+def vllm_model_skip_tokenizer_init(vllm_runner, request):
+    """VllmRunner test fixture with APC."""
+    with _vllm_model(
+        request.param,
+        vllm_runner,
+        skip_tokenizer_init=True,
+    ) as vllm_model:
+        yield vllm_model
+
+
 def _get_test_sampling_params(
     prompt_list: list[str],
     seed: int | None = 42,
@@ -126,6 +140,20 @@ def _get_test_sampling_params(
         )
         for n in n_list
     ], n_list
+
+
+def test_compatibility_with_skip_tokenizer_init(
+    vllm_model_skip_tokenizer_init: VllmRunner,
+    example_prompts: list[str],
+):
+    # Case 1: Structured output request should raise an error.
+    sampling_params_list, _ = _get_test_sampling_params(
+        example_prompts,
+        structured_outputs=True,
+    )
+    llm: LLM = vllm_model_skip_tokenizer_init.llm
+    with pytest.raises(ValueError):
+        _ = llm.generate(example_prompts, sampling_params_list)
 
 
 def test_parallel_sampling(vllm_model, example_prompts) -> None:
@@ -227,9 +255,6 @@ def test_engine_metrics(vllm_runner, example_prompts):
         assert len(num_accepted_tokens_per_pos[0].values) == 5
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "vLLM-only: skip_tokenizer_init (token ids in and out, no tokenizer loaded); tokenloom always loads the "
-    "tokenizer and refuses the argument when the LLM is built (unknown engine argument)"))
 @pytest.mark.parametrize("model", ["meta-llama/Llama-3.2-1B-Instruct"])
 def test_skip_tokenizer_initialization(model: str):
     # This test checks if the flag skip_tokenizer_init skips the initialization
