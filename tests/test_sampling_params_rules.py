@@ -93,3 +93,13 @@ def test_min_tokens_refusals_use_vllms_words() -> None:
     with pytest.raises(VLLMValidationError, match="min_tokens must be less than or equal to max_tokens=10, got 15"):
         _SP(min_tokens=15, max_tokens=10)
     _SP(min_tokens=10, max_tokens=10)
+
+
+def test_logprobs_true_is_one() -> None:
+    """vLLM's: `logprobs=True` / `prompt_logprobs=True` ask for one (a bool reached torch's topk: the step failed)."""
+    from tokenloom.sampling_params import SamplingParams as _SP
+
+    params = _SP(logprobs=True, prompt_logprobs=True)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
+    assert _SP(logprobs=False).logprobs == 0 and type(_SP(logprobs=False).logprobs) is int
