@@ -30,6 +30,7 @@ from typing import Any
 
 from tests.peer.core.vllm_shim import FreeKVCacheBlockQueue
 from tests.peer.core.vllm_shim import KVCacheBlock as _VllmNamedBlock
+from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.block_pool import NULL_BLOCK, block_hash_with_group_id
 from tokenloom.core.block_pool import BlockPool as _TLBlockPool
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec as _TLGroupSpec
@@ -38,6 +39,8 @@ from tokenloom.core.kv_cache_manager import KVCacheManager as _TLKVCacheManager
 from tokenloom.core.request import ROOT_PARENT_HASH, RequestStatus
 from tokenloom.core.request import Request as _TLRequest
 from tokenloom.core.request import hash_block_tokens as _tl_hash_block_tokens
+from tokenloom.core.scheduler import Scheduler as _TLScheduler
+from tokenloom.core.scheduler_factory import make_scheduler
 from tokenloom.core.single_type_kv_cache_manager import SlidingWindowManager as _TLSlidingWindowManager
 from tokenloom.engine.stat_logging import CachingMetrics
 from tokenloom.lora.request import LoRARequest
@@ -47,9 +50,9 @@ __all__ = ["BlockHash", "BlockHashWithGroupId", "BlockPool", "CachingMetrics", "
            "FullAttentionSpec", "KVCacheBlock", "KVCacheBlocks", "KVCacheConfig", "KVCacheGroupSpec",
            "KVCacheManager", "KVCacheTensor", "KVQuantMode", "LoRARequest", "MambaSpec", "MultiModalFeatureSpec",
            "MultiModalKwargsItem", "NONE_HASH", "PlaceholderRange", "PrefixCacheStats", "Request", "RequestStatus",
-           "SamplingParams", "SlidingWindowManager", "SlidingWindowSpec", "get_block_hash", "get_group_id",
-           "get_request_block_hasher", "hash_block_tokens", "init_none_hash", "make_block_hash_with_group_id",
-           "sha256", "sha256_cbor"]
+           "SamplingParams", "SlidingWindowManager", "SlidingWindowSpec", "create_scheduler", "get_block_hash",
+           "get_group_id", "get_request_block_hasher", "hash_block_tokens", "init_none_hash",
+           "make_block_hash_with_group_id", "sha256", "sha256_cbor"]
 
 
 # Hashing ----------------------------------------------------------------------------------------------------
@@ -189,6 +192,11 @@ class SlidingWindowSpec:
     dtype: Any = None
     sliding_window: int = 1
     page_size_padded: int | None = None
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """The most blocks a request of this group is counted for at admission: tokenloom's rule."""
+        group = _TLGroupSpec((0,), self.sliding_window)
+        return group.admission_cap_blocks(self.block_size, max_in_flight_tokens, max_model_len)  # type: ignore[return-value]
 
 
 def MambaSpec(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
@@ -350,3 +358,29 @@ def MultiModalFeatureSpec(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
 
 MultiModalKwargsItem = SimpleNamespace(dummy=lambda: None)
 PlaceholderRange = MultiModalFeatureSpec
+
+
+# Schedulers -------------------------------------------------------------------------------------------------
+def create_scheduler(max_num_seqs: int = 16, max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
+                     enable_prefix_caching: bool = False, num_blocks: int = 10000, block_size: int = 16,
+                     max_model_len: int | None = None, async_scheduling: bool = False,
+                     kv_cache_spec: Any = None, **unused: Any) -> _TLScheduler:
+    """vLLM's tests/v1/core/utils.py create_scheduler (its defaults: prefix caching off, facebook/opt-125m, whose
+    2,048 positions the scheduler reads) for the KV-level cases: tokenloom's Scheduler, or AsyncScheduler, over
+    one KV cache group of `kv_cache_spec` (a sliding window or full attention). vLLM's pool counts its null block.
+    The scheduler's KVCacheManager gets vLLM's `coordinator.single_type_managers` and each manager its
+    `_null_block`, the names the tests read."""
+    if kv_cache_spec is not None and kv_cache_spec.block_size != block_size:
+        raise NotImplementedError("tokenloom's KV cache groups share the scheduler's block size")
+    window = kv_cache_spec.sliding_window if isinstance(kv_cache_spec, SlidingWindowSpec) else None
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=2048, enable_chunked_prefill=enable_chunked_prefill,
+                            async_scheduling=async_scheduling)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching,
+                        layer_windows=None if window is None else (window,))
+    scheduler = make_scheduler(sched, cache, clock=lambda: 0.0)
+    kv = scheduler.kv_cache_manager
+    kv.coordinator = SimpleNamespace(single_type_managers=kv.managers)  # type: ignore[attr-defined]
+    for manager in kv.managers:
+        manager._null_block = NULL_BLOCK  # type: ignore[attr-defined]
+    return scheduler
