@@ -213,6 +213,48 @@ def test_preemption_with_a_step_in_flight_appends_stale_output_without_touching_
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
 
 
+def test_reset_with_running_requests_drops_the_in_flight_output_and_resamples_its_position() -> None:
+    """reset_prefix_cache(reset_running_requests=True) between steps preempts a request whose step is
+    in flight and lets it resume at the next schedule, before that step's output lands: the output is
+    dropped (vLLM's drop_stale_output), the resumed step samples the position again, so the request
+    gets each position once and exactly max_tokens tokens (vLLM's test_reset_prefix_cache_e2e)."""
+    scheduler = make_async(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=5)
+    scheduler.add_request(req)
+    first = scheduler.schedule()  # the prompt
+    second = scheduler.schedule()  # its first decode, scheduled while the prompt is in flight
+    scheduler.update_from_output(first, output_for(scheduler, first, token=7))
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    resumed = scheduler.schedule()  # at once: the decode's output has not landed
+    assert resumed.num_scheduled_tokens == {req.request_id: 7}  # prompt + the one output known
+    scheduler.update_from_output(second, output_for(scheduler, second, token=99))  # stale: dropped
+    assert req.output_token_ids == [7]
+    q = BatchQueue(scheduler)
+    q.queue.append((resumed, output_for(scheduler, resumed, token=8)))
+    q.run(50)
+    assert req.output_token_ids == [7, 8, 42, 42, 42]
+    kv = scheduler.kv_cache_manager
+    assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
+
+
+def test_a_preempted_request_waits_for_its_deliverable_in_flight_output() -> None:
+    """A request preempted with a step in flight whose output will be delivered (the default) is
+    stepped over by admission until that output lands: resuming earlier could sample a position the
+    output then fills (vLLM's rule). Prefix caching off: the resumed step recomputes everything."""
+    scheduler = make_async(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                           enable_prefix_caching=False)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=5)
+    scheduler.add_request(req)
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, output_for(scheduler, first, token=7))
+    second = scheduler.schedule()  # a decode, in flight
+    scheduler._preempt_request(scheduler.running.pop(), 0.0)
+    assert scheduler.schedule().num_scheduled_tokens == {}  # stepped over: its output is still to come
+    scheduler.update_from_output(second, output_for(scheduler, second, token=8))  # delivered
+    assert req.output_token_ids == [7, 8]
+    assert scheduler.schedule().num_scheduled_tokens == {req.request_id: 8}  # resumes with both outputs
+
+
 def test_preempt_upstream_output_count_equals_max_tokens() -> None:
     """Upstream test_preempt shape: every request still gets exactly max_tokens outputs."""
     scheduler = make_async(num_blocks=10, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)

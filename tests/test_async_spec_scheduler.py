@@ -381,10 +381,9 @@ ASYNC_STALL = {'config': {'async_scheduling': True,
 def test_sliding_window_keeps_the_blocks_a_rolled_back_draft_still_reads() -> None:
     """Async + drafts + an 8-token window: the scheduler runs ahead of the step in flight, whose K
     drafts may all be rejected and roll num_computed_tokens back. A block may be freed only once no
-    future query can read it: the window is measured from what is computed for sure (computed less
-    the in-flight placeholders), not from the optimistic frontier (vLLM main's fix: free "on the
-    processed-token basis"). Every schedule checks the blocks under the window of the lowest position
-    the request can still compute."""
+    future query can read it: the window is measured on vLLM's "processed-token basis" (computed less
+    the tokens of the steps in flight), not from the optimistic frontier. Every schedule checks the
+    blocks under the window of the lowest position the request can still compute."""
     from tokenloom.core.block_pool import NULL_BLOCK
 
     k, window, bs = 3, 8, 4

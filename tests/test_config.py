@@ -21,6 +21,16 @@ def test_vllm_names_and_field_names_both_reach_the_config() -> None:
         engine_config_from_kwargs(max_num_seq=8)
 
 
+def test_a_small_budget_cuts_max_num_seqs_only_when_it_is_left_at_its_default() -> None:
+    """vLLM's EngineArgs: max_num_seqs at its default is cut to a smaller max_num_batched_tokens (vLLM's
+    test_reset_prefix_cache_e2e runs max_num_batched_tokens=32 alone); one given explicitly is checked."""
+    assert engine_config_from_kwargs(max_num_batched_tokens=32).scheduler.max_num_seqs == 32
+    assert engine_config_from_kwargs(max_num_batched_tokens=4096).scheduler.max_num_seqs == 128
+    assert engine_config_from_kwargs(max_num_batched_tokens=32, max_num_seqs=16).scheduler.max_num_seqs == 16
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"):
+        engine_config_from_kwargs(max_num_batched_tokens=32, max_num_seqs=64)
+
+
 def test_cli_flags_parse_into_the_same_config_as_kwargs() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

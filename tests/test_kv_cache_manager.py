@@ -166,3 +166,19 @@ def test_recycled_cached_block_loses_its_hash() -> None:
     pool.free_blocks([b])
     pool.get_new_blocks(2)  # takes the cached free block too: its content is evicted
     assert pool.get_cached_block(1234) is None and b.block_hash is None
+
+
+def test_two_blocks_under_one_hash_are_evicted_one_at_a_time() -> None:
+    """What vLLM's test_maybe_evict_cached_block checks (its assertions read vLLM's own map layout): the
+    same content cached twice keeps both blocks under its hash, a hit takes the first, and evicting one
+    leaves the other hittable until it goes too."""
+    pool = BlockPool(2)
+    first, second = pool.get_new_blocks(2)
+    pool.cache_full_blocks([first], [1234], 0, 1)
+    pool.cache_full_blocks([second], [1234], 0, 1)
+    pool.free_blocks([first, second])
+    assert pool.get_cached_block(1234) is first
+    assert pool.get_new_blocks(1) == [first]  # reused: its hash goes, the other block's stays
+    assert first.block_hash is None and pool.get_cached_block(1234) is second
+    assert pool.get_new_blocks(1) == [second]
+    assert pool.get_cached_block(1234) is None and not pool.cached_block_hash_to_block

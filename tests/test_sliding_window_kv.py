@@ -3,8 +3,9 @@ window are freed to NULL_BLOCK, prefix hits need only the window's last blocks, 
 
 from __future__ import annotations
 
-from tokenloom.core.block_pool import NULL_BLOCK
+from tokenloom.core.block_pool import NULL_BLOCK, BlockPool
 from tokenloom.core.request import Request
+from tokenloom.core.single_type_kv_cache_manager import SlidingWindowManager
 from tokenloom.core.sliding_window import SlidingWindowKVCacheManager
 from tokenloom.sampling_params import SamplingParams
 
@@ -70,3 +71,18 @@ def test_admission_is_capped_by_the_window() -> None:
     req.num_computed_tokens = 8
     _run_prefill(kv, req, 8)
     assert kv.num_blocks_held("long") <= 5
+
+
+def test_blocks_leave_the_window_only_when_whole() -> None:
+    """vLLM's test_sliding_window_remove_skipped_blocks on blocks taken from the pool (its own fixture uses
+    off-pool blocks, which tokenloom's double-free check refuses): window 4, blocks of 2."""
+    pool = BlockPool(2000)
+    manager = SlidingWindowManager(pool, block_size=2, sliding_window=4, max_model_len=64, max_num_batched_tokens=8)
+    original = manager.allocate_new_blocks("test", 22)  # 11 blocks
+    for num_computed, num_null in ((0, 0), (4, 0), (5, 1), (6, 1), (7, 2), (11, 4)):
+        # The next token after `num_computed` reads tokens num_computed - 3 .. num_computed: a block leaves
+        # only once both its tokens are before that.
+        manager.remove_skipped_blocks("test", num_computed)
+        assert manager.req_to_blocks["test"] == [NULL_BLOCK] * num_null + original[num_null:], num_computed
+    # The last call freed blocks 3 then 2: the deeper one is reused (evicted) first.
+    assert pool.free_block_queue.get_all_free_blocks()[:4] == [original[3], original[2], original[1], original[0]]

@@ -1067,10 +1067,21 @@ def split_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return parts
 
 
+def _cap_default_max_num_seqs(sched_kwargs: dict[str, Any]) -> None:
+    """vLLM's EngineArgs: a max_num_seqs left at its default is cut to a smaller max_num_batched_tokens
+    (every running request needs a token a step), so a small budget alone is a valid configuration; one
+    given explicitly is checked as it is (SchedulerConfig refuses a budget below it)."""
+    budget = sched_kwargs.get("max_num_batched_tokens")
+    if "max_num_seqs" not in sched_kwargs and isinstance(budget, int):
+        default = next(f.default for f in fields(SchedulerConfig) if f.name == "max_num_seqs")
+        sched_kwargs["max_num_seqs"] = min(default, budget)
+
+
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
     parts = split_engine_kwargs(kwargs)
     sched_kwargs, max_model_len = parts["scheduler"], parts["engine"].get("max_model_len")
+    _cap_default_max_num_seqs(sched_kwargs)
     # Without --max-model-len the scheduler config leaves it unset (None): the engine resolves it once it
     # knows the model and the KV pool, and the checks that need it run then.
     sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len) if sched_kwargs or max_model_len else None

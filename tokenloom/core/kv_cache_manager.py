@@ -256,14 +256,13 @@ class KVCacheManager:
                 return None
 
         num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        # Free what left the window even if the allocation below fails (as vLLM), measured from the tokens
-        # computed for sure: under async scheduling num_computed_tokens already counts the drafts of steps
-        # in flight, which rejection rolls back, and the step after computes from there, reading W - 1
-        # tokens behind it. The in-flight placeholders (1 + drafts a step) bound that roll-back (vLLM
-        # main frees "on the processed-token basis"; vLLM 0.32 freed from the optimistic frontier).
-        num_sure = max(0, total_computed - request.num_output_placeholders)
+        # Free what left the window even if the allocation below fails (as vLLM), on the processed-token
+        # basis (vLLM's): under async scheduling num_computed_tokens already counts every step in flight,
+        # whose queries still read the W - 1 tokens behind them (a prefill chunk's first token reaches back
+        # from the chunk's start) and whose rejected drafts roll the frontier back.
+        num_processed = max(0, total_computed - request.num_in_flight_tokens)
         for manager in self._sliding_managers:
-            manager.remove_skipped_blocks(rid, num_sure)
+            manager.remove_skipped_blocks(rid, num_processed)
         need = self._num_blocks_to_allocate(rid, num_tokens_need_slot, new_computed, total_computed)
         if need + watermark > self.block_pool.get_num_free_blocks():
             return None

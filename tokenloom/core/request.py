@@ -127,6 +127,9 @@ class Request:
         # appended but must not touch the counters the preemption reset). vLLM's names.
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
+        # The stale output is dropped, not delivered (vLLM's drop_stale_output): set when the request was
+        # preempted to resume at once (reset_prefix_cache), whose resumed steps resample those positions.
+        self.drop_stale_output = False
 
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).

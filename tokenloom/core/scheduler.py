@@ -515,6 +515,12 @@ class Scheduler(SchedulerInterface):
                     continue
                 self._update_waiting_for_remote_kv(request)
                 request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            if request.num_stale_output_tokens and not request.drop_stale_output:
+                # Output of a step scheduled before its preemption is still in flight and will be
+                # delivered: resuming now could sample a position it fills. It lands within the
+                # pipeline depth (vLLM's rule).
+                skipped_waiting.append(self.waiting.pop_request())
+                continue
             if (self.lora_config is not None and request.lora_request is not None
                     and len(scheduled_loras) == self.lora_config.max_loras
                     and request.lora_request.lora_int_id not in scheduled_loras):
@@ -852,15 +858,21 @@ class Scheduler(SchedulerInterface):
         # A new set, not clear(): the output just built holds the old one.
         self.finished_req_ids = set()
 
-    def _preempt_request(self, request: Request, now: float) -> None:
-        """Recompute-style preemption: free the blocks, reset progress, back to waiting."""
+    def _preempt_request(self, request: Request, now: float, drop_stale_output: bool = False) -> None:
+        """Recompute-style preemption: free the blocks, reset progress, back to waiting.
+
+        `drop_stale_output` (vLLM's): the output of the steps still in flight is dropped instead of
+        delivered, for a request that may resume before it lands (reset_prefix_cache)."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         # Output of a step still in flight (async scheduling) is stale: appended when it comes
-        # back, but without touching the counters reset here (vLLM 0.27+).
+        # back, but without touching the counters reset here (vLLM 0.27+). An undelivered share
+        # already in drop mode stays dropped: its positions have been resampled.
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
@@ -905,6 +917,8 @@ class Scheduler(SchedulerInterface):
                     request.num_stale_output_tokens -= num_tokens_scheduled
             if request is None or request.is_finished():
                 continue  # finished or aborted while the step ran: its late tokens are dropped
+            if output_is_stale and request.drop_stale_output:
+                continue  # scheduled before a preemption whose resumption resamples these positions
             status_before = request.status
             if req_id in model_runner_output.failed:
                 request.status = RequestStatus.FINISHED_ERROR
@@ -1183,7 +1197,8 @@ class Scheduler(SchedulerInterface):
         if reset_running_requests:
             now = self.clock()
             while self.running:
-                self._preempt_request(self.running.pop(), now)
+                # They may resume at the next schedule, before their in-flight output lands: drop it.
+                self._preempt_request(self.running.pop(), now, drop_stale_output=True)
         ok = self.kv_cache_manager.reset_prefix_cache()
         if not ok and (self.aborted_while_loading or any(
                 r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)):
