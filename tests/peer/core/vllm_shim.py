@@ -9,11 +9,13 @@ test asserts is tokenloom's own answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core import outputs as tl_outputs
+from tokenloom.core.async_scheduler import AsyncScheduler
 from tokenloom.core.block_pool import FreeKVCacheBlockQueue as _TLQueue
 from tokenloom.core.block_pool import KVCacheBlock as _TLBlock
 from tokenloom.core.request import Request as _TLRequest
@@ -27,7 +29,8 @@ EOS_TOKEN_ID = 50256
 _MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the models the tests name
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams"]
+           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams", "ConstantList",
+           "AsyncScheduler"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -74,36 +77,48 @@ class _Scheduler(_TLScheduler):
         return {r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM}
 
 
+class _AsyncScheduler(_Scheduler, AsyncScheduler):
+    """tokenloom's AsyncScheduler with the same seams (vLLM's create_scheduler(async_scheduling=True))."""
+
+
 def create_scheduler(
     model: str = "facebook/opt-125m",
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 8192,
     enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True,
+    enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
     num_blocks: int = 10000,
     block_size: int = 16,
     max_model_len: int | None = None,
     num_speculative_tokens: int | None = None,
+    speculative_method: str | None = None,
     policy: str = "fcfs",
     skip_tokenizer_init: bool = False,
+    async_scheduling: bool = False,
     **unused: Any,
 ) -> _Scheduler:
     sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
 
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
     )
     # vLLM's pool counts block 0, its null block, which no request ever gets.
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
-    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
-    spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
-        if num_speculative_tokens else None
-    # The helper's max_model_len (default: the token budget) only reaches vLLM's SchedulerConfig and its
-    # checks, made above; vLLM's scheduler takes max_model_len from the model config (opt-125m: 2,048).
-    object.__setattr__(sched, "max_model_len", _MODEL_MAX_LEN[model])
-    scheduler = _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given; with a
+    # speculative_method, n-grams of 1 to K tokens. Its "ngram_gpu" proposes the same drafts in the
+    # worker, which under async scheduling the scheduler sees as K placeholders either way.
+    spec = None
+    if num_speculative_tokens:
+        lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": num_speculative_tokens} if speculative_method else {}
+        spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram", **lookup)
+    # vLLM's scheduler takes max_model_len from the model config: the helper's max_model_len when given
+    # (it passes it to both configs), else the model's own (opt-125m: 2,048), while SchedulerConfig's
+    # checks, made above, default to the token budget.
+    object.__setattr__(sched, "max_model_len", max_model_len or _MODEL_MAX_LEN[model])
+    scheduler_cls = _AsyncScheduler if async_scheduling else _Scheduler
+    scheduler = scheduler_cls(sched, cache, clock=lambda: 0.0, speculative_config=spec)
     if skip_tokenizer_init:
         # vLLM's scheduler always has a StructuredOutputManager; with skip_tokenizer_init it has no
         # tokenizer, hence no grammar backend (tokenloom: a manager built without a backend factory).
@@ -111,11 +126,41 @@ def create_scheduler(
     return scheduler
 
 
+class ConstantList(Sequence):
+    """vLLM's vllm.v1.utils.ConstantList: a read-only view of a list."""
+
+    def __init__(self, x: list) -> None:
+        self._x = x
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._x[item]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+
+class _Request(_TLRequest):
+    """tokenloom's Request under vLLM's names: update_block_hashes(), and all_token_ids, which vLLM's
+    tests rebind to a fresh view after replacing _all_token_ids (tokenloom's always reads _all_token_ids,
+    so the view must be of that list)."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @all_token_ids.setter
+    def all_token_ids(self, view: ConstantList) -> None:
+        assert view._x is self._all_token_ids, "all_token_ids must be a view of _all_token_ids"
+
+    def update_block_hashes(self) -> None:
+        self._update_block_hashes()
+
+
 def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
             pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
             mm_features: Any = None, **unused: Any) -> _TLRequest:
-    return _TLRequest(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
-                      block_size=block_size)
+    return _Request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
+                    block_size=block_size)
 
 
 def create_requests(
