@@ -127,6 +127,10 @@ class Request:
         # appended but must not touch the counters the preemption reset). vLLM's names.
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
+        # Whether that stale output is dropped instead of appended: a request preempted by
+        # reset_prefix_cache can be resumed before its output lands, and the resume samples those
+        # positions again (vLLM's drop_stale_output).
+        self.drop_stale_output = False
 
         self.num_computed_tokens = 0
         # Prefix-cache hit in tokens at first admission; -1 until then (vLLM's convention).

@@ -217,6 +217,9 @@ class Scheduler(SchedulerInterface):
         self.running: list[Request] = []
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Preempted since the previous schedule() built its output, in it or by reset_prefix_cache: the
+        # runner drops their state (vLLM's reset_preempted_req_ids).
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         # Each update_from_output ends the KV cache manager's lookup interval (vLLM's make_stats at
         # the end of every step); the steps' intervals gather here until make_stats() reports them.
@@ -754,7 +757,7 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=plan.scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+            preempted_req_ids=self.preempted_req_ids,
             resumed_req_ids={r.request_id for r in plan.scheduled_resumed_reqs},
             cached_tokens=plan.cached_tokens,
             num_prefill_tokens={
@@ -849,23 +852,30 @@ class Scheduler(SchedulerInterface):
             request.is_prefill_chunk = (
                 request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
             )
-        # A new set, not clear(): the output just built holds the old one.
+        # New sets, not clear(): the output just built holds the old ones.
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
 
-    def _preempt_request(self, request: Request, now: float) -> None:
-        """Recompute-style preemption: free the blocks, reset progress, back to waiting."""
+    def _preempt_request(self, request: Request, now: float, drop_stale_output: bool = False) -> None:
+        """Recompute-style preemption: free the blocks, reset progress, back to waiting.
+        `drop_stale_output`: the output of steps still in flight is dropped instead of appended."""
         assert request.status == RequestStatus.RUNNING
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         # Output of a step still in flight (async scheduling) is stale: appended when it comes
-        # back, but without touching the counters reset here (vLLM 0.27+).
+        # back, but without touching the counters reset here (vLLM 0.27+). num_in_flight_tokens
+        # includes a share still stale from an earlier preemption; a share being dropped stays
+        # dropped, as the positions it holds may have been sampled again since.
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
+        self.preempted_req_ids.add(request.request_id)
 
     def _bound_by_at_end(self, token_budget: int, num_scheduled_tokens: dict[str, int]) -> str:
         """For the step trace, when no loop said what stopped it: the budget, or nothing left to do."""
@@ -905,6 +915,8 @@ class Scheduler(SchedulerInterface):
                     request.num_stale_output_tokens -= num_tokens_scheduled
             if request is None or request.is_finished():
                 continue  # finished or aborted while the step ran: its late tokens are dropped
+            if output_is_stale and request.drop_stale_output:
+                continue  # preempted by a reset, maybe resumed since: those positions are sampled again
             status_before = request.status
             if req_id in model_runner_output.failed:
                 request.status = RequestStatus.FINISHED_ERROR
@@ -1183,7 +1195,9 @@ class Scheduler(SchedulerInterface):
         if reset_running_requests:
             now = self.clock()
             while self.running:
-                self._preempt_request(self.running.pop(), now)
+                # The next schedule() may resume them before a step in flight (async scheduling)
+                # returns; that output is dropped, as vLLM's, since the resume samples its positions again.
+                self._preempt_request(self.running.pop(), now, drop_stale_output=True)
         ok = self.kv_cache_manager.reset_prefix_cache()
         if not ok and (self.aborted_while_loading or any(
                 r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)):
