@@ -3,9 +3,10 @@
 # Vendored from vLLM 0.32.0's tests/v1/core/test_async_scheduler.py: the cases that apply to tokenloom's
 # AsyncScheduler, unchanged but for the imports below, which point them at tokenloom.core through
 # tests/peer/core/vllm_shim.py, and test_reset_prefix_cache_with_inflight_output_under_kv_pressure's
-# pp_size list (1 only: pp_size 3 emulates pipeline parallelism). Not vendored (docs/conformance.md says
-# why): the KV-connector cases, pipeline-parallel preemption, streaming-input hand-off, and the
-# structured-output case built on mocked scheduler internals.
+# pp_size list (1 only: pp_size 3 emulates pipeline parallelism). vLLM's MockKVConnector is the shim's, a
+# tokenloom connector. Not vendored (docs/conformance.md says why): the P/D hand-off cases of vLLM's
+# connector roles, pipeline-parallel preemption, streaming-input hand-off, and the structured-output case
+# built on mocked scheduler internals.
 from collections import defaultdict, deque
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from tests.peer.core.vllm_shim import (
     SchedulerOutput,
     create_requests,
     create_scheduler,
+    mock_kv,
 )
 
 
@@ -147,6 +149,32 @@ def test_abort():
     for i, req in enumerate(requests):
         assert req.status == RequestStatus.FINISHED_ABORTED
         assert req.num_output_tokens == abort_order_copy.index(i)
+
+
+def test_connector_metadata_precedes_async_placeholder_advance(monkeypatch):
+    """Mirroring must see earlier unresolved outputs, excluding the current step."""
+    scheduler = create_scheduler(
+        async_scheduling=True,
+        use_kv_connector=mock_kv(matched_tokens=0, is_async=False),
+    )
+    (request,) = create_requests(num_requests=1, num_tokens=4, max_tokens=4)
+    scheduler.add_request(request)
+
+    assert scheduler.connector is not None
+    build_connector_meta = scheduler.connector.build_connector_meta
+    observed_placeholders = []
+
+    def record_placeholders(scheduler_output):
+        observed_placeholders.append(request.num_output_placeholders)
+        return build_connector_meta(scheduler_output)
+
+    monkeypatch.setattr(
+        scheduler.connector, "build_connector_meta", record_placeholders
+    )
+    scheduler.schedule()
+    scheduler.schedule()
+
+    assert observed_placeholders == [0, 1]
 
 
 def test_prefix_caching_for_prefill_dedup():
