@@ -255,6 +255,27 @@ def test_a_preempted_request_waits_for_its_deliverable_in_flight_output() -> Non
     assert scheduler.schedule().num_scheduled_tokens == {req.request_id: 8}  # resumes with both outputs
 
 
+def test_reset_prefix_cache_with_a_step_in_flight_drops_its_output_and_tells_the_runner() -> None:
+    """vLLM's rule (reset_prefix_cache preempts with drop_stale_output): the reset's requests may be resumed
+    by the next schedule() before the step in flight returns, and the resume samples its positions again,
+    so that step's token is dropped, not appended. The next output lists them as preempted, so the runner
+    drops their state (vLLM's reset_preempted_req_ids)."""
+    scheduler = make_async()
+    (req,) = create_requests(1, num_tokens=10, max_tokens=5)
+    scheduler.add_request(req)
+    q = BatchQueue(scheduler)
+    q.step()  # S1 (the prompt) in flight
+    assert len(q.step()) == 1 and req.num_output_tokens == 1  # S2 in flight, S1's token in
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert q.step() == [] and req.num_output_tokens == 1  # S3 resumes it; S2's late token is dropped
+    resumed = q.scheduled[2]
+    assert resumed.preempted_req_ids == {"0"} and resumed.resumed_req_ids == {"0"}
+    assert len(resumed.scheduled_new_reqs[0].prefill_token_ids) == 11
+    q.run()
+    assert q.scheduled[3].preempted_req_ids == set()
+    assert req.num_output_tokens == 5 and sum(len(o.new_token_ids) for o in q.outputs) == 5
+
+
 def test_preempt_upstream_output_count_equals_max_tokens() -> None:
     """Upstream test_preempt shape: every request still gets exactly max_tokens outputs."""
     scheduler = make_async(num_blocks=10, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)

@@ -217,6 +217,9 @@ class Scheduler(SchedulerInterface):
         self.running: list[Request] = []
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Preempted since the previous schedule() built its output, in it or by reset_prefix_cache: the
+        # runner drops their state (vLLM's reset_preempted_req_ids).
+        self.preempted_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         # Each update_from_output ends the KV cache manager's lookup interval (vLLM's make_stats at
         # the end of every step); the steps' intervals gather here until make_stats() reports them.
@@ -760,7 +763,7 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=total,
             scheduled_spec_decode_tokens=plan.scheduled_spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+            preempted_req_ids=self.preempted_req_ids,
             resumed_req_ids={r.request_id for r in plan.scheduled_resumed_reqs},
             cached_tokens=plan.cached_tokens,
             num_prefill_tokens={
@@ -855,8 +858,9 @@ class Scheduler(SchedulerInterface):
             request.is_prefill_chunk = (
                 request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
             )
-        # A new set, not clear(): the output just built holds the old one.
+        # New sets, not clear(): the output just built holds the old ones.
         self.finished_req_ids = set()
+        self.preempted_req_ids = set()
 
     def _preempt_request(self, request: Request, now: float, drop_stale_output: bool = False) -> None:
         """Recompute-style preemption: free the blocks, reset progress, back to waiting.
@@ -878,6 +882,7 @@ class Scheduler(SchedulerInterface):
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
+        self.preempted_req_ids.add(request.request_id)
 
     def _bound_by_at_end(self, token_budget: int, num_scheduled_tokens: dict[str, int]) -> str:
         """For the step trace, when no loop said what stopped it: the budget, or nothing left to do."""

@@ -373,8 +373,9 @@ class LLMEngine:
         """vLLM's: drop every cached prefix block. False when blocks are still in use by requests, unless
         `reset_running_requests` (they are then preempted and recompute). The engine core must run in this
         process (the server's engine processes are reset through their own API)."""
-        # With a step in flight (async scheduling) its late output finds the preempted requests as the
-        # scheduler expects after any preemption, and the worker runs steps in order (as abort relies on).
+        # With a step in flight (async scheduling) the scheduler drops its late output for the requests the
+        # reset preempted (the next step may resume them and sample those positions again), and the worker
+        # runs steps in order (as abort relies on).
         return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests)
 
     def reset_scheduler(

@@ -5,29 +5,41 @@ tokenloom's (a request's block ids come as one KV-cache group, as vLLM's single-
 `num_blocks` counts its null block, tokenloom's does not); arguments for machinery tokenloom lacks
 (multimodal, KV connectors, pooling) are dropped where the tests pass their neutral values. Anything a
 test asserts is tokenloom's own answer.
+
+Beyond names: vLLM's random priority test gives requests image items, which Request drops (tokenloom has
+no encoder; its outputs carry vLLM's encoder fields empty), and vLLM's MockKVConnector is a tokenloom
+connector here (MockKVConnector below). A scheduler's output keeps tokenloom's shape, vLLM's V2 model
+runner's (a resumed request comes whole, among the new ones), unless built as vLLM builds its V1 one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from tokenloom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenloom.core import outputs as tl_outputs
+from tokenloom.core.async_scheduler import AsyncScheduler
 from tokenloom.core.block_pool import FreeKVCacheBlockQueue as _TLQueue
 from tokenloom.core.block_pool import KVCacheBlock as _TLBlock
 from tokenloom.core.request import Request as _TLRequest
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler as _TLScheduler
 from tokenloom.core.structured_output import StructuredOutputManager
+from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 from tokenloom.sampling_params import StructuredOutputsParams
 
 EOS_TOKEN_ID = 50256
-_MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the models the tests name
+# max_position_embeddings of the models the tests name
+_MODEL_MAX_LEN = {"facebook/opt-125m": 2048, "Qwen/Qwen2.5-VL-3B-Instruct": 128000}
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams"]
+           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams", "ConstantList",
+           "AsyncScheduler", "VllmConfig", "MultiModalFeatureSpec", "MultiModalKwargsItem", "PlaceholderRange",
+           "get_hash_fn_by_name", "get_request_block_hasher", "init_none_hash", "mock_kv"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -51,11 +63,121 @@ class EngineCoreOutputs:
     scheduler_stats: Any = None
 
 
+@dataclass
+class VllmConfig:
+    """The part of vLLM's VllmConfig the tests read off a scheduler (its cache_config)."""
+
+    cache_config: Any
+
+
+@dataclass
+class PlaceholderRange:
+    offset: int
+    length: int
+
+
+@dataclass
+class MultiModalKwargsItem:
+    @staticmethod
+    def dummy() -> MultiModalKwargsItem:
+        return MultiModalKwargsItem()
+
+
+@dataclass
+class MultiModalFeatureSpec:
+    """vLLM's multimodal item of a request; tokenloom has no encoder, so the shim's Request drops them."""
+
+    data: Any
+    mm_position: PlaceholderRange
+    identifier: str
+    modality: str
+
+
+def get_hash_fn_by_name(name: str) -> str:
+    return name
+
+
+def init_none_hash(hash_fn: Any) -> None:
+    """vLLM seeds its block-hash chain here; tokenloom's root is a constant (core/request.py ROOT_PARENT_HASH)."""
+
+
+def get_request_block_hasher(block_size: int, hash_fn: Any) -> None:
+    """vLLM hands each Request a block hasher; a tokenloom Request hashes its own full blocks."""
+    return None
+
+
+@dataclass(frozen=True)
+class MockKVConfig:
+    """vLLM's tests/v1/kv_connector/unit/utils.py MockKVConfig: what its MockKVConnector answers."""
+
+    matched_tokens: int = 0
+    is_async: bool = False
+    num_defers_before_matching: int = 0
+
+
+def mock_kv(matched_tokens: int, is_async: bool, num_defers_before_matching: int = 0) -> MockKVConfig:
+    return MockKVConfig(matched_tokens, is_async, num_defers_before_matching)
+
+
+class MockKVConnector(KVConnectorBase_V1):
+    """vLLM's MockKVConnector (scheduler side) as a tokenloom connector: `matched_tokens` external tokens
+    for every request, loaded asynchronously or not, after `num_defers_before_matching` "cannot tell yet"."""
+
+    def __init__(self, mock: MockKVConfig, kv_role: str = "kv_both") -> None:
+        super().__init__(SimpleNamespace(kv_role=kv_role, kv_load_failure_policy="recompute"),  # type: ignore[arg-type]
+                         KVConnectorRole.SCHEDULER)
+        self.mock = mock
+        self._defers_left: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request: _TLRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        defers = self._defers_left.setdefault(request.request_id, self.mock.num_defers_before_matching)
+        if defers > 0:
+            self._defers_left[request.request_id] -= 1
+            return None, False
+        return self.mock.matched_tokens, self.mock.is_async
+
+    def update_state_after_alloc(self, request: _TLRequest, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
 class _Scheduler(_TLScheduler):
     """tokenloom's Scheduler (NewRequestData.block_ids is already vLLM's one list per KV cache group),
     with vLLM's shapes at two seams: update_from_output returns the outputs by client index (one client,
     0) with the stats vLLM's make_stats attaches there, the step's own spec-decoding stats among them;
     update_draft_token_ids takes vLLM's DraftTokenIds."""
+
+    # tokenloom's runner interface is vLLM's V2 model runner's: a resumed request comes whole, in
+    # scheduled_new_reqs. vLLM's create_scheduler_with_priority picks its V1 runner's unless told otherwise.
+    use_v2_model_runner = True
+
+    def schedule(self) -> tl_outputs.SchedulerOutput:
+        """tokenloom's output with vLLM's encoder fields, empty (tokenloom schedules no encoder inputs), in
+        the V1 runner's shape when asked: resumed requests among the cached ones, after the running ones."""
+        output = super().schedule()
+        output.scheduled_encoder_inputs = {}  # type: ignore[attr-defined]
+        output.free_encoder_mm_hashes = []  # type: ignore[attr-defined]
+        for new_req in output.scheduled_new_reqs:
+            new_req.mm_features = []  # type: ignore[attr-defined]
+        cached = output.scheduled_cached_reqs
+        cached.resumed_req_ids = set()  # type: ignore[attr-defined]
+        if not self.use_v2_model_runner:
+            resumed = [r for r in output.scheduled_new_reqs if r.req_id in output.resumed_req_ids]
+            output.scheduled_new_reqs = [r for r in output.scheduled_new_reqs if r.req_id not in output.resumed_req_ids]
+            for r in resumed:
+                cached.req_ids.append(r.req_id)
+                cached.new_block_ids.append(r.block_ids)
+                cached.num_computed_tokens.append(r.num_computed_tokens)
+            cached.resumed_req_ids = {r.req_id for r in resumed}  # type: ignore[attr-defined]
+        return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
@@ -74,36 +196,58 @@ class _Scheduler(_TLScheduler):
         return {r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM}
 
 
+class _AsyncScheduler(_Scheduler, AsyncScheduler):
+    """tokenloom's AsyncScheduler with the same seams (vLLM's create_scheduler(async_scheduling=True))."""
+
+
 def create_scheduler(
     model: str = "facebook/opt-125m",
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 8192,
     enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True,
+    enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
     num_blocks: int = 10000,
     block_size: int = 16,
     max_model_len: int | None = None,
     num_speculative_tokens: int | None = None,
+    speculative_method: str | None = None,
     policy: str = "fcfs",
     skip_tokenizer_init: bool = False,
+    async_scheduling: bool = False,
+    use_kv_connector: MockKVConfig | None = None,
+    kv_role: str = "kv_both",
     **unused: Any,
 ) -> _Scheduler:
     sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
 
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
     )
     # vLLM's pool counts block 0, its null block, which no request ever gets.
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
-    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
-    spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
-        if num_speculative_tokens else None
-    # The helper's max_model_len (default: the token budget) only reaches vLLM's SchedulerConfig and its
-    # checks, made above; vLLM's scheduler takes max_model_len from the model config (opt-125m: 2,048).
-    object.__setattr__(sched, "max_model_len", _MODEL_MAX_LEN[model])
-    scheduler = _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+    # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given; with a
+    # speculative_method, n-grams of 1 to K tokens. Its "ngram_gpu" proposes the same drafts in the
+    # worker, which under async scheduling the scheduler sees as K placeholders either way.
+    spec = None
+    if num_speculative_tokens:
+        lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": num_speculative_tokens} if speculative_method else {}
+        spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram", **lookup)
+    # vLLM's scheduler takes max_model_len from the model config: the helper's max_model_len when given
+    # (it passes it to both configs), else the model's own (opt-125m: 2,048), while SchedulerConfig's
+    # checks, made above, default to the token budget.
+    object.__setattr__(sched, "max_model_len", max_model_len or _MODEL_MAX_LEN[model])
+    scheduler_cls = _AsyncScheduler if async_scheduling else _Scheduler
+    scheduler = scheduler_cls(sched, cache, clock=lambda: 0.0, speculative_config=spec)
+    if use_kv_connector is not None:
+        # vLLM's helper also builds its ExampleConnector (use_kv_connector=True) or one named by a string;
+        # tokenloom's counterparts need a worker side and storage, and no vendored case uses them.
+        if not isinstance(use_kv_connector, MockKVConfig):
+            raise NotImplementedError(f"vllm_shim: use_kv_connector={use_kv_connector!r} (only mock_kv(...))")
+        scheduler.connector = MockKVConnector(use_kv_connector, kv_role)
+    scheduler.vllm_config = VllmConfig(cache_config=SimpleNamespace(  # type: ignore[attr-defined]
+        block_size=block_size, prefix_caching_hash_algo="sha256"))
     if skip_tokenizer_init:
         # vLLM's scheduler always has a StructuredOutputManager; with skip_tokenizer_init it has no
         # tokenizer, hence no grammar backend (tokenloom: a manager built without a backend factory).
@@ -111,11 +255,41 @@ def create_scheduler(
     return scheduler
 
 
+class ConstantList(Sequence):
+    """vLLM's vllm.v1.utils.ConstantList: a read-only view of a list."""
+
+    def __init__(self, x: list) -> None:
+        self._x = x
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._x[item]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+
+class _Request(_TLRequest):
+    """tokenloom's Request under vLLM's names: update_block_hashes(), and all_token_ids, which vLLM's
+    tests rebind to a fresh view after replacing _all_token_ids (tokenloom's always reads _all_token_ids,
+    so the view must be of that list)."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @all_token_ids.setter
+    def all_token_ids(self, view: ConstantList) -> None:
+        assert view._x is self._all_token_ids, "all_token_ids must be a view of _all_token_ids"
+
+    def update_block_hashes(self) -> None:
+        self._update_block_hashes()
+
+
 def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
             pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
             mm_features: Any = None, **unused: Any) -> _TLRequest:
-    return _TLRequest(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
-                      block_size=block_size)
+    return _Request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
+                    block_size=block_size)
 
 
 def create_requests(
@@ -202,9 +376,14 @@ class FreeKVCacheBlockQueue(_TLQueue):
         self.append_n([block])
 
 
-def create_scheduler_with_priority(enable_prefix_caching: bool = False, **kwargs: Any) -> _Scheduler:
-    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked."""
-    return create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
+def create_scheduler_with_priority(enable_prefix_caching: bool = False, use_v2_model_runner: bool | None = None,
+                                   **kwargs: Any) -> _Scheduler:
+    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked, and its V1
+    model runner's output shape unless the V2 one is asked for (its default, bool(VLLM_USE_V2_MODEL_RUNNER),
+    is False with the variable unset)."""
+    scheduler = create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
+    scheduler.use_v2_model_runner = bool(use_v2_model_runner)
+    return scheduler
 
 
 def create_requests_with_priority(
