@@ -20,6 +20,7 @@ from tokenloom.core.request import Request as _TLRequest
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler as _TLScheduler
 from tokenloom.core.structured_output import StructuredOutputManager
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 from tokenloom.sampling_params import StructuredOutputsParams
 
@@ -27,7 +28,8 @@ EOS_TOKEN_ID = 50256
 _MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the models the tests name
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
-           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams"]
+           "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams",
+           "PoolingParams", "make_output", "assert_scheduler_empty"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -79,7 +81,7 @@ def create_scheduler(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 8192,
     enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True,
+    enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
     num_blocks: int = 10000,
     block_size: int = 16,
@@ -100,9 +102,10 @@ def create_scheduler(
     # vLLM's helper builds an n-gram SpeculativeConfig when num_speculative_tokens is given.
     spec = SpeculativeConfig(num_speculative_tokens=num_speculative_tokens, method="ngram") \
         if num_speculative_tokens else None
-    # The helper's max_model_len (default: the token budget) only reaches vLLM's SchedulerConfig and its
-    # checks, made above; vLLM's scheduler takes max_model_len from the model config (opt-125m: 2,048).
-    object.__setattr__(sched, "max_model_len", _MODEL_MAX_LEN[model])
+    # vLLM's scheduler takes max_model_len from the model config: the helper's max_model_len when given
+    # (it passes it to ModelConfig too), else the model's (opt-125m: 2,048); the SchedulerConfig checks
+    # above saw the helper's value or, when none, the token budget, as vLLM's do.
+    object.__setattr__(sched, "max_model_len", max_model_len or _MODEL_MAX_LEN[model])
     scheduler = _Scheduler(sched, cache, clock=lambda: 0.0, speculative_config=spec)
     if skip_tokenizer_init:
         # vLLM's scheduler always has a StructuredOutputManager; with skip_tokenizer_init it has no
@@ -111,11 +114,11 @@ def create_scheduler(
     return scheduler
 
 
-def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
+def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,  # noqa: N802
             pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
             mm_features: Any = None, **unused: Any) -> _TLRequest:
     return _TLRequest(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
-                      block_size=block_size)
+                      block_size=block_size, pooling_params=pooling_params)
 
 
 def create_requests(
@@ -202,8 +205,13 @@ class FreeKVCacheBlockQueue(_TLQueue):
         self.append_n([block])
 
 
-def create_scheduler_with_priority(enable_prefix_caching: bool = False, **kwargs: Any) -> _Scheduler:
-    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked."""
+def create_scheduler_with_priority(enable_prefix_caching: bool = False, use_kv_connector: bool = False,
+                                   **kwargs: Any) -> _Scheduler:
+    """vLLM's helper of the same name: the priority policy, prefix caching off unless asked. Its
+    use_kv_connector builds vLLM's ExampleConnector over an empty storage directory, which finds no KV to
+    load and holds no block back, so it changes no decision of the cases that pass it; none is built here.
+    use_v2_model_runner (vLLM's choice of output shape for resumed requests) is dropped: tokenloom has the
+    one shape, V2's."""
     return create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
 
 
@@ -247,3 +255,36 @@ def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput
             assert num_scheduled_tokens == 1  # in the decode phase now
         ecos = scheduler.update_from_output(output, model_runner_output)[0]
         all_finished = all(eco.finish_reason is not None for eco in ecos.outputs)
+
+
+# --- peer-sched: helpers of the cases vendored with pooling, the memory-leak check and the priority cases
+# --- (2026-12-06) -------------------------------------------------------------------------------------------
+
+def make_output(scheduler: _TLScheduler) -> tl_outputs.ModelRunnerOutput:
+    """vLLM's helper of this name in test_scheduler.py: one token (1000) for every running request."""
+    return ModelRunnerOutput(
+        req_ids=[req.request_id for req in scheduler.running],
+        req_id_to_index={req.request_id: i for i, req in enumerate(scheduler.running)},
+        sampled_token_ids=[[1000]] * len(scheduler.running),
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def assert_scheduler_empty(scheduler: _TLScheduler) -> None:
+    """vLLM's helper of this name in test_scheduler.py: nothing left behind. Its encoder-cache checks have no
+    counterpart (no encoder cache); vLLM's coordinator.single_type_managers are tokenloom's
+    kv_cache_manager.managers, and vLLM's pool counts its null block (never free), tokenloom's has none."""
+    assert len(scheduler.requests) == 0
+    assert len(scheduler.waiting) == 0
+    assert len(scheduler.running) == 0
+    assert len(scheduler.finished_req_ids) == 0
+
+    manager = scheduler.kv_cache_manager.managers[0]
+    assert len(manager.req_to_blocks) == 0
+    assert len(manager.num_cached_block) == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_blocks
+    for block in pool.blocks:
+        assert block.ref_cnt == 0
