@@ -9,9 +9,9 @@ the first catches up with the second:
    budget left). When `allocate_slots` finds no room, a victim is preempted (FCFS: the last of
    running; priority: the largest (priority, arrival_time)), loses its blocks and progress, and
    goes back to WAITING; if the victim is the request itself, the running pass stops.
-2. WAITING requests next, in policy order, while budget is left and len(running) < max_num_seqs,
-   but only if nobody was preempted in this step. With chunked prefill off, a prompt that does not
-   fit the budget left stops admission (break, not skip).
+2. WAITING requests next, in policy order, while budget is left and len(running) < max_num_seqs (or
+   the lower max_num_active_seqs), but only if nobody was preempted in this step. With chunked
+   prefill off, a prompt that does not fit the budget left stops admission (break, not skip).
 3. The SchedulerOutput is built from the progress *before* the step; then progress advances
    (the "computed frontier"), so a prefill chunk can be scheduled again before its output returns.
 
@@ -140,6 +140,10 @@ class Scheduler(SchedulerInterface):
         self.cache_config = cache_config
         self.clock = clock
         self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # Admission into RUNNING (vLLM's max_num_active_reqs): max_num_active_seqs when set, else max_num_seqs,
+        # which also sizes the runner.
+        self.max_num_active_reqs = (scheduler_config.max_num_active_seqs
+                                    if scheduler_config.max_num_active_seqs is not None else self.max_num_running_reqs)
         self.max_num_scheduled_tokens = scheduler_config.token_budget_ceiling
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -348,13 +352,8 @@ class Scheduler(SchedulerInterface):
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        # The threshold exists to stop one long prefill starving others; alone, it may take all.
-        num_eligible = len(self.running) + len(self.waiting)
-        plan = _StepPlan(
-            now=self.clock(),
-            token_budget=self.max_num_scheduled_tokens,
-            threshold=self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0,
-        )
+        plan = _StepPlan(now=self.clock(), token_budget=self.max_num_scheduled_tokens,
+                         threshold=self._long_prefill_threshold())
         if self.step_policies:  # none with vLLM's settings: its loop alone
             plan.policy_view = self._policy_view(plan)
             self._apply_policies(plan)
@@ -376,11 +375,21 @@ class Scheduler(SchedulerInterface):
         self.num_schedule_calls += 1
         return output
 
+    def _long_prefill_threshold(self) -> int:
+        """long_prefill_token_threshold in force this step (0: none). It exists to stop one long prefill
+        starving others, so a lone request may take the whole budget; adaptive, it is floored at a fair share
+        of the budget, max_num_batched_tokens / the running and waiting requests (vLLM 0.32's rule)."""
+        num_eligible = len(self.running) + len(self.waiting)
+        threshold = self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and self.scheduler_config.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.scheduler_config.token_budget_ceiling // num_eligible)
+        return threshold
+
     def _policy_view(self, plan: _StepPlan) -> StepContext:
         """The step as the policies see it (core/policies.py StepContext): the plan's lists, not copies."""
         return StepContext(now=plan.now, step=self.num_schedule_calls, running=self.running, waiting=self.waiting,
                            requests=self.requests, kv_cache_manager=self.kv_cache_manager,
-                           max_num_running_reqs=self.max_num_running_reqs, threshold=plan.threshold,
+                           max_num_running_reqs=self.max_num_active_reqs, threshold=plan.threshold,
                            preempted=plan.preempted_reqs, actions=plan.policy_actions,
                            _preempt=self._preempt_request)
 
@@ -500,7 +509,7 @@ class Scheduler(SchedulerInterface):
             scheduled_loras = {r.lora_request.lora_int_id for r in plan.scheduled_running_reqs
                                if r.lora_request is not None and r.lora_request.lora_int_id > 0}
         while plan.token_budget > 0 and self.waiting:
-            if len(self.running) >= self.max_num_running_reqs:
+            if len(self.running) >= self.max_num_active_reqs:
                 plan.bound_by = "max_num_seqs"
                 break
             request = self.waiting.peek_request()

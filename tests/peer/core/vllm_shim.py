@@ -79,10 +79,12 @@ class _Scheduler(_TLScheduler):
 def create_scheduler(
     model: str = "facebook/opt-125m",
     max_num_seqs: int = 16,
+    max_num_active_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
+    long_prefill_token_threshold_adaptive: bool = False,
     num_blocks: int = 10000,
     block_size: int = 16,
     max_model_len: int | None = None,
@@ -94,8 +96,10 @@ def create_scheduler(
     sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
 
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
         max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
     )
     # vLLM's pool counts block 0, its null block, which no request ever gets.
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
