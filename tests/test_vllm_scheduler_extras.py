@@ -1,6 +1,7 @@
 """vLLM 0.32 scheduler behaviour around what its own scheduler tests (tests/peer/core) found missing, beyond what
 those cases check: max_num_active_seqs and long_prefill_token_threshold_adaptive as engine arguments (LLM
-keyword, CLI flag) with vLLM's checks."""
+keyword, CLI flag) with vLLM's checks; the deferred waiting requests through the stats' consumers (Prometheus, the
+data-parallel sum)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import argparse
 import pytest
 
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, engine_config_from_kwargs
-from tokenloom.core.request import Request
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import Scheduler, SchedulerStats
 from tokenloom.engine.args import add_engine_args, engine_config_from_args
+from tokenloom.engine.engine_stats import sum_engine_stats
+from tokenloom.engine.iteration_stats import IterationStats
+from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -45,3 +49,44 @@ def test_max_num_active_seqs_caps_admission_not_the_runner() -> None:
     output = scheduler.schedule()
     assert [r.req_id for r in output.scheduled_new_reqs] == ["0", "1"] and output.bound_by == "max_num_seqs"
     assert scheduler.max_num_running_reqs == 8 and scheduler.max_num_active_reqs == 2
+
+
+def test_a_request_waiting_for_its_grammar_is_counted_deferred_until_admitted() -> None:
+    """vLLM's deferred_waiting: blocked from arrival, stepped over, out of the set once admitted or finished."""
+    scheduler = _scheduler()
+    plain = Request("plain", [1] * 4, SamplingParams(max_tokens=4))
+    blocked = Request("blocked", [2] * 4, SamplingParams(max_tokens=4))
+    blocked.status = RequestStatus.WAITING_FOR_FSM  # (no grammar: stepped over for ever, as in vLLM)
+    scheduler.add_request(blocked)
+    scheduler.add_request(plain)
+    stats = scheduler.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_skipped_waiting_reqs, stats.num_waiting_total) == (1, 1, 2)
+    scheduler.schedule()
+    stats = scheduler.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_skipped_waiting_reqs) == (1, 0, 1)
+    scheduler.finish_requests("blocked", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.deferred_waiting == set() and scheduler.make_stats().num_skipped_waiting_reqs == 0
+
+
+def _sched_stats(waiting: int, deferred: int) -> SchedulerStats:
+    return SchedulerStats(num_running_reqs=1, num_waiting_reqs=waiting, kv_cache_usage=0.1, num_free_blocks=9,
+                          num_preemptions_total=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                          num_skipped_waiting_reqs=deferred)
+
+
+def test_prometheus_splits_waiting_by_reason_and_totals_it() -> None:
+    """vllm:num_requests_waiting is every waiting request; its by-reason gauge splits those waiting for room
+    (capacity) from those stepped over while they wait for something else (deferred)."""
+    m = PrometheusMetrics("m", 10, prefix="vllm")
+    m.record(IterationStats(timestamp=0.0, scheduler=_sched_stats(2, 3)))
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in m.render().decode().splitlines()
+              if line.startswith("vllm:num_requests_waiting")}
+    assert values == {'vllm:num_requests_waiting{model_name="m"}': 5,
+                      'vllm:num_requests_waiting_by_reason{model_name="m",reason="capacity"}': 2,
+                      'vllm:num_requests_waiting_by_reason{model_name="m",reason="deferred"}': 3}
+    assert m.last_num_waiting == 5  # what the ORCA load header reports
+
+
+def test_data_parallel_engines_deferred_requests_add_up() -> None:
+    total = sum_engine_stats({0: _sched_stats(2, 3), 1: _sched_stats(1, 4)})
+    assert (total.num_waiting_reqs, total.num_skipped_waiting_reqs, total.num_waiting_total) == (3, 7, 10)

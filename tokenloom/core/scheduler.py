@@ -74,6 +74,8 @@ class RequestRejected(ValidationError):
 @dataclass
 class SchedulerStats:
     num_running_reqs: int
+    # Waiting for capacity (budget, slots, blocks); the waiting requests admission steps over while they wait
+    # for something else (a grammar, a KV load, a LoRA slot) are num_skipped_waiting_reqs, as vLLM splits them.
     num_waiting_reqs: int
     kv_cache_usage: float
     num_free_blocks: int
@@ -90,6 +92,13 @@ class SchedulerStats:
     # With LoRA: requests per adapter name, running and waiting (vLLM's vllm:lora_requests_info); None without.
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
+    num_skipped_waiting_reqs: int = 0
+
+    @property
+    def num_waiting_total(self) -> int:
+        """Every waiting request, deferred ones included (vLLM's vllm:num_requests_waiting, its log line's
+        "Waiting")."""
+        return self.num_waiting_reqs + self.num_skipped_waiting_reqs
 
 
 @dataclass
@@ -219,6 +228,9 @@ class Scheduler(SchedulerInterface):
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # vLLM's deferred_waiting: the waiting requests admission has stepped over (or that arrived blocked, on a
+        # grammar) and not admitted since; the stats count them apart from those waiting for capacity.
+        self.deferred_waiting: set[Request] = set()
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
@@ -257,7 +269,6 @@ class Scheduler(SchedulerInterface):
         """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run."""
         self._validate(request)
         request.set_block_size(self.block_size)
-        request.status = RequestStatus.WAITING
         if request.use_structured_output:
             if self.structured_output_manager is None:
                 raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "
@@ -265,6 +276,8 @@ class Scheduler(SchedulerInterface):
             # Compiles in the manager's thread pool; admission skips the request until it is done.
             request.status = RequestStatus.WAITING_FOR_FSM
             self.structured_output_manager.grammar_init(request)
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            self.deferred_waiting.add(request)  # blocked from arrival (vLLM's _enqueue_waiting_request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         for policy in self._hooks["arrived"]:
@@ -315,6 +328,7 @@ class Scheduler(SchedulerInterface):
         waiting_to_remove = [r for r in valid if r.status != RequestStatus.RUNNING]
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
+            self.deferred_waiting.difference_update(waiting_to_remove)
         for request in valid:
             rid = request.request_id
             # vLLM's rule: a load still in flight writes the request's blocks; they are freed when it ends.
@@ -603,6 +617,7 @@ class Scheduler(SchedulerInterface):
                     self._connector_allocated(request, num_new_local_computed, num_external_computed)
 
             request = self.waiting.pop_request()
+            self.deferred_waiting.discard(request)
             self.running.append(request)
             if num_loaded:
                 del self.loaded_kv_tokens[request.request_id]
@@ -625,6 +640,7 @@ class Scheduler(SchedulerInterface):
             if pad_spec_decode:
                 plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
+            self.deferred_waiting.update(skipped_waiting)
             self.waiting.prepend_requests(skipped_waiting)
         if plan.bound_by == "kv_blocks" and not self.running and (self.loaded_kv_tokens
                                                                    or self.finished_recving_kv_req_ids):
@@ -725,6 +741,7 @@ class Scheduler(SchedulerInterface):
             self.failed_recving_kv_req_ids.discard(rid)
             self.finished_recving_kv_req_ids.discard(rid)
             self.waiting.remove_requests([request])
+            self.deferred_waiting.discard(request)
             request.status = RequestStatus.FINISHED_ERROR
             request.error = "the KV connector failed to load this request's KV (kv_load_failure_policy 'fail')"
             self._free_request(request)
@@ -782,8 +799,11 @@ class Scheduler(SchedulerInterface):
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update."""
-        assert self.structured_output_manager is not None
+        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update.
+        One with no grammar to wait for (no manager, or no structured-output request) stays stepped over,
+        as vLLM's _handle_blocked_waiting_request leaves it."""
+        if self.structured_output_manager is None or request.structured_output_request is None:
+            return False
         try:
             ready = self.structured_output_manager.is_ready(request)
         except Exception as exc:
@@ -990,6 +1010,7 @@ class Scheduler(SchedulerInterface):
             self.running = [r for r in self.running if id(r) not in stopped]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+            self.deferred_waiting.difference_update(stopped_preempted)
         self.spec_decoding_stats = spec_stats
         if spec_stats is not None and self.spec_decoding_totals is not None:
             self.spec_decoding_totals.add(spec_stats)
@@ -1159,7 +1180,8 @@ class Scheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_skipped_waiting_reqs=len(self.deferred_waiting),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,

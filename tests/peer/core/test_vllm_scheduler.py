@@ -16,7 +16,6 @@ from tests.peer.core.vllm_shim import (
     ModelRunnerOutput,
     PoolingParams,
     Request,
-    RequestStatus,
     SamplingParams,
     SchedulerOutput,
     StructuredOutputsParams,
@@ -29,6 +28,7 @@ from tests.peer.core.vllm_shim import (
     create_scheduler_with_priority,
     make_output,
 )
+from tests.peer.core.vllm_shim import VllmRequestStatus as RequestStatus
 
 
 def test_add_requests():
@@ -1746,6 +1746,55 @@ def test_spec_decode_padding_skipped_with_prefill_in_batch():
     assert out.num_scheduled_tokens[r_candidate.request_id] == 1
     assert r_candidate.request_id not in out.scheduled_spec_decode_tokens
 
+
+
+def test_scheduler_stats_waiting_queues():
+    """Test that scheduler stats correctly report capacity-bound and blocked
+    waiting requests."""
+    # Create scheduler with limited capacity so we can have waiting requests
+    scheduler = create_scheduler(max_num_batched_tokens=100)
+
+    # Create requests: some will be scheduled, some will wait on capacity,
+    # and some will be blocked by constraints
+    all_requests = create_requests(num_requests=5, num_tokens=50)
+
+    # Add 3 requests - only 2 can be scheduled (2 * 50 = 100 tokens)
+    # The 3rd will remain in waiting queue (capacity constraint)
+    for request in all_requests[:3]:
+        scheduler.add_request(request)
+
+    # Add 2 more that are blocked on grammar compilation
+    for request in all_requests[3:]:
+        request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        scheduler.add_request(request)
+
+    # Schedule - this will schedule 2 requests, leaving 1 in waiting
+    output = scheduler.schedule()
+
+    # Verify: 2 scheduled, 1 still waiting on capacity, 2 blocked by constraints
+    assert len(output.scheduled_new_reqs) == 2
+    assert len(scheduler.waiting) == 3
+    assert len(scheduler.deferred_waiting) == 2
+
+    # Call update_from_output() to get frontend-facing stat
+    scheduled_req_ids = list(output.num_scheduled_tokens.keys())
+    model_runner_output = ModelRunnerOutput(
+        req_ids=scheduled_req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(scheduled_req_ids)},
+        sampled_token_ids=[[1]] * len(scheduled_req_ids),
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+    engine_core_outputs = scheduler.update_from_output(output, model_runner_output)
+    assert engine_core_outputs and len(engine_core_outputs) > 0
+    stats = engine_core_outputs[0].scheduler_stats
+    assert stats is not None
+
+    # Verify stats match queue lengths after scheduling
+    assert stats.num_running_reqs == 2  # 2 were scheduled
+    assert stats.num_waiting_reqs == 1  # 1 waiting on capacity
+    assert stats.num_skipped_waiting_reqs == 2  # 2 blocked by constraints
 
 
 def test_schedule_skip_tokenizer_init():

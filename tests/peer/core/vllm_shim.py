@@ -29,7 +29,7 @@ _MODEL_MAX_LEN = {"facebook/opt-125m": 2048}  # max_position_embeddings of the m
 __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests", "Request", "SamplingParams",
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
            "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams",
-           "PoolingParams", "make_output", "assert_scheduler_empty"]
+           "PoolingParams", "VllmRequestStatus", "make_output", "assert_scheduler_empty"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -67,13 +67,6 @@ class _Scheduler(_TLScheduler):
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:  # type: ignore[override]
         super().update_draft_token_ids(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)
-
-    @property
-    def deferred_waiting(self) -> set[_TLRequest]:
-        """vLLM's deferred_waiting: the waiting requests admission steps over while they wait for
-        something. tokenloom's one such wait is for a grammar (WAITING_FOR_FSM); vLLM also counts
-        requests stepped over for the LoRA limit or a KV transfer, which no vendored case reaches."""
-        return {r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM}
 
 
 def create_scheduler(
@@ -261,8 +254,22 @@ def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput
         all_finished = all(eco.finish_reason is not None for eco in ecos.outputs)
 
 
-# --- peer-sched: helpers of the cases vendored with pooling, the memory-leak check and the priority cases
-# --- (2026-12-06) -------------------------------------------------------------------------------------------
+# --- peer-sched: helpers of the cases vendored with max_num_active_seqs, the adaptive long-prefill threshold,
+# --- the deferred-waiting stats, pooling, the memory-leak check and the priority cases (2026-12-06) ---------
+
+class _VllmRequestStatusNames(type):
+    """tokenloom's RequestStatus members, looked up by name on the shim's RequestStatus."""
+
+    def __getattr__(cls, name: str) -> RequestStatus:
+        return getattr(RequestStatus, name)
+
+
+class VllmRequestStatus(metaclass=_VllmRequestStatusNames):
+    """tokenloom's RequestStatus under vLLM 0.32's names too: its WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR is
+    tokenloom's WAITING_FOR_FSM (vLLM's earlier name)."""
+
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = RequestStatus.WAITING_FOR_FSM
+
 
 def make_output(scheduler: _TLScheduler) -> tl_outputs.ModelRunnerOutput:
     """vLLM's helper of this name in test_scheduler.py: one token (1000) for every running request."""
