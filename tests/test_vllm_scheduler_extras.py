@@ -1,6 +1,7 @@
 """vLLM 0.32 scheduler behaviour around what its own scheduler tests (tests/peer/core) found missing, beyond what
 those cases check: max_num_active_seqs and long_prefill_token_threshold_adaptive as engine arguments (LLM
-keyword, CLI flag) with vLLM's checks; the deferred waiting requests through the stats' consumers (Prometheus, the
+keyword, CLI flag) with vLLM's checks; reset_prefix_cache(reset_connector=True) with a connector that resets,
+cannot, or has no reset; the deferred waiting requests through the stats' consumers (Prometheus, the
 data-parallel sum)."""
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ def test_max_num_active_seqs_caps_admission_not_the_runner() -> None:
     output = scheduler.schedule()
     assert [r.req_id for r in output.scheduled_new_reqs] == ["0", "1"] and output.bound_by == "max_num_seqs"
     assert scheduler.max_num_running_reqs == 8 and scheduler.max_num_active_reqs == 2
+
+
+class _Connector:
+    """The scheduler side of a KV connector, as far as reset_prefix_cache asks it."""
+
+    def __init__(self, reset: bool | None) -> None:
+        self.reset = reset
+        self.calls = 0
+
+    def reset_cache(self) -> bool | None:
+        self.calls += 1
+        return self.reset
+
+
+@pytest.mark.parametrize(("reset", "expected"), [(True, True), (None, True), (False, False)])
+def test_reset_connector_asks_the_connector(reset: bool | None, expected: bool) -> None:
+    """vLLM's rule: the connector's False fails the reset; None (a connector with no reset) counts as done."""
+    scheduler = _scheduler()
+    scheduler.connector = connector = _Connector(reset)
+    assert scheduler.reset_prefix_cache() is True and connector.calls == 0
+    assert scheduler.reset_prefix_cache(reset_connector=True) is expected and connector.calls == 1
+    assert scheduler.connector_prefix_cache_stats.reset is expected
 
 
 def test_a_request_waiting_for_its_grammar_is_counted_deferred_until_admitted() -> None:

@@ -1207,10 +1207,11 @@ class Scheduler(SchedulerInterface):
         stats.merge(self.kv_cache_manager.make_prefix_cache_stats())
         return stats
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
         first (last first, so they resume in order), which frees every block; otherwise the reset
-        only succeeds when no request holds blocks."""
+        only succeeds when no request holds blocks. With `reset_connector` the KV connector's cache is
+        reset too (reset_connector_cache), and the result is True only if both were."""
         if reset_running_requests:
             now = self.clock()
             while self.running:
@@ -1221,7 +1222,20 @@ class Scheduler(SchedulerInterface):
             return False  # a KV load still writes its blocks (they cannot be taken back): try again after it
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        if reset_connector:
+            ok = self.reset_connector_cache() and ok
         return ok
+
+    def reset_connector_cache(self) -> bool:
+        """Reset the KV connector's cache (vLLM's method of this name). With no connector there is nothing
+        to reset, which is success: a caller that always asks for it (a cache-clearing cascade after a
+        weight update) must not see reset_prefix_cache fail for a connector it never configured."""
+        if self.connector is None:
+            return True
+        if self.connector.reset_cache() is False:
+            return False
+        self.connector_prefix_cache_stats.reset = True
+        return True
 
 
 def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:

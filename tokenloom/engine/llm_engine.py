@@ -353,13 +353,15 @@ class LLMEngine:
                                                           self.structured_outputs_config)
         return self._grammar_backend
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: drop every cached prefix block. False when blocks are still in use by requests, unless
-        `reset_running_requests` (they are then preempted and recompute). The engine core must run in this
+        `reset_running_requests` (they are then preempted and recompute). `reset_connector`: the KV connector's
+        cache too (a connector without a reset counts as reset, as in vLLM). The engine core must run in this
         process (the server's engine processes are reset through their own API)."""
         # With a step in flight (async scheduling) its late output finds the preempted requests as the
         # scheduler expects after any preemption, and the worker runs steps in order (as abort relies on).
-        return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests)
+        return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests,
+                                                                                 reset_connector)
 
     def reset_scheduler(
         self,
