@@ -2,7 +2,8 @@
 those cases check: max_num_active_seqs and long_prefill_token_threshold_adaptive as engine arguments (LLM
 keyword, CLI flag) with vLLM's checks; reset_prefix_cache(reset_connector=True) with a connector that resets,
 cannot, or has no reset; the deferred waiting requests through the stats' consumers (Prometheus, the
-data-parallel sum)."""
+data-parallel sum); and the -1 draft padding kept away from a grammar, which vLLM's cases check through a mock
+of its own grammar object (not vendorable)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import argparse
 import pytest
 
 from tokenloom.config import CacheConfig, ConfigError, SchedulerConfig, engine_config_from_kwargs
+from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler, SchedulerStats
+from tokenloom.core.structured_output import StructuredOutputManager, StructuredOutputRequest
 from tokenloom.engine.args import add_engine_args, engine_config_from_args
 from tokenloom.engine.engine_stats import sum_engine_stats
 from tokenloom.engine.iteration_stats import IterationStats
@@ -113,3 +116,57 @@ def test_prometheus_splits_waiting_by_reason_and_totals_it() -> None:
 def test_data_parallel_engines_deferred_requests_add_up() -> None:
     total = sum_engine_stats({0: _sched_stats(2, 3), 1: _sched_stats(1, 4)})
     assert (total.num_waiting_reqs, total.num_skipped_waiting_reqs, total.num_waiting_total) == (3, 7, 10)
+
+
+class _RecordingMatcher:
+    """A grammar matcher that accepts every token, records the tokens it was asked about and, as
+    llguidance does, raises on a negative id (vLLM's _RecordingGrammar, at tokenloom's seam)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def accept_token(self, token: int) -> bool:
+        if token < 0:
+            raise OverflowError("negative token id")
+        self.seen.append(token)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+
+def _decoding_constrained_request(scheduler: Scheduler) -> tuple[Request, _RecordingMatcher]:
+    request = Request("0", [0], SamplingParams(max_tokens=16))
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=["0"], req_id_to_index={"0": 0},
+                                                           sampled_token_ids=[[0]]))
+    scheduler.structured_output_manager = StructuredOutputManager(None)
+    matcher = _RecordingMatcher()
+    request.structured_output_request = StructuredOutputRequest(("regex", "x"), matcher=matcher)
+    return request, matcher
+
+
+def test_draft_padding_never_reaches_the_grammar() -> None:
+    """vLLM's test_update_draft_token_ids_strips_ngram_padding and ..._in_output_strips_padding: drafts padded
+    with -1 are cut at the first pad before the grammar validates them; on the output path the cut ones are
+    padded back and counted invalid."""
+    from tokenloom.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, method="ngram")
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64),
+                          CacheConfig(block_size=4, num_blocks=64), clock=lambda: 0.0, speculative_config=spec)
+    request, matcher = _decoding_constrained_request(scheduler)
+    scheduler.update_draft_token_ids(["0"], [[10, 11, -1, -1]])
+    assert matcher.seen == [10, 11] and request.spec_token_ids == [10, 11]
+
+    matcher.seen.clear()
+    output = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={},
+                             total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={"0": [0, 0, 0, 0]})
+    scheduler.update_draft_token_ids_in_output(["0"], [[10, 11, -1, -1]], output)
+    assert matcher.seen == [10, 11]
+    assert output.scheduled_spec_decode_tokens == {"0": [10, 11, -1, -1]}
+    assert output.num_invalid_spec_tokens == {"0": 2}
