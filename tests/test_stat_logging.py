@@ -293,3 +293,23 @@ def test_llm_takes_disable_log_stats(model_dir, disable_log_stats: bool) -> None
         assert out[0].metrics is not None
     finally:
         llm.shutdown()
+
+
+def test_waiting_counts_deferred_requests_and_names_them(caplog) -> None:
+    """vLLM's line: "Waiting" is every waiting request, those admission steps over (a grammar compiling, a KV
+    load) included, and a "Deferred" part names those when there are any."""
+    clock = FakeClock()
+    stat_logger = LoggingStatLogger(0, "cpu", clock)
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    deferred = sched(running=1, waiting=2)
+    deferred.num_skipped_waiting_reqs = 3
+    stat_logger.record(deferred, batch_stats(sched(), 0, 0, 5))
+    clock.now += 1.0
+    stat_logger.log()
+    [(_, line)] = logged(caplog)
+    assert "Running: 1 reqs, Waiting: 5 reqs, Deferred: 3 reqs, CPU KV cache usage" in line
+    stat_logger.record(sched(running=1, waiting=2), batch_stats(sched(), 0, 0, 5))
+    clock.now += 1.0
+    stat_logger.log()
+    [(_, line)] = logged(caplog)
+    assert "Waiting: 2 reqs, CPU KV cache usage" in line and "Deferred" not in line

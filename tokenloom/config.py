@@ -160,12 +160,19 @@ class SchedulerConfig:
         "--auto-budget-prefill-ms of prompt work at this machine's measured rate; a number (2048 included) is "
         "vLLM's fixed budget", parse=parse_token_budget)
     max_num_seqs: int = knob(128, "most running requests")
+    # vLLM's max_num_active_seqs: max_num_seqs sizes the model runner (and is the default admission limit);
+    # this lowers only how many requests admission lets into RUNNING, so decode batches stay smaller.
+    max_num_active_seqs: int | None = knob(
+        None, "most requests admitted into running, when fewer than --max-num-seqs (default: --max-num-seqs)")
     # Set by the engine from EngineConfig.max_model_len (the model's context by default), so not a knob here.
     # None: not known yet (an engine config without --max-model-len); the engine resolves it once
     # (core/prompt_fit.py resolve_max_model_len) and the checks that need it run then.
     max_model_len: int | None = 2048
     enable_chunked_prefill: bool = knob(True, "split long prompts over steps within the token budget")
     long_prefill_token_threshold: int = knob(0, "cap on the tokens of one prefill chunk (0: no cap)")
+    long_prefill_token_threshold_adaptive: bool = knob(
+        False, "floor --long-prefill-token-threshold at a fair share of the token budget: max_num_batched_tokens "
+        "divided by the running and waiting requests (vLLM's)")
     policy: Policy = knob("fcfs", "order of the waiting queue (priority: lower value first, then arrival)",
                           arg="scheduling_policy")
     # Not a preemption threshold: preemption happens only when allocate_slots fails.
@@ -242,9 +249,17 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_num_active_seqs is not None:
+            _check_int("max_num_active_seqs", self.max_num_active_seqs, 1)
+            if self.max_num_active_seqs > self.max_num_seqs:
+                raise ConfigError(f"max_num_active_seqs ({self.max_num_active_seqs}) cannot be greater than "
+                                  f"max_num_seqs ({self.max_num_seqs})")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        if not isinstance(self.long_prefill_token_threshold_adaptive, bool):
+            raise ConfigError("long_prefill_token_threshold_adaptive must be true or false, "
+                              f"got {self.long_prefill_token_threshold_adaptive!r}")
         _check_choice("policy", self.policy, Policy)
         _check_choice("batching", self.batching, BatchingMode)
         if isinstance(self.max_prefill_wait_ms, bool) or not isinstance(self.max_prefill_wait_ms, int | float) \

@@ -90,5 +90,6 @@ class SchedulerInterface(ABC):
         """The scheduler's counters for metrics (SchedulerStats)."""
 
     @abstractmethod
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Drop the prefix cache; False if blocks are in use (and `reset_running_requests` is off)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drop the prefix cache (and, with `reset_connector`, the KV connector's); False if blocks are in use
+        (and `reset_running_requests` is off) or the connector could not reset."""

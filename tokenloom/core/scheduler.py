@@ -9,9 +9,9 @@ the first catches up with the second:
    budget left). When `allocate_slots` finds no room, a victim is preempted (FCFS: the last of
    running; priority: the largest (priority, arrival_time)), loses its blocks and progress, and
    goes back to WAITING; if the victim is the request itself, the running pass stops.
-2. WAITING requests next, in policy order, while budget is left and len(running) < max_num_seqs,
-   but only if nobody was preempted in this step. With chunked prefill off, a prompt that does not
-   fit the budget left stops admission (break, not skip).
+2. WAITING requests next, in policy order, while budget is left and len(running) < max_num_seqs (or
+   the lower max_num_active_seqs), but only if nobody was preempted in this step. With chunked
+   prefill off, a prompt that does not fit the budget left stops admission (break, not skip).
 3. The SchedulerOutput is built from the progress *before* the step; then progress advances
    (the "computed frontier"), so a prefill chunk can be scheduled again before its output returns.
 
@@ -74,6 +74,8 @@ class RequestRejected(ValidationError):
 @dataclass
 class SchedulerStats:
     num_running_reqs: int
+    # Waiting for capacity (budget, slots, blocks); the waiting requests admission steps over while they wait
+    # for something else (a grammar, a KV load, a LoRA slot) are num_skipped_waiting_reqs, as vLLM splits them.
     num_waiting_reqs: int
     kv_cache_usage: float
     num_free_blocks: int
@@ -90,6 +92,13 @@ class SchedulerStats:
     # With LoRA: requests per adapter name, running and waiting (vLLM's vllm:lora_requests_info); None without.
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
+    num_skipped_waiting_reqs: int = 0
+
+    @property
+    def num_waiting_total(self) -> int:
+        """Every waiting request, deferred ones included (vLLM's vllm:num_requests_waiting, its log line's
+        "Waiting")."""
+        return self.num_waiting_reqs + self.num_skipped_waiting_reqs
 
 
 @dataclass
@@ -140,6 +149,10 @@ class Scheduler(SchedulerInterface):
         self.cache_config = cache_config
         self.clock = clock
         self.max_num_running_reqs = scheduler_config.max_num_seqs
+        # Admission into RUNNING (vLLM's max_num_active_reqs): max_num_active_seqs when set, else max_num_seqs,
+        # which also sizes the runner.
+        self.max_num_active_reqs = (scheduler_config.max_num_active_seqs
+                                    if scheduler_config.max_num_active_seqs is not None else self.max_num_running_reqs)
         self.max_num_scheduled_tokens = scheduler_config.token_budget_ceiling
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -215,6 +228,9 @@ class Scheduler(SchedulerInterface):
         self.num_schedule_calls = 0
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # vLLM's deferred_waiting: the waiting requests admission has stepped over (or that arrived blocked, on a
+        # grammar) and not admitted since; the stats count them apart from those waiting for capacity.
+        self.deferred_waiting: set[Request] = set()
         # Finished between the previous schedule() and the next: the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Preempted since the previous schedule() built its output, in it or by reset_prefix_cache: the
@@ -256,7 +272,6 @@ class Scheduler(SchedulerInterface):
         """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run."""
         self._validate(request)
         request.set_block_size(self.block_size)
-        request.status = RequestStatus.WAITING
         if request.use_structured_output:
             if self.structured_output_manager is None:
                 raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "
@@ -264,6 +279,8 @@ class Scheduler(SchedulerInterface):
             # Compiles in the manager's thread pool; admission skips the request until it is done.
             request.status = RequestStatus.WAITING_FOR_FSM
             self.structured_output_manager.grammar_init(request)
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            self.deferred_waiting.add(request)  # blocked from arrival (vLLM's _enqueue_waiting_request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
         for policy in self._hooks["arrived"]:
@@ -314,6 +331,7 @@ class Scheduler(SchedulerInterface):
         waiting_to_remove = [r for r in valid if r.status != RequestStatus.RUNNING]
         if waiting_to_remove:
             self.waiting.remove_requests(waiting_to_remove)
+            self.deferred_waiting.difference_update(waiting_to_remove)
         for request in valid:
             rid = request.request_id
             # vLLM's rule: a load still in flight writes the request's blocks; they are freed when it ends.
@@ -351,13 +369,8 @@ class Scheduler(SchedulerInterface):
 
     # The step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        # The threshold exists to stop one long prefill starving others; alone, it may take all.
-        num_eligible = len(self.running) + len(self.waiting)
-        plan = _StepPlan(
-            now=self.clock(),
-            token_budget=self.max_num_scheduled_tokens,
-            threshold=self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0,
-        )
+        plan = _StepPlan(now=self.clock(), token_budget=self.max_num_scheduled_tokens,
+                         threshold=self._long_prefill_threshold())
         if self.step_policies:  # none with vLLM's settings: its loop alone
             plan.policy_view = self._policy_view(plan)
             self._apply_policies(plan)
@@ -379,11 +392,21 @@ class Scheduler(SchedulerInterface):
         self.num_schedule_calls += 1
         return output
 
+    def _long_prefill_threshold(self) -> int:
+        """long_prefill_token_threshold in force this step (0: none). It exists to stop one long prefill
+        starving others, so a lone request may take the whole budget; adaptive, it is floored at a fair share
+        of the budget, max_num_batched_tokens / the running and waiting requests (vLLM 0.32's rule)."""
+        num_eligible = len(self.running) + len(self.waiting)
+        threshold = self.scheduler_config.long_prefill_token_threshold if num_eligible > 1 else 0
+        if threshold > 0 and self.scheduler_config.long_prefill_token_threshold_adaptive:
+            threshold = max(threshold, self.scheduler_config.token_budget_ceiling // num_eligible)
+        return threshold
+
     def _policy_view(self, plan: _StepPlan) -> StepContext:
         """The step as the policies see it (core/policies.py StepContext): the plan's lists, not copies."""
         return StepContext(now=plan.now, step=self.num_schedule_calls, running=self.running, waiting=self.waiting,
                            requests=self.requests, kv_cache_manager=self.kv_cache_manager,
-                           max_num_running_reqs=self.max_num_running_reqs, threshold=plan.threshold,
+                           max_num_running_reqs=self.max_num_active_reqs, threshold=plan.threshold,
                            preempted=plan.preempted_reqs, actions=plan.policy_actions,
                            _preempt=self._preempt_request)
 
@@ -503,7 +526,7 @@ class Scheduler(SchedulerInterface):
             scheduled_loras = {r.lora_request.lora_int_id for r in plan.scheduled_running_reqs
                                if r.lora_request is not None and r.lora_request.lora_int_id > 0}
         while plan.token_budget > 0 and self.waiting:
-            if len(self.running) >= self.max_num_running_reqs:
+            if len(self.running) >= self.max_num_active_reqs:
                 plan.bound_by = "max_num_seqs"
                 break
             request = self.waiting.peek_request()
@@ -603,6 +626,7 @@ class Scheduler(SchedulerInterface):
                     self._connector_allocated(request, num_new_local_computed, num_external_computed)
 
             request = self.waiting.pop_request()
+            self.deferred_waiting.discard(request)
             self.running.append(request)
             if num_loaded:
                 del self.loaded_kv_tokens[request.request_id]
@@ -625,6 +649,7 @@ class Scheduler(SchedulerInterface):
             if pad_spec_decode:
                 plan.scheduled_spec_decode_tokens[request.request_id] = [-1] * self.num_spec_tokens
         if skipped_waiting:
+            self.deferred_waiting.update(skipped_waiting)
             self.waiting.prepend_requests(skipped_waiting)
         if plan.bound_by == "kv_blocks" and not self.running and (self.loaded_kv_tokens
                                                                    or self.finished_recving_kv_req_ids):
@@ -725,6 +750,7 @@ class Scheduler(SchedulerInterface):
             self.failed_recving_kv_req_ids.discard(rid)
             self.finished_recving_kv_req_ids.discard(rid)
             self.waiting.remove_requests([request])
+            self.deferred_waiting.discard(request)
             request.status = RequestStatus.FINISHED_ERROR
             request.error = "the KV connector failed to load this request's KV (kv_load_failure_policy 'fail')"
             self._free_request(request)
@@ -782,8 +808,11 @@ class Scheduler(SchedulerInterface):
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update."""
-        assert self.structured_output_manager is not None
+        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update.
+        One with no grammar to wait for (no manager, or no structured-output request) stays stepped over,
+        as vLLM's _handle_blocked_waiting_request leaves it."""
+        if self.structured_output_manager is None or request.structured_output_request is None:
+            return False
         try:
             ready = self.structured_output_manager.is_ready(request)
         except Exception as exc:
@@ -1000,6 +1029,7 @@ class Scheduler(SchedulerInterface):
             self.running = [r for r in self.running if id(r) not in stopped]
         if stopped_preempted:
             self.waiting.remove_requests(stopped_preempted)
+            self.deferred_waiting.difference_update(stopped_preempted)
         self.spec_decoding_stats = spec_stats
         if spec_stats is not None and self.spec_decoding_totals is not None:
             self.spec_decoding_totals.add(spec_stats)
@@ -1169,7 +1199,8 @@ class Scheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_skipped_waiting_reqs=len(self.deferred_waiting),
             kv_cache_usage=kv.usage,
             num_free_blocks=kv.block_pool.get_num_free_blocks(),
             num_preemptions_total=self.num_preemptions_total,
@@ -1195,10 +1226,11 @@ class Scheduler(SchedulerInterface):
         stats.merge(self.kv_cache_manager.make_prefix_cache_stats())
         return stats
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's reset: with `reset_running_requests`, running requests are preempted back to waiting
         first (last first, so they resume in order), which frees every block; otherwise the reset
-        only succeeds when no request holds blocks."""
+        only succeeds when no request holds blocks. With `reset_connector` the KV connector's cache is
+        reset too (reset_connector_cache), and the result is True only if both were."""
         if reset_running_requests:
             now = self.clock()
             while self.running:
@@ -1210,7 +1242,20 @@ class Scheduler(SchedulerInterface):
             return False  # a KV load still writes its blocks (they cannot be taken back): try again after it
         if reset_running_requests and not ok:
             raise RuntimeError("failed to reset the prefix cache even after preempting every running request")
+        if reset_connector:
+            ok = self.reset_connector_cache() and ok
         return ok
+
+    def reset_connector_cache(self) -> bool:
+        """Reset the KV connector's cache (vLLM's method of this name). With no connector there is nothing
+        to reset, which is success: a caller that always asks for it (a cache-clearing cascade after a
+        weight update) must not see reset_prefix_cache fail for a connector it never configured."""
+        if self.connector is None:
+            return True
+        if self.connector.reset_cache() is False:
+            return False
+        self.connector_prefix_cache_stats.reset = True
+        return True
 
 
 def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:

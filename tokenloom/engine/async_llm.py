@@ -171,7 +171,7 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Core requests waiting in the engine, counting those still in the pipe."""
-        waiting = self.scheduler_stats.num_waiting_reqs if self.scheduler_stats else 0
+        waiting = self.scheduler_stats.num_waiting_total if self.scheduler_stats else 0
         return waiting + self._num_sent - sum(self._num_received.values())
 
     @property

@@ -15,6 +15,7 @@ def sum_engine_stats(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
     return SchedulerStats(
         num_running_reqs=sum(r.num_running_reqs for r in reports),
         num_waiting_reqs=sum(r.num_waiting_reqs for r in reports),
+        num_skipped_waiting_reqs=sum(r.num_skipped_waiting_reqs for r in reports),
         kv_cache_usage=sum(r.kv_cache_usage for r in reports) / len(reports),
         num_free_blocks=sum(r.num_free_blocks for r in reports),
         num_preemptions_total=sum(r.num_preemptions_total for r in reports),

@@ -139,9 +139,10 @@ class LLM:
         otherwise, as vLLM's)."""
         return self.llm_engine.get_metrics()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """vLLM's: drop the cached prefix blocks (LLMEngine.reset_prefix_cache)."""
-        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: drop the cached prefix blocks, and with `reset_connector` the KV connector's cache
+        (LLMEngine.reset_prefix_cache)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def beam_search(
         self,

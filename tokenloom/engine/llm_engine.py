@@ -369,14 +369,16 @@ class LLMEngine:
                                                           self.structured_outputs_config)
         return self._grammar_backend
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: drop every cached prefix block. False when blocks are still in use by requests, unless
-        `reset_running_requests` (they are then preempted and recompute). The engine core must run in this
+        `reset_running_requests` (they are then preempted and recompute). `reset_connector`: the KV connector's
+        cache too (a connector without a reset counts as reset, as in vLLM). The engine core must run in this
         process (the server's engine processes are reset through their own API)."""
         # With a step in flight (async scheduling) the scheduler drops its late output for the requests the
         # reset preempted (the next step may resume them and sample those positions again), and the worker
         # runs steps in order (as abort relies on).
-        return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests)
+        return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests,
+                                                                                 reset_connector)
 
     def reset_scheduler(
         self,

@@ -99,7 +99,8 @@ class PrometheusMetrics:
                            ["model_name", "finished_reason"], registry=r) for p in prefixes]
         self.success = {reason: _Fanout([c.labels(model_name=model_name, finished_reason=reason) for c in success])
                         for reason in FINISH_REASONS}
-        # vLLM: 'capacity' = waiting for room; 'deferred' = held back by a transient constraint (none here).
+        # vLLM: 'capacity' = waiting for room; 'deferred' = stepped over by admission while waiting for something
+        # else (a grammar, a KV load, a LoRA slot). Their sum is num_requests_waiting.
         by_reason = [Gauge(f"{p}:num_requests_waiting_by_reason", "Waiting requests by reason",
                            ["model_name", "reason"], registry=r) for p in prefixes]
         self.waiting_capacity = _Fanout([g.labels(model_name=model_name, reason="capacity") for g in by_reason])
@@ -145,9 +146,10 @@ class PrometheusMetrics:
         sched = stats.scheduler
         if sched is not None:
             self.running.set(sched.num_running_reqs)
-            self.waiting.set(sched.num_waiting_reqs)
+            self.waiting.set(sched.num_waiting_total)
             self.waiting_capacity.set(sched.num_waiting_reqs)
-            self.last_kv_usage, self.last_num_waiting = sched.kv_cache_usage, sched.num_waiting_reqs
+            self.waiting_deferred.set(sched.num_skipped_waiting_reqs)
+            self.last_kv_usage, self.last_num_waiting = sched.kv_cache_usage, sched.num_waiting_total
             self.kv_usage.set(sched.kv_cache_usage)
             self.free_blocks.set(sched.num_free_blocks)
             self._add_total(self.preemptions, "preemptions", sched.num_preemptions_total)
@@ -247,7 +249,7 @@ class _EngineMetrics:
 
     def record(self, i: int, sched: SchedulerStats) -> None:
         self.running[i].set(sched.num_running_reqs)
-        self.waiting[i].set(sched.num_waiting_reqs)
+        self.waiting[i].set(sched.num_waiting_total)
         self.kv_usage[i].set(sched.kv_cache_usage)
         totals = self._totals[i]
         for key, counter, total in (("queries", self.prefix_queries[i], sched.prefix_cache_queries),

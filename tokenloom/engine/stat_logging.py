@@ -178,7 +178,11 @@ class LoggingStatLogger:
         parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
                  "Running: %d reqs", "Waiting: %d reqs"]
         args: list[int | float | str] = [prompt_throughput, generation_throughput,
-                                         sched.num_running_reqs if sched else 0, sched.num_waiting_reqs if sched else 0]
+                                         sched.num_running_reqs if sched else 0,
+                                         sched.num_waiting_total if sched else 0]
+        if sched and sched.num_skipped_waiting_reqs > 0:
+            parts.append("Deferred: %d reqs")
+            args.append(sched.num_skipped_waiting_reqs)
         if num_preemptions > 0:
             parts.append("Preemptions: %d")
             args.append(num_preemptions)

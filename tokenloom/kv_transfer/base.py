@@ -106,6 +106,12 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's class name
         (delay_free), and the kv_transfer_params to return with it."""
         return False, None
 
+    def reset_cache(self) -> bool | None:
+        """Drop what the connector has cached (vLLM's, for reset_prefix_cache(reset_connector=True)): True
+        when reset, False when it could not be; None, the default, when the connector has no reset, which
+        the scheduler takes as success, as vLLM's does."""
+        return None
+
 
 def track_block_ids(block_ids: dict[str, list[int]], scheduler_output: SchedulerOutput) -> None:
     """Keep each tracked request's pool blocks (those of KV cache group 0) current from a step's

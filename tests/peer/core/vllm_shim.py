@@ -29,6 +29,7 @@ from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import Scheduler as _TLScheduler
 from tokenloom.core.structured_output import StructuredOutputManager
 from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 from tokenloom.sampling_params import StructuredOutputsParams
 
@@ -39,7 +40,8 @@ __all__ = ["EOS_TOKEN_ID", "RequestStatus", "create_scheduler", "create_requests
            "ModelRunnerOutput", "SchedulerOutput", "CachedRequestData", "check_stop", "KVCacheBlock",
            "FreeKVCacheBlockQueue", "DraftTokenIds", "_step_until_done", "StructuredOutputsParams", "ConstantList",
            "AsyncScheduler", "VllmConfig", "MultiModalFeatureSpec", "MultiModalKwargsItem", "PlaceholderRange",
-           "get_hash_fn_by_name", "get_request_block_hasher", "init_none_hash", "mock_kv"]
+           "get_hash_fn_by_name", "get_request_block_hasher", "init_none_hash", "mock_kv",
+           "PoolingParams", "VllmRequestStatus", "make_output", "assert_scheduler_empty"]
 
 
 class SamplingParams(_TLSamplingParams):
@@ -169,6 +171,7 @@ class _Scheduler(_TLScheduler):
             new_req.mm_features = []  # type: ignore[attr-defined]
         cached = output.scheduled_cached_reqs
         cached.resumed_req_ids = set()  # type: ignore[attr-defined]
+        cached.all_token_ids = {}  # type: ignore[attr-defined]
         if not self.use_v2_model_runner:
             resumed = [r for r in output.scheduled_new_reqs if r.req_id in output.resumed_req_ids]
             output.scheduled_new_reqs = [r for r in output.scheduled_new_reqs if r.req_id not in output.resumed_req_ids]
@@ -177,6 +180,7 @@ class _Scheduler(_TLScheduler):
                 cached.new_block_ids.append(r.block_ids)
                 cached.num_computed_tokens.append(r.num_computed_tokens)
             cached.resumed_req_ids = {r.req_id for r in resumed}  # type: ignore[attr-defined]
+            cached.all_token_ids = {r.req_id: list(r.prefill_token_ids) for r in resumed}  # type: ignore[attr-defined]
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
@@ -188,13 +192,6 @@ class _Scheduler(_TLScheduler):
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:  # type: ignore[override]
         super().update_draft_token_ids(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)
 
-    @property
-    def deferred_waiting(self) -> set[_TLRequest]:
-        """vLLM's deferred_waiting: the waiting requests admission steps over while they wait for
-        something. tokenloom's one such wait is for a grammar (WAITING_FOR_FSM); vLLM also counts
-        requests stepped over for the LoRA limit or a KV transfer, which no vendored case reaches."""
-        return {r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM}
-
 
 class _AsyncScheduler(_Scheduler, AsyncScheduler):
     """tokenloom's AsyncScheduler with the same seams (vLLM's create_scheduler(async_scheduling=True))."""
@@ -203,10 +200,12 @@ class _AsyncScheduler(_Scheduler, AsyncScheduler):
 def create_scheduler(
     model: str = "facebook/opt-125m",
     max_num_seqs: int = 16,
+    max_num_active_seqs: int | None = None,
     max_num_batched_tokens: int = 8192,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
     long_prefill_token_threshold: int = 0,
+    long_prefill_token_threshold_adaptive: bool = False,
     num_blocks: int = 10000,
     block_size: int = 16,
     max_model_len: int | None = None,
@@ -222,8 +221,11 @@ def create_scheduler(
     sched = SchedulerConfig(policy=policy,  # type: ignore[arg-type]
 
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_num_active_seqs=max_num_active_seqs,
         max_model_len=max_model_len or max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-        long_prefill_token_threshold=long_prefill_token_threshold, async_scheduling=async_scheduling,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=long_prefill_token_threshold_adaptive,
+        async_scheduling=async_scheduling,
     )
     # vLLM's pool counts block 0, its null block, which no request ever gets.
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks - 1, enable_prefix_caching=enable_prefix_caching)
@@ -285,11 +287,11 @@ class _Request(_TLRequest):
         self._update_block_hashes()
 
 
-def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,  # noqa: N802
+def Request(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,  # noqa: N802
             pooling_params: Any = None, arrival_time: float = 0.0, priority: int = 0, block_size: int = 16,
             mm_features: Any = None, **unused: Any) -> _TLRequest:
     return _Request(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, priority=priority,
-                    block_size=block_size)
+                    block_size=block_size, pooling_params=pooling_params)
 
 
 def create_requests(
@@ -377,10 +379,12 @@ class FreeKVCacheBlockQueue(_TLQueue):
 
 
 def create_scheduler_with_priority(enable_prefix_caching: bool = False, use_v2_model_runner: bool | None = None,
-                                   **kwargs: Any) -> _Scheduler:
+                                   use_kv_connector: bool = False, **kwargs: Any) -> _Scheduler:
     """vLLM's helper of the same name: the priority policy, prefix caching off unless asked, and its V1
     model runner's output shape unless the V2 one is asked for (its default, bool(VLLM_USE_V2_MODEL_RUNNER),
-    is False with the variable unset)."""
+    is False with the variable unset). Its use_kv_connector builds vLLM's ExampleConnector over an empty
+    storage directory, which finds no KV to load and holds no block back, so it changes no decision of the
+    cases that pass it; none is built here."""
     scheduler = create_scheduler(policy="priority", enable_prefix_caching=enable_prefix_caching, **kwargs)
     scheduler.use_v2_model_runner = bool(use_v2_model_runner)
     return scheduler
@@ -426,3 +430,50 @@ def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput
             assert num_scheduled_tokens == 1  # in the decode phase now
         ecos = scheduler.update_from_output(output, model_runner_output)[0]
         all_finished = all(eco.finish_reason is not None for eco in ecos.outputs)
+
+
+# --- peer-sched: helpers of the cases vendored with max_num_active_seqs, the adaptive long-prefill threshold,
+# --- the deferred-waiting stats, pooling, the memory-leak check and the priority cases (2026-12-06) ---------
+
+class _VllmRequestStatusNames(type):
+    """tokenloom's RequestStatus members, looked up by name on the shim's RequestStatus."""
+
+    def __getattr__(cls, name: str) -> RequestStatus:
+        return getattr(RequestStatus, name)
+
+
+class VllmRequestStatus(metaclass=_VllmRequestStatusNames):
+    """tokenloom's RequestStatus under vLLM 0.32's names too: its WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR is
+    tokenloom's WAITING_FOR_FSM (vLLM's earlier name)."""
+
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = RequestStatus.WAITING_FOR_FSM
+
+
+def make_output(scheduler: _TLScheduler) -> tl_outputs.ModelRunnerOutput:
+    """vLLM's helper of this name in test_scheduler.py: one token (1000) for every running request."""
+    return ModelRunnerOutput(
+        req_ids=[req.request_id for req in scheduler.running],
+        req_id_to_index={req.request_id: i for i, req in enumerate(scheduler.running)},
+        sampled_token_ids=[[1000]] * len(scheduler.running),
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def assert_scheduler_empty(scheduler: _TLScheduler) -> None:
+    """vLLM's helper of this name in test_scheduler.py: nothing left behind. Its encoder-cache checks have no
+    counterpart (no encoder cache); vLLM's coordinator.single_type_managers are tokenloom's
+    kv_cache_manager.managers, and vLLM's pool counts its null block (never free), tokenloom's has none."""
+    assert len(scheduler.requests) == 0
+    assert len(scheduler.waiting) == 0
+    assert len(scheduler.running) == 0
+    assert len(scheduler.finished_req_ids) == 0
+
+    manager = scheduler.kv_cache_manager.managers[0]
+    assert len(manager.req_to_blocks) == 0
+    assert len(manager.num_cached_block) == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_blocks
+    for block in pool.blocks:
+        assert block.ref_cnt == 0
