@@ -255,15 +255,19 @@ def test_stop_conditions() -> None:
     assert sched.running == [ignore]
 
 
-def test_min_tokens_defers_stop() -> None:
+def test_min_tokens_is_the_samplers_a_sampled_stop_token_still_stops() -> None:
+    """vLLM 0.32's check_stop: below min_tokens other tokens go on, but a stop token the sampler let through
+    (it masks them while too few outputs exist) ends the request; the sampler's own mask is
+    tests/test_sampler.py's. The stop check kept a min_tokens backstop before 2026-12-06."""
     sched = create_scheduler()
     (r,) = create_requests(1, min_tokens=3, stop_token_ids=[42])
     sched.add_request(r)
-    for want_finished in (False, False, True):
-        out = sched.schedule()
-        sched.update_from_output(out, runner_output(sched, out, token=EOS_TOKEN_ID))
-        assert r.is_finished() == want_finished
-    assert r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_STOPPED
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(sched, out, token=7))
+    assert not r.is_finished()
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(sched, out, token=42))
+    assert r.num_output_tokens == 2 and r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 42
 
 
 def test_max_model_len_caps_length() -> None:

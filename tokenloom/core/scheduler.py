@@ -1165,15 +1165,16 @@ class Scheduler(SchedulerInterface):
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params
         last = request.output_token_ids[-1]
-        # min_tokens is also enforced by the sampler (it masks stop tokens); this is the backstop.
-        if request.num_output_tokens >= params.min_tokens:
-            if last == params.eos_token_id and not params.ignore_eos:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last
-                return True
+        # vLLM 0.32's check_stop: min_tokens is the sampler's to enforce (it masks stop tokens while too few
+        # outputs exist, per draft position too), so a stop token that was sampled all the same ends the
+        # request: the sampler gives EOS back to a grammar that can only end, and that end is honoured.
+        if last == params.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

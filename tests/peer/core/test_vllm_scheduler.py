@@ -427,10 +427,6 @@ def test_stop_via_update_from_output():
     assert list(requests[0].output_token_ids) == [EOS_TOKEN_ID, 10, 11]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tokenloom deliberately keeps min_tokens as a backstop in its stop check (docs/scheduler.md): a sampled "
-    "EOS or stop token below min_tokens does not finish the request, where vLLM 0.32 honours it (its logits "
-    "processor alone enforces min_tokens); tests/test_scheduler.py::test_min_tokens_defers_stop"))
 def test_check_stop_min_tokens():
     """Test that sampled stop tokens still finish under min_tokens."""
     # Test case 1: regular tokens below min_tokens should keep running.
