@@ -103,3 +103,11 @@ def test_logprobs_true_is_one() -> None:
     assert (params.logprobs, params.prompt_logprobs) == (1, 1)
     assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
     assert _SP(logprobs=False).logprobs == 0 and type(_SP(logprobs=False).logprobs) is int
+
+
+def test_top_k_true_is_refused_not_a_failed_step() -> None:
+    """A bool top_k passed the integer check and failed the engine step in torch's topk; it is refused."""
+    from tokenloom.sampling_params import SamplingParams as _SP
+
+    with pytest.raises(ValueError, match="top_k must be"):
+        _SP(top_k=True)

@@ -206,7 +206,7 @@ class SamplingParams:
             bad(f"n must be 1 when using greedy sampling, got {self.n}.")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:  # True: a failed topk
             bad(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
