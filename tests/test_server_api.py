@@ -317,3 +317,30 @@ def test_cors_for_a_listed_origin(http) -> None:
     other = {"Origin": "http://elsewhere.example"}
     assert "access-control-allow-origin" not in http.get("/v1/models", headers=other).headers
     assert http.options("/v1/chat/completions", headers={**other, **preflight}).status_code == 400
+
+
+def test_chat_runs_the_prompt_ids_forwarded_in_kv_transfer_params(http) -> None:
+    """vLLM 0.32's decode-side token reuse: a chat request carrying the prefill stage's prompt ids in
+    kv_transfer_params["prompt_token_ids"] runs those ids, not its own messages rendered (vLLM's
+    test_kv_transfer_prompt_token_ids_round_trip); malformed ids are a 400; the batch endpoint refuses them."""
+    baseline = _post(http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Count to three"}],
+                                                    "max_tokens": 4, "return_token_ids": True, **GREEDY})
+    ids = baseline["prompt_token_ids"]
+    other = {"messages": [{"role": "user", "content": "Something else entirely"}], "max_tokens": 4,
+             "return_token_ids": True, **GREEDY}
+    reused = _post(http, "/v1/chat/completions", {**other, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert reused["prompt_token_ids"] == ids
+    assert reused["choices"][0]["token_ids"] == baseline["choices"][0]["token_ids"]
+    assert reused["usage"]["prompt_tokens"] == len(ids)
+    chunks = _stream(http, "/v1/chat/completions", {**other, "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]) \
+        == baseline["choices"][0]["message"]["content"]
+    for bad, words in (([], "must be a non-empty list"), ([1, True], "must be a non-empty list"),
+                       ([1, TINY_VOCAB], f"Token id {TINY_VOCAB} is out of vocabulary")):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, **other,
+                                                    "kv_transfer_params": {"prompt_token_ids": bad}})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    r = http.post("/v1/chat/completions/batch", json={
+        "model": MODEL, "messages": [other["messages"], other["messages"]],
+        "kv_transfer_params": {"prompt_token_ids": ids}})
+    assert r.status_code == 400 and "Batch chat completions do not support" in r.text, r.text

@@ -227,6 +227,28 @@ def _check_without_tokenizer(req: CompletionRequest, items: list[Any]) -> None:
 
 
 # Chat ---------------------------------------------------------------------------------------------
+def forwarded_prompt_token_ids(req: ChatCompletionRequest, vocab_size: int) -> list[int] | None:
+    """vLLM 0.32's decode-side token reuse (renderers/online_renderer.py `_reused_prompt_token_ids`): in
+    disaggregated serving the prefill stage's prompt ids come in `kv_transfer_params["prompt_token_ids"]`, and
+    the decode stage runs them instead of rendering `messages` again. Popped, so the ids do not travel on to
+    the KV connector; None when absent, or when `echo` needs the messages rendered. Malformed ids are a 400 in
+    vLLM's words."""
+    kv = req.kv_transfer_params
+    if not isinstance(kv, dict) or kv.get("prompt_token_ids") is None:
+        return None
+    ids = kv.pop("prompt_token_ids")
+    if req.echo:
+        return None
+    param = "kv_transfer_params.prompt_token_ids"
+    # bool is an int subclass, hence the exact type check (vLLM's).
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise APIError(400, "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative "
+                            "integers.", param)
+    if max(ids) >= vocab_size:
+        raise APIError(400, f"Token id {max(ids)} is out of vocabulary", param)
+    return ids
+
+
 def check_request_chat_template(req: ChatCompletionRequest | Any, trusted: bool) -> None:
     """vLLM: a chat template sent with the request (a Jinja program the server would run) is refused
     unless the server was started with --trust-request-chat-template."""

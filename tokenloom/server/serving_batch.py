@@ -34,6 +34,11 @@ async def create_batch_chat_completion(raw: Request) -> Response:
                             "to False.", "use_beam_search")
     if obj.get("stream"):
         raise APIError(400, "streaming is not supported by the batch endpoint", "stream")
+    kv_transfer_params = obj.get("kv_transfer_params")
+    if isinstance(kv_transfer_params, dict) and kv_transfer_params.get("prompt_token_ids") is not None:
+        raise APIError(400, "Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: one "
+                            "pre-tokenized prompt cannot serve several conversations.",
+                       "kv_transfer_params.prompt_token_ids")
     if obj.get("n", 1) != 1:
         raise APIError(400, "n must be 1 on the batch endpoint", "n")
     if obj.get("tools"):

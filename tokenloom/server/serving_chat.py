@@ -27,6 +27,7 @@ from tokenloom.server.params import (
     chat_params,
     check_chat_request,
     check_request_chat_template,
+    forwarded_prompt_token_ids,
     message_text,
     render_chat,
     template_kwargs,
@@ -86,6 +87,9 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     tools_prompt = None
     if template_tools and not template_renders_tools(req.chat_template or state.tokenizer.chat_template):
         tools_prompt = tools_system_prompt(template_tools, (tools.parser if tools else None) or "hermes")
+    forwarded = forwarded_prompt_token_ids(req, state.vocab_size)
+    if forwarded is not None:  # the prefill stage's ids, run as they are (vLLM's decode-side token reuse)
+        return req, truncate_prompt(forwarded, req, state.max_model_len), extras
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
         template_kwargs(req.chat_template_kwargs, req.reasoning_effort), req.add_special_tokens, req.chat_template,
