@@ -260,6 +260,37 @@ def test_max_logprobs_is_an_engine_argument_and_flat_logprobs_read_as_the_lists(
     assert len(flat.outputs[0].logprobs[1:3]) == 2 and flat.outputs[0].logprobs[1:3][0] == lists.outputs[0].logprobs[1]
 
 
+def test_logprobs_past_twenty_and_the_whole_vocabulary_follow_the_engines_cap(tiny_dir_for_args) -> None:
+    """vLLM's SamplingParams takes any count or -1 (the whole vocabulary); the LLM's max_logprobs decides when
+    the request is added. SamplingParams refused 21 and -1 when made, so LLM(max_logprobs=-1) could never be
+    used offline."""
+    from tests.tiny_models import TINY_VOCAB
+    from tokenloom.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="logprobs must be non-negative or -1, got -2."):
+        SamplingParams(logprobs=-2)
+    whole = SamplingParams(temperature=0.0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    capped = LLM(str(tiny_dir_for_args), dtype="float32", num_blocks=64, block_size=4, max_model_len=64)
+    try:
+        with pytest.raises(VLLMValidationError, match=f"Requested sample logprobs of {TINY_VOCAB}, which is greater "
+                                                      "than max allowed: 20"):
+            capped.generate("Hello", whole, use_tqdm=False)
+    finally:
+        capped.shutdown()
+    llm = LLM(str(tiny_dir_for_args), dtype="float32", num_blocks=64, block_size=4, max_model_len=64,
+              max_logprobs=-1)
+    try:
+        out = llm.generate("Hello there", whole, use_tqdm=False)[0]
+        assert all(len(entry) == TINY_VOCAB for entry in out.outputs[0].logprobs)
+        assert all(len(entry) == TINY_VOCAB for entry in out.prompt_logprobs[1:])
+        assert whole.logprobs == -1  # the caller's params are left as they were
+        out = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=2, logprobs=25),
+                           use_tqdm=False)[0]
+        assert all(len(entry) in (25, 26) for entry in out.outputs[0].logprobs)
+    finally:
+        llm.shutdown()
+
+
 def test_chat_takes_priority_as_generate_does(tiny) -> None:
     """vLLM's LLM.chat(priority=...) (tests/entrypoints/llm/test_chat.py::test_chat_priority): one value for every
     conversation or one each, a list of the wrong length refused by name; it was an unknown keyword here."""

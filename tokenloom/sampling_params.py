@@ -125,8 +125,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
     eos_token_id: int | None = field(default=None, repr=False)
-    # The cap on logprobs / prompt_logprobs (vLLM's --max-logprobs, default 20; -1: no cap).
-    max_logprobs: int = field(default=20, repr=False)
+    # A cap on logprobs / prompt_logprobs checked when the params are made (-1, the default: none here). The
+    # engine holds every request to its own max_logprobs when it is added (LLM(max_logprobs=N), default 20;
+    # the server's --max-logprobs), as vLLM's does; this is for callers that want the check up front.
+    max_logprobs: int = field(default=-1, repr=False)
     # bad_words as token-id sequences, filled in by the engine's input processor (vLLM's private
     # _bad_words_token_ids): an init field, so dataclasses.replace (n > 1 fan-out, extra EOS ids) keeps it.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
@@ -226,15 +228,19 @@ class SamplingParams:
             bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        # vLLM's: a count, or -1 for the whole vocabulary (the engine resolves it and holds it to its cap).
         cap = self.max_logprobs if self.max_logprobs >= 0 else 1 << 62
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= cap):
-            bad(f"logprobs must be an integer in [0, {cap}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= cap):
+            bad(f"logprobs must be non-negative or -1 (the whole vocabulary), at most {cap}, got {self.logprobs!r}"
+                if cap < 1 << 62 else f"logprobs must be non-negative or -1, got {self.logprobs!r}.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             bad(f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= cap
+            not isinstance(self.prompt_logprobs, int) or not -1 <= self.prompt_logprobs <= cap
         ):
-            bad(f"prompt_logprobs must be an integer in [0, {cap}], got {self.prompt_logprobs!r}")
+            bad(f"prompt_logprobs must be non-negative or -1 (the whole vocabulary), at most {cap}, got "
+                f"{self.prompt_logprobs!r}" if cap < 1 << 62
+                else f"prompt_logprobs must be non-negative or -1, got {self.prompt_logprobs!r}.")
         for name in ("allowed_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
             if ids is not None and (not isinstance(ids, list | tuple) or not ids

@@ -99,6 +99,7 @@ class InputProcessor:
             raise InvalidRequestError("best_of is not supported (other than equal to n)", "best_of")
         if self.tokenizer is None:
             self._check_without_tokenizer(params)
+        params = self._resolve_whole_vocabulary_logprobs(params)
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
         if self.tokenizer is None:
@@ -108,6 +109,25 @@ class InputProcessor:
             params.update_from_tokenizer(self.tokenizer, self.info.vocab_size)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "bad_words") from None
+        return params
+
+    def _resolve_whole_vocabulary_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's -1 for logprobs / prompt_logprobs, the whole vocabulary, as the count the runner takes (on a
+        copy: the caller's params may be shared); a count past the vocabulary is refused (vLLM's cap there)."""
+        vocab = self.info.vocab_size
+        resolved = {}
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            n = getattr(params, name)
+            if n == -1:
+                resolved[name] = vocab
+            elif n is not None and n > vocab:
+                raise InvalidRequestError(f"Requested {what} logprobs of {n}, which is greater than max allowed: "
+                                          f"{vocab}", name)
+        if not resolved:
+            return params
+        params = copy.copy(params)
+        for name, n in resolved.items():
+            setattr(params, name, n)
         return params
 
     @staticmethod
