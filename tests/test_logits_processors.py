@@ -27,6 +27,7 @@ from tokenloom.sample.logits_processor import (
     LogitsProcessor,
     LogitsProcessors,
     MoveDirectionality,
+    fqcn_for_another_process,
     process_dict_updates,
 )
 from tokenloom.sampling_params import StructuredOutputsParams
@@ -360,6 +361,10 @@ def test_refusals_in_vllms_words(tiny_dir):
         LLM(str(tiny_dir), logits_processors=["no_such_module:X"], **KW)
     with pytest.raises(ConfigError, match="logits_processors must be a list"):
         LLM(str(tiny_dir), logits_processors=FQCN, **KW)
+    # Engine processes import processors by name; tensor-parallel workers run no script of the user's.
+    assert fqcn_for_another_process(CountingForce) == FQCN
+    with pytest.raises(ConfigError, match="defined in the script being run"):
+        fqcn_for_another_process("__main__:Force", allow_main=False)
 
 
 @pytest.mark.slow

@@ -580,8 +580,8 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
     if logitsprocs_config is not None:
         from tokenloom.sample.logits_processor import fqcn_for_another_process
 
-        # By name: each worker is a fresh interpreter that imports them.
-        processors = [fqcn_for_another_process(p) for p in config.logits_processors or ()]
+        # By name: each worker is a fresh interpreter that imports them (and runs no script of the user's).
+        processors = [fqcn_for_another_process(p, allow_main=False) for p in config.logits_processors or ()]
     inits = [WorkerInit(rank=r, tensor_parallel_size=parallel.tensor_parallel_size,
                         pipeline_parallel_size=parallel.pipeline_parallel_size, dist_init_method="",
                         model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device),

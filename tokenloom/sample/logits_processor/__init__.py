@@ -150,13 +150,20 @@ def fqcn(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-def fqcn_for_another_process(spec: str | type[LogitsProcessor]) -> str:
+def fqcn_for_another_process(spec: str | type[LogitsProcessor], allow_main: bool = True) -> str:
     """A processor as a name another process can load it by: a string as it is, a class by its module and
     qualified name, once checked that this name gives the class back here (ConfigError otherwise: a class
-    defined inside a function, or in an interactive session's __main__, exists in this process only)."""
+    defined inside a function, or in an interactive session's __main__, exists in this process only).
+    `allow_main` False: the other process does not re-run this process's main script (a tensor-parallel
+    worker is `python -m tokenloom.engine.worker`; a spawned engine process does re-run it), so a class of the
+    script's own (__main__) cannot reach it either."""
+    name = spec if isinstance(spec, str) else fqcn(spec)
+    if not allow_main and name.startswith("__main__:"):
+        raise ConfigError(f"logits_processors: {name.removeprefix('__main__:')} is defined in the script being run "
+                          "(__main__), which tensor/pipeline-parallel workers do not run: they import each processor "
+                          "by its module and name; define it in an importable module")
     if isinstance(spec, str):
         return spec
-    name = fqcn(spec)
     module = spec.__module__
     found: Any = None
     if "<locals>" not in spec.__qualname__ and not (module == "__main__" and not _main_has_file()):
