@@ -1,6 +1,6 @@
 """Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
 
-    envs < config, sampling_params < core < distributed < model, router < engine < server, workload
+    envs < config, sampling_params < core < distributed, sample < model, router < engine < server, workload
     < bench, sim < explore
 
 Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
@@ -26,6 +26,7 @@ LEVELS = {
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,
     "tokenloom.lora": 1.5,  # LoRA adapters: torch arithmetic and files, below the model room that hooks them in
     "tokenloom.distributed": 1.5,  # process groups and collectives: torch, but below the model that calls them
+    "tokenloom.sample": 1.5,  # vLLM's custom logits processor interface: torch, below the sampler that runs them
     "tokenloom.model": 2, "tokenloom.router": 2, "tokenloom.kv_transfer": 2,
     "tokenloom.engine": 3,
     "tokenloom.server": 4, "tokenloom.workload": 4,

@@ -53,6 +53,12 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message says which knob and why."""
 
 
+# vLLM's refusals of custom logits processors, word for word (vllm/v1/sample/logits_processor/__init__.py;
+# tokenloom.sample.logits_processor exports them under the same names, as code written for vLLM imports them).
+STR_POOLING_REJECTS_LOGITSPROCS = "Pooling models do not support custom logits processors."
+STR_SPEC_DEC_REJECTS_LOGITSPROCS = "Custom logits processors are not supported when speculative decoding is enabled."
+
+
 # ------------------------------------------------------------------------------ parsing knob values
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -921,6 +927,14 @@ class EngineConfig:
         '"disable_any_whitespace": true}\' (backend: auto or xgrammar; docs/structured_outputs.md)',
         simulated=False)
 
+    # vLLM's --logits-processors: custom batch-level logits processors (tokenloom/sample/logits_processor), as
+    # classes or "module:Class" names (the command line's form); each engine-core process builds its own.
+    logits_processors: list[str | type] | None = knob(
+        None, "custom logits processors (vLLM's): one or more 'module:Class' names of LogitsProcessor subclasses, "
+        "importable where the engine runs; packages installed under the entry-point group vllm.logits_processors "
+        "load too; requests pass them arguments in vllm_xargs / SamplingParams.extra_args "
+        "(docs/logits_processors.md)", nargs="+", parse=str, simulated=False)
+
     # vLLM's --runner / --convert: one runner type per engine, detected from the checkpoint (auto: a
     # BERT-style encoder or a *ForSequenceClassification is a pooling model; a causal LM generates).
     runner: RunnerType = knob("auto", "generate or pooling (embeddings, classification, scoring); auto: from "
@@ -957,6 +971,7 @@ class EngineConfig:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        self.logits_processors = _check_logits_processors(self.logits_processors, self.speculative_config)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:
@@ -982,6 +997,23 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+
+
+def _check_logits_processors(value: Any, speculative_config: Any) -> list[str | type] | None:
+    """logits_processors as a list of classes and "module:Class" names (what they name is loaded where the
+    engine runs); refused with speculative decoding in vLLM's words."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+        raise ConfigError("logits_processors must be a list of LogitsProcessor classes or 'module:Class' names, "
+                          f"got {type(value).__name__}")
+    bad = next((v for v in value if not isinstance(v, str | type)), None)
+    if bad is not None:
+        raise ConfigError(f"logits_processors: each entry must be a LogitsProcessor class or a 'module:Class' "
+                          f"name, got {bad!r}")
+    if value and speculative_config is not None:
+        raise ConfigError(STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+    return list(value)
 
 
 # ----------------------------------------------------------------------- engine arguments (derived)

@@ -143,7 +143,8 @@ class SamplingParams:
     # decodes special tokens as they are: True (the default) is accepted, False refused as the server does.
     spaces_between_special_tokens: bool = True
     # vLLM V1's field too, and refused there as here: per-request Python callables do not run in the
-    # batched sampler (vLLM's engine-level --logits-processors have no counterpart here either).
+    # batched sampler. The engine-level ones do (vLLM's --logits-processors, tokenloom/sample/logits_processor);
+    # AdapterLogitsProcessor runs per-request callables through one.
     logits_processors: Any = field(default=None, repr=False)
     # vLLM's field; as in vLLM V1, a best_of other than n is refused when the request is added (the engine's
     # input processor, with the server's words), not when the params are made.
@@ -266,7 +267,8 @@ class SamplingParams:
             bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if self.logits_processors:
             bad("per-request logits_processors are not supported (neither are they in vLLM V1); use logit_bias, "
-                "allowed_token_ids, bad_words or structured_outputs")
+                "allowed_token_ids, bad_words, structured_outputs, or the engine's logits_processors (vLLM's "
+                "batch-level LogitsProcessor classes; AdapterLogitsProcessor wraps per-request callables)")
         if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
             bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text

@@ -51,12 +51,26 @@ def make_client(config: EngineConfig, log_level: str = "info", *, multiprocess_m
     return client if asyncio_mode else SyncMPClient(client)
 
 
+def logits_processors_by_name(specs: list | None) -> list[str] | None:
+    """Custom logits processors as "module:Class" names for engine processes, which start fresh interpreters and
+    import each one by name (vLLM's engine processes unpickle them the same way). Loaded here first, so that a
+    name that does not load, or a class that cannot be found by its name (defined in a function, or in an
+    interactive session), is refused before any process starts (ValueError / RuntimeError, vLLM's words)."""
+    if not specs:
+        return specs
+    from tokenloom.sample.logits_processor import _load_logitsprocs_by_fqcns, fqcn_for_another_process
+
+    _load_logitsprocs_by_fqcns(specs)
+    return [fqcn_for_another_process(spec) for spec in specs]
+
+
 def _mp_client(config: EngineConfig, log_level: str) -> AsyncEngineCoreClient:
     """The engine cores in processes, as `config.parallel` says: one spawned process (the default), N spawned
     processes behind the router, or N Ray actors behind the router."""
     parallel = config.parallel or ParallelConfig()
     router_config = RouterConfig.from_parallel(parallel)
-    config = replace(config, parallel=parallel.engine_local())  # what each engine core runs: one engine
+    config = replace(config, parallel=parallel.engine_local(),  # what each engine core runs: one engine
+                     logits_processors=logits_processors_by_name(config.logits_processors))
     dp = parallel.data_parallel_size
     if parallel.distributed_executor_backend == "ray":
         from tokenloom.engine.ray_engine import start_ray_engines

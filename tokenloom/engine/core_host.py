@@ -23,6 +23,7 @@ from typing import Any
 
 from tokenloom import envs
 from tokenloom.config import (
+    STR_POOLING_REJECTS_LOGITSPROCS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -94,6 +95,14 @@ class EngineCoreHost:
             check_model_parallel(config)
         path = resolve_model_path(config.model)
         self.runner_type, self.convert = resolve_runner(config, path)
+        # The custom logits processors' class names, for the front end's validate_params (none: no processor).
+        self.logits_processor_names: list[str] = []
+        if self.runner_type == "pooling" and config.logits_processors:  # vLLM's refusal, before the load
+            raise ConfigError(STR_POOLING_REJECTS_LOGITSPROCS)
+        if config.logits_processors:  # a name that does not load fails now, not after minutes of loading
+            from tokenloom.sample.logits_processor import _load_logitsprocs_by_fqcns
+
+            _load_logitsprocs_by_fqcns(config.logits_processors)
         if model_parallel > 1 and self.runner_type == "pooling":
             raise ConfigError("tensor/pipeline parallelism runs generation models; pooling models run on one rank")
         self.lora_config = config.lora_config
@@ -203,11 +212,22 @@ class EngineCoreHost:
             from tokenloom.model.quant import calibration_token_ids
 
             calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
+        # Custom logits processors run where the model samples: built in the runner (each worker's under TP/PP).
+        # Not with a pooling model or speculative decoding, where vLLM leaves installed entry points unloaded
+        # (the processors given explicitly were refused above, and by EngineConfig).
+        logitsprocs_config = None
+        if self.runner_type != "pooling" and config.speculative_config is None:
+            logitsprocs_config = logits_processor_config(config, path, loaded.config, sched_cfg, cache_cfg, dtype)
         if model_parallel > 1:
+            if logitsprocs_config is not None:  # loaded here first (a bad name fails before the workers start)
+                from tokenloom.sample.logits_processor import _load_custom_logitsprocs, fqcn
+
+                self.logits_processor_names = [fqcn(c) for c in _load_custom_logitsprocs(config.logits_processors)]
             self.executor = _model_parallel_executor(config, path, dtype, device, sched_cfg,
                                                      block_size=cache_cfg.block_size, num_blocks=num_blocks,
                                                      kv_cache_groups=kv_cache_groups,
-                                                     calibration_token_ids=calibration)
+                                                     calibration_token_ids=calibration,
+                                                     logitsprocs_config=logitsprocs_config)
             self.runner = None  # the runners live in the worker processes
             self.dtype, self.device = dtype, device
         else:
@@ -236,6 +256,9 @@ class EngineCoreHost:
                 make_kv_connectors, config, self.runner, path, len(kv_cache_groups), self.runner_type)
         if self.speculative_config is not None and self.runner is not None:  # (workers: enabled at start)
             on_model_thread(self.runner.enable_speculative_decoding, self.speculative_config, sched_cfg.max_model_len)
+        if logitsprocs_config is not None and self.runner is not None:
+            self.logits_processor_names = on_model_thread(self.runner.enable_logits_processors, logitsprocs_config,
+                                                          config.logits_processors or ())
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler = self._new_scheduler()
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -423,6 +446,7 @@ class EngineCoreHost:
             token_budget=token_budget_labels(self.scheduler_config),
             pooling=self.pooling_info,
             lora=self.lora_info(),
+            logits_processors=list(self.logits_processor_names),
         )
 
     def reset_scheduler(
@@ -525,8 +549,23 @@ def check_model_parallel(config: EngineConfig) -> None:
                               "drafts are proposed on the last stage only); use tensor parallelism")
 
 
+def logits_processor_config(config: EngineConfig, path: Any, model_config: Any, sched_cfg: SchedulerConfig,
+                            cache_cfg: CacheConfig, dtype: Any) -> Any:
+    """What the engine's custom logits processors get as vLLM's `vllm_config` (tokenloom/sample/logits_processor,
+    LogitsProcessorConfig): the scheduler, cache and parallel configs in force and the model's vocabulary."""
+    from tokenloom.config import ParallelConfig
+    from tokenloom.sample.logits_processor import LogitsProcessorConfig, ProcessorModelConfig
+
+    model = ProcessorModelConfig(model=str(path), vocab_size=model_config.vocab_size,
+                                 max_model_len=sched_cfg.max_model_len, dtype=str(dtype).removeprefix("torch."),
+                                 seed=config.seed)
+    return LogitsProcessorConfig(model_config=model, scheduler_config=sched_cfg, cache_config=cache_cfg,
+                                 parallel_config=config.parallel or ParallelConfig(),
+                                 structured_outputs_config=config.structured_outputs_config)
+
+
 def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device: Any, sched_cfg: SchedulerConfig,
-                             **runner_kwargs: Any) -> Any:
+                             logitsprocs_config: Any = None, **runner_kwargs: Any) -> Any:
     """The MultiprocExecutor over tensor_parallel_size x pipeline_parallel_size worker processes (the
     RayExecutor's Ray actors with --distributed-executor-backend ray)."""
     from tokenloom.engine.multiproc_executor import MultiprocExecutor
@@ -537,12 +576,19 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
     assert parallel is not None
     if parallel.pipeline_parallel_size > 1:
         runner_kwargs["kv_cache_groups"] = None  # each stage's one group of its own layers
+    processors = None  # None: the workers build no custom logits processors
+    if logitsprocs_config is not None:
+        from tokenloom.sample.logits_processor import fqcn_for_another_process
+
+        # By name: each worker is a fresh interpreter that imports them (and runs no script of the user's).
+        processors = [fqcn_for_another_process(p, allow_main=False) for p in config.logits_processors or ()]
     inits = [WorkerInit(rank=r, tensor_parallel_size=parallel.tensor_parallel_size,
                         pipeline_parallel_size=parallel.pipeline_parallel_size, dist_init_method="",
                         model_path=str(path), dtype=str(dtype).removeprefix("torch."), device=str(device),
                         quantization=config.quantization, seed=config.seed, runner_kwargs=dict(runner_kwargs),
                         speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
-                        log_level=logging.getLevelName(logger.getEffectiveLevel()))
+                        log_level=logging.getLevelName(logger.getEffectiveLevel()),
+                        logits_processors=processors, logits_processors_config=logitsprocs_config)
              for r in range(parallel.model_parallel_size)]
     executor_class = RayExecutor if parallel.distributed_executor_backend == "ray" else MultiprocExecutor
     return executor_class(inits, async_scheduling=sched_cfg.async_scheduling)

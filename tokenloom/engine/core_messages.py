@@ -75,6 +75,9 @@ class EngineReady:
     # With --enable-lora: what the API process checks adapters against before it serves them
     # (tokenloom/lora/peft_loader.py): max_loras, max_lora_rank, num_layers, target_shapes. None: no LoRA.
     lora: dict[str, Any] | None = None
+    # The custom logits processors the engine built, as "module:Class" names: the front end loads them to run
+    # their validate_params on each request (tokenloom/sample/logits_processor).
+    logits_processors: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -195,6 +195,9 @@ class UniProcExecutor(Executor):
         spec_decode = getattr(self.runner, "spec_decode", None)  # its proposer's token rows
         if spec_decode is not None:
             spec_decode.reset()
+        input_batch = getattr(self.runner, "input_batch", None)  # the custom logits processors' rows
+        if input_batch is not None:
+            input_batch.remove_all()
 
     def shutdown(self) -> None:
         if self._thread is not None and self._owns_thread:

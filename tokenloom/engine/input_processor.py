@@ -53,6 +53,9 @@ class InputProcessor:
         """`tokenizer` None: the engine was built with skip_tokenizer_init (token-id prompts only)."""
         self.tokenizer = tokenizer
         self.info = info
+        # The engine's custom logits processor classes (loaded here by name, as vLLM's input processor loads
+        # them), whose validate_params every request passes.
+        self._logits_processor_classes: list[Any] | None = None
 
     def encode(self, text: str) -> list[int]:
         """A text prompt's token ids; refused by vLLM's sentence when the engine loaded no tokenizer."""
@@ -97,6 +100,7 @@ class InputProcessor:
         word that tokenizes to nothing or out of the model's vocabulary, and for a best_of other than n."""
         if params.best_of is not None and params.best_of != params.n:  # the server's rule (server/params.py)
             raise InvalidRequestError("best_of is not supported (other than equal to n)", "best_of")
+        self.validate_logits_processors_params(params)
         if self.tokenizer is None:
             self._check_without_tokenizer(params)
         params = self._resolve_whole_vocabulary_logprobs(params)
@@ -129,6 +133,22 @@ class InputProcessor:
         for name, n in resolved.items():
             setattr(params, name, n)
         return params
+
+    def validate_logits_processors_params(self, params: SamplingParams) -> None:
+        """Each custom logits processor's validate_params (vLLM's, where a request is added): its refusal is a
+        VLLMValidationError for this request alone."""
+        names = getattr(self.info, "logits_processors", None)
+        if not names:
+            return
+        from tokenloom.sample.logits_processor import _load_logitsprocs_by_fqcns, validate_with
+
+        if self._logits_processor_classes is None:
+            self._logits_processor_classes = _load_logitsprocs_by_fqcns(names)
+        for cls in self._logits_processor_classes:
+            try:
+                validate_with(cls, params)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from exc
 
     @staticmethod
     def _check_without_tokenizer(params: SamplingParams) -> None:

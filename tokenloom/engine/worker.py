@@ -59,6 +59,11 @@ class WorkerInit:
     log_level: str = "WARNING"
     # Every rank on one node: a TP group all-reduces through shared memory there, else over gloo.
     same_node: bool = True
+    # Custom logits processors ("module:Class" names; [] still loads installed entry points) and what they get as
+    # vLLM's vllm_config (a LogitsProcessorConfig); None: none built (pooling, speculative decoding). Every rank
+    # builds and applies them: every rank samples, and must sample the same tokens.
+    logits_processors: list[str] | None = None
+    logits_processors_config: Any = None
 
     @property
     def world_size(self) -> int:
@@ -97,6 +102,8 @@ class Worker:
         del sharded
         if init.speculative_config is not None:
             self.runner.enable_speculative_decoding(init.speculative_config, init.max_model_len)
+        if init.logits_processors is not None:
+            self.runner.enable_logits_processors(init.logits_processors_config, init.logits_processors)
         self.is_output_rank = init.rank == init.output_rank
         self.return_logits = False
         self.step_delay_s = 0.0
@@ -116,6 +123,7 @@ class Worker:
 
     def reset(self) -> None:
         self.runner.requests.clear()
+        self.runner.input_batch.remove_all()
         self.runner.pipeline_unsynced.clear()
         if self.runner.spec_decode is not None:
             self.runner.spec_decode.reset()

@@ -6,10 +6,12 @@ hf.py (Hugging Face safetensors directories); platform.py (device, dtype, CPU th
 (one file per family, registry.py naming them); execution_plan.py (which path runs, chosen once at
 load: fused_decode.py's fused decode step, oneDNN pre-packing, the KV layout); attention.py (paged KV
 cache and attention); kernels.py + csrc/ (compiled CPU kernels); quant.py (int8 W8A8 layers);
-sampler.py; tokenizer.py; runner.py (ModelRunner: SchedulerOutput in, sampled tokens out). The GEMM
+sampler.py (with the custom logits processors of tokenloom/sample, over input_batch.py's persistent batch);
+tokenizer.py; runner.py (ModelRunner: SchedulerOutput in, sampled tokens out). The GEMM
 row buckets (packed_rows, tokenloom/core/gemm_rows.py) sit below, shared with the cost model that
 charges them.
 
-May import: tokenloom.config, tokenloom.sampling_params, tokenloom.core (its output types). Never
+May import: tokenloom.config, tokenloom.sampling_params, tokenloom.core (its output types), tokenloom.sample
+(the logits processor interface). Never
 engine, server or anything above.
 """

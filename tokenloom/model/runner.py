@@ -55,6 +55,7 @@ from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchA
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.decoder_model import DecoderModel
 from tokenloom.model.execution_plan import plan_execution
+from tokenloom.model.input_batch import InputBatch
 from tokenloom.model.platform import (
     configure_cpu_threads,
     keep_freed_memory_in_process,
@@ -63,6 +64,7 @@ from tokenloom.model.platform import (
     single_threaded,
 )
 from tokenloom.model.sampler import (
+    BatchProcessors,
     GrammarRows,
     Sampler,
     SamplerOutput,
@@ -96,6 +98,9 @@ class _RequestState:
     # A pooling request that needs every prompt row (MEAN, CLS, ALL, STEP): its chunks' hidden states.
     pooling_rows: list = field(default_factory=list)
     lora_request: Any = None  # its LoRA adapter (tokenloom/lora/request.py); None: the base model
+    # Its outputs so far, appended with token_ids: the live list custom logits processors hold (vLLM's
+    # output_token_ids; a resumed request's starts with the outputs it had).
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -240,6 +245,9 @@ class ModelRunner:
         # The worker side of a KV connector (tokenloom/kv_transfer, role WORKER), set by the engine: it loads
         # blocks before the forward and saves them after, as the step's kv_connector_metadata says.
         self.kv_connector: Any = None
+        # Custom logits processors (enable_logits_processors) and the persistent batch whose rows they see;
+        # without processors it keeps no rows and costs nothing.
+        self.input_batch = InputBatch()
 
     def enable_lora(self, lora_config: Any) -> None:
         """Serve LoRA adapters (tokenloom/lora/): a LoRALinear on every target linear, the slot manager.
@@ -274,6 +282,18 @@ class ModelRunner:
         for rid, state in self.requests.items():
             self.spec_decode.add_request(rid, state.token_ids, state.num_prompt_tokens)
 
+    def enable_logits_processors(self, vllm_config: Any, custom_logitsprocs: Sequence[Any]) -> list[str]:
+        """Build the engine's custom logits processors here (vLLM's build_logitsprocs, in the runner's process):
+        `vllm_config` a LogitsProcessorConfig, `custom_logitsprocs` classes or "module:Class" names (installed
+        entry points load too). Returns the built classes' names, for the front end's validate_params. A
+        pooling runner refuses processors given explicitly (vLLM's words) and loads none."""
+        from tokenloom.sample.logits_processor import build_logitsprocs, processor_names
+
+        logitsprocs = build_logitsprocs(vllm_config, self.device, self.device.type == "cuda",
+                                        self.pooler is not None, custom_logitsprocs)
+        self.input_batch = InputBatch(logitsprocs)
+        return processor_names(logitsprocs)
+
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts proposed after the last step (vLLM's post_step hands them to the scheduler)."""
         return self.spec_decode.take_draft_token_ids() if self.spec_decode is not None else None
@@ -301,6 +321,8 @@ class ModelRunner:
         step_index, self.num_steps = self.num_steps, self.num_steps + 1
         failed = self._update_states(scheduler_output)
         scheduled = self._collect_scheduled(scheduler_output, failed)
+        if self.input_batch.enabled:
+            self._update_input_batch(scheduler_output, scheduled)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[SampleLogprobs]] = {}
         prompt_logprobs: dict[str, tuple[int, list[SampleLogprobs]]] = {}
@@ -397,7 +419,9 @@ class ModelRunner:
             if inputs.sample_drafts is not None:
                 self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits, grammar)
                 return
-            if not return_logits and self.model.kernels is not None and all_plain_greedy(rows):
+            processors = self._step_processors(inputs.sample_reqs)
+            if (not return_logits and self.model.kernels is not None and all_plain_greedy(rows)
+                    and (processors is None or not processors.non_argmax_invariant)):
                 # The kernels' argmax of the head's own logits (compute_logits(fp32=False): no cast):
                 # the same tokens as the sampler's argmax of them in fp32, without the fp32 copy of
                 # bf16 ones (torch's bf16 argmax is ~10x slower).
@@ -411,12 +435,13 @@ class ModelRunner:
                 out = SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
             else:
                 logits = self.model.compute_logits(hidden)
-                out = self.sampler(logits, rows, grammar)
+                out = self.sampler(logits, rows, grammar, processors)
         if return_logits:
             self.last_logits = logits
             self.last_logits_index = {s.req_id: i for i, s in enumerate(inputs.sample_reqs)}
         for i, (state, token) in enumerate(zip(inputs.sample_reqs, out.token_ids)):
             state.token_ids.append(token)
+            state.output_token_ids.append(token)
             state.num_computed = len(state.token_ids) - 1
             sampled[state.req_id] = [token]
             if out.logprobs is not None and out.logprobs[i] is not None:
@@ -435,6 +460,7 @@ class ModelRunner:
                 new = tokens.get(state.req_id)
                 if new:
                     state.token_ids.extend(new)
+                    state.output_token_ids.extend(new)
                     state.num_computed = len(state.token_ids) - 1
 
     def _prompt_logprobs(
@@ -481,10 +507,25 @@ class ModelRunner:
             self.last_logits_index = {}
         for i, (state, tokens) in enumerate(zip(inputs.sample_reqs, token_ids)):
             state.token_ids.extend(tokens)
+            state.output_token_ids.extend(tokens)
             state.num_computed = len(state.token_ids) - 1  # the rejected drafts' KV is overwritten later
             sampled[state.req_id] = tokens
             if lps is not None and lps[i] is not None:
                 logprobs[state.req_id] = lps[i]
+
+    # ----------------------------------------------------------------------- custom logits processors
+
+    def _update_input_batch(self, so: SchedulerOutput, scheduled: list[_Scheduled]) -> None:
+        """The persistent batch's rows after this step's changes (tokenloom/model/input_batch.py), and each
+        processor's update_state. A request that failed validation this step is left out, as unscheduled."""
+        order = [new.req_id for new in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+        self.input_batch.update(so.finished_req_ids, [s.state for s in scheduled], order)
+
+    def _step_processors(self, sample_reqs: list[_RequestState]) -> BatchProcessors | None:
+        """The custom processors for this step's sampled rows, or None when the engine runs none."""
+        if not self.input_batch.enabled:
+            return None
+        return self.input_batch.sampling_rows([s.req_id for s in sample_reqs], self.device)
 
     # ----------------------------------------------------------------------- state updates
 
@@ -538,6 +579,7 @@ class ModelRunner:
             num_computed=new.num_computed_tokens,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
+            output_token_ids=tokens[len(new.prompt_token_ids):],
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))

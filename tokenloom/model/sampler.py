@@ -8,9 +8,16 @@ Order of operations, per row:
      logit_bias added (vLLM's order of its logits processors);
   3. penalties: repetition (prompt + output; divide positive logits, multiply negative ones),
      then frequency (x count in output) and presence (x seen in output), OpenAI style;
-  4. greedy rows take the argmax here;
-  5. temperature, min-p, top-k, top-p, then an inverse-CDF draw with one uniform per row (from the
+  4. custom logits processors that may change the argmax (vLLM's non-argmax-invariant ones: --logits-processors,
+     tokenloom/sample/logits_processor), then penalties;
+  5. greedy rows take the argmax here;
+  6. temperature, min-p, then the argmax-invariant custom processors (only when some row samples randomly;
+     greedy rows keep their argmax), top-k, top-p, then an inverse-CDF draw with one uniform per row (from the
      row's own generator when seeded).
+
+Custom processors see the batch as vLLM's persistent batch holds it: a row per scheduled request
+(BatchProcessors maps the sampled rows there; rows of requests still in their prompt's chunks hold zeros, as
+those requests sample nothing this step).
 
 Costs are kept off the [rows, vocab] plane where possible: penalties touch only seen tokens,
 top-k/top-p look at a window of the most likely tokens before falling back to a full sort, and
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,29 +86,60 @@ def step_seed(seed: int, output_index: int) -> int:
     return ((seed * _SEED_MIX) ^ (output_index * 0xBF58476D1CE4E5B9) ^ output_index) & ((1 << 63) - 1)
 
 
+@dataclass
+class BatchProcessors:
+    """One step's custom logits processors (vLLM's LogitsProcessors, split as it splits them) and where the
+    sampled rows sit in the persistent batch they keep state for (tokenloom/model/input_batch.py)."""
+
+    argmax_invariant: list[Any]
+    non_argmax_invariant: list[Any]
+    batch_size: int  # the persistent batch's rows: every request the step runs
+    # The batch row of each sampled row; None: the sampled rows are the batch's rows, in order.
+    rows: torch.Tensor | None = None
+
+    def apply(self, processors: list[Any], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (the sampled rows) through `processors`, which see the whole batch: a row per request, zeros
+        where a request samples nothing this step (vLLM computes those rows and drops their token)."""
+        if not processors:
+            return logits
+        batch = logits
+        if self.rows is not None:
+            batch = logits.new_zeros((self.batch_size, logits.shape[1]))
+            batch[self.rows] = logits
+        for proc in processors:
+            batch = proc.apply(batch)
+        return batch if self.rows is None else batch[self.rows]
+
+
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar: GrammarRows | None = None
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar: GrammarRows | None = None,
+        processors: BatchProcessors | None = None,
     ) -> SamplerOutput:
         """logits [S, V] (fp32) for S rows -> one token per row (+ logprobs where asked).
 
         `logits` is left untouched (callers may keep it for debugging), except that the grammar
         bitmask of constrained rows is applied to it in place, first: everything after (logprobs,
-        penalties, temperature, top-k/top-p) sees only the tokens the grammar allows.
+        penalties, custom processors, temperature, top-k/top-p) sees only the tokens the grammar allows.
+        `processors`: the engine's custom logits processors, if it runs any.
         """
         if grammar is not None:
             apply_grammar_bitmask(logits, grammar)
-        if all_plain_greedy(rows):
+        custom_first = processors.non_argmax_invariant if processors is not None else []
+        if all_plain_greedy(rows) and not custom_first:  # argmax-invariant processors never run for greedy rows
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
         raw_logprobs = _raw_logprobs(logits, rows)
-        if any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params) for r in rows):
+        if custom_first or any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params)
+                               for r in rows):  # fmt: skip
             logits = logits.clone()
             apply_allowed_token_ids(logits, rows)
             apply_bad_words(logits, rows)
             apply_min_tokens(logits, rows)
             apply_logit_bias(logits, rows)
+            if processors is not None:  # after vLLM's built-in min_tokens and logit_bias processors
+                logits = processors.apply(custom_first, logits)
             apply_penalties(logits, rows)
-        token_ids = _sample(logits, rows)
+        token_ids = _sample(logits, rows, processors)
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
@@ -286,8 +325,11 @@ def apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
 # --------------------------------------------------------------------------- sampling
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow], processors: BatchProcessors | None = None
+            ) -> torch.Tensor:  # fmt: skip
     random_idx = [i for i, r in enumerate(rows) if r.params.temperature >= _GREEDY_EPS]
+    if random_idx and processors is not None and processors.argmax_invariant:
+        return _sample_with_processors(logits, rows, random_idx, processors)
     if len(random_idx) == len(rows):
         return _sample_random(logits, rows)
     token_ids = logits.argmax(dim=-1)  # right for greedy rows; random rows are overwritten
@@ -296,11 +338,36 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return token_ids
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _sample_with_processors(logits: torch.Tensor, rows: Sequence[SamplingRow], random_idx: list[int],
+                            processors: BatchProcessors) -> torch.Tensor:  # fmt: skip
+    """vLLM's order when argmax-invariant custom processors run: greedy rows take their argmax first; then every
+    row is divided by its temperature (a greedy row's counts as 1), min_p masks the rows that set it, and the
+    processors see the whole batch; the random rows sample from what they return."""
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [rows[i] for i in random_idx]
+    scaled = logits.clone()
+    temps = torch.tensor([r.params.temperature for r in random_rows], device=logits.device, dtype=logits.dtype)
+    scaled[random_idx] = logits[random_idx] / temps.unsqueeze(1)
+    min_p_idx = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+    if min_p_idx:  # vLLM's MinPLogitsProcessor, which runs before the custom ones (on every row that sets min_p)
+        min_p = torch.tensor([rows[i].params.min_p for i in min_p_idx], device=logits.device, dtype=logits.dtype)
+        probs = torch.softmax(scaled[min_p_idx], dim=-1)
+        below = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        scaled[min_p_idx] = scaled[min_p_idx].masked_fill(below, float("-inf"))
+    scaled = processors.apply(processors.argmax_invariant, scaled)
+    token_ids[random_idx] = _sample_random(scaled[random_idx], random_rows, scaled=True)
+    return token_ids
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], scaled: bool = False) -> torch.Tensor:
+    """`scaled`: the logits are already divided by the temperature and masked by min_p."""
     device, vocab = logits.device, logits.shape[1]
-    temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=logits.dtype)
-    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-    apply_min_p(probs, rows)
+    if scaled:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        temps = torch.tensor([r.params.temperature for r in rows], device=device, dtype=logits.dtype)
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        apply_min_p(probs, rows)
     u = _uniforms(rows, device)
     filtered = [j for j, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
     if not filtered:

@@ -46,6 +46,7 @@ NOT_APPLIED: dict[str, Unsupported] = {
     "allowed_token_ids": _ignored("allowed_token_ids", ()),
     "bad_words": _ignored("bad_words", ([],)),
     "prompt_logprobs": _ignored("prompt_logprobs", ()),
+    "vllm_xargs": _ignored("vllm_xargs", ({},)),
 }
 
 

@@ -111,12 +111,21 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             skip_special_tokens=req.skip_special_tokens,
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,
-            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params is not None else None,
+            extra_args=_extra_args(req),
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name ("temperature must be ...").
         first = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
+
+
+def _extra_args(req: SamplingRequest) -> dict[str, Any] | None:
+    """SamplingParams.extra_args, as vLLM's to_sampling_params makes them: vllm_xargs (what custom logits
+    processors read), then kv_transfer_params for the KV connector."""
+    extra = dict(req.vllm_xargs or {})
+    if req.kv_transfer_params is not None:
+        extra["kv_transfer_params"] = req.kv_transfer_params
+    return extra or None
 
 
 def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,

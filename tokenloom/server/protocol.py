@@ -40,6 +40,11 @@ Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=INT64_MIN, le=INT64_
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
 
 
+# vLLM's vllm_xargs: names to strings, numbers, or lists of them (SamplingParams.extra_args, which custom logits
+# processors read).
+VllmXArgs = dict[str, str | int | float | list[str | int | float]]
+
+
 class StreamOptions(BaseModel):
     model_config = _CONFIG
     include_usage: Bool | None = False
@@ -85,6 +90,8 @@ class SamplingRequest(BaseModel):
     # vLLM's disaggregated prefill (docs/kv_offload.md): handed to the engine's KV connector; the response
     # carries the connector's own back.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: arguments for custom logits processors (--logits-processors), the request's extra_args.
+    vllm_xargs: VllmXArgs | None = None
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0
@@ -245,3 +252,4 @@ class ResponsesRequest(BaseModel):
     reasoning: Reasoning | None = None  # its effort reaches the chat template, as in vLLM without a reasoning parser
     chat_template_kwargs: dict[str, Any] | None = None
     enable_response_messages: Bool = False  # the raw prompt and output (text and token ids) in the response
+    vllm_xargs: VllmXArgs | None = None  # custom logits processors' arguments, as on the chat endpoint

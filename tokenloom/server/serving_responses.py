@@ -295,7 +295,7 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
         "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,
         # vLLM without a reasoning parser: the effort only reaches the chat template (params.template_kwargs).
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
-        "chat_template_kwargs": req.chat_template_kwargs,
+        "chat_template_kwargs": req.chat_template_kwargs, "vllm_xargs": req.vllm_xargs,
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")

@@ -34,7 +34,6 @@ COMMON: dict[str, Unsupported] = {
     "prompt_embeds": Unsupported("prompt embeddings are not supported"),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
-    "vllm_xargs": Unsupported("vllm_xargs (custom logits-processor arguments) is not supported", ({},)),
     "repetition_detection": Unsupported("repetition_detection is not supported yet"),
     "thinking_token_budget": Unsupported("thinking_token_budget needs a reasoning parser, which tokenloom lacks",
                                          (-1,)),
