@@ -239,6 +239,11 @@ def test_empty_prompts_are_refused_with_vllms_words(http) -> None:
     for prompt in ("", []):
         err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt": prompt}), 400, "prompt")
         assert err["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", err
+    # vLLM's test_prompt_validation.py::test_empty_prompt: no prompt and empty prompt_embeds, the same sentence
+    for body in ({"prompt": None, "prompt_embeds": []}, {"prompt": "", "prompt_embeds": []}, {"prompt": None}):
+        err = _assert_error(http.post("/v1/completions", json={**CMPL, **body}), 400, "prompt")
+        assert err["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", (body, err)
+    err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt_embeds": "AAAA"}), 400, "prompt_embeds")
     err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt": [[1, 2], []]}), 400, "prompt")
     assert "The decoder prompt cannot be empty" in err["message"], err
 

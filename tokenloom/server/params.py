@@ -156,6 +156,8 @@ def max_completion_prompts() -> int:
 
 def check_completion_request(req: CompletionRequest, vocab_size: int) -> None:
     prompt = req.prompt
+    if not prompt:  # None, "" or []: vLLM's CompletionRequest validator's words (prompt_embeds are refused apart)
+        raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt) \
             and len(prompt) > max_completion_prompts():
         raise APIError(400, f"prompt list length {len(prompt)} exceeds the maximum allowed count of "

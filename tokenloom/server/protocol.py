@@ -98,8 +98,8 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    # text, token ids, or a batch of either
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # text, token ids, or a batch of either; None (or empty) is refused in vLLM's words when the prompts are read
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
     max_tokens: Int | None = 16
     logprobs: Int | None = None
     echo: Bool | None = False

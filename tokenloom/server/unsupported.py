@@ -31,7 +31,8 @@ COMMON: dict[str, Unsupported] = {
     "watermarking": Unsupported("watermarking is not supported", (False,)),
     "spaces_between_special_tokens": Unsupported(
         "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
-    "prompt_embeds": Unsupported("prompt embeddings are not supported"),
+    # Empty embeddings ask for nothing: with no prompt either, vLLM's "Either prompt or prompt_embeds ..." follows.
+    "prompt_embeds": Unsupported("prompt embeddings are not supported", ([], "")),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
     "repetition_detection": Unsupported("repetition_detection is not supported yet"),
