@@ -7,6 +7,7 @@ completions into one RequestOutput.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -211,17 +212,14 @@ class OutputProcessor:
         # are folded one at a time when there are stop strings, so old_len is then that boundary).
         if not stops or len(comp.token_ids) <= comp.params.min_tokens:
             return None
-        best: tuple[int, str] | None = None
-        for s in stops:
-            # Only the new text, plus enough of the old to catch a stop string spanning the seam.
-            idx = comp.text.find(s, max(0, old_len - len(s) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        include = comp.params.include_stop_str_in_output
+        found = check_stop_strings(comp.text, len(comp.text) - old_len, stops, include_in_output=include)
+        if found is None:
             return None
-        idx, s = best
-        comp.text = comp.text[: idx + len(s)] if comp.params.include_stop_str_in_output else comp.text[:idx]
-        return s
+        stop, truncate_to = found
+        if truncate_to != -1:
+            comp.text = comp.text[:truncate_to]
+        return stop
 
     def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True) -> dict[int, Logprob]:
         # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
@@ -336,3 +334,25 @@ class OutputProcessor:
         self._parents.pop(parent.request_id, None)
         for c in parent.completions:
             self._by_core_id.pop(c.core_request.request_id, None)
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
+                       include_in_output: bool) -> tuple[str, int] | None:
+    """vLLM's check_stop_strings (v1/engine/detokenizer.py): the stop string found in the text's last
+    `new_char_count` characters (or spanning their seam with the text before), and the length to cut the
+    text to (-1: no cut, the stop string ends the text and is kept), or None."""
+    if not new_char_count or not stop:
+        return None
+    best: tuple[int, str] | None = None
+    for s in stop:
+        # Only the new text, plus enough of the old to catch a stop string spanning the seam.
+        idx = output_text.find(s, max(0, len(output_text) - new_char_count - len(s) + 1))
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    if best is None:
+        return None
+    idx, s = best
+    if not include_in_output:
+        return s, idx
+    end = idx + len(s)
+    return s, -1 if end >= len(output_text) else end
