@@ -340,19 +340,22 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str
                        include_in_output: bool) -> tuple[str, int] | None:
     """vLLM's check_stop_strings (v1/engine/detokenizer.py): the stop string found in the text's last
     `new_char_count` characters (or spanning their seam with the text before), and the length to cut the
-    text to (-1: no cut, the stop string ends the text and is kept), or None."""
+    text to (-1: no cut, the stop string ends the text and is kept), or None.
+
+    Of several in the new text (one token's text can hold more than one), the one that completes first
+    wins, ties going to the earlier in `stop`: the stop string the output would have met first, had its
+    text come a character at a time, whatever order the list gives them."""
     if not new_char_count or not stop:
         return None
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
     for s in stop:
         # Only the new text, plus enough of the old to catch a stop string spanning the seam.
-        idx = output_text.find(s, max(0, len(output_text) - new_char_count - len(s) + 1))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
+        start = output_text.find(s, max(0, len(output_text) - new_char_count - len(s) + 1))
+        if start != -1 and (best is None or start + len(s) < best[0]):
+            best = (start + len(s), start, s)
     if best is None:
         return None
-    idx, s = best
+    end, start, s = best
     if not include_in_output:
-        return s, idx
-    end = idx + len(s)
+        return s, start
     return s, -1 if end >= len(output_text) else end

@@ -39,6 +39,7 @@ _FULL_RUN_ONLY = {
     "test_vllm_beam_search.py::test_beam_search_with_concurrency_limit",  # 8 prompts x 4 beams x 64 tokens, twice
     "test_vllm_ignore_eos.py::test_ignore_eos",  # 8 prompts x 512 tokens
     "test_vllm_async_llm.py::test_abort",  # 100 requests x 100 tokens
+    "test_vllm_stop_reason.py::test_stop_reason",  # 3 x 8 prompts sampled up to a "." or EOS (max_tokens 1024)
 }
 
 
