@@ -189,7 +189,8 @@ class OutputProcessor:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
-            comp.text += comp.detokenizer.step(out.new_token_ids) if out.new_token_ids else ""
+            text_ids = self._ids_with_text(comp, out)
+            comp.text += comp.detokenizer.step(text_ids) if text_ids else ""
             if out.finished:
                 comp.text += comp.detokenizer.flush()
             stop = self._find_stop_string(comp, old_len)
@@ -203,6 +204,20 @@ class OutputProcessor:
             comp.error = out.error
             comp.kv_transfer_params = out.kv_transfer_params
         return False
+
+    @staticmethod
+    def _ids_with_text(comp: _Completion, out: EngineCoreOutput) -> list[int]:
+        """The step's tokens that add to the text. vLLM's detokenizer (BaseIncrementalDetokenizer.update)
+        leaves out the token that stopped the request, EOS or a stop token id, unless
+        include_stop_str_in_output: it is kept in token_ids, not in the text (with skip_special_tokens off,
+        an EOS would otherwise show; a stop id's text always would). tokenloom's other stop, a grammar
+        completed under ignore_eos, ends on an ordinary token, whose text stays."""
+        ids = out.new_token_ids
+        params = comp.params
+        if (out.finish_reason == "stop" and ids and not params.include_stop_str_in_output
+                and ids[-1] in params.all_stop_token_ids):
+            return ids[:-1]
+        return ids
 
     @staticmethod
     def _find_stop_string(comp: _Completion, old_len: int) -> str | None:
