@@ -327,8 +327,8 @@ class OutputProcessor:
         c.sent_logprobs_len = len(c.logprobs) if c.logprobs is not None else 0
         if c.params.output_kind is RequestOutputKind.DELTA:  # vLLM's: only the new part (the sum stays whole)
             text, token_ids, logprobs = delta_text, list(delta_ids), delta_lp
-        else:
-            text, token_ids = c.text, list(c.token_ids)
+        else:  # vLLM's get_next_output_text(delta=False): the whole text, less the held-back tail
+            text, token_ids = c.text[:visible], list(c.token_ids)
             logprobs = list(c.logprobs) if c.logprobs is not None else None
         flat = c.params.flat_logprobs  # the containers the request asked for (vLLM's FlatLogprobs or lists)
         return CompletionOutput(
