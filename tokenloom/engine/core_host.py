@@ -416,6 +416,7 @@ class EngineCoreHost:
             token_budget=token_budget_labels(self.scheduler_config),
             pooling=self.pooling_info,
             lora=self.lora_info(),
+            num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
         )
 
     def reset_scheduler(

@@ -75,6 +75,9 @@ class EngineReady:
     # With --enable-lora: what the API process checks adapters against before it serves them
     # (tokenloom/lora/peft_loader.py): max_loras, max_lora_rank, num_layers, target_shapes. None: no LoRA.
     lora: dict[str, Any] | None = None
+    # With --speculative-config: its K, the drafts per step (0: no speculative decoding). The front end's
+    # metrics export the spec-decode counters from the start then, as vLLM's, not from the first drafts.
+    num_speculative_tokens: int = 0
 
 
 @dataclass
