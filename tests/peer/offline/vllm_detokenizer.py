@@ -4,7 +4,8 @@
 FastIncrementalDetokenizer, over tokenloom's equivalent, the OutputProcessor (tokenloom/engine/output_processor.py):
 it detokenizes a request's tokens and applies its stop strings, min_tokens and include_stop_str_in_output, as
 vLLM's detokenizer does. Plumbing only: `update()` hands the tokens to the OutputProcessor as one engine-core
-output (one step), and every figure the tests read comes back from the RequestOutput it returns.
+output (one step); the figures the tests read are the OutputProcessor's state for the request (vLLM's
+detokenizer state) and the RequestOutput it returns.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from tokenloom.core.outputs import EngineCoreOutput
 from tokenloom.core.request import Request
 from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.engine.outputs import CompletionOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -48,25 +50,36 @@ class _DecodeNextTokenizer:
 class BaseIncrementalDetokenizer:
     """vLLM's BaseIncrementalDetokenizer: `update(new_token_ids, stop_terminated)` folds one step's tokens in
     and returns the stop string that ended the output, if any; `output_text` / `output_token_ids` are the
-    output so far. A subclass's `decode_next(id)` gives each token's text, unless a tokenizer is given."""
+    output so far (the OutputProcessor's own, before any text is held back for streaming), and
+    `get_next_output_text` the text a RequestOutput shows. A subclass's `decode_next(id)` gives each token's
+    text, unless a tokenizer is given."""
 
     def __init__(self, request: EngineCoreRequest, tokenizer: Any = None) -> None:
         assert request.sampling_params is not None
-        # CUMULATIVE: every step's RequestOutput carries the whole text and token ids so far.
+        # CUMULATIVE: every step's RequestOutput carries the whole text so far (less a held-back tail).
         params = replace(request.sampling_params, output_kind=RequestOutputKind.CUMULATIVE)
         prompt = list(request.prompt_token_ids or [])
         self._request_id = request.request_id or "request"
         self._processor = OutputProcessor(tokenizer if tokenizer is not None else _DecodeNextTokenizer(self))
         core = Request(self._request_id, prompt, params, arrival_time=request.arrival_time)
         self._processor.add_request(self._request_id, None, prompt, [core], request.arrival_time)
-        self.output_text = ""
-        self.output_token_ids: list[int] = []
+        # The request's state in the OutputProcessor: what vLLM's detokenizer holds as its own.
+        _, self._completion = self._processor._by_core_id[self._request_id]
+        self._last_output: CompletionOutput | None = None
+
+    @property
+    def output_text(self) -> str:
+        return self._completion.text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return list(self._completion.token_ids)
 
     def decode_next(self, next_token_id: int) -> str:
         raise NotImplementedError
 
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self._completion.token_ids)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         if not new_token_ids:
@@ -76,15 +89,15 @@ class BaseIncrementalDetokenizer:
         results, _ = self._processor.process_outputs([out])
         if not results:
             return None
-        completion = results[0].outputs[0]
-        self.output_text, self.output_token_ids = completion.text, list(completion.token_ids)
-        stop = completion.stop_reason
+        self._last_output = results[0].outputs[0]
+        stop = self._last_output.stop_reason
         return stop if isinstance(stop, str) else None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        if not finished or delta:
-            raise NotImplementedError("the stand-in reads only the finished output's whole text")
-        return self.output_text
+        last = self._last_output
+        if delta or last is None or finished != last.finished():
+            raise NotImplementedError("the stand-in reads the whole text of the last RequestOutput only")
+        return last.text
 
 
 class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
