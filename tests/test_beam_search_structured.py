@@ -39,8 +39,8 @@ class FakeGrammar:
 def _output(logprobs: dict[int, float]) -> RequestOutput:
     lps = {t: Logprob(lp) for t, lp in logprobs.items()}
     comp = CompletionOutput(index=0, text="", token_ids=[next(iter(lps))], logprobs=[lps], finish_reason="length")
-    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], outputs=[comp], finished=True,
-                         metrics=RequestMetrics(arrival_time=0.0))
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[], prompt_logprobs=None, outputs=[comp],
+                         finished=True, metrics=RequestMetrics(arrival_time=0.0))
 
 
 def test_step_sends_every_allowed_id_and_keeps_only_allowed_candidates() -> None:

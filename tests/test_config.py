@@ -141,3 +141,16 @@ def test_the_automatic_budget_holds_max_model_len_with_chunked_prefill_off() -> 
     assert cfg.SchedulerConfig(max_model_len=4096).token_budget_ceiling == 2048  # chunked: the prompt is split
     with pytest.raises(ConfigError, match="with chunked prefill off"):
         cfg.SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096, max_num_batched_tokens=2048)
+
+
+def test_max_num_seqs_not_given_is_capped_by_a_smaller_token_budget() -> None:
+    """vLLM's EngineArgs: max_num_seqs, when not given, is its default capped by max_num_batched_tokens, so
+    LLM(max_num_batched_tokens=48, enable_chunked_prefill=True) runs (vLLM's test_async_scheduling.py forces
+    chunks so); a max_num_seqs given above the budget is still refused, as vLLM's SchedulerConfig refuses it."""
+    assert engine_config_from_kwargs(max_num_batched_tokens=48).scheduler.max_num_seqs == 48
+    assert engine_config_from_kwargs(max_num_batched_tokens=4096).scheduler.max_num_seqs == 128
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--max-num-batched-tokens", "48"])).scheduler.max_num_seqs == 48
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(48\) must be >= max_num_seqs \(64\)"):
+        engine_config_from_kwargs(max_num_batched_tokens=48, max_num_seqs=64)

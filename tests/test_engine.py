@@ -124,6 +124,48 @@ def test_stop_string_truncates_and_frees(tiny) -> None:
     assert tiny.llm_engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 256
 
 
+def test_stop_token_text_left_out_unless_include_stop_str_in_output(tiny) -> None:
+    """vLLM's detokenizer leaves the text of the token that stopped the request (a stop token id, EOS) out of
+    the output, unless include_stop_str_in_output; the token id stays in token_ids either way."""
+    prompt = "The quick brown"
+    ids = tiny.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tok = tiny.get_tokenizer()
+    k = next(i for i in range(2, len(ids)) if tok.decode([ids[i]]).strip() and ids[i] not in ids[:i])
+    stop_id = ids[k]
+    texts = {}
+    for include in (False, True):
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        got = tiny.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason, got.stop_reason) == (ids[: k + 1], "stop", stop_id)
+        texts[include] = got.text
+    assert texts[False] == tok.decode(ids[:k]) and texts[True] == tok.decode(ids[: k + 1])
+
+
+def test_cumulative_stream_holds_back_a_possible_stop_string(tiny) -> None:
+    """vLLM's CUMULATIVE outputs, as its DELTA ones, hold back the text's last len(stop) - 1 characters while
+    the request runs (they could begin a stop string), so no output shows text that a later one cuts."""
+    engine = tiny.llm_engine
+
+    def stream(**kwargs: object) -> list[str]:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kwargs)
+        rid = engine.add_request(None, "Once upon a", params)
+        texts = []
+        while engine.has_unfinished_requests():
+            texts += [out.outputs[0].text for out in engine.step() if out.request_id == rid]
+        return texts
+
+    texts = stream()
+    text, ends = texts[-1], [len(t) for t in texts]  # the text after each token
+    # A stop string across a token boundary: the token before it ends with its first character.
+    m = next(k for k in range(1, len(ends) - 1) if ends[k] > ends[k - 1] and ends[k + 1] - ends[k] >= 2
+             and text.find(text[ends[k] - 1 : ends[k] + 2]) == ends[k] - 1)
+    stop = text[ends[m] - 1 : ends[m] + 2]
+    texts = stream(stop=[stop])
+    assert texts[-1] == text[: ends[m] - 1]
+    assert all(texts[-1].startswith(t) for t in texts), (stop, texts)
+
+
 def test_min_tokens_holds_back_stop_strings_as_vllm(tiny) -> None:
     """vLLM checks stop strings only once the output is longer than min_tokens, and only one ending in the
     text of a token past the first min_tokens: a stop string completed by token m ends the output with

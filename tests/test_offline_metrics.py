@@ -90,6 +90,20 @@ def test_spec_decode_counters_with_ngram_drafts(tiny_dir: str) -> None:
     assert len(per_pos.values) == 3
 
 
+def test_spec_decode_counters_exist_before_the_first_draft(tiny_dir: str) -> None:
+    """vLLM's SpecDecodingProm makes its counters (one per draft position too) when the engine starts, so a reader
+    can difference them from before the first request, as vLLM's test_async_scheduling.py does."""
+    llm = _llm(tiny_dir, disable_log_stats=False, speculative_config=NGRAM)
+    try:
+        metrics = llm.get_metrics()
+    finally:
+        llm.llm_engine.close()
+    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens"):
+        assert _one(metrics, name).value == 0
+    assert _one(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos").values == [0, 0, 0]
+
+
 def test_two_llms_count_apart(tiny_dir: str) -> None:
     first = _llm(tiny_dir, disable_log_stats=False)
     second = _llm(tiny_dir, disable_log_stats=False)

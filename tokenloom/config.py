@@ -151,6 +151,7 @@ def _check_choice(name: str, value: Any, choices: Any, hint: str = "") -> None:
 
 # vLLM's token budget per step (its default for online serving); the automatic budget's ceiling.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 128
 
 
 def parse_token_budget(text: str) -> int | None:
@@ -165,7 +166,8 @@ class SchedulerConfig:
         None, "token budget per step. Default auto: 2048, except that while requests decode a step takes at most "
         "--auto-budget-prefill-ms of prompt work at this machine's measured rate; a number (2048 included) is "
         "vLLM's fixed budget", parse=parse_token_budget)
-    max_num_seqs: int = knob(128, "most running requests")
+    max_num_seqs: int = knob(DEFAULT_MAX_NUM_SEQS, "most running requests (default: 128, or a smaller "
+                             "--max-num-batched-tokens)")
     # vLLM's max_num_active_seqs: max_num_seqs sizes the model runner (and is the default admission limit);
     # this lowers only how many requests admission lets into RUNNING, so decode batches stay smaller.
     max_num_active_seqs: int | None = knob(
@@ -1114,21 +1116,20 @@ def split_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return parts
 
 
-def _cap_default_max_num_seqs(sched_kwargs: dict[str, Any]) -> None:
-    """vLLM's EngineArgs: a max_num_seqs left at its default is cut to a smaller max_num_batched_tokens
-    (every running request needs a token a step), so a small budget alone is a valid configuration; one
-    given explicitly is checked as it is (SchedulerConfig refuses a budget below it)."""
+def default_max_num_seqs(sched_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's EngineArgs: max_num_seqs, when not given, is its default capped by a max_num_batched_tokens that
+    is, so a small fixed budget (48 tokens, say, to force prompts into chunks) needs no max_num_seqs of its own
+    (the scheduler's check that every running sequence gets a token per step would refuse 128)."""
     budget = sched_kwargs.get("max_num_batched_tokens")
-    if "max_num_seqs" not in sched_kwargs and isinstance(budget, int):
-        default = next(f.default for f in fields(SchedulerConfig) if f.name == "max_num_seqs")
-        sched_kwargs["max_num_seqs"] = min(default, budget)
+    if "max_num_seqs" in sched_kwargs or not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        return sched_kwargs
+    return {**sched_kwargs, "max_num_seqs": min(DEFAULT_MAX_NUM_SEQS, budget)}
 
 
 def engine_config_from_kwargs(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """vLLM-style keyword arguments (e.g. LLM(max_num_seqs=8, enable_prefix_caching=False)) → EngineConfig."""
     parts = split_engine_kwargs(kwargs)
-    sched_kwargs, max_model_len = parts["scheduler"], parts["engine"].get("max_model_len")
-    _cap_default_max_num_seqs(sched_kwargs)
+    sched_kwargs, max_model_len = default_max_num_seqs(parts["scheduler"]), parts["engine"].get("max_model_len")
     # Without --max-model-len the scheduler config leaves it unset (None): the engine resolves it once it
     # knows the model and the KV pool, and the checks that need it run then.
     sched = SchedulerConfig(**sched_kwargs, max_model_len=max_model_len) if sched_kwargs or max_model_len else None

@@ -9,6 +9,7 @@ No torch here: the output side of the engine and the server read these.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, MutableSequence
 from dataclasses import dataclass, field
 from typing import overload
@@ -44,6 +45,17 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
             self.logprobs.append(lp.logprob)
             self.ranks.append(lp.rank)
             self.decoded_tokens.append(lp.decoded_token)
+        self.end_indices.append(len(self.logprobs))
+
+    def append_fast(self, token_ids: Iterable[int], logprobs: Iterable[float], ranks: Iterable[int | None],
+                    decoded_tokens: Iterable[str | None]) -> None:
+        """vLLM's: the next position from parallel sequences, without building its dict."""
+        self.start_indices.append(len(self.logprobs))
+        for token_id, logprob, rank, decoded_token in zip(token_ids, logprobs, ranks, decoded_tokens):
+            self.token_ids.append(token_id)
+            self.logprobs.append(logprob)
+            self.ranks.append(rank)
+            self.decoded_tokens.append(decoded_token)
         self.end_indices.append(len(self.logprobs))
 
     def extend(self, logprobs_multi_positions: Iterable[LogprobsOnePosition | None]) -> None:
@@ -93,6 +105,35 @@ class FlatLogprobs(MutableSequence[LogprobsOnePosition | None]):
 # One entry per prompt position (the first None) / per generated token, in either container.
 PromptLogprobs = FlatLogprobs | list[LogprobsOnePosition | None]
 SampleLogprobs = FlatLogprobs | list[LogprobsOnePosition]
+
+
+def create_prompt_logprobs(flat_logprobs: bool) -> PromptLogprobs:
+    """vLLM's: an empty container for a request's prompt logprobs, holding the first position's None (the first
+    prompt token has no logprob)."""
+    logprobs: PromptLogprobs = FlatLogprobs() if flat_logprobs else []
+    logprobs.append(None)
+    return logprobs
+
+
+def create_sample_logprobs(flat_logprobs: bool) -> SampleLogprobs:
+    """vLLM's: an empty container for a request's sample logprobs."""
+    return FlatLogprobs() if flat_logprobs else []
+
+
+def append_logprobs_for_next_position(request_logprobs: PromptLogprobs | SampleLogprobs, token_ids: list[int],
+                                      logprobs: list[float], decoded_tokens: Iterable[str | None], rank: int,
+                                      num_logprobs: int) -> None:  # fmt: skip
+    """vLLM's: one position's entries, the sampled (or prompt) token first with its own `rank`, then the top
+    `num_logprobs` (-1: all given) ranked 1, 2, ... (in a dict, a sampled token that is also in the top-n is one
+    entry, with the top-n's rank, the second insertion's)."""
+    if num_logprobs == -1:
+        num_logprobs = len(logprobs)
+    ranks = itertools.chain((rank,), range(1, num_logprobs + 1))
+    if isinstance(request_logprobs, FlatLogprobs):
+        request_logprobs.append_fast(token_ids, logprobs, ranks, decoded_tokens)
+    else:
+        request_logprobs.append({token_id: Logprob(logprob, rank, token)
+                                 for token_id, logprob, rank, token in zip(token_ids, logprobs, ranks, decoded_tokens)})
 
 
 def as_container(positions: list[LogprobsOnePosition | None] | None, flat: bool) -> PromptLogprobs | None:

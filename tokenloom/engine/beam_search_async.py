@@ -55,7 +55,7 @@ async def beam_search(engine: AsyncLLM, request_id: str, prompt_token_ids: list[
         failed = next((r for r in results if r.outputs[0].finish_reason == "error"), None)
         if failed is not None:
             metrics.finished_time = time.monotonic()
-            return RequestOutput(request_id, prompt, prompt_token_ids,
+            return RequestOutput(request_id, prompt, prompt_token_ids, None,
                                  [CompletionOutput(0, "", [], finish_reason="error")], True, metrics,
                                  error=failed.error or "generation failed")
         aborted = next((r for r in results if r.outputs[0].finish_reason == "abort"), None)
@@ -94,7 +94,7 @@ async def beam_search(engine: AsyncLLM, request_id: str, prompt_token_ids: list[
             finish_reason=beam.finish_reason or "length", stop_reason=beam.stop_reason,
             delta_text=text, delta_token_ids=list(token_ids), delta_logprobs=beam.logprobs))
     metrics.finished_time = time.monotonic()
-    return RequestOutput(request_id, prompt, prompt_token_ids, outputs, True, metrics,
+    return RequestOutput(request_id, prompt, prompt_token_ids, None, outputs, True, metrics,
                          num_cached_tokens=num_cached, error=error)
 
 

@@ -447,6 +447,7 @@ class EngineCoreHost:
             pooling=self.pooling_info,
             lora=self.lora_info(),
             logits_processors=list(self.logits_processor_names),
+            num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
         )
 
     def reset_scheduler(

@@ -78,6 +78,9 @@ class EngineReady:
     # The custom logits processors the engine built, as "module:Class" names: the front end loads them to run
     # their validate_params on each request (tokenloom/sample/logits_processor).
     logits_processors: list[str] = field(default_factory=list)
+    # With --speculative-config: its K, the drafts per step (0: no speculative decoding). The front end's
+    # metrics export the spec-decode counters from the start then, as vLLM's, not from the first drafts.
+    num_speculative_tokens: int = 0
 
 
 @dataclass

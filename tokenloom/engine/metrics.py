@@ -135,7 +135,11 @@ class PrometheusMetrics:
         self._totals = {"preemptions": 0, "queries": 0, "hits": 0, "external_queries": 0, "external_hits": 0}
         self._labels = labels
         self._prefixes = prefixes
-        self.spec_decode: SpecDecodeMetrics | None = None  # created with the first speculative figures
+        # vLLM's SpecDecodingProm: with speculative decoding configured, its counters exist (at 0) from the start,
+        # one per draft position among them, so a reader can take differences from before the first step.
+        num_spec_tokens = getattr(info, "num_speculative_tokens", 0)
+        self.spec_decode: SpecDecodeMetrics | None = (
+            SpecDecodeMetrics(r, labels, prefixes, num_positions=num_spec_tokens) if num_spec_tokens else None)
         # Data parallelism: the families above are the sum over engines; these carry engine="i".
         self.engines: _EngineMetrics | None = None
         if data_parallel_size > 1:
@@ -265,7 +269,7 @@ class SpecDecodeMetrics:
     prefix in force (vLLM's test_llm_engine.py reads vllm:spec_decode_num_accepted_tokens_per_pos)."""
 
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str],
-                 prefixes: tuple[str, ...] = ("tokenloom",)) -> None:  # fmt: skip
+                 prefixes: tuple[str, ...] = ("tokenloom",), num_positions: int = 0) -> None:  # fmt: skip
         def counter(name: str, doc: str) -> _Fanout:
             return _Fanout([Counter(f"{p}:{name}", doc, list(labels), registry=registry).labels(**labels)
                             for p in prefixes])
@@ -279,6 +283,12 @@ class SpecDecodeMetrics:
         self._labels = labels
         self._seen = [0, 0, 0]
         self._seen_pos: list[int] = []
+        for _ in range(num_positions):  # the draft positions known up front (K), exported from 0 on
+            self._add_position()
+
+    def _add_position(self) -> None:
+        self._seen_pos.append(0)
+        self._pos(len(self._seen_pos) - 1)  # exported from 0 on
 
     def _pos(self, pos: int) -> _Fanout:
         return _Fanout([c.labels(**self._labels, position=str(pos)) for c in self.per_pos])
@@ -292,8 +302,7 @@ class SpecDecodeMetrics:
                 self._seen[i] = total
         for pos, total in enumerate(totals.num_accepted_tokens_per_pos):
             if pos == len(self._seen_pos):
-                self._seen_pos.append(0)
-                self._pos(pos)  # exported from 0 on
+                self._add_position()
             if total > self._seen_pos[pos]:
                 self._pos(pos).inc(total - self._seen_pos[pos])
                 self._seen_pos[pos] = total

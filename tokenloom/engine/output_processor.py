@@ -7,6 +7,7 @@ completions into one RequestOutput.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -188,7 +189,8 @@ class OutputProcessor:
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
-            comp.text += comp.detokenizer.step(out.new_token_ids) if out.new_token_ids else ""
+            text_ids = self._ids_with_text(comp, out)
+            comp.text += comp.detokenizer.step(text_ids) if text_ids else ""
             if out.finished:
                 comp.text += comp.detokenizer.flush()
             stop = self._find_stop_string(comp, old_len)
@@ -204,6 +206,20 @@ class OutputProcessor:
         return False
 
     @staticmethod
+    def _ids_with_text(comp: _Completion, out: EngineCoreOutput) -> list[int]:
+        """The step's tokens that add to the text. vLLM's detokenizer (BaseIncrementalDetokenizer.update)
+        leaves out the token that stopped the request, EOS or a stop token id, unless
+        include_stop_str_in_output: it is kept in token_ids, not in the text (with skip_special_tokens off,
+        an EOS would otherwise show; a stop id's text always would). tokenloom's other stop, a grammar
+        completed under ignore_eos, ends on an ordinary token, whose text stays."""
+        ids = out.new_token_ids
+        params = comp.params
+        if (out.finish_reason == "stop" and ids and not params.include_stop_str_in_output
+                and ids[-1] in params.all_stop_token_ids):
+            return ids[:-1]
+        return ids
+
+    @staticmethod
     def _find_stop_string(comp: _Completion, old_len: int) -> str | None:
         stops = comp.params.stop
         # vLLM (v1/engine/detokenizer.py): stop strings count only once the output is longer than
@@ -211,17 +227,14 @@ class OutputProcessor:
         # are folded one at a time when there are stop strings, so old_len is then that boundary).
         if not stops or len(comp.token_ids) <= comp.params.min_tokens:
             return None
-        best: tuple[int, str] | None = None
-        for s in stops:
-            # Only the new text, plus enough of the old to catch a stop string spanning the seam.
-            idx = comp.text.find(s, max(0, old_len - len(s) + 1))
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        include = comp.params.include_stop_str_in_output
+        found = check_stop_strings(comp.text, len(comp.text) - old_len, stops, include_in_output=include)
+        if found is None:
             return None
-        idx, s = best
-        comp.text = comp.text[: idx + len(s)] if comp.params.include_stop_str_in_output else comp.text[:idx]
-        return s
+        stop, truncate_to = found
+        if truncate_to != -1:
+            comp.text = comp.text[:truncate_to]
+        return stop
 
     def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True) -> dict[int, Logprob]:
         # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
@@ -314,8 +327,8 @@ class OutputProcessor:
         c.sent_logprobs_len = len(c.logprobs) if c.logprobs is not None else 0
         if c.params.output_kind is RequestOutputKind.DELTA:  # vLLM's: only the new part (the sum stays whole)
             text, token_ids, logprobs = delta_text, list(delta_ids), delta_lp
-        else:
-            text, token_ids = c.text, list(c.token_ids)
+        else:  # vLLM's get_next_output_text(delta=False): the whole text, less the held-back tail
+            text, token_ids = c.text[:visible], list(c.token_ids)
             logprobs = list(c.logprobs) if c.logprobs is not None else None
         flat = c.params.flat_logprobs  # the containers the request asked for (vLLM's FlatLogprobs or lists)
         return CompletionOutput(
@@ -336,3 +349,28 @@ class OutputProcessor:
         self._parents.pop(parent.request_id, None)
         for c in parent.completions:
             self._by_core_id.pop(c.core_request.request_id, None)
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],
+                       include_in_output: bool) -> tuple[str, int] | None:
+    """vLLM's check_stop_strings (v1/engine/detokenizer.py): the stop string found in the text's last
+    `new_char_count` characters (or spanning their seam with the text before), and the length to cut the
+    text to (-1: no cut, the stop string ends the text and is kept), or None.
+
+    Of several in the new text (one token's text can hold more than one), the one that completes first
+    wins, ties going to the earlier in `stop`: the stop string the output would have met first, had its
+    text come a character at a time, whatever order the list gives them."""
+    if not new_char_count or not stop:
+        return None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
+    for s in stop:
+        # Only the new text, plus enough of the old to catch a stop string spanning the seam.
+        start = output_text.find(s, max(0, len(output_text) - new_char_count - len(s) + 1))
+        if start != -1 and (best is None or start + len(s) < best[0]):
+            best = (start + len(s), start, s)
+    if best is None:
+        return None
+    end, start, s = best
+    if not include_in_output:
+        return s, start
+    return s, -1 if end >= len(output_text) else end

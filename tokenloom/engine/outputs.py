@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 # Defined in tokenloom/logprobs.py (vLLM's vllm.logprobs); code also imports Logprob from here.
 from tokenloom.logprobs import Logprob, PromptLogprobs, SampleLogprobs  # noqa: F401  (Logprob: re-exported)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,23 +57,60 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclass
+@dataclass(init=False)
 class RequestOutput:
+    """vLLM's RequestOutput, with its constructor (same parameters, same order): a keyword it does not know is
+    ignored with a warning, vLLM's forward compatibility (code written for a newer vLLM still runs)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    # vLLM's: the KV connector's parameters for the request when it finished (disaggregated prefill).
-    kv_transfer_params: dict[str, Any] | None = None
+    metrics: RequestMetrics | None
+    lora_request: Any  # vLLM's: the LoRA adapter the request ran with (a LoRARequest), or None
+    encoder_prompt: str | None  # vLLM's encoder-decoder fields: None here (decoder-only models)
+    encoder_prompt_token_ids: list[int] | None
+    num_cached_tokens: int
     # Prompt tokens this request wrote to the prefix cache (vLLM's num_cache_creation_tokens).
-    num_cache_creation_tokens: int = 0
-    error: str | None = None
-    # prompt_logprobs: per prompt token None (the first) or token_id -> Logprob (the prompt's + the top-n).
-    prompt_logprobs: PromptLogprobs | None = None
-    lora_request: Any = None  # vLLM's: the LoRA adapter the request ran with (a LoRARequest), or None
+    num_cache_creation_tokens: int
+    # vLLM's: the KV connector's parameters for the request when it finished (disaggregated prefill).
+    kv_transfer_params: dict[str, Any] | None
+    error: str | None  # tokenloom's: why the request failed, or None
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
+                 metrics: RequestMetrics | None = None, lora_request: Any = None, encoder_prompt: str | None = None,
+                 encoder_prompt_token_ids: list[int] | None = None, num_cached_tokens: int | None = None,
+                 num_cache_creation_tokens: int | None = None, *, kv_transfer_params: dict[str, Any] | None = None,
+                 error: str | None = None, **kwargs: Any) -> None:  # fmt: skip
+        if kwargs:
+            _warn_extra_arguments(kwargs)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs
+        self.finished = finished
+        self.metrics = metrics
+        self.lora_request = lora_request
+        self.encoder_prompt = encoder_prompt
+        self.encoder_prompt_token_ids = encoder_prompt_token_ids
+        self.num_cached_tokens = num_cached_tokens or 0
+        self.num_cache_creation_tokens = num_cache_creation_tokens or 0
+        self.kv_transfer_params = kv_transfer_params
+        self.error = error
+
+
+def _warn_extra_arguments(kwargs: dict[str, Any]) -> None:
+    if not _warned_extra_arguments:  # once per process, as vLLM's warning_once
+        _warned_extra_arguments.append(True)
+        logger.warning("RequestOutput: Ignoring extra arguments: %s", kwargs)
+
+
+_warned_extra_arguments: list[bool] = []
 
 
 # Pooling models (vLLM's vllm/outputs.py shapes) -----------------------------------------------------

@@ -29,6 +29,8 @@ _DROPPED = ("kernel_config", "compilation_config", "default_torch_num_threads")
 # How vLLM reads the named checkpoint (its weights' and config's format, its tokenizer): the model that runs is
 # the default one, read as tokenloom reads it, as tokenizer_mode is (test_vllm_struct_output_generate.py).
 _DROPPED += ("load_format", "config_format")
+# vLLM's attention-backend choice (test_vllm_async_scheduling.py asks for FLEX_ATTENTION, to run float32).
+_DROPPED += ("attention_config",)
 
 
 # The vendored cases that cost most of the suite's 15-minute budget on 2 cores (each 10 to 35 s), run by
@@ -42,6 +44,8 @@ _FULL_RUN_ONLY = {
     # 8 requests twice at a 32-token budget (10-20 s); its reset with running requests under async scheduling
     # is tests/test_async_scheduler.py::test_reset_with_running_requests_drops_the_in_flight_output_and_...
     "test_vllm_reset_prefix_cache_e2e.py::test_reset_prefix_cache_e2e",
+    "test_vllm_stop_reason.py::test_stop_reason",  # 3 x 8 prompts sampled up to a "." or EOS (max_tokens 1024)
+    "test_vllm_async_scheduling.py::test_without_spec_decoding",  # 3 engines x 4 parameter sets x 34 prompts
 }
 
 
@@ -58,6 +62,25 @@ def pytest_configure(config: pytest.Config) -> None:
     # vLLM's conftest marks: memory clean-up between its GPU tests, nothing to do here.
     config.addinivalue_line("markers", "skip_global_cleanup: vLLM's (no global clean-up after the test)")
     config.addinivalue_line("markers", "cpu_model: vLLM's (its CPU CI selects these tests)")
+    config.addinivalue_line("markers", "flaky: vLLM's (pytest-rerunfailures' reruns, on ROCm only)")
+    config.addinivalue_line("markers", "cpu_test: vLLM's (its CPU CI selects these tests)")
+
+
+def _translate_vllm_kwargs(kwargs: dict[str, Any]) -> None:
+    """vLLM's engine arguments that tokenloom spells otherwise, as tokenloom's."""
+    # vLLM's KV block count includes its null block (block 0, never allocated); tokenloom's counts usable ones.
+    blocks = kwargs.pop("num_gpu_blocks_override", None)
+    if blocks is not None:
+        kwargs["num_blocks"] = blocks - 1
+    # vLLM's "uni" executor runs the worker in the engine's process, as tokenloom does for one rank.
+    if kwargs.get("distributed_executor_backend") == "uni":
+        del kwargs["distributed_executor_backend"]
+    # vLLM's switch to IEEE float32 matmuls (test_vllm_async_scheduling.py sets it so that a row's numbers do not
+    # depend on the batch it runs in): tokenloom's counterpart is the dequantized path. The default model is a
+    # quantized GGUF, whose kernels round a row a little differently in a prefill (a recompute after preemption)
+    # than in a decode step, enough to flip a greedy near-tie; the dequantized path's do not.
+    if os.environ.get("VLLM_FLOAT32_MATMUL_PRECISION") == "highest":
+        kwargs.setdefault("quantization", "none")
 
 
 class VllmRunner:
@@ -73,6 +96,7 @@ class VllmRunner:
         del model_name, tokenizer_name, tokenizer_mode, trust_remote_code  # the served model's own
         for name in _DROPPED:
             kwargs.pop(name, None)
+        _translate_vllm_kwargs(kwargs)
         if runner != "auto":
             kwargs["runner"] = runner
         if convert != "auto":
@@ -244,3 +268,51 @@ def vllm_runner() -> type[VllmRunner]:
 @pytest.fixture
 def example_prompts() -> list[str]:
     return PROMPTS_FILE.read_text().splitlines(keepends=True)  # vLLM's readlines(): each keeps its newline
+
+
+@pytest.fixture
+def sample_json_schema() -> dict[str, Any]:  # vLLM 0.32.0's tests/conftest.py fixture, unchanged
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "skills": {
+                "type": "array",
+                "items": {
+                    "type": "string",
+                },
+            },
+            "grade": {
+                "type": "string",
+                "pattern": "^[A-D]$",
+            },
+            "email": {
+                "type": "string",
+                "pattern": "^[a-zA-Z0-9._%+-]+@[a-zA-Z0-9.-]+\\.[a-zA-Z]{2,}$",
+            },
+            "work_history": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "company": {"type": "string"},
+                        "duration": {
+                            "type": "number",
+                            "minimum": 0.0,
+                            "maximum": 100.0,
+                        },
+                        "position": {"type": "string"},
+                    },
+                    "required": ["company", "duration", "position"],
+                    "additionalProperties": False,
+                },
+                "minItems": 0,
+                "maxItems": 3,
+            },
+        },
+        "required": ["name", "age", "skills", "grade", "email", "work_history"],
+        "additionalProperties": False,
+        "minProperties": 1,
+        "maxProperties": 10,
+    }
