@@ -126,11 +126,27 @@ def test_auto_whole_and_streamed_agree(client) -> None:
     assert finish == reply.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("name, reason", [
+REFUSALS = [
     ("llama3_json", "Llama3JsonToolParser could not locate the bot token '<|python_tag|>' in the tokenizer."),
     ("mistral", "Mistral parser could not locate the tool call token in the tokenizer!"),
-])
-def test_a_parser_needing_a_token_the_vocabulary_lacks_is_refused_at_start_up(tmp_path, name, reason) -> None:
+]
+
+
+@pytest.mark.parametrize("name, reason", REFUSALS)
+def test_a_parser_needing_a_token_the_vocabulary_lacks_is_refused(name, reason) -> None:
+    """vLLM's start-up check, its words, for each parser that needs a token (the check the server runs)."""
+    from tokenloom.model.tokenizer import load_tokenizer
+    from tokenloom.server.tool_parsers import ToolParserTokenizerError, check_tokenizer
+
+    with pytest.raises(ToolParserTokenizerError) as err:
+        check_tokenizer(name, load_tokenizer(None), "SmolLM2-135M-Instruct")
+    assert f"--tool-call-parser {name} cannot be used with the tokenizer of 'SmolLM2-135M-Instruct': " \
+           f"{reason}" == str(err.value)
+
+
+def test_the_server_stops_at_start_up_on_such_a_parser(tmp_path) -> None:
+    """End to end, once: `tokenloom serve` exits 1 with that message before serving anything."""
+    name, reason = REFUSALS[1]
     server = ServerProcess("--host", "127.0.0.1", "--max-model-len", "256", "--enable-auto-tool-choice",
                            "--tool-call-parser", name, log_path=tmp_path / "server.log")
     with pytest.raises(RuntimeError, match="server exited with 1") as err:
