@@ -318,3 +318,35 @@ def test_a_prompt_filling_the_context_is_refused_in_vllms_offline_words(tiny) ->
     assert len(tiny.generate({"prompt_token_ids": [43] * 63}, one, use_tqdm=False)[0].outputs[0].token_ids) == 1
     with pytest.raises(VLLMValidationError, match="maximum context length is 64"):  # longer: vLLM's renderer's
         tiny.generate({"prompt_token_ids": [43] * 65}, GREEDY, use_tqdm=False)
+
+
+def test_request_output_add_merges_delta_outputs_into_the_cumulative_one(tiny) -> None:
+    """vLLM's RequestOutput.add: the DELTA outputs of a request, each merged into the first with aggregate=True,
+    are the CUMULATIVE run's final output (every completion of n=2: text, token ids, logprobs, finish); with
+    aggregate=False a later output replaces the completion of its index. It did not exist here."""
+    from tokenloom.sampling_params import RequestOutputKind
+
+    def run(kind: RequestOutputKind) -> list:
+        engine = tiny.llm_engine
+        engine.add_request("add-" + kind.name, "Hello there", SamplingParams(
+            n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=1, output_kind=kind))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs
+
+    deltas = run(RequestOutputKind.DELTA)
+    merged = deltas[0]
+    for out in deltas[1:]:
+        merged.add(out, aggregate=True)
+    final = run(RequestOutputKind.CUMULATIVE)[-1]
+    assert merged.finished and len(merged.outputs) == 2
+    for a, b in zip(sorted(merged.outputs, key=lambda c: c.index), sorted(final.outputs, key=lambda c: c.index)):
+        assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
+        assert [list(lp) for lp in a.logprobs] == [list(lp) for lp in b.logprobs]
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob)
+    cumulative = run(RequestOutputKind.CUMULATIVE)
+    first = cumulative[0]
+    for out in cumulative[1:]:
+        first.add(out, aggregate=False)
+    assert sorted((c.index, c.text) for c in first.outputs) == sorted((c.index, c.text) for c in final.outputs)

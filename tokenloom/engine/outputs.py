@@ -103,6 +103,34 @@ class RequestOutput:
         self.kv_transfer_params = kv_transfer_params
         self.error = error
 
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: merge a later output of the same request into this one (its streaming collector does, when a
+        consumer falls behind). `aggregate` (DELTA outputs): a completion's new text, token ids and logprobs are
+        appended to the one of the same index; otherwise (CUMULATIVE) it replaces it. A completion of an index
+        not seen yet is added."""
+        self.finished |= next_output.finished
+        self.kv_transfer_params = next_output.kv_transfer_params
+        if next_output.error is not None:
+            self.error = next_output.error
+        for nxt in next_output.outputs:
+            for i, comp in enumerate(self.outputs):
+                if comp.index != nxt.index:
+                    continue
+                if aggregate:
+                    comp.text += nxt.text
+                    comp.token_ids = list(comp.token_ids) + list(nxt.token_ids)
+                    if nxt.logprobs:
+                        assert comp.logprobs is not None
+                        comp.logprobs.extend(nxt.logprobs)  # a list, or a FlatLogprobs (its extend)
+                    comp.cumulative_logprob = nxt.cumulative_logprob
+                    comp.finish_reason = nxt.finish_reason
+                    comp.stop_reason = nxt.stop_reason
+                else:
+                    self.outputs[i] = nxt
+                break
+            else:
+                self.outputs.append(nxt)
+
 
 def _warn_extra_arguments(kwargs: dict[str, Any]) -> None:
     if not _warned_extra_arguments:  # once per process, as vLLM's warning_once
