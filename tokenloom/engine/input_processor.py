@@ -106,8 +106,6 @@ class InputProcessor:
         params = self._resolve_whole_vocabulary_logprobs(params)
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
-        if self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs the model's tokenizer, and this engine has none", "bad_words")
         params = copy.copy(params)
         try:
             params.update_from_tokenizer(self.tokenizer, self.info.vocab_size)
@@ -162,6 +160,8 @@ class InputProcessor:
         if params.stop:
             raise InvalidRequestError("stop strings are matched on the detokenized text, and skip_tokenizer_init=True "
                                       "loads no tokenizer: give stop_token_ids instead", "stop")
+        if params.bad_words:
+            raise InvalidRequestError("bad_words needs the model's tokenizer, and this engine has none", "bad_words")
 
     def check_logprobs(self, params: SamplingParams, max_logprobs: int) -> None:
         """vLLM's engine-side cap (SamplingParams._validate_logprobs, its words): logprobs and prompt_logprobs at

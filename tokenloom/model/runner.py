@@ -99,8 +99,16 @@ class _RequestState:
     pooling_rows: list = field(default_factory=list)
     lora_request: Any = None  # its LoRA adapter (tokenloom/lora/request.py); None: the base model
     # Its outputs so far, appended with token_ids: the live list custom logits processors hold (vLLM's
-    # output_token_ids; a resumed request's starts with the outputs it had).
-    output_token_ids: list[int] = field(default_factory=list)
+    # output_token_ids; a resumed request's starts with the outputs it had). None: the engine runs none.
+    output_token_ids: list[int] | None = None
+
+    def append_outputs(self, tokens: list[int]) -> None:
+        """A step's sampled (or, pipeline parallel, received) tokens: the sequence grows, and its KV is computed
+        up to the last one (a rejected draft's KV is overwritten later)."""
+        self.token_ids.extend(tokens)
+        if self.output_token_ids is not None:
+            self.output_token_ids.extend(tokens)
+        self.num_computed = len(self.token_ids) - 1
 
 
 @dataclass
@@ -440,9 +448,7 @@ class ModelRunner:
             self.last_logits = logits
             self.last_logits_index = {s.req_id: i for i, s in enumerate(inputs.sample_reqs)}
         for i, (state, token) in enumerate(zip(inputs.sample_reqs, out.token_ids)):
-            state.token_ids.append(token)
-            state.output_token_ids.append(token)
-            state.num_computed = len(state.token_ids) - 1
+            state.append_outputs([token])
             sampled[state.req_id] = [token]
             if out.logprobs is not None and out.logprobs[i] is not None:
                 logprobs[state.req_id] = [out.logprobs[i]]
@@ -459,9 +465,7 @@ class ModelRunner:
             for state in self.pipeline_unsynced.pop(step_index, ()):
                 new = tokens.get(state.req_id)
                 if new:
-                    state.token_ids.extend(new)
-                    state.output_token_ids.extend(new)
-                    state.num_computed = len(state.token_ids) - 1
+                    state.append_outputs(new)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[tuple[_RequestState, int, np.ndarray]]
@@ -506,9 +510,7 @@ class ModelRunner:
             self.last_logits = logits
             self.last_logits_index = {}
         for i, (state, tokens) in enumerate(zip(inputs.sample_reqs, token_ids)):
-            state.token_ids.extend(tokens)
-            state.output_token_ids.extend(tokens)
-            state.num_computed = len(state.token_ids) - 1  # the rejected drafts' KV is overwritten later
+            state.append_outputs(tokens)
             sampled[state.req_id] = tokens
             if lps is not None and lps[i] is not None:
                 logprobs[state.req_id] = lps[i]
@@ -579,7 +581,7 @@ class ModelRunner:
             num_computed=new.num_computed_tokens,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
-            output_token_ids=tokens[len(new.prompt_token_ids):],
+            output_token_ids=tokens[len(new.prompt_token_ids):] if self.input_batch.enabled else None,
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))

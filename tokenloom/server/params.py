@@ -199,16 +199,16 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer | None,
                        max_model_len: int) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt of the batch. Runs in the tokenizer thread. `tokenizer` None
-    (--skip-tokenizer-init): token-id prompts only, and nothing that needs their text (echo, token strings)."""
+    (--skip-tokenizer-init): token-id prompts only, and nothing that needs their text (echo, token strings).
+    The prompt is not empty: check_completion_request refused that first."""
     prompt = req.prompt
+    assert prompt
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
-    elif not prompt or isinstance(prompt[0], int):
+    elif isinstance(prompt[0], int):
         items = [prompt]
     else:
         items = list(prompt)
-    if not prompt:  # "" or []: vLLM's CompletionRequest validator's words
-        raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
     if tokenizer is None:
         _check_without_tokenizer(req, items)
     out = []
