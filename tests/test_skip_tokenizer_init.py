@@ -99,8 +99,9 @@ def test_the_model_s_eos_still_ends_a_request(model_dirs) -> None:
         llm.shutdown()
 
 
-def test_data_parallel_and_async_engines_take_it(model_dirs, reference) -> None:
-    llm = LLM(model_dirs[1], skip_tokenizer_init=True, data_parallel_size=2, async_scheduling=True, **KW)
+def test_data_parallel_async_and_speculating_engines_take_it(model_dirs, reference) -> None:
+    llm = LLM(model_dirs[1], skip_tokenizer_init=True, data_parallel_size=2, async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, **KW)
     try:
         assert _tokens(llm) == reference
         with pytest.raises(ValueError, match="You cannot pass text prompts"):
