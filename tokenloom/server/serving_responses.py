@@ -600,7 +600,7 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
             if parser is None:
                 delta: dict[str, Any] = {"content": comp.delta_text} if comp.delta_text else {}
             else:
-                delta = parser.feed(comp.delta_text, final) or {}
+                delta = parser.feed(comp.delta_text, final, comp.delta_token_ids) or {}
             if delta.get("content"):
                 # Logprobs follow the tokens only while the text is the model's own (no parser holding any back).
                 logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if parser is None else None

@@ -21,6 +21,15 @@ class ToolSetup:
     parser: str | None = None  # the server's --tool-call-parser, when --enable-auto-tool-choice is on
     # tool_choice was an explicit null: vLLM parses it as "auto" but never constrains it.
     choice_null: bool = False
+    # What a parser is built with and given (vLLM's ToolParser(tokenizer, tools), its `request` argument):
+    # set by the endpoint that parsed the request.
+    tokenizer: Any = None
+    request: Any = None
+
+    @property
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as the request listed them (chat's shape), what a parser is built with."""
+        return [{"type": "function", "function": fn} for fn in self.tools.values()]
 
     @property
     def parses_calls(self) -> bool:
