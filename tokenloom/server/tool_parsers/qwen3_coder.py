@@ -20,6 +20,9 @@ stay text: tokenloom has no reasoning parser, and vLLM without one passes them t
 
 Whole output: every call with a name; content is the text before the first call, stripped when there are
 calls (None when empty).
+An output that ends inside a call (max_tokens) keeps the parameter it was writing, whole and streamed alike,
+so both give the same valid JSON. vLLM drops that parameter from the whole response while its stream has
+already sent its start (`{"city": "Par`), which then never closes: a deliberate difference.
 Streaming: markers are held back while they may still be forming. A call is announced (index, id, type,
 name) once its first body text arrives; its arguments go out as the longest prefix of the arguments'
 JSON that cannot change (a string value as it grows, any other value once the next parameter or
@@ -74,6 +77,7 @@ class _State(Enum):
 
 
 _START, _END = "start", "end"
+_CUT = "cut"  # the value of an end event that is the output's end, not `</function>` or `</tool_call>`
 # state -> marker -> (next state, what it means for the call list)
 _TRANSITIONS: dict[_State, dict[str, tuple[_State, str | None]]] = {
     _State.CONTENT: {TOOL_CALL_START: (_State.PREAMBLE, _START), FUNCTION_START: (_State.NAME, _START)},
@@ -156,6 +160,7 @@ class _Call:
     name: str = ""
     body: str = ""
     name_sent: bool = False
+    cut: bool = False  # the output ended inside it
     string_keys: set[str] | None = None  # parameters whose partial string values may stream
     streamed_json: str = ""
 
@@ -203,7 +208,7 @@ class _Scanner:
         self.pending = ""
         if self.state is not _State.CONTENT:
             if self.index >= 0:
-                events.append(_Event(_END, index=self.index))
+                events.append(_Event(_END, _CUT, self.index))
             self.state = _State.CONTENT
         return events
 
@@ -295,7 +300,7 @@ value_1
         if not name and body.strip():
             name, args = _name_and_args(body)
         elif body.strip():
-            args = parameters_json(body, partial=False)
+            args = parameters_json(body, partial=call.cut)
         else:
             args = "{}"
         if not name:
@@ -370,6 +375,7 @@ value_1
         elif event.kind == "body":
             self._on_body(event, deltas)
         elif event.kind == _END and event.index < len(self._calls):
+            self._calls[event.index].cut = event.value == _CUT
             self._on_end(event.index, deltas)
 
     def _on_body(self, event: _Event, deltas: list[DeltaToolCall]) -> None:
@@ -410,7 +416,7 @@ value_1
         return diff
 
     def _final_arguments_diff(self, call: _Call) -> str | None:
-        final = parameters_json(call.body, partial=False)
+        final = parameters_json(call.body, partial=call.cut)
         if final:
             final = self._typed(final, call.name)
         if len(final) <= len(call.streamed_json) or not final.startswith(call.streamed_json):
