@@ -71,6 +71,17 @@ def test_streamed_pieces_add_up_to_the_whole_response(parser: str, text: str) ->
             assert content == (prefix.strip() or None if parser == "qwen3_coder" else None)
 
 
+@pytest.mark.parametrize("suffix", ["\n</tool_call>", "\nDone, see above."])
+def test_qwen3_coder_text_after_a_call_is_not_content_whole_or_streamed(suffix: str) -> None:
+    # SmolLM2 under the forced-call grammar added a stray "</tool_call>" after the call; vLLM drops such
+    # text from the whole response but streams it as content. Here neither has it.
+    content, calls = whole("qwen3_coder", "Sure." + QWEN_ONE + suffix)
+    assert content == "Sure." and [n for n, _ in calls] == ["get_weather"]
+    for pieces in (list("Sure." + QWEN_ONE + suffix), ["Sure.", QWEN_ONE + suffix]):
+        rec, _ = served("qwen3_coder", pieces)
+        assert rec.content == "Sure." and [(c["name"], c["arguments"]) for c in rec.calls] == calls
+
+
 @pytest.mark.parametrize("cut_after, args", [
     ("<parameter=days>\n3", {"city": "San Francisco, CA", "days": 3}),
     ("<parameter=city>\nSan Fr", {"city": "San Fr"}),

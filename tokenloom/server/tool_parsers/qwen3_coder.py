@@ -27,8 +27,9 @@ Streaming: markers are held back while they may still be forming. A call is anno
 name) once its first body text arrives; its arguments go out as the longest prefix of the arguments'
 JSON that cannot change (a string value as it grows, any other value once the next parameter or
 `</function>` closes it); what remains goes with `</function>`, or with `finish_streaming` at the end of
-the output. Whitespace alone before the first call is not sent; text after a call in the same delta is
-sent with the next delta.
+the output. Whitespace alone before the first call is not sent, and text after a call is not content:
+the whole response drops it (vLLM's rule), so the stream does too. vLLM streams it (a stray
+`</tool_call>` the model adds after a forced call, say), so its stream and whole response differ there.
 
 The parser reads text, not token ids: a vocabulary without `<tool_call>` as one token (SmolLM2's) works
 too, as in vLLM, which checks no token at start-up for this format. Unlike vLLM, which once it has seen
@@ -326,24 +327,28 @@ value_1
         return None
 
     def _to_delta(self, events: list[_Event], finished: bool) -> DeltaMessage | None:
-        """One delta from a delta's events (vLLM's _events_to_delta, same rules for content and calls)."""
+        """One delta from a delta's events (vLLM's _events_to_delta, same rules for content and calls, but for
+        text after an announced call: never content, whole or streamed; see the module's doc)."""
         if not events and not self._deferred_content:
             return None
         deltas: list[DeltaToolCall] = []
         content_parts: list[str] = []
         carried = self._deferred_content
         saw_call = False
+        announced_before = self._announced()
         for event in events:
             if event.kind == "text":
                 if saw_call:
                     self._deferred_content += event.value
-                else:
+                elif not announced_before:
                     content_parts.append(event.value)
             elif not self._suppressed:
                 saw_call = True
                 self._on_call_event(event, deltas)
         deltas = _merge_by_index(deltas)
-        if self._deferred_content and (not saw_call or not deltas):
+        if self._deferred_content and self._announced():
+            self._deferred_content = ""  # text after a call
+        elif self._deferred_content and (not saw_call or not deltas):
             deferred_now = self._deferred_content[len(carried):]
             content_parts = ([carried] if carried else []) + content_parts + ([deferred_now] if deferred_now else [])
             self._deferred_content = ""
@@ -351,6 +356,9 @@ value_1
         if content or deltas:
             return DeltaMessage(content=content or None, tool_calls=deltas)
         return None
+
+    def _announced(self) -> bool:
+        return any(call.name_sent for call in self._calls)
 
     def _content_to_send(self, content: str, finished: bool) -> str:
         """Whitespace before any call or content waits (it may precede a call, and then it is dropped)."""
