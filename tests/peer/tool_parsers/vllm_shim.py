@@ -9,6 +9,7 @@ the tests use around them:
   with the special tokens each parser needs added (`local_tokenizer`);
 - vLLM's request-side tool types (ChatCompletionToolsParam, FunctionDefinition), which tokenloom takes as the
   JSON they serialise to: `ChatCompletionRequest` is tokenloom's request, given those objects' JSON;
+- vLLM's VLLMValidationError: tokenloom's APIError, the 400 its request models raise in vLLM's words;
 - `detokenize_incrementally`, vLLM's stateless incremental detokenizer that one test drives by hand (the same
   contract over the tokenizer's own decode; tokenloom's engine uses its IncrementalDetokenizer).
 """
@@ -22,7 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, model_validator
 
+from tokenloom.server.errors import APIError as VLLMValidationError  # noqa: F401  (a 400 in vLLM's words)
 from tokenloom.server.protocol import ChatCompletionRequest as _TokenloomChatRequest
+from tokenloom.server.protocol import ResponsesRequest  # noqa: F401
 from tokenloom.server.tool_parsers import (  # noqa: F401  (re-exported under vLLM's names)
     DeltaFunctionCall,
     DeltaMessage,
