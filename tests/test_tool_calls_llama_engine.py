@@ -1,5 +1,6 @@
 """The llama3_json forced-call path on the real default model, below the server (the server refuses
-llama3_json on SmolLM2's tokenizer, as vLLM does: it lacks <|python_tag|>; the parser itself is text only).
+llama3_json on SmolLM2's tokenizer, as vLLM does: it lacks <|python_tag|>; the parser reads text only, so
+here it is built on a vocabulary that has the token).
 
 The model is shown the tools in Llama 3.1's JSON tool prompt and decoded under xgrammar's builtin "llama"
 structural tag (the one vLLM uses) for tool_choice required / named; what it writes must be read back
@@ -14,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.test_tool_calls_server import TIME, TOOLS, WEATHER
+from tests.test_tool_parsers_llama_pythonic import LLAMA_VOCAB
 from tokenloom import LLM, SamplingParams
 from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output, tools_system_prompt
@@ -32,6 +34,7 @@ def llm():
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_llama_calls_parse_and_stream_on_the_default_model(llm, choice) -> None:
     setup = tool_setup([WEATHER, TIME], choice, False, "llama3_json")
+    setup.tokenizer = LLAMA_VOCAB
     so = structured_outputs_of({}, setup)
     assert so is not None and so.structural_tag is not None
     messages = [{"role": "system", "content": tools_system_prompt([WEATHER, TIME], "llama3_json")},

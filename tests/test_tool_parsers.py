@@ -134,8 +134,9 @@ def test_server_config_checks_the_flags_as_vllm() -> None:
 
     with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True).validate_tools()
-    with pytest.raises(ValueError, match=r"invalid tool call parser: nope \(chose from \{ hermes,qwen3_json,"
-                                         r"llama3_json,llama4_json,pythonic,mistral \}\)"):
+    with pytest.raises(ValueError, match=r"invalid tool call parser: nope \(chose from \{ hermes,llama3_json,"
+                                         r"llama4_json,mistral,phi4_mini_json,pythonic,qwen3_coder,qwen3_json,"
+                                         r"qwen3_xml \}\)"):
         ServerConfig(enable_auto_tool_choice=True, tool_call_parser="nope").validate_tools()
     ServerConfig(enable_auto_tool_choice=True, tool_call_parser="hermes").validate_tools()
     ServerConfig(tool_call_parser="nope").validate_tools()  # vLLM checks the name only with the flag on

@@ -1,8 +1,8 @@
-"""The llama3_json and pythonic tool parsers and the JSON forms of forced calls, on vLLM 0.32's own test
-cases (its sdist: tests/tool_parsers/test_llama3_json_tool_parser.py, test_pythonic_tool_parser.py,
-tests/tool_use/test_tool_choice_required.py), ported to tokenloom's parser interface; plus streamed
-pieces that must concatenate to the whole response, malformed output that must stay content, the
-start-up tokenizer check with vLLM's words, and the structural tags that force llama calls."""
+"""The llama3_json and pythonic tool parsers and the JSON forms of forced calls beyond vLLM 0.32's own
+parser tests (vendored and run as they are in tests/peer/tool_parsers/): streamed pieces that must
+concatenate to the whole response, malformed output that must stay content, the start-up tokenizer check
+with vLLM's words, the structural tags that force llama calls, and vLLM's required-call cases
+(tests/tool_use/test_tool_choice_required.py) on tokenloom's JSON forms."""
 
 from __future__ import annotations
 
@@ -16,14 +16,25 @@ import pytest
 from tokenloom.server.errors import APIError
 from tokenloom.server.structured import structured_outputs_of
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
-from tokenloom.server.tool_parsers import (
-    Llama3JsonToolParser,
-    PythonicToolParser,
-    ToolParserTokenizerError,
-    check_tokenizer,
-)
+from tokenloom.server.tool_parsers import ToolParserTokenizerError, check_tokenizer
 from tokenloom.server.tool_parsers.json_calls import json_schema_from_tools, required_call_deltas
+from tokenloom.server.tool_parsers.llama import Llama3JsonToolParser
+from tokenloom.server.tool_parsers.messages import delta_dict
+from tokenloom.server.tool_parsers.pythonic import PythonicToolParser
 from tokenloom.server.tools import tool_setup
+
+
+class Vocab:
+    """A tokenizer as far as a parser's constructor reads it."""
+
+    def __init__(self, *tokens: str) -> None:
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+LLAMA_VOCAB = Vocab("<|python_tag|>")
 
 
 class Reconstructor:
@@ -61,9 +72,9 @@ def run_streaming(parser, deltas: list[str], one_tool_per_delta: bool = True) ->
     previous = ""
     for delta in deltas:
         current = previous + delta
-        message = parser.extract_tool_calls_streaming(previous, current, delta)
+        message = parser.extract_tool_calls_streaming(previous, current, delta, [], [], [], None)
         if message is not None:
-            rec.append(message)
+            rec.append(delta_dict(message))
         previous = current
     return rec
 
@@ -71,8 +82,9 @@ def run_streaming(parser, deltas: list[str], one_tool_per_delta: bool = True) ->
 def run_served(parser_name: str, deltas: list[str], one_tool_per_delta: bool = True) -> Reconstructor:
     """As the server streams: the last delta is final, and gets what the parser parsed but did not send
     (vLLM's finalize_generation: get_remaining_unstreamed_args)."""
-    parser = StreamingToolParser(tool_setup([{"type": "function", "function": {"name": "f"}}], "auto", None,
-                                            parser_name))
+    setup = tool_setup([{"type": "function", "function": {"name": "f"}}], "auto", None, parser_name)
+    setup.tokenizer = LLAMA_VOCAB
+    parser = StreamingToolParser(setup)
     rec = Reconstructor(one_tool_per_delta)
     for i, delta in enumerate(deltas):
         message = parser.feed(delta, i == len(deltas) - 1)
@@ -115,24 +127,12 @@ def small_pieces(text: str, rng: random.Random, most: int = 8) -> list[str]:
 
 
 def whole(parser_cls, text: str):
-    info = parser_cls().extract_tool_calls(text)
+    info = parser_cls(LLAMA_VOCAB).extract_tool_calls(text, None)
     assert info.tools_called == bool(info.tool_calls)
-    return info.content, [(c["function"]["name"], c["function"]["arguments"]) for c in info.tool_calls]
+    return info.content, [(c.function.name, c.function.arguments) for c in info.tool_calls]
 
 
-# llama3_json: vLLM's cases --------------------------------------------------------------------------
-def test_llama_simple_call_drops_surrounding_text() -> None:
-    out = 'Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}} Would you like to know more?'
-    assert whole(Llama3JsonToolParser, out) == (None, [("getOpenIncidentsTool", "{}")])
-
-
-def test_llama_arguments_and_parameters_keys() -> None:
-    _, calls = whole(Llama3JsonToolParser, '{"name": "searchTool", "parameters": {"query": "test query", "limit": 10}}')
-    assert calls == [("searchTool", '{"query": "test query", "limit": 10}')]
-    _, calls = whole(Llama3JsonToolParser, '{"name": "searchTool", "arguments": {"query": "test"}}')
-    assert calls == [("searchTool", '{"query": "test"}')]
-
-
+# llama3_json ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", [
     "This is just some text without any tool calls",
     '{"name": "invalidTool", "parameters": {invalid json}',
@@ -143,35 +143,6 @@ def test_llama_arguments_and_parameters_keys() -> None:
 ])
 def test_llama_malformed_output_is_content(text: str) -> None:
     assert whole(Llama3JsonToolParser, text) == (text, [])
-
-
-@pytest.mark.parametrize("sep", ["; ", " ; "])
-def test_llama_several_calls(sep: str) -> None:
-    text = sep.join(['{"name": "searchTool", "parameters": {"query": "test1"}}',
-                     '{"name": "getOpenIncidentsTool", "parameters": {}}',
-                     '{"name": "searchTool", "parameters": {"query": "test2"}}'])
-    for out in (text, "Here are the results: " + text + " Would you like to know more?"):
-        assert whole(Llama3JsonToolParser, out) == (None, [("searchTool", '{"query": "test1"}'),
-                                                           ("getOpenIncidentsTool", "{}"),
-                                                           ("searchTool", '{"query": "test2"}')])
-
-
-def test_llama_nesting_quotes_and_brackets() -> None:
-    deep = '{"name": "complexTool", "parameters": {"level1": {"level2": {"level3": {"level4": {"value": "deep"}}}}}}'
-    _, [(name, args)] = whole(Llama3JsonToolParser, deep)
-    assert name == "complexTool" and json.loads(args)["level1"]["level2"]["level3"]["level4"]["value"] == "deep"
-    two = ('{"name": "simpleTool", "parameters": {"value": "test"}}; {"name": "complexTool", "parameters": '
-           '{"config": {"database": {"connection": {"pool": {"size": 10}}}}}}')
-    _, calls = whole(Llama3JsonToolParser, two)
-    assert [n for n, _ in calls] == ["simpleTool", "complexTool"]
-    assert json.loads(calls[1][1])["config"]["database"]["connection"]["pool"]["size"] == 10
-    braces = ('{"name": "searchTool", "parameters": {"query": "test {value} [complex]",'
-              '"nested": {"inner": "more {brackets}"}}}')
-    _, [(_, args)] = whole(Llama3JsonToolParser, braces)
-    assert json.loads(args) == {"query": "test {value} [complex]", "nested": {"inner": "more {brackets}"}}
-    escaped = '{"name": "parserTool", "parameters": {"text": "He said \\"Hello {world}\\""}}'
-    _, [(_, args)] = whole(Llama3JsonToolParser, escaped)
-    assert json.loads(args)["text"] == 'He said "Hello {world}"'
 
 
 LLAMA_STREAMS = [
@@ -204,13 +175,13 @@ def test_llama_streamed_pieces_concatenate_to_the_whole(text: str, token_deltas)
 
 def test_llama_streaming_plain_text_is_content_and_names_are_sent_whole(token_deltas) -> None:
     text = "Paris is sunny today."
-    assert run_streaming(Llama3JsonToolParser(), token_deltas(text)).content == text
-    parser = Llama3JsonToolParser()
+    assert run_streaming(Llama3JsonToolParser(LLAMA_VOCAB), token_deltas(text)).content == text
+    parser = Llama3JsonToolParser(LLAMA_VOCAB)
     previous, names = "", []
     for piece in list('{"name": "get_weather", "parameters": {"city": "Paris"}}'):
         current = previous + piece
-        delta = parser.extract_tool_calls_streaming(previous, current, piece)
-        names += [tc["function"]["name"] for tc in (delta or {}).get("tool_calls", []) if "name" in tc["function"]]
+        delta = parser.extract_tool_calls_streaming(previous, current, piece, [], [], [], None)
+        names += [tc.function.name for tc in (delta.tool_calls if delta else []) if tc.function.name]
         previous = current
     assert names == ["get_weather"]  # never "get_w", "get_wea", ...
 
@@ -219,12 +190,12 @@ def test_llama_malformed_stream_sends_no_arguments() -> None:
     # vLLM's streaming announces the name as soon as it is complete; the arguments that never parse
     # are never sent (each chunk is skipped), and nothing crashes. The whole response is content.
     text = '{"name": "invalidTool", "parameters": {invalid json}'
-    rec = run_streaming(Llama3JsonToolParser(), list(text))
+    rec = run_streaming(Llama3JsonToolParser(LLAMA_VOCAB), list(text))
     assert [(c["name"], c["arguments"]) for c in rec.calls] == [("invalidTool", "")]
     assert rec.content == ""
 
 
-# pythonic: vLLM's cases -----------------------------------------------------------------------------
+# pythonic -----------------------------------------------------------------------------------
 SIMPLE = ("get_weather(city='San Francisco', metric='celsius')",
           ("get_weather", '{"city": "San Francisco", "metric": "celsius"}'))
 MORE_TYPES = ("register_user(name='John Doe', age=37, address={'city': 'San Francisco', 'state': 'CA'}, "
@@ -236,39 +207,6 @@ EMPTY_DICT = ("do_something_cool(additional_data={})", ("do_something_cool", '{"
 EMPTY_LIST = ("do_something_cool(steps=[])", ("do_something_cool", '{"steps": []}'))
 ESCAPED = (r"get_weather(city='Martha\'s Vineyard', metric='\"cool units\"')",
            ("get_weather", '{"city": "Martha\'s Vineyard", "metric": "\\"cool units\\""}'))
-PY_CASES = {"simple": [SIMPLE], "more_types": [MORE_TYPES], "parameterless": [PARAMETERLESS],
-            "empty_dict": [EMPTY_DICT], "empty_list": [EMPTY_LIST], "escaped_string": [ESCAPED],
-            "parallel_calls": [SIMPLE, MORE_TYPES]}
-
-
-@pytest.mark.parametrize("streaming", [True, False])
-def test_pythonic_no_tool_call(streaming: bool, token_deltas) -> None:
-    text = "How can I help you today?"
-    if streaming:
-        rec = run_streaming(PythonicToolParser(), token_deltas(text))
-        assert rec.content == text and rec.calls == []
-    else:
-        assert whole(PythonicToolParser, text) == (text, [])
-
-
-@pytest.mark.parametrize("case", PY_CASES)
-@pytest.mark.parametrize("streaming", [True, False])
-def test_pythonic_tool_call(case: str, streaming: bool, token_deltas) -> None:
-    text = "[" + ", ".join(out for out, _ in PY_CASES[case]) + "]"
-    expected = [call for _, call in PY_CASES[case]]
-    if streaming:
-        rec = run_streaming(PythonicToolParser(), token_deltas(text))
-        assert rec.content == "" and [(c["name"], c["arguments"]) for c in rec.calls] == expected
-    else:
-        assert whole(PythonicToolParser, text) == (None, expected)
-
-
-def test_pythonic_streaming_with_large_steps() -> None:
-    deltas = ["[get_weather(city='San", " Francisco', metric='celsius'), "
-              f"{PARAMETERLESS[0]}, {EMPTY_LIST[0]}]"]
-    rec = run_streaming(PythonicToolParser(), deltas, one_tool_per_delta=False)
-    assert rec.content == ""
-    assert [(c["name"], c["arguments"]) for c in rec.calls] == [SIMPLE[1], PARAMETERLESS[1], EMPTY_LIST[1]]
 
 
 def test_pythonic_streamed_pieces_concatenate_to_the_whole() -> None:
@@ -293,25 +231,7 @@ def test_pythonic_malformed_output_is_content(text: str) -> None:
     assert whole(PythonicToolParser, text) == (text, [])
 
 
-def test_pythonic_regex_timeout_is_content(monkeypatch) -> None:
-    class Slow:
-        def match(self, *a, **k):
-            raise TimeoutError("Regex timeout")
-
-    monkeypatch.setattr(PythonicToolParser, "TOOL_CALL_REGEX", Slow())
-    text = "hello world[A(A=" + "\t)A(A=,\t" * 2
-    assert whole(PythonicToolParser, text) == (text, [])
-
-
 # The start-up check ---------------------------------------------------------------------------------
-class Vocab:
-    def __init__(self, *tokens: str) -> None:
-        self.vocab = {t: i for i, t in enumerate(tokens)}
-
-    def get_vocab(self) -> dict[str, int]:
-        return self.vocab
-
-
 def test_start_up_refuses_a_parser_whose_token_the_tokenizer_lacks() -> None:
     from tokenloom.model.tokenizer import load_tokenizer
 
@@ -344,6 +264,7 @@ def _accepts(so, text: str) -> bool:
 
 def test_llama_required_and_named_are_forced_with_xgrammars_llama_tag() -> None:
     setup = tool_setup([WEATHER, TIME], "required", None, "llama3_json")
+    setup.tokenizer = LLAMA_VOCAB
     so = structured_outputs_of({}, setup)
     one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     two = one + '{"name": "get_time", "parameters": {"tz": "CET"}}'
@@ -373,6 +294,7 @@ def test_llama_required_and_named_are_forced_with_xgrammars_llama_tag() -> None:
 
 def test_llama_forced_call_streams_as_the_whole_response() -> None:
     setup = tool_setup([WEATHER, TIME], "required", None, "llama3_json")
+    setup.tokenizer = LLAMA_VOCAB
     text = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'
     _, calls = parse_output(text, setup)
     parser = StreamingToolParser(setup)

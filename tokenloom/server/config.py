@@ -81,8 +81,14 @@ class ServerConfig:
                "(vLLM's flag: without it those tool_choice values are a 400)")
     tool_call_parser: str | None = knob(
         None, "the model family's tool-call format: hermes (Hermes 2 Pro, Qwen 2.5: <tool_call> JSON blocks) or its "
-              "alias qwen3_json; pythonic (Llama 3.2/4: [f(a=1), ...]); llama3_json / llama4_json (needs "
-              "<|python_tag|> in the vocabulary); mistral is known and refused")
+              "alias qwen3_json; qwen3_coder / qwen3_xml (Qwen3-Coder: <tool_call><function=...> XML); pythonic "
+              "(Llama 3.2/4: [f(a=1), ...]); llama3_json / llama4_json (needs <|python_tag|> in the vocabulary); "
+              "phi4_mini_json (Phi-4-mini: functools[...]); a name a --tool-parser-plugin registers; mistral is "
+              "known and refused")
+    tool_parser_plugin: str = knob(
+        "", "a Python file (or importable module) of tool parsers written against vLLM's ToolParser, registered "
+            "with @ToolParserManager.register_module(name) (from tokenloom.server.tool_parsers import "
+            "ToolParser, ToolParserManager); its names become --tool-call-parser choices (vLLM's flag)")
     tool_strict_level: Literal["auto", "function", "parameter"] = knob(
         "auto", "grammar floor for tool calls: auto (required / named calls and strict tools constrained), "
                 "function (every call's envelope), parameter (arguments too, as if every tool were strict)")
@@ -113,9 +119,12 @@ class ServerConfig:
         return endpoint if self.enable_prompt_tokens_details and not use_beam_search else None
 
     def validate_tools(self) -> None:
-        """vLLM's start-up checks of the tool flags (its messages)."""
-        from tokenloom.server.tool_parsers import get_tool_parser
+        """vLLM's start-up checks of the tool flags (its messages); a --tool-parser-plugin is imported first,
+        so the parsers it registers are known (ValueError when it does not load)."""
+        from tokenloom.server.tool_parsers import ToolParserManager, get_tool_parser
 
+        if self.tool_parser_plugin:
+            ToolParserManager.import_tool_parser(self.tool_parser_plugin)
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("Error: --enable-auto-tool-choice requires --tool-call-parser")
         if self.enable_auto_tool_choice:

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from tokenloom.server.request_checks import (
+    check_chat_tool_usage,
+    check_responses_tool_usage,
+    check_structured_outputs_count,
+)
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -96,6 +102,13 @@ class SamplingRequest(BaseModel):
     use_beam_search: Bool = False
     length_penalty: float = 1.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_checks(cls, data: Any) -> Any:
+        """vLLM's body checks ahead of the fields (request_checks.py)."""
+        check_structured_outputs_count(data, chat=False)
+        return data
+
 
 class CompletionRequest(SamplingRequest):
     # text, token ids, or a batch of either; None (or empty) is refused in vLLM's words when the prompts are read
@@ -170,7 +183,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's default: "auto" when tools are given, else "none" (request_checks.check_chat_tool_usage)
+    tool_choice: str | dict[str, Any] | None = "none"
     parallel_tool_calls: Bool | None = True
     # vLLM's extensions
     echo: Bool = False
@@ -182,6 +196,13 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: Bool = False
     # OpenAI's; in vLLM without a reasoning parser it only reaches the chat template (params.template_kwargs)
     reasoning_effort: ReasoningEffort | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_checks(cls, data: Any) -> Any:
+        """vLLM's body checks ahead of the fields (request_checks.py): tool_choice's default and its 400s."""
+        check_structured_outputs_count(data, chat=True)
+        return check_chat_tool_usage(data)
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -210,6 +231,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Int]
 
 
+class ResponsesNamedToolChoice(BaseModel):
+    """Responses' named tool_choice, {"type": "function", "name": ...} (openai's ToolChoiceFunction, as vLLM
+    types it: `request.tool_choice.name`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses (OpenAI's Responses API as vLLM 0.32 serves it: tokenloom/server/serving_responses.py).
     Items, tools and text.format are checked there, field by field; fields vLLM knows that tokenloom does
@@ -224,7 +254,8 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # "none" without tools (request_checks); another JSON object is refused by the endpoint, naming its type
+    tool_choice: str | ResponsesNamedToolChoice | dict[str, Any] | None = "auto"
     parallel_tool_calls: Bool | None = True
     store: Bool | None = True
     stream: Bool | None = False
@@ -253,3 +284,9 @@ class ResponsesRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     enable_response_messages: Bool = False  # the raw prompt and output (text and token ids) in the response
     vllm_xargs: VllmXArgs | None = None  # custom logits processors' arguments, as on the chat endpoint
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_checks(cls, data: Any) -> Any:
+        """vLLM's body checks ahead of the fields (request_checks.py): tool_choice resolved, and its 400s."""
+        return check_responses_tool_usage(data)

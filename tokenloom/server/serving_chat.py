@@ -71,6 +71,8 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     check_request_chat_template(req, config.trust_request_chat_template)
     parser = config.tool_call_parser if config.enable_auto_tool_choice else None
     tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, parser, "tool_choice" in obj)
+    if tools is not None:  # what its tool parser is built with and given (vLLM's)
+        tools.tokenizer, tools.request = state.tokenizer, req
     # In the tokenizer thread: checking a large schema (and, on the first constraint, importing
     # xgrammar) must not hold the event loop that relays every other request's stream.
     extras = ChatExtras(tools, await state.in_tokenizer_thread(
@@ -218,7 +220,7 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
         if tools is None or not tools.parses_calls:
             return ({"content": comp.delta_text} if comp.delta_text else {}), comp.finish_reason
         parser = parsers.setdefault(index, StreamingToolParser(tools))
-        delta = parser.feed(comp.delta_text, comp.finish_reason is not None)
+        delta = parser.feed(comp.delta_text, comp.finish_reason is not None, comp.delta_token_ids)
         return delta or {}, parser.finish_reason(comp.finish_reason)
 
     def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:

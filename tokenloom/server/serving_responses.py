@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
@@ -38,7 +39,8 @@ from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError, generation_error, generation_error_status
 from tokenloom.server.headers import request_priority, response_headers
 from tokenloom.server.params import chat_params
-from tokenloom.server.protocol import ResponsesRequest
+from tokenloom.server.protocol import ResponsesNamedToolChoice, ResponsesRequest
+from tokenloom.server.request_checks import flat_tool_name
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses import chat_logprobs
 from tokenloom.server.serving_chat import parse_chat
@@ -49,7 +51,6 @@ from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-NAMESPACE_SEPARATOR = "__"  # vLLM's _NAMESPACE_TOOL_SEPARATOR
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
 # words of the message (longest first; not "messages" or "logprobs", which are common words there).
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -181,11 +182,6 @@ def build_messages(req: ResponsesRequest, previous: StoredResponse | None) -> li
     return messages
 
 
-def flat_tool_name(namespace: str, name: str) -> str:
-    """vLLM's flat_namespace_tool_name: a namespace's function as the model sees it."""
-    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
-
-
 def namespaced_names(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
     """Flat name → (name, namespace) of every function in a `namespace` tool (vLLM's
     build_responses_tool_call_name_map)."""
@@ -225,25 +221,20 @@ def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
+def _chat_tool_choice(choice: Any) -> Any:
+    """Responses' tool_choice (resolved by its request checks, request_checks.py) in chat's shape."""
     if choice is None or isinstance(choice, str):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        # vLLM's _resolve_named_tool_choice: a namespace's function by its own name, when that is unambiguous
-        flat = namespaced_names(tools)
-        exact = set(flat) | {t.get("name") for t in tools or [] if isinstance(t, dict) and t.get("type") != "namespace"}
-        candidates = [f for f, (local, _) in flat.items() if local == name]
-        if name not in exact and len(candidates) > 1:
-            raise APIError(400, f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
-                                f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.",
-                           "tool_choice")
-        if name not in exact and candidates:
-            name = candidates[0]
-        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, ResponsesNamedToolChoice):
+        return {"type": "function", "function": {"name": choice.name}}
     kind = choice.get("type") if isinstance(choice, dict) else None
     raise APIError(400, f"tool_choice {kind!r} is not supported: 'none', 'auto', 'required' or "
                         '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _echo(value: Any) -> Any:
+    """A request field as the response object repeats it (JSON)."""
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -299,10 +290,13 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
-    if req.tools:
-        body["tools"] = _chat_tools(req.tools)
-    if "tool_choice" in obj:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice, req.tools)
+    chat_tools = _chat_tools(req.tools) if req.tools else []
+    if chat_tools:  # vLLM: Responses tools that leave no function are no tools (chat refuses an empty list)
+        body["tools"] = chat_tools
+    if not chat_tools and req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice requires a function call, but tools contains no function tool the model "
+                            "can call.", "tool_choice")
+    body["tool_choice"] = _chat_tool_choice(req.tool_choice if chat_tools else "none")
     include = req.include or []
     unknown = [x for x in include if x != LOGPROBS_INCLUDE]
     if unknown:
@@ -398,7 +392,7 @@ class ResponseContext:
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
             "service_tier": req.service_tier or "auto", "store": bool(req.store),
             "temperature": self.params.temperature, "text": req.text or {"format": {"type": "text"}},
-            "tool_choice": req.tool_choice if "tool_choice" in self.obj else "auto", "tools": req.tools or [],
+            "tool_choice": _echo(req.tool_choice), "tools": req.tools or [],
             "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
             "input_messages": input_messages, "output_messages": output_messages,
@@ -600,7 +594,7 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
             if parser is None:
                 delta: dict[str, Any] = {"content": comp.delta_text} if comp.delta_text else {}
             else:
-                delta = parser.feed(comp.delta_text, final) or {}
+                delta = parser.feed(comp.delta_text, final, comp.delta_token_ids) or {}
             if delta.get("content"):
                 # Logprobs follow the tokens only while the text is the model's own (no parser holding any back).
                 logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if parser is None else None

@@ -15,21 +15,28 @@ finish_reason: "tool_calls" when "auto" called a tool, or under "required" when 
 a named function keeps "stop" (OpenAI's rule, vLLM's code).
 Streaming: content as generated; each call announced once its name is known (index, id, type, name),
 then its arguments in pieces; finish_reason "tool_calls" once any call was streamed (not named).
+At the end of a stream a parser that buffers (vLLM's engine-based ones: `finish_streaming`) gives up what
+it held, else the last call's parsed but unsent arguments go out (vLLM's finalize).
 `parallel_tool_calls: false` keeps only the first call (index 0), as vLLM filters it.
+
+Parsers answer with vLLM's objects (tool_parsers/messages.py); this module turns them into the response's
+JSON.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
-from tokenloom.server.tool_parsers import ToolParser, get_tool_parser
+from tokenloom.server.tool_parsers import DeltaFunctionCall, DeltaMessage, ToolParser, get_tool_parser
 from tokenloom.server.tool_parsers.json_calls import (
     NamedCallStreamer,
     parse_named,
     parse_required,
     required_call_deltas,
 )
+from tokenloom.server.tool_parsers.messages import call_dict, delta_dict
 from tokenloom.server.tools import ToolSetup
 
 
@@ -45,7 +52,7 @@ def template_renders_tools(chat_template: str | None) -> bool:
 
 def _parser(tools: ToolSetup) -> ToolParser:
     assert tools.parser is not None
-    return get_tool_parser(tools.parser)()
+    return get_tool_parser(tools.parser)(tools.tokenizer, tools.tool_list)
 
 
 def _json_form(tools: ToolSetup) -> bool:
@@ -53,7 +60,7 @@ def _json_form(tools: ToolSetup) -> bool:
     vLLM's JSON forms, read by their rules (tool_parsers/json_calls.py), not by a parser."""
     if tools.mode not in ("required", "named"):
         return False
-    return tools.parser is None or get_tool_parser(tools.parser).supports_required_and_named()
+    return tools.parser is None or get_tool_parser(tools.parser).supports_required_and_named
 
 
 def parse_output(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str, Any]]]:
@@ -65,8 +72,8 @@ def parse_output(text: str, tools: ToolSetup) -> tuple[str | None, list[dict[str
         else:
             calls = parse_required(text)
         return "", calls[:1] if not tools.parallel_tool_calls else calls
-    info = _parser(tools).extract_tool_calls(text)
-    calls = info.tool_calls if info.tools_called else []
+    info = _parser(tools).extract_tool_calls(text, tools.request)
+    calls = [call_dict(c) for c in info.tool_calls] if info.tools_called else []
     if not tools.parallel_tool_calls:
         calls = calls[:1]
     content = info.content if info.tools_called else text
@@ -95,10 +102,12 @@ class StreamingToolParser:
         self.json_form = _json_form(tools)
         self.named = NamedCallStreamer(tools.named) if self.json_form and tools.named else None
         self.text = ""
+        self.token_ids: list[int] = []
         self.streamed = False  # a tool call went out (the finish reason becomes "tool_calls")
 
-    def feed(self, delta_text: str, final: bool) -> dict[str, Any] | None:
+    def feed(self, delta_text: str, final: bool, delta_token_ids: Sequence[int] = ()) -> dict[str, Any] | None:
         previous, self.text = self.text, self.text + delta_text
+        previous_ids, self.token_ids = self.token_ids, self.token_ids + list(delta_token_ids)
         delta: dict[str, Any] | None
         if self.named is not None:
             delta = self.named.feed(delta_text)
@@ -106,12 +115,12 @@ class StreamingToolParser:
             delta = required_call_deltas(previous, self.text)
         else:
             assert self.parser is not None
-            delta = self.parser.extract_tool_calls_streaming(previous, self.text, delta_text)
-        if final and self.parser is not None and delta is not None and delta.get("tool_calls"):
-            remaining = self.parser.get_remaining_unstreamed_args()
-            if remaining:
-                fn = delta["tool_calls"][-1].setdefault("function", {})
-                fn["arguments"] = fn.get("arguments", "") + remaining
+            message = self.parser.extract_tool_calls_streaming(
+                previous, self.text, delta_text, previous_ids, self.token_ids, list(delta_token_ids),
+                self.tools.request)
+            if final:
+                message = _finish(self.parser, message)
+            delta = delta_dict(message) if message is not None else None
         if delta is not None and delta.get("tool_calls"):
             if not self.tools.parallel_tool_calls:
                 delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
@@ -122,3 +131,27 @@ class StreamingToolParser:
         if reason == "stop" and self.streamed and self.tools.mode != "named":
             return "tool_calls"
         return reason
+
+
+def _finish(parser: ToolParser, message: DeltaMessage | None) -> DeltaMessage | None:
+    """The last delta of a stream, completed: what a buffering parser still holds (vLLM's finish_streaming of
+    engine-based parsers), else the last call's parsed but unsent arguments (vLLM's finalize)."""
+    finish = getattr(parser, "finish_streaming", None)
+    if finish is not None:
+        flushed = finish()
+        if flushed is None:
+            return message
+        if message is None:
+            return flushed
+        if flushed.content:
+            message.content = (message.content or "") + flushed.content
+        message.tool_calls = message.tool_calls + flushed.tool_calls
+        return message
+    if message is not None and message.tool_calls:
+        remaining = parser.get_remaining_unstreamed_args()
+        if remaining:
+            last = message.tool_calls[-1]
+            if last.function is None:
+                last.function = DeltaFunctionCall()
+            last.function.arguments = (last.function.arguments or "") + remaining
+    return message

@@ -15,9 +15,10 @@ resolve_tool_strictness). A request's own
 response_format / structured_outputs is replaced under required / named (vLLM logs that it is
 ignored) and, under a constrained "auto", allowed as the alternative to calling.
 
-Formats: "hermes" (built here, as vLLM's registry builds it) and "llama" (xgrammar's builtin, the function
-vLLM calls). A parser without a structural tag (pythonic) gets vLLM's JSON forms under required / named
-(`_json_forms`, tokenloom/server/tool_parsers/json_calls.py) and nothing under auto; so does a server
+Formats: "hermes" (built here, as vLLM's registry builds it) and any of xgrammar's builtins ("llama" for
+llama3_json, "qwen_3_coder" for qwen3_coder, or whichever a plugin parser names), built by the function vLLM
+calls. A parser without a structural tag (pythonic, phi4_mini_json) gets vLLM's JSON forms under required /
+named (`_json_forms`, tokenloom/server/tool_parsers/json_calls.py) and nothing under auto; so does a server
 without --tool-call-parser (vLLM: named and required need no parser, "auto" does).
 """
 
@@ -77,10 +78,11 @@ def _output_format(so: StructuredOutputsParams) -> dict[str, Any] | None:
     return None
 
 
-def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str,
-                  max_whitespace: int | None = None) -> dict[str, Any]:
-    """xgrammar's builtin "llama" tag (vLLM calls the same function): `{"name": "<tool>", "parameters":
-    ...}` objects, triggered by `{"name": ` under auto / required, one object of the named function."""
+def _builtin_format(model: str, tools: ToolSetup, strict: dict[str, bool], choice: str,
+                    max_whitespace: int | None = None) -> dict[str, Any]:
+    """xgrammar's builtin tag of a model family (vLLM calls the same function): for "llama", `{"name":
+    "<tool>", "parameters": ...}` objects triggered by `{"name": `; for "qwen_3_coder", `<tool_call>
+    <function=...>` blocks with XML parameters. One call of the named function when it is forced."""
     import xgrammar as xgr
 
     dumped = []
@@ -90,8 +92,12 @@ def _llama_format(tools: ToolSetup, strict: dict[str, bool], choice: str,
     tool_choice: Any = choice
     if choice == "forced":
         tool_choice = {"type": "function", "function": {"name": tools.named}}
-    tag = xgr.get_model_structural_tag(model="llama", tools=dumped, tool_choice=tool_choice, reasoning=False,
-                                       max_whitespace_cnt=max_whitespace)
+    try:
+        tag = xgr.get_model_structural_tag(model=model, tools=dumped, tool_choice=tool_choice, reasoning=False,
+                                           max_whitespace_cnt=max_whitespace)
+    except ValueError as exc:  # a plugin parser naming a format this xgrammar does not have
+        raise APIError(400, f"tools: the structural tag {model!r} of --tool-call-parser {tools.parser}: {exc}",
+                       "tools") from None
     return tag.model_dump()["format"]
 
 
@@ -159,8 +165,8 @@ def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams
               "named": "forced"}[tools.mode]
     max_whitespace = FORCED_CALL_MAX_WHITESPACE if forced else None
     fmt: dict[str, Any]
-    if model == "llama":
-        fmt = _llama_format(tools, strict, choice, max_whitespace)
+    if model != "hermes":
+        fmt = _builtin_format(model, tools, strict, choice, max_whitespace)
     else:
         tags = _hermes_tags(chosen, strict, max_whitespace)
         if choice == "auto":

@@ -21,6 +21,15 @@ class ToolSetup:
     parser: str | None = None  # the server's --tool-call-parser, when --enable-auto-tool-choice is on
     # tool_choice was an explicit null: vLLM parses it as "auto" but never constrains it.
     choice_null: bool = False
+    # What a parser is built with and given (vLLM's ToolParser(tokenizer, tools), its `request` argument):
+    # set by the endpoint that parsed the request.
+    tokenizer: Any = None
+    request: Any = None
+
+    @property
+    def tool_list(self) -> list[dict[str, Any]]:
+        """The tools as the request listed them (chat's shape), what a parser is built with."""
+        return [{"type": "function", "function": fn} for fn in self.tools.values()]
 
     @property
     def parses_calls(self) -> bool:
@@ -38,7 +47,7 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
     is off), `tool_choice_given` whether the body had the key at all (absent with tools means "auto")."""
     if tools is None:
         if tool_choice not in (None, "none"):
-            raise APIError(400, "when using tool_choice, tools must be set", "tool_choice")
+            raise APIError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
         return None
     by_name: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
@@ -54,17 +63,17 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
         by_name[name] = fn
     parallel = parallel_tool_calls is not False
     if tool_choice is None:
-        # Absent: "auto", OpenAI's default when tools are given (vLLM's validator sets it). An explicit
-        # null stays None in vLLM: parsed as "auto" when a parser is on, else plain text.
-        # An empty list counts as no tools there (the default stays "none").
+        # Absent: "auto", OpenAI's default when tools are given (vLLM's validator sets it; the chat request
+        # model does: request_checks.py). An explicit null stays None in vLLM: parsed as "auto" when a parser
+        # is on, else plain text. An empty list (which the chat request refuses) counts as no tools.
         tool_choice = "auto" if by_name and (not tool_choice_given or parser is not None) else "none"
         null = tool_choice_given
     else:
         null = False
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, "
-                                f"got {tool_choice!r}", "tool_choice")
+            raise APIError(400, f"Invalid value for `tool_choice`: {tool_choice}! Only named tools, \"none\", "
+                                "\"auto\" or \"required\" are supported.", "tool_choice")
         return _check_parser(ToolSetup(tool_choice, by_name, parallel_tool_calls=parallel, parser=parser,
                                        choice_null=null))
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -72,8 +81,8 @@ def tool_setup(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if not isinstance(name, str):
         raise APIError(400, 'tool_choice must be {"type": "function", "function": {"name": ...}}', "tool_choice")
     if name not in by_name:
-        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools "
-                            f"({', '.join(by_name) or 'none'})", "tool_choice")
+        raise APIError(400, "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                       "tool_choice")
     return _check_parser(ToolSetup("named", by_name, name, parallel_tool_calls=parallel, parser=parser))
 
 

@@ -1,39 +1,26 @@
-"""What every tool-call parser shares (vLLM: tool_parsers/abstract_tool_parser.py).
+"""What every tool-call parser shares: vLLM's ToolParser interface (vLLM: tool_parsers/abstract_tool_parser.py),
+so a parser written for vLLM runs here unchanged (`--tool-parser-plugin`), and the helpers its parsers use.
 
-A parser reads a model family's tool-call format out of generated text, whole (`extract_tool_calls`)
-or incrementally (`extract_tool_calls_streaming`, called with the text before and after each delta,
-returning the delta to send or None). One parser object serves one choice of one request: the
-streaming state (what was sent) lives on it. A parser whose format has an xgrammar structural tag
-(`structural_tag_model`) is also how tool_choice "required" and a named function are enforced
-(vLLM 0.32 with VLLM_ENFORCE_STRICT_TOOL_CALLING, its default): see tokenloom/server/tool_grammar.py.
+A parser is built per request choice with the tokenizer and the request's tools, `Parser(tokenizer, tools)`.
+It reads a model family's tool-call format out of generated text, whole (`extract_tool_calls(model_output,
+request)` → ExtractedToolCallInformation) or incrementally (`extract_tool_calls_streaming(previous_text,
+current_text, delta_text, previous_token_ids, current_token_ids, delta_token_ids, request)` → the
+DeltaMessage to send, or None); the streaming state (what was sent) lives on it. A constructor that raises
+refuses the parser for that tokenizer at start-up (vLLM's check; `check_tokenizer` in __init__.py).
+
+A parser whose format has an xgrammar structural tag (`structural_tag_model`) reads forced calls
+(tool_choice "required" / a named function) itself (vLLM 0.32 with VLLM_ENFORCE_STRICT_TOOL_CALLING, its
+default): see tokenloom/server/tool_grammar.py. The others get vLLM's JSON forms (json_calls.py).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
-
-def make_tool_call_id() -> str:
-    # vLLM's make_tool_call_id() ("random" id type): chatcmpl-tool-<uuid4 hex>.
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def make_call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI tool call; `arguments` is a JSON string (a parsed value is dumped as vLLM does)."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": make_tool_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-
-
-@dataclass
-class ExtractedToolCalls:
-    """vLLM's ExtractedToolCallInformation."""
-
-    tools_called: bool
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    content: str | None = None
+from tokenloom.server.tool_parsers.messages import DeltaMessage, ExtractedToolCallInformation
 
 
 def partial_tag_overlap(text: str, tag: str) -> int:
@@ -77,39 +64,67 @@ def partial_json_loads(text: str, flags: Any) -> tuple[Any, int]:
         raise
 
 
-class ToolParser:
-    """Base: the streaming bookkeeping vLLM's parsers share."""
+def tool_function(tool: Any) -> dict[str, Any] | None:
+    """A request tool's function definition ({"name", "parameters", ...}), whatever shape it came in: chat's
+    {"type": "function", "function": {...}}, Responses' flat function tool, or either as a pydantic object
+    (vLLM's ChatCompletionToolsParam, openai's FunctionTool); None for a tool that is not a function."""
+    if hasattr(tool, "model_dump"):
+        tool = tool.model_dump()
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        return None
+    fn = tool.get("function", tool)
+    return fn if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
-    name = ""
-    # The xgrammar structural-tag format of this family (None: required / named use vLLM's JSON forms
-    # instead: an array of {"name", "parameters"}, or the named function's arguments; see json_calls.py).
+
+def find_tool_properties(tools: Sequence[Any] | None, name: str) -> dict[str, Any]:
+    """The `properties` of the named tool's parameters schema ({} when there is no such tool or schema)."""
+    for tool in tools or ():
+        fn = tool_function(tool)
+        if fn is not None and fn["name"] == name:
+            params = fn.get("parameters") or {}
+            props = params.get("properties") if isinstance(params, dict) else None
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+class ToolParser:
+    """Base: the state vLLM's parsers share, and tokenloom's class-level facts about a format."""
+
+    # vLLM: whether tool_choice "required" / a named function are forced in the JSON forms and read by
+    # their rules (json_calls.py) rather than by this parser. A parser with a structural tag reads them itself.
+    supports_required_and_named: bool = True
+    # The xgrammar structural-tag format of this family (tokenloom/server/tool_grammar.py).
     structural_tag_model: str | None = None
-    # Tokens that carry the tool-call markup may be special tokens: keep them in the text.
-    keeps_special_tokens = True
+    # Tokens that carry the tool-call markup may be special tokens: keep them in the text (vLLM's
+    # adjust_request sets skip_special_tokens=False for such parsers).
+    keeps_special_tokens = False
     # The system prompt that shows the tools to a chat template that does not render them itself
     # (`{tools}`: one JSON tool per line); it asks for this parser's format.
     tools_prompt = ""
 
-    @classmethod
-    def supports_required_and_named(cls) -> bool:
-        """vLLM's flag (with VLLM_ENFORCE_STRICT_TOOL_CALLING, its default): a parser with a structural
-        tag reads forced calls itself; one without gets the JSON forms."""
-        return cls.structural_tag_model is None
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.structural_tag_model is not None:
+            cls.supports_required_and_named = False
 
-    @classmethod
-    def check_vocab(cls, vocab: dict[str, int]) -> None:
-        """Raise (vLLM's constructor's error) when the tokenizer lacks a token this format needs."""
-        return None
-
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
         self.prev_tool_call_arr: list[dict[str, Any]] = []
+        self.current_tool_id = -1  # the call being streamed
+        self.current_tool_name_sent = False
         self.streamed_args_for_tool: list[str] = []
+        self.model_tokenizer = tokenizer
+        self.tools: list[Any] = [t for t in tools or () if tool_function(t) is not None]
 
-    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+    @cached_property
+    def vocab(self) -> dict[str, int]:
+        return self.model_tokenizer.get_vocab() if self.model_tokenizer is not None else {}
+
+    def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:
         raise NotImplementedError
 
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str,
-                                     delta_text: str) -> dict[str, Any] | None:
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
+                                     previous_token_ids: Sequence[int], current_token_ids: Sequence[int],
+                                     delta_token_ids: Sequence[int], request: Any) -> DeltaMessage | None:
         raise NotImplementedError
 
     def get_remaining_unstreamed_args(self) -> str:

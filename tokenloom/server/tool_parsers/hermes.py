@@ -14,17 +14,23 @@ as text when the model wrote them in json.dumps's spacing (vLLM behaves the same
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from tokenloom.server.tool_parsers.base import (
-    ExtractedToolCalls,
-    ToolParser,
-    is_complete_json,
-    make_call,
+from tokenloom.server.tool_parsers.base import ToolParser, is_complete_json, partial_tag_overlap
+from tokenloom.server.tool_parsers.messages import (
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ExtractedToolCallInformation,
+    FunctionCall,
+    ToolCall,
     make_tool_call_id,
-    partial_tag_overlap,
 )
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
 _ARGS = re.compile(r'"arguments"\s*:\s*')
@@ -33,6 +39,7 @@ _ARGS = re.compile(r'"arguments"\s*:\s*')
 class HermesToolParser(ToolParser):
     name = "hermes"
     structural_tag_model = "hermes"
+    keeps_special_tokens = True  # vLLM's adjust_request: the tags are special tokens in some vocabularies
     tool_call_start_token = "<tool_call>"
     tool_call_end_token = "</tool_call>"
     tool_call_regex = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -51,20 +58,23 @@ For each function call, return a json object with function name and arguments wi
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._sent_content_idx = 0
+    def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
+        super().__init__(tokenizer, tools)
+        self._sent_content_idx = 0  # how much of the text before the first call went out as content
 
-    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+    def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:
         if self.tool_call_start_token not in model_output:
-            return ExtractedToolCalls(False, [], model_output)
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         try:
             raw = [json.loads(a if a else b) for a, b in self.tool_call_regex.findall(model_output)]
-            calls = [make_call(fc["name"], fc["arguments"]) for fc in raw]
-        except (ValueError, KeyError, TypeError):
-            return ExtractedToolCalls(False, [], model_output)
+            calls = [ToolCall(function=FunctionCall(name=fc["name"],
+                                                    arguments=json.dumps(fc["arguments"], ensure_ascii=False)))
+                     for fc in raw]
+        except Exception:  # vLLM: undecodable JSON or a missing key leaves the whole text as content
+            logger.debug("no Hermes tool call in %r", model_output[:80])
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         content = model_output[: model_output.find(self.tool_call_start_token)]
-        return ExtractedToolCalls(True, calls, content or None)
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=content or None)
 
     # Streaming ---------------------------------------------------------------------------------
     def _extract_content(self, current_text: str) -> str | None:
@@ -120,10 +130,18 @@ For each function call, return a json object with function name and arguments wi
         self.prev_tool_call_arr[index]["arguments"] = args
         return diff
 
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str,
-                                     delta_text: str) -> dict[str, Any] | None:
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
+                                     previous_token_ids: Sequence[int], current_token_ids: Sequence[int],
+                                     delta_token_ids: Sequence[int], request: Any) -> DeltaMessage | None:
+        try:
+            return self._stream(current_text)
+        except Exception:  # vLLM logs and skips the chunk
+            logger.debug("Hermes streaming: skipped a chunk", exc_info=True)
+            return None
+
+    def _stream(self, current_text: str) -> DeltaMessage | None:
         content = self._extract_content(current_text)
-        deltas: list[dict[str, Any]] = []
+        deltas: list[DeltaToolCall] = []
         for i, (tc_json, is_complete) in enumerate(self._extract_tool_call_jsons(current_text)):
             if i >= len(self.prev_tool_call_arr):
                 self.prev_tool_call_arr.append({})
@@ -133,11 +151,11 @@ For each function call, return a json object with function name and arguments wi
                 if not match:
                     break  # call i is not announced yet: nothing after it can be
                 self.prev_tool_call_arr[i]["name"] = match.group(1)
-                deltas.append({"index": i, "type": "function", "id": make_tool_call_id(),
-                               "function": {"name": match.group(1)}})
+                deltas.append(DeltaToolCall(index=i, type="function", id=make_tool_call_id(),
+                                            function=DeltaFunctionCall(name=match.group(1))))
             diff = self._compute_args_diff(i, tc_json, is_complete)
             if diff:
-                deltas.append({"index": i, "function": {"arguments": diff}})
+                deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=diff)))
         if content or deltas:
-            return {"content": content, "tool_calls": deltas}
+            return DeltaMessage(content=content, tool_calls=deltas)
         return None

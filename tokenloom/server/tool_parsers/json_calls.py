@@ -15,7 +15,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from tokenloom.server.tool_parsers.base import make_call, make_tool_call_id
+from tokenloom.server.tool_parsers.messages import make_tool_call_id
+
+
+def make_call(name: str, arguments: str) -> dict[str, Any]:
+    """An OpenAI tool call as the response's message carries it (`arguments`: JSON text)."""
+    return {"id": make_tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def params_or_empty_object(params: dict[str, Any] | None) -> dict[str, Any]:

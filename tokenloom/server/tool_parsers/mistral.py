@@ -9,18 +9,17 @@ than parse Mistral output with a guess.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenloom.server.tool_parsers.base import ToolParser
 
 TOOL_CALLS_TOKEN = "[TOOL_CALLS]"
 
 
 class MistralToolParser(ToolParser):
-    name = "mistral"
-    keeps_special_tokens = False
-
-    @classmethod
-    def check_vocab(cls, vocab: dict[str, int]) -> None:
-        if vocab.get(TOOL_CALLS_TOKEN) is None:
+    def __init__(self, tokenizer: Any, tools: list[Any] | None = None) -> None:
+        super().__init__(tokenizer, tools)
+        if self.vocab.get(TOOL_CALLS_TOKEN) is None:
             raise RuntimeError("Mistral parser could not locate the tool call token in the tokenizer!")
         raise RuntimeError("tokenloom does not implement the mistral tool parser (vLLM reads it with "
-                           "mistral-common); use hermes, llama3_json or pythonic")
+                           "mistral-common); use hermes, llama3_json, pythonic, qwen3_coder or phi4_mini_json")

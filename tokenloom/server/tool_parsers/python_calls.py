@@ -12,7 +12,7 @@ import ast
 import json
 from typing import Any
 
-from tokenloom.server.tool_parsers.base import make_call
+from tokenloom.server.tool_parsers.messages import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 
 class UnexpectedAstError(Exception):
@@ -24,6 +24,7 @@ _JSON_NAME_LITERALS = {"null": None, "true": True, "false": False}
 
 def get_parameter_value(val: ast.expr) -> Any:
     if isinstance(val, ast.Constant):
+        # bytes, Ellipsis and complex numbers are constants without a JSON form.
         if val.value is None or isinstance(val.value, (str, int, float)):
             return val.value
         raise UnexpectedAstError("Tool call arguments must be JSON values")
@@ -57,13 +58,13 @@ def _dotted_name(node: ast.expr) -> str:
     return ".".join(reversed(parts))
 
 
-def handle_single_tool(call: ast.Call) -> dict[str, Any]:
+def handle_single_tool(call: ast.Call) -> ToolCall:
     """One call node → an OpenAI tool call (a dotted name `a.b(...)` stays dotted)."""
     if not isinstance(call.func, (ast.Name, ast.Attribute)):
         raise UnexpectedAstError("Invalid tool call name")
     name = _dotted_name(call.func)
     arguments = {kw.arg: get_parameter_value(kw.value) for kw in call.keywords}
-    return make_call(name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
 
 
 def _is_escaped(text: str, index: int) -> bool:
@@ -130,18 +131,18 @@ def make_valid_python(text: str) -> tuple[str, str] | None:
     return candidate, added
 
 
-def compute_tool_delta(previously_sent_args: str, new_call: dict[str, Any], index: int,
-                       withheld_suffix: str) -> dict[str, Any] | None:
+def compute_tool_delta(previously_sent_args: str, new_call: ToolCall, index: int,
+                       withheld_suffix: str) -> DeltaToolCall | None:
     """The delta for call `index`: its announcement with the arguments so far (the first time), then
     only the new argument text; `withheld_suffix` (what JSON completion added) is never sent."""
-    new_call_args = new_call["function"]["arguments"]
+    new_call_args = new_call.function.arguments
     if withheld_suffix:
         if not new_call_args.endswith(withheld_suffix):
             raise ValueError(f"Tool call arguments '{new_call_args}' do not end with expected withheld "
                              f"suffix '{withheld_suffix}'")
         new_call_args = new_call_args[: -len(withheld_suffix)]
     if not previously_sent_args:
-        return {"index": index, "id": new_call["id"], "type": "function",
-                "function": {"name": new_call["function"]["name"], "arguments": new_call_args}}
+        return DeltaToolCall(index=index, id=new_call.id, type="function",
+                             function=DeltaFunctionCall(name=new_call.function.name, arguments=new_call_args))
     arg_diff = new_call_args[len(previously_sent_args):]
-    return {"index": index, "function": {"arguments": arg_diff}} if arg_diff else None
+    return DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arg_diff)) if arg_diff else None

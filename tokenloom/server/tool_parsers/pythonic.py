@@ -16,11 +16,14 @@ its JSON forms instead (tokenloom/server/tool_parsers/json_calls.py), and never 
 from __future__ import annotations
 
 import ast
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 import regex
 
-from tokenloom.server.tool_parsers.base import ExtractedToolCalls, ToolParser
+from tokenloom.server.tool_parsers.base import ToolParser
+from tokenloom.server.tool_parsers.messages import DeltaMessage, ExtractedToolCallInformation
 from tokenloom.server.tool_parsers.python_calls import (
     UnexpectedAstError,
     compute_tool_delta,
@@ -28,13 +31,12 @@ from tokenloom.server.tool_parsers.python_calls import (
     make_valid_python,
 )
 
+logger = logging.getLogger(__name__)
 # vLLM's VLLM_TOOL_PARSE_REGEX_TIMEOUT_SECONDS default: the regex can backtrack badly on odd text.
 REGEX_TIMEOUT_S = 1
 
 
 class PythonicToolParser(ToolParser):
-    name = "pythonic"
-    keeps_special_tokens = False
     TOOL_CALL_REGEX = regex.compile(
         r"\[([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s)?\),\s*)*([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]",
         regex.DOTALL,
@@ -51,36 +53,47 @@ class PythonicToolParser(ToolParser):
         "Here is a list of functions in JSON format that you can invoke.\n{tools}"
     )
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.current_tool_index = -1  # vLLM's current_tool_id: the call being streamed, not an id
+    # vLLM's name for what its base class calls current_tool_id: the call being streamed, not an id.
+    @property
+    def current_tool_index(self) -> int:
+        return self.current_tool_id
 
-    def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
+    @current_tool_index.setter
+    def current_tool_index(self, value: int) -> None:
+        self.current_tool_id = value
+
+    def extract_tool_calls(self, model_output: str, request: Any) -> ExtractedToolCallInformation:
+        not_called = ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         try:
             is_tool_call_pattern = self.TOOL_CALL_REGEX.match(model_output, timeout=REGEX_TIMEOUT_S) is not None
         except TimeoutError:
+            logger.warning("Regex timeout occurred when matching tool call pattern.")
             is_tool_call_pattern = False
         if not is_tool_call_pattern:
-            return ExtractedToolCalls(False, [], model_output)
+            return not_called
         try:
             module = ast.parse(model_output)
             parsed = getattr(module.body[0], "value", None)
             if isinstance(parsed, ast.List) and all(isinstance(e, ast.Call) for e in parsed.elts):
-                return ExtractedToolCalls(True, [handle_single_tool(e) for e in parsed.elts], None)  # type: ignore[arg-type]
+                calls = [handle_single_tool(e) for e in parsed.elts]  # type: ignore[arg-type]
+                return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=None)
             raise UnexpectedAstError("Tool output must be a list of function calls")
         except Exception:  # vLLM: logged; the text is content
-            return ExtractedToolCalls(False, [], model_output)
+            logger.debug("no pythonic tool calls in %r", model_output[:80], exc_info=True)
+            return not_called
 
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str,
-                                     delta_text: str) -> dict[str, Any] | None:
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
+                                     previous_token_ids: Sequence[int], current_token_ids: Sequence[int],
+                                     delta_token_ids: Sequence[int], request: Any) -> DeltaMessage | None:
         if not current_text.startswith("["):
-            return {"content": delta_text, "tool_calls": []}
+            return DeltaMessage(content=delta_text)
         try:
             return self._stream(current_text)
         except Exception:  # vLLM logs and skips the chunk
+            logger.debug("pythonic streaming: skipped a chunk", exc_info=True)
             return None
 
-    def _stream(self, current_text: str) -> dict[str, Any] | None:
+    def _stream(self, current_text: str) -> DeltaMessage | None:
         valid = make_valid_python(current_text)
         if valid is None:
             return None
@@ -109,14 +122,15 @@ class PythonicToolParser(ToolParser):
             delta = compute_tool_delta(self.streamed_args_for_tool[index], new_call, index, withheld_suffix)
             if delta is not None:
                 tool_deltas.append(delta)
-                self.streamed_args_for_tool[index] += delta["function"].get("arguments") or ""
+                if delta.function is not None and delta.function.arguments is not None:
+                    self.streamed_args_for_tool[index] += delta.function.arguments
 
         # vLLM: the final-delta completion (get_remaining_unstreamed_args) must add nothing here, and
         # finish_reason must become "tool_calls": a placeholder entry does both.
         if tool_deltas and not self.prev_tool_call_arr:
             self.prev_tool_call_arr = [{"arguments": {}}]
         if tool_deltas:
-            return {"content": None, "tool_calls": tool_deltas}
+            return DeltaMessage(tool_calls=tool_deltas)
         if not added_text and self.current_tool_index > 0:
-            return {"content": "", "tool_calls": []}  # all calls done: an empty delta (finish_reason)
+            return DeltaMessage(content="")  # all calls done: an empty delta (finish_reason)
         return None
