@@ -28,6 +28,7 @@ from tokenloom.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check_verification_budget,
     token_budget_labels,
     token_budget_text,
@@ -372,7 +373,25 @@ class EngineCoreHost:
 
             return make_xgrammar_backend(tokenizer, vocab_size, so_config)
 
-        return StructuredOutputManager(backend)
+        assert so_config is not None
+        return StructuredOutputManager(backend, reasoner_factory=self._reasoner_factory(tokenizer, so_config),
+                                       enable_in_reasoning=so_config.enable_in_reasoning)
+
+    def _reasoner_factory(self, tokenizer: Any, so_config: StructuredOutputsConfig) -> Any:
+        """The reasoning gate's parsers (vLLM's StructuredOutputManager builds them from the tokenizer, in every
+        engine process): the plugin imported here too, the parser checked against the vocabulary once, now, so
+        a parser whose tokens the model lacks stops the start in vLLM's words rather than the first request."""
+        name = so_config.reasoning_parser
+        if not name:
+            return None
+        from tokenloom.reasoning import check_reasoning_tokenizer, resolve_reasoning_parser
+
+        try:
+            parser_cls = resolve_reasoning_parser(name, so_config.reasoning_parser_plugin)
+            check_reasoning_tokenizer(name, parser_cls, tokenizer, self.config.model or "default")
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(exc.args[0]) from None
+        return lambda kwargs: parser_cls(tokenizer, **kwargs)
 
     @staticmethod
     def _layer_windows(model_config: Any) -> tuple[int | None, ...] | None:

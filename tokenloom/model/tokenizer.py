@@ -97,6 +97,14 @@ class Tokenizer:
         return list(self._core.all_special_ids)
 
     @property
+    def all_special_tokens(self) -> list[str]:
+        return list(self._core.all_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token text -> id, added tokens included (what reasoning parsers look their tags up in)."""
+        return self._core.get_vocab()
+
+    @property
     def chat_template(self) -> str | None:
         return self._core.chat_template
 
