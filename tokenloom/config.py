@@ -1042,6 +1042,9 @@ class EngineConfig:
         if self.reasoning_parser:
             so.reasoning_parser = self.reasoning_parser
             check_reasoning_parser_name(so.reasoning_parser, so.reasoning_parser_plugin)
+        if so.reasoning_parser and self.skip_tokenizer_init:
+            raise ConfigError("a reasoning parser reads the generated text, which skip_tokenizer_init does not make "
+                              "(and structured outputs need the tokenizer too): drop one of them")
 
 
 def _check_logits_processors(value: Any, speculative_config: Any) -> list[str | type] | None:

@@ -329,6 +329,8 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     for key in ("name", "tool_calls", "tool_call_id"):
         if (value := getattr(msg, key)) is not None:
             out[key] = value
+    if msg.role == "assistant" and msg.reasoning is not None:  # vLLM: both names, for interleaved thinking
+        out["reasoning"] = out["reasoning_content"] = msg.reasoning
     return out
 
 
