@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reasoning_models import make_tiny_reasoning_model
 from tests.test_server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -25,8 +24,8 @@ ASK = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_reasoning_model(tmp_path_factory.mktemp("reasoning"))
+def model_dir(tiny_reasoning_model):
+    return tiny_reasoning_model
 
 
 @pytest.fixture(scope="module")

@@ -388,7 +388,7 @@ class EngineCoreHost:
 
         try:
             parser_cls = resolve_reasoning_parser(name, so_config.reasoning_parser_plugin)
-            check_reasoning_tokenizer(name, parser_cls, tokenizer, self.config.model or "default")
+            check_reasoning_tokenizer(name, parser_cls, tokenizer, self.model_name)
         except (KeyError, ValueError) as exc:
             raise ConfigError(exc.args[0]) from None
         return lambda kwargs: parser_cls(tokenizer, **kwargs)
