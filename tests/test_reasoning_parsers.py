@@ -121,6 +121,21 @@ def test_qwen3_looks_back_only_to_the_last_turn() -> None:
     assert plain.extract_content_ids([5, 6]) == [5, 6]
 
 
+@pytest.mark.parametrize(("ids", "thinking", "ended"), [
+    # vLLM's tests/parser/engine/test_qwen3_reasoning.py::TestIsReasoningEndDerivedFromGrammar, its table.
+    ([THINK, 1, END], True, True), ([THINK, 1, TOOL], True, True),
+    ([THINK, 1], True, False), ([END, THINK, 1], True, False),
+    ([IM_END, IM_START, 1], True, False), ([], True, False),
+    # Thinking off: a <think> the template left behind is inert, and a silent tail has ended.
+    ([THINK, 1], False, True), ([END, THINK, 1], False, True), ([IM_END, IM_START, 1], False, True), ([], False, True),
+    # ... and its other classes: a tool example in the prompt before the generation's <think> is not an end.
+    ([TOOL, 100, THINK], True, False), ([THINK, 1, TOOL, 2, TOOL_END], True, True),
+])
+def test_qwen3_is_reasoning_end_as_vllms_engine(ids: list[int], thinking: bool, ended: bool) -> None:
+    qwen3 = parser("qwen3", chat_template_kwargs={"enable_thinking": thinking})
+    assert qwen3.is_reasoning_end(ids) is ended
+
+
 def test_qwen3_counts_content_ids_and_ends() -> None:
     qwen3 = parser("qwen3")
     assert qwen3.count_reasoning_tokens([THINK, 5, 6, END, 7]) == 2
