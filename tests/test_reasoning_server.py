@@ -38,10 +38,14 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def encode(model_dir):
+def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def encode(tokenizer):
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -166,3 +170,18 @@ def test_responses_give_a_reasoning_item_then_the_message(server, encode) -> Non
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
     hidden = httpx.post(server.url + "/v1/responses", json={**body, "include_reasoning": False}, timeout=120).json()
     assert [item["type"] for item in hidden["output"]] == ["message"]
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking(server, encode, tokenizer) -> None:
+    thought = encode("The quick brown fox.")
+    reply = chat(server, encode, "<think>The quick brown fox.</think>Hi", thinking_token_budget=2,
+                 return_token_ids=True)
+    choice = reply["choices"][0]
+    think, end_think = encode("<think>")[0], encode("</think>")[0]
+    assert choice["token_ids"][:4] == [think, *thought[:2], end_think]  # two tokens of thinking, then the end
+    assert choice["message"]["reasoning"] == tokenizer.decode(thought[:2])
+    assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "thinking_token_budget": -2},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
+    assert "must be a non-negative integer or -1 for unlimited" in bad.json()["error"]["message"]

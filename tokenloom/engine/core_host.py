@@ -260,6 +260,7 @@ class EngineCoreHost:
         if logitsprocs_config is not None and self.runner is not None:
             self.logits_processor_names = on_model_thread(self.runner.enable_logits_processors, logitsprocs_config,
                                                           config.logits_processors or ())
+        self.reasoning_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (set with the manager)
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler = self._new_scheduler()
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -324,6 +325,7 @@ class EngineCoreHost:
         self.speculative_config = None
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
         self.structured_output_manager = StructuredOutputManager(lambda: None)
+        self.reasoning_token_ids = None
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
@@ -384,13 +386,14 @@ class EngineCoreHost:
         name = so_config.reasoning_parser
         if not name:
             return None
-        from tokenloom.reasoning import check_reasoning_tokenizer, resolve_reasoning_parser
+        from tokenloom.reasoning import check_reasoning_tokenizer, reasoning_token_ids, resolve_reasoning_parser
 
         try:
             parser_cls = resolve_reasoning_parser(name, so_config.reasoning_parser_plugin)
             check_reasoning_tokenizer(name, parser_cls, tokenizer, self.model_name)
         except (KeyError, ValueError) as exc:
             raise ConfigError(exc.args[0]) from None
+        self.reasoning_token_ids = reasoning_token_ids(parser_cls(tokenizer), tokenizer)
         return lambda kwargs: parser_cls(tokenizer, **kwargs)
 
     @staticmethod
@@ -467,6 +470,7 @@ class EngineCoreHost:
             lora=self.lora_info(),
             logits_processors=list(self.logits_processor_names),
             num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
+            reasoning_token_ids=self.reasoning_token_ids,
         )
 
     def reset_scheduler(

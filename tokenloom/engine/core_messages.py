@@ -93,6 +93,9 @@ class EngineReady:
     # With --speculative-config: its K, the drafts per step (0: no speculative decoding). The front end's
     # metrics export the spec-decode counters from the start then, as vLLM's, not from the first drafts.
     num_speculative_tokens: int = 0
+    # With --reasoning-parser: its start and end strings as token ids (vLLM's ReasoningConfig), what a request's
+    # thinking_token_budget counts from and forces; None without a parser (the budget is then refused).
+    reasoning_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass

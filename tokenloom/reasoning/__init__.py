@@ -52,5 +52,18 @@ def check_reasoning_tokenizer(name: str, parser_cls: type[ReasoningParser], toke
                          ) from None
 
 
+def reasoning_token_ids(parser: ReasoningParser, tokenizer: object) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The parser's start and end strings as token ids (vLLM's ReasoningConfig.initialize_token_ids), what a
+    thinking_token_budget counts from and forces; None when the parser has no such strings."""
+    start, end = parser.reasoning_start_str, parser.reasoning_end_str
+    if not start or not end:
+        return None
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    start_ids, end_ids = encode(start, add_special_tokens=False), encode(end, add_special_tokens=False)
+    if not start_ids or not end_ids:
+        return None
+    return tuple(start_ids), tuple(end_ids)
+
+
 __all__ = ["DeltaMessage", "ReasoningParser", "ReasoningParserManager", "check_reasoning_tokenizer",
-           "resolve_reasoning_parser"]
+           "reasoning_token_ids", "resolve_reasoning_parser"]

@@ -95,6 +95,8 @@ class SamplingRequest(BaseModel):
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0
+    # vLLM's: at most this many thinking tokens, then the end of thinking is forced (needs --reasoning-parser)
+    thinking_token_budget: Int | None = None
 
 
 class CompletionRequest(SamplingRequest):
