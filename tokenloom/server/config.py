@@ -48,9 +48,6 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = knob(False, "no access log line per request")
     # A stall, not the load: None reads $TOKENLOOM_ENGINE_READY_TIMEOUT (no flag).
     engine_ready_timeout_s: float | None = None
-    # The engine's --reasoning-parser (an engine argument, as in vLLM; run_server copies it here): the chat and
-    # Responses endpoints split the output's reasoning out with it (tokenloom/server/reasoning.py).
-    reasoning_parser: str = ""
     root_path: str = knob("", "serve under this path prefix too (behind a proxy), e.g. /llm (vLLM's --root-path)")
     enable_force_include_usage: bool = knob(
         False, "usage on every streamed chunk and at the end, as if stream_options asked for it")

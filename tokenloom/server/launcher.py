@@ -65,7 +65,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
     signal.signal(signal.SIGTERM, _interrupt)
     # Spawn the engine(s) first: they load the model while this process imports the HTTP side and loads
     # the tokenizer (never torch: tests/test_startup.py).
-    config.reasoning_parser = _reasoning_parser(engine_config)
+    reasoning_parser = _reasoning_parser(engine_config)
     client = make_client(engine_config, log_level)
     try:
         # The HTTP side's imports (FastAPI, uvicorn, pydantic models: ~1 s on a busy machine) after the
@@ -84,7 +84,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         if config.enable_auto_tool_choice and config.tool_call_parser:
             # vLLM's start-up check: a parser whose format needs a token the vocabulary lacks stops here.
             check_tokenizer(config.tool_call_parser, engine.tokenizer, engine.info.model_name)
-        app = build_app(engine, config, log_stats_interval_s)
+        app = build_app(engine, config, log_stats_interval_s, reasoning_parser)
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
             access_log=config.access_log, lifespan="on",
