@@ -75,10 +75,12 @@ def joined(chunks: list[dict[str, Any]], field: str, index: int = 0) -> str | No
 
 def test_reasoning_and_content_whole_and_streamed(server, encode) -> None:
     script = "<think>The quick fox.</think>Hello, world!"
-    reply = chat(server, encode, script)
+    reply = chat(server, encode, script, logprobs=True)
     message = reply["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == ("The quick fox.", "Hello, world!")
     assert "reasoning_content" not in message  # vLLM 0.32's field is `reasoning` only
+    # logprobs are the whole output's, reasoning included (vLLM's), one per generated token
+    assert len(reply["choices"][0]["logprobs"]["content"]) == reply["usage"]["completion_tokens"]
     # usage counts the tokens inside the think block (vLLM's completion_tokens_details.reasoning_tokens)
     assert reply["usage"]["completion_tokens_details"] == {"reasoning_tokens": len(encode("The quick fox."))}
     chunks = chat_stream(server, encode, script, stream_options={"include_usage": True})
