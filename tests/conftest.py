@@ -36,3 +36,12 @@ def transformers_default_model():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoning_model(tmp_path_factory):
+    """tests/reasoning_models.py's tiny Qwen3 with Qwen3's reasoning tokens, made once per run (transformers'
+    random initialisation and save take several seconds on 2 cores); the reasoning tests only read it."""
+    from tests.reasoning_models import make_tiny_reasoning_model
+
+    return make_tiny_reasoning_model(tmp_path_factory.mktemp("tiny-reasoning"))

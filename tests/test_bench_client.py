@@ -180,6 +180,9 @@ def test_chunk_token_counting() -> None:
     role_only = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     assert tokens_in_chunk(role_only, True, 0) == (0, "")
     assert tokens_in_chunk({"choices": [], "usage": {"completion_tokens": 3}}, False, 0) == (0, "")
+    # A reasoning delta (--reasoning-parser) carries a token (the model is decoding), but it is not the answer text.
+    thinking = {"choices": [{"index": 0, "delta": {"reasoning": "Hmm"}}]}
+    assert tokens_in_chunk(thinking, True, 0) == (1, "")
 
 
 def test_sse_parsing_across_reads() -> None:

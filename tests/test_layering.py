@@ -1,6 +1,6 @@
 """Imports go downward only: a lower room never imports a higher one (parsed, nothing is imported).
 
-    envs < config, sampling_params < core < distributed, sample < model, router < engine < server, workload
+    envs < reasoning < config, sampling_params < core < distributed, sample < model, router < engine < server, workload
     < bench, sim < explore
 
 Rooms on the same level do not import each other either (bench and sim share tokenloom/workload,
@@ -20,6 +20,7 @@ LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
     "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
+    "tokenloom.reasoning": -0.3,  # reasoning parsers: the server splits outputs, the engine's grammar gate waits
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.inputs": 0,  # vLLM's prompt TypedDicts: what the engine takes in, beside the params
     "tokenloom.logprobs": 0,  # vLLM's Logprob / FlatLogprobs: what the engine hands back, beside the params
@@ -37,7 +38,7 @@ LEVELS = {
 }  # fmt: skip
 NO_TORCH = ("tokenloom.exceptions", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
             "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
-            "tokenloom.logprobs")
+            "tokenloom.logprobs", "tokenloom.reasoning")
 
 
 def room(module: str) -> str:

@@ -63,7 +63,10 @@ def test_structured_outputs_config_is_an_engine_argument(value: Any) -> None:
     # vLLM's own checks, in its words.
     ({"backend": "auto", "disable_any_whitespace": True}, "only supported for xgrammar and guidance backends"),
     ({"backend": "xgrammar", "disable_additional_properties": True}, "only supported for the guidance backend"),
-    ({"backend": "xgrammar", "reasoning_parser": "deepseek_r1"}, "reasoning parsers .* tokenloom has none"),
+    ({"backend": "xgrammar", "reasoning_parser": "nope"},
+     r"Reasoning parser 'nope' not found. Available parsers: deepseek_r1, qwen3"),
+    ({"backend": "xgrammar", "reasoning_parser": 3}, "reasoning_parser must be a string"),
+    ({"backend": "xgrammar", "enable_in_reasoning": "yes"}, "enable_in_reasoning must be true or false"),
     ({"backend": "xgrammar", "max_threads": 2}, "unknown field"),
 ])
 def test_structured_outputs_config_refuses_what_tokenloom_does_not_have(value: dict, message: str) -> None:

@@ -805,8 +805,9 @@ def check_long_prefill_threshold(threshold: int, spec: SpeculativeConfig | None)
 # ------------------------------------------------------------------------------ structured outputs
 # vLLM 0.32's StructuredOutputsConfig (vllm/config/structured_outputs.py): the engine-wide structured-output
 # options, LLM(structured_outputs_config={...}) or --structured-outputs-config JSON. tokenloom has one backend,
-# xgrammar ("auto" picks it); vLLM's others and its reasoning parsers are refused by name, so a config written
-# for vLLM fails at start-up instead of running something else.
+# xgrammar ("auto" picks it); vLLM's others are refused by name, so a config written for vLLM fails at start-up
+# instead of running something else. The reasoning parser (--reasoning-parser, vLLM's flag, lands here as in
+# vLLM) holds a request's grammar back until its reasoning ends, unless enable_in_reasoning.
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 _VLLM_ONLY_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
@@ -815,8 +816,11 @@ _VLLM_ONLY_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
 @dataclass
 class StructuredOutputsConfig:
     """backend: auto or xgrammar (the same here); disable_any_whitespace: compact JSON for every JSON request
-    (a request's own StructuredOutputsParams.disable_any_whitespace also turns it on); the others are vLLM's
-    fields, accepted only at their defaults (they configure machinery tokenloom does not have)."""
+    (a request's own StructuredOutputsParams.disable_any_whitespace also turns it on); reasoning_parser: the
+    reasoning parser's name (tokenloom/reasoning), whose end of reasoning the grammar waits for;
+    reasoning_parser_plugin: a module or file that registers more parsers; enable_in_reasoning: constrain the
+    reasoning too (from the first token); disable_additional_properties: vLLM's, for a backend tokenloom does
+    not have, accepted only at its default."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
@@ -841,16 +845,29 @@ class StructuredOutputsConfig:
             raise ConfigError("disable_any_whitespace is only supported for xgrammar and guidance backends.")
         if self.disable_additional_properties:
             raise ConfigError("disable_additional_properties is only supported for the guidance backend.")
-        if self.reasoning_parser or self.reasoning_parser_plugin or self.enable_in_reasoning:
-            raise ConfigError(
-                "structured_outputs_config: reasoning parsers (reasoning_parser, reasoning_parser_plugin, "
-                "enable_in_reasoning) are vLLM's; tokenloom has none"
-            )
+        for name in ("reasoning_parser", "reasoning_parser_plugin"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"structured_outputs_config.{name} must be a string, got {getattr(self, name)!r}")
+        if self.reasoning_parser:
+            check_reasoning_parser_name(self.reasoning_parser, self.reasoning_parser_plugin)
 
     @classmethod
     def from_any(cls, value: StructuredOutputsConfig | dict[str, Any] | str | None) -> StructuredOutputsConfig:
         """A config from an instance, a dict, its JSON text, or None (the defaults)."""
         return _config_from_any(cls, value, "structured_outputs_config") or cls()
+
+
+def check_reasoning_parser_name(name: str, plugin: str = "") -> None:
+    """A reasoning parser's name must be registered (after its plugin, if any, is imported), as vLLM's engine
+    checks it when it starts: its message names the parsers there are."""
+    from tokenloom.reasoning import ReasoningParserManager
+
+    if plugin and len(plugin) > 3:  # vLLM ignores a plugin path of 3 characters or fewer
+        ReasoningParserManager.import_reasoning_parser(plugin)
+    try:
+        ReasoningParserManager.get_reasoning_parser(name)
+    except KeyError as exc:
+        raise ConfigError(exc.args[0]) from None
 
 
 @dataclass(frozen=True)
@@ -929,6 +946,17 @@ class EngineConfig:
         '"disable_any_whitespace": true}\' (backend: auto or xgrammar; docs/structured_outputs.md)',
         simulated=False)
 
+    # vLLM's --reasoning-parser / --reasoning-parser-plugin: EngineArgs' fields that end up in the structured-outputs
+    # config (vLLM's create_structured_outputs_config); the server parses reasoning out of chat / Responses outputs
+    # with the same parser (docs/serving.md, "Reasoning models").
+    reasoning_parser: str = knob(
+        "", "the model's reasoning format (vLLM's): deepseek_r1 (DeepSeek-R1 and its distills) or qwen3 (Qwen3, "
+        "Qwen3-MoE): chat answers carry the <think> part as `reasoning`, and structured outputs constrain only what "
+        "follows it; a plugin's names too", simulated=False)
+    reasoning_parser_plugin: str = knob(
+        "", "a module name or Python file that registers reasoning parsers (vLLM's; "
+        "@ReasoningParserManager.register_module)", simulated=False)
+
     # vLLM's --logits-processors: custom batch-level logits processors (tokenloom/sample/logits_processor), as
     # classes or "module:Class" names (the command line's form); each engine-core process builds its own.
     logits_processors: list[str | type] | None = knob(
@@ -973,6 +1001,7 @@ class EngineConfig:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        self._apply_reasoning_parser()
         self.logits_processors = _check_logits_processors(self.logits_processors, self.speculative_config)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
@@ -999,6 +1028,23 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+
+    def _apply_reasoning_parser(self) -> None:
+        """--reasoning-parser and --reasoning-parser-plugin win over the structured-outputs config's fields (vLLM's
+        create_structured_outputs_config), which then carries them to every engine process."""
+        so = self.structured_outputs_config
+        assert so is not None
+        for name in ("reasoning_parser", "reasoning_parser_plugin"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.reasoning_parser_plugin:
+            so.reasoning_parser_plugin = self.reasoning_parser_plugin
+        if self.reasoning_parser:
+            so.reasoning_parser = self.reasoning_parser
+            check_reasoning_parser_name(so.reasoning_parser, so.reasoning_parser_plugin)
+        if so.reasoning_parser and self.skip_tokenizer_init:
+            raise ConfigError("a reasoning parser reads the generated text, which skip_tokenizer_init does not make "
+                              "(and structured outputs need the tokenizer too): drop one of them")
 
 
 def _check_logits_processors(value: Any, speculative_config: Any) -> list[str | type] | None:

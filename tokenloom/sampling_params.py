@@ -152,6 +152,14 @@ class SamplingParams:
     # vLLM's: hand logprobs and prompt_logprobs back as a tokenloom.logprobs.FlatLogprobs (a few flat lists
     # read as the list of dicts is) instead of one dict per position, for less garbage-collector work.
     flat_logprobs: bool = False
+    # vLLM's: at most this many tokens of thinking (after the reasoning parser's start string), then its end string
+    # is forced (tokenloom/model/thinking_budget.py); None (or -1, unlimited) off. Needs --reasoning-parser.
+    thinking_token_budget: int | None = None
+    # The reasoning parser's start and end strings as token ids, filled in by the engine's input processor for a
+    # request with a thinking_token_budget (vLLM keeps them in its ReasoningConfig; here they travel with the
+    # request to every rank that samples). An init field, so dataclasses.replace keeps it.
+    _thinking_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False,
+                                                                                 compare=False)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -192,6 +200,7 @@ class SamplingParams:
             self.seed = None
         if self.logit_bias:
             self.logit_bias = _logit_bias_ids(self.logit_bias)
+        self.thinking_token_budget = validate_thinking_token_budget(self.thinking_token_budget)
         self._verify()
 
     def _verify(self) -> None:
@@ -364,6 +373,16 @@ def verify_num_sequences(value: Any, name: str) -> None:
 
 # The float fields __post_init__ compares and computes with; an int is a number too (temperature=1).
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def validate_thinking_token_budget(value: Any) -> int | None:
+    """vLLM's: a non-negative integer, or -1 (or None) for unlimited, which is None."""
+    if value is None:
+        return None
+    if isinstance(value, bool | float) or not isinstance(value, int) or value < -1:
+        raise ValidationError("`thinking_token_budget` must be a non-negative integer or -1 for unlimited.",
+                              parameter="thinking_token_budget", value=value)
+    return None if value == -1 else value
 
 
 def _logit_bias_ids(logit_bias: dict) -> dict[int, float]:

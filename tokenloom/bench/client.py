@@ -5,9 +5,11 @@ Each request is sent at its `arrival_s` (open loop: it never waits for earlier r
 time is taken as soon as its bytes are read.
 
 Counting tokens in a stream
-  A chunk carries tokens when its text (completions) or delta content (chat) is non-empty, or when it
-  lists `token_ids`. How many: len(token_ids), else len(logprobs.tokens), else the growth of a
-  per-chunk `usage.completion_tokens` (servers with continuous usage stats), else 1. A role-only or
+  A chunk carries tokens when its text (completions) or delta content or reasoning (chat, a server with a
+  reasoning parser: the model is decoding while it thinks, so the thinking is not time to first token, as
+  vLLM's benchmark counts it) is non-empty, or when it lists `token_ids`; the generated text is the content.
+  How many: len(token_ids), else len(logprobs.tokens), else the growth of a per-chunk
+  `usage.completion_tokens` (servers with continuous usage stats), else 1. A role-only or
   finish-only chunk carries none. TTFT is the first chunk that carries a token. One exception: a
   stream whose only output is a textless finish chunk (EOS sampled first) while usage reports
   completion tokens counts that chunk as its token, so it is a success with TTFT = E2E.
@@ -115,6 +117,14 @@ def _choice_text(choice: dict[str, Any], chat: bool) -> str:
     return choice.get("text") or ""
 
 
+def _choice_reasoning(choice: dict[str, Any], chat: bool) -> str:
+    """A chat delta's reasoning (vLLM 0.32's `reasoning`, its older `reasoning_content`)."""
+    if not chat:
+        return ""
+    delta = choice.get("delta") or {}
+    return delta.get("reasoning") or delta.get("reasoning_content") or ""
+
+
 def _queue_time_from(obj: dict[str, Any]) -> float | None:
     for holder in (obj, obj.get("metrics"), obj.get("usage")):
         if isinstance(holder, dict) and isinstance(holder.get("queue_time_s"), int | float):
@@ -141,7 +151,7 @@ def tokens_in_chunk(obj: dict[str, Any], chat: bool, usage_seen: int) -> tuple[i
     token_ids = choice.get("token_ids")
     if token_ids:
         return len(token_ids), text
-    if not text:
+    if not text and not _choice_reasoning(choice, chat):
         return 0, ""
     logprobs = choice.get("logprobs") or {}
     if isinstance(logprobs, dict) and logprobs.get("tokens"):

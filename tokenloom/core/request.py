@@ -90,7 +90,12 @@ class Request:
         block_size: int | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: Any = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """`reasoning_ended` / `reasoning_parser_kwargs` (vLLM's, for a constrained request on an engine with a
+        reasoning parser): whether the prompt already ended the reasoning (None: the engine's parser decides),
+        and what the request's parser is built with (its chat_template_kwargs)."""
         self.request_id = request_id
         # The LoRA adapter (tokenloom.lora.request.LoRARequest; duck-typed here: the core imports no
         # model code): the scheduler's max_loras limit reads lora_int_id, block hashes lora_name.
@@ -155,7 +160,9 @@ class Request:
         self.error: str | None = None
         # The grammar of a constrained request (structured outputs, forced tool calls); None otherwise.
         so = self.sampling_params.structured_outputs
-        self.structured_output_request = StructuredOutputRequest(so.key) if so is not None else None
+        self.structured_output_request = (
+            StructuredOutputRequest(so.key, reasoning_ended=reasoning_ended,
+                                    reasoning_parser_kwargs=reasoning_parser_kwargs) if so is not None else None)
         # Free-form slot for the front end (e.g. the detokenizer state).
         self.extra: dict[str, Any] = {}
 

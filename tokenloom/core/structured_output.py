@@ -14,6 +14,16 @@ vLLM: `vllm/v1/structured_output/__init__.py`. The scheduler drives it:
 - `accept_tokens(request, ids)` with the tokens the step produced: advances the matcher;
 - `free(request)` when the request ends (finished, aborted, errored), also while still compiling.
 
+With a reasoning parser (`--reasoning-parser`, tokenloom/reasoning), the grammar waits for the end of the
+reasoning, as vLLM's `_get_constraint_bounds` decides it: until the parser sees the reasoning end, the rows
+are unconstrained and the matcher is not fed; the token that ends it (`</think>`) is not fed either, the ones
+after it are; an implicit end (Qwen3's `<tool_call>`) is fed, being content, though its own row stays free.
+Drafts are split the same way: those before the end pass unchecked, those after it are validated. Whether
+the prompt already ended the reasoning comes with the request (`reasoning_ended`, from the server's parser)
+or, when it does not say (None), is asked of the engine's own parser. `enable_in_reasoning` constrains from
+the first token. Each request gets its own parser (its `reasoning_parser_kwargs`: Qwen3's enable_thinking),
+built from the engine's tokenizer (vLLM's manager does the same), so every engine process has the gate.
+
 Pure Python, no torch: the grammar library sits behind a `GrammarBackend` (tokenloom/model/grammar.py
 builds the xgrammar one from the tokenizer); bitmasks are opaque to this module.
 """
@@ -27,7 +37,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from tokenloom.reasoning import ReasoningParser
 
 if TYPE_CHECKING:
     from tokenloom.core.request import Request
@@ -82,6 +94,30 @@ class StructuredOutputRequest:
     num_accepted: int = 0
     # Seconds from grammar_init to the compiled grammar (0 for a cache hit): for the figures.
     compile_wait_s: float = field(default=0.0, repr=False)
+    # vLLM's reasoning gate: True once reasoning has ended (the grammar applies), False while it goes on, None
+    # until the engine has asked its parser about the prompt. The server sets it from its own parser.
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None  # what this request's parser is built with
+    reasoner: ReasoningParser | None = field(default=None, repr=False)
+
+
+class ConstraintBounds(NamedTuple):
+    """Where, in a step's new tokens (or drafts), the grammar starts reading them and masking the sampling."""
+
+    grammar_start: int
+    constraint_start: int
+
+
+_CONSTRAINED_FROM_START = ConstraintBounds(0, 0)
+_NO_SPEC_TOKENS = ConstraintBounds(1, 1)  # reasoning goes on: the next sampled token is free
+
+
+def strip_speculative_padding(token_ids: Sequence[int]) -> list[int]:
+    """The drafts up to the first placeholder (-1), which the grammar never sees."""
+    for i, token_id in enumerate(token_ids):
+        if token_id < 0:
+            return list(token_ids[:i])
+    return list(token_ids)
 
 
 class StructuredOutputManager:
@@ -89,10 +125,16 @@ class StructuredOutputManager:
     cache_size = 256
 
     def __init__(self, backend_factory: Callable[[], GrammarBackend] | None,
-                 max_workers: int | None = None) -> None:
+                 max_workers: int | None = None,
+                 reasoner_factory: Callable[[dict[str, Any]], ReasoningParser] | None = None,
+                 enable_in_reasoning: bool = False) -> None:
         """`backend_factory` None: no tokenizer (vLLM's skip_tokenizer_init), so no grammar can ever
-        compile; a constrained request that reaches the scheduler anyway fails (see grammar_init)."""
+        compile; a constrained request that reaches the scheduler anyway fails (see grammar_init).
+        `reasoner_factory`: a request's reasoning parser from its reasoning_parser_kwargs (None: no
+        --reasoning-parser, grammars apply from the first token, as with `enable_in_reasoning`)."""
         self._backend_factory = backend_factory
+        self._reasoner_factory = reasoner_factory
+        self.enable_in_reasoning = enable_in_reasoning
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         # Compilation runs here, never on the step loop (vLLM: half the cores; none without a tokenizer).
@@ -163,13 +205,68 @@ class StructuredOutputManager:
             # request's matcher goes.
             so.matcher = None
 
+    # The reasoning gate -------------------------------------------------------------------------
+    def _reasoner(self, request: Request) -> ReasoningParser | None:
+        """The request's own parser, built on first use (vLLM's _get_reasoner)."""
+        so = request.structured_output_request
+        if so is None or self._reasoner_factory is None:
+            return None
+        if so.reasoner is None:
+            so.reasoner = self._reasoner_factory(so.reasoning_parser_kwargs or {})
+        return so.reasoner
+
+    def constraint_bounds(self, request: Request, tokens: Sequence[int], committed: bool = False
+                          ) -> ConstraintBounds:
+        """Where in `tokens` (a step's new tokens, or drafts, no placeholders) the grammar starts reading
+        and masking (vLLM's _get_constraint_bounds): 0 once reasoning has ended; past the end while it
+        goes on; after the token that ends it when one of them does. `committed`: `tokens` are already
+        the end of request.all_token_ids."""
+        so = request.structured_output_request
+        assert so is not None
+        if self.enable_in_reasoning or so.reasoning_ended:
+            return _CONSTRAINED_FROM_START
+        reasoner = self._reasoner(request)
+        if reasoner is None:
+            return _CONSTRAINED_FROM_START
+        if so.reasoning_ended is None:
+            if reasoner.is_reasoning_end(request.prompt_token_ids):
+                return _CONSTRAINED_FROM_START
+            so.reasoning_ended = False
+        if not tokens:
+            return _NO_SPEC_TOKENS
+        find_end = getattr(reasoner, "find_reasoning_end", None)
+        if find_end is not None and getattr(reasoner, "reasoning_end_token_ids", None):
+            end = find_end(tokens)
+            if end is not None:
+                start = end.offset + 1
+                return ConstraintBounds(end.offset if end.implicit else start, start)
+        return self._bounds_by_streaming_end(reasoner, request, tokens, committed)
+
+    @staticmethod
+    def _bounds_by_streaming_end(reasoner: ReasoningParser, request: Request, tokens: Sequence[int],
+                                 committed: bool) -> ConstraintBounds:
+        """A parser that only answers is_reasoning_end_streaming: the grammar starts after the shortest
+        prefix of `tokens` that ends reasoning (vLLM's fallback)."""
+        n = len(tokens)
+        input_ids = list(request.all_token_ids) if committed else [*request.all_token_ids, *tokens]
+        if not reasoner.is_reasoning_end_streaming(input_ids, list(tokens)):
+            return ConstraintBounds(n + 1, n + 1)
+        delta_ids = list(tokens)
+        for i in range(n - 1, 0, -1):
+            input_ids.pop()
+            delta_ids.pop()
+            if not reasoner.is_reasoning_end_streaming(input_ids, delta_ids):
+                return ConstraintBounds(i + 1, i + 1)
+        return ConstraintBounds(1, 1)
+
     # The step ----------------------------------------------------------------------------------
     def grammar_bitmask(self, requests: Sequence[Request],
                         spec_tokens: Mapping[str, Sequence[int]] | None = None) -> Any:
         """Rows in request order: for each request, one per scheduled draft (what may stand at that
         position given the drafts before it), then one for the token after the drafts. A placeholder
         draft (-1) and everything after it is unconstrained (its output is never used); once a draft
-        is rejected, the rows after it repeat the last valid one (vLLM does both)."""
+        is rejected, the rows after it repeat the last valid one (vLLM does both). While reasoning goes
+        on the rows are unconstrained, up to the draft that ends it (constraint_bounds)."""
         spec_tokens = spec_tokens or {}
         backend = self.backend
         bitmask = backend.allocate_bitmask(sum(1 + len(spec_tokens.get(r.request_id, ())) for r in requests))
@@ -178,16 +275,18 @@ class StructuredOutputManager:
             so = request.structured_output_request
             assert so is not None and so.matcher is not None
             matcher = so.matcher
+            drafts = spec_tokens.get(request.request_id, ())
+            grammar_start, constraint_start = self.constraint_bounds(request, strip_speculative_padding(drafts))
             advanced, seen_padding, failed = 0, False, None
-            for token in spec_tokens.get(request.request_id, ()):
+            for i, token in enumerate(drafts):
                 if failed is not None:
                     backend.copy_row(bitmask, failed, row)
                     row += 1
                     continue
-                self._fill_row(matcher, bitmask, row, not seen_padding)
+                self._fill_row(matcher, bitmask, row, not seen_padding and i >= constraint_start)
                 if token < 0:
                     seen_padding = True
-                elif not seen_padding:
+                elif not seen_padding and i >= grammar_start:
                     if not matcher.is_terminated() and matcher.accept_token(token):
                         advanced += 1
                     else:
@@ -196,7 +295,7 @@ class StructuredOutputManager:
             if failed is not None:
                 backend.copy_row(bitmask, failed, row)
             else:
-                self._fill_row(matcher, bitmask, row, not seen_padding)
+                self._fill_row(matcher, bitmask, row, not seen_padding and constraint_start <= len(drafts))
             row += 1
             if advanced:
                 matcher.rollback(advanced)
@@ -209,24 +308,35 @@ class StructuredOutputManager:
             self.backend.fill_all_allowed(bitmask, row)
 
     def validate_tokens(self, request: Request, token_ids: Sequence[int]) -> list[int]:
-        """The longest prefix of `token_ids` the grammar accepts from the request's position; the
-        matcher is left where it was."""
+        """The longest prefix of `token_ids` the grammar accepts from the request's position (drafts
+        that are still reasoning pass unchecked); the matcher is left where it was."""
         so = request.structured_output_request
         assert so is not None and so.matcher is not None
+        token_ids = strip_speculative_padding(token_ids)
+        grammar_start, _ = self.constraint_bounds(request, token_ids)
+        if grammar_start >= len(token_ids):
+            return token_ids
         accepted = 0
-        for token in token_ids:
-            if token < 0 or so.matcher.is_terminated() or not so.matcher.accept_token(token):
+        for token in token_ids[grammar_start:]:
+            if so.matcher.is_terminated() or not so.matcher.accept_token(token):
                 break
             accepted += 1
         if accepted:
             so.matcher.rollback(accepted)
-        return list(token_ids[:accepted])
+        return token_ids[:grammar_start + accepted]
 
     def accept_tokens(self, request: Request, token_ids: Sequence[int]) -> bool:
-        """Advance the request's matcher; False if the grammar rejects a token."""
+        """Advance the request's matcher with the step's tokens (those after the end of reasoning, which
+        this latches); False if the grammar rejects a token."""
         so = request.structured_output_request
         assert so is not None and so.matcher is not None
-        for token in token_ids:
+        if not token_ids:
+            return True
+        grammar_start, _ = self.constraint_bounds(request, token_ids, committed=True)
+        if grammar_start > len(token_ids):
+            return True
+        so.reasoning_ended = True
+        for token in token_ids[grammar_start:]:
             if so.matcher.is_terminated():
                 return True  # tokens after the grammar's end (ignore_eos) are not constrained
             if not so.matcher.accept_token(token):

@@ -200,12 +200,17 @@ class AsyncLLM:
         priority: int = 0,
         lora_request: Any = None,
         max_tokens_in_context: bool = True,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Validate and enqueue; raises InvalidRequestError, EngineOverloadedError, EngineDeadError or
         EngineDrainingError before anything is sent. Outputs arrive on `stream`. `lora_request`: the
         LoRA adapter to run it with (tokenloom.lora.request.LoRARequest), or None. `max_tokens_in_context`:
         refuse a max_tokens past the context, as vLLM's serving layer (the server); False lets the request
-        stop at max_model_len ("length"), as vLLM's engine does for AsyncLLM.generate and LLM."""
+        stop at max_model_len ("length"), as vLLM's engine does for AsyncLLM.generate and LLM.
+        `reasoning_ended` / `reasoning_parser_kwargs` (vLLM's EngineCoreRequest fields): whether the prompt already
+        ended the reasoning, so a grammar applies from the first token (None: the engine's reasoning parser reads
+        the prompt), and the request's parser's arguments (its chat_template_kwargs)."""
         self._check_can_take(request_id)
         self.input_processor.check_generation_model()
         prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
@@ -216,7 +221,8 @@ class AsyncLLM:
         params = self.generation_defaults.apply_eos(params)  # the model's generation_config EOS ids (as vLLM)
         if lora_request is not None:
             check_lora_request(lora_request, self.info.lora)
-        cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority, lora_request)
+        cores = fan_out(request_id, prompt_token_ids, params, self.info.eos_token_id, arrival, priority, lora_request,
+                        reasoning_ended=reasoning_ended, reasoning_parser_kwargs=reasoning_parser_kwargs)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, cores, arrival)
         self._requests[request_id] = _Tracked(stream, cores)
         stream.pending.add(request_id)
@@ -297,12 +303,14 @@ class AsyncLLM:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, lora_request: Any = None, priority: int = 0,
+                       reasoning_ended: bool | None = None, reasoning_parser_kwargs: dict[str, Any] | None = None,
                        **_: Any) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
         """vLLM's AsyncLLM.generate: one request's RequestOutputs as they come (as `sampling_params.output_kind`
         says: every step's cumulative state, only what is new, or the final one), until it finishes. The
         prompt is text, token ids or vLLM's prompt dict; a bad request raises here, before any output.
-        Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks. vLLM's
-        other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored."""
+        Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks.
+        `reasoning_ended` / `reasoning_parser_kwargs`: vLLM's, for structured outputs behind a reasoning parser
+        (add_request). vLLM's other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored."""
         self._receive_outputs()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -315,7 +323,8 @@ class AsyncLLM:
         text, token_ids = self.input_processor.tokenize(prompt)
         stream = self.open_stream()
         self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
-                         lora_request=lora_request, max_tokens_in_context=False)
+                         lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
+                         reasoning_parser_kwargs=reasoning_parser_kwargs)
         try:
             async for out in stream:
                 yield out

@@ -28,6 +28,7 @@ from tokenloom.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     check_verification_budget,
     token_budget_labels,
     token_budget_text,
@@ -259,6 +260,7 @@ class EngineCoreHost:
         if logitsprocs_config is not None and self.runner is not None:
             self.logits_processor_names = on_model_thread(self.runner.enable_logits_processors, logitsprocs_config,
                                                           config.logits_processors or ())
+        self.reasoning_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (set with the manager)
         self.structured_output_manager = self._structured_output_manager()
         self.scheduler = self._new_scheduler()
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
@@ -323,6 +325,7 @@ class EngineCoreHost:
         self.speculative_config = None
         self.scheduler = make_scheduler(sched_cfg, cache_cfg, clock=clock)
         self.structured_output_manager = StructuredOutputManager(lambda: None)
+        self.reasoning_token_ids = None
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
@@ -372,7 +375,26 @@ class EngineCoreHost:
 
             return make_xgrammar_backend(tokenizer, vocab_size, so_config)
 
-        return StructuredOutputManager(backend)
+        assert so_config is not None
+        return StructuredOutputManager(backend, reasoner_factory=self._reasoner_factory(tokenizer, so_config),
+                                       enable_in_reasoning=so_config.enable_in_reasoning)
+
+    def _reasoner_factory(self, tokenizer: Any, so_config: StructuredOutputsConfig) -> Any:
+        """The reasoning gate's parsers (vLLM's StructuredOutputManager builds them from the tokenizer, in every
+        engine process): the plugin imported here too, the parser checked against the vocabulary once, now, so
+        a parser whose tokens the model lacks stops the start in vLLM's words rather than the first request."""
+        name = so_config.reasoning_parser
+        if not name:
+            return None
+        from tokenloom.reasoning import check_reasoning_tokenizer, reasoning_token_ids, resolve_reasoning_parser
+
+        try:
+            parser_cls = resolve_reasoning_parser(name, so_config.reasoning_parser_plugin)
+            check_reasoning_tokenizer(name, parser_cls, tokenizer, self.model_name)
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(exc.args[0]) from None
+        self.reasoning_token_ids = reasoning_token_ids(parser_cls(tokenizer), tokenizer)
+        return lambda kwargs: parser_cls(tokenizer, **kwargs)
 
     @staticmethod
     def _layer_windows(model_config: Any) -> tuple[int | None, ...] | None:
@@ -448,6 +470,7 @@ class EngineCoreHost:
             lora=self.lora_info(),
             logits_processors=list(self.logits_processor_names),
             num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
+            reasoning_token_ids=self.reasoning_token_ids,
         )
 
     def reset_scheduler(

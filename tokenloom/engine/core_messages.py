@@ -28,12 +28,24 @@ class EngineCoreRequest:
     priority: int = 0
     pooling_params: PoolingParams | None = None  # a pooling request (prefill only, pooled output)
     lora_request: Any = None  # its LoRA adapter (tokenloom.lora.request.LoRARequest), or None
+    # vLLM's: the reasoning gate of a constrained request (tokenloom/core/structured_output.py).
+    reasoning_ended: bool | None = None
+    reasoning_parser_kwargs: dict[str, Any] | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
         """What crosses the pipe for a front end's core Request (the engine process builds its own from it)."""
+        so = request.structured_output_request
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.arrival_time,
-                   request.priority, pooling_params=request.pooling_params, lora_request=request.lora_request)
+                   request.priority, pooling_params=request.pooling_params, lora_request=request.lora_request,
+                   reasoning_ended=so.reasoning_ended if so is not None else None,
+                   reasoning_parser_kwargs=so.reasoning_parser_kwargs if so is not None else None)
+
+    def to_request(self) -> Request:
+        """The engine process's own Request for it."""
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, arrival_time=self.arrival_time,
+                       priority=self.priority, pooling_params=self.pooling_params, lora_request=self.lora_request,
+                       reasoning_ended=self.reasoning_ended, reasoning_parser_kwargs=self.reasoning_parser_kwargs)
 
 
 @dataclass
@@ -81,6 +93,9 @@ class EngineReady:
     # With --speculative-config: its K, the drafts per step (0: no speculative decoding). The front end's
     # metrics export the spec-decode counters from the start then, as vLLM's, not from the first drafts.
     num_speculative_tokens: int = 0
+    # With --reasoning-parser: its start and end strings as token ids (vLLM's ReasoningConfig), what a request's
+    # thinking_token_budget counts from and forces; None without a parser (the budget is then refused).
+    reasoning_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass

@@ -243,9 +243,7 @@ class EngineCoreProc:
 
     def _add(self, msg: EngineCoreRequest) -> None:
         self.num_received += 1
-        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                          arrival_time=msg.arrival_time, priority=msg.priority, pooling_params=msg.pooling_params,
-                          lora_request=msg.lora_request)
+        request = msg.to_request()
         try:
             self.core.add_request(request)
         except ValueError as exc:  # RequestRejected: the API process validates first, so this is rare

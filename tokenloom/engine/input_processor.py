@@ -104,6 +104,7 @@ class InputProcessor:
         if self.tokenizer is None:
             self._check_without_tokenizer(params)
         params = self._resolve_whole_vocabulary_logprobs(params)
+        params = self._resolve_thinking_budget(params)
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
         params = copy.copy(params)
@@ -111,6 +112,25 @@ class InputProcessor:
             params.update_from_tokenizer(self.tokenizer, self.info.vocab_size)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "bad_words") from None
+        return params
+
+    def _resolve_thinking_budget(self, params: SamplingParams) -> SamplingParams:
+        """A thinking_token_budget needs a reasoning parser (vLLM's words); its start / end tokens go with the request
+        to the runner (on a copy). tokenloom does not combine it with speculative decoding (vLLM forces the end
+        inside the drafts' rows; here the budget reads one token a step)."""
+        if params.thinking_token_budget is None:
+            return params
+        ids = getattr(self.info, "reasoning_token_ids", None)
+        if ids is None:
+            raise InvalidRequestError("thinking_token_budget is set but reasoning_config is not configured. Please "
+                                      "set --reasoning-parser and/or --reasoning-config to use thinking_token_budget.",
+                                      "thinking_token_budget")
+        if getattr(self.info, "num_speculative_tokens", 0):
+            raise InvalidRequestError("thinking_token_budget is not supported with speculative decoding in tokenloom: "
+                                      "start the engine without --speculative-config to use it",
+                                      "thinking_token_budget")
+        params = copy.copy(params)
+        params._thinking_token_ids = ids
         return params
 
     def _resolve_whole_vocabulary_logprobs(self, params: SamplingParams) -> SamplingParams:

@@ -16,14 +16,17 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 def fan_out(request_id: str, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int | None,
-            arrival_time: float, priority: int = 0, lora_request: Any = None) -> list[Request]:  # fmt: skip
+            arrival_time: float, priority: int = 0, lora_request: Any = None, *, reasoning_ended: bool | None = None,
+            reasoning_parser_kwargs: dict[str, Any] | None = None) -> list[Request]:  # fmt: skip
     """The n core requests of one user request. Each samples once (n=1) with its own seed (seed + i,
-    so the n completions differ but repeat run to run) and the model's EOS token."""
+    so the n completions differ but repeat run to run) and the model's EOS token; each has its own
+    reasoning gate (reasoning_ended, reasoning_parser_kwargs: see Request)."""
     cores = []
     for i in range(params.n):
         child = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
         child.eos_token_id = eos_token_id
         core_id = child_request_id(request_id, i, params.n)
         cores.append(Request(core_id, prompt_token_ids, child, arrival_time=arrival_time, priority=priority,
-                             lora_request=lora_request))
+                             lora_request=lora_request, reasoning_ended=reasoning_ended,
+                             reasoning_parser_kwargs=reasoning_parser_kwargs))
     return cores

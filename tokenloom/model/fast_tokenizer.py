@@ -56,6 +56,13 @@ class DirectTokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(i) for i in ids]
 
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return [self.backend.id_to_token(i) for i in self.all_special_ids]
+
     def _id_of(self, name: str) -> int | None:
         token = self._special.get(name)
         return None if token is None else self.backend.token_to_id(token)

@@ -74,6 +74,7 @@ from tokenloom.model.sampler import (
     make_generator,
 )
 from tokenloom.model.spec_runner import DraftTokenIds, SpecDecodeRunner, verification_input_ids
+from tokenloom.model.thinking_budget import ThinkingBudget
 from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class _RequestState:
     # Its outputs so far, appended with token_ids: the live list custom logits processors hold (vLLM's
     # output_token_ids; a resumed request's starts with the outputs it had). None: the engine runs none.
     output_token_ids: list[int] | None = None
+    # Its thinking_token_budget's tracker (tokenloom/model/thinking_budget.py); None without a budget.
+    thinking: ThinkingBudget | None = None
 
     def append_outputs(self, tokens: list[int]) -> None:
         """A step's sampled (or, pipeline parallel, received) tokens: the sequence grows, and its KV is computed
@@ -109,6 +112,14 @@ class _RequestState:
         if self.output_token_ids is not None:
             self.output_token_ids.extend(tokens)
         self.num_computed = len(self.token_ids) - 1
+
+
+def _thinking_budget(params: SamplingParams, token_ids: list[int], num_prompt_tokens: int) -> ThinkingBudget | None:
+    """A request's thinking_token_budget tracker (its ids filled in by the engine's input processor)."""
+    if params.thinking_token_budget is None or params._thinking_token_ids is None:
+        return None
+    start_ids, end_ids = params._thinking_token_ids
+    return ThinkingBudget(params.thinking_token_budget, start_ids, end_ids, token_ids, num_prompt_tokens)
 
 
 @dataclass
@@ -423,7 +434,9 @@ class ModelRunner:
                 return
             if hidden.shape[0] != inputs.sample_indices.shape[0]:  # else: exactly the sampling rows, in order
                 hidden = hidden.index_select(0, inputs.sample_indices)
-            rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in inputs.sample_reqs]
+            rows = [SamplingRow(s.params, s.token_ids, s.num_prompt_tokens, s.generator,
+                                s.thinking.forced_token(s.token_ids) if s.thinking is not None else None)
+                    for s in inputs.sample_reqs]
             if inputs.sample_drafts is not None:
                 self._run_verification(inputs, hidden, rows, sampled, logprobs, return_logits, grammar)
                 return
@@ -582,6 +595,7 @@ class ModelRunner:
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
             output_token_ids=tokens[len(new.prompt_token_ids):] if self.input_batch.enabled else None,
+            thinking=_thinking_budget(params, tokens, len(new.prompt_token_ids)),
         )
         if self.spec_decode is not None:
             self.spec_decode.add_request(new.req_id, tokens, len(new.prompt_token_ids))

@@ -7,7 +7,8 @@ Order of operations, per row:
      min_tokens: stop tokens masked to -inf while fewer than min_tokens outputs exist; then
      logit_bias added (vLLM's order of its logits processors);
   3. penalties: repetition (prompt + output; divide positive logits, multiply negative ones),
-     then frequency (x count in output) and presence (x seen in output), OpenAI style;
+     then frequency (x count in output) and presence (x seen in output), OpenAI style; then a spent
+     thinking_token_budget's forced token (its logit 1e9, vLLM's);
   4. custom logits processors that may change the argmax (vLLM's non-argmax-invariant ones: --logits-processors,
      tokenloom/sample/logits_processor), then penalties;
   5. greedy rows take the argmax here;
@@ -56,6 +57,8 @@ class SamplingRow:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     generator: torch.Generator | None = None  # set for seeded requests
+    # thinking_token_budget spent: the token this row must sample now (tokenloom/model/thinking_budget.py)
+    forced_token: int | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -130,7 +133,7 @@ class Sampler:
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
         raw_logprobs = _raw_logprobs(logits, rows)
         if custom_first or any(_min_tokens_active(r) or _has_penalties(r.params) or _has_processors(r.params)
-                               for r in rows):  # fmt: skip
+                               or r.forced_token is not None for r in rows):  # fmt: skip
             logits = logits.clone()
             apply_allowed_token_ids(logits, rows)
             apply_bad_words(logits, rows)
@@ -139,6 +142,7 @@ class Sampler:
             if processors is not None:  # after vLLM's built-in min_tokens and logit_bias processors
                 logits = processors.apply(custom_first, logits)
             apply_penalties(logits, rows)
+            apply_forced_tokens(logits, rows)
         token_ids = _sample(logits, rows, processors)
         logprobs = _gather_logprobs(raw_logprobs, token_ids, rows) if raw_logprobs is not None else None
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
@@ -195,8 +199,17 @@ def all_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
         and not _has_penalties(r.params)
         and not _has_processors(r.params)
         and not _min_tokens_active(r)
+        and r.forced_token is None
         for r in rows
     )
+
+
+def apply_forced_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """A row whose thinking budget is spent takes the end-of-thinking token: its logit set to 1e9 after the
+    penalties (vLLM's thinking-budget forcing), so greedy and random sampling both pick it."""
+    for i, row in enumerate(rows):
+        if row.forced_token is not None:
+            logits[i, row.forced_token] = 1e9
 
 
 # --------------------------------------------------------------------------- logits processing

@@ -50,9 +50,11 @@ LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/com
                         "/invocations"})
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, log_stats_interval_s: float | None = None) -> FastAPI:
-    """`log_stats_interval_s`: log vLLM's stats line this often (None: never, --disable-log-stats)."""
-    state = ServerState(engine, config, log_stats=log_stats_interval_s is not None)
+def build_app(engine: AsyncLLM, config: ServerConfig, log_stats_interval_s: float | None = None,
+              reasoning_parser: str = "") -> FastAPI:
+    """`log_stats_interval_s`: log vLLM's stats line this often (None: never, --disable-log-stats).
+    `reasoning_parser`: the engine's --reasoning-parser, which the chat and Responses endpoints parse with."""
+    state = ServerState(engine, config, log_stats=log_stats_interval_s is not None, reasoning_parser=reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -47,6 +47,7 @@ NOT_APPLIED: dict[str, Unsupported] = {
     "bad_words": _ignored("bad_words", ([],)),
     "prompt_logprobs": _ignored("prompt_logprobs", ()),
     "vllm_xargs": _ignored("vllm_xargs", ({},)),
+    "thinking_token_budget": _ignored("thinking_token_budget", (-1,)),
 }
 
 

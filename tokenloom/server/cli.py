@@ -68,14 +68,25 @@ def _serve_on(args: argparse.Namespace, sock) -> int:
         if args.enable_auto_tool_choice and args.skip_tokenizer_init:
             raise ValueError("--enable-auto-tool-choice parses tool calls from the generated text, which "
                              "--skip-tokenizer-init does not make: use one or the other")
-    except ValueError as exc:
-        print(f"tokenloom serve: {exc}", file=sys.stderr)
+        _check_reasoning_parser(args)
+    except (KeyError, ValueError) as exc:
+        print(f"tokenloom serve: {exc.args[0] if isinstance(exc, KeyError) else exc}", file=sys.stderr)
         return 1
     try:
         return run_server(engine_config_from_args(args), config, sock)
     except (EngineStartError, ToolParserTokenizerError) as exc:
         print(f"tokenloom serve: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _check_reasoning_parser(args: argparse.Namespace) -> None:
+    """vLLM's validate_api_server_args: an unknown --reasoning-parser stops `serve` before anything loads, in its
+    words ("invalid reasoning parser: X (chose from { ... })"), its plugin imported first."""
+    if not args.reasoning_parser:
+        return
+    from tokenloom.reasoning import resolve_reasoning_parser
+
+    resolve_reasoning_parser(args.reasoning_parser, args.reasoning_parser_plugin or "")
 
 
 def _pd_proxy(args: argparse.Namespace) -> None:

@@ -65,6 +65,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
     signal.signal(signal.SIGTERM, _interrupt)
     # Spawn the engine(s) first: they load the model while this process imports the HTTP side and loads
     # the tokenizer (never torch: tests/test_startup.py).
+    reasoning_parser = _reasoning_parser(engine_config)
     client = make_client(engine_config, log_level)
     try:
         # The HTTP side's imports (FastAPI, uvicorn, pydantic models: ~1 s on a busy machine) after the
@@ -83,7 +84,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         if config.enable_auto_tool_choice and config.tool_call_parser:
             # vLLM's start-up check: a parser whose format needs a token the vocabulary lacks stops here.
             check_tokenizer(config.tool_call_parser, engine.tokenizer, engine.info.model_name)
-        app = build_app(engine, config, log_stats_interval_s)
+        app = build_app(engine, config, log_stats_interval_s, reasoning_parser)
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
             access_log=config.access_log, lifespan="on",
@@ -105,6 +106,18 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         client.shutdown()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _reasoning_parser(engine_config: EngineConfig) -> str:
+    """The engine's --reasoning-parser, which the chat and Responses endpoints parse answers with; its plugin is
+    imported in this process too (the engine processes import it for their grammar gate)."""
+    so = engine_config.structured_outputs_config
+    if so is None or not so.reasoning_parser:
+        return ""
+    from tokenloom.reasoning import resolve_reasoning_parser
+
+    resolve_reasoning_parser(so.reasoning_parser, so.reasoning_parser_plugin)
+    return so.reasoning_parser
 
 
 def _import_grammar_checks() -> None:

@@ -112,11 +112,13 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,
             extra_args=_extra_args(req),
+            thinking_token_budget=req.thinking_token_budget,
         )
     except ValueError as exc:
-        # SamplingParams' messages start with the field's name ("temperature must be ...").
+        # SamplingParams' messages start with the field's name ("temperature must be ..."), or name it.
         first = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
+        param = getattr(exc, "parameter", None) or (first if first in _PARAM_NAMES else None)
+        raise APIError(400, str(exc), param) from None
 
 
 def _extra_args(req: SamplingRequest) -> dict[str, Any] | None:
@@ -329,6 +331,8 @@ def _message_dict(i: int, msg: ChatMessage) -> dict[str, Any]:
     for key in ("name", "tool_calls", "tool_call_id"):
         if (value := getattr(msg, key)) is not None:
             out[key] = value
+    if msg.role == "assistant" and msg.reasoning is not None:  # vLLM: both names, for interleaved thinking
+        out["reasoning"] = out["reasoning_content"] = msg.reasoning
     return out
 
 

@@ -101,6 +101,8 @@ class SamplingRequest(BaseModel):
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0
+    # vLLM's: at most this many thinking tokens, then the end of thinking is forced (needs --reasoning-parser)
+    thinking_token_budget: Int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -160,6 +162,17 @@ class ChatMessage(BaseModel):
     # History of a tool conversation: shape-checked (vLLM's), then handed to the chat template as they are.
     tool_calls: Annotated[list[dict[str, Any]] | None, AfterValidator(_valid_tool_calls)] = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, as a reasoning parser returned it (vLLM 0.32's field; its older name
+    # reasoning_content is read too): the template gets both names, for interleaved thinking.
+    reasoning: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_content_is_reasoning(cls, data: Any) -> Any:
+        """vLLM's _normalize_messages_before: the deprecated `reasoning_content` becomes `reasoning`."""
+        if isinstance(data, dict) and data.get("reasoning_content") is not None and data.get("reasoning") is None:
+            data = {**data, "reasoning": data["reasoning_content"]}
+        return data
 
 
 # OpenAI's reasoning efforts, as vLLM 0.32 takes them (chat's reasoning_effort, Responses' reasoning.effort).
@@ -194,8 +207,10 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
     add_special_tokens: Bool = False
-    # OpenAI's; in vLLM without a reasoning parser it only reaches the chat template (params.template_kwargs)
+    # OpenAI's; it reaches the chat template (params.template_kwargs), and so the reasoning parser's kwargs
     reasoning_effort: ReasoningEffort | None = None
+    # vLLM's: false leaves the reasoning out of the answer (the model still reasons; with a reasoning parser)
+    include_reasoning: Bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -280,7 +295,8 @@ class ResponsesRequest(BaseModel):
     include_stop_str_in_output: Bool = False
     logit_bias: dict[str, float] | None = None
     structured_outputs: dict[str, Any] | None = None
-    reasoning: Reasoning | None = None  # its effort reaches the chat template, as in vLLM without a reasoning parser
+    reasoning: Reasoning | None = None  # its effort reaches the chat template (and the reasoning parser's kwargs)
+    include_reasoning: Bool = True  # vLLM's: false leaves the reasoning item out (with a reasoning parser)
     chat_template_kwargs: dict[str, Any] | None = None
     enable_response_messages: Bool = False  # the raw prompt and output (text and token ids) in the response
     vllm_xargs: VllmXArgs | None = None  # custom logits processors' arguments, as on the chat endpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenloom.engine.outputs import Logprob, RequestOutput
@@ -28,12 +29,17 @@ class UsageCounter:
     `details` is vLLM's `prompt_tokens_details` (--enable-prompt-tokens-details), which vLLM builds
     differently per endpoint: None (off), "completion" (cached_tokens of the last prompt's output in a
     whole response, of the first output to arrive in a stream) or "chat" (cached_tokens and
-    created_cache_tokens). Beam search passes None: vLLM's beam-search outputs carry no cache counts."""
+    created_cache_tokens). Beam search passes None: vLLM's beam-search outputs carry no cache counts.
+    `count_reasoning` (a server with --reasoning-parser): the reasoning tokens of a finished completion's
+    token ids, summed into vLLM's completion_tokens_details.reasoning_tokens."""
 
-    def __init__(self, details: str | None = None) -> None:
+    def __init__(self, details: str | None = None,
+                 count_reasoning: Callable[[Sequence[int]], int] | None = None) -> None:
         self.details = details
+        self.count_reasoning = count_reasoning
         self._prompt: dict[str, int] = {}
         self._completion: dict[tuple[str, int], int] = {}
+        self._reasoning: dict[tuple[str, int], int] = {}
         self._first: RequestOutput | None = None
         self._last: RequestOutput | None = None
 
@@ -41,9 +47,17 @@ class UsageCounter:
         self._prompt[out.request_id] = len(out.prompt_token_ids)
         for comp in out.outputs:
             self._completion[(out.request_id, comp.index)] = len(comp.token_ids)
+            if self.count_reasoning is not None and comp.finish_reason is not None:
+                self._reasoning[(out.request_id, comp.index)] = self.count_reasoning(comp.token_ids)
         if self._first is None:
             self._first = out
         self._last = out
+
+    def completion_tokens_details(self) -> dict[str, int] | None:
+        """vLLM's: {"reasoning_tokens": n} on a server with a reasoning parser, else None."""
+        if self.count_reasoning is None:
+            return None
+        return {"reasoning_tokens": sum(self._reasoning.values())}
 
     def as_dict(self, stream: bool = False) -> dict[str, Any]:
         """A whole response's usage (vLLM's model_dump: the details keys are there, null when off), or
@@ -53,11 +67,15 @@ class UsageCounter:
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}
         details = self._prompt_tokens_details(stream)
+        completion_details = self.completion_tokens_details()
         if not stream:
             usage["prompt_tokens_details"] = details
-            usage["completion_tokens_details"] = None
-        elif details is not None:
+            usage["completion_tokens_details"] = completion_details
+            return usage
+        if details is not None:
             usage["prompt_tokens_details"] = details
+        if completion_details is not None:
+            usage["completion_tokens_details"] = completion_details
         return usage
 
     def _prompt_tokens_details(self, stream: bool) -> dict[str, Any] | None:

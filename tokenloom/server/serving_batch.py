@@ -61,19 +61,19 @@ async def create_batch_chat_completion(raw: Request) -> Response:
             if req.logprobs:  # -1 resolved to the whole vocabulary
                 req.top_logprobs = params.logprobs
             engine.add_request(rid, prompt_ids, params, stream, priority=req.priority,
-                               lora_request=state.lora_request(req.model))
+                               lora_request=state.lora_request(req.model), **extras.engine_kwargs(req, prompt_ids))
     except BaseException:
         stream.close()
         raise
     finals = await collect(raw, stream)
     if finals is None:
         return Response(status_code=499)
-    usage = UsageCounter()
+    usage = UsageCounter(count_reasoning=parsed[0][2].count_reasoning())
     choices = []
-    for i, (rid, (req, _, _)) in enumerate(zip(ids, parsed)):
+    for i, (rid, (req, _, extras)) in enumerate(zip(ids, parsed)):
         out = finals[rid]
         usage.update(out)
-        body = chat_choice(req, out.outputs[0], echo_text(req))
+        body = chat_choice(req, out.outputs[0], echo_text(req), extras.tools, extras.output_parser(req))
         body["index"] = i
         choices.append(body)
     response = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,

@@ -34,6 +34,7 @@ from tokenloom.server.params import (
     truncate_prompt,
 )
 from tokenloom.server.protocol import ChatCompletionRequest
+from tokenloom.server.reasoning import OutputParser, ReasoningSetup
 from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
@@ -54,10 +55,29 @@ ROLE = "assistant"
 
 @dataclass
 class ChatExtras:
-    """What parse_chat worked out beyond the body: the tool setup and the request's constraint."""
+    """What parse_chat worked out beyond the body: the tool setup, the request's constraint, and its
+    reasoning parsing (None without --reasoning-parser)."""
 
     tools: ToolSetup | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning: ReasoningSetup | None = None
+
+    def output_parser(self, req: ChatCompletionRequest) -> OutputParser | None:
+        """A fresh parser for one choice's output when the server parses reasoning (None: tool_calls.py's
+        handling alone, as before)."""
+        if self.reasoning is None:
+            return None
+        return OutputParser(self.reasoning.make(), self.tools, req.include_reasoning, req)
+
+    def count_reasoning(self) -> Any:
+        """usage's reasoning-token count (None without a reasoning parser)."""
+        return self.reasoning.make().count_reasoning_tokens if self.reasoning is not None else None
+
+    def engine_kwargs(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> dict[str, Any]:
+        """The reasoning gate's arguments for engine.add_request (none without a reasoning parser)."""
+        if self.reasoning is None:
+            return {}
+        return self.reasoning.engine_kwargs(req.include_reasoning, prompt_ids)
 
 
 async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompletionRequest, list[int], ChatExtras]:
@@ -85,6 +105,10 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
             and get_tool_parser(tools.parser).keeps_special_tokens:
         # vLLM's Hermes adjust_request: the tool-call tags may be special tokens; keep them in the text.
         req.skip_special_tokens = False
+    chat_kwargs = template_kwargs(req.chat_template_kwargs, req.reasoning_effort)
+    if state.reasoning_parser_cls is not None:
+        extras.reasoning = ReasoningSetup(state.reasoning_parser_cls, state.tokenizer, chat_kwargs or {})
+        extras.reasoning.adjust_request(req)
     template_tools = render_tools(tools, config.exclude_tools_when_tool_choice_none)
     tools_prompt = None
     if template_tools and not template_renders_tools(req.chat_template or state.tokenizer.chat_template):
@@ -94,7 +118,7 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
         return req, truncate_prompt(forwarded, req, state.max_model_len), extras
     prompt_ids = await state.in_tokenizer_thread(
         render_chat, state.tokenizer, req.messages, req.add_generation_prompt, req.continue_final_message,
-        template_kwargs(req.chat_template_kwargs, req.reasoning_effort), req.add_special_tokens, req.chat_template,
+        chat_kwargs, req.add_special_tokens, req.chat_template,
         template_tools if tools_prompt is None else None, req.documents, tools_prompt,
     )
     return req, truncate_prompt(prompt_ids, req, state.max_model_len), extras
@@ -117,35 +141,45 @@ def echo_text(req: ChatCompletionRequest) -> str:
 
 
 def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
-                tools: ToolSetup | None = None) -> dict[str, Any]:
+                tools: ToolSetup | None = None, parser: OutputParser | None = None) -> dict[str, Any]:
+    """One choice of a whole response. `parser` (a server with --reasoning-parser): the reasoning split out
+    into `reasoning`, the tool calls read from the content after it; with include_reasoning false the
+    logprobs and token ids are left out too, so they do not show the reasoning (vLLM's rule)."""
     if comp.finish_reason == "error":
         raise generation_error(comp.error)
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     role = response_role(req)
-    message: dict[str, Any] = {"role": role, "content": prefix + comp.text}
+    reasoning: str | None = None
+    content: str | None = comp.text
     calls: list[dict[str, Any]] = []
-    if tools is not None and tools.parses_calls:
+    if parser is not None:
+        reasoning, content, calls = parser.parse(comp.text)
+    elif tools is not None and tools.parses_calls:
         content, calls = parse_output(comp.text, tools)
-        message = {"role": role, "content": (prefix + content) if content is not None else (prefix or None),
-                   "tool_calls": calls}
+    message: dict[str, Any] = {"role": role, "content": (prefix + content) if content is not None else (prefix or None)}
+    if tools is not None and tools.parses_calls:
+        message["tool_calls"] = calls
+    message["reasoning"] = reasoning  # vLLM's message has the field, null without a reasoning parser
+    hide = parser is not None and not req.include_reasoning
     body: dict[str, Any] = {"index": comp.index, "message": message, "logprobs": None,
                             "finish_reason": tool_finish_reason(comp.finish_reason, tools, calls),
                             "stop_reason": comp.stop_reason,
-                            "token_ids": comp.token_ids if req.return_token_ids else None}
-    if comp.logprobs is not None:
+                            "token_ids": comp.token_ids if req.return_token_ids and not hide else None}
+    if comp.logprobs is not None and not hide:
         body["logprobs"] = chat_logprobs(comp.token_ids, comp.logprobs, top_n, bool(req.return_tokens_as_token_ids))
     return body
 
 
 def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str,
-                  tools: ToolSetup | None = None, details: str | None = None) -> dict[str, Any]:
+                  extras: ChatExtras | None = None, details: str | None = None) -> dict[str, Any]:
+    extras = extras or ChatExtras()
     prefix = echo_text(req)
     choices = []
     for comp in out.outputs:
         if comp.finish_reason == "error":
             raise generation_error(out.error)
-        choices.append(chat_choice(req, comp, prefix, tools))
-    usage = UsageCounter(details)
+        choices.append(chat_choice(req, comp, prefix, extras.tools, extras.output_parser(req)))
+    usage = UsageCounter(details, extras.count_reasoning())
     usage.update(out)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage.as_dict(),
@@ -175,25 +209,26 @@ async def create_chat_completion(raw: Request) -> Response:
                        seed=req.seed, priority=req.priority, lora_request=state.lora_request(req.model))
         else:
             engine.add_request(engine_id, prompt_ids, params, stream, priority=priority,
-                               lora_request=state.lora_request(req.model))
+                               lora_request=state.lora_request(req.model), **extras.engine_kwargs(req, prompt_ids))
     except BaseException:
         stream.close()
         raise
     if req.use_beam_search:  # the search's one output, with the logprobs the request asked for
         stream = ShapedStream(stream, (req.top_logprobs or 0) if req.logprobs else None)
     if req.stream:
-        return _stream(state, req, stream, request_id, model, extras.tools)
+        return _stream(state, req, stream, request_id, model, extras)
     finals = await collect(raw, stream)
     if finals is None:  # the client went away; its request was aborted
         return Response(status_code=499)
     out = finals[engine_id]
     details = state.config.usage_details("chat", req.use_beam_search)
-    return JSONResponse(chat_response(req, out, request_id, model, extras.tools, details),
+    return JSONResponse(chat_response(req, out, request_id, model, extras, details),
                         headers=response_headers(state, raw, out))
 
 
 def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request_id: str, model: str,
-            tools: ToolSetup | None = None) -> Response:
+            extras: ChatExtras) -> Response:
+    tools = extras.tools
     head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -214,9 +249,20 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
         return chunks
 
     parsers: dict[int, StreamingToolParser] = {}
+    output_parsers: dict[int, OutputParser] = {}
+    # include_reasoning false: no logprobs or token ids in the chunks, which would show the reasoning (vLLM's).
+    hide = extras.reasoning is not None and not req.include_reasoning
 
-    def delta_of(index: int, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
-        """The chunk's delta and finish reason: text as content, or (tools) what the parser makes of it."""
+    def delta_of(index: int, out: RequestOutput, comp: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """The chunk's delta and finish reason: text as content, or what the parsers make of it."""
+        if extras.reasoning is not None:
+            output_parser = output_parsers.get(index)
+            if output_parser is None:
+                output_parser = output_parsers[index] = extras.output_parser(req)  # type: ignore[assignment]
+            assert output_parser is not None
+            message = output_parser.parse_delta(comp.delta_text, comp.delta_token_ids, out.prompt_token_ids,
+                                                comp.finish_reason is not None)
+            return (message.as_delta() if message is not None else {}), output_parser.finish_reason(comp.finish_reason)
         if tools is None or not tools.parses_calls:
             return ({"content": comp.delta_text} if comp.delta_text else {}), comp.finish_reason
         parser = parsers.setdefault(index, StreamingToolParser(tools))
@@ -224,22 +270,22 @@ def _stream(state: ServerState, req: ChatCompletionRequest, stream: Any, request
         return delta or {}, parser.finish_reason(comp.finish_reason)
 
     def choice(index: int, out: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
-        wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids)
-        if not (comp.delta_text or comp.finish_reason or wants_tokens):
+        wants_tokens = comp.delta_token_ids and (req.logprobs or req.return_token_ids) and not hide
+        if not (comp.delta_text or comp.finish_reason or wants_tokens or extras.reasoning is not None):
             return None
-        delta, finish = delta_of(index, comp)
+        delta, finish = delta_of(index, out, comp)
         if not (delta or finish or wants_tokens):
             return None
         body: dict[str, Any] = {"index": index, "delta": delta,
                                 "logprobs": None, "finish_reason": finish,
                                 "stop_reason": comp.stop_reason}
-        if comp.delta_logprobs is not None:
+        if comp.delta_logprobs is not None and not hide:
             body["logprobs"] = chat_logprobs(comp.delta_token_ids, comp.delta_logprobs, top_n, as_ids)
-        if req.return_token_ids:
+        if req.return_token_ids and not hide:
             body["token_ids"] = comp.delta_token_ids
         return body
 
     usage_on = usage_flags(req.stream_options, state.config.enable_force_include_usage)
     events = sse_events(stream, head, lambda out, comp: comp.index, choice, opening, usage_on,
-                        state.config.usage_details("chat", req.use_beam_search))
+                        state.config.usage_details("chat", req.use_beam_search), extras.count_reasoning())
     return SSEResponse(events, stream)

@@ -8,10 +8,13 @@ function_call_output items) become chat messages, its fields the chat fields the
 → max_completion_tokens, `text.format` → response_format, flat function `tools` → chat tools, ...), and
 `parse_chat` / `chat_params` render and check it (chat template, structured outputs, tool grammar, limits).
 The generation comes back as output items: a `message` with one `output_text` part, and a `function_call`
-item per tool call (read by the same tool-call code as chat: tool_calls.py). Streamed, as vLLM's events:
+item per tool call (read by the same tool-call code as chat: tool_calls.py). With --reasoning-parser a
+`reasoning` item (one `reasoning_text` part) comes first, and the message holds the content after the
+reasoning (server/reasoning.py; `include_reasoning: false` leaves the item out). Streamed, as vLLM's events:
 response.created, response.in_progress, then per item output_item.added, content_part.added,
 output_text.delta..., output_text.done, content_part.done, output_item.done (function calls:
-function_call_arguments.delta / .done), and response.completed carrying the whole response.
+function_call_arguments.delta / .done; reasoning: reasoning_text.delta / .done), and response.completed
+carrying the whole response.
 
 `store` (default true, as OpenAI) keeps the response and its conversation in memory for
 `previous_response_id` and GET, bounded by TOKENLOOM_RESPONSES_STORE_SIZE (least recently used go first);
@@ -40,10 +43,11 @@ from tokenloom.server.errors import APIError, generation_error, generation_error
 from tokenloom.server.headers import request_priority, response_headers
 from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import ResponsesNamedToolChoice, ResponsesRequest
+from tokenloom.server.reasoning import OutputParser
 from tokenloom.server.request_checks import flat_tool_name
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses import chat_logprobs
-from tokenloom.server.serving_chat import parse_chat
+from tokenloom.server.serving_chat import ChatExtras, parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
@@ -287,6 +291,7 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
         # vLLM without a reasoning parser: the effort only reaches the chat template (params.template_kwargs).
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         "chat_template_kwargs": req.chat_template_kwargs, "vllm_xargs": req.vllm_xargs,
+        "include_reasoning": req.include_reasoning,
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
         raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
@@ -331,6 +336,13 @@ def message_item(item_id: str, text: str | None, status: str, logprobs: list[dic
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def reasoning_item(item_id: str, text: str | None, status: str | None) -> dict[str, Any]:
+    """vLLM's ResponseReasoningItem: the reasoning as one reasoning_text part (none while it streams in)."""
+    content = None if text is None else [{"text": text, "type": "reasoning_text"}]
+    return {"id": item_id, "summary": [], "type": "reasoning", "content": content, "encrypted_content": None,
+            "status": status}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
               namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """A function_call item; a namespace's function (flat name in `namespaces`) as its name and namespace."""
@@ -354,6 +366,18 @@ class ResponseContext:
     messages: list[dict[str, Any]]
     prompt: tuple[str, list[int]] | None = None  # the rendered prompt, kept for enable_response_messages
     created_at: int = field(default_factory=lambda: int(time.time()))
+    extras: ChatExtras = field(default_factory=ChatExtras)  # parse_chat's: the reasoning parsing among them
+
+    def output_parser(self) -> OutputParser | None:
+        """The output's reasoning / tool-call parser (None without --reasoning-parser: tool_calls.py's alone)."""
+        if self.extras.reasoning is None:
+            return None
+        return OutputParser(self.extras.reasoning.make(), self.tools, self.req.include_reasoning, self.req)
+
+    def reasoning_tokens(self, comp: CompletionOutput) -> int:
+        """usage's output_tokens_details.reasoning_tokens (0 without a reasoning parser, as vLLM)."""
+        count = self.extras.count_reasoning()
+        return count(comp.token_ids) if count is not None else 0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -370,8 +394,9 @@ class ResponseContext:
         if out is not None:
             prompt = len(out.prompt_token_ids)
             generated = sum(len(c.token_ids) for c in out.outputs)
+            reasoning = sum(self.reasoning_tokens(c) for c in out.outputs)
             usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": reasoning},
                      "total_tokens": prompt + generated}
         input_messages = output_messages = None
         if req.enable_response_messages and self.prompt is not None and out is not None:
@@ -408,15 +433,23 @@ def _status(comp: CompletionOutput) -> str:
 
 
 def whole_output(ctx: ResponseContext, comp: CompletionOutput) -> list[dict[str, Any]]:
-    """vLLM's _make_response_output_items: the text as a message, each tool call as a function_call item."""
+    """vLLM's _make_response_output_items: the reasoning (with a reasoning parser) as a reasoning item, the text
+    as a message, each tool call as a function_call item."""
     tools = ctx.tools
     calls: list[dict[str, Any]] = []
     content: str | None = comp.text
-    if tools is not None and tools.parses_calls:
-        content, calls = parse_output(comp.text, tools)
     items = []
-    if content or not calls:  # vLLM: no text (and no call) is a message without content parts
-        logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if not calls else None
+    parser = ctx.output_parser()
+    if parser is not None:
+        reasoning, content, calls = parser.parse(comp.text)
+        if reasoning:
+            items.append(reasoning_item(_item_id("rs"), reasoning, None))
+    elif tools is not None and tools.parses_calls:
+        content, calls = parse_output(comp.text, tools)
+    # vLLM: no text (and no call) is a message without content parts; with a reasoning parser, no message then.
+    if content or (not calls and parser is None):
+        shown = not calls and (parser is None or ctx.req.include_reasoning)
+        logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if shown else None
         items.append(message_item(_item_id("msg"), content or None, "completed", logprobs))
     namespaces = namespaced_names(ctx.req.tools)
     items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed",
@@ -444,7 +477,7 @@ async def create_response(raw: Request) -> Response:
     except APIError as exc:
         raise _renamed(exc) from None
     ctx = ResponseContext(req, obj, req.request_id or _item_id("resp"), state.model_name(req.model), params,
-                          extras.tools, messages)
+                          extras.tools, messages, extras=extras)
     if req.enable_response_messages:
         ctx.prompt = (state.tokenizer.decode(prompt_ids, skip_special_tokens=False), list(prompt_ids))
     engine_id = f"{ctx.response_id}-{uuid.uuid4().hex[:8]}"
@@ -452,7 +485,9 @@ async def create_response(raw: Request) -> Response:
     stream = engine.open_stream()
     try:
         engine.add_request(engine_id, prompt_ids, params, stream, priority=request_priority(raw, req.priority),
-                           lora_request=state.lora_request(req.model))
+                           lora_request=state.lora_request(req.model),
+                           **extras.reasoning.engine_kwargs(req.include_reasoning, prompt_ids) if extras.reasoning
+                           else {})
     except InvalidRequestError as exc:  # e.g. no room left to generate: the prompt is the input
         stream.close()
         raise APIError(400, str(exc), "input" if exc.param == "prompt" else exc.param) from None
@@ -538,6 +573,22 @@ class _ItemStream:
                        "logprobs": logprobs or []})
         return events
 
+    def reasoning(self, delta: str) -> list[dict[str, Any]]:
+        """vLLM's emit_simple_reasoning_open / _delta: a reasoning item opened on its first piece."""
+        events = []
+        if self.open is None or self.open.item["type"] != "reasoning":
+            events += self.close()
+            item = reasoning_item(_item_id("rs"), None, "in_progress")
+            self.open = _OpenItem(len(self.done), item)
+            events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": self.open.index, "content_index": 0,
+                           "part": {"text": "", "type": "reasoning_text"}})
+        self.open.text += delta
+        events.append({"type": "response.reasoning_text.delta", "item_id": self.open.item["id"],
+                       "output_index": self.open.index, "content_index": 0, "delta": delta})
+        return events
+
     def call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         events = self.close()
         item = call_item(_item_id("fc"), call_id, name, "", "in_progress", namespaced_names(self.ctx.req.tools))
@@ -564,6 +615,12 @@ class _ItemStream:
                        "content_index": 0, "text": o.text, "logprobs": part["logprobs"]},
                       {"type": "response.content_part.done", "item_id": item_id, "output_index": index,
                        "content_index": 0, "part": part}]
+        elif o.item["type"] == "reasoning":  # vLLM's emit_simple_reasoning_done
+            item = reasoning_item(item_id, o.text, "completed")
+            events = [{"type": "response.reasoning_text.done", "item_id": item_id, "output_index": index,
+                       "content_index": 0, "text": o.text},
+                      {"type": "response.content_part.done", "item_id": item_id, "output_index": index,
+                       "content_index": 0, "part": item["content"][0]}]
         else:
             item = {**o.item, "arguments": o.text, "status": "completed"}
             events = [{"type": "response.function_call_arguments.done", "item_id": item_id, "output_index": index,
@@ -579,7 +636,10 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
     yield write({"type": "response.created", "response": initial})
     yield write({"type": "response.in_progress", "response": initial})
     items = _ItemStream(ctx)
+    output_parser = ctx.output_parser()
     parser = StreamingToolParser(ctx.tools) if ctx.tools is not None and ctx.tools.parses_calls else None
+    if output_parser is not None:
+        parser = None  # the output parser runs the tool calls after the reasoning
     last: RequestOutput | None = None
     status = "completed"
     try:
@@ -591,13 +651,22 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
                 yield write({"type": "error", "code": code, "message": out.error or "generation failed", "param": None})
                 return
             final = comp.finish_reason is not None
-            if parser is None:
-                delta: dict[str, Any] = {"content": comp.delta_text} if comp.delta_text else {}
+            if output_parser is not None:
+                message = output_parser.parse_delta(comp.delta_text, comp.delta_token_ids, out.prompt_token_ids,
+                                                    final)
+                delta: dict[str, Any] = message.as_delta() if message is not None else {}
+            elif parser is None:
+                delta = {"content": comp.delta_text} if comp.delta_text else {}
             else:
                 delta = parser.feed(comp.delta_text, final, comp.delta_token_ids) or {}
+            if delta.get("reasoning"):  # vLLM's split_delta order: reasoning, then content, then tool calls
+                for event in items.reasoning(delta["reasoning"]):
+                    yield write(event)
             if delta.get("content"):
-                # Logprobs follow the tokens only while the text is the model's own (no parser holding any back).
-                logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if parser is None else None
+                # Logprobs follow the tokens only while the text is the model's own (no tool parser holding any
+                # back); behind a reasoning parser they are the step's, as vLLM's, unless the reasoning is hidden.
+                shown = parser is None and (output_parser is None or ctx.req.include_reasoning)
+                logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if shown else None
                 for event in items.text(delta["content"], logprobs):
                     yield write(event)
             for tc in delta.get("tool_calls") or []:

@@ -16,6 +16,7 @@ from tokenloom.engine.input_processor import NO_TOKENIZER
 from tokenloom.engine.metrics import PrometheusMetrics
 from tokenloom.engine.stat_logging import PerEngineStatLogger
 from tokenloom.lora.request import LoRARequest
+from tokenloom.reasoning import ReasoningParser, ReasoningParserManager
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.response_store import ResponseStore
@@ -28,9 +29,11 @@ T = TypeVar("T")
 
 
 class ServerState:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig, log_stats: bool = False) -> None:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig, log_stats: bool = False,
+                 reasoning_parser: str = "") -> None:
         """`log_stats`: keep the figures for the periodic stats line (`stat_logger`; the app's lifespan
-        calls its log()); off with --disable-log-stats."""
+        calls its log()); off with --disable-log-stats. `reasoning_parser`: the engine's --reasoning-parser
+        (an engine argument, as in vLLM), registered already (its plugin imported: launcher.py)."""
         self.engine = engine
         self.config = config
         self.model_names = list(config.served_model_names or [engine.info.model_name])
@@ -43,6 +46,9 @@ class ServerState:
         # The model's generation_config.json defaults (empty with --generation-config vllm).
         self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
+        # --reasoning-parser (checked at start-up, its plugin imported): None without one.
+        self.reasoning_parser_cls: type[ReasoningParser] | None = (
+            ReasoningParserManager.get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
         # One thread: tokenization and chat templates stay off the event loop, and a Hugging Face fast
         # tokenizer is never entered from two threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")

@@ -9,7 +9,7 @@ generation against the client's `http.disconnect`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -51,11 +51,18 @@ def usage_flags(options: StreamOptions | None, force: bool) -> tuple[bool, bool]
     return include, include and bool(options.continuous_usage_stats)
 
 
-def choice_usage(out: RequestOutput, comp: CompletionOutput | None) -> dict[str, int]:
-    """vLLM's per-chunk usage: the choice's own prompt and its completion tokens so far."""
+def choice_usage(out: RequestOutput, comp: CompletionOutput | None,
+                 count_reasoning: Callable[[Sequence[int]], int] | None = None) -> dict[str, Any]:
+    """vLLM's per-chunk usage: the choice's own prompt and its completion tokens so far (and, with a reasoning
+    parser, how many of them are reasoning)."""
     prompt = len(out.prompt_token_ids)
     completion = len(comp.token_ids) if comp is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if count_reasoning is not None:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": count_reasoning(comp.token_ids) if comp is not None else 0}
+    return usage
 
 
 async def sse_events(
@@ -66,13 +73,15 @@ async def sse_events(
     opening: Callable[[RequestOutput], list[dict[str, Any]]] | None,
     usage_on: tuple[bool, bool],
     details: str | None = None,
+    count_reasoning: Callable[[Sequence[int]], int] | None = None,
 ) -> AsyncIterator[str]:
     """The chunks of a streamed completion: `opening` chunks (built from the first output), one per
     choice per step that has something to say, the usage chunk, then [DONE]. A request cut at shutdown
     gets finish_reason "abort" and then an error event; engine failures end the stream with an error event.
-    `details`: the usage chunk's prompt_tokens_details, as UsageCounter says."""
+    `details`: the usage chunk's prompt_tokens_details, as UsageCounter says; `count_reasoning`: its
+    completion_tokens_details (a server with a reasoning parser)."""
     include_usage, continuous_usage = usage_on
-    usage = UsageCounter(details)
+    usage = UsageCounter(details, count_reasoning)
     finished: set[int] = set()
     cut: str | None = None
     first = True
@@ -82,7 +91,7 @@ async def sse_events(
             if first and opening is not None:
                 for obj in opening(out):
                     if continuous_usage:
-                        obj["usage"] = choice_usage(out, None)
+                        obj["usage"] = choice_usage(out, None, count_reasoning)
                     yield sse(obj)
             first = False
             for comp in out.outputs:
@@ -104,7 +113,7 @@ async def sse_events(
                     if comp.finish_reason == "abort" and out.error:
                         cut = out.error
                 if continuous_usage:
-                    chunk["usage"] = choice_usage(out, comp)
+                    chunk["usage"] = choice_usage(out, comp, count_reasoning)
                 yield sse(chunk)
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage.as_dict(stream=True)})

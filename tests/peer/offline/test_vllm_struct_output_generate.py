@@ -5,8 +5,9 @@
 # plumbing: the imports point at tokenloom; `vllm_runner` (tests/peer/offline/conftest.py) runs the default model
 # (SmolLM2-135M-Instruct) for any name; the parameter lists keep the cases tokenloom runs (its one backend,
 # xgrammar, and "auto", which is xgrammar there) and mark the others xfail(strict=True) with the reason: vLLM's
-# other backends (guidance, outlines, lm-format-enforcer), EAGLE drafts and reasoning parsers are refused at
-# start-up. vLLM's platform probe and reasoning-parser names have stand-ins below (never reached on tokenloom).
+# other backends (guidance, outlines, lm-format-enforcer) and EAGLE drafts are refused at start-up; the reasoning
+# cases need a reasoning model (xfail, model-specific). vLLM's platform probe has a stand-in below (never reached
+# on tokenloom).
 # Cases that assert on their model's words are xfail(strict=True) with what SmolLM2 writes instead.
 
 import json
@@ -18,9 +19,11 @@ import pytest
 import regex as re
 from pydantic import BaseModel
 
+from tests.peer.reasoning.utils import run_reasoning_extraction
 from tokenloom.config import ConfigError, StructuredOutputsConfig
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.exceptions import VLLMValidationError
+from tokenloom.reasoning import ReasoningParserManager
 from tokenloom.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
@@ -35,17 +38,6 @@ class current_platform:  # vLLM's vllm.platforms.current_platform: tokenloom run
     @staticmethod
     def is_rocm() -> bool:
         return False
-
-
-class ReasoningParserManager:  # vLLM's (vllm.reasoning): tokenloom has no reasoning parsers, and refuses
-    # structured_outputs_config.reasoning_parser before a test could get here.
-    @staticmethod
-    def get_reasoning_parser(name: str) -> Any:
-        raise NotImplementedError(f"reasoning parser {name!r}: not in tokenloom")
-
-
-def run_reasoning_extraction(*args: Any, **kwargs: Any) -> Any:  # vLLM's tests/reasoning/utils.py, as above
-    raise NotImplementedError("reasoning parsers: not in tokenloom")
 
 
 SAMPLE_REGEX = (
@@ -735,7 +727,11 @@ Make the response as short as possible.
 
 _NO_REASONING = pytest.mark.xfail(
     strict=True, raises=ConfigError,
-    reason=_REFUSED + "structured_outputs_config.reasoning_parser: tokenloom has no reasoning parsers",
+    reason="model-specific: the test needs a reasoning model (a DeepSeek-R1 distill, Qwen3); vllm_runner runs the "
+    "default model, SmolLM2, whose tokenizer has no <think> / </think>, so --reasoning-parser deepseek_r1 is refused "
+    "at start-up (ConfigError '... could not locate think start/end tokens in the tokenizer!'), as vLLM refuses it "
+    "(its ReasoningConfig builds the parser on the tokenizer). tests/test_reasoning_engine.py runs the gate on a tiny "
+    "Qwen3 with those tokens",
 )
 
 
