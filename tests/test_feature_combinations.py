@@ -96,6 +96,32 @@ def test_n_completions_under_async_scheduling_with_drafts_equal_sync(tiny_llama)
     assert all(len(c) == 20 for r in got for c in r) and len({tuple(c) for c in got[0]}) > 1
 
 
+def test_repetition_detection_with_async_scheduling_and_drafts(tiny_llama) -> None:
+    """vLLM's repetition_detection ends a request at the token that completes the repeat, after min_tokens: the
+    same tokens whether the step's tokens come one at a time or as accepted drafts, scheduled ahead or not. Two
+    allowed tokens make a repeat certain within a few tokens (no "aa" forces "abab")."""
+    detect = {"max_pattern_size": 3, "min_pattern_size": 1, "min_count": 2}
+    runs = {}
+    for name, extra in (("plain", {}), ("async+ngram", {"speculative_config": NGRAM, "async_scheduling": True})):
+        llm = LLM(tiny_llama, **extra, **TINY)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=m,
+                                                allowed_token_ids=[5, 12], repetition_detection=detect)
+                                 for m in (0, 0, 6, 9)], use_tqdm=False)
+            runs[name] = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                          for o in outs]
+            if extra:
+                assert llm.llm_engine.scheduler.spec_decoding_totals.num_draft_tokens > 0
+        finally:
+            _close(llm)
+    assert runs["async+ngram"] == runs["plain"]
+    for (tokens, reason, stop_reason), min_tokens in zip(runs["plain"], (0, 0, 6, 9)):
+        assert (reason, stop_reason) == ("repetition", "repetition_detected")
+        assert min_tokens <= len(tokens) <= max(min_tokens, 4)
+        assert tokens[-1] == tokens[-2] or tokens[-2:] == tokens[-4:-2] or tokens[-3:] == tokens[-6:-3]
+
+
 def test_sliding_window_with_async_scheduling_and_drafts(tiny_mistral) -> None:
     """An 8-token sliding window with 4-token blocks: blocks leave the window while drafts are in flight
     (async) and rejected drafts roll num_computed_tokens back. Greedy tokens equal the plain synchronous

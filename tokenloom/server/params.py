@@ -112,11 +112,13 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,
             extra_args=_extra_args(req),
+            repetition_detection=req.repetition_detection,
         )
     except ValueError as exc:
-        # SamplingParams' messages start with the field's name ("temperature must be ...").
+        # The field the ValidationError names, else the one its message starts with ("temperature must be ...").
         first = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc), first if first in _PARAM_NAMES else None) from None
+        param = getattr(exc, "parameter", None) or (first if first in _PARAM_NAMES else None)
+        raise APIError(400, str(exc), param) from None
 
 
 def _extra_args(req: SamplingRequest) -> dict[str, Any] | None:

@@ -35,7 +35,6 @@ COMMON: dict[str, Unsupported] = {
     "prompt_embeds": Unsupported("prompt embeddings are not supported", ([], "")),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
-    "repetition_detection": Unsupported("repetition_detection is not supported yet"),
     "thinking_token_budget": Unsupported("thinking_token_budget needs a reasoning parser, which tokenloom lacks",
                                          (-1,)),
     "stream_interval": Unsupported("stream_interval is not supported yet (every step is streamed)", (1,)),
