@@ -30,6 +30,10 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate: nothing reads the partial ones)
 
 
+# StructuredOutputsParams' constraints, of which a request sets exactly one.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's `StructuredOutputsParams`: exactly one constraint on what a request may generate.
@@ -54,25 +58,43 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, k) not in (None, False)]
-        if len(kinds) != 1:
-            raise ValidationError(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
-                f"structural_tag; got {kinds or 'none'}"
-            )
-        if self.choice is not None and (
-            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
-        ):
-            raise ValidationError("structured_outputs.choice must be a non-empty list of strings")
-        for name in ("regex", "grammar", "structural_tag"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValidationError(f"structured_outputs.{name} must be a non-empty string")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValidationError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        kinds = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
+        if len(kinds) != 1:  # vLLM's words
+            which = "multiple are specified" if kinds else "none are specified"
+            raise ValidationError(f"You can only use one kind of structured outputs constraint but {which}: "
+                                  f"{kinds}" if kinds else f"You must use one kind of structured outputs constraint "
+                                  f"but {which}: {_CONSTRAINTS}", parameter="structured_outputs")
+        self._check_content()
         check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
         check_json_nesting(self.structural_tag, structural_tag=True)
+
+    def _check_content(self) -> None:
+        """vLLM's request checks (SamplingParams._validate_structured_outputs), its words, made when the params are:
+        a constraint that asks for nothing, or that a grammar compiler must not see, is refused here."""
+        def bad(message: str) -> None:
+            raise ValidationError(message, parameter="structured_outputs")
+
+        if self.choice is not None and (not isinstance(self.choice, list)
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            bad("structured_outputs.choice must be a list of strings")
+        if self.choice == []:
+            bad("Choice '[]' cannot be an empty list")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                bad(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            bad("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        # An empty regex is a constraint (the empty text: only the end may follow), as in vLLM; these are not.
+        for name in ("grammar", "json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                bad(f"structured_outputs.{name} cannot be an empty string")
+        if self.json_object is not None and self.json_object is not True:
+            bad("structured_outputs.json_object must be True if set; omit structured_outputs to disable structured "
+                "outputs")
+        if self.regex is not None and "\x00" in self.regex:  # before xgrammar's regex converter sees it
+            bad("structured_outputs.regex must not contain a NUL character ('\\x00')")
 
     @property
     def key(self) -> tuple[str, str]:
