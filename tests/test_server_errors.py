@@ -268,6 +268,20 @@ def test_vllm_0_32_request_bounds_are_400_in_its_words(http) -> None:
         assert words in err["message"], (path, body, err)
 
 
+def test_responses_reads_the_sampling_fields_vllm_takes_there(http) -> None:
+    """vLLM 0.32's ResponsesRequest has min_p, the penalties and stop_token_ids (they were ignored here: unknown
+    fields are); each now reaches the sampling parameters, and its bad value is their 400."""
+    base = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    for patch, param in (({"min_p": 2}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+                         ({"frequency_penalty": -3}, "frequency_penalty"), ({"stop_token_ids": [10**6]},
+                                                                            "stop_token_ids"),
+                         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params")):
+        _assert_error(http.post("/v1/responses", json={**base, **patch}), 400, param)
+    ok = http.post("/v1/responses", json={**base, "min_p": 0.1, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                                          "stop_token_ids": [7], "session_id": "s1"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_repetition_detection_ends_a_request_as_vllm_reports_it(http) -> None:
     """Two allowed tokens make the output repeat within four tokens; vLLM's finish_reason and stop_reason."""
     detect = {"max_pattern_size": 2, "min_count": 2}

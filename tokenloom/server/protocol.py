@@ -284,10 +284,15 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None  # a routing hint; prefix caching needs no key
     # vLLM's extensions
     request_id: str | None = None
+    session_id: str | None = None  # vLLM: routing metadata only
     priority: Int64 = 0
     top_k: Int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: Int64 | None = None
     stop: StopParam = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: float | None = None
     ignore_eos: Bool = False
     skip_special_tokens: Bool = True

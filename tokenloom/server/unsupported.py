@@ -67,6 +67,10 @@ RESPONSES: dict[str, Unsupported] = {
     "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
                                           "what its blocks hold)"),
     "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    # Disaggregated prefill is served on the completion endpoints (docs/kv_offload.md); a response object has no
+    # kv_transfer_params to hand the connector's back in.
+    "kv_transfer_params": Unsupported("kv_transfer_params is not supported on /v1/responses (use /v1/completions or "
+                                      "/v1/chat/completions)", ({},)),
     # Served on /v1/completions and /v1/chat/completions; the Responses request carries no bad_words.
     "bad_words": Unsupported("bad_words is not supported on /v1/responses (use /v1/completions or "
                              "/v1/chat/completions)", ([],)),
