@@ -59,11 +59,12 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         kinds = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
-        if len(kinds) != 1:  # vLLM's words
-            which = "multiple are specified" if kinds else "none are specified"
-            raise ValidationError(f"You can only use one kind of structured outputs constraint but {which}: "
-                                  f"{kinds}" if kinds else f"You must use one kind of structured outputs constraint "
-                                  f"but {which}: {_CONSTRAINTS}", parameter="structured_outputs")
+        if len(kinds) > 1:  # vLLM's words
+            raise ValidationError(f"You can only use one kind of structured outputs constraint but multiple are "
+                                  f"specified: {kinds}", parameter="structured_outputs")
+        if not kinds:
+            raise ValidationError(f"You must use one kind of structured outputs constraint but none are specified: "
+                                  f"{list(_CONSTRAINTS)}", parameter="structured_outputs")
         self._check_content()
         check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
         check_json_nesting(self.structural_tag, structural_tag=True)
