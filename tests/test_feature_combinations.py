@@ -16,7 +16,9 @@ import pytest
 
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams, StructuredOutputsParams
+from tokenloom.core.repetition import check_sequence_repetition
 from tokenloom.engine.beam_search import BeamSearchParams
+from tokenloom.sampling_params import RepetitionDetectionParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -94,6 +96,30 @@ def test_n_completions_under_async_scheduling_with_drafts_equal_sync(tiny_llama)
         _close(llm)
     assert got == want
     assert all(len(c) == 20 for r in got for c in r) and len({tuple(c) for c in got[0]}) > 1
+
+
+def test_repetition_detection_with_async_scheduling_and_drafts(tiny_llama) -> None:
+    """vLLM's repetition_detection ends a request at the token that completes the repeat, after min_tokens, also
+    when the step's tokens come as accepted drafts scheduled ahead (async scheduling): no shorter prefix of the
+    output past min_tokens repeats already. Two allowed tokens make a repeat certain within a few tokens (no "aa"
+    forces "abab")."""
+    detect = RepetitionDetectionParams(max_pattern_size=3, min_pattern_size=1, min_count=2)
+    min_tokens = (0, 0, 6, 9)
+    llm = LLM(tiny_llama, speculative_config=NGRAM, async_scheduling=True, **TINY)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=m,
+                                            allowed_token_ids=[5, 12], repetition_detection=detect)
+                             for m in min_tokens], use_tqdm=False)
+        assert llm.llm_engine.scheduler.spec_decoding_totals.num_draft_tokens > 0
+    finally:
+        _close(llm)
+    for out, floor in zip(outs, min_tokens):
+        comp = out.outputs[0]
+        tokens = list(comp.token_ids)
+        assert (comp.finish_reason, comp.stop_reason) == ("repetition", "repetition_detected")
+        assert check_sequence_repetition(tokens, detect) and len(tokens) >= floor
+        assert not any(check_sequence_repetition(tokens[:n], detect) for n in range(floor, len(tokens)))
 
 
 def test_sliding_window_with_async_scheduling_and_drafts(tiny_mistral) -> None:

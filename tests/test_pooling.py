@@ -93,6 +93,10 @@ def test_minilm_truncation_and_errors(minilm):
         llm.classify("hello", use_tqdm=False)
     raw = llm.embed("Hello world", PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
     assert abs(np.linalg.norm(raw) - 1.0) > 1e-3  # the mean before the Normalize module
+    # vLLM 0.32's name for the same switch (it removed normalize); the two must agree when both are given.
+    assert llm.embed("Hello world", PoolingParams(use_activation=False), use_tqdm=False)[0].outputs.embedding == raw
+    with pytest.raises(ValueError, match="disagree"):
+        llm.embed("hi", PoolingParams(use_activation=False, normalize=True), use_tqdm=False)
 
 
 # ----------------------------------------------------------------------------- tiny random BERT

@@ -201,7 +201,8 @@ def test_what_vllm_accepts_is_accepted(http) -> None:
         ("/v1/completions", {**CMPL, "stream_options": {}}),  # empty stream options without a stream
         ("/v1/completions", {**CMPL, "repetition_penalty": 3.0}),  # vLLM: any finite value > 0
         ("/v1/completions", {**CMPL, "seed": -1}),  # -1: no seed
-        ("/v1/completions", {**CMPL, "stop": [f"stop{i}" for i in range(40)]}),  # no cap on stop strings
+        ("/v1/completions", {**CMPL, "stop": [f"stop{i}" for i in range(4)]}),  # VLLM_MAX_STOP_STRINGS (4)
+        ("/v1/completions", {**CMPL, "stop_token_ids": [7, 7, 9], "bad_words": ["ab", "ab"]}),  # twice: once
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 0}),  # 0 without logprobs
         ("/v1/completions", {**CMPL, "structured_outputs": {"regex": "a+", "disable_additional_properties": True}}),
         # vLLM's message shapes: any role (the template decides), plain-string parts, refusal parts, a text
@@ -231,6 +232,66 @@ def test_what_vllm_accepts_is_accepted(http) -> None:
     assert tokens(parts) == tokens("hi\nthere")
     r = http.post("/v1/completions", json={**CMPL, "prompt_logprobs": 0, "stream": True})  # 0 streams
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+
+
+FIVE_STOPS = ["one", "two", "three", "four", "five"]
+TOO_LONG = "List should have at most 4 items after validation, not 5"
+
+
+def test_vllm_0_32_request_bounds_are_400_in_its_words(http) -> None:
+    """vLLM 0.32's bounds on request-controlled inputs (tests/peer/requests/test_vllm_request_input_bounds.py checks
+    the objects), one request each through the server: the status, the field and vLLM's message."""
+    one_conversation = [{"role": "user", "content": "hi"}]
+    refused = [  # (path, body, param, what the message holds)
+        ("/v1/completions", {**CMPL, "stop": FIVE_STOPS}, "stop", TOO_LONG),
+        ("/v1/chat/completions", {**CHAT, "stop": FIVE_STOPS}, "stop", TOO_LONG),
+        ("/v1/chat/completions/batch", {"model": "tiny", "messages": [one_conversation], "stop": FIVE_STOPS}, "stop",
+         TOO_LONG),
+        ("/v1/responses", {"model": "tiny", "input": "hi", "stop": FIVE_STOPS}, "stop", TOO_LONG),
+        ("/v1/completions", {**CMPL, "bad_words": [f"w{i}" for i in range(129)]}, "bad_words",
+         "Too many bad words after tokenization: 129. The max number is 128."),
+        ("/v1/completions", {**CMPL, "bad_words": ["x" * 1200]}, "bad_words", "Too many total bad word tokens"),
+        ("/v1/completions", {**CMPL, "bad_words": ["a", ""]}, "bad_words", "bad_words cannot contain an empty string"),
+        ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "n": 16385}, "n",
+         "must be at most 16384, got 16385. To increase this limit, set the VLLM_MAX_N_SEQUENCES"),
+        ("/v1/completions", {**CMPL, "vllm_xargs": {"big": 2**64}}, "extra_args",
+         "extra_args integers must be between -2**63 and 2**64 - 1."),
+        ("/v1/completions", {**CMPL, "repetition_detection": {"max_pattern_size": 3, "min_count": 1}},
+         "repetition_detection", "min_count must be >= 2 to detect repetitive patterns"),
+        ("/v1/chat/completions", {**CHAT, "repetition_detection": {"max_pattern_size": 1, "min_pattern_size": 2,
+                                                                   "min_count": 2}},
+         "repetition_detection", "with min_pattern_size <= max_pattern_size"),
+        ("/v1/completions", {**CMPL, "stop_token_ids": [10**6]}, "stop_token_ids", "out of vocabulary"),
+    ]
+    for path, body, param, words in refused:
+        err = _assert_error(http.post(path, json=body), 400, param)
+        assert words in err["message"], (path, body, err)
+
+
+def test_responses_reads_the_sampling_fields_vllm_takes_there(http) -> None:
+    """vLLM 0.32's ResponsesRequest has min_p, the penalties and stop_token_ids (they were ignored here: unknown
+    fields are); each now reaches the sampling parameters, and its bad value is their 400."""
+    base = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    for patch, param in (({"min_p": 2}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+                         ({"frequency_penalty": -3}, "frequency_penalty"), ({"stop_token_ids": [10**6]},
+                                                                            "stop_token_ids"),
+                         ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params")):
+        _assert_error(http.post("/v1/responses", json={**base, **patch}), 400, param)
+    ok = http.post("/v1/responses", json={**base, "min_p": 0.1, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                                          "stop_token_ids": [7], "session_id": "s1"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_repetition_detection_ends_a_request_as_vllm_reports_it(http) -> None:
+    """Two allowed tokens make the output repeat within four tokens; vLLM's finish_reason and stop_reason."""
+    detect = {"max_pattern_size": 2, "min_count": 2}
+    for path, base in (("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)):
+        r = http.post(path, json={**base, "max_tokens": 16, "temperature": 0, "allowed_token_ids": [5, 12],
+                                  "repetition_detection": detect})
+        assert r.status_code == 200, r.text
+        [c] = r.json()["choices"]
+        assert (c["finish_reason"], c["stop_reason"]) == ("repetition", "repetition_detected"), c
+        assert r.json()["usage"]["completion_tokens"] <= 4, r.json()
 
 
 def test_empty_prompts_are_refused_with_vllms_words(http) -> None:

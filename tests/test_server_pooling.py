@@ -74,6 +74,11 @@ def test_raw_endpoints(minilm_server, reference):
     r = httpx.post(url + "/v1/embeddings", timeout=30,
                    json={"input": "word " * 400, "truncate_prompt_tokens": 20, "encoding_format": "float"})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20
+    # vLLM 0.32's use_activation is the embedding's normalisation, as normalize (its earlier name) is.
+    raw = [httpx.post(url + "/v1/embeddings", json={"input": "Hello world", name: False}, timeout=30).json()
+           for name in ("use_activation", "normalize")]
+    assert raw[0]["data"][0]["embedding"] == raw[1]["data"][0]["embedding"]
+    assert abs(np.linalg.norm(raw[0]["data"][0]["embedding"]) - 1.0) > 1e-3
     r = httpx.post(url + "/pooling", json={"input": ["Hello world", "A cat"]}, timeout=30)
     body = r.json()
     assert r.status_code == 200 and body["object"] == "list" and body["data"][0]["object"] == "pooling"

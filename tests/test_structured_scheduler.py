@@ -1,10 +1,11 @@
-"""Structured outputs in the scheduler (no model, no torch): WAITING_FOR_FSM while the grammar compiles,
-others admitted meanwhile, bitmask rows for exactly the rows that sample, matcher advanced with the
-accepted tokens, compile errors finish the request, an abort while compiling leaves nothing behind."""
+"""Structured outputs in the scheduler (no model, no torch): WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR while the
+grammar compiles, others admitted meanwhile, bitmask rows for exactly the rows that sample, matcher advanced with
+the accepted tokens, compile errors finish the request, an abort while compiling leaves nothing behind."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 from tests.sched_utils import create_scheduler
 from tokenloom.core.outputs import ModelRunnerOutput
@@ -134,6 +135,22 @@ def test_compile_error_finishes_only_that_request() -> None:
     errors = [o for o in outs if o.finish_reason == "error"]
     assert [o.request_id for o in errors] == ["bad"] and "bad grammar" in errors[0].error
     assert "bad" not in sched.requests and "p" in sched.requests and len(sched.waiting) == 0
+
+
+def test_a_compile_that_raised_timeout_error_is_a_failed_compile() -> None:
+    """vLLM 0.32's rule (#53130, its tests/v1/structured_output/test_request.py): a grammar future that ended in
+    TimeoutError has finished (failed), it is not still compiling; the request ends with the error."""
+    sched, backend = with_manager(num_blocks=64, block_size=4)
+    request = constrained("slow", "7,8")
+    sched.add_request(request)
+    timed_out: Future = Future()
+    timed_out.set_exception(TimeoutError("compiler timed out"))
+    request.structured_output_request.compiled = timed_out
+    so = sched.schedule()
+    [out] = sched.update_from_output(so, ModelRunnerOutput([], {}, []))
+    assert (out.request_id, out.finish_reason) == ("slow", "error") and "compiler timed out" in out.error
+    assert not sched.requests
+    backend.gate.set()
 
 
 def test_without_a_tokenizer_a_constrained_request_waits_one_step_then_errors() -> None:

@@ -134,6 +134,30 @@ def test_refusals_are_vllm_validation_errors_in_vllm_words(so: StructuredOutputs
         validate_structured_outputs(so)
 
 
+@pytest.mark.parametrize("fields, vllm_words", [
+    # vLLM 0.32's request checks (its tests/v1/structured_output/test_validation.py; there at verify(), here when
+    # the params are made), in its words
+    ({"json_object": False}, "json_object must be True"),
+    ({"json": ""}, "json cannot be an empty string"),
+    ({"structural_tag": ""}, "structural_tag cannot be an empty string"),
+    ({"grammar": " "}, "grammar cannot be an empty string"),
+    ({"choice": []}, r"Choice '\[\]' cannot be an empty list"),
+    ({"regex": "\x00"}, "NUL"),
+    ({"regex": "[0-9]\x00"}, "NUL"),
+    ({}, "You must use one kind of structured outputs constraint but none are specified"),
+    ({"regex": "a", "choice": ["a"]}, "You can only use one kind of structured outputs constraint but multiple"),
+])
+def test_degenerate_constraints_are_refused_in_vllm_words(fields: dict, vllm_words: str) -> None:
+    with pytest.raises(VLLMValidationError, match=vllm_words):
+        StructuredOutputsParams(**fields)
+
+
+def test_an_empty_regex_is_a_constraint_as_in_vllm() -> None:
+    """vLLM accepts an empty or whitespace regex (each compiles: the empty text, a space): only the end may follow."""
+    for regex in ("", " ", "\n"):
+        validate_structured_outputs(StructuredOutputsParams(regex=regex))
+
+
 # --- Lark grammars and the older structural tag ------------------------------------------------------------
 def test_lark_is_told_from_ebnf_as_vllm_does() -> None:
     assert grammar_is_likely_lark(SQL_LARK) and grammar_is_likely_lark("not a grammar")

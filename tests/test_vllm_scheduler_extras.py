@@ -170,3 +170,16 @@ def test_draft_padding_never_reaches_the_grammar() -> None:
     assert matcher.seen == [10, 11]
     assert output.scheduled_spec_decode_tokens == {"0": [10, 11, -1, -1]}
     assert output.num_invalid_spec_tokens == {"0": 2}
+
+
+def test_request_status_formats_as_its_name() -> None:
+    """vLLM's RequestStatus.__str__ (tests/v1/test_request.py's test_request_status_fmt_str, for the statuses
+    tokenloom shares): an f-string shows the name, where a bare IntEnum would show its number; the waiting-for-
+    grammar status goes by vLLM 0.32's name, vLLM's earlier one an alias."""
+    for name in ("WAITING", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_REMOTE_KVS", "RUNNING", "PREEMPTED",
+                 "FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_ABORTED", "FINISHED_ERROR",
+                 "FINISHED_REPETITION"):
+        assert f"{RequestStatus[name]}" == name
+    assert RequestStatus.WAITING_FOR_FSM is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_REPETITION) == "repetition"
+    assert RequestStatus.is_finished(RequestStatus.FINISHED_REPETITION)

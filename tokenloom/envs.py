@@ -204,11 +204,19 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (least recently used go first; 0 stores none). vLLM keeps them in memory too, without a bound.
     "TOKENLOOM_RESPONSES_STORE_SIZE": lambda: _int(
         "TOKENLOOM_RESPONSES_STORE_SIZE", 1000, "a number of responses", minimum=0),
-    # vLLM's limits: prompts in one completions request; samples (n, beam width) of one request.
     # vLLM's: true (or 1) registers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
+    # ---- vLLM's bounds on what one request may ask for (vLLM 0.32's names and defaults; docs/serving.md)
+    # Prompts in one completions request.
     "VLLM_MAX_COMPLETION_PROMPTS": lambda: _digits("VLLM_MAX_COMPLETION_PROMPTS", 1024),
+    # Samples of one request: n, and the beam width of beam search.
     "VLLM_MAX_N_SEQUENCES": lambda: _lenient_int("VLLM_MAX_N_SEQUENCES", 16384),
+    # Stop strings in one request (the server's request bodies: completions, chat, batch chat, Responses).
+    "VLLM_MAX_STOP_STRINGS": lambda: _lenient_int("VLLM_MAX_STOP_STRINGS", 4),
+    # Token sequences bad_words may tokenize to (each word twice at most: as written and after a space), and
+    # the tokens of all those sequences together.
+    "VLLM_MAX_NUM_BAD_WORDS": lambda: _lenient_int("VLLM_MAX_NUM_BAD_WORDS", 128),
+    "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS": lambda: _lenient_int("VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", 1024),
     # The OpenAI SDK's: `tokenloom bench serve`'s default --api-key.
     "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
     # ---- benchmarks only (benchmarks/README.md): where the reference set-up outside the repository lives

@@ -20,10 +20,11 @@ from typing import Any
 from tokenloom.exceptions import ValidationError
 
 POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
-# The parameters each task reads (vLLM's valid_parameters); others set by the user are a 400.
+# The parameters each task reads (vLLM's valid_parameters); others set by the user are a 400. For the embedding
+# tasks use_activation is vLLM 0.32's name for the L2 normalisation, normalize its earlier one (still taken).
 _VALID = {
-    "embed": ("dimensions", "normalize"),
-    "token_embed": ("dimensions", "normalize"),
+    "embed": ("dimensions", "normalize", "use_activation"),
+    "token_embed": ("dimensions", "normalize", "use_activation"),
     "classify": ("use_activation",),
     "score": ("use_activation",),
     "token_classify": ("use_activation",),
@@ -37,9 +38,10 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
     # Matryoshka embeddings: keep the first `dimensions` components (then normalise).
     dimensions: int | None = None
-    # embed / token_embed: L2-normalise the pooled vector (None: the model's default, True).
+    # embed / token_embed: L2-normalise the pooled vector (None: the model's default, True). vLLM before 0.32.
     normalize: bool | None = None
-    # classify / score: softmax (sigmoid for one label) over the logits (None: the default, True).
+    # classify / score: softmax (sigmoid for one label) over the logits (None: the default, True); embed /
+    # token_embed: vLLM 0.32's name for normalize (the two agree once verified).
     use_activation: bool | None = None
     # STEP pooling (process reward models): the token marking a step, and the label ids to keep.
     step_tag_id: int | None = None
@@ -59,6 +61,15 @@ class PoolingParams:
             if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
                 raise ValidationError(f"{name} must be {'an' if kind is int else 'a'} {kind.__name__} or None, "
                                       f"got {value!r}"[:200])
+
+    def _resolve_normalize(self, default: bool) -> None:
+        """An embedding's L2 normalisation: use_activation (vLLM 0.32's name) or normalize (its earlier one), the
+        model's default when neither is given; afterwards both say the same."""
+        if self.use_activation is not None and self.normalize is not None and self.use_activation != self.normalize:
+            raise ValidationError(f"use_activation={self.use_activation} and normalize={self.normalize} disagree: "
+                                  "for embeddings they are the same switch (use_activation is vLLM 0.32's name)")
+        chosen = next((v for v in (self.use_activation, self.normalize) if v is not None), default)
+        self.normalize = self.use_activation = chosen
 
     def verify(self, task: str, model_dim: int | None = None, is_matryoshka: bool = False,
                default_normalize: bool = True) -> None:
@@ -83,8 +94,8 @@ class PoolingParams:
                 raise ValidationError("Dimensions must be greater than 0")
             if model_dim is not None and self.dimensions > model_dim:
                 raise ValidationError(f"dimensions={self.dimensions} is larger than the model's {model_dim}")
-        if task in ("embed", "token_embed") and self.normalize is None:
-            self.normalize = default_normalize
+        if task in ("embed", "token_embed"):
+            self._resolve_normalize(default_normalize)
         if task in ("classify", "score", "token_classify") and self.use_activation is None:
             self.use_activation = True
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:

@@ -15,6 +15,9 @@ from typing import Any
 from tokenloom import envs
 from tokenloom.exceptions import ValidationError
 
+# vLLM's words for a constrained request on an engine without a tokenizer (skip_tokenizer_init).
+NO_TOKENIZER_ERROR = "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+
 # A token limit large enough to mean "until max_model_len" (vLLM leaves max_tokens=None for that).
 _UNLIMITED = 1 << 30
 
@@ -25,6 +28,10 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # after every step that advanced it: the text and tokens so far (+ this step's delta_*)
     DELTA = 1  # after every step that advanced it: only what is new (text, token_ids, logprobs, prompt_logprobs)
     FINAL_ONLY = 2  # once, when it finishes (LLM.generate: nothing reads the partial ones)
+
+
+# StructuredOutputsParams' constraints, of which a request sets exactly one.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -51,25 +58,44 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, k) not in (None, False)]
-        if len(kinds) != 1:
-            raise ValidationError(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
-                f"structural_tag; got {kinds or 'none'}"
-            )
-        if self.choice is not None and (
-            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
-        ):
-            raise ValidationError("structured_outputs.choice must be a non-empty list of strings")
-        for name in ("regex", "grammar", "structural_tag"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValidationError(f"structured_outputs.{name} must be a non-empty string")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValidationError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        kinds = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
+        if len(kinds) > 1:  # vLLM's words
+            raise ValidationError(f"You can only use one kind of structured outputs constraint but multiple are "
+                                  f"specified: {kinds}", parameter="structured_outputs")
+        if not kinds:
+            raise ValidationError(f"You must use one kind of structured outputs constraint but none are specified: "
+                                  f"{list(_CONSTRAINTS)}", parameter="structured_outputs")
+        self._check_content()
         check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
         check_json_nesting(self.structural_tag, structural_tag=True)
+
+    def _check_content(self) -> None:
+        """vLLM's request checks (SamplingParams._validate_structured_outputs), its words, made when the params are:
+        a constraint that asks for nothing, or that a grammar compiler must not see, is refused here."""
+        def bad(message: str) -> None:
+            raise ValidationError(message, parameter="structured_outputs")
+
+        if self.choice is not None and (not isinstance(self.choice, list)
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            bad("structured_outputs.choice must be a list of strings")
+        if self.choice == []:
+            bad("Choice '[]' cannot be an empty list")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                bad(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            bad("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        # An empty regex is a constraint (the empty text: only the end may follow), as in vLLM; these are not.
+        for name in ("grammar", "json", "structural_tag"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                bad(f"structured_outputs.{name} cannot be an empty string")
+        if self.json_object is not None and self.json_object is not True:
+            bad("structured_outputs.json_object must be True if set; omit structured_outputs to disable structured "
+                "outputs")
+        if self.regex is not None and "\x00" in self.regex:  # before xgrammar's regex converter sees it
+            bad("structured_outputs.regex must not contain a NUL character ('\\x00')")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -88,6 +114,33 @@ class StructuredOutputsParams:
             return "grammar", self.grammar
         assert self.structural_tag is not None
         return "structural_tag", self.structural_tag
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """vLLM's `RepetitionDetectionParams`: end a request whose output ends in an N-gram repeated `min_count`
+    times in a row, for some N in [min_pattern_size, max_pattern_size] (its finish_reason is "repetition",
+    its stop_reason "repetition_detected"; checked by the scheduler after each output token, once min_tokens
+    are out: tokenloom/core/repetition.py). max_pattern_size 0 turns it off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0  # at least 2 when max_pattern_size is set
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValidationError(f"repetition_detection.{name} must be an integer, got {value!r}",
+                                      parameter="repetition_detection")
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValidationError("max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= "
+                                  "max_pattern_size. Set both to 0 to disable repetitive pattern detection.",
+                                  parameter="repetition_detection")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValidationError("min_count must be >= 2 to detect repetitive patterns in engine output. If you do "
+                                  "not wish to detect repetitive patterns, set max_pattern_size to 0.",
+                                  parameter="repetition_detection")
 
 
 @dataclass
@@ -160,6 +213,9 @@ class SamplingParams:
     # request to every rank that samples). An init field, so dataclasses.replace keeps it.
     _thinking_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False,
                                                                                  compare=False)
+    # vLLM's: end the request early when its output starts repeating itself (RepetitionDetectionParams; a dict
+    # of its fields is taken too).
+    repetition_detection: RepetitionDetectionParams | None = None
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
@@ -173,6 +229,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValidationError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+        if self.extra_args:
+            _check_extra_args_integers(self.extra_args)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):  # list() of a number or a dict would fail, or succeed, obscurely
@@ -180,7 +238,10 @@ class SamplingParams:
             if value is not None and not isinstance(value, list | tuple):
                 raise ValidationError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # vLLM's: a stop token id given twice stops once (order kept).
+        self.stop_token_ids = _unique(self.stop_token_ids or [])
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = _repetition_detection(self.repetition_detection)
         # vLLM's: `logprobs=True` asks for one (a bool is an int to Python, not to torch's topk).
         for name in ("logprobs", "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
@@ -278,6 +339,10 @@ class SamplingParams:
             bad("per-request logits_processors are not supported (neither are they in vLLM V1); use logit_bias, "
                 "allowed_token_ids, bad_words, structured_outputs, or the engine's logits_processors (vLLM's "
                 "batch-level LogitsProcessor classes; AdapterLogitsProcessor wraps per-request callables)")
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection,
+                                                                    RepetitionDetectionParams):
+            bad(f"repetition_detection must be a RepetitionDetectionParams, got "
+                f"{type(self.repetition_detection).__name__}")
         if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
             bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
@@ -289,7 +354,33 @@ class SamplingParams:
                           ("logprob_token_ids", self.logprob_token_ids or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                raise ValidationError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})")
+                raise ValidationError(f"{name} has token id {bad}, out of vocabulary (size {vocab_size})",
+                                      parameter=name)
+        invalid = [t for t in self.stop_token_ids or () if t >= vocab_size]
+        if invalid:  # vLLM's words (_validate_stop_token_ids)
+            raise ValidationError(f"token_id(s) {invalid[:20]} in stop_token_ids contain out-of-vocab token ids. "
+                                  f"Vocabulary size: {vocab_size}", parameter="stop_token_ids", value=invalid)
+
+    def verify(self, model_config: Any, speculative_config: Any = None, structured_outputs_config: Any = None,
+               tokenizer: Any = None) -> None:
+        """vLLM's SamplingParams.verify: what depends on the model, for a caller holding a model config (its
+        get_vocab_size() and max_logprobs, -1 for the whole vocabulary): logprobs and prompt_logprobs within
+        max_logprobs, token ids within the vocabulary, and a tokenizer for structured outputs. Custom logits
+        processors' validate_params is not run here (vLLM leaves it to admission too: the engine's
+        InputProcessor). Speculative decoding refuses nothing here: tokenloom's drafts are verified under
+        min_p and logit_bias, which vLLM refuses with them."""
+        vocab_size = model_config.get_vocab_size()
+        max_logprobs = getattr(model_config, "max_logprobs", -1)
+        cap = vocab_size if max_logprobs == -1 else max_logprobs
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            n = getattr(self, name)
+            n = vocab_size if n == -1 else n
+            if n and n > cap:
+                raise ValidationError(f"Requested {what} logprobs of {n}, which is greater than max allowed: {cap}",
+                                      parameter=name, value=n)
+        self.check_vocab(vocab_size)
+        if self.structured_outputs is not None and structured_outputs_config is not None and tokenizer is None:
+            raise ValidationError(NO_TOKENIZER_ERROR, parameter="structured_outputs")
 
     def update_from_tokenizer(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         """vLLM's update_from_tokenizer: bad_words as token-id sequences (bad_words_token_ids).
@@ -298,11 +389,14 @@ class SamplingParams:
         at the start of the text and after a space alike; the spaced form is kept only where it starts
         with another token and has as many tokens (else it is the same ban, or a different split that
         vLLM does not ban). `vocab_size`: the bound ids must stay under (the model's logits row;
-        default the tokenizer's size). ValueError for a word that tokenizes to nothing or to ids out of
-        the vocabulary."""
+        default the tokenizer's max_token_id + 1). ValidationError for a word that tokenizes to nothing,
+        to ids out of the vocabulary, or past vLLM's bounds: VLLM_MAX_NUM_BAD_WORDS sequences (checked as
+        they are made, so a request of many words stops tokenizing there) and VLLM_MAX_BAD_WORDS_TOTAL_TOKENS
+        tokens in all (the sampler holds them per request)."""
         if not self.bad_words:
             self._bad_words_token_ids = None
             return
+        limits = _BadWordsLimits(envs.VLLM_MAX_NUM_BAD_WORDS, envs.VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
         sequences: list[list[int]] = []
         for word in self.bad_words:
             plain: list[int] = []
@@ -310,17 +404,20 @@ class SamplingParams:
                 prompt = (" " if add_prefix_space else "") + word.lstrip()
                 ids = list(tokenizer.encode(prompt, add_special_tokens=False))
                 if not add_prefix_space:
-                    if not ids:  # "" or whitespace: nothing to ban, and vLLM indexes its first id
-                        raise ValidationError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+                    if not ids:  # vLLM indexes the first id; a word of spaces (or one the tokenizer drops) has none
+                        raise ValidationError(f"bad_words entries must tokenize to at least one token. Got {word!r}.",
+                                              parameter="bad_words", value=self.bad_words)
                     plain = ids
-                    sequences.append(ids)
-                elif ids and ids[0] != plain[0] and len(ids) == len(plain):
-                    sequences.append(ids)
-        bound = tokenizer.vocab_size if vocab_size is None else vocab_size
+                elif not ids or ids[0] == plain[0] or len(ids) != len(plain):
+                    continue
+                sequences.append(ids)
+                limits.check(sequences, self.bad_words)
+        bound = vocab_size if vocab_size is not None else _tokenizer_vocab_size(tokenizer)
         invalid = [t for ids in sequences for t in ids if not 0 <= t < bound]
         if invalid:
-            raise ValidationError(f"bad_words tokenize to ids out of the vocabulary (size {bound}): {invalid}; "
-                                  f"token ids must satisfy 0 <= token_id <= {bound - 1}")
+            raise ValidationError(f"The model vocabulary size is {bound}, but the following tokens were specified as "
+                                  f"bad: {invalid}. All token id values should be integers satisfying: 0 <= token_id "
+                                  f"<= {bound - 1}.", parameter="bad_words", value=self.bad_words)
         self._bad_words_token_ids = sequences
 
     @property
@@ -345,8 +442,6 @@ class SamplingParams:
         return ids
 
 
-# vLLM's VLLM_MAX_N_SEQUENCES default: the most beams (or parallel samples) one request may ask for.
-MAX_BEAM_WIDTH = 16384
 # vLLM's bound on nested objects and arrays in a structured-output JSON schema (grammar compilation
 # grows steeply with nesting; OpenAI allows 10 levels), and the extra levels a structural tag's wrapper
 # adds around its schemas.
@@ -362,13 +457,79 @@ def max_n_sequences() -> int:
 def verify_num_sequences(value: Any, name: str) -> None:
     """vLLM's _verify_num_sequences, its messages."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(f"{name} must be an int, but is of type {type(value)}")
+        raise ValidationError(f"{name} must be an int, but is of type {type(value)}", parameter=name)
     if value < 1:
-        raise ValidationError(f"{name} must be at least 1, got {value}.")
+        raise ValidationError(f"{name} must be at least 1, got {value}.", parameter=name)
     cap = max_n_sequences()
     if value > cap:
         raise ValidationError(f"{name} must be at most {cap}, got {value}. To increase this limit, set the "
-                              "VLLM_MAX_N_SEQUENCES environment variable.")
+                              "VLLM_MAX_N_SEQUENCES environment variable.", parameter=name)
+
+
+def _repetition_detection(fields: dict[str, Any]) -> RepetitionDetectionParams:
+    """RepetitionDetectionParams from a dict of its fields (an API request's JSON object)."""
+    unknown = sorted(set(fields) - {"max_pattern_size", "min_pattern_size", "min_count"}, key=str)
+    if unknown:
+        raise ValidationError(f"repetition_detection has unknown field(s) {unknown[:5]}; its fields are "
+                              "max_pattern_size, min_pattern_size and min_count", parameter="repetition_detection")
+    return RepetitionDetectionParams(**fields)
+
+
+@dataclass
+class _BadWordsLimits:
+    """vLLM's bounds on a request's bad_words once tokenized (VLLM_MAX_NUM_BAD_WORDS sequences,
+    VLLM_MAX_BAD_WORDS_TOTAL_TOKENS tokens), in vLLM's words."""
+
+    max_sequences: int
+    max_total_tokens: int
+    total_tokens: int = 0
+
+    def check(self, sequences: list[list[int]], words: list[str]) -> None:
+        """After each sequence is added, so that a request of many words stops tokenizing at the bound."""
+        if len(sequences) > self.max_sequences:
+            raise ValidationError(f"Too many bad words after tokenization: {len(sequences)}. The max number is "
+                                  f"{self.max_sequences}.", parameter="bad_words", value=words)
+        self.total_tokens += len(sequences[-1])
+        if self.total_tokens > self.max_total_tokens:
+            raise ValidationError(f"Too many total bad word tokens: {self.total_tokens}. The max is "
+                                  f"{self.max_total_tokens}.", parameter="bad_words", value=words)
+
+
+def _tokenizer_vocab_size(tokenizer: Any) -> int:
+    """The ids a tokenizer can give: vLLM's max_token_id + 1, else its vocab_size."""
+    max_token_id = getattr(tokenizer, "max_token_id", None)
+    return max_token_id + 1 if isinstance(max_token_id, int) else tokenizer.vocab_size
+
+
+def _unique(values: Any) -> list[Any]:
+    """The values in order, each once (vLLM's dict.fromkeys); unhashable ones are left for the type check."""
+    try:
+        return list(dict.fromkeys(values))
+    except TypeError:
+        return list(values)
+
+
+# extra_args cross to the engine process; vLLM's MessagePack transport carries 64-bit integers only.
+_EXTRA_ARGS_INT_RANGE = (-(2**63), 2**64)
+
+
+def _check_extra_args_integers(extra_args: dict[str, Any]) -> None:
+    """vLLM's _verify_extra_args: every integer in extra_args, however nested (dicts' keys too), within
+    [-2**63, 2**64); walked without recursion, each container once (they may be shared, or hold themselves)."""
+    low, high = _EXTRA_ARGS_INT_RANGE
+    pending: list[Any] = [extra_args]
+    visited: set[int] = set()
+    while pending:
+        value = pending.pop()
+        if isinstance(value, int) and not low <= value < high:
+            raise ValidationError("extra_args integers must be between -2**63 and 2**64 - 1.", parameter="extra_args")
+        if isinstance(value, dict | list | tuple) and id(value) not in visited:
+            visited.add(id(value))
+            if isinstance(value, dict):
+                pending.extend(value.keys())
+                pending.extend(value.values())
+            else:
+                pending.extend(value)
 
 
 # The float fields __post_init__ compares and computes with; an int is a number too (temperature=1).
@@ -412,7 +573,10 @@ def _bad_words_list(words: Any) -> list[str]:
     for word in words:
         if not isinstance(word, str):
             raise ValidationError(f"bad_words must be a list of strings, got an entry of type {type(word).__name__}")
-    return list(words)
+    if any(not word for word in words):  # vLLM's words
+        raise ValidationError(f"bad_words cannot contain an empty string. Got bad_words={list(words)[:20]}",
+                              parameter="bad_words")
+    return list(dict.fromkeys(words))  # vLLM's: a word given twice is banned once (order kept)
 
 
 def _exceeds_json_nesting(spec: Any, limit: int) -> bool:
@@ -465,12 +629,7 @@ class BeamSearchParams:
     watermarking: bool | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int):
-            raise ValidationError(f"beam_width must be an int, but is of type {type(self.beam_width)}")
-        if self.beam_width < 1:
-            raise ValidationError(f"beam_width must be at least 1, got {self.beam_width}.")
-        if self.beam_width > MAX_BEAM_WIDTH:
-            raise ValidationError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}.")
+        verify_num_sequences(self.beam_width, "beam_width")  # vLLM's: VLLM_MAX_N_SEQUENCES bounds beams too
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValidationError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, int | float) or self.temperature < 0.0:

@@ -16,9 +16,14 @@ from tokenloom.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    """vLLM's RequestStatus, by its names (those of vLLM-only features left out: streaming-input requests'
+    WAITING_FOR_STREAMING_REQ, FINISHED_IGNORED for prompts tokenloom refuses before they are added)."""
+
     WAITING = enum.auto()
-    # Waiting for its grammar to compile (vLLM's WAITING_FOR_FSM): skipped by admission until ready.
-    WAITING_FOR_FSM = enum.auto()
+    # Waiting for its grammar to compile: skipped by admission until ready. WAITING_FOR_FSM is vLLM's
+    # earlier name, kept as an alias.
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_FSM = WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
     # Holds its blocks while a KV connector loads them in the background (vLLM's WAITING_FOR_REMOTE_KVS):
     # skipped by admission until the worker side reports the load finished (core/scheduler.py).
     WAITING_FOR_REMOTE_KVS = enum.auto()
@@ -29,6 +34,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
+    # The output repeated itself as the request's repetition_detection says (tokenloom/core/repetition.py).
+    FINISHED_REPETITION = enum.auto()
+
+    def __str__(self) -> str:  # vLLM's: the name, where an IntEnum would print its number
+        return self.name
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -44,6 +54,7 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",
 }
 
 # The parent of a request's first block (vLLM's NONE_HASH), a fixed int: hash(None) is the object's address

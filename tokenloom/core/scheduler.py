@@ -57,6 +57,7 @@ from tokenloom.core.outputs import (
 )
 from tokenloom.core.policies import HOOKS, PrefillWaitBound, PriorityPreemption, StepContext, StepPolicy, overriding
 from tokenloom.core.prompt_fit import prompt_fit, prompt_refusal
+from tokenloom.core.repetition import REPETITION_STOP_REASON, check_sequence_repetition
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.request_queue import create_request_queue
 from tokenloom.core.sched_interface import SchedulerInterface
@@ -130,6 +131,10 @@ class _StepPlan:
         self.req_to_new_block_ids[req_id] = block_ids
         self.num_scheduled_tokens[req_id] = num_new_tokens
         self.token_budget -= num_new_tokens
+
+
+# Waiting states a thread of its own ends: a grammar compiling, a KV load.
+_BACKGROUND_WAITS = (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 
 class Scheduler(SchedulerInterface):
@@ -277,9 +282,9 @@ class Scheduler(SchedulerInterface):
                 raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "
                                       "backend, and this engine has none")
             # Compiles in the manager's thread pool; admission skips the request until it is done.
-            request.status = RequestStatus.WAITING_FOR_FSM
+            request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
             self.structured_output_manager.grammar_init(request)
-        if request.status == RequestStatus.WAITING_FOR_FSM:
+        if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
             self.deferred_waiting.add(request)  # blocked from arrival (vLLM's _enqueue_waiting_request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
@@ -530,7 +535,8 @@ class Scheduler(SchedulerInterface):
                 plan.bound_by = "max_num_seqs"
                 break
             request = self.waiting.peek_request()
-            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+            if (request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                    and not self._grammar_ready(request)):
                 # Still compiling (or failed): step over it, the others are not held up.
                 skipped_waiting.append(self.waiting.pop_request())
                 continue
@@ -808,7 +814,7 @@ class Scheduler(SchedulerInterface):
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Promote a WAITING_FOR_FSM request whose grammar compiled; a failed one is finished next update.
+        """Promote a request waiting for its grammar whose grammar compiled; a failed one is finished next update.
         One with no grammar to wait for (no manager, or no structured-output request) stays stepped over,
         as vLLM's _handle_blocked_waiting_request leaves it."""
         if self.structured_output_manager is None or request.structured_output_request is None:
@@ -1178,6 +1184,13 @@ class Scheduler(SchedulerInterface):
         if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        # vLLM's order: repetition only once min_tokens are out (the checks above end a request regardless).
+        repetition = params.repetition_detection
+        if (repetition is not None and request.num_output_tokens >= params.min_tokens
+                and check_sequence_repetition(request.output_token_ids, repetition)):
+            request.status = RequestStatus.FINISHED_REPETITION
+            request.stop_reason = REPETITION_STOP_REASON
+            return True
         return False
 
     # Figures ---------------------------------------------------------------------------------
@@ -1188,8 +1201,8 @@ class Scheduler(SchedulerInterface):
         return len(self.running)
 
     def has_background_work(self) -> bool:
-        return any(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
-                   for r in self.waiting) or bool(self.aborted_while_loading)  # a load still to hear the end of
+        # (a load aborted while in flight: still to hear the end of)
+        return any(r.status in _BACKGROUND_WAITS for r in self.waiting) or bool(self.aborted_while_loading)
 
     def has_requests(self) -> bool:
         """Unfinished requests, or finished ones the runner has not been told about yet."""

@@ -4,7 +4,7 @@ vLLM: `vllm/v1/structured_output/__init__.py`. The scheduler drives it:
 
 - `grammar_init(request)` when a constrained request arrives: compilation is submitted to a thread
   pool (cached by (kind, spec), so equal schemas compile once and share the result); the request
-  waits in WAITING_FOR_FSM and is skipped, not blocking the queue, until `is_ready` says so;
+  waits in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR and is skipped, not blocking the queue, until `is_ready` says so;
 - `grammar_bitmask(requests, spec_tokens)` each step: per request that samples in this step, one
   bitmask row per scheduled draft position plus one for the token after them (the allowed next
   tokens, one bit per vocabulary entry), carried in the SchedulerOutput. The matcher walks the drafts
@@ -40,14 +40,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from tokenloom.reasoning import ReasoningParser
+from tokenloom.sampling_params import NO_TOKENIZER_ERROR
 
 if TYPE_CHECKING:
     from tokenloom.core.request import Request
 
 
-# vLLM's words (SamplingParams._validate_structured_outputs) for a constrained request on an engine
-# without a tokenizer.
-NO_TOKENIZER_ERROR = "Structured outputs requires a tokenizer so it can't be used with 'skip_tokenizer_init'"
+
 
 # A request whose grammar allowed no token at this point (its text so far cannot be completed: a rule that
 # never ends, `root ::= "a" b`, `b ::= b "x"`), so the sampled token was refused. The request's own input is at

@@ -215,7 +215,7 @@ class AsyncLLM:
         self.input_processor.check_generation_model()
         prompt_token_ids = truncate_prompt_ids(prompt_token_ids, params.truncate_prompt_tokens, self.info.max_model_len)
         self.input_processor.check_prompt(prompt_token_ids, params, max_tokens_in_context=max_tokens_in_context)
-        params = self.input_processor.process_params(params)
+        params = self.input_processor.process_params(params, len(prompt_token_ids))
         self.check_admission(params.n)
         arrival = time.monotonic()
         params = self.generation_defaults.apply_eos(params)  # the model's generation_config EOS ids (as vLLM)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from tokenloom.core.outputs import EngineCoreOutput, ModelRunnerOutput, Schedule
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.sched_interface import SchedulerInterface
 from tokenloom.core.scheduler import RequestRejected
-from tokenloom.engine.core_messages import StepInfo
+from tokenloom.engine.core_messages import EngineCoreRequest, StepInfo
 from tokenloom.engine.executor import Executor, ExecutorDeadError
 from tokenloom.engine.trace import StepTracer
 from tokenloom.spec_decode.adaptive import AdaptiveDraftPolicy
@@ -58,6 +59,19 @@ class EngineCore:
         # vLLM's batch queue: the steps in flight, oldest first (depth max_concurrent_batches).
         self.batch_queue_size = executor.max_concurrent_batches
         self.batch_queue: deque[_InFlight] = deque()
+        # vLLM's aborts queue: where aborts that arrived while a step ran are read, just before that step's
+        # output is applied (None: nothing arrives mid-step; the engine-core process sets it).
+        self.pending_aborts: Callable[[], list[str]] | None = None
+
+    def preprocess_add_request(self, request: EngineCoreRequest | Request) -> Request:
+        """vLLM's: the engine's Request for what a client sent. An EngineCoreRequest (from across a pipe) becomes
+        a new Request; the in-process client's Request is the front end's own object (its OutputProcessor reads
+        the timestamps the scheduler writes on it), taken as it is. Whatever this raises, the client gets the
+        request back finished with "error" and the engine goes on (EngineCoreProc, InprocClient), as vLLM's
+        _handle_request_preproc_error."""
+        if isinstance(request, Request):
+            return request
+        return request.to_request()
 
     def add_request(self, request: Request) -> None:
         """Raises RequestRejected (a ValueError) for a request that can never run (a LoRA adapter that
@@ -177,6 +191,7 @@ class EngineCore:
             self.batch_queue.clear()  # the steps behind it died with the executor: nothing left to collect
             raise
         t_update = self.clock()
+        self._process_pending_aborts()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if self.scheduler.num_spec_tokens and self.batch_queue_size == 1:
             # Async scheduling has no post_step drafts (vLLM's too): the AsyncScheduler schedules K
@@ -199,6 +214,23 @@ class EngineCore:
             }
             self.tracer.record(step.t_start, t_end, self.scheduler, scheduler_output, outputs, timing)
         return outputs
+
+    def _process_pending_aborts(self) -> None:
+        """vLLM's _process_aborts_queue (PR 29987): a request aborted while its last step ran ends as aborted, not
+        as that step's update would end it ("length", "stop"): the KV connector's request_finished and the stats
+        see FINISHED_ABORTED, and its blocks are freed as an abort's."""
+        if self.pending_aborts is None:
+            return
+        request_ids = self.pending_aborts()
+        if request_ids:
+            self.abort_requests(request_ids)
+
+    @staticmethod
+    def preprocess_error_output(request_id: str, exc: BaseException) -> EngineCoreOutput:
+        """The output that ends a request whose preprocess_add_request raised (logged here, with its traceback)."""
+        logger.exception("Unexpected error pre-processing request %s", request_id)
+        return EngineCoreOutput(request_id, [], finish_reason="error",
+                                error=f"Unexpected error pre-processing request: {type(exc).__name__}: {exc}")
 
     def _step_seconds(self, step: _InFlight, model_output: ModelRunnerOutput, t_update: float, t_end: float) -> float:
         """What the step cost, as the SLO controller's predictions count it: the scheduler's own time

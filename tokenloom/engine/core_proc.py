@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -209,6 +210,9 @@ class EngineCoreProc:
         self._unscheduled: set[str] = set()
         # Adds the scheduler refused, answered with an error output in the next batch.
         self._rejected: list[EngineCoreOutput] = []
+        # Messages read while a step ran, to apply (in order) once it is done.
+        self._read_mid_step: deque[object] = deque()
+        core.pending_aborts = self._aborts_arrived_mid_step
 
     def run(self) -> None:
         while not self.stopping:
@@ -224,26 +228,53 @@ class EngineCoreProc:
                 self.outbox.send(self._batch(outputs, step))
 
     def _handle_inbox(self, block: bool) -> bool:
-        """Apply every waiting message; when `block`, wait for the first one. True if any was handled."""
-        if not self.inbox.poll(None if block else 0):
-            return False
+        """Apply every waiting message (those read during the last step first); when `block`, wait for the
+        first one. True if any was handled."""
+        handled = bool(self._read_mid_step)
+        while self._read_mid_step:
+            self._apply(self._read_mid_step.popleft())
+            if self.stopping:
+                return True
+        if not self.inbox.poll(None if block and not handled else 0):
+            return handled
         while True:
-            msg = self.inbox.recv()  # EOFError when the API process is gone: ends the loop
-            if isinstance(msg, EngineCoreRequest):
-                self._add(msg)
-            elif isinstance(msg, AbortRequests):
-                self.core.abort_requests(msg.request_ids)
-                for rid in msg.request_ids:
-                    self._forget(rid)
-            elif isinstance(msg, Shutdown):
-                self.stopping = True
+            self._apply(self.inbox.recv())  # EOFError when the API process is gone: ends the loop
+            if self.stopping or not self.inbox.poll(0):
                 return True
-            if not self.inbox.poll(0):
-                return True
+
+    def _apply(self, msg: object) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                self._forget(rid)
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+
+    def _aborts_arrived_mid_step(self) -> list[str]:
+        """The ids of the aborts that arrived while a step ran (vLLM's aborts queue, which its input thread fills):
+        every message waiting is read now and kept, in order, for after the step (an abort is applied again
+        then, in its place: a request added after the step would otherwise miss an abort that came behind its
+        add; aborting twice is harmless)."""
+        aborted: list[str] = []
+        while self.inbox.poll(0):
+            try:
+                msg = self.inbox.recv()
+            except EOFError:  # the API process is gone: the loop finds out at its next read
+                break
+            self._read_mid_step.append(msg)
+            if isinstance(msg, AbortRequests):
+                aborted.extend(msg.request_ids)
+        return aborted
 
     def _add(self, msg: EngineCoreRequest) -> None:
         self.num_received += 1
-        request = msg.to_request()
+        try:
+            request = self.core.preprocess_add_request(msg)
+        except Exception as exc:  # vLLM's: this request ends with "error", the engine goes on
+            self._rejected.append(self.core.preprocess_error_output(msg.request_id, exc))
+            return
         try:
             self.core.add_request(request)
         except ValueError as exc:  # RequestRejected: the API process validates first, so this is rare

@@ -25,13 +25,23 @@ class InprocClient:
         """Load the model and build the engine core here (minutes for a large model)."""
         self.host = EngineCoreHost(config, clock)
         self.steps: list[StepInfo] = []  # what the last get_output()'s step did (LLMEngine's step metrics)
+        # Requests whose preprocessing failed, handed back finished with "error" by the next get_output().
+        self._failed: list[EngineCoreOutput] = []
 
     def engine_ready(self) -> EngineReady:
         """The engine core as it is now (reset_scheduler may change its limits)."""
         return self.host.engine_ready(0.0)
 
     def add_request(self, request: Request) -> None:
-        self.host.engine_core.add_request(request)
+        """A request the engine cannot take (RequestRejected) raises here; one whose preprocessing fails ends with
+        "error" instead, as in vLLM's engine-core process."""
+        core = self.host.engine_core
+        try:
+            request = core.preprocess_add_request(request)
+        except Exception as exc:
+            self._failed.append(core.preprocess_error_output(request.request_id, exc))
+            return
+        core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.host.engine_core.abort_requests(request_ids)
@@ -39,6 +49,8 @@ class InprocClient:
     def get_output(self) -> list[EngineCoreOutput]:
         outputs, step = self.host.engine_core.step_reported()
         self.steps = [] if step is None else [step]
+        if self._failed:
+            outputs, self._failed = self._failed + outputs, []
         return outputs
 
     @property
@@ -47,7 +59,7 @@ class InprocClient:
         return self.host.scheduler.make_stats()
 
     def has_unfinished_requests(self) -> bool:
-        return self.host.engine_core.has_unfinished_requests()
+        return bool(self._failed) or self.host.engine_core.has_unfinished_requests()
 
     # vLLM's InprocClient.add_lora / remove_lora / list_loras (runtime adapter loading).
     def add_lora(self, lora_request: Any) -> bool:

@@ -94,10 +94,12 @@ class InputProcessor:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary (size {vocab})", param)
         return list(ids)
 
-    def process_params(self, params: SamplingParams) -> SamplingParams:
-        """The params the engine core gets: bad_words as token-id sequences (vLLM's update_from_tokenizer),
-        on a copy, since the caller's object may be shared by other requests. InvalidRequestError for a
-        word that tokenizes to nothing or out of the model's vocabulary, and for a best_of other than n."""
+    def process_params(self, params: SamplingParams, prompt_len: int | None = None) -> SamplingParams:
+        """The params the engine core gets, on a copy where they change (the caller's object may be shared by
+        other requests): max_tokens unset filled from the context (`prompt_len`, vLLM's rule), bad_words as
+        token-id sequences (vLLM's update_from_tokenizer). InvalidRequestError for a min_tokens past that
+        max_tokens, a word that tokenizes to nothing, out of the model's vocabulary or past vLLM's bad-words
+        bounds, and for a best_of other than n."""
         if params.best_of is not None and params.best_of != params.n:  # the server's rule (server/params.py)
             raise InvalidRequestError("best_of is not supported (other than equal to n)", "best_of")
         self.validate_logits_processors_params(params)
@@ -105,6 +107,8 @@ class InputProcessor:
             self._check_without_tokenizer(params)
         params = self._resolve_whole_vocabulary_logprobs(params)
         params = self._resolve_thinking_budget(params)
+        if prompt_len is not None and params.max_tokens is None:
+            params = self._fill_max_tokens(params, prompt_len)
         if not params.bad_words and params.bad_words_token_ids is None:
             return params
         params = copy.copy(params)
@@ -131,6 +135,18 @@ class InputProcessor:
                                       "thinking_token_budget")
         params = copy.copy(params)
         params._thinking_token_ids = ids
+        return params
+
+    def _fill_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """vLLM's process_inputs: max_tokens unset means up to max_model_len, made explicit here, and only now can
+        min_tokens be held to it (SamplingParams checks it against a max_tokens that was given). check_prompt
+        has made sure the prompt leaves room for one token."""
+        max_tokens = max(self.info.max_model_len - prompt_len, 1)
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                                      f"{params.min_tokens}.", "min_tokens")
+        params = copy.copy(params)
+        params.max_tokens = max_tokens
         return params
 
     def _resolve_whole_vocabulary_logprobs(self, params: SamplingParams) -> SamplingParams:

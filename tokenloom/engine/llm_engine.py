@@ -213,7 +213,7 @@ class LLMEngine:
                                         self.input_processor.info.max_model_len)
         self.input_processor.check_prompt(token_ids, params, max_tokens_in_context=False)
         self.input_processor.check_logprobs(params, self.max_logprobs)
-        params = self.input_processor.process_params(params)
+        params = self.input_processor.process_params(params, len(token_ids))
         arrival = self.clock() if arrival_time is None else arrival_time
         if lora_request is not None:
             check_lora_request(lora_request, self.input_processor.info.lora)

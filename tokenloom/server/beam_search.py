@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from tokenloom.engine.beam_search_async import BeamSearchStream
-from tokenloom.engine.generation_config import server_default
 from tokenloom.engine.outputs import Logprob, RequestOutput
 from tokenloom.sampling_params import BeamSearchParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
@@ -48,6 +47,7 @@ NOT_APPLIED: dict[str, Unsupported] = {
     "prompt_logprobs": _ignored("prompt_logprobs", ()),
     "vllm_xargs": _ignored("vllm_xargs", ({},)),
     "thinking_token_budget": _ignored("thinking_token_budget", (-1,)),
+    "repetition_detection": _ignored("repetition_detection", ()),
 }
 
 
@@ -78,22 +78,15 @@ def reject_beam_only_fields(req: SamplingRequest) -> None:
 
 
 def beam_search_params(req: SamplingRequest, max_tokens: int | None, defaults: dict[str, Any]) -> BeamSearchParams:
-    """vLLM's `to_beam_search_params`: n is the beam width; temperature defaults as for sampling."""
+    """vLLM's `to_beam_search_params` (the request's): n is the beam width; temperature defaults as for sampling."""
     if max_tokens is None:
         raise APIError(400, "max_tokens must be set with beam search", "max_tokens")
     try:
-        return BeamSearchParams(
-            beam_width=req.n,
-            max_tokens=max_tokens,
-            ignore_eos=req.ignore_eos,
-            temperature=server_default(defaults, "temperature", req.temperature, 1.0),
-            length_penalty=getattr(req, "length_penalty", 1.0),
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            skip_special_tokens=req.skip_special_tokens,
-        )
+        return req.to_beam_search_params(max_tokens, defaults)
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
+        # vLLM's words name beam_width; the client sent it as n.
         raise APIError(400, message.replace("beam_width", "n (the beam width)"),
                        "n" if field == "beam_width" else field) from None
 

@@ -113,9 +113,10 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             structured_outputs=structured_outputs,
             extra_args=_extra_args(req),
             thinking_token_budget=req.thinking_token_budget,
+            repetition_detection=req.repetition_detection,
         )
     except ValueError as exc:
-        # SamplingParams' messages start with the field's name ("temperature must be ..."), or name it.
+        # The field the ValidationError names, else the one its message starts with ("temperature must be ...").
         first = str(exc).split(" ", 1)[0]
         param = getattr(exc, "parameter", None) or (first if first in _PARAM_NAMES else None)
         raise APIError(400, str(exc), param) from None

@@ -14,7 +14,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from tokenloom import envs
+from tokenloom.engine.generation_config import server_default
+from tokenloom.sampling_params import BeamSearchParams
 from tokenloom.server.request_checks import (
     check_chat_tool_usage,
     check_responses_tool_usage,
@@ -40,10 +44,22 @@ def _bool_string(value: Any) -> Any:
     return value
 
 
+def _at_most_max_stop_strings(stop: Any) -> Any:
+    # vLLM 0.32's StopParam (a list of at most VLLM_MAX_STOP_STRINGS), in pydantic's own words for a list too
+    # long; read when a request is validated, not when this module loads (vLLM reads it at import).
+    limit = envs.VLLM_MAX_STOP_STRINGS
+    if isinstance(stop, list) and len(stop) > limit:
+        raise PydanticCustomError("too_long", "List should have at most {max_length} items after validation, not "
+                                  "{actual_length}", {"field_type": "List", "max_length": limit,
+                                                      "actual_length": len(stop)})
+    return stop
+
+
 Int = Annotated[int, BeforeValidator(_integral)]
 Bool = Annotated[bool, BeforeValidator(_bool_string)]
 Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+StopParam = Annotated[str | list[str] | None, AfterValidator(_at_most_max_stop_strings)]
 
 
 # vLLM's vllm_xargs: names to strings, numbers, or lists of them (SamplingParams.extra_args, which custom logits
@@ -66,7 +82,7 @@ class SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: StopParam = None
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -98,6 +114,8 @@ class SamplingRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's: arguments for custom logits processors (--logits-processors), the request's extra_args.
     vllm_xargs: VllmXArgs | None = None
+    # vLLM's: end the request when its output repeats itself (SamplingParams.repetition_detection's fields).
+    repetition_detection: dict[str, Any] | None = None
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0
@@ -110,6 +128,19 @@ class SamplingRequest(BaseModel):
         """vLLM's body checks ahead of the fields (request_checks.py)."""
         check_structured_outputs_count(data, chat=False)
         return data
+
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict[str, Any]) -> BeamSearchParams:
+        """vLLM's: the request as beam search runs it, n being the beam width (at most VLLM_MAX_N_SEQUENCES,
+        checked here, before any beam exists); temperature defaults as for sampling. Raises ValidationError."""
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=server_default(default_sampling_params, "temperature", self.temperature, 1.0),
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class CompletionRequest(SamplingRequest):
@@ -220,6 +251,19 @@ class ChatCompletionRequest(SamplingRequest):
         return check_chat_tool_usage(data)
 
 
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): ChatCompletionRequest's fields, `messages` a non-empty list of
+    non-empty conversations. The endpoint's own rules (no stream, n 1, no tools, no beam search) are
+    server/serving_batch.py's."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)]  # type: ignore[assignment]
+
+    def to_chat_completion_request(self, messages: list[ChatMessage]) -> ChatCompletionRequest:
+        """vLLM's: one conversation as a chat request of its own."""
+        data = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return ChatCompletionRequest.model_validate({**data, "messages": [m.model_dump() for m in messages]})
+
+
 class TokenizeCompletionRequest(BaseModel):
     model_config = _CONFIG
     model: str | None = None
@@ -285,10 +329,15 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None  # a routing hint; prefix caching needs no key
     # vLLM's extensions
     request_id: str | None = None
+    session_id: str | None = None  # vLLM: routing metadata only
     priority: Int64 = 0
     top_k: Int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: StopParam = None
+    stop_token_ids: list[TokenId] | None = None
     repetition_penalty: float | None = None
     ignore_eos: Bool = False
     skip_special_tokens: Bool = True

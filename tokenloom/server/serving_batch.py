@@ -11,10 +11,11 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.server.body import read_json
+from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
 from tokenloom.server.params import chat_params
+from tokenloom.server.protocol import BatchChatCompletionRequest
 from tokenloom.server.responses import UsageCounter
 from tokenloom.server.serving_chat import chat_choice, echo_text, parse_chat
 from tokenloom.server.state import get_state
@@ -39,10 +40,12 @@ async def create_batch_chat_completion(raw: Request) -> Response:
         raise APIError(400, "Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: one "
                             "pre-tokenized prompt cannot serve several conversations.",
                        "kv_transfer_params.prompt_token_ids")
-    if obj.get("n", 1) != 1:
-        raise APIError(400, "n must be 1 on the batch endpoint", "n")
+    if obj.get("n", 1) not in (1, None):  # vLLM's message
+        raise APIError(400, "Batch chat completions do not support `n > 1`. Please set `n` to 1.", "n")
     if obj.get("tools"):
         raise APIError(400, "tools are not supported by the batch endpoint", "tools")
+    # The fields every conversation shares, checked once (the stop-string cap among them) before any is rendered.
+    parse_model(BatchChatCompletionRequest, obj)
     parsed = [await parse_chat(state, {**obj, "messages": conv}) for conv in conversations]
     req0 = parsed[0][0]
     model = state.model_name(req0.model)

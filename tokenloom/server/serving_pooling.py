@@ -64,13 +64,14 @@ class EmbeddingRequest(_Base):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     normalize: bool | None = None
+    # vLLM 0.32's name for normalize (PoolingParams takes both; they must agree).
+    use_activation: bool | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = False
 
 
 class PoolingRequest(EmbeddingRequest):
     task: str | None = None
-    use_activation: bool | None = None
 
 
 class ClassificationRequest(_Base):
@@ -206,7 +207,8 @@ async def create_embedding(raw: Request) -> Response:
     req = parse_model(EmbeddingRequest, obj)
     model = state.model_name(req.model)
     info = _info(state)
-    params = _params(info, "embed", req, dimensions=req.dimensions, normalize=req.normalize)
+    params = _params(info, "embed", req, dimensions=req.dimensions, normalize=req.normalize,
+                     use_activation=req.use_activation)
     prompts = await _prompts(state, req)
     outs = await _run(raw, state, prompts, [params] * len(prompts), "embd", request_priority(raw, req.priority))
     if outs is None:
@@ -226,7 +228,7 @@ async def create_pooling(raw: Request) -> Response:
     task = req.task or info.tasks[0]
     fields: dict[str, Any] = {}
     if task in ("embed", "token_embed"):
-        fields = {"dimensions": req.dimensions, "normalize": req.normalize}
+        fields = {"dimensions": req.dimensions, "normalize": req.normalize, "use_activation": req.use_activation}
     elif req.use_activation is not None:
         fields = {"use_activation": req.use_activation}
     params = _params(info, task, req, **fields)

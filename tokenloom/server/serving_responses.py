@@ -283,8 +283,10 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
     body: dict[str, Any] = {
         "add_generation_prompt": not continue_final, "continue_final_message": continue_final,
         "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed,
-        "stop": req.stop, "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p, "seed": req.seed,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "stop": req.stop, "stop_token_ids": req.stop_token_ids, "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
         "skip_special_tokens": req.skip_special_tokens, "include_stop_str_in_output": req.include_stop_str_in_output,
         "priority": req.priority, "logit_bias": req.logit_bias, "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req.text), "structured_outputs": req.structured_outputs,

@@ -45,7 +45,7 @@ def _so_from_dict(value: Any, field: str) -> StructuredOutputsParams:
     unknown = [k for k in value if k not in _SO_KEYS + _SO_XGRAMMAR_ALWAYS and value[k] is not None]
     if unknown:
         raise APIError(400, f"{field}: unknown key {unknown[0]!r} (one of {', '.join(_SO_KEYS)})", field)
-    if not any(value.get(k) not in (None, False) for k in _SO_KEYS if k != "disable_any_whitespace"):
+    if not any(value.get(k) is not None for k in _SO_KEYS if k != "disable_any_whitespace"):
         raise APIError(400, f"{field}: you must use one kind of structured outputs constraint but none are "
                             "specified", field)
     try:

@@ -35,7 +35,6 @@ COMMON: dict[str, Unsupported] = {
     "prompt_embeds": Unsupported("prompt embeddings are not supported", ([], "")),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
-    "repetition_detection": Unsupported("repetition_detection is not supported yet"),
     "stream_interval": Unsupported("stream_interval is not supported yet (every step is streamed)", (1,)),
     # vLLM's OpenAI server takes no lora_request field either: the request's `model` names the adapter.
     "lora_request": Unsupported("lora_request is not a request field: name a LoRA adapter in `model` "
@@ -66,6 +65,10 @@ RESPONSES: dict[str, Unsupported] = {
     "prompt_cache_retention": Unsupported("prompt_cache_retention is not supported (the prefix cache keeps "
                                           "what its blocks hold)"),
     "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    # Disaggregated prefill is served on the completion endpoints (docs/kv_offload.md); a response object has no
+    # kv_transfer_params to hand the connector's back in.
+    "kv_transfer_params": Unsupported("kv_transfer_params is not supported on /v1/responses (use /v1/completions or "
+                                      "/v1/chat/completions)", ({},)),
     # Served on /v1/completions and /v1/chat/completions; the Responses request carries no bad_words.
     "bad_words": Unsupported("bad_words is not supported on /v1/responses (use /v1/completions or "
                              "/v1/chat/completions)", ([],)),

@@ -28,3 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in _FULL_RUN_ONLY:
             item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_test: vLLM's (its CPU CI selects these tests)")

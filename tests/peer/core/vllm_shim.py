@@ -435,18 +435,8 @@ def _step_until_done(scheduler: _TLScheduler, output: tl_outputs.SchedulerOutput
 # --- peer-sched: helpers of the cases vendored with max_num_active_seqs, the adaptive long-prefill threshold,
 # --- the deferred-waiting stats, pooling, the memory-leak check and the priority cases (2026-12-06) ---------
 
-class _VllmRequestStatusNames(type):
-    """tokenloom's RequestStatus members, looked up by name on the shim's RequestStatus."""
-
-    def __getattr__(cls, name: str) -> RequestStatus:
-        return getattr(RequestStatus, name)
-
-
-class VllmRequestStatus(metaclass=_VllmRequestStatusNames):
-    """tokenloom's RequestStatus under vLLM 0.32's names too: its WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR is
-    tokenloom's WAITING_FOR_FSM (vLLM's earlier name)."""
-
-    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = RequestStatus.WAITING_FOR_FSM
+# tokenloom's RequestStatus has vLLM 0.32's names (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR since 2026-12-07).
+VllmRequestStatus = RequestStatus
 
 
 def make_output(scheduler: _TLScheduler) -> tl_outputs.ModelRunnerOutput:
