@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenloom import envs
 from tokenloom.engine.generation_config import server_default
-from tokenloom.sampling_params import BeamSearchParams
+from tokenloom.sampling_params import BeamSearchParams, validate_thinking_token_budget
 from tokenloom.server.request_checks import (
     check_chat_tool_usage,
     check_responses_tool_usage,
@@ -119,8 +119,9 @@ class SamplingRequest(BaseModel):
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0
-    # vLLM's: at most this many thinking tokens, then the end of thinking is forced (needs --reasoning-parser)
-    thinking_token_budget: Int | None = None
+    # vLLM's: at most this many thinking tokens, then the end of thinking is forced (needs --reasoning-parser);
+    # -1 (unlimited) is None, as vLLM's ThinkingTokenBudget type makes it
+    thinking_token_budget: Annotated[int | None, BeforeValidator(validate_thinking_token_budget)] = None
 
     @model_validator(mode="before")
     @classmethod
