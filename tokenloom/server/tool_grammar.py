@@ -133,6 +133,21 @@ def _json_forms(tools: ToolSetup, requested: StructuredOutputsParams | None) -> 
     return requested if schema is None else StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
+# Constraints a user asked for that a parser's forced-call schema does not replace (vLLM's Mistral
+# adjust_request keeps a request's own structured_outputs; it replaces only a json response_format).
+_KEPT_OVER_FORCED_SCHEMA = ("regex", "choice", "grammar", "structural_tag")
+
+
+def _parser_forced_schema(schema: dict[str, Any],
+                          requested: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """A parser's own schema for forced calls (mistral's pre-v11 array), in place of a JSON format the
+    request asked for; a regex / choice / grammar / structural tag of the request's stays instead. Compact
+    JSON, as `_json_forms`: a forced call must end."""
+    if requested is not None and any(getattr(requested, f, None) is not None for f in _KEPT_OVER_FORCED_SCHEMA):
+        return requested
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
 def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams | None,
                             strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's constraint once its tools are taken into account (`requested` when they add none)."""
@@ -142,6 +157,9 @@ def tool_structured_outputs(tools: ToolSetup, requested: StructuredOutputsParams
         return _json_forms(tools, requested) if tools.mode in ("required", "named") else requested
     parser = get_tool_parser(tools.parser)
     model = parser.structural_tag_model
+    if model is None and tools.mode in ("required", "named") and tools.tools \
+            and (schema := parser.forced_calls_schema(tools.tools, tools.named)) is not None:
+        return _parser_forced_schema(schema, requested)
     if model is None:
         return _json_forms(tools, requested)
     level = STRICT_LEVELS.index(strict_level)

@@ -38,6 +38,7 @@ from tokenloom.server.tool_parsers import (  # noqa: F401  (re-exported under vL
 )
 from tokenloom.server.tool_parsers.hermes import HermesToolParser as Hermes2ProToolParser  # noqa: F401
 from tokenloom.server.tool_parsers.llama import Llama3JsonToolParser  # noqa: F401
+from tokenloom.server.tool_parsers.mistral import MistralToolParser  # noqa: F401
 from tokenloom.server.tool_parsers.python_calls import (  # noqa: F401
     UnexpectedAstError,
     get_parameter_value,
@@ -86,6 +87,8 @@ def local_tokenizer(added: Sequence[str] = (), special: Sequence[str] = ()) -> A
 QWEN_TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 # meta-llama/Llama-3.2-1B-Instruct: <|python_tag|> is a special token.
 LLAMA_SPECIAL_TOKENS = ("<|python_tag|>",)
+# mistralai/Mistral-7B-Instruct-v0.3 (a pre-v11 vocabulary: no [ARGS]): [TOOL_CALLS] is a special token.
+MISTRAL_PRE_V11_SPECIAL_TOKENS = ("[TOOL_CALLS]",)
 
 
 def get_tokenizer(tokenizer_name: str, **_: Any) -> Any:
@@ -100,6 +103,8 @@ def _named_tokenizer(tokenizer_name: str) -> Any:
         return local_tokenizer(added=QWEN_TOOL_TOKENS)
     if tokenizer_name.startswith("meta-llama/"):
         return local_tokenizer(special=LLAMA_SPECIAL_TOKENS)
+    if tokenizer_name == "mistralai/Mistral-7B-Instruct-v0.3":
+        return local_tokenizer(special=MISTRAL_PRE_V11_SPECIAL_TOKENS)
     return local_tokenizer()
 
 

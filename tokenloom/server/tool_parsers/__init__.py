@@ -35,7 +35,7 @@ _BUILTIN = {
     "qwen3_coder": ("qwen3_coder", "Qwen3CoderToolParser"),
     "qwen3_xml": ("qwen3_coder", "Qwen3CoderToolParser"),  # vLLM's alias
     "phi4_mini_json": ("phi4mini", "Phi4MiniJsonToolParser"),
-    "mistral": ("mistral", "MistralToolParser"),  # known, refused at start-up (see mistral.py)
+    "mistral": ("mistral", "MistralToolParser"),  # Hugging Face tokenizers (see mistral.py)
 }
 for _name, (_module, _cls) in _BUILTIN.items():
     ToolParserManager.register_lazy_module(_name, f"{_PACKAGE}.{_module}", _cls)

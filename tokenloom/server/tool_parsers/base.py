@@ -102,6 +102,12 @@ class ToolParser:
     # (`{tools}`: one JSON tool per line); it asks for this parser's format.
     tools_prompt = ""
 
+    @classmethod
+    def forced_calls_schema(cls, tools: dict[str, dict[str, Any]], named: str | None) -> dict[str, Any] | None:
+        """The JSON schema this parser's own format forces "required" / a named function with (vLLM: the
+        parser's adjust_request), None for vLLM's JSON forms or a structural tag instead."""
+        return None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.structural_tag_model is not None:
