@@ -6,7 +6,8 @@ SmolLM2's template does not render tools, so the server shows them in Llama 3.2'
 driven deterministically: "required" and a named function are forced with vLLM's JSON forms (the
 parser has no structural tag) and read back by their rules; "auto" is read by the pythonic parser,
 with a regex of the request's own making the model write a call. Whole and streamed must agree.
-Plus: `--tool-call-parser llama3_json` and `mistral` refused at start-up on this tokenizer, vLLM's words.
+Plus: `--tool-call-parser llama3_json` and `mistral` refused at start-up on this tokenizer (SmolLM2's has neither
+`<|python_tag|>` nor `[TOOL_CALLS]`), vLLM's words.
 """
 
 from __future__ import annotations

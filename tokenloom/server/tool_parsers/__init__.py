@@ -3,7 +3,7 @@
 Only formats implemented here are registered; vLLM's other names are refused at start-up with vLLM's
 message rather than accepted and ignored. A user's own parsers (written against vLLM's ToolParser,
 `base.py`) register through `--tool-parser-plugin`. A parser whose constructor raises for a tokenizer
-(llama3_json without `<|python_tag|>`, mistral) is refused at start-up, as vLLM's
+(llama3_json without `<|python_tag|>`, mistral without `[TOOL_CALLS]`) is refused at start-up, as vLLM's
 ParserManager.validate_parser_tokenizer does: `check_tokenizer` below.
 """
 
