@@ -323,7 +323,8 @@ def test_a_prompt_filling_the_context_is_refused_in_vllms_offline_words(tiny) ->
 def test_request_output_add_merges_delta_outputs_into_the_cumulative_one(tiny) -> None:
     """vLLM's RequestOutput.add: the DELTA outputs of a request, each merged into the first with aggregate=True,
     are the CUMULATIVE run's final output (every completion of n=2: text, token ids, logprobs, finish); with
-    aggregate=False a later output replaces the completion of its index. It did not exist here."""
+    aggregate=False a later output replaces the completion of its index. It did not exist here. Each output of
+    the n=2 stream carries one child (vLLM's shape), so the whole one is the outputs merged."""
     from tokenloom.sampling_params import RequestOutputKind
 
     def run(kind: RequestOutputKind) -> list:
@@ -335,18 +336,21 @@ def test_request_output_add_merges_delta_outputs_into_the_cumulative_one(tiny) -
             outs += engine.step()
         return outs
 
+    # Each streamed output of n=2 carries one child (vLLM's ParentRequest.get_outputs): the CUMULATIVE run's
+    # outputs merged with aggregate=False hold each child's last (whole) completion.
+    cumulative = run(RequestOutputKind.CUMULATIVE)
+    final = {c.index: c for out in cumulative for c in out.outputs}
+    first = cumulative[0]
+    for out in cumulative[1:]:
+        first.add(out, aggregate=False)
+    assert sorted((c.index, c.text) for c in first.outputs) == sorted((i, c.text) for i, c in final.items())
     deltas = run(RequestOutputKind.DELTA)
     merged = deltas[0]
     for out in deltas[1:]:
         merged.add(out, aggregate=True)
-    final = run(RequestOutputKind.CUMULATIVE)[-1]
-    assert merged.finished and len(merged.outputs) == 2
-    for a, b in zip(sorted(merged.outputs, key=lambda c: c.index), sorted(final.outputs, key=lambda c: c.index)):
+    assert merged.finished and len(merged.outputs) == 2 and len(final) == 2
+    for a in merged.outputs:
+        b = final[a.index]
         assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
         assert [list(lp) for lp in a.logprobs] == [list(lp) for lp in b.logprobs]
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob)
-    cumulative = run(RequestOutputKind.CUMULATIVE)
-    first = cumulative[0]
-    for out in cumulative[1:]:
-        first.add(out, aggregate=False)
-    assert sorted((c.index, c.text) for c in first.outputs) == sorted((c.index, c.text) for c in final.outputs)
