@@ -222,14 +222,19 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(tiny_dir) -> None:
             runs[kind] = outs
     finally:
         engine.close()
-    last, deltas = runs[RequestOutputKind.CUMULATIVE][-1], runs[RequestOutputKind.DELTA]
+    cumulative, deltas = runs[RequestOutputKind.CUMULATIVE], runs[RequestOutputKind.DELTA]
+    last = cumulative[-1]
     assert len(deltas) > 12 and deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    # vLLM's shape with n > 1: each streamed output carries the one child that progressed.
+    assert all(len(o.outputs) == 1 for o in deltas + cumulative)
     for i in range(2):
-        assert "".join(o.outputs[i].text for o in deltas) == last.outputs[i].text
-        assert [t for o in deltas for t in o.outputs[i].token_ids] == last.outputs[i].token_ids
-        assert len(deltas[-1].outputs[i].token_ids) < 12  # the last output is a delta, not the whole
-        assert values([lp for o in deltas for lp in o.outputs[i].logprobs]) == values(last.outputs[i].logprobs)
-        assert deltas[-1].outputs[i].cumulative_logprob == pytest.approx(last.outputs[i].cumulative_logprob)
+        mine = [o.outputs[0] for o in deltas if o.outputs[0].index == i]
+        whole = [o.outputs[0] for o in cumulative if o.outputs[0].index == i][-1]
+        assert "".join(c.text for c in mine) == whole.text
+        assert [t for c in mine for t in c.token_ids] == whole.token_ids
+        assert len(mine[-1].token_ids) < 12  # the last output is a delta, not the whole
+        assert values([lp for c in mine for lp in c.logprobs]) == values(whole.logprobs)
+        assert mine[-1].cumulative_logprob == pytest.approx(whole.cumulative_logprob)
     pieces = [o.prompt_logprobs for o in deltas]
     assert sum(1 for p in pieces if p) >= 3  # one piece per scored chunk, each position once
     flat = [lp for p in pieces for lp in p]

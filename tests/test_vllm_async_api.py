@@ -156,3 +156,38 @@ def test_async_llm_generate_with_data_parallel_async_scheduling_drafts_and_a_gra
 
     texts = asyncio.run(run())
     assert len(texts) == 4 and all(re.fullmatch(pattern, t) for t in texts), texts
+
+
+def test_async_llm_generate_streams_n_children_as_vllm(tiny_args) -> None:
+    """vLLM 0.32's AsyncLLM.generate with n > 1: a streamed output carries the children that progressed since
+    the consumer last read (vLLM's RequestOutputCollector merges them), a finished child is not sent again,
+    `finished` only on the last output; FINAL_ONLY is one output with all n; the children's tokens are the same
+    in every kind. Aborting the parent ends the unfinished children in the final output."""
+    from tests.n_stream_shape import check_final_only, check_staggered, check_streamed, staggered_params
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**tiny_args))
+        try:
+            finals = check_final_only(await _collect(engine, "nf", staggered_params(RequestOutputKind.FINAL_ONLY),
+                                                     prompt="Hello there"))
+            check_staggered(finals)
+            for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+                outs = await _collect(engine, f"n{kind.name}", staggered_params(kind), prompt="Hello there")
+                assert check_streamed(outs, kind, one_child_each=False) == finals
+                # tokenloom's delta fields add up per child, merged outputs included.
+                for index, tokens in finals.items():
+                    assert [t for o in outs for c in o.outputs if c.index == index for t in c.delta_token_ids] \
+                        == tokens
+            long = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=50, ignore_eos=True)
+            outs = []
+            async for out in engine.generate("Hello", long, "nabort"):
+                outs.append(out)
+                if len(outs) == 1:
+                    await engine.abort("nabort")
+            assert outs[-1].finished and len(outs) == 2
+            assert [(c.index, c.finish_reason) for c in outs[-1].outputs] == [(i, "abort") for i in range(3)]
+            assert not engine.output_processor.has_unfinished_requests() and engine.num_unfinished == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

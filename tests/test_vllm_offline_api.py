@@ -323,7 +323,8 @@ def test_a_prompt_filling_the_context_is_refused_in_vllms_offline_words(tiny) ->
 def test_request_output_add_merges_delta_outputs_into_the_cumulative_one(tiny) -> None:
     """vLLM's RequestOutput.add: the DELTA outputs of a request, each merged into the first with aggregate=True,
     are the CUMULATIVE run's final output (every completion of n=2: text, token ids, logprobs, finish); with
-    aggregate=False a later output replaces the completion of its index. It did not exist here."""
+    aggregate=False a later output replaces the completion of its index. It did not exist here. Each output of
+    the n=2 stream carries one child (vLLM's shape), so the whole one is the outputs merged."""
     from tokenloom.sampling_params import RequestOutputKind
 
     def run(kind: RequestOutputKind) -> list:
@@ -335,18 +336,51 @@ def test_request_output_add_merges_delta_outputs_into_the_cumulative_one(tiny) -
             outs += engine.step()
         return outs
 
+    # Each streamed output of n=2 carries one child (vLLM's ParentRequest.get_outputs): the CUMULATIVE run's
+    # outputs merged with aggregate=False hold each child's last (whole) completion.
+    cumulative = run(RequestOutputKind.CUMULATIVE)
+    final = {c.index: c for out in cumulative for c in out.outputs}
+    first = cumulative[0]
+    for out in cumulative[1:]:
+        first.add(out, aggregate=False)
+    assert sorted((c.index, c.text) for c in first.outputs) == sorted((i, c.text) for i, c in final.items())
     deltas = run(RequestOutputKind.DELTA)
     merged = deltas[0]
     for out in deltas[1:]:
         merged.add(out, aggregate=True)
-    final = run(RequestOutputKind.CUMULATIVE)[-1]
-    assert merged.finished and len(merged.outputs) == 2
-    for a, b in zip(sorted(merged.outputs, key=lambda c: c.index), sorted(final.outputs, key=lambda c: c.index)):
+    assert merged.finished and len(merged.outputs) == 2 and len(final) == 2
+    for a in merged.outputs:
+        b = final[a.index]
         assert (a.text, list(a.token_ids), a.finish_reason) == (b.text, list(b.token_ids), b.finish_reason)
         assert [list(lp) for lp in a.logprobs] == [list(lp) for lp in b.logprobs]
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob)
-    cumulative = run(RequestOutputKind.CUMULATIVE)
-    first = cumulative[0]
-    for out in cumulative[1:]:
-        first.add(out, aggregate=False)
-    assert sorted((c.index, c.text) for c in first.outputs) == sorted((c.index, c.text) for c in final.outputs)
+
+
+def test_llm_engine_step_streams_n_children_one_at_a_time(tiny) -> None:
+    """vLLM 0.32's LLMEngine.step with n > 1 (ParentRequest.get_outputs): with DELTA and CUMULATIVE each
+    RequestOutput carries the one child that progressed (its index says which), a finished child is not sent
+    again, `finished` comes with the output finishing the last child; FINAL_ONLY gives all n once. The children
+    are the same in every kind; an abort ends the unfinished children in one final output."""
+    from tests.n_stream_shape import check_final_only, check_staggered, check_streamed, staggered_params
+    from tokenloom.sampling_params import RequestOutputKind
+
+    engine = tiny.llm_engine
+
+    def run(kind: RequestOutputKind) -> list:
+        engine.add_request("nstep-" + kind.name, "Hello there", staggered_params(kind))
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        return outs
+
+    finals = check_final_only(run(RequestOutputKind.FINAL_ONLY))
+    check_staggered(finals)
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+        assert check_streamed(run(kind), kind, one_child_each=True) == finals
+    engine.add_request("nstep-abort", "Hello", SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=40,
+                                                             ignore_eos=True))
+    first = engine.step()
+    assert sorted(c.index for o in first for c in o.outputs) == [0, 1, 2] and not any(o.finished for o in first)
+    (cut,) = engine.abort_request("nstep-abort")
+    assert cut.finished and [(c.index, c.finish_reason) for c in cut.outputs] == [(i, "abort") for i in range(3)]
+    assert not engine.has_unfinished_requests()

@@ -43,7 +43,7 @@ from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.request_mirrors import update_mirrors
 from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # the tokenizer module imports torch; the API process loads it only with the tokenizer
     from tokenloom.model.tokenizer import Tokenizer
@@ -61,14 +61,28 @@ class EngineDrainingError(RuntimeError):
 
 
 class RequestStream:
-    """Outputs of one or more requests, in the order they are produced; iterate until all finish."""
+    """Outputs of one or more requests, in the order they are produced; iterate until all finish.
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    `merge_kind` (AsyncLLM.generate's stream): vLLM's RequestOutputCollector. An output that arrives while
+    an earlier one of the same request is still unread is merged into it (RequestOutput.add, aggregating
+    DELTA outputs), so a consumer that falls behind reads one output with everything new, and with n > 1 the
+    children that progressed in one engine step come together. The server's streams (None) hand over every
+    output as it was made."""
+
+    def __init__(self, engine: AsyncLLM, merge_kind: RequestOutputKind | None = None) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.pending: set[str] = set()
+        self._merge_kind = merge_kind
+        self._unread: dict[str, RequestOutput] = {}  # request id -> its output in the queue, not read yet
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if self._merge_kind is not None and isinstance(item, RequestOutput):
+            unread = self._unread.get(item.request_id)
+            if unread is not None:
+                unread.add(item, aggregate=self._merge_kind is RequestOutputKind.DELTA)
+                return
+            self._unread[item.request_id] = item
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
@@ -80,6 +94,8 @@ class RequestStream:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
+        if self._unread.get(item.request_id) is item:
+            del self._unread[item.request_id]
         if item.finished:
             self.pending.discard(item.request_id)
         return item
@@ -187,8 +203,8 @@ class AsyncLLM:
         return len(self._requests)
 
     # Requests in ----------------------------------------------------------------------------------
-    def open_stream(self) -> RequestStream:
-        return RequestStream(self)
+    def open_stream(self, merge_kind: RequestOutputKind | None = None) -> RequestStream:
+        return RequestStream(self, merge_kind)
 
     def add_request(
         self,
@@ -306,7 +322,10 @@ class AsyncLLM:
                        reasoning_ended: bool | None = None, reasoning_parser_kwargs: dict[str, Any] | None = None,
                        **_: Any) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
         """vLLM's AsyncLLM.generate: one request's RequestOutputs as they come (as `sampling_params.output_kind`
-        says: every step's cumulative state, only what is new, or the final one), until it finishes. The
+        says: every step's cumulative state, only what is new, or the final one), until it finishes. With n > 1,
+        a streamed output carries the children that progressed since the last one read (their `index` says
+        which), a finished child is not sent again, and `finished` comes once the last child is done;
+        FINAL_ONLY gives all n in one output. The
         prompt is text, token ids or vLLM's prompt dict; a bad request raises here, before any output.
         Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks.
         `reasoning_ended` / `reasoning_parser_kwargs`: vLLM's, for structured outputs behind a reasoning parser
@@ -321,7 +340,7 @@ class AsyncLLM:
 
             validate_structured_outputs(sampling_params.structured_outputs)
         text, token_ids = self.input_processor.tokenize(prompt)
-        stream = self.open_stream()
+        stream = self.open_stream(merge_kind=sampling_params.output_kind)
         self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
                          lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
                          reasoning_parser_kwargs=reasoning_parser_kwargs)

@@ -88,8 +88,8 @@ def computed_prompt_tokens(request: Request) -> int:
 def record_finished(out: RequestOutput | PoolingRequestOutput, cores: list[Request], stats: IterationStats,
                     take: Callable[[Request], bool]) -> None:  # fmt: skip
     """Append a FinishedRequestStats for each completion of `out` that finished. `take(core)` says whether
-    that core request is still uncounted (and marks it counted): a RequestOutput with n > 1 repeats its
-    finished completions in every later output, and each must count once."""
+    that core request is still uncounted (and marks it counted), so that each counts once. A streamed
+    output with n > 1 carries only some of the completions: each is matched to its core by its index."""
     if isinstance(out, PoolingRequestOutput):
         core = cores[0]
         if out.finished and take(core):
@@ -98,7 +98,8 @@ def record_finished(out: RequestOutput | PoolingRequestOutput, cores: list[Reque
             # A pooled prompt's "first token" is its end: all of its time is prefill.
             stats.finished.append(_finished_stats(core, reason, 0, end, end, None, 1))
         return
-    for comp, core in zip(out.outputs, cores):
+    for comp in out.outputs:
+        core = cores[comp.index]
         if comp.finish_reason is None or not take(core):
             continue
         stats.finished.append(_finished_stats(core, comp.finish_reason, len(comp.token_ids),

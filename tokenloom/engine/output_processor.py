@@ -2,7 +2,9 @@
 
 Incremental detokenization, stop strings (held back while streaming, so a client never sees the
 first characters of a stop string that then completes), logprobs, and the fan-in of `n > 1`
-completions into one RequestOutput.
+completions (vLLM's ParentRequest.get_outputs): streamed (DELTA / CUMULATIVE), one RequestOutput per
+child that progressed, a finished child never sent again, `finished` on the output that finishes the
+last; FINAL_ONLY, one RequestOutput with all n once every child is done.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs of requests that progressed, and core ids to abort (stop strings)."""
         touched: dict[str, _Parent] = {}
+        progressed: dict[str, tuple[_Parent, _Completion]] = {}  # core id -> its completion, in arrival order
         to_abort: list[str] = []
         for out in outputs:
             entry = self._by_core_id.get(out.request_id)
@@ -136,12 +139,20 @@ class OutputProcessor:
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
             touched[parent.request_id] = parent
+            progressed[out.request_id] = (parent, comp)
         results = []
+        last_of = {parent.request_id: core_id for core_id, (parent, _) in progressed.items()}
+        for core_id, (parent, comp) in progressed.items():
+            if parent.completions[0].params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                # vLLM's ParentRequest.get_outputs while streaming: each output carries only the completion
+                # that progressed; `finished` comes with the one that finishes the last of the n.
+                finished = last_of[parent.request_id] == core_id and all(c.finished for c in parent.completions)
+                results.append(self._make_output(parent, [comp], finished))
         for p in touched.values():
             done = all(c.finished for c in p.completions)
-            # FINAL_ONLY (LLM.generate): no partial outputs; building them costs ~10 us per request per step.
-            if done or p.completions[0].params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                results.append(self._make_output(p))
+            # FINAL_ONLY (LLM.generate, the server's whole responses): the n completions once, when all are done.
+            if done and p.completions[0].params.output_kind is RequestOutputKind.FINAL_ONLY:
+                results.append(self._make_output(p, p.completions, True))
             if done:
                 self._forget(p)
         return results, to_abort
@@ -151,11 +162,15 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         if parent is None:
             return None
-        for c in parent.completions:
-            if not c.finished:
-                c.finish_reason = reason
-                c.error = error
-        result = self._make_output(parent)
+        cut = [c for c in parent.completions if not c.finished]
+        for c in cut:
+            c.finish_reason = reason
+            c.error = error
+        if parent.completions[0].params.output_kind is RequestOutputKind.FINAL_ONLY:
+            cut = parent.completions  # vLLM's aggregate: all n at once
+        # Streaming: only the completions the abort ended (those finished before were sent already), in one
+        # output, as vLLM's collector merges the per-child abort outputs it queues at once.
+        result = self._make_output(parent, cut or parent.completions[-1:], True)
         self._forget(parent)
         return result
 
@@ -255,11 +270,14 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def _make_output(self, parent: _Parent) -> RequestOutput | PoolingRequestOutput:
+    def _make_output(self, parent: _Parent, completions: list[_Completion],
+                     finished: bool) -> RequestOutput | PoolingRequestOutput:  # fmt: skip
+        """The RequestOutput of `completions` (all n, or the one child that progressed); the metrics, prompt
+        and cache figures are the parent request's."""
         first = parent.completions[0].core_request
         if first.pooling_params is not None:
             return self._pooling_output(parent)
-        outs = [self._completion_output(c) for c in parent.completions]
+        outs = [self._completion_output(c) for c in completions]
         cores = [c.core_request for c in parent.completions]
         finished_times = [r.finished_time for r in cores if r.finished_time is not None]
         metrics = RequestMetrics(
@@ -270,7 +288,8 @@ class OutputProcessor:
             finished_time=max(finished_times) if len(finished_times) == len(cores) else None,
             num_preemptions=sum(r.num_preemptions for r in cores),
         )
-        errors = [c.error for c in parent.completions if c.error]
+        # The error of a completion this output carries, else of an earlier one (a child that failed).
+        errors = [c.error for c in completions if c.error] + [c.error for c in parent.completions if c.error]
         prompt_logprobs = parent.prompt_logprobs
         if prompt_logprobs is not None and parent.completions[0].params.output_kind is RequestOutputKind.DELTA:
             # vLLM's pop: each position once, as its chunk is scored (the first output's starts with None).
@@ -284,7 +303,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outs,
-            finished=all(c.finished for c in parent.completions),
+            finished=finished,
             metrics=metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,

@@ -125,11 +125,24 @@ class RequestOutput:
                     comp.cumulative_logprob = nxt.cumulative_logprob
                     comp.finish_reason = nxt.finish_reason
                     comp.stop_reason = nxt.stop_reason
+                    # tokenloom's delta fields: a DELTA output's are its whole content.
+                    comp.delta_text, comp.delta_token_ids = comp.text, list(comp.token_ids)
+                    comp.delta_logprobs = comp.logprobs
                 else:
                     self.outputs[i] = nxt
+                    _carry_deltas(comp, nxt)
                 break
             else:
                 self.outputs.append(nxt)
+
+
+def _carry_deltas(earlier: CompletionOutput, merged: CompletionOutput) -> None:
+    """tokenloom's delta fields of a cumulative completion replacing an unread one: what is new since the last
+    output the consumer read, so the unread output's part too."""
+    merged.delta_text = earlier.delta_text + merged.delta_text
+    merged.delta_token_ids = list(earlier.delta_token_ids) + list(merged.delta_token_ids)
+    if isinstance(earlier.delta_logprobs, list) and isinstance(merged.delta_logprobs, list):
+        merged.delta_logprobs = earlier.delta_logprobs + merged.delta_logprobs
 
 
 def _warn_extra_arguments(kwargs: dict[str, Any]) -> None:

@@ -126,12 +126,13 @@ async def sse_events(
 
 
 async def collect(request: Request, stream: RequestStream) -> dict[str, RequestOutput] | None:
-    """The final output of each request of the stream; None if the client disconnected first."""
+    """The final output of each request of the stream, with all its n completions (in index order); None if
+    the client disconnected first."""
 
     async def drain() -> dict[str, RequestOutput]:
         last: dict[str, RequestOutput] = {}
         async for out in stream:
-            last[out.request_id] = out
+            last[out.request_id] = merge_final(last.get(out.request_id), out)
         return last
 
     async def disconnected() -> None:
@@ -153,3 +154,15 @@ async def collect(request: Request, stream: RequestStream) -> dict[str, RequestO
     # client that left first would make result() raise InvalidStateError (a 500 nobody reads; the soak
     # found it in the server log).
     return work.result() if work.done() and not work.cancelled() else None
+
+
+def merge_final(earlier: RequestOutput | None, out: RequestOutput) -> RequestOutput:
+    """Fold a request's newest cumulative output into what came before: with n > 1 each streamed output
+    carries only the completions that progressed (vLLM's shape), so a completion that finished early is
+    kept from an earlier output. The newest output's request-level fields win."""
+    if earlier is None or not isinstance(out, RequestOutput):
+        return out
+    latest = {comp.index: comp for comp in earlier.outputs}
+    latest.update((comp.index, comp) for comp in out.outputs)
+    out.outputs = [latest[i] for i in sorted(latest)]
+    return out
