@@ -35,6 +35,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
+TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]  # vLLM's choices; only auto / hf run here
 # --kv-transfer-config's kv_role and --kv-offloading-backend (vLLM's values; tokenloom/kv_transfer).
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVOffloadingBackend = Literal["native"]
@@ -917,6 +918,14 @@ class EngineConfig:
         False, "no periodic 'Avg prompt throughput ...' stats line in the server's log (vLLM's; the interval is "
         "$TOKENLOOM_LOG_STATS_INTERVAL, else $VLLM_LOG_STATS_INTERVAL, default 10 s); /metrics is kept",
         simulated=False)
+    # vLLM's: a tokenizer other than the model's, the way vLLM users serve a GGUF (`--tokenizer` with the original
+    # model's tokenizer). Local only, as the model: a Hugging Face directory or a GGUF file.
+    tokenizer: str | None = knob(
+        None, "the tokenizer to use instead of the model's own (vLLM's): a Hugging Face tokenizer directory or a "
+        "GGUF file on this machine", simulated=False, reload=True)
+    tokenizer_mode: TokenizerMode = knob(
+        "auto", "auto / hf: the tokenizer as transformers loads it (vLLM's choices; slow, mistral and custom are "
+        "refused: tokenloom runs fast tokenizers only)", simulated=False)
     # vLLM's: no tokenizer is loaded (token ids in, token ids out, as RL trainers and token-level clients use it);
     # what needs one (text prompts, chat, stop strings, bad_words, structured outputs) is refused by name.
     skip_tokenizer_init: bool = knob(
@@ -997,6 +1006,11 @@ class EngineConfig:
             return None
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
+    @property
+    def tokenizer_source(self) -> str | None:
+        """Where the tokenizer loads from: `tokenizer` when given, else the model (None: the default model's)."""
+        return self.tokenizer if self.tokenizer is not None else self.model
+
     def __post_init__(self) -> None:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
@@ -1019,6 +1033,12 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DType)
         _check_choice("device", self.device, Device)
         _check_choice("generation_config", self.generation_config, GenerationConfigMode)
+        _check_choice("tokenizer_mode", self.tokenizer_mode, TokenizerMode)
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ConfigError(f"tokenizer_mode {self.tokenizer_mode!r} is vLLM's (a slow, mistral-common or custom "
+                              "tokenizer); tokenloom loads Hugging Face fast tokenizers only: use 'auto' or 'hf'")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ConfigError(f"tokenizer must be a path, got {self.tokenizer!r}")
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization, " (or None)")
         if self.quantization not in (None, "none") and self.device == "cuda":

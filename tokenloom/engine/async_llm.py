@@ -150,19 +150,20 @@ class AsyncLLM:
     def from_client(
         cls,
         client: AsyncEngineCoreClient,
-        model: str | None,
+        tokenizer_source: str | None,
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
         skip_tokenizer_init: bool = False,
     ) -> AsyncLLM:
-        """Load the tokenizer here (none with `skip_tokenizer_init`) while the (already spawned) engine process
+        """Load the tokenizer here (from `tokenizer_source`, EngineConfig.tokenizer_source: the model, or the
+        tokenizer given apart; none with `skip_tokenizer_init`) while the (already spawned) engine process
         loads the model, then wait for the engine to be ready: as long as it makes progress, a stall of at most
         `ready_timeout_s` (default $TOKENLOOM_ENGINE_READY_TIMEOUT; MPClient.wait_ready). Stops the engine process
         if anything fails."""
         from tokenloom.model.tokenizer import load_tokenizer
 
         try:
-            tokenizer = None if skip_tokenizer_init else load_tokenizer(model)
+            tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_source)
             ready = client.wait_ready(ready_timeout_s)
         except BaseException:
             client.shutdown()
@@ -313,7 +314,8 @@ class AsyncLLM:
         from tokenloom.engine.clients import make_client
 
         config = engine_args.create_engine_config()
-        engine = cls.from_client(make_client(config), config.model, skip_tokenizer_init=config.skip_tokenizer_init)
+        engine = cls.from_client(make_client(config), config.tokenizer_source,
+                                 skip_tokenizer_init=config.skip_tokenizer_init)
         engine.stat_loggers.extend(stat_loggers or [])
         return engine
 

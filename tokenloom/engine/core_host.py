@@ -165,7 +165,8 @@ class EngineCoreHost:
         # Through `tokenizers` where it can: the engine-core process then never imports transformers.
         # skip_tokenizer_init: none at all; the EOS id is then the model's own (config / GGUF metadata), as
         # vLLM's generation config supplies it there.
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model, lazy_transformers=True)
+        self.tokenizer = (None if config.skip_tokenizer_init
+                          else load_tokenizer(config.tokenizer_source, lazy_transformers=True))
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         if self.eos_token_id is None:
             self.eos_token_id = loaded.config.eos_token_id
@@ -298,7 +299,7 @@ class EngineCoreHost:
         bert_config, weights = load_bert(path, dtype)
         self.model_config = bert_config
         self.model_name = config.model or path.name
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_source)
         self.eos_token_id = None
         self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
         pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)

@@ -98,7 +98,7 @@ class LLMEngine:
             else:  # load the tokenizer here while the engine processes load the model
                 from tokenloom.model.tokenizer import load_tokenizer
 
-                self.tokenizer = load_tokenizer(config.model)
+                self.tokenizer = load_tokenizer(config.tokenizer_source)
             ready = client.engine_ready()
         except BaseException:
             client.shutdown()

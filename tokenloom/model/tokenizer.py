@@ -178,7 +178,7 @@ def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.Pat
     load unchanged, load it through `tokenizers` and import transformers only when something needs it (the
     engine process: ~0.6 CPU s saved). The API process renders chat templates on every chat request and
     keeps the eager load, which it does while the engine process loads the model."""
-    path = resolve_model_path(model)
+    path = _tokenizer_path(model)
     if path.is_file():
         entry = _gguf_cache_entry(path, Path(cache_dir) if cache_dir else default_cache_dir())
         if lazy_transformers and (direct := _direct_from_saved(entry)) is not None:
@@ -186,6 +186,16 @@ def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.Pat
         return Tokenizer(_gguf_tokenizer(path, entry))
     # A Hugging Face directory stays with AutoTokenizer, which may pick a model-specific class.
     return Tokenizer(_hf_dir_tokenizer(path))
+
+
+def _tokenizer_path(source: str | os.PathLike[str] | None) -> Path:
+    """A model (GGUF file or Hugging Face directory, `resolve_model_path`), or a directory holding only a
+    tokenizer (vLLM's `--tokenizer`: its tokenizer.json / tokenizer_config.json without a model's config.json)."""
+    if source is not None:
+        path = Path(source).expanduser()
+        if path.is_dir() and any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return path
+    return resolve_model_path(source)
 
 
 def _direct_from_saved(directory: Path) -> DirectTokenizer | None:

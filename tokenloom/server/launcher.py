@@ -78,7 +78,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         from tokenloom.server.tool_parsers import check_tokenizer
 
         _import_grammar_checks()
-        engine = AsyncLLM.from_client(client, engine_config.model, config.max_waiting_requests,
+        engine = AsyncLLM.from_client(client, engine_config.tokenizer_source, config.max_waiting_requests,
                                       config.engine_ready_timeout_s,
                                       skip_tokenizer_init=engine_config.skip_tokenizer_init)
         if config.enable_auto_tool_choice and config.tool_call_parser:
