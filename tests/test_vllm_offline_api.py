@@ -153,8 +153,11 @@ def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
     from tokenloom.engine.core_host import cuda_kv_budget
 
     with caplog.at_level("INFO", logger="tokenloom.engine.core_host"):
+        # and the model-source arguments most vLLM scripts pass (no effect on a local model, as in vLLM)
         llm = LLM(str(tiny_dir_for_args), dtype="float32", gpu_memory_utilization=0.5, enforce_eager=True,
-                  kv_cache_memory=None, max_model_len=32)
+                  kv_cache_memory=None, max_model_len=32, trust_remote_code=True, revision="main",
+                  tokenizer_revision="main", download_dir="/nonexistent", load_format="auto",
+                  compilation_config={"level": 3}, use_tqdm_on_load=False)
     try:
         assert "gpu_memory_utilization applies to CUDA devices" in caplog.text
         assert len(llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
@@ -166,6 +169,11 @@ def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
     assert cuda_kv_budget(free=60 * gib, total=80 * gib, gpu_memory_utilization=None) == 54 * gib - gib
     with pytest.raises(ConfigError, match="leaves no room for the KV cache"):
         cuda_kv_budget(free=10 * gib, total=80 * gib, gpu_memory_utilization=0.5)
+    for bad, match in ((dict(load_format="dummy"), "load_format 'dummy' is vLLM's"),
+                       (dict(trust_remote_code="yes"), "trust_remote_code must be true or false"),
+                       (dict(revision=3), "revision must be a string")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(str(tiny_dir_for_args), **bad)
     for bad in (0, 1.5, -0.1, True, "0.5"):
         with pytest.raises(ConfigError, match="gpu_memory_utilization must be a number in"):
             LLM(str(tiny_dir_for_args), gpu_memory_utilization=bad)

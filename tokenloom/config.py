@@ -911,6 +911,23 @@ class EngineConfig:
     # so that code written for vLLM runs as it is.
     enforce_eager: bool = knob(False, "vLLM's; tokenloom always runs eagerly (no CUDA graphs), so either value "
                                "runs the same", simulated=False)
+    # vLLM's arguments about where a model comes from. tokenloom loads local files only and never runs code from
+    # a model directory; vLLM ignores these for a local path too, so code written for vLLM (trust_remote_code=True
+    # is in most scripts) runs as it is.
+    trust_remote_code: bool = knob(False, "vLLM's; tokenloom runs no code from a model directory (its own model "
+                                   "code only), so either value loads the same", simulated=False)
+    revision: str | None = knob(None, "vLLM's Hub revision; tokenloom loads local files only, where a revision has "
+                                "nothing to select (as in vLLM for a local path)", simulated=False)
+    tokenizer_revision: str | None = knob(None, "vLLM's; as --revision, for the tokenizer", simulated=False)
+    download_dir: str | None = knob(None, "vLLM's Hub download directory; unused: tokenloom loads local files only",
+                                    simulated=False)
+    load_format: str = knob("auto", "vLLM's: auto (the file's own format), gguf or safetensors; tokenloom reads "
+                            "what the model path holds (dummy weights, tensorizer, bitsandbytes and the others are "
+                            "refused)", simulated=False)
+    compilation_config: dict[str, Any] | None = knob(
+        None, "vLLM's torch.compile / CUDA graph options (a JSON object, or vLLM's level as a number); tokenloom "
+        "compiles its own kernels and captures no graphs, so any value runs the same", simulated=False)
+    use_tqdm_on_load: bool = knob(True, "vLLM's loading progress bar; tokenloom's load prints none", simulated=False)
     # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set; the figures
     # behind /metrics and RequestOutput.metrics are kept either way. Offline it decides whether LLMEngine
     # records per-step Prometheus figures for get_metrics() (LLM defaults it to True, as vLLM's).
@@ -1045,6 +1062,15 @@ class EngineConfig:
             raise ConfigError(f"quantization={self.quantization!r} runs on CPU only; use --device cpu")
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        for name in ("trust_remote_code", "use_tqdm_on_load"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("revision", "tokenizer_revision", "download_dir"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.load_format not in ("auto", "gguf", "safetensors"):
+            raise ConfigError(f"load_format {self.load_format!r} is vLLM's; tokenloom reads the model's own files "
+                              "(a GGUF or a safetensors directory): use 'auto'")
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
