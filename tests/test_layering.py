@@ -20,6 +20,7 @@ LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
     "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
+    "tokenloom.parser_registry": -0.5,  # the name registry both parser managers share: imports nothing of tokenloom
     "tokenloom.reasoning": -0.3,  # reasoning parsers: the server splits outputs, the engine's grammar gate waits
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
     "tokenloom.inputs": 0,  # vLLM's prompt TypedDicts: what the engine takes in, beside the params
@@ -38,7 +39,7 @@ LEVELS = {
 }  # fmt: skip
 NO_TORCH = ("tokenloom.exceptions", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
             "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
-            "tokenloom.logprobs", "tokenloom.reasoning")
+            "tokenloom.logprobs", "tokenloom.reasoning", "tokenloom.parser_registry")
 
 
 def room(module: str) -> str:

@@ -20,11 +20,12 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from types import ModuleType
 from typing import Any
 
+from tokenloom.parser_registry import ParserRegistry
 from tokenloom.reasoning.protocol import DeltaMessage
 
 logger = logging.getLogger(__name__)
@@ -128,82 +129,26 @@ def import_plugin(plugin_path: str) -> ModuleType | None:
             return None
 
 
-class ReasoningParserManager:
+class ReasoningParserManager(ParserRegistry):
     """vLLM's registry of ReasoningParser classes by name: registered now (`register_module`) or by
     module path, imported on first use (`register_lazy_module`, and the decorator form)."""
 
+    base = ReasoningParser
     reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+    registered = reasoning_parsers  # vLLM's attribute name, the registry's dict
     lazy_parsers: dict[str, tuple[str, str]] = {}  # name -> (module path, class name)
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
         """The class registered under `name`; vLLM's KeyError naming the registered ones otherwise."""
-        if name in cls.reasoning_parsers:
-            return cls.reasoning_parsers[name]
-        if name in cls.lazy_parsers:
-            return cls._load_lazy_parser(name)
-        registered = ", ".join(cls.list_registered())
-        raise KeyError(f"Reasoning parser '{name}' not found. Available parsers: {registered}")
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(set(cls.reasoning_parsers) | set(cls.lazy_parsers))
-
-    @classmethod
-    def _load_lazy_parser(cls, name: str) -> type[ReasoningParser]:
-        module_path, class_name = cls.lazy_parsers[name]
-        parser_cls = getattr(importlib.import_module(module_path), class_name)
-        if not (isinstance(parser_cls, type) and issubclass(parser_cls, ReasoningParser)):
-            raise TypeError(f"{class_name} in {module_path} is not a ReasoningParser subclass.")
-        cls.reasoning_parsers[name] = parser_cls
+        parser_cls = cls._lookup(name)
+        if parser_cls is None:
+            registered = ", ".join(cls.list_registered())
+            raise KeyError(f"Reasoning parser '{name}' not found. Available parsers: {registered}")
         return parser_cls
-
-    @classmethod
-    def _register_module(cls, module: type[ReasoningParser], module_name: str | list[str] | None = None,
-                         force: bool = True) -> None:
-        if not (isinstance(module, type) and issubclass(module, ReasoningParser)):
-            raise TypeError(f"module must be subclass of ReasoningParser, but got {type(module)}")
-        for name in _names(module_name, module.__name__):
-            if not force and name in cls.reasoning_parsers:
-                existed = cls.reasoning_parsers[name]
-                raise KeyError(f"{name} is already registered at {existed.__module__}")
-            cls.reasoning_parsers[name] = module
-
-    @classmethod
-    def register_lazy_module(cls, name: str, module_path: str, class_name: str) -> None:
-        cls.lazy_parsers[name] = (module_path, class_name)
-
-    @classmethod
-    def register_module(
-        cls, name: str | list[str] | None = None, force: bool = True, module: type[ReasoningParser] | None = None,
-    ) -> type[ReasoningParser] | Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-        """Register `module` now, or (module None) decorate a class: `@ReasoningParserManager.register_module(
-        "my_parser")`. A decorated class is registered by its module path, as vLLM does, so an engine
-        process that imported the same plugin finds it by name too."""
-        if not isinstance(force, bool):
-            raise TypeError(f"force must be a boolean, but got {type(force)}")
-        if module is not None:
-            cls._register_module(module=module, module_name=name, force=force)
-            return module
-
-        def _decorator(obj: type[ReasoningParser]) -> type[ReasoningParser]:
-            for n in _names(name, obj.__name__):
-                cls.lazy_parsers[n] = (obj.__module__, obj.__name__)
-            return obj
-
-        return _decorator
 
     @classmethod
     def import_reasoning_parser(cls, plugin_path: str) -> None:
         """Import a user's parser module (a module name or a file path), which registers its parsers."""
         import_plugin(plugin_path)
 
-
-def _names(name: str | list[str] | None, default: str) -> list[str]:
-    if name is None:
-        return [default]
-    if isinstance(name, str):
-        return [name]
-    if isinstance(name, list) and all(isinstance(n, str) for n in name):
-        return name
-    raise TypeError("module_name must be str, list[str], or None.")

@@ -7,75 +7,26 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
+from tokenloom.parser_registry import ParserRegistry
 from tokenloom.server.tool_parsers.base import ToolParser
 
 
-def _names(name: str | list[str] | None, default: str) -> list[str]:
-    if name is None:
-        return [default]
-    if isinstance(name, str):
-        return [name]
-    if isinstance(name, list) and all(isinstance(n, str) for n in name):
-        return name
-    raise TypeError("module_name must be str, list[str], or None.")
-
-
-class ToolParserManager:
+class ToolParserManager(ParserRegistry):
     """Parsers registered eagerly (the class) or lazily (module path and class name, imported on first use)."""
 
+    base = ToolParser
     tool_parsers: dict[str, type[ToolParser]] = {}
+    registered = tool_parsers  # vLLM's attribute name, the registry's dict
     lazy_parsers: dict[str, tuple[str, str]] = {}  # name -> (module_path, class_name)
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        if name in cls.tool_parsers:
-            return cls.tool_parsers[name]
-        if name in cls.lazy_parsers:
-            return cls._load_lazy_parser(name)
-        raise KeyError(f"Tool parser '{name}' not found.")
-
-    @classmethod
-    def _load_lazy_parser(cls, name: str) -> type[ToolParser]:
-        module_path, class_name = cls.lazy_parsers[name]
-        parser_cls = getattr(importlib.import_module(module_path), class_name)
-        if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolParser)):
-            raise TypeError(f"{class_name} in {module_path} is not a ToolParser subclass.")
-        cls.tool_parsers[name] = parser_cls
+        parser_cls = cls._lookup(name)
+        if parser_cls is None:
+            raise KeyError(f"Tool parser '{name}' not found.")
         return parser_cls
-
-    @classmethod
-    def register_lazy_module(cls, name: str, module_path: str, class_name: str) -> None:
-        cls.lazy_parsers[name] = (module_path, class_name)
-
-    @classmethod
-    def register_module(cls, name: str | list[str] | None = None, force: bool = True,
-                        module: type[ToolParser] | None = None
-                        ) -> type[ToolParser] | Callable[[type[ToolParser]], type[ToolParser]]:
-        """Register `module` now, or (as a decorator) the decorated class, lazily by its module and name."""
-        if not isinstance(force, bool):
-            raise TypeError(f"force must be a boolean, but got {type(force)}")
-        if module is not None:
-            if not (isinstance(module, type) and issubclass(module, ToolParser)):
-                raise TypeError(f"module must be subclass of ToolParser, but got {type(module)}")
-            for n in _names(name, module.__name__):
-                if not force and n in cls.tool_parsers:
-                    raise KeyError(f"{n} is already registered at {cls.tool_parsers[n].__module__}")
-                cls.tool_parsers[n] = module
-            return module
-
-        def decorator(obj: type[ToolParser]) -> type[ToolParser]:
-            for n in _names(name, obj.__name__):
-                cls.lazy_parsers[n] = (obj.__module__, obj.__name__)
-            return obj
-
-        return decorator
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(set(cls.tool_parsers) | set(cls.lazy_parsers))
 
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
