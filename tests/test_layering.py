@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tokenloom"
 
 LEVELS = {
     "tokenloom.envs": -1,  # every environment variable, read in one place: imports nothing of tokenloom
+    "tokenloom.process_exit": -0.9,  # leaving a process without the interpreter's teardown: imports nothing
     "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom.parser_registry": -0.5,  # the name registry both parser managers share: imports nothing of tokenloom

@@ -1,8 +1,6 @@
 """`python -m tokenloom ...`: the same as the `tokenloom` command (tokenloom/cli.py)."""
 
-import sys
-
-from tokenloom.cli import main
+from tokenloom.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

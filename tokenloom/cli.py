@@ -71,5 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `tokenloom` program (its console script, `python -m tokenloom`): main(), then leave without the
+    interpreter's teardown (tokenloom/process_exit.py), which for a command that imported torch would keep
+    the shell, or a supervisor stopping `tokenloom serve`, waiting another second after the work is done."""
+    from tokenloom.process_exit import exit_without_teardown
+
+    exit_without_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -51,7 +51,7 @@ from tokenloom.engine.core_messages import (
     Shutdown,
     StepInfo,
 )
-from tokenloom.engine.core_proc import run_engine_core
+from tokenloom.engine.core_proc import run_engine_core_process
 from tokenloom.engine.exceptions import EngineStartError
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ class MPClient:
             self._from_engine, engine_outbox = ctx.Pipe(duplex=False)
             name = "tokenloom-engine-core" if cpus is None else f"tokenloom-engine-core-{engine_index}"
             self.process = ctx.Process(
-                target=run_engine_core, args=(config, engine_inbox, engine_outbox, log_level, engine_index, cpus),
-                name=name, daemon=True,
+                target=run_engine_core_process,
+                args=(config, engine_inbox, engine_outbox, log_level, engine_index, cpus), name=name, daemon=True,
             )
             self.process.start()
             # Drop our copies of the child's ends, or EOF would never show when the child dies.

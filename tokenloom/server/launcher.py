@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import threading
 import time
 from types import FrameType
 
@@ -77,7 +78,6 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         from tokenloom.server.graceful import GracefulServer
         from tokenloom.server.tool_parsers import check_tokenizer
 
-        _import_grammar_checks()
         engine = AsyncLLM.from_client(client, engine_config.tokenizer_source, config.max_waiting_requests,
                                       config.engine_ready_timeout_s,
                                       skip_tokenizer_init=engine_config.skip_tokenizer_init)
@@ -100,6 +100,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
         # uvicorn re-raises the signal that stopped it once it is done; by then the drain has happened.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, f: None)
+        _warm_grammar_checks()
         asyncio.run(server.serve(sockets=[sock]))
         return 0 if server.started and not server.engine_died else 1
     finally:
@@ -120,12 +121,21 @@ def _reasoning_parser(engine_config: EngineConfig) -> str:
     return so.reasoning_parser
 
 
-def _import_grammar_checks() -> None:
-    """Import what checks a structured-output request (xgrammar, jsonschema: ~0.4 s) while the engine
-    loads its model, not when the first constrained request arrives: an import holds the GIL, and
-    in this process every stream's tokens pass through the event loop."""
-    try:
-        import jsonschema  # noqa: F401
-        import xgrammar  # noqa: F401
-    except ImportError:  # the request that needs them gets the error
-        pass
+def _warm_grammar_checks() -> threading.Thread:
+    """Import what checks a structured-output request (tokenloom/model/grammar.py: xgrammar, which imports
+    torch, and jsonschema; 1.5-3 s of CPU) in a background thread once the server is ready, so the first
+    constrained request does not pay for it on the event loop (an import holds the GIL, and every stream's
+    tokens pass through that loop). Not before ready: on a small machine it would compete with the engine's
+    model load for the cores, and start-up would wait for both."""
+
+    def warm() -> None:
+        try:
+            import jsonschema  # noqa: F401
+
+            import tokenloom.model.grammar  # noqa: F401
+        except ImportError:  # the request that needs them gets the error
+            pass
+
+    thread = threading.Thread(target=warm, name="warm-grammar-imports", daemon=True)
+    thread.start()
+    return thread
