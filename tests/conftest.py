@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 
 from tests import leak_check
@@ -25,17 +28,34 @@ def engine_leak_check(request):
 @pytest.fixture(scope="session")
 def transformers_default_model():
     """transformers' own GGUF loader over the default model, float32, eval mode: the reference three
-    modules hold the engine to. Loaded once per run (reading the GGUF's fields and dequantizing takes
-    20-35 s on 2 cores); the tests only read it."""
+    modules hold the engine to. Loaded once per run; the tests only read it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tokenloom.model.loader import resolve_model_path
 
     path = resolve_model_path(None)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with _gguf_py_answers_shared():
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _gguf_py_answers_shared():
+    """transformers' GGUF loader parses the file with gguf-py twice (the config, then the weights: every
+    field, 49k vocabulary strings and 48k merges, one numpy view each) and builds gguf-py's tensor-name map
+    once per submodule (~400 times). Each gives the same answer every time: cached for this one load, it
+    takes 10 s of CPU instead of 21 on this 2-core VM, the weights bit for bit the same (checked)."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 @pytest.fixture(scope="session")
