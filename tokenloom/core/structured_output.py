@@ -30,6 +30,7 @@ builds the xgrammar one from the tokenizer); bitmasks are opaque to this module.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -37,15 +38,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
+from tokenloom import envs
 from tokenloom.reasoning import ReasoningParser
 from tokenloom.sampling_params import NO_TOKENIZER_ERROR
 
 if TYPE_CHECKING:
     from tokenloom.core.request import Request
 
-
+_T = TypeVar("_T")
 
 
 # A request whose grammar allowed no token at this point (its text so far cannot be completed: a rule that
@@ -117,6 +119,25 @@ def strip_speculative_padding(token_ids: Sequence[int]) -> list[int]:
         if token_id < 0:
             return list(token_ids[:i])
     return list(token_ids)
+
+
+def compile_regex_with_timeout(compile_fn: Callable[[str], _T], pattern: str) -> _T:
+    """`compile_fn(pattern)`, given at most VLLM_REGEX_COMPILATION_TIMEOUT_S seconds (0 or less: no limit), else a
+    ValueError in vLLM's words naming the pattern. A regex of nested quantifiers can take exponential time to
+    become an automaton (vLLM's advisory GHSA-rwxx-mrjm-wc2m); a compile that runs over is left to finish on its
+    own thread (a thread cannot be stopped), the request is refused now. Errors of the compile itself propagate."""
+    timeout = envs.VLLM_REGEX_COMPILATION_TIMEOUT_S
+    if timeout <= 0:
+        return compile_fn(pattern)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regex-compile")
+    future = executor.submit(compile_fn, pattern)
+    executor.shutdown(wait=False)
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise ValueError(f"Regex compilation timed out after {timeout}s. The pattern may be too complex or contain "
+                         "constructs that cause exponential state-space explosion (e.g. nested quantifiers). "
+                         f"Pattern: {pattern[:200]}") from None
 
 
 class StructuredOutputManager:

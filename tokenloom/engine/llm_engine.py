@@ -204,7 +204,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             from tokenloom.model.grammar import validate_structured_outputs
 
-            validate_structured_outputs(params.structured_outputs)
+            validate_structured_outputs(params.structured_outputs, self.structured_outputs_config)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
