@@ -356,12 +356,12 @@ class LLMEngine:
 
     def grammar_backend(self) -> GrammarBackend:
         """The structured-output grammar backend for grammars used in this process (beam search's): the in-process
-        engine core's own (StructuredOutputManager.backend: its vocabulary table is built once, and xgrammar's
+        engine core's own (StructuredOutputManager.get_backend(): its vocabulary table is built once, and xgrammar's
         compile cache is shared), else one built here as the engine cores build theirs, once."""
         if self.tokenizer is None:  # skip_tokenizer_init: a grammar is compiled against the vocabulary
             raise ValueError(NO_TOKENIZER_ERROR)
         if isinstance(self.client, InprocClient):
-            return self.client.host.structured_output_manager.backend
+            return self.client.host.structured_output_manager.get_backend()
         if self._grammar_backend is None:
             from tokenloom.model.grammar import make_xgrammar_backend
 
