@@ -73,10 +73,6 @@ class StructuredOutputsParams:
                                   f"{list(_CONSTRAINTS)}", parameter="structured_outputs")
         self._check_types()
 
-    def all_constraints_none(self) -> bool:
-        """vLLM's: no constraint is set (never, once made; vLLM's callers ask)."""
-        return all(getattr(self, k) is None for k in _CONSTRAINTS)
-
     def _check_types(self) -> None:
         """Each constraint of its type, so a wrong one is refused by name instead of failing in a grammar compiler."""
         def bad(message: str) -> None:
