@@ -7,7 +7,9 @@
 # tokenloom's StructuredOutputsConfig when the engine is configured: tests/test_structured_vllm_options.py).
 # Left out, vLLM-only: the two diffusion-model cases (tokenloom runs no diffusion LLMs) and
 # TestValidateStructuredOutputs (the guidance backend's tokenizer checks). `test_auto_backend_falls_back_on_
-# unsupported_schema` is xfail(strict): tokenloom's "auto" is xgrammar alone, which refuses those schemas.
+# unsupported_schema` is xfail(strict): tokenloom's "auto" is xgrammar alone, which refuses those schemas. The
+# module builds a 2,000-level schema with json.loads while it is collected, past Python 3.11's recursion limit
+# (vLLM runs 3.12): conftest.py raises the limit while this module is collected.
 """Request-time validation of structured output requests."""
 
 import json
