@@ -96,7 +96,7 @@ test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium 
 	$(BIN)/python -m pytest -q
 
 # vLLM's own tests vendored in tests/peer, with the long cases `make test` skips (tests/peer/offline/conftest.py,
-# tests/peer/core/conftest.py).
+# tests/peer/core/conftest.py, tests/peer/logits_processors/conftest.py).
 test-peer: setup $(VENV)/.test-installed
 	TOKENLOOM_PEER_FULL=1 $(BIN)/python -m pytest -q tests/peer
 

@@ -59,10 +59,10 @@ def test_json_nesting_bound():
     # {"type": "object", "properties": {...}}: two JSON levels per schema level.
     ok = _nested(MAX_STRUCTURED_OUTPUT_JSON_NESTING // 2)
     check_json_nesting(ok)
-    SamplingParams(structured_outputs=StructuredOutputsParams(json=ok))
-    deep = _nested(MAX_STRUCTURED_OUTPUT_JSON_NESTING)
+    StructuredOutputsParams(json=ok).check_request("auto")
+    deep = StructuredOutputsParams(json=_nested(MAX_STRUCTURED_OUTPUT_JSON_NESTING))  # made; refused as a request
     with pytest.raises(ValueError, match="nested too deeply"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(json=deep))
+        deep.check_request("auto")
     with pytest.raises(ValueError, match="nested too deeply"):
         check_json_nesting("[" * 100_000 + "]" * 100_000)  # too deep even for json.loads: no RecursionError
     check_json_nesting("not json")  # malformed text is the grammar backend's to report

@@ -134,7 +134,7 @@ def test_unfinished_grammar_ends_with_length_and_the_partial_text(llm) -> None:
 @pytest.mark.parametrize("so, reason", [
     (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "invalid JSON schema"),
     (StructuredOutputsParams(json={"type": "integer", "multipleOf": 3}), "unsupported JSON schema feature"),
-    (StructuredOutputsParams(regex="(ab"), "regex does not compile"),
+    (StructuredOutputsParams(regex="(ab"), "Failed to transform regex into a grammar"),
     (StructuredOutputsParams(grammar="root ::= ("), "does not parse as EBNF"),
 ])
 def test_bad_constraints_are_refused_with_the_reason(llm, so, reason: str) -> None:

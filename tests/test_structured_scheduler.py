@@ -168,7 +168,7 @@ def test_without_a_tokenizer_a_constrained_request_waits_one_step_then_errors() 
     assert err.request_id == "c" and "skip_tokenizer_init" in err.error
     assert "c" not in sched.requests and len(sched.waiting) == 0 and not sched.structured_output_manager.requests
     assert sched.structured_output_manager.num_compiles == 0
-    sched.structured_output_manager.shutdown()
+    sched.structured_output_manager.clear_backend()
 
 
 def test_abort_while_compiling_leaves_no_state_behind() -> None:

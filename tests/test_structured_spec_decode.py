@@ -77,7 +77,7 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_alone(engines) -> 
 
     plain, _ = engines
     tok = plain.llm_engine.tokenizer
-    vocab = plain.llm_engine.scheduler.structured_output_manager.backend.vocab_size
+    vocab = plain.llm_engine.scheduler.structured_output_manager.get_backend().vocab_size
     manager = StructuredOutputManager(lambda: make_xgrammar_backend(tok, vocab), max_workers=1)
     so = StructuredOutputsParams(json=RECORD)
     request = SimpleNamespace(request_id="r", structured_output_request=StructuredOutputRequest(so.key),
@@ -93,7 +93,7 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_alone(engines) -> 
     assert rows.shape[0] == len(good) + 1
     # Row i is the mask after the first i drafts: compare with stepping a fresh matcher by hand.
     for i in range(len(good) + 1):
-        step = manager.backend.allocate_bitmask(1)
+        step = manager.get_backend().allocate_bitmask(1)
         request.structured_output_request.matcher.fill_bitmask(step, 0)
         assert torch.equal(rows[i], step[0]), i
         if i < len(good):
@@ -104,8 +104,8 @@ def test_bitmask_rows_follow_the_drafts_and_leave_the_matcher_alone(engines) -> 
     assert torch.equal(rows[1], rows[2]) and torch.equal(rows[2], rows[3])
     rows = manager.grammar_bitmask([request], {"r": [-1, -1]})
     assert not torch.equal(rows[0], rows[1]) and bool((rows[1] == -1).all()) and bool((rows[2] == -1).all())
-    fresh = manager.backend.allocate_bitmask(1)
+    fresh = manager.get_backend().allocate_bitmask(1)
     request.structured_output_request.matcher.fill_bitmask(fresh, 0)
     assert torch.equal(fresh[0], rows[0])  # the matcher is back where it started
     manager.free(request)
-    manager.shutdown()
+    manager.clear_backend()

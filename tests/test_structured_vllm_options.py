@@ -104,6 +104,10 @@ def test_the_engine_takes_structured_outputs_config(tiny_dir: Any) -> None:
                   structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": compact})
         try:
             [out] = llm.generate(["x"], params, use_tqdm=False)
+            # Made without complaint (as vLLM's), refused when the request is added, before it is queued.
+            degenerate = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json_object=False))
+            with pytest.raises(VLLMValidationError, match="json_object must be True"):
+                llm.generate(["x"], degenerate, use_tqdm=False)
         finally:
             llm.shutdown()
         texts = [o.text for o in out.outputs]
@@ -135,8 +139,8 @@ def test_refusals_are_vllm_validation_errors_in_vllm_words(so: StructuredOutputs
 
 
 @pytest.mark.parametrize("fields, vllm_words", [
-    # vLLM 0.32's request checks (its tests/v1/structured_output/test_validation.py; there at verify(), here when
-    # the params are made), in its words
+    # vLLM 0.32's request checks (its tests/v1/structured_output/test_validation.py, vendored in
+    # tests/peer/structured): the params are made, the request is refused when it is checked, in vLLM's words
     ({"json_object": False}, "json_object must be True"),
     ({"json": ""}, "json cannot be an empty string"),
     ({"structural_tag": ""}, "structural_tag cannot be an empty string"),
@@ -144,10 +148,18 @@ def test_refusals_are_vllm_validation_errors_in_vllm_words(so: StructuredOutputs
     ({"choice": []}, r"Choice '\[\]' cannot be an empty list"),
     ({"regex": "\x00"}, "NUL"),
     ({"regex": "[0-9]\x00"}, "NUL"),
+])
+def test_degenerate_constraints_are_refused_in_vllm_words(fields: dict, vllm_words: str) -> None:
+    so = StructuredOutputsParams(**fields)
+    with pytest.raises(VLLMValidationError, match=vllm_words):
+        validate_structured_outputs(so)
+
+
+@pytest.mark.parametrize("fields, vllm_words", [
     ({}, "You must use one kind of structured outputs constraint but none are specified"),
     ({"regex": "a", "choice": ["a"]}, "You can only use one kind of structured outputs constraint but multiple"),
 ])
-def test_degenerate_constraints_are_refused_in_vllm_words(fields: dict, vllm_words: str) -> None:
+def test_not_exactly_one_constraint_is_refused_when_made(fields: dict, vllm_words: str) -> None:
     with pytest.raises(VLLMValidationError, match=vllm_words):
         StructuredOutputsParams(**fields)
 

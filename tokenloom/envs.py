@@ -217,6 +217,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # the tokens of all those sequences together.
     "VLLM_MAX_NUM_BAD_WORDS": lambda: _lenient_int("VLLM_MAX_NUM_BAD_WORDS", 128),
     "VLLM_MAX_BAD_WORDS_TOTAL_TOKENS": lambda: _lenient_int("VLLM_MAX_BAD_WORDS_TOTAL_TOKENS", 1024),
+    # Seconds a structured-output regex may take to become a grammar (when the request is checked and when it is
+    # compiled) before it is refused as too complex: nested quantifiers can blow up the automaton. 0 or less: no
+    # limit. vLLM's name and default.
+    "VLLM_REGEX_COMPILATION_TIMEOUT_S": lambda: _int(
+        "VLLM_REGEX_COMPILATION_TIMEOUT_S", 5, "a whole number of seconds"),
     # The OpenAI SDK's: `tokenloom bench serve`'s default --api-key.
     "OPENAI_API_KEY": lambda: os.environ.get("OPENAI_API_KEY") or None,
     # ---- benchmarks only (benchmarks/README.md): where the reference set-up outside the repository lives

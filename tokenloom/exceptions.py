@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 
-class ValidationError(ValueError):
+class VLLMError(Exception):
+    """vLLM's base class of its own errors."""
+
+
+class VLLMClientError(VLLMError):
+    """vLLM's: an error the request caused (answered with a 4xx)."""
+
+
+class ValidationError(ValueError, VLLMClientError):
     """A request or parameter refused as sent (a client error). `parameter` names the field when one is
     to blame, `value` the value refused; the message stays the whole text (the server's JSON carries the
     parameter apart)."""
@@ -24,4 +32,4 @@ class ValidationError(ValueError):
 
 VLLMValidationError = ValidationError  # vLLM's name, for code written against vllm.exceptions
 
-__all__ = ["ValidationError", "VLLMValidationError"]
+__all__ = ["VLLMClientError", "VLLMError", "ValidationError", "VLLMValidationError"]

@@ -40,7 +40,9 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of
     these strings; grammar: EBNF (GBNF) or Lark text; structural_tag: xgrammar's structural tag (JSON
-    text). Checked for shape here; the grammar library checks the content (tokenloom/structured).
+    text). Making one checks that exactly one is set and each has its type; what a constraint holds is
+    checked when the request is (`check_request`, then the grammar library: tokenloom/model/grammar.py
+    validate_structured_outputs), as vLLM checks it in SamplingParams._validate_structured_outputs.
     """
 
     json: str | dict | None = None
@@ -56,6 +58,10 @@ class StructuredOutputsParams:
     # either value runs the same; whitespace_pattern is refused when the request is added (xgrammar has none).
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # vLLM's: the backend the request was checked for, set by that check (the engine's; "xgrammar" for "auto",
+    # with _backend_was_auto); a request that names another backend than the engine's is refused.
+    _backend: str | None = field(default=None, init=False)
+    _backend_was_auto: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         kinds = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
@@ -65,37 +71,57 @@ class StructuredOutputsParams:
         if not kinds:
             raise ValidationError(f"You must use one kind of structured outputs constraint but none are specified: "
                                   f"{list(_CONSTRAINTS)}", parameter="structured_outputs")
-        self._check_content()
-        check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
-        check_json_nesting(self.structural_tag, structural_tag=True)
+        self._check_types()
 
-    def _check_content(self) -> None:
-        """vLLM's request checks (SamplingParams._validate_structured_outputs), its words, made when the params are:
-        a constraint that asks for nothing, or that a grammar compiler must not see, is refused here."""
+    def _check_types(self) -> None:
+        """Each constraint of its type, so a wrong one is refused by name instead of failing in a grammar compiler."""
         def bad(message: str) -> None:
             raise ValidationError(message, parameter="structured_outputs")
 
         if self.choice is not None and (not isinstance(self.choice, list)
                                         or not all(isinstance(c, str) for c in self.choice)):
             bad("structured_outputs.choice must be a list of strings")
-        if self.choice == []:
-            bad("Choice '[]' cannot be an empty list")
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 bad(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             bad("structured_outputs.json must be a JSON schema (an object or its JSON text)")
-        # An empty regex is a constraint (the empty text: only the end may follow), as in vLLM; these are not.
-        for name in ("grammar", "json", "structural_tag"):
+
+    def check_request(self, backend: str) -> None:
+        """vLLM's request checks (SamplingParams._validate_structured_outputs, before its backend's own), in its
+        order and words, for an engine whose structured-output backend is `backend`: no other backend asked for,
+        nothing that asks for no constraint or that a grammar compiler must not see. Records the backend."""
+        if self._backend:
+            if backend != self._backend and not (backend == "auto" and self._backend_was_auto):
+                raise ValidationError(
+                    "Request-level structured output backend selection is not supported. The request specified "
+                    f"'{self._backend}', but vLLM was initialised with '{backend}'. This error can be resolved by "
+                    "removing '_backend' from the request.", parameter="structured_outputs")
+        else:
+            self._backend = backend
+        self._check_content()
+
+    def _check_content(self) -> None:
+        def bad(message: str) -> None:
+            raise ValidationError(message, parameter="structured_outputs")
+
+        if self.choice == []:
+            bad("Choice '[]' cannot be an empty list")
+        for name in ("grammar", "json"):
             value = getattr(self, name)
             if isinstance(value, str) and not value.strip():
                 bad(f"structured_outputs.{name} cannot be an empty string")
-        if self.json_object is not None and self.json_object is not True:
+        check_json_nesting(self.json)  # vLLM's bound, before a grammar compiler sees a hostile depth
+        check_json_nesting(self.structural_tag, structural_tag=True)
+        if self.json_object is False:
             bad("structured_outputs.json_object must be True if set; omit structured_outputs to disable structured "
                 "outputs")
-        if self.regex is not None and "\x00" in self.regex:  # before xgrammar's regex converter sees it
+        if self.regex and "\x00" in self.regex:  # before xgrammar's regex converter sees it
             bad("structured_outputs.regex must not contain a NUL character ('\\x00')")
+        # An empty regex is a constraint (the empty text: only the end may follow), as in vLLM; these are not.
+        if isinstance(self.structural_tag, str) and not self.structural_tag.strip():
+            bad("structured_outputs.structural_tag cannot be an empty string")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -112,7 +138,9 @@ class StructuredOutputsParams:
             return "choice", json.dumps(self.choice)
         if self.grammar is not None:
             return "grammar", self.grammar
-        assert self.structural_tag is not None
+        if self.structural_tag is None:  # json_object=False, which check_request refuses
+            raise ValidationError("structured_outputs.json_object must be True if set; omit structured_outputs to "
+                                  "disable structured outputs", parameter="structured_outputs")
         return "structural_tag", self.structural_tag
 
 

@@ -32,7 +32,7 @@ _KEEP = {"--max-model-len": 1, "--max-num-seqs": 1, "--max-num-batched-tokens": 
          "--scheduling-policy": 1, "--block-size": 1, "--max-logprobs": 1, "--enable-prompt-tokens-details": 0,
          "--enable-auto-tool-choice": 0, "--tool-call-parser": 1, "--tool-strict-level": 1,
          "--exclude-tools-when-tool-choice-none": 0, "--allowed-origins": 1, "--allow-credentials": 0,
-         "--allowed-methods": 1, "--allowed-headers": 1}
+         "--allowed-methods": 1, "--allowed-headers": 1, "--logits-processors": -1}
 # Flags that take a value, tokenloom has no use for (GPU memory, kernels, parsers, LoRA, ...).
 _DROP_WITH_VALUE = {"--dtype", "--gpu-memory-utilization", "--tokenizer-mode", "--load-format",
                     "--chat-template", "--reasoning-parser", "--lora-modules",

@@ -12,7 +12,11 @@ vLLM: `vllm/v1/structured_output/__init__.py`. The scheduler drives it:
 - `validate_tokens(request, drafts)`: the longest prefix of the proposer's drafts the grammar accepts
   (what the scheduler keeps; vLLM's update_draft_token_ids);
 - `accept_tokens(request, ids)` with the tokens the step produced: advances the matcher;
-- `free(request)` when the request ends (finished, aborted, errored), also while still compiling.
+- `free(request)` when the request ends (finished, aborted, errored), also while still compiling;
+- `clear_backend()` when the engine stops: a compile under way finishes, queued ones are cancelled.
+
+Each request's StructuredOutputRequest answers vLLM's questions about its grammar: `is_grammar_ready` (compiling
+is over, either way) and `grammar` (its matcher, the compile's error, or None while compiling).
 
 With a reasoning parser (`--reasoning-parser`, tokenloom/reasoning), the grammar waits for the end of the
 reasoning, as vLLM's `_get_constraint_bounds` decides it: until the parser sees the reasoning end, the rows
@@ -30,6 +34,7 @@ builds the xgrammar one from the tokenizer); bitmasks are opaque to this module.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -37,15 +42,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
+from tokenloom import envs
 from tokenloom.reasoning import ReasoningParser
 from tokenloom.sampling_params import NO_TOKENIZER_ERROR
 
 if TYPE_CHECKING:
     from tokenloom.core.request import Request
 
-
+_T = TypeVar("_T")
 
 
 # A request whose grammar allowed no token at this point (its text so far cannot be completed: a rule that
@@ -90,6 +96,10 @@ class StructuredOutputRequest:
     key: tuple[str, str]
     compiled: Future[Any] | None = None
     matcher: GrammarMatcher | None = None
+    # Why the grammar did not compile (the compile's exception), once it is known.
+    compile_error: Exception | None = None
+    # The request's matcher from the compiled grammar (grammar_init sets it: the backend, the request's stop tokens).
+    build_matcher: Callable[[Any], GrammarMatcher] | None = field(default=None, repr=False)
     num_accepted: int = 0
     # Seconds from grammar_init to the compiled grammar (0 for a cache hit): for the figures.
     compile_wait_s: float = field(default=0.0, repr=False)
@@ -98,6 +108,35 @@ class StructuredOutputRequest:
     reasoning_ended: bool | None = None
     reasoning_parser_kwargs: dict[str, Any] | None = None  # what this request's parser is built with
     reasoner: ReasoningParser | None = field(default=None, repr=False)
+
+    def _check_grammar_completion(self) -> bool:
+        """vLLM's: whether compiling is over, and the matcher built if it succeeded. A compile that raised is
+        over, whatever it raised: a TimeoutError from the compiler is a failure, not a compile still running
+        (vLLM #53130), since only `done()` says whether it runs."""
+        if self.matcher is not None or self.compile_error is not None:
+            return True
+        if self.compiled is None or not self.compiled.done():
+            return False
+        try:
+            compiled = self.compiled.result()
+        except Exception as exc:  # whatever the compile raised (a cancelled one too) is why it failed
+            self.compile_error = exc
+            return True
+        assert self.build_matcher is not None, "grammar_init sets build_matcher"
+        self.matcher = self.build_matcher(compiled)
+        return True
+
+    @property
+    def is_grammar_ready(self) -> bool:
+        """vLLM's name: compiling is over (the matcher is built, or compile_error says why not)."""
+        return self._check_grammar_completion()
+
+    @property
+    def grammar(self) -> GrammarMatcher | Exception | None:
+        """vLLM's name: the request's matcher, the compile's error, or None while it compiles."""
+        if not self._check_grammar_completion():
+            return None
+        return self.compile_error if self.compile_error is not None else self.matcher
 
 
 class ConstraintBounds(NamedTuple):
@@ -119,6 +158,25 @@ def strip_speculative_padding(token_ids: Sequence[int]) -> list[int]:
     return list(token_ids)
 
 
+def compile_regex_with_timeout(compile_fn: Callable[[str], _T], pattern: str) -> _T:
+    """`compile_fn(pattern)`, given at most VLLM_REGEX_COMPILATION_TIMEOUT_S seconds (0 or less: no limit), else a
+    ValueError in vLLM's words naming the pattern. A regex of nested quantifiers can take exponential time to
+    become an automaton (vLLM's advisory GHSA-rwxx-mrjm-wc2m); a compile that runs over is left to finish on its
+    own thread (a thread cannot be stopped), the request is refused now. Errors of the compile itself propagate."""
+    timeout = envs.VLLM_REGEX_COMPILATION_TIMEOUT_S
+    if timeout <= 0:
+        return compile_fn(pattern)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="regex-compile")
+    future = executor.submit(compile_fn, pattern)
+    executor.shutdown(wait=False)
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        raise ValueError(f"Regex compilation timed out after {timeout}s. The pattern may be too complex or contain "
+                         "constructs that cause exponential state-space explosion (e.g. nested quantifiers). "
+                         f"Pattern: {pattern[:200]}") from None
+
+
 class StructuredOutputManager:
     # Compiled grammars kept by (kind, spec); xgrammar keeps its own cache behind this one as well.
     cache_size = 256
@@ -134,7 +192,8 @@ class StructuredOutputManager:
         self._backend_factory = backend_factory
         self._reasoner_factory = reasoner_factory
         self.enable_in_reasoning = enable_in_reasoning
-        self._backend: GrammarBackend | None = None
+        # Built on first use (get_backend), None again after clear_backend: vLLM's attribute.
+        self.backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         # Compilation runs here, never on the step loop (vLLM: half the cores; none without a tokenizer).
         workers = max_workers or max(1, ((os.cpu_count() or 2) + 1) // 2)
@@ -146,21 +205,21 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self.num_cache_hits = 0
 
-    @property
-    def backend(self) -> GrammarBackend:
-        # Built on first use, in a compile thread: building the tokenizer's vocabulary table takes
-        # about a second and must not stall a step.
+    def get_backend(self) -> GrammarBackend:
+        """The grammar backend, built on first use, in a compile thread: building the tokenizer's vocabulary
+        table takes about a second and must not stall a step (vLLM builds it in grammar_init)."""
         with self._backend_lock:
-            if self._backend is None:
+            if self.backend is None:
                 assert self._backend_factory is not None, "no grammar backend without a tokenizer"
-                self._backend = self._backend_factory()
-            return self._backend
+                self.backend = self._backend_factory()
+            return self.backend
 
     # Requests in and out ---------------------------------------------------------------------
     def grammar_init(self, request: Request) -> None:
         so = request.structured_output_request
         assert so is not None
         so.compile_wait_s = -time.perf_counter()
+        so.build_matcher = self._matcher_builder(request)
         self.requests[request.request_id] = so
         if self.executor is None:
             # vLLM's scheduler leaves such a request waiting for a grammar that never comes (its
@@ -182,7 +241,13 @@ class StructuredOutputManager:
         so.compiled = future
 
     def _compile(self, key: tuple[str, str]) -> Any:
-        return self.backend.compile(*key)
+        return self.get_backend().compile(*key)
+
+    def _matcher_builder(self, request: Request) -> Callable[[Any], GrammarMatcher]:
+        """How the request's matcher is made from its compiled grammar: the request's stop tokens (EOS and its
+        stop_token_ids) end the grammar, and only where it may end (vLLM's override_stop_tokens)."""
+        stop_token_ids = sorted(request.sampling_params.all_stop_token_ids)
+        return lambda compiled: self.get_backend().matcher(compiled, stop_token_ids)
 
     def is_ready(self, request: Request) -> bool:
         """True once the grammar compiled (the matcher is then built); raises the compile error."""
@@ -190,10 +255,10 @@ class StructuredOutputManager:
         assert so is not None and so.compiled is not None
         if so.matcher is not None:
             return True
-        if not so.compiled.done():
+        if not so._check_grammar_completion():
             return False
-        compiled = so.compiled.result()  # raises the compile error
-        so.matcher = self.backend.matcher(compiled, sorted(request.sampling_params.all_stop_token_ids))
+        if so.compile_error is not None:
+            raise so.compile_error
         so.compile_wait_s += time.perf_counter()
         return True
 
@@ -267,7 +332,7 @@ class StructuredOutputManager:
         is rejected, the rows after it repeat the last valid one (vLLM does both). While reasoning goes
         on the rows are unconstrained, up to the draft that ends it (constraint_bounds)."""
         spec_tokens = spec_tokens or {}
-        backend = self.backend
+        backend = self.get_backend()
         bitmask = backend.allocate_bitmask(sum(1 + len(spec_tokens.get(r.request_id, ())) for r in requests))
         row = 0
         for request in requests:
@@ -304,7 +369,7 @@ class StructuredOutputManager:
         if apply and not matcher.is_terminated():
             matcher.fill_bitmask(bitmask, row)
         else:  # unconstrained: a placeholder position, or past the grammar's end (ignore_eos)
-            self.backend.fill_all_allowed(bitmask, row)
+            self.get_backend().fill_all_allowed(bitmask, row)
 
     def validate_tokens(self, request: Request, token_ids: Sequence[int]) -> list[int]:
         """The longest prefix of `token_ids` the grammar accepts from the request's position (drafts
@@ -347,6 +412,9 @@ class StructuredOutputManager:
         so = request.structured_output_request
         return so is not None and so.matcher is not None and so.matcher.is_terminated()
 
-    def shutdown(self) -> None:
+    def clear_backend(self) -> None:
+        """vLLM's: stop compiling (a compile already running finishes, queued ones are cancelled) and let the
+        backend go; again is a no-op."""
         if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        self.backend = None

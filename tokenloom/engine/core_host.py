@@ -532,7 +532,7 @@ class EngineCoreHost:
                 side.shutdown()
         if self._model_thread is not None:
             self._model_thread.shutdown()
-        self.structured_output_manager.shutdown()
+        self.structured_output_manager.clear_backend()
         if self.tracer is not None:
             self.tracer.close()
 

@@ -178,7 +178,7 @@ class LLM:
             # Refused here as a request would be (a bad schema, an unsupported feature), then compiled once.
             from tokenloom.model.grammar import validate_structured_outputs
 
-            validate_structured_outputs(params.structured_outputs)
+            validate_structured_outputs(params.structured_outputs, self.llm_engine.structured_outputs_config)
             grammar = BeamGrammar(self.llm_engine.grammar_backend(), params.structured_outputs.key, eos)
 
         def run_step(step_prompts: list[dict[str, Any]],

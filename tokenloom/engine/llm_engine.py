@@ -204,7 +204,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             from tokenloom.model.grammar import validate_structured_outputs
 
-            validate_structured_outputs(params.structured_outputs)
+            validate_structured_outputs(params.structured_outputs, self.structured_outputs_config)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -356,12 +356,12 @@ class LLMEngine:
 
     def grammar_backend(self) -> GrammarBackend:
         """The structured-output grammar backend for grammars used in this process (beam search's): the in-process
-        engine core's own (StructuredOutputManager.backend: its vocabulary table is built once, and xgrammar's
+        engine core's own (StructuredOutputManager.get_backend(): its vocabulary table is built once, and xgrammar's
         compile cache is shared), else one built here as the engine cores build theirs, once."""
         if self.tokenizer is None:  # skip_tokenizer_init: a grammar is compiled against the vocabulary
             raise ValueError(NO_TOKENIZER_ERROR)
         if isinstance(self.client, InprocClient):
-            return self.client.host.structured_output_manager.backend
+            return self.client.host.structured_output_manager.get_backend()
         if self._grammar_backend is None:
             from tokenloom.model.grammar import make_xgrammar_backend
 

@@ -22,8 +22,9 @@ import torch
 import xgrammar as xgr
 
 from tokenloom.config import StructuredOutputsConfig
+from tokenloom.core.structured_output import compile_regex_with_timeout
 from tokenloom.exceptions import ValidationError
-from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams, check_json_nesting
 
 # JSON Schema string formats xgrammar generates (vLLM's list); others are refused up front.
 _STRING_FORMATS = {
@@ -32,9 +33,23 @@ _STRING_FORMATS = {
 }
 
 
-def choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF for exactly one of `choices` (vLLM turns `choice` into a grammar the same way)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+# How a choice is spelled inside an EBNF string literal: the literal's own escapes, and every other control
+# character (C0 and DEL) as \uXXXX, so the grammar matches the choice's characters themselves. Every other
+# character stays as it is (JSON's \u escapes would split a character outside the BMP into two surrogates).
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _ebnf_literal_char(ch: str) -> str:
+    if ch in _EBNF_ESCAPES:
+        return _EBNF_ESCAPES[ch]
+    if ord(ch) < 0x20 or ord(ch) == 0x7F:
+        return f"\\u{ord(ch):04x}"
+    return ch
+
+
+def choice_as_grammar(choices: Sequence[str]) -> str:
+    """EBNF for exactly one of `choices`, each matched as written (vLLM's name and escaping)."""
+    return "root ::= " + " | ".join('"' + "".join(map(_ebnf_literal_char, c)) + '"' for c in choices)
 
 
 class XgrammarMatcher:
@@ -81,9 +96,9 @@ class XgrammarBackend:
                 schema, any_whitespace=not compact, separators=(",", ":") if compact else None
             )
         if kind == "regex":
-            return self.compiler.compile_regex(spec)
+            return compile_regex_with_timeout(self.compiler.compile_regex, spec)
         if kind == "choice":
-            return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
+            return self.compiler.compile_grammar(choice_as_grammar(json.loads(spec)))
         if kind == "grammar":
             # vLLM's rule: a grammar with no `::=` rule is Lark (xgrammar converts it), else EBNF (GBNF).
             if grammar_is_likely_lark(spec):
@@ -126,33 +141,75 @@ def make_xgrammar_backend(tokenizer: Any, vocab_size: int,
 
 
 # Validation (API side, no tokenizer) -------------------------------------------------------------
-def validate_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise ValidationError (a ValueError; vLLM's VLLMValidationError) saying what is wrong with the
-    constraint; cheap (no vocabulary pass). The first words are vLLM's where vLLM's tests match on them."""
+def validate_structured_outputs(params: StructuredOutputsParams,
+                                structured_outputs_config: StructuredOutputsConfig | None = None) -> None:
+    """What a request's constraint must pass before it is queued, on an engine whose structured-output backend is
+    `structured_outputs_config`'s (default auto): vLLM's SamplingParams._validate_structured_outputs, that is its
+    request checks (StructuredOutputsParams.check_request), then xgrammar's (validate_xgrammar_grammar; "auto" is
+    xgrammar here, with no fallback to vLLM's other backends). Raises ValidationError (a ValueError; vLLM's
+    VLLMValidationError), its first words vLLM's; cheap (no vocabulary pass). A `choice` becomes the grammar it
+    stands for, as in vLLM."""
+    backend = structured_outputs_config.backend if structured_outputs_config is not None else "auto"
+    params.check_request(backend)
     if params.whitespace_pattern is not None:
         # vLLM's field for its outlines/guidance backends; xgrammar has no whitespace regex to give it to.
         raise ValidationError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
                               "(use disable_any_whitespace for compact JSON)", parameter="structured_outputs")
-    _validate_key(*params.key)
+    _validate_for_xgrammar(params)
+    if backend == "auto":
+        params._backend, params._backend_was_auto = "xgrammar", True
+    params.__post_init__()  # the rewritten params still hold exactly one constraint (vLLM checks it again too)
+
+
+def validate_xgrammar_grammar(sampling_params: SamplingParams) -> None:
+    """vLLM's name (its backend_xgrammar.py): xgrammar's checks of a request's constraint, which request parsing
+    and tool parsers run on their own, so the nesting bound is checked here too. ValidationError saying what is
+    wrong; a `choice` is rewritten as its grammar."""
+    if sampling_params.structured_outputs is not None:
+        _validate_for_xgrammar(sampling_params.structured_outputs)
+
+
+def _validate_for_xgrammar(so: StructuredOutputsParams) -> None:
+    if so.regex:
+        if "\x00" in so.regex:  # before xgrammar's native regex converter sees it (which does not handle it)
+            raise ValidationError("structured_outputs.regex must not contain a NUL character ('\\x00')",
+                                  parameter="structured_outputs")
+        _validate_spec("regex", so.regex)
+    if so.choice:
+        grammar = choice_as_grammar(so.choice)
+        try:
+            xgr.Grammar.from_ebnf(grammar)
+        except Exception as exc:
+            raise ValidationError(f"Failed to transform choices into a grammar: {_short(exc)}") from None
+        so.choice, so.grammar = None, grammar  # vLLM's: compiled (and cached) as the grammar it is
+        return
+    if so.json is not None:
+        check_json_nesting(so.json)
+        _validate_spec("json", so.json if isinstance(so.json, str) else json.dumps(so.json))
+    elif so.grammar:
+        _validate_spec("grammar", so.grammar)
+    elif so.structural_tag:
+        check_json_nesting(so.structural_tag, structural_tag=True)
+        _validate_spec("structural_tag", so.structural_tag)
 
 
 # Clients send the same tool or response schema with every request; checking a large schema costs
 # ~0.5 ms a property (jsonschema's meta-validation), so a checked (kind, spec) is not checked again.
 # Failures are not cached (lru_cache keeps no exceptions): a bad schema gets its reason every time.
 @functools.lru_cache(maxsize=256)
-def _validate_key(kind: str, spec: str) -> None:
+def _validate_spec(kind: str, spec: str) -> None:
     if kind == "json":
-        schema = _parse_schema(spec.partition("|")[2])
+        schema = _parse_schema(spec)
         _check_json_schema(schema)
         try:
             xgr.Grammar.from_json_schema(json.dumps(schema))
         except Exception as exc:
-            raise ValidationError(f"the JSON schema cannot be turned into a grammar: {_short(exc)}") from None
+            raise ValidationError(f"Failed to transform json schema into a grammar: {_short(exc)}") from None
     elif kind == "regex":
         try:
-            xgr.Grammar.from_regex(spec)
+            compile_regex_with_timeout(xgr.Grammar.from_regex, spec)
         except Exception as exc:
-            raise ValidationError(f"the regex does not compile: {_short(exc)}") from None
+            raise ValidationError(f"Failed to transform regex into a grammar: {_short(exc)}") from None
     elif kind == "grammar":
         lark = grammar_is_likely_lark(spec)
         try:
@@ -223,7 +280,8 @@ def _parse_schema(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise ValidationError(f"the JSON schema is not valid JSON: {exc}") from None
+        raise ValidationError(f"Invalid JSON grammar specification. (the JSON schema is not valid JSON: {exc})"
+                              ) from None
 
 
 def _check_json_schema(schema: Any) -> None:
@@ -261,16 +319,49 @@ def unsupported_json_feature(schema: Any, path: str = "") -> str | None:
                 return f"{where}: {key}"
     if "string" in types and "format" in schema and schema["format"] not in _STRING_FORMATS:
         return f"{where}: format {schema['format']!r}"
-    if "string" in types and ("pattern" in schema or "format" in schema) and (
-        "minLength" in schema or "maxLength" in schema
-    ):
+    if "string" in types and _pattern_with_length(schema):
         return f"{where}: pattern/format together with minLength/maxLength"
+    if "object" in types and (found := _unsupported_object_keywords(schema)):
+        return f"{where}: {found}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) >= 2:
         return f"{where}: allOf with more than one schema"
     for key, value in schema.items():
         if (isinstance(value, (dict, list)) and key not in ("enum", "const", "examples", "default")
                 and (found := unsupported_json_feature(value, f"{path}/{key}"))):
             return found
+    return None
+
+
+def has_xgrammar_unsupported_json_features(schema: Any) -> bool:
+    """vLLM's name: whether the schema uses a keyword xgrammar would not enforce (unsupported_json_feature)."""
+    return unsupported_json_feature(schema) is not None
+
+
+def _pattern_with_length(schema: dict[str, Any]) -> bool:
+    """A pattern or format with length bounds: xgrammar compiles the pattern and drops the bounds."""
+    return ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema)
+
+
+def _unsupported_object_keywords(schema: dict[str, Any]) -> str | None:
+    """The combinations of object keywords xgrammar compiles wrongly (vLLM's list, each an xgrammar issue): it
+    drops propertyNames beside patternProperties, properties or unevaluatedProperties, and a length bound on
+    the names; it takes properties and patternProperties (or two overlapping patterns) as alternatives where
+    JSON Schema wants a property to satisfy both."""
+    if "propertyNames" in schema:
+        names = schema["propertyNames"]
+        if isinstance(names, dict) and _pattern_with_length(names):
+            return "propertyNames with a pattern/format and minLength/maxLength"
+        for key in ("patternProperties", "properties"):
+            if key in schema:
+                return f"propertyNames together with {key}"
+        if schema.get("unevaluatedProperties", True) is not True:
+            return "propertyNames together with unevaluatedProperties"
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict):
+        if "properties" in schema:
+            return "patternProperties together with properties"
+        if len(patterns) > 1:
+            return "more than one patternProperties pattern"
     return None
 
 

@@ -361,12 +361,7 @@ def _sample_with_processors(logits: torch.Tensor, rows: Sequence[SamplingRow], r
     scaled = logits.clone()
     temps = torch.tensor([r.params.temperature for r in random_rows], device=logits.device, dtype=logits.dtype)
     scaled[random_idx] = logits[random_idx] / temps.unsqueeze(1)
-    min_p_idx = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
-    if min_p_idx:  # vLLM's MinPLogitsProcessor, which runs before the custom ones (on every row that sets min_p)
-        min_p = torch.tensor([rows[i].params.min_p for i in min_p_idx], device=logits.device, dtype=logits.dtype)
-        probs = torch.softmax(scaled[min_p_idx], dim=-1)
-        below = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-        scaled[min_p_idx] = scaled[min_p_idx].masked_fill(below, float("-inf"))
+    apply_min_p_to_logits(scaled, rows)  # vLLM's MinPLogitsProcessor runs before the custom ones
     scaled = processors.apply(processors.argmax_invariant, scaled)
     token_ids[random_idx] = _sample_random(scaled[random_idx], random_rows, scaled=True)
     return token_ids
@@ -405,6 +400,18 @@ def _argmax_broken_rows(logits: torch.Tensor, probs: torch.Tensor, token_ids: to
     if bool(broken.any()):
         token_ids[broken] = logits[broken].argmax(dim=-1)
     return token_ids
+
+
+def apply_min_p_to_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """vLLM's MinPLogitsProcessor, in place: -inf for every token whose probability under `logits` is below min_p x
+    the row's top probability, on the rows that set min_p (the argmax-invariant processors then see it applied)."""
+    idx = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
+    if not idx:
+        return
+    min_p = torch.tensor([rows[i].params.min_p for i in idx], device=logits.device, dtype=logits.dtype)
+    probs = torch.softmax(logits[idx], dim=-1)
+    below = probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    logits[idx] = logits[idx].masked_fill(below, float("-inf"))
 
 
 def apply_min_p(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -49,6 +49,10 @@ _FULL_RUN_ONLY = {
     "test_vllm_reset_prefix_cache_e2e.py::test_reset_prefix_cache_e2e",
     "test_vllm_stop_reason.py::test_stop_reason",  # 3 x 8 prompts sampled up to a "." or EOS (max_tokens 1024)
     "test_vllm_async_scheduling.py::test_without_spec_decoding",  # 3 engines x 4 parameter sets x 34 prompts
+    # Two `tokenloom serve` starts (an entry point, then --logits-processors), 4 prompts x 20 tokens each; one
+    # server with --logits-processors is tests/test_logits_processors.py::test_the_servers_flag_and_vllm_xargs
+    "test_vllm_custom_logitsprocs_online.py::test_custom_logitsprocs",
+    "test_vllm_custom_logitsprocs_online.py::test_invalid_custom_logitsproc_arg",
 }
 
 
