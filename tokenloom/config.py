@@ -955,6 +955,11 @@ class EngineConfig:
         "auto", "auto: the model directory's generation_config.json gives the default sampling parameters "
         "(vLLM's default); vllm: ignore it", simulated=False)
     seed: int = knob(0, "random seed of the engine (sampling without a per-request seed)", simulated=False)
+    # vLLM's --stream-interval (its SchedulerConfig's; here the front end's OutputProcessor applies it).
+    stream_interval: int = knob(
+        1, "tokens a streamed (DELTA) output carries at least, the first and the last output excepted: 1 sends "
+        "every step's tokens at once, a larger value fewer, bigger outputs (vLLM's); a request's stream_interval "
+        "may raise it", simulated=False)
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
@@ -1034,6 +1039,7 @@ class EngineConfig:
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         self._apply_reasoning_parser()
         self.logits_processors = _check_logits_processors(self.logits_processors, self.speculative_config)
+        _check_int("stream_interval", self.stream_interval, 1)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

@@ -174,6 +174,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: a DELTA stream's outputs carry at least this many new tokens (the first and the last excepted);
+    # raises the engine's --stream-interval, a value below it counts as it (None: the engine's).
+    stream_interval: int | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar): vLLM's field of the same name.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
@@ -329,6 +332,11 @@ class SamplingParams:
             bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.stream_interval is not None and (isinstance(self.stream_interval, bool)
+                                                 or not isinstance(self.stream_interval, int)
+                                                 or self.stream_interval < 1):  # vLLM's words
+            raise ValidationError(f"stream_interval must be at least 1, got {self.stream_interval}.",
+                                  parameter="stream_interval", value=self.stream_interval)
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")

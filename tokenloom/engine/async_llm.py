@@ -122,13 +122,15 @@ class AsyncLLM:
         ready: EngineReady,
         tokenizer: Tokenizer | None,
         max_waiting_requests: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
-        """`tokenizer` None: built with skip_tokenizer_init (token-id prompts, token-id outputs)."""
+        """`tokenizer` None: built with skip_tokenizer_init (token-id prompts, token-id outputs).
+        `stream_interval`: the engine's --stream-interval (the OutputProcessor's)."""
         self.client = client
         self.info = ready
         self.tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.input_processor = InputProcessor(tokenizer, ready)
         # The engines' generation_config defaults, as LLMEngine holds them for engine processes.
         self.generation_defaults = GenerationDefaults(dict(getattr(ready, "sampling_defaults", None) or {}),
@@ -154,6 +156,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
         skip_tokenizer_init: bool = False,
+        stream_interval: int = 1,
     ) -> AsyncLLM:
         """Load the tokenizer here (from `tokenizer_source`, EngineConfig.tokenizer_source: the model, or the
         tokenizer given apart; none with `skip_tokenizer_init`) while the (already spawned) engine process
@@ -168,7 +171,7 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, ready, tokenizer, max_waiting_requests)
+        return cls(client, ready, tokenizer, max_waiting_requests, stream_interval)
 
     def attach(self) -> None:
         """Start receiving engine outputs; call from the running event loop."""
@@ -315,7 +318,7 @@ class AsyncLLM:
 
         config = engine_args.create_engine_config()
         engine = cls.from_client(make_client(config), config.tokenizer_source,
-                                 skip_tokenizer_init=config.skip_tokenizer_init)
+                                 skip_tokenizer_init=config.skip_tokenizer_init, stream_interval=config.stream_interval)
         engine.stat_loggers.extend(stat_loggers or [])
         return engine
 

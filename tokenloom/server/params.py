@@ -114,6 +114,7 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             extra_args=_extra_args(req),
             thinking_token_budget=req.thinking_token_budget,
             repetition_detection=req.repetition_detection,
+            stream_interval=req.stream_interval,
         )
     except ValueError as exc:
         # The field the ValidationError names, else the one its message starts with ("temperature must be ...").
