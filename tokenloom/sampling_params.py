@@ -195,8 +195,9 @@ class SamplingParams:
     # engine takes the prompt in (LLMEngine.add_request; the server has its own request field).
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: token ids only, the outputs' text stays "" (no stop strings then)
-    # vLLM's field, which only its slow-tokenizer path reads; every tokenizer here is a fast one, which
-    # decodes special tokens as they are: True (the default) is accepted, False refused as the server does.
+    # vLLM's: False asks that consecutive special (added) tokens be detokenized with no space between them (vLLM's
+    # fast detokenizer emits each one's raw string after another); tokenloom's tokenizers are fast ones, whose decode
+    # never puts a space there, so both values give that text.
     spaces_between_special_tokens: bool = True
     # vLLM V1's field too, and refused there as here: per-request Python callables do not run in the
     # batched sampler. The engine-level ones do (vLLM's --logits-processors, tokenloom/sample/logits_processor);
@@ -351,8 +352,8 @@ class SamplingParams:
                                                                     RepetitionDetectionParams):
             bad(f"repetition_detection must be a RepetitionDetectionParams, got "
                 f"{type(self.repetition_detection).__name__}")
-        if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
-            bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            bad(f"spaces_between_special_tokens must be true or false, got {self.spaces_between_special_tokens!r}")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
             bad("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 

@@ -11,6 +11,7 @@ finishes the last; FINAL_ONLY, one RequestOutput with all n once every child is 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,9 @@ class _Parent:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_ready: int = 0  # positions the chunks have scored so far (they come in order)
     prompt_logprobs_sent: int = 0  # positions a DELTA output has handed out
+    # A decode engine's request after a remote prefill: the prefill engine's prefix-cache hit, reported as the
+    # request's cached tokens (vLLM's RequestState.remote_prefill_cached_tokens); None otherwise.
+    remote_prefill_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -109,6 +113,8 @@ class OutputProcessor:
                             cumulative_logprob=0.0 if params.logprobs is not None else None)
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, completions)
+        if completions:
+            parent.remote_prefill_cached_tokens = remote_prefill_cached_tokens(completions[0].params)
         if len(completions) > 1:
             parent.parent_req = ParentRequest.of_children(request_id, completions[0].params.output_kind,
                                                           [c.core_request.request_id for c in completions])
@@ -150,7 +156,10 @@ class OutputProcessor:
                 # Indexed by position: a chunk recomputed after preemption overwrites itself.
                 first, entries = out.new_prompt_logprobs
                 for k, lp in enumerate(entries):
-                    parent.prompt_logprobs[first + k] = self._logprob_dict(lp, decode=comp.params.detokenize)
+                    # vLLM's context for a prompt position: the scored prompt tokens before it (position 0 has none).
+                    pos = first + k
+                    parent.prompt_logprobs[pos] = self._logprob_dict(
+                        lp, decode=comp.params.detokenize, context=parent.prompt_token_ids[max(1, pos - 4) : pos])
                 parent.prompt_logprobs_ready = max(parent.prompt_logprobs_ready, first + len(entries))
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
@@ -234,8 +243,10 @@ class OutputProcessor:
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:
+                pos = len(comp.logprobs)  # this token's place in the output, whose tokens are in token_ids already
                 comp.logprobs.append(self._logprob_dict(lp, ranked=comp.params.logprob_token_ids is None,
-                                                        decode=comp.params.detokenize))
+                                                        decode=comp.params.detokenize,
+                                                        context=comp.token_ids[max(0, pos - 4) : pos]))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
@@ -286,14 +297,39 @@ class OutputProcessor:
             comp.text = comp.text[:truncate_to]
         return stop
 
-    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True) -> dict[int, Logprob]:
-        # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
-        # decode=False (detokenize=False): no decoded_token, as vLLM.
-        text = self._token_text if decode else lambda _: None
+    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True,
+                      context: Sequence[int] = ()) -> dict[int, Logprob]:  # fmt: skip
+        """One position's Logprobs. `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose
+        ranks are unknown. decode=False (detokenize=False): no decoded_token, as vLLM. `context`: the tokens the
+        sequence holds just before this position (at most 4), which complete a token's partial character."""
+        text = (lambda tid: self._decoded_token(tid, context)) if decode else (lambda _: None)
         d = {tid: Logprob(v, rank + 1 if ranked else None, text(tid)) for rank, (tid, v) in enumerate(lp.top)}
         if lp.token_id not in d:
             d[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
         return d
+
+    def _decoded_token(self, token_id: int, context: Sequence[int]) -> str | None:
+        """vLLM's Logprob.decoded_token: the token's own text, unless that ends in U+FFFD, a byte of a character
+        split over several tokens (byte-level and byte-fallback vocabularies); then the text it adds after the
+        tokens before it, "" while the character is still unfinished (LogprobsProcessor._correct_decoded_token)."""
+        text = self._token_text(token_id)
+        if text is None or not text.endswith("\ufffd"):
+            return text
+        assert self.tokenizer is not None
+        for num_ctx in range(1, min(len(context), 4) + 1):  # 4 tokens hold any UTF-8 character
+            ctx = list(context[-num_ctx:])
+            full = self.tokenizer.decode(ctx + [token_id], skip_special_tokens=False)
+            if full.endswith("\ufffd"):
+                continue
+            # The context's own trailing partial bytes belong to the character this token completes: their text
+            # (none, when they were read) is this token's.
+            clean_end = len(ctx)
+            while clean_end > 0 and (self._token_text(ctx[clean_end - 1]) or "").endswith("\ufffd"):
+                clean_end -= 1
+            clean_prefix = self.tokenizer.decode(ctx[:clean_end], skip_special_tokens=False) if clean_end else ""
+            # A normalizing tokenizer may not keep the prefix as it is: cut the longest common one.
+            return full[len(os.path.commonprefix([clean_prefix, full])):]
+        return ""
 
     def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -338,7 +374,8 @@ class OutputProcessor:
             outputs=outs,
             finished=finished,
             metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=(max(first.num_cached_tokens, 0) if parent.remote_prefill_cached_tokens is None
+                               else parent.remote_prefill_cached_tokens),
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
             kv_transfer_params=parent.completions[0].kv_transfer_params,
             error=errors[0] if errors else None,
@@ -401,6 +438,17 @@ class OutputProcessor:
         self._parents.pop(parent.request_id, None)
         for c in parent.completions:
             self._by_core_id.pop(c.core_request.request_id, None)
+
+
+def remote_prefill_cached_tokens(params: SamplingParams) -> int | None:
+    """vLLM's: the prefill engine's prefix-cache hit that a decode engine's request carries in its kv_transfer_params
+    (`remote_prefill_cached_tokens`, with do_remote_prefill), or None."""
+    kv_params = (params.extra_args or {}).get("kv_transfer_params")
+    if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
+        cached = kv_params.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int):
+            return cached
+    return None
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],

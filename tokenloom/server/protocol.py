@@ -98,6 +98,7 @@ class SamplingRequest(BaseModel):
     priority: Int64 = 0
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True  # vLLM's (SamplingParams' comment says what False gives here)
     stop_token_ids: list[TokenId] | None = None
     return_token_ids: Bool | None = None
     return_tokens_as_token_ids: Bool | None = None

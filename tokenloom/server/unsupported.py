@@ -29,8 +29,6 @@ COMMON: dict[str, Unsupported] = {
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported (use "
                                              "structured_outputs.disable_any_whitespace)"),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
-    "spaces_between_special_tokens": Unsupported(
-        "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
     # Empty embeddings ask for nothing: with no prompt either, vLLM's "Either prompt or prompt_embeds ..." follows.
     "prompt_embeds": Unsupported("prompt embeddings are not supported", ([], "")),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
