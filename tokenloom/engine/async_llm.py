@@ -27,7 +27,7 @@ from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
 from tokenloom.engine.engine_stats import sum_engine_stats
-from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.exceptions import EngineDeadError, EngineGenerateError
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.input_processor import (
     NO_TOKENIZER,
@@ -334,26 +334,36 @@ class AsyncLLM:
         prompt is text, token ids or vLLM's prompt dict; a bad request raises here, before any output.
         Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks.
         `reasoning_ended` / `reasoning_parser_kwargs`: vLLM's, for structured outputs behind a reasoning parser
-        (add_request). vLLM's other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored."""
-        self._receive_outputs()
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        if sampling_params is None:  # the model's generation_config defaults, as the server's
-            sampling_params = self.generation_defaults.sampling_params()
-        if sampling_params.structured_outputs is not None:
-            from tokenloom.model.grammar import validate_structured_outputs
-
-            validate_structured_outputs(sampling_params.structured_outputs)
-        text, token_ids = self.input_processor.tokenize(prompt)
-        stream = self.open_stream(merge_kind=sampling_params.output_kind)
-        self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
-                         lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
-                         reasoning_parser_kwargs=reasoning_parser_kwargs)
+        (add_request). vLLM's other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored.
+        Errors, as vLLM's: the request's own (a ValueError or TypeError: VLLMValidationError and the other refusals),
+        EngineDeadError and the admission errors (overloaded, draining) as they are; anything else aborts the request
+        and raises EngineGenerateError from it, the engine going on."""
+        stream: RequestStream | None = None
         try:
+            self._receive_outputs()
+            if request_id is None:
+                request_id = uuid.uuid4().hex
+            if sampling_params is None:  # the model's generation_config defaults, as the server's
+                sampling_params = self.generation_defaults.sampling_params()
+            if sampling_params.structured_outputs is not None:
+                from tokenloom.model.grammar import validate_structured_outputs
+
+                validate_structured_outputs(sampling_params.structured_outputs)
+            text, token_ids = self.input_processor.tokenize(prompt)
+            stream = self.open_stream(merge_kind=sampling_params.output_kind)
+            self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
+                             lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
+                             reasoning_parser_kwargs=reasoning_parser_kwargs)
             async for out in stream:
                 yield out
-        finally:  # finished: nothing pending; left early: the engine drops the request
-            stream.close()
+        except (ValueError, TypeError, EngineDeadError, EngineOverloadedError, EngineDrainingError):
+            raise
+        except Exception as exc:  # vLLM's "unexpected error in the generate() task (possibly recoverable)"
+            logger.info("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+            raise EngineGenerateError(f"generate failed: {type(exc).__name__}: {exc}") from exc
+        finally:  # finished: nothing pending; left early or failed: the engine drops the request
+            if stream is not None:
+                stream.close()
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """vLLM's AsyncLLM.abort: stop these requests now (unknown or finished ids are ignored); each one's
