@@ -164,7 +164,7 @@ def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
         llm = LLM(str(tiny_dir_for_args), dtype="float32", gpu_memory_utilization=0.5, enforce_eager=True,
                   kv_cache_memory=None, max_model_len=32, trust_remote_code=True, revision="main",
                   tokenizer_revision="main", download_dir="/nonexistent", load_format="auto",
-                  compilation_config={"level": 3}, use_tqdm_on_load=False)
+                  compilation_config={"level": 3}, kernel_config={"enable_jit_warmup": False}, use_tqdm_on_load=False)
     try:
         assert "gpu_memory_utilization applies to CUDA devices" in caplog.text
         assert len(llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6

@@ -927,6 +927,10 @@ class EngineConfig:
     compilation_config: dict[str, Any] | None = knob(
         None, "vLLM's torch.compile / CUDA graph options (a JSON object, or vLLM's level as a number); tokenloom "
         "compiles its own kernels and captures no graphs, so any value runs the same", simulated=False)
+    kernel_config: dict[str, Any] | None = knob(
+        None, "vLLM's kernel selection and warm-up options (a JSON object: ir_op_priority, enable_jit_warmup, "
+        "moe_backend, ...); tokenloom picks its CPU kernels at load (the execution plan it logs) and warms none up, "
+        "so any value runs the same", simulated=False)
     use_tqdm_on_load: bool = knob(True, "vLLM's loading progress bar; tokenloom's load prints none", simulated=False)
     # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set; the figures
     # behind /metrics and RequestOutput.metrics are kept either way. Offline it decides whether LLMEngine

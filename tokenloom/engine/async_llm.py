@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,18 @@ class RequestStream:
         self.pending.clear()
 
 
+def _weak_callback(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` called through a weak reference to its object: a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class _Tracked:
     __slots__ = ("stream", "cores")
 
@@ -174,13 +187,20 @@ class AsyncLLM:
         return cls(client, ready, tokenizer, max_waiting_requests, stream_interval)
 
     def attach(self) -> None:
-        """Start receiving engine outputs; call from the running event loop."""
-        self.client.attach(self._on_outputs, self._on_engine_failure)
+        """Start receiving engine outputs; call from the running event loop. The client calls back through weak
+        references: it (and the event loop's reader) must not keep this engine alive, so that dropping the last
+        reference to it stops the engine process (__del__, as vLLM's AsyncLLM)."""
+        self.client.attach(_weak_callback(self._on_outputs), _weak_callback(self._on_engine_failure))
         self._attached = True
 
     def shutdown(self) -> None:
         self.accepting = False
         self.client.shutdown()
+
+    def __del__(self) -> None:
+        # vLLM's: an engine dropped without shutdown() still stops its engine process (which holds the model).
+        if getattr(self, "client", None) is not None:
+            self.shutdown()
 
     # State ----------------------------------------------------------------------------------------
     @property

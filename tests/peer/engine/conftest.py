@@ -9,6 +9,8 @@ tokenloom's front end and engine processes. vllm_engine_shim.py maps vLLM's engi
 is vendored, what is not and why: docs/vllm_peer.md, "Engine level"."""
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +25,40 @@ from tests.peer.engine.vllm_engine_utils import (
     generate_dummy_prompt_logprobs_tensors,
     generate_dummy_sample_logprobs,
 )
+from tests.peer.engine.vllm_shutdown_shim import take_baseline
 from tests.peer.offline.conftest import AutoTokenizer as _OfflineAutoTokenizer
 from tokenloom.engine.args import EngineArgs
+
+# The vendored cases that start engines (2 to 10 s each on 2 cores), run by `make test-peer` (TOKENLOOM_PEER_FULL=1)
+# and skipped by `make test`, which keeps one in-process case of test_vllm_delete.py.
+_FULL_RUN_ONLY = {
+    "test_vllm_delete.py::test_async_llm_delete",  # an engine process per case (7 to 10 s)
+    "test_vllm_delete.py::test_llm_delete",
+    "test_vllm_delete.py::test_llm_delete_inprocess[False-None]",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("TOKENLOOM_PEER_FULL"):
+        return
+    skip = pytest.mark.skip(reason="a long vendored case: run by `make test-peer` (TOKENLOOM_PEER_FULL=1)")
+    for item in items:
+        if item.path.parent != Path(__file__).parent:
+            continue
+        names = (f"{item.path.name}::{getattr(item, 'originalname', item.name)}", f"{item.path.name}::{item.name}")
+        if any(name in _FULL_RUN_ONLY for name in names):
+            item.add_marker(skip)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "skip_global_cleanup: vLLM's (no global clean-up after the test)")
     config.addinivalue_line("markers", "cpu_test: vLLM's (its CPU CI selects these tests)")
+
+
+@pytest.fixture
+def engine_baseline() -> None:
+    """What was alive before a shutdown test (engine processes, models), which its memory check leaves out."""
+    take_baseline()
 
 
 @pytest.fixture
