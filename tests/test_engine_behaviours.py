@@ -199,6 +199,31 @@ def test_utf8_split_across_streamed_tokens_is_never_torn(roomy) -> None:
     assert not any("\ufffd" in d for d in deltas), deltas
 
 
+def test_logprob_decoded_tokens_of_a_split_character_carry_it_whole(roomy) -> None:
+    """vLLM's LogprobsProcessor._correct_decoded_token: a token whose own text is a partial character (U+FFFD) is
+    read with the sampled tokens before it: "" while the character is unfinished, the whole character on the token
+    that completes it; top-n alternatives at that position too (found by vendoring test_output_processor.py)."""
+    from tokenloom.core.outputs import SampleLogprobs
+    from tokenloom.core.request import Request
+
+    tok = roomy.get_tokenizer()
+    ids = tok.encode("a😀", add_special_tokens=False)
+    assert len(ids) >= 3 and tok.decode([ids[-1]], False).endswith("\ufffd")  # the emoji's bytes over 2+ tokens
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=len(ids), logprobs=1, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA)
+    proc.add_request("u", None, ids, [Request("u", ids, params)], 0.0)
+    # The prompt is the same text: its positions read their context from the prompt tokens before them.
+    prompt_rows = [SampleLogprobs(t, -1.0, 1, [(t, -1.0)]) for t in ids[1:]]
+    rows = [SampleLogprobs(t, -1.0, 2, [(ids[-1], -0.5)]) for t in ids]  # the last token also as every top-1
+    outs, _ = proc.process_outputs([EngineCoreOutput("u", ids, rows, finish_reason="length",
+                                                     new_prompt_logprobs=(1, prompt_rows))])
+    sample = [{t: lp.decoded_token for t, lp in pos.items()} for pos in outs[0].outputs[0].logprobs]
+    assert [pos[t] for pos, t in zip(sample, ids)] == ["a"] + [""] * (len(ids) - 2) + ["😀"]
+    assert sample[-2][ids[-1]] == "" and sample[0][ids[-1]] == ""  # without the bytes before it: nothing yet
+    prompt = [pos[t].decoded_token for pos, t in zip(outs[0].prompt_logprobs[1:], ids[1:])]
+    assert prompt[-1] == "😀" and "\ufffd" not in "".join(prompt)
+
+
 def test_cache_creation_tokens_are_the_prompt_tokens_a_request_adds_to_the_prefix_cache(tiny_dir, roomy,
                                                                                         chunked) -> None:
     """vLLM's num_cache_creation_tokens (PrefillStats.finalize): the prompt's full blocks cached at the first

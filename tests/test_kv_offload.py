@@ -352,9 +352,11 @@ def test_shared_storage_handoff_between_two_engines(tiny_dir, reference, tmp_pat
     out = prefill.generate([{"prompt_token_ids": PROMPT}], first, use_tqdm=False)[0]
     params = out.kv_transfer_params
     assert params["do_remote_prefill"] is True and params["remote_storage_path"] == str(tmp_path)
+    assert params["remote_prefill_cached_tokens"] == 0  # the prefill engine's own hit, reported by the decode engine
     then = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"kv_transfer_params": params})
     got = decode.generate([{"prompt_token_ids": PROMPT}], then, use_tqdm=False)[0]
-    assert (list(got.outputs[0].token_ids), got.num_cached_tokens) == (reference["prompt"], EXPECTED_HIT)
+    assert (list(got.outputs[0].token_ids), got.num_cached_tokens) == (reference["prompt"], 0)
+    assert decode.llm_engine.scheduler.make_stats().connector_prefix_cache_totals.hits == EXPECTED_HIT
     # Without kv_transfer_params the decode engine computes the prompt itself (other tokens, no loads).
     other = decode.generate([{"prompt_token_ids": OTHER}], GREEDY, use_tqdm=False)[0]
     assert (list(other.outputs[0].token_ids), other.num_cached_tokens) == (reference["other"], 0)

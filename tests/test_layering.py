@@ -23,7 +23,8 @@ LEVELS = {
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom.parser_registry": -0.5,  # the name registry both parser managers share: imports nothing of tokenloom
     "tokenloom.reasoning": -0.3,  # reasoning parsers: the server splits outputs, the engine's grammar gate waits
-    "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0, "tokenloom.pooling_params": 0,
+    "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
+    "tokenloom.pooling_params": 0.1,  # a pooling request's parameters: their output_kind is the sampling params' kind
     "tokenloom.inputs": 0,  # vLLM's prompt TypedDicts: what the engine takes in, beside the params
     "tokenloom.logprobs": 0,  # vLLM's Logprob / FlatLogprobs: what the engine hands back, beside the params
     "tokenloom.core": 1, "tokenloom.spec_decode": 1,

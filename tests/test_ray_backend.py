@@ -122,7 +122,8 @@ def test_ray_placement_timeout_and_actor_start_failure_are_clear_errors(tiny_dir
 
     broken = _config(tiny_dir, data_parallel_size=1, distributed_executor_backend="ray")
     broken = dataclasses.replace(broken, model=str(tiny_dir / "no-such-model"))
-    with pytest.raises(EngineStartError, match="engine 0: engine start-up failed: FileNotFoundError: model"):
+    with pytest.raises(EngineStartError,
+                       match="engine 0: Engine core initialization failed: FileNotFoundError: model"):
         client = make_client(broken, "warning")
         AsyncLLM.from_client(client, str(tiny_dir), ready_timeout_s=120).shutdown()
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())

@@ -191,6 +191,14 @@ def test_stream_options_and_token_ids_as_vllm(http) -> None:
     assert plain["choices"][0]["token_ids"] is None and plain["choices"][0]["prompt_token_ids"] is None
     chat = _post(http, "/v1/chat/completions", msgs)
     assert chat["prompt_token_ids"] is None and chat["choices"][0]["token_ids"] is None
+    # vLLM's stream_interval (a 400 "not supported yet" before): the first token alone, then 4 at a time or more
+    # (more when a slow reader merged two), the last chunk what is left; below 1 is pydantic's 400.
+    every4 = _stream(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 10, "return_token_ids": True,
+                                               "ignore_eos": True, "stream_interval": 4, **GREEDY})
+    sizes = [len(ch["choices"][0]["token_ids"]) for ch in every4 if ch["choices"] and ch["choices"][0]["token_ids"]]
+    assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) > 2 and all(size >= 4 for size in sizes[1:-1])
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream_interval": 0})
+    assert r.status_code == 400 and "stream_interval" in r.text
 
 
 def test_request_id_orca_header_and_extra_routes(server, http) -> None:

@@ -14,7 +14,7 @@ import pytest
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, AsyncEngineArgs, AsyncLLM, EngineArgs, LLMEngine, SamplingParams
 from tokenloom.config import ConfigError
-from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.exceptions import EngineDeadError, EngineGenerateError
 from tokenloom.exceptions import VLLMValidationError
 from tokenloom.sampling_params import RequestOutputKind
 
@@ -122,6 +122,22 @@ def test_async_llm_generate_abort_and_cancel(tiny_args) -> None:
                 await _collect(engine, "bad", long, prompt="")
             outs = await _collect(engine, "after", SamplingParams(max_tokens=2, ignore_eos=True), prompt=[5, 6])
             assert len(outs[-1].outputs[0].token_ids) == 2
+            # vLLM's tests/v1/shutdown/test_processor_error.py rule: an unexpected failure in generate is
+            # EngineGenerateError (the cause chained), the request dropped, the engine not errored.
+            real_tokenize = engine.input_processor.tokenize
+            engine.input_processor.tokenize = lambda prompt: (_ for _ in ()).throw(RuntimeError("tokenizer broke"))
+            try:
+                with pytest.raises(EngineGenerateError, match="RuntimeError: tokenizer broke"):
+                    await _collect(engine, "broken", long)
+            finally:
+                engine.input_processor.tokenize = real_tokenize
+            assert not engine.errored and engine.num_unfinished == 0
+            # vLLM's stream interval: a DELTA stream's outputs carry 4 tokens or more (the first 1, the last what is
+            # left; more only when the consumer fell behind and the stream merged two).
+            interval = SamplingParams(max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                                      stream_interval=4)
+            sizes = [len(o.outputs[0].token_ids) for o in await _collect(engine, "interval", interval, prompt=[5, 6])]
+            assert sizes[0] == 1 and sum(sizes) == 10 and all(size >= 4 for size in sizes[1:-1]) and len(sizes) > 2
             # A max_tokens past the context stops at max_model_len (64), as vLLM's engine (its server refuses it).
             outs = await _collect(engine, "past", SamplingParams(max_tokens=50_000, ignore_eos=True), prompt=[5, 6])
             assert len(outs[-1].outputs[0].token_ids) == 62 and outs[-1].outputs[0].finish_reason == "length"

@@ -82,9 +82,16 @@ def test_detokenize_false_gives_token_ids_only(tiny) -> None:
     assert ids.token_ids == text.token_ids and text.text and ids.text == ""
     with pytest.raises(ValueError, match="only supported when detokenize is True"):
         SamplingParams(stop=["x"], detokenize=False)
-    SamplingParams(spaces_between_special_tokens=True)  # vLLM's default, as copied code passes it
-    with pytest.raises(ValueError, match="fast tokenizers ignore it"):
-        SamplingParams(spaces_between_special_tokens=False)
+    # vLLM 0.32's: False puts no space between consecutive special tokens, which tokenloom's fast tokenizers never
+    # do: both values are taken and give that text (found by vendoring test_output_processor.py).
+    eos = tiny.get_tokenizer().eos_token_id
+    for spaces in (True, False):
+        out = tiny.generate({"prompt_token_ids": [eos]}, SamplingParams(
+            max_tokens=2, ignore_eos=True, temperature=0.0, skip_special_tokens=False,
+            spaces_between_special_tokens=spaces, logit_bias={eos: 100.0}), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [eos, eos] and out.text == 2 * tiny.get_tokenizer().decode([eos], False)
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be true or false"):
+        SamplingParams(spaces_between_special_tokens="no")
     with pytest.raises(ValueError, match="per-request logits_processors are not supported"):
         SamplingParams(logits_processors=[lambda ids, logits: logits])
     # vLLM's test_detokenize_false: no decoded_token on any logprob (sampled or prompt) without detokenizing.
@@ -157,7 +164,7 @@ def test_vllms_gpu_arguments_are_taken(tiny_dir_for_args, caplog) -> None:
         llm = LLM(str(tiny_dir_for_args), dtype="float32", gpu_memory_utilization=0.5, enforce_eager=True,
                   kv_cache_memory=None, max_model_len=32, trust_remote_code=True, revision="main",
                   tokenizer_revision="main", download_dir="/nonexistent", load_format="auto",
-                  compilation_config={"level": 3}, use_tqdm_on_load=False)
+                  compilation_config={"level": 3}, kernel_config={"enable_jit_warmup": False}, use_tqdm_on_load=False)
     try:
         assert "gpu_memory_utilization applies to CUDA devices" in caplog.text
         assert len(llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6

@@ -927,6 +927,10 @@ class EngineConfig:
     compilation_config: dict[str, Any] | None = knob(
         None, "vLLM's torch.compile / CUDA graph options (a JSON object, or vLLM's level as a number); tokenloom "
         "compiles its own kernels and captures no graphs, so any value runs the same", simulated=False)
+    kernel_config: dict[str, Any] | None = knob(
+        None, "vLLM's kernel selection and warm-up options (a JSON object: ir_op_priority, enable_jit_warmup, "
+        "moe_backend, ...); tokenloom picks its CPU kernels at load (the execution plan it logs) and warms none up, "
+        "so any value runs the same", simulated=False)
     use_tqdm_on_load: bool = knob(True, "vLLM's loading progress bar; tokenloom's load prints none", simulated=False)
     # vLLM's: the server's periodic stats line (engine/stat_logging.py) is on unless this is set; the figures
     # behind /metrics and RequestOutput.metrics are kept either way. Offline it decides whether LLMEngine
@@ -955,6 +959,11 @@ class EngineConfig:
         "auto", "auto: the model directory's generation_config.json gives the default sampling parameters "
         "(vLLM's default); vllm: ignore it", simulated=False)
     seed: int = knob(0, "random seed of the engine (sampling without a per-request seed)", simulated=False)
+    # vLLM's --stream-interval (its SchedulerConfig's; here the front end's OutputProcessor applies it).
+    stream_interval: int = knob(
+        1, "tokens a streamed (DELTA) output carries at least, the first and the last output excepted: 1 sends "
+        "every step's tokens at once, a larger value fewer, bigger outputs (vLLM's); a request's stream_interval "
+        "may raise it", simulated=False)
     trace_steps: str | None = knob(None, "write one JSON line per engine step to this file", simulated=False)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
@@ -1034,6 +1043,7 @@ class EngineConfig:
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         self._apply_reasoning_parser()
         self.logits_processors = _check_logits_processors(self.logits_processors, self.speculative_config)
+        _check_int("stream_interval", self.stream_interval, 1)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_cpu_loras is not None:

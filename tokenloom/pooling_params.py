@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.exceptions import ValidationError
+from tokenloom.sampling_params import RequestOutputKind
 
 POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 # The parameters each task reads (vLLM's valid_parameters); others set by the user are a 400. For the embedding
@@ -49,6 +50,13 @@ class PoolingParams:
     # Filled by the engine from the request (LLM.embed -> "embed", /classify -> "classify", ...).
     task: str | None = None
     extra_kwargs: dict[str, Any] | None = field(default=None, repr=False)
+    # vLLM's: a pooling request has one output, its last (checked when the params are made, in vLLM's words).
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+
+    def __post_init__(self) -> None:
+        if self.output_kind is not RequestOutputKind.FINAL_ONLY:
+            raise ValidationError(f"For pooling output_kind has to be FINAL_ONLY, got {self.output_kind!r}",
+                                  parameter="output_kind")
 
     def clone(self) -> PoolingParams:
         return PoolingParams(**{k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()})

@@ -202,6 +202,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: a DELTA stream's outputs carry at least this many new tokens (the first and the last excepted);
+    # raises the engine's --stream-interval, a value below it counts as it (None: the engine's).
+    stream_interval: int | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar): vLLM's field of the same name.
     structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine from the model (None: no EOS, e.g. in replay traces).
@@ -220,8 +223,9 @@ class SamplingParams:
     # engine takes the prompt in (LLMEngine.add_request; the server has its own request field).
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True  # False: token ids only, the outputs' text stays "" (no stop strings then)
-    # vLLM's field, which only its slow-tokenizer path reads; every tokenizer here is a fast one, which
-    # decodes special tokens as they are: True (the default) is accepted, False refused as the server does.
+    # vLLM's: False asks that consecutive special (added) tokens be detokenized with no space between them (vLLM's
+    # fast detokenizer emits each one's raw string after another); tokenloom's tokenizers are fast ones, whose decode
+    # never puts a space there, so both values give that text.
     spaces_between_special_tokens: bool = True
     # vLLM V1's field too, and refused there as here: per-request Python callables do not run in the
     # batched sampler. The engine-level ones do (vLLM's --logits-processors, tokenloom/sample/logits_processor);
@@ -357,6 +361,11 @@ class SamplingParams:
             bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.stream_interval is not None and (isinstance(self.stream_interval, bool)
+                                                 or not isinstance(self.stream_interval, int)
+                                                 or self.stream_interval < 1):  # vLLM's words
+            raise ValidationError(f"stream_interval must be at least 1, got {self.stream_interval}.",
+                                  parameter="stream_interval", value=self.stream_interval)
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
             bad(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
@@ -371,8 +380,8 @@ class SamplingParams:
                                                                     RepetitionDetectionParams):
             bad(f"repetition_detection must be a RepetitionDetectionParams, got "
                 f"{type(self.repetition_detection).__name__}")
-        if self.spaces_between_special_tokens is not True:  # the server's word (server/unsupported.py)
-            bad("spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)")
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            bad(f"spaces_between_special_tokens must be true or false, got {self.spaces_between_special_tokens!r}")
         if not self.detokenize and self.stop:  # vLLM's rule: stop strings are matched on the text
             bad("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 

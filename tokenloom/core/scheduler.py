@@ -1003,13 +1003,16 @@ class Scheduler(SchedulerInterface):
                 if request.first_token_time is None:
                     request.first_token_time = now
                 request.last_token_time = now
-            if (generated or is_stopped) and request.num_cache_creation_tokens is None:
+            first_output = bool(generated or is_stopped) and request.num_cache_creation_tokens is None
+            if first_output:
                 # vLLM's PrefillStats.finalize at the first output, before the blocks are freed: the
                 # prompt tokens now cached beyond the prefix-cache hit (usage's created_cache_tokens).
                 cached_now = min(self.kv_cache_manager.estimate_cached_tokens(request), request.num_prompt_tokens)
                 request.num_cache_creation_tokens = max(0, cached_now - max(request.num_cached_tokens, 0))
             if is_stopped:
                 self._free_request(request)
+                if first_output:
+                    _report_remote_prefill_hits(request)
                 if status_before == RequestStatus.RUNNING:
                     stopped.add(id(request))
                 else:  # a preempted request finished by its stale output (async scheduling)
@@ -1279,3 +1282,13 @@ def _lora_counts(requests: Iterable[Request]) -> dict[str, int]:
         if r.lora_request is not None:
             counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
     return counts
+
+
+def _report_remote_prefill_hits(request: Request) -> None:
+    """vLLM's (Scheduler.update_from_output): a prefill run for a decode engine, finished at its first output, hands
+    its own prefix-cache hit (local and connector-loaded tokens) on in the connector's kv_transfer_params as
+    `remote_prefill_cached_tokens`; the decode engine reports that as the request's cached tokens instead of its own
+    near-total hit on the KV it pulled (engine/output_processor.py)."""
+    params = request.kv_transfer_params
+    if params is not None and params.get("do_remote_prefill"):
+        params["remote_prefill_cached_tokens"] = max(request.num_cached_tokens, 0)

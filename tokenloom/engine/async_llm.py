@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.core_client import AsyncEngineCoreClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineReady
 from tokenloom.engine.engine_stats import sum_engine_stats
-from tokenloom.engine.exceptions import EngineDeadError
+from tokenloom.engine.exceptions import EngineDeadError, EngineGenerateError
 from tokenloom.engine.generation_config import GenerationDefaults
 from tokenloom.engine.input_processor import (
     NO_TOKENIZER,
@@ -107,6 +108,18 @@ class RequestStream:
         self.pending.clear()
 
 
+def _weak_callback(method: Callable[..., None]) -> Callable[..., None]:
+    """`method` called through a weak reference to its object: a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
+
+
 class _Tracked:
     __slots__ = ("stream", "cores")
 
@@ -122,13 +135,15 @@ class AsyncLLM:
         ready: EngineReady,
         tokenizer: Tokenizer | None,
         max_waiting_requests: int | None = None,
+        stream_interval: int = 1,
     ) -> None:
-        """`tokenizer` None: built with skip_tokenizer_init (token-id prompts, token-id outputs)."""
+        """`tokenizer` None: built with skip_tokenizer_init (token-id prompts, token-id outputs).
+        `stream_interval`: the engine's --stream-interval (the OutputProcessor's)."""
         self.client = client
         self.info = ready
         self.tokenizer = tokenizer
         self.max_waiting_requests = max_waiting_requests
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.input_processor = InputProcessor(tokenizer, ready)
         # The engines' generation_config defaults, as LLMEngine holds them for engine processes.
         self.generation_defaults = GenerationDefaults(dict(getattr(ready, "sampling_defaults", None) or {}),
@@ -154,6 +169,7 @@ class AsyncLLM:
         max_waiting_requests: int | None = None,
         ready_timeout_s: float | None = None,
         skip_tokenizer_init: bool = False,
+        stream_interval: int = 1,
     ) -> AsyncLLM:
         """Load the tokenizer here (from `tokenizer_source`, EngineConfig.tokenizer_source: the model, or the
         tokenizer given apart; none with `skip_tokenizer_init`) while the (already spawned) engine process
@@ -168,16 +184,23 @@ class AsyncLLM:
         except BaseException:
             client.shutdown()
             raise
-        return cls(client, ready, tokenizer, max_waiting_requests)
+        return cls(client, ready, tokenizer, max_waiting_requests, stream_interval)
 
     def attach(self) -> None:
-        """Start receiving engine outputs; call from the running event loop."""
-        self.client.attach(self._on_outputs, self._on_engine_failure)
+        """Start receiving engine outputs; call from the running event loop. The client calls back through weak
+        references: it (and the event loop's reader) must not keep this engine alive, so that dropping the last
+        reference to it stops the engine process (__del__, as vLLM's AsyncLLM)."""
+        self.client.attach(_weak_callback(self._on_outputs), _weak_callback(self._on_engine_failure))
         self._attached = True
 
     def shutdown(self) -> None:
         self.accepting = False
         self.client.shutdown()
+
+    def __del__(self) -> None:
+        # vLLM's: an engine dropped without shutdown() still stops its engine process (which holds the model).
+        if getattr(self, "client", None) is not None:
+            self.shutdown()
 
     # State ----------------------------------------------------------------------------------------
     @property
@@ -315,7 +338,7 @@ class AsyncLLM:
 
         config = engine_args.create_engine_config()
         engine = cls.from_client(make_client(config), config.tokenizer_source,
-                                 skip_tokenizer_init=config.skip_tokenizer_init)
+                                 skip_tokenizer_init=config.skip_tokenizer_init, stream_interval=config.stream_interval)
         engine.stat_loggers.extend(stat_loggers or [])
         return engine
 
@@ -331,26 +354,36 @@ class AsyncLLM:
         prompt is text, token ids or vLLM's prompt dict; a bad request raises here, before any output.
         Leaving the loop early (break, cancellation) aborts the request and frees its KV blocks.
         `reasoning_ended` / `reasoning_parser_kwargs`: vLLM's, for structured outputs behind a reasoning parser
-        (add_request). vLLM's other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored."""
-        self._receive_outputs()
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        if sampling_params is None:  # the model's generation_config defaults, as the server's
-            sampling_params = self.generation_defaults.sampling_params()
-        if sampling_params.structured_outputs is not None:
-            from tokenloom.model.grammar import validate_structured_outputs
-
-            validate_structured_outputs(sampling_params.structured_outputs)
-        text, token_ids = self.input_processor.tokenize(prompt)
-        stream = self.open_stream(merge_kind=sampling_params.output_kind)
-        self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
-                         lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
-                         reasoning_parser_kwargs=reasoning_parser_kwargs)
+        (add_request). vLLM's other keywords (trace_headers, data_parallel_rank, ...) are accepted and ignored.
+        Errors, as vLLM's: the request's own (a ValueError or TypeError: VLLMValidationError and the other refusals),
+        EngineDeadError and the admission errors (overloaded, draining) as they are; anything else aborts the request
+        and raises EngineGenerateError from it, the engine going on."""
+        stream: RequestStream | None = None
         try:
+            self._receive_outputs()
+            if request_id is None:
+                request_id = uuid.uuid4().hex
+            if sampling_params is None:  # the model's generation_config defaults, as the server's
+                sampling_params = self.generation_defaults.sampling_params()
+            if sampling_params.structured_outputs is not None:
+                from tokenloom.model.grammar import validate_structured_outputs
+
+                validate_structured_outputs(sampling_params.structured_outputs)
+            text, token_ids = self.input_processor.tokenize(prompt)
+            stream = self.open_stream(merge_kind=sampling_params.output_kind)
+            self.add_request(request_id, token_ids, sampling_params, stream, prompt=text, priority=priority,
+                             lora_request=lora_request, max_tokens_in_context=False, reasoning_ended=reasoning_ended,
+                             reasoning_parser_kwargs=reasoning_parser_kwargs)
             async for out in stream:
                 yield out
-        finally:  # finished: nothing pending; left early: the engine drops the request
-            stream.close()
+        except (ValueError, TypeError, EngineDeadError, EngineOverloadedError, EngineDrainingError):
+            raise
+        except Exception as exc:  # vLLM's "unexpected error in the generate() task (possibly recoverable)"
+            logger.info("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+            raise EngineGenerateError(f"generate failed: {type(exc).__name__}: {exc}") from exc
+        finally:  # finished: nothing pending; left early or failed: the engine drops the request
+            if stream is not None:
+                stream.close()
 
     async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         """vLLM's AsyncLLM.abort: stop these requests now (unknown or finished ids are ignored); each one's

@@ -52,7 +52,7 @@ from tokenloom.engine.core_messages import (
     StepInfo,
 )
 from tokenloom.engine.core_proc import run_engine_core_process
-from tokenloom.engine.exceptions import EngineStartError
+from tokenloom.engine.exceptions import INIT_FAILED, EngineStartError
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +213,12 @@ class MPClient:
                 next_note += WAIT_NOTE_EVERY_S
         if self.process.is_alive():
             raise EngineStartError(
-                f"the engine made no progress for {timeout_s:g} s (no CPU used, nothing logged; last: {stage}); "
-                f"it was still running after {_now() - start:.0f} s. TOKENLOOM_ENGINE_READY_TIMEOUT sets how "
-                f"long a stall may last (0: no limit)")
+                f"{INIT_FAILED}: the engine made no progress for {timeout_s:g} s (no CPU used, nothing logged; "
+                f"last: {stage}); it was still running after {_now() - start:.0f} s. "
+                f"TOKENLOOM_ENGINE_READY_TIMEOUT sets how long a stall may last (0: no limit)")
         self.process.join(1.0)
-        raise EngineStartError(f"the engine process exited during start-up (exit code {self.process.exitcode})")
+        raise EngineStartError(f"{INIT_FAILED}: the engine process exited during start-up (exit code "
+                               f"{self.process.exitcode})")
 
     # Running ------------------------------------------------------------------------------------
     def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: Callable[[str], None]) -> None:

@@ -38,6 +38,7 @@ from tokenloom.engine.core_messages import (
     Shutdown,
     StepInfo,
 )
+from tokenloom.engine.exceptions import INIT_FAILED
 from tokenloom.process_exit import exit_without_teardown
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ def run_engine_core(
         engine, ready = _load(config)
     except Exception as exc:  # report any start-up failure to the API process, which prints it
         heartbeat.stop()
-        _send_quietly(outbox, EngineFailed(f"engine start-up failed: {type(exc).__name__}: {exc}"))
+        # vLLM's words ("Engine core initialization failed"), with the cause (vLLM's points at its log).
+        _send_quietly(outbox, EngineFailed(f"{INIT_FAILED}: {type(exc).__name__}: {exc}"))
         sys.exit(1)
     heartbeat.stop()  # before `ready`: one thread at a time on the pipe
     orphaned = False

@@ -111,7 +111,7 @@ class LLMEngine:
         self.eos_token_id = ready.eos_token_id
         self.pooling_info = ready.pooling
         self.input_processor = InputProcessor(self.tokenizer, ready)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._ids = itertools.count()
         # Metrics (vLLM's log_stats): only with stats on, so the default LLM pays nothing for them.
         self.log_stats = not config.disable_log_stats

@@ -1,14 +1,17 @@
 """The front end of a step: engine-core outputs (token ids) → RequestOutputs (text).
 
 Incremental detokenization, stop strings (held back while streaming, so a client never sees the
-first characters of a stop string that then completes), logprobs, and the fan-in of `n > 1`
-completions (vLLM's ParentRequest.get_outputs): streamed (DELTA / CUMULATIVE), one RequestOutput per
-child that progressed, a finished child never sent again, `finished` on the output that finishes the
-last; FINAL_ONLY, one RequestOutput with all n once every child is done.
+first characters of a stop string that then completes), logprobs, the stream interval (vLLM's
+--stream-interval and SamplingParams.stream_interval: a stream hands out its tokens in batches of that many,
+the first and the last output at once), and the fan-in of `n > 1` completions
+(engine/parallel_sampling.py's ParentRequest.get_outputs): streamed (DELTA / CUMULATIVE), one
+RequestOutput per child that progressed, a finished child never sent again, `finished` on the output that
+finishes the last; FINAL_ONLY, one RequestOutput with all n once every child is done.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -23,6 +26,7 @@ from tokenloom.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
+from tokenloom.engine.parallel_sampling import ParentRequest
 from tokenloom.logprobs import as_container
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -38,6 +42,8 @@ class _Completion:
     core_request: Request
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    # Tokens a DELTA output waits for (1: every step's), the first and the finishing output excepted.
+    stream_interval: int = 1
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     sent_text_len: int = 0
@@ -63,15 +69,22 @@ class _Parent:
     prompt_token_ids: list[int]
     arrival_time: float
     completions: list[_Completion]
+    # n > 1: what each child's output makes the user see (vLLM's parent_req); None for a single completion.
+    parent_req: ParentRequest | None = None
     # prompt_logprobs: [None (the first token has none), {token: Logprob}, ...], filled as chunks compute.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_ready: int = 0  # positions the chunks have scored so far (they come in order)
     prompt_logprobs_sent: int = 0  # positions a DELTA output has handed out
+    # A decode engine's request after a remote prefill: the prefill engine's prefix-cache hit, reported as the
+    # request's cached tokens (vLLM's RequestState.remote_prefill_cached_tokens); None otherwise.
+    remote_prefill_cached_tokens: int | None = None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stream_interval: int = 1) -> None:
+        """`stream_interval`: the engine's (vLLM's --stream-interval, at least 1); a request may raise its own."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._parents: dict[str, _Parent] = {}
         self._by_core_id: dict[str, tuple[_Parent, _Completion]] = {}
         self._token_texts: dict[int, str] = {}
@@ -95,15 +108,25 @@ class OutputProcessor:
                     self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_token_ids
                 )
             completions.append(
-                _Completion(i, core, params, detok, logprobs=[] if params.logprobs is not None else None,
+                _Completion(i, core, params, detok, self._stream_interval_of(params),
+                            logprobs=[] if params.logprobs is not None else None,
                             cumulative_logprob=0.0 if params.logprobs is not None else None)
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, arrival_time, completions)
+        if completions:
+            parent.remote_prefill_cached_tokens = remote_prefill_cached_tokens(completions[0].params)
+        if len(completions) > 1:
+            parent.parent_req = ParentRequest.of_children(request_id, completions[0].params.output_kind,
+                                                          [c.core_request.request_id for c in completions])
         if completions and completions[0].params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(prompt_token_ids)
         self._parents[request_id] = parent
         for c in completions:
             self._by_core_id[c.core_request.request_id] = (parent, c)
+
+    def _stream_interval_of(self, params: SamplingParams) -> int:
+        """vLLM's: a request's stream_interval raises the engine's, never lowers it."""
+        return max(params.stream_interval or 1, self.stream_interval)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -120,8 +143,7 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs of requests that progressed, and core ids to abort (stop strings)."""
-        touched: dict[str, _Parent] = {}
-        progressed: dict[str, tuple[_Parent, _Completion]] = {}  # core id -> its completion, in arrival order
+        results = []
         to_abort: list[str] = []
         for out in outputs:
             entry = self._by_core_id.get(out.request_id)
@@ -134,28 +156,46 @@ class OutputProcessor:
                 # Indexed by position: a chunk recomputed after preemption overwrites itself.
                 first, entries = out.new_prompt_logprobs
                 for k, lp in enumerate(entries):
-                    parent.prompt_logprobs[first + k] = self._logprob_dict(lp, decode=comp.params.detokenize)
+                    # vLLM's context for a prompt position: the scored prompt tokens before it (position 0 has none).
+                    pos = first + k
+                    parent.prompt_logprobs[pos] = self._logprob_dict(
+                        lp, decode=comp.params.detokenize, context=parent.prompt_token_ids[max(1, pos - 4) : pos])
                 parent.prompt_logprobs_ready = max(parent.prompt_logprobs_ready, first + len(entries))
             if self._apply(comp, out):
                 to_abort.append(out.request_id)
-            touched[parent.request_id] = parent
-            progressed[out.request_id] = (parent, comp)
-        results = []
-        last_of = {parent.request_id: core_id for core_id, (parent, _) in progressed.items()}
-        for core_id, (parent, comp) in progressed.items():
-            if parent.completions[0].params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                # vLLM's ParentRequest.get_outputs while streaming: each output carries only the completion
-                # that progressed; `finished` comes with the one that finishes the last of the n.
-                finished = last_of[parent.request_id] == core_id and all(c.finished for c in parent.completions)
-                results.append(self._make_output(parent, [comp], finished))
-        for p in touched.values():
-            done = all(c.finished for c in p.completions)
-            # FINAL_ONLY (LLM.generate, the server's whole responses): the n completions once, when all are done.
-            if done and p.completions[0].params.output_kind is RequestOutputKind.FINAL_ONLY:
-                results.append(self._make_output(p, p.completions, True))
-            if done:
-                self._forget(p)
+            result = self._request_output(parent, comp)
+            if result is not None:
+                results.append(result)
+            if all(c.finished for c in parent.completions):
+                self._forget(parent)
         return results, to_abort
+
+    def _request_output(self, parent: _Parent, comp: _Completion) -> RequestOutput | PoolingRequestOutput | None:
+        """What the user sees of `comp`'s progress (vLLM's RequestState.make_request_output), or None: FINAL_ONLY
+        before the end, a DELTA stream between two intervals, or an n > 1 request whose parent holds it back."""
+        if comp.core_request.pooling_params is not None:
+            return self._pooling_output(parent)
+        if comp.params.output_kind is RequestOutputKind.FINAL_ONLY and not comp.finished:
+            return None
+        if not self._stream_interval_due(comp):
+            return None
+        completion = self._completion_output(comp)
+        if parent.parent_req is None:
+            return self._make_output(parent, [completion], comp.finished)
+        completions, finished = parent.parent_req.get_outputs(comp.core_request.request_id, completion)
+        return self._make_output(parent, completions, finished) if completions else None
+
+    @staticmethod
+    def _stream_interval_due(comp: _Completion) -> bool:
+        """vLLM's rule: with a stream interval above 1, an output goes out when it finishes the completion, is
+        its first, or carries at least the interval's new tokens. Applied to CUMULATIVE streams too, whose
+        delta fields carry the new tokens: the server streams through them (vLLM's server asks for DELTA
+        outputs); vLLM moves its mark of what was sent for DELTA outputs only, so its CUMULATIVE ones go out
+        every step whatever the interval (docs/conformance.md)."""
+        if comp.stream_interval <= 1 or comp.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return True
+        return (comp.finished or comp.sent_token_len == 0
+                or len(comp.token_ids) - comp.sent_token_len >= comp.stream_interval)
 
     def finish_aborted(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
         """Close a request from outside (client went away, engine error); returns its last output."""
@@ -168,9 +208,13 @@ class OutputProcessor:
             c.error = error
         if parent.completions[0].params.output_kind is RequestOutputKind.FINAL_ONLY:
             cut = parent.completions  # vLLM's aggregate: all n at once
-        # Streaming: only the completions the abort ended (those finished before were sent already), in one
-        # output, as vLLM's collector merges the per-child abort outputs it queues at once.
-        result = self._make_output(parent, cut or parent.completions[-1:], True)
+        if parent.completions[0].core_request.pooling_params is not None:
+            result = self._pooling_output(parent)
+        else:
+            # Streaming: only the completions the abort ended (those finished before were sent already), in one
+            # output, as vLLM's collector merges the per-child abort outputs it queues at once.
+            result = self._make_output(parent, [self._completion_output(c) for c in cut or parent.completions[-1:]],
+                                       True)
         self._forget(parent)
         return result
 
@@ -199,8 +243,10 @@ class OutputProcessor:
         comp.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and comp.logprobs is not None:
             for lp in out.new_logprobs:
+                pos = len(comp.logprobs)  # this token's place in the output, whose tokens are in token_ids already
                 comp.logprobs.append(self._logprob_dict(lp, ranked=comp.params.logprob_token_ids is None,
-                                                        decode=comp.params.detokenize))
+                                                        decode=comp.params.detokenize,
+                                                        context=comp.token_ids[max(0, pos - 4) : pos]))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.logprob
         if comp.detokenizer is not None:
             old_len = len(comp.text)
@@ -251,14 +297,39 @@ class OutputProcessor:
             comp.text = comp.text[:truncate_to]
         return stop
 
-    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True) -> dict[int, Logprob]:
-        # `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose ranks are unknown.
-        # decode=False (detokenize=False): no decoded_token, as vLLM.
-        text = self._token_text if decode else lambda _: None
+    def _logprob_dict(self, lp: SampleLogprobs, ranked: bool = True, decode: bool = True,
+                      context: Sequence[int] = ()) -> dict[int, Logprob]:  # fmt: skip
+        """One position's Logprobs. `top` is the top-n by rank, or (logprob_token_ids) the tokens asked for, whose
+        ranks are unknown. decode=False (detokenize=False): no decoded_token, as vLLM. `context`: the tokens the
+        sequence holds just before this position (at most 4), which complete a token's partial character."""
+        text = (lambda tid: self._decoded_token(tid, context)) if decode else (lambda _: None)
         d = {tid: Logprob(v, rank + 1 if ranked else None, text(tid)) for rank, (tid, v) in enumerate(lp.top)}
         if lp.token_id not in d:
             d[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
         return d
+
+    def _decoded_token(self, token_id: int, context: Sequence[int]) -> str | None:
+        """vLLM's Logprob.decoded_token: the token's own text, unless that ends in U+FFFD, a byte of a character
+        split over several tokens (byte-level and byte-fallback vocabularies); then the text it adds after the
+        tokens before it, "" while the character is still unfinished (LogprobsProcessor._correct_decoded_token)."""
+        text = self._token_text(token_id)
+        if text is None or not text.endswith("\ufffd"):
+            return text
+        assert self.tokenizer is not None
+        for num_ctx in range(1, min(len(context), 4) + 1):  # 4 tokens hold any UTF-8 character
+            ctx = list(context[-num_ctx:])
+            full = self.tokenizer.decode(ctx + [token_id], skip_special_tokens=False)
+            if full.endswith("\ufffd"):
+                continue
+            # The context's own trailing partial bytes belong to the character this token completes: their text
+            # (none, when they were read) is this token's.
+            clean_end = len(ctx)
+            while clean_end > 0 and (self._token_text(ctx[clean_end - 1]) or "").endswith("\ufffd"):
+                clean_end -= 1
+            clean_prefix = self.tokenizer.decode(ctx[:clean_end], skip_special_tokens=False) if clean_end else ""
+            # A normalizing tokenizer may not keep the prefix as it is: cut the longest common one.
+            return full[len(os.path.commonprefix([clean_prefix, full])):]
+        return ""
 
     def _token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -270,14 +341,10 @@ class OutputProcessor:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def _make_output(self, parent: _Parent, completions: list[_Completion],
-                     finished: bool) -> RequestOutput | PoolingRequestOutput:  # fmt: skip
-        """The RequestOutput of `completions` (all n, or the one child that progressed); the metrics, prompt
-        and cache figures are the parent request's."""
+    def _make_output(self, parent: _Parent, outs: list[CompletionOutput], finished: bool) -> RequestOutput:
+        """The RequestOutput of `outs` (all n, or the one child that progressed); the metrics, prompt and cache
+        figures are the parent request's."""
         first = parent.completions[0].core_request
-        if first.pooling_params is not None:
-            return self._pooling_output(parent)
-        outs = [self._completion_output(c) for c in completions]
         cores = [c.core_request for c in parent.completions]
         finished_times = [r.finished_time for r in cores if r.finished_time is not None]
         metrics = RequestMetrics(
@@ -289,7 +356,9 @@ class OutputProcessor:
             num_preemptions=sum(r.num_preemptions for r in cores),
         )
         # The error of a completion this output carries, else of an earlier one (a child that failed).
-        errors = [c.error for c in completions if c.error] + [c.error for c in parent.completions if c.error]
+        carried = {o.index for o in outs}
+        errors = ([c.error for c in parent.completions if c.error and c.index in carried]
+                  + [c.error for c in parent.completions if c.error])
         prompt_logprobs = parent.prompt_logprobs
         if prompt_logprobs is not None and parent.completions[0].params.output_kind is RequestOutputKind.DELTA:
             # vLLM's pop: each position once, as its chunk is scored (the first output's starts with None).
@@ -305,7 +374,8 @@ class OutputProcessor:
             outputs=outs,
             finished=finished,
             metrics=metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=(max(first.num_cached_tokens, 0) if parent.remote_prefill_cached_tokens is None
+                               else parent.remote_prefill_cached_tokens),
             num_cache_creation_tokens=first.num_cache_creation_tokens or 0,
             kv_transfer_params=parent.completions[0].kv_transfer_params,
             error=errors[0] if errors else None,
@@ -368,6 +438,17 @@ class OutputProcessor:
         self._parents.pop(parent.request_id, None)
         for c in parent.completions:
             self._by_core_id.pop(c.core_request.request_id, None)
+
+
+def remote_prefill_cached_tokens(params: SamplingParams) -> int | None:
+    """vLLM's: the prefill engine's prefix-cache hit that a decode engine's request carries in its kv_transfer_params
+    (`remote_prefill_cached_tokens`, with do_remote_prefill), or None."""
+    kv_params = (params.extra_args or {}).get("kv_transfer_params")
+    if isinstance(kv_params, dict) and kv_params.get("do_remote_prefill"):
+        cached = kv_params.get("remote_prefill_cached_tokens")
+        if isinstance(cached, int):
+            return cached
+    return None
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: Sequence[str],

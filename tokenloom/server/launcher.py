@@ -80,7 +80,8 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
 
         engine = AsyncLLM.from_client(client, engine_config.tokenizer_source, config.max_waiting_requests,
                                       config.engine_ready_timeout_s,
-                                      skip_tokenizer_init=engine_config.skip_tokenizer_init)
+                                      skip_tokenizer_init=engine_config.skip_tokenizer_init,
+                                      stream_interval=engine_config.stream_interval)
         if config.enable_auto_tool_choice and config.tool_call_parser:
             # vLLM's start-up check: a parser whose format needs a token the vocabulary lacks stops here.
             check_tokenizer(config.tool_call_parser, engine.tokenizer, engine.info.model_name)

@@ -109,11 +109,13 @@ def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             max_logprobs=-1,  # already held to --max-logprobs by resolve_logprobs
             structured_outputs=structured_outputs,
             extra_args=_extra_args(req),
             thinking_token_budget=req.thinking_token_budget,
             repetition_detection=req.repetition_detection,
+            stream_interval=req.stream_interval,
         )
     except ValueError as exc:
         # The field the ValidationError names, else the one its message starts with ("temperature must be ...").

@@ -98,6 +98,7 @@ class SamplingRequest(BaseModel):
     priority: Int64 = 0
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True  # vLLM's (SamplingParams' comment says what False gives here)
     stop_token_ids: list[TokenId] | None = None
     return_token_ids: Bool | None = None
     return_tokens_as_token_ids: Bool | None = None
@@ -116,6 +117,9 @@ class SamplingRequest(BaseModel):
     vllm_xargs: VllmXArgs | None = None
     # vLLM's: end the request when its output repeats itself (SamplingParams.repetition_detection's fields).
     repetition_detection: dict[str, Any] | None = None
+    # vLLM's: a streamed chunk carries at least this many new tokens (the first and the last excepted); raises the
+    # server's --stream-interval, never lowers it.
+    stream_interval: Annotated[int, BeforeValidator(_integral), Field(ge=1)] | None = None
     # Beam search (server/beam_search.py): n is the beam width.
     use_beam_search: Bool = False
     length_penalty: float = 1.0

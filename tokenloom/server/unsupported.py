@@ -29,13 +29,10 @@ COMMON: dict[str, Unsupported] = {
     "guided_whitespace_pattern": Unsupported("guided_whitespace_pattern is not supported (use "
                                              "structured_outputs.disable_any_whitespace)"),
     "watermarking": Unsupported("watermarking is not supported", (False,)),
-    "spaces_between_special_tokens": Unsupported(
-        "spaces_between_special_tokens=false is not supported (fast tokenizers ignore it)", (True,)),
     # Empty embeddings ask for nothing: with no prompt either, vLLM's "Either prompt or prompt_embeds ..." follows.
     "prompt_embeds": Unsupported("prompt embeddings are not supported", ([], "")),
     "cache_salt": Unsupported("cache_salt is not supported yet"),
     "ec_transfer_params": Unsupported("encoder-cache transfer (ec_transfer_params) is not supported"),
-    "stream_interval": Unsupported("stream_interval is not supported yet (every step is streamed)", (1,)),
     # vLLM's OpenAI server takes no lora_request field either: the request's `model` names the adapter.
     "lora_request": Unsupported("lora_request is not a request field: name a LoRA adapter in `model` "
                                 "(served with --enable-lora --lora-modules)"),

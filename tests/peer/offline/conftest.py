@@ -24,8 +24,9 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.sampling_params import BeamSearchParams
 
 PROMPTS_FILE = Path(__file__).with_name("example_prompts.txt")
-# vLLM's knobs for its GPU build; tokenloom runs eagerly and sizes its own threads.
-_DROPPED = ("kernel_config", "compilation_config", "default_torch_num_threads")
+# vLLM's knob for its GPU build's threads; tokenloom sizes its own (kernel_config and compilation_config are engine
+# arguments here, taken as vLLM's and changing nothing).
+_DROPPED = ("default_torch_num_threads",)
 # How vLLM reads the named checkpoint (its weights' and config's format, its tokenizer): the model that runs is
 # the default one, read as tokenloom reads it, as tokenizer_mode is (test_vllm_struct_output_generate.py).
 _DROPPED += ("load_format", "config_format")
