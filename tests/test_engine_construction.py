@@ -109,7 +109,7 @@ def test_every_front_end_refuses_a_bad_prompt_with_the_input_processors_message(
     from tokenloom.engine.sync_mp_client import SyncMPClient
 
     ready = llm_engine.engine_ready(0.0)
-    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level: FakeClient(ready))
+    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level, start_method: FakeClient(ready))
     dp = LLMEngine(engine_config_from_kwargs(model=str(tiny_dir), data_parallel_size=2))  # engine processes
     assert isinstance(dp.client, SyncMPClient)
     for part in ("scheduler", "runner", "engine_core", "reset_scheduler"):  # they live in the engine processes
@@ -171,7 +171,7 @@ def test_llm_engine_steps_an_in_process_client_unless_the_config_needs_engine_pr
     from tokenloom.engine.sync_mp_client import SyncMPClient
 
     monkeypatch.setattr(clients, "InprocClient", lambda config, clock: ("here", config))
-    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level: ("processes", config))
+    monkeypatch.setattr(clients, "_mp_client", lambda config, log_level, start_method: ("processes", config))
     dp2 = EngineConfig(parallel=ParallelConfig(data_parallel_size=2))
     assert clients.make_client(EngineConfig(), multiprocess_mode=False, asyncio_mode=False)[0] == "here"
     assert clients.make_client(dp2)[0] == "processes"  # AsyncLLM's

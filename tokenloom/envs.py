@@ -188,6 +188,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
     "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
     # ---- start-up
+    # How engine-core processes start (tokenloom/engine/process_start.py): `auto` forks library engines
+    # (LLM, AsyncLLM) from a forkserver that imported torch once and spawns `tokenloom serve`'s; `spawn`
+    # spawns every engine, `forkserver` forks the server's too. An engine whose environment changed since
+    # the forkserver started is spawned whatever the setting.
+    "TOKENLOOM_ENGINE_START_METHOD": lambda: _choice("TOKENLOOM_ENGINE_START_METHOD", "auto",
+                                                     ("auto", "spawn", "forkserver")),
     # Seconds an engine process may go without progress (no CPU used by it or its kernel compilers,
     # nothing logged) before start-up fails; a slow load that keeps moving is never cut. 0: no limit.
     "TOKENLOOM_ENGINE_READY_TIMEOUT": lambda: _seconds("TOKENLOOM_ENGINE_READY_TIMEOUT", 600.0),
@@ -242,7 +248,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
 
 
 def child_environment(**overrides: str) -> dict[str, str]:
-    """This process's environment with `overrides`, for a process it starts (a TP/PP worker)."""
+    """This process's environment with `overrides`, for a process it starts (a TP/PP worker), or to compare with
+    what an engine forked from the forkserver inherited (tokenloom/engine/process_start.py)."""
     return {**os.environ, **overrides}
 
 

@@ -36,9 +36,10 @@ def needs_engine_processes(config: EngineConfig) -> bool:
 
 def make_client(config: EngineConfig, log_level: str = "info", *, multiprocess_mode: bool = True,
                 asyncio_mode: bool = True, clock: Callable[[], float] = time.monotonic,
-                ) -> AsyncEngineCoreClient | SyncEngineCoreClient:  # fmt: skip
+                start_method: str = "forkserver") -> AsyncEngineCoreClient | SyncEngineCoreClient:  # fmt: skip
     """The client for `config`'s engine cores (the table above). `clock` is the in-process core's
-    scheduler clock; engine processes keep time.monotonic (one clock for every process on the machine)."""
+    scheduler clock; engine processes keep time.monotonic (one clock for every process on the machine).
+    `start_method`: how engine processes start, "forkserver" or "spawn" (engine/process_start.py)."""
     if not multiprocess_mode:
         if asyncio_mode:
             raise ValueError("an in-process engine core is stepped by its caller (LLMEngine): asyncio_mode needs "
@@ -47,7 +48,7 @@ def make_client(config: EngineConfig, log_level: str = "info", *, multiprocess_m
             raise ValueError("data_parallel_size > 1 (or engine cores placed by Ray) runs engine-core processes: "
                              "multiprocess_mode=False is one engine core in this process")
         return InprocClient(config, clock)
-    client = _mp_client(config, log_level)
+    client = _mp_client(config, log_level, start_method)
     return client if asyncio_mode else SyncMPClient(client)
 
 
@@ -64,7 +65,7 @@ def logits_processors_by_name(specs: list | None) -> list[str] | None:
     return [fqcn_for_another_process(spec) for spec in specs]
 
 
-def _mp_client(config: EngineConfig, log_level: str) -> AsyncEngineCoreClient:
+def _mp_client(config: EngineConfig, log_level: str, start_method: str) -> AsyncEngineCoreClient:
     """The engine cores in processes, as `config.parallel` says: one spawned process (the default), N spawned
     processes behind the router, or N Ray actors behind the router."""
     parallel = config.parallel or ParallelConfig()
@@ -78,5 +79,5 @@ def _mp_client(config: EngineConfig, log_level: str) -> AsyncEngineCoreClient:
         clients, placement = start_ray_engines(config, dp, log_level)
         return DPEngineCoreClient(config, dp, router_config, log_level, clients=clients, on_close=placement.close)
     if dp == 1:
-        return MPClient(config, log_level)
-    return DPEngineCoreClient(config, dp, router_config, log_level)
+        return MPClient(config, log_level, start_method=start_method)
+    return DPEngineCoreClient(config, dp, router_config, log_level, start_method=start_method)

@@ -53,6 +53,7 @@ from tokenloom.engine.core_messages import (
 )
 from tokenloom.engine.core_proc import run_engine_core_process
 from tokenloom.engine.exceptions import INIT_FAILED, EngineStartError
+from tokenloom.engine.process_start import start_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -153,23 +154,24 @@ class MPClient:
         cpus: list[int] | None = None,
         *,
         connections: tuple[Any, Connection, Connection] | None = None,
+        start_method: str = "forkserver",
     ) -> None:
         """Spawn an engine-core process (`engine_index`: its data-parallel rank, `cpus`: the cores it may
         use), or take over one started elsewhere: `connections` = (a handle with the Process methods
-        is_alive/exitcode/join/kill, the connection to it, the connection from it), as the Ray backend does."""
+        is_alive/exitcode/join/kill, the connection to it, the connection from it), as the Ray backend does.
+        `start_method`: "forkserver" or "spawn" (tokenloom/engine/process_start.py decides, from it)."""
         self.engine_index = engine_index
         if connections is not None:
             self.process, self._to_engine, self._from_engine = connections
         else:
-            ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads, no inherited sockets
-            engine_inbox, self._to_engine = ctx.Pipe(duplex=False)
-            self._from_engine, engine_outbox = ctx.Pipe(duplex=False)
+            # A fresh interpreter, or a fork of one that has only imported torch and tokenloom: no forked
+            # torch threads, no inherited sockets either way.
+            engine_inbox, self._to_engine = mp.Pipe(duplex=False)
+            self._from_engine, engine_outbox = mp.Pipe(duplex=False)
             name = "tokenloom-engine-core" if cpus is None else f"tokenloom-engine-core-{engine_index}"
-            self.process = ctx.Process(
-                target=run_engine_core_process,
-                args=(config, engine_inbox, engine_outbox, log_level, engine_index, cpus), name=name, daemon=True,
-            )
-            self.process.start()
+            self.process = start_engine_process(
+                run_engine_core_process, (config, engine_inbox, engine_outbox, log_level, engine_index, cpus), name,
+                start_method)
             # Drop our copies of the child's ends, or EOF would never show when the child dies.
             engine_inbox.close()
             engine_outbox.close()

@@ -62,6 +62,7 @@ class DPEngineCoreClient:
         log_level: str = "info",
         clients: list[MPClient] | None = None,
         on_close: Callable[[], None] | None = None,
+        start_method: str = "forkserver",
     ) -> None:
         """Spawn `data_parallel_size` engine processes on disjoint cores (or adopt `clients`, started
         by another backend such as Ray)."""
@@ -75,7 +76,8 @@ class DPEngineCoreClient:
                 for i, cpus in enumerate(cpu_sets):
                     # A disk KV tier per engine: each its own subdirectory (engine/kv_connectors.py).
                     engine_config = data_parallel_kv_transfer(config, i, self.router_config.num_prefill_engines)
-                    clients.append(MPClient(engine_config, log_level, engine_index=i, cpus=cpus))
+                    clients.append(MPClient(engine_config, log_level, engine_index=i, cpus=cpus,
+                                           start_method=start_method))
             except BaseException:
                 for c in clients:
                     c.shutdown()

@@ -67,7 +67,9 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, sock: socket.s
     # Spawn the engine(s) first: they load the model while this process imports the HTTP side and loads
     # the tokenizer (never torch: tests/test_startup.py).
     reasoning_parser = _reasoning_parser(engine_config)
-    client = make_client(engine_config, log_level)
+    # Spawned, not forked from a forkserver: this process starts its engines once, all at once, so a
+    # forkserver would save nothing, and a spawned engine stays the server's own child (engine/process_start.py).
+    client = make_client(engine_config, log_level, start_method="spawn")
     try:
         # The HTTP side's imports (FastAPI, uvicorn, pydantic models: ~1 s on a busy machine) after the
         # spawn, so they overlap the engine's load instead of delaying it.

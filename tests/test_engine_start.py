@@ -1,0 +1,96 @@
+"""How engine-core processes start (tokenloom/engine/process_start.py): forked from a forkserver that has
+imported torch once while nothing a child inherits has changed, spawned otherwise, and the same tokens
+either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from multiprocessing import forkserver
+from pathlib import Path
+
+import pytest
+
+from tokenloom.engine import process_start
+from tokenloom.engine.args import AsyncEngineArgs
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.sampling_params import SamplingParams
+
+
+class _Alive:
+    def is_alive(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def fresh_forkserver_record(monkeypatch):
+    """The module as in a process that has not started a forkserver; multiprocessing's own is left alone
+    (its stop recorded instead of done). Yields the list of stops."""
+    monkeypatch.setattr(process_start, "_forkserver_started_with", None)
+    monkeypatch.setattr(process_start, "_forkserver_pid", lambda: None)
+    monkeypatch.setattr(process_start, "_forked", set())
+    server = forkserver._forkserver
+    stops: list[bool] = []
+    monkeypatch.setattr(server, "_stop", lambda: stops.append(True))
+    preload = server._preload_modules
+    yield stops
+    server.set_forkserver_preload(preload)
+
+
+def test_the_choice(fresh_forkserver_record, monkeypatch) -> None:
+    monkeypatch.delenv("TOKENLOOM_ENGINE_START_METHOD", raising=False)
+    assert process_start.engine_process_context("spawn").get_start_method() == "spawn"  # tokenloom serve's
+    first = process_start.engine_process_context()
+    assert first.get_start_method() == "forkserver"
+    assert forkserver._forkserver._preload_modules[0] == "tokenloom"  # before torch
+    assert process_start.engine_process_context().get_start_method() == "forkserver"
+    # What a forked engine would not see: a variable set (or changed) since the forkserver started. While an
+    # engine forked from it runs, the next one is spawned; once none is, the forkserver restarts with it.
+    stops = fresh_forkserver_record
+    process_start._forked.add(_Alive())
+    monkeypatch.setenv("TOKENLOOM_GGUF_PREFETCH", "none")
+    assert process_start.engine_process_context().get_start_method() == "spawn" and not stops
+    process_start._forked.clear()
+    assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True]
+    assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True]
+    monkeypatch.delenv("TOKENLOOM_GGUF_PREFETCH")
+    assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True, True]
+    monkeypatch.setenv("TOKENLOOM_ENGINE_START_METHOD", "spawn")
+    assert process_start.engine_process_context().get_start_method() == "spawn"
+    monkeypatch.setenv("TOKENLOOM_ENGINE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="TOKENLOOM_ENGINE_START_METHOD must be one of auto, spawn, forkserver"):
+        process_start.engine_process_context()
+
+
+def test_another_forkserver_already_running_means_spawn(fresh_forkserver_record, monkeypatch) -> None:
+    monkeypatch.delenv("TOKENLOOM_ENGINE_START_METHOD", raising=False)
+    monkeypatch.setattr(process_start, "_forkserver_pid", lambda: 12345)
+    assert process_start.engine_process_context().get_start_method() == "spawn"
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def _greedy_and_parent() -> tuple[str, int]:
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(max_model_len=256))
+    try:
+        parent = _parent_of(engine.client.process.pid)
+        text = ""
+        async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0),
+                                         request_id="r"):
+            text = out.outputs[0].text
+        return text, parent
+    finally:
+        engine.shutdown()
+
+
+def test_forked_and_spawned_engines_give_the_same_tokens(monkeypatch) -> None:
+    monkeypatch.delenv("TOKENLOOM_ENGINE_START_METHOD", raising=False)
+    forked_text, forked_parent = asyncio.run(_greedy_and_parent())
+    again_text, again_parent = asyncio.run(_greedy_and_parent())
+    assert forked_parent != os.getpid() and again_parent == forked_parent  # one forkserver, both times
+    monkeypatch.setenv("TOKENLOOM_ENGINE_START_METHOD", "spawn")
+    spawned_text, spawned_parent = asyncio.run(_greedy_and_parent())
+    assert spawned_parent == os.getpid()
+    assert forked_text == again_text == spawned_text and forked_text

@@ -1,0 +1,105 @@
+"""How an engine-core process starts: spawned (a fresh interpreter), or forked from a forkserver that has
+imported torch and tokenloom's engine once.
+
+A spawned engine imports torch and tokenloom's model code before it can load a model: 2-3 s of CPU on a
+2-core machine, paid again by every engine a process starts (a notebook or a test suite building engine
+after engine, an RL loop restarting its engine). multiprocessing's forkserver pays it once: a single-threaded
+process, started at the first engine, that imports those modules and then forks each engine from itself (no
+torch threads exist there yet, no sockets, no model: a clean fork). `tokenloom serve` starts one engine (or
+its data-parallel engines at once) per process, so it spawns, and its engine processes stay what `ps` and its
+supervisor know (a child of the server, `spawn_main`).
+
+The rule that keeps a forked engine the same as a spawned one: it inherits the environment, CPU affinity and
+standard output and error the forkserver started with, and torch, OpenMP and tokenloom read some variables
+when they load (the OpenMP spin, the oneDNN caches and TOKENLOOM_CPU_ISA's caps in tokenloom/__init__.py).
+So an engine is forked only while this process's are what they were when the forkserver started (else the
+forkserver is restarted with them, or the engine spawned while engines forked from it still run), and only
+from a forkserver this module started. TOKENLOOM_ENGINE_START_METHOD overrides the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import weakref
+from collections.abc import Callable
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from tokenloom import envs
+
+logger = logging.getLogger(__name__)
+
+# tokenloom first: it sets OpenMP's and oneDNN's variables before torch loads them (tokenloom/__init__.py).
+FORKSERVER_PRELOAD = ["tokenloom", "torch", "tokenloom.engine.core_proc", "tokenloom.engine.core_host"]
+
+# What this process's children inherited when its forkserver started (_what_a_child_inherits); None until then.
+_forkserver_started_with: tuple[object, ...] | None = None
+# The engine processes forked from it (a WeakSet: a finished client's process is dropped with it).
+_forked: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
+
+
+def start_engine_process(target: Callable[..., None], args: tuple[Any, ...], name: str,
+                         preferred: str = "forkserver") -> BaseProcess:
+    """Start a daemon process running `target(*args)`, forked from the forkserver or spawned
+    (engine_process_context)."""
+    ctx = engine_process_context(preferred)
+    process = ctx.Process(target=target, args=args, name=name, daemon=True)
+    process.start()
+    if ctx.get_start_method() == "forkserver":
+        _forked.add(process)
+    return process
+
+
+def engine_process_context(preferred: str = "forkserver") -> BaseContext:
+    """The multiprocessing context to start an engine-core process with: `preferred` ("forkserver" or
+    "spawn") unless TOKENLOOM_ENGINE_START_METHOD says otherwise, and spawn whenever a fork could differ
+    from a fresh interpreter (the module docstring). When what a child inherits has changed since the
+    forkserver started and no engine forked from it is alive, the forkserver is restarted with the new state
+    (a restart costs what one spawn does; an engine forked from a stopped forkserver would look dead to its
+    client, multiprocessing learning a forked child's exit from the forkserver)."""
+    global _forkserver_started_with
+    chosen = envs.TOKENLOOM_ENGINE_START_METHOD
+    method = preferred if chosen == "auto" else chosen
+    if method == "spawn":
+        return mp.get_context("spawn")
+    now = _what_a_child_inherits()
+    if _forkserver_started_with is None and _forkserver_pid() is not None:
+        logger.debug("a forkserver this module did not start is running: spawning the engine")
+        return mp.get_context("spawn")
+    if _forkserver_started_with is not None and now != _forkserver_started_with:
+        stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+        if stop is None or any(p.is_alive() for p in _forked):
+            logger.debug("what an engine inherits changed since the forkserver started: spawning the engine")
+            return mp.get_context("spawn")
+        logger.debug("what an engine inherits changed since the forkserver started: restarting it")
+        stop()
+        _forkserver_started_with = None
+    ctx = mp.get_context("forkserver")
+    if _forkserver_started_with is None:
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        _forkserver_started_with = now  # it starts, with this state, at the engine's Process.start()
+    return ctx
+
+
+def _what_a_child_inherits() -> tuple[object, ...]:
+    """What an engine process takes from the process that starts it, beyond its arguments: the environment,
+    the CPU affinity, and the files standard output and error write to (a child's log lines go where the
+    parent's would: a redirected stream, pytest's capture)."""
+    streams = []
+    for fd in (1, 2):
+        try:
+            st = os.fstat(fd)
+            streams.append((st.st_dev, st.st_ino))
+        except OSError:  # closed
+            streams.append(None)
+    return envs.child_environment(), frozenset(os.sched_getaffinity(0)), tuple(streams)
+
+
+def _forkserver_pid() -> int | None:
+    """The running forkserver's pid, None when none has started (multiprocessing's own record)."""
+    server = getattr(forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None)
