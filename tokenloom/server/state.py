@@ -78,7 +78,8 @@ class ServerState:
         pooling = getattr(self.engine.info, "pooling", None)
         if pooling is not None:
             raise APIError(400, f"The model `{self.model_names[0]}` is a pooling model (tasks: "
-                                f"{', '.join(pooling.tasks)}) and does not support generation: use /v1/embeddings, "
+                                f"{', '.join(pooling.supported_tasks)}) and does not support generation: use "
+                                "/v1/embeddings, "
                                 "/pooling, /classify, /score or /rerank", "model")
 
     def lora_request(self, requested: str | None) -> LoRARequest | None:
