@@ -193,10 +193,20 @@ def test_sentence_transformers_dense_modules_match_sentence_transformers(tmp_pat
     assert llm.llm_engine.pooling_info.embedding_size == 16
     got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     assert np.allclose(got, ref, atol=2e-5)
-    # The hidden states are not projected (token_embed), and a bad Dense file is refused by name.
+    # token_embed projects every token's hidden state too (vLLM's TokenEmbeddingPoolerHead; sentence-transformers'
+    # own token_embeddings are the unprojected hidden states), and a bad Dense file is refused by name.
     tokens = LLM(str(path), dtype="float32", pooler_config={"task": "token_embed"})
     rows = tokens.encode(texts[:1], PoolingParams(use_activation=False), pooling_task="token_embed", use_tqdm=False)
-    assert rows[0].outputs.data.shape[-1] == 32
+    hidden = st_mod.SentenceTransformer(str(path), device="cpu").encode(texts[:1], output_value="token_embeddings")[0]
+    projected = torch.tensor(hidden)
+    for module in ("2_Dense", "3_Dense"):
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path / module / "model.safetensors"))
+        projected = projected @ weights["linear.weight"].T + weights["linear.bias"]
+        projected = torch.tanh(projected) if module == "2_Dense" else projected
+    assert rows[0].outputs.data.shape == (len(hidden), 16)
+    torch.testing.assert_close(rows[0].outputs.data, projected, atol=2e-5, rtol=1e-4)
     (path / "2_Dense" / "config.json").write_text('{"in_features": 32, "out_features": 24, '
                                                   '"activation_function": "torch.nn.modules.activation.Softsign"}')
     with pytest.raises(ValueError, match="Softsign"):

@@ -53,10 +53,11 @@ def pool_request(rows: torch.Tensor, token_ids: list[int], params: PoolingParams
     pooled = pool_rows(rows, ptype)
     if ptype is PoolingType.STEP:
         pooled = step_select(pooled, token_ids, params)
-    # sentence-transformers' Dense modules project the sentence embedding only (token_embed's ALL rows
-    # stay the encoder's hidden states, as its `output_value="token_embeddings"`).
-    per_token = ptype in (PoolingType.ALL, PoolingType.STEP)
-    return to_output(embed_head(pooled, params, None if per_token else pooler.dense))
+    # vLLM's heads project every row with the sentence-transformers Dense modules, token_embed's too (its
+    # TokenEmbeddingPoolerHead), then cut and normalise each; rows cut to returned_token_ids' columns are no
+    # hidden states to project.
+    projectable = not (ptype is PoolingType.STEP and params.returned_token_ids)
+    return to_output(embed_head(pooled, params, pooler.dense if projectable else None))
 
 
 class EncoderRunner:
