@@ -167,6 +167,7 @@ def test_vllm_0_32_request_fields(minilm_server):
                         ("token_embed", "Try switching the model's pooling_task via")):
         assert post("/pooling", task=task).json()["error"]["message"].startswith(words)
     assert "dimensions is currently not supported" in post("/pooling", dimensions=8).text
+    assert post("/pooling", request_id="client-id").json()["id"] == "pooling-client-id"  # vLLM's response id
 
 
 def test_cross_encoder_server(tmp_path_factory):

@@ -185,13 +185,19 @@ def _params(info: PoolingInfo, task: str, **fields: Any) -> PoolingParams:
 
 
 # ------------------------------------------------------------------------------------------------ running
+def _request_id(raw: Request, req: Any, prefix: str) -> str:
+    """vLLM's: the endpoint's prefix and the X-Request-Id header, else the body's request_id, else a fresh id
+    (the response's `id`; each input's engine request adds its index)."""
+    return f"{prefix}-{base_request_id(raw, req.request_id)}"
+
+
 async def _run(raw: Request, state: ServerState, prompts: list[Prompt], params_list: list[PoolingParams],
-               prefix: str, priority: int) -> list[PoolingRequestOutput]:
+               request_id: str, priority: int) -> list[PoolingRequestOutput]:
     """Queue every input, wait for all (_ClientLeft if the client went away first)."""
     engine = state.engine
     engine.check_admission(len(prompts))
-    base = base_request_id(raw, None)
-    ids = [f"{prefix}-{base}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
+    # Unique in the engine even when clients reuse a request id.
+    ids = [f"{request_id}-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
     stream = engine.open_stream()
     try:
         for rid, (text, tokens), params in zip(ids, prompts, params_list):
@@ -210,14 +216,14 @@ async def _run(raw: Request, state: ServerState, prompts: list[Prompt], params_l
 
 
 async def _run_chunked(raw: Request, state: ServerState, prompts: list[Prompt], params: PoolingParams,
-                       priority: int) -> list[PoolingRequestOutput]:
+                       request_id: str, priority: int) -> list[PoolingRequestOutput]:
     """vLLM's chunked processing of long embeddings: every prompt cut into max_model_len chunks, each pooled
     as its own request; a prompt's embedding is the chunks' mean weighted by their lengths, normalised again
     when the chunks were (use_activation)."""
     size = state.max_model_len
     chunks = [(i, (None, tokens[start: start + size])) for i, (_, tokens) in enumerate(prompts)
               for start in range(0, len(tokens), size)]
-    outs = await _run(raw, state, [c for _, c in chunks], [params] * len(chunks), "embd", priority)
+    outs = await _run(raw, state, [c for _, c in chunks], [params] * len(chunks), request_id, priority)
     sums: dict[int, np.ndarray] = {}
     counts: dict[int, tuple[int, int]] = {}
     for (i, (_, tokens)), out in zip(chunks, outs):
@@ -231,7 +237,7 @@ async def _run_chunked(raw: Request, state: ServerState, prompts: list[Prompt], 
         vec = sums[i] / weight
         if params.use_activation and n > 1:
             vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
-        merged.append(PoolingRequestOutput(f"embd-{i}", PoolingOutput(vec), tokens, prompt=text))
+        merged.append(PoolingRequestOutput(f"{request_id}-prompt-{i}", PoolingOutput(vec), tokens, prompt=text))
     return merged
 
 
@@ -241,10 +247,10 @@ async def _read(raw: Request) -> tuple[ServerState, dict[str, Any]]:
     return state, await read_json(raw, state.config.max_request_body_bytes)
 
 
-def _pooled_json(req: Any, outs: list[PoolingRequestOutput], model: str, prefix: str, item: str,
+def _pooled_json(req: Any, outs: list[PoolingRequestOutput], model: str, request_id: str, item: str,
                  response_cls: type[BaseModel]) -> Response:
     """A JSON (float / base64) or bytes response of pooled vectors, in vLLM's shapes."""
-    request_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    created = int(time.time())
     if req.encoding_format in ("bytes", "bytes_only"):
         return bytes_response(outs, request_id, created, model, req.encoding_format, req.embed_dtype, req.endianness)
     key = "embedding" if item == "embedding" else "data"
@@ -268,15 +274,15 @@ async def create_embedding(raw: Request) -> Response:
     tok = _tokenize_params(state, req, max_total, req.add_special_tokens)
     params = _params(info, "embed", dimensions=req.dimensions, use_activation=req.use_activation)
     prompts = await _prompts(state, req, tok)
-    priority = request_priority(raw, req.priority)
+    priority, request_id = request_priority(raw, req.priority), _request_id(raw, req, "embd")
     try:
         if chunked:
-            outs = await _run_chunked(raw, state, prompts, params, priority)
+            outs = await _run_chunked(raw, state, prompts, params, request_id, priority)
         else:
-            outs = await _run(raw, state, prompts, [params] * len(prompts), "embd", priority)
+            outs = await _run(raw, state, prompts, [params] * len(prompts), request_id, priority)
     except _ClientLeft:
         return Response(status_code=499)
-    return _pooled_json(req, outs, model, "embd", "embedding", EmbeddingResponse)
+    return _pooled_json(req, outs, model, request_id, "embedding", EmbeddingResponse)
 
 
 def _pooling_task(info: PoolingInfo, req: Any) -> str:
@@ -305,11 +311,13 @@ async def create_pooling(raw: Request) -> Response:
     tok = _tokenize_params(state, req, state.max_model_len, req.add_special_tokens)
     params = _params(info, task, use_activation=req.use_activation)
     prompts = await _prompts(state, req, tok)
+    request_id = _request_id(raw, req, "pooling")
     try:
-        outs = await _run(raw, state, prompts, [params] * len(prompts), "pool", request_priority(raw, req.priority))
+        outs = await _run(raw, state, prompts, [params] * len(prompts), request_id,
+                          request_priority(raw, req.priority))
     except _ClientLeft:
         return Response(status_code=499)
-    return _pooled_json(req, outs, model, "pool", "pooling", PoolingResponse)
+    return _pooled_json(req, outs, model, request_id, "pooling", PoolingResponse)
 
 
 @_refusals_are_400
@@ -322,8 +330,9 @@ async def create_classify(raw: Request) -> Response:
     tok = _tokenize_params(state, req, state.max_model_len, req.add_special_tokens)
     params = _params(info, "classify", use_activation=req.use_activation)
     prompts = await _prompts(state, req, tok)
+    request_id = _request_id(raw, req, "classify")
     try:
-        outs = await _run(raw, state, prompts, [params] * len(prompts), "classify",
+        outs = await _run(raw, state, prompts, [params] * len(prompts), request_id,
                           request_priority(raw, req.priority))
     except _ClientLeft:
         return Response(status_code=499)
@@ -332,13 +341,13 @@ async def create_classify(raw: Request) -> Response:
         probs = np.asarray(o.outputs.data, dtype=np.float32).reshape(-1)
         data.append({"index": i, "label": info.id2label.get(int(np.argmax(probs))), "probs": probs.tolist(),
                      "num_classes": int(probs.shape[0])})
-    body = ClassificationResponse(model=model, data=data, usage=usage(outs))
+    body = ClassificationResponse(id=request_id, model=model, data=data, usage=usage(outs))
     return JSONResponse(body.model_dump())
 
 
 # ------------------------------------------------------------------------------------------------ scores
-async def _scores(raw: Request, state: ServerState, info: PoolingInfo, req: Any, data_1: Any,
-                  data_2: Any) -> tuple[list[float], int]:
+async def _scores(raw: Request, state: ServerState, info: PoolingInfo, req: Any, data_1: Any, data_2: Any,
+                  request_id: str) -> tuple[list[float], int]:
     """Each (query, document) pair's score, and the prompt tokens computed for them (vLLM's usage: every
     engine input once)."""
     data = validate_score_input(data_1, data_2, architecture=info.architecture)
@@ -355,11 +364,11 @@ async def _scores(raw: Request, state: ServerState, info: PoolingInfo, req: Any,
             pair.extra_kwargs = {"compressed_token_type_ids": split}
             prompts.append((None, ids))
             params_list.append(pair)
-        outs = await _run(raw, state, prompts, params_list, "score", priority)
+        outs = await _run(raw, state, prompts, params_list, request_id, priority)
         return [float(np.asarray(o.outputs.data).reshape(-1)[0]) for o in outs], _tokens(outs)
     data = await state.in_tokenizer_thread(truncate_scoring_data, data, state.tokenizer, *limits)
     prompts = await _score_texts(state, data, tok)
-    outs = await _run(raw, state, prompts, [params] * len(prompts), "score", priority)
+    outs = await _run(raw, state, prompts, [params] * len(prompts), request_id, priority)
     firsts, seconds = outs[: len(data.data_1)], outs[len(data.data_1):]
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
@@ -391,12 +400,13 @@ async def create_score(raw: Request) -> Response:
     info = _scoring_info(state)
     req = _parse(obj, score_request_class)
     model = state.model_name(req.model)
+    request_id = _request_id(raw, req, "score")
     try:
-        scores, n = await _scores(raw, state, info, req, req.data_1, req.data_2)
+        scores, n = await _scores(raw, state, info, req, req.data_1, req.data_2, request_id)
     except _ClientLeft:
         return Response(status_code=499)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    body = ScoreResponse(model=model, data=data, usage={"prompt_tokens": n, "total_tokens": n})
+    body = ScoreResponse(id=request_id, model=model, data=data, usage={"prompt_tokens": n, "total_tokens": n})
     return JSONResponse(body.model_dump())
 
 
@@ -406,8 +416,9 @@ async def create_rerank(raw: Request) -> Response:
     info = _scoring_info(state)
     req = _parse(obj, lambda _: RerankRequest)
     model = state.model_name(req.model)
+    request_id = _request_id(raw, req, "score")  # vLLM's ServingScores answers /rerank too
     try:
-        scores, n = await _scores(raw, state, info, req, req.query, req.documents)
+        scores, n = await _scores(raw, state, info, req, req.query, req.documents, request_id)
     except _ClientLeft:
         return Response(status_code=499)
     documents = req.documents if isinstance(req.documents, list) else [req.documents]
@@ -415,7 +426,7 @@ async def create_rerank(raw: Request) -> Response:
     if req.top_n and req.top_n < len(documents):
         order = order[: req.top_n]
     results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in order]
-    body = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=model, results=results,
+    body = RerankResponse(id=request_id, model=model, results=results,
                           usage={"prompt_tokens": n, "total_tokens": n})
     return JSONResponse(body.model_dump())
 
