@@ -18,7 +18,7 @@ from tests.peer.pooling import vllm_shim
 _FULL_RUN_ONLY_FILES = {
     "test_vllm_embed_online.py", "test_vllm_embed_online_dimensions.py", "test_vllm_embed_online_long_text.py",
     "test_vllm_truncation.py", "test_vllm_cross_encoder_online.py", "test_vllm_bi_encoder_online.py",
-    "test_vllm_classify_online.py",
+    "test_vllm_classify_online.py", "test_vllm_token_embed_online.py", "test_vllm_token_classify_online.py",
 }
 
 
@@ -49,6 +49,11 @@ def vllm_runner() -> type[vllm_shim.VllmRunner]:
 @pytest.fixture(scope="session")
 def hf_runner() -> type[vllm_shim.HfRunner]:
     return vllm_shim.HfRunner
+
+
+@pytest.fixture
+def caplog_vllm(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:  # vLLM's: its logger's records
+    return caplog
 
 
 @pytest.fixture

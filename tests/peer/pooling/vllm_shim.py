@@ -145,6 +145,10 @@ class RemoteOpenAIServer:
 
     def get_async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         kwargs.setdefault("timeout", 600)
+        # openai's default transport closes itself when garbage-collected, by a task on the loop then running: a
+        # client a test never closes (test_online_dimensions.py's) would then close in a later test's event loop
+        # (anyio's plugin gives each test its own) and fail there. This transport is closed by close() only.
+        kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient())
         return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0,
                                   **kwargs)
 
