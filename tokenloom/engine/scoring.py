@@ -128,7 +128,7 @@ def cross_encoder_pair(tokenizer: Any, query: str, doc: str, tok_params: Tokeniz
         query = truncate_text_to_tokens(query, tokenizer, max_tokens_per_query)
     if max_tokens_per_doc > 0:
         doc = truncate_text_to_tokens(doc, tokenizer, max_tokens_per_doc)
-    kwargs = tok_params._encode_kwargs()
+    kwargs = tok_params.encode_kwargs()
     if max_tokens_per_doc > 0:
         query_tokens = hf.encode(query, add_special_tokens=False)
         limit = len(query_tokens) + max_tokens_per_doc + get_num_special_tokens_for_pair(tokenizer)

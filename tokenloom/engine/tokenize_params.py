@@ -87,10 +87,12 @@ class TokenizeParams:
         if self.do_lower_case:
             text = text.lower()
         hf = getattr(tokenizer, "hf", tokenizer)
-        ids = list(hf(text, **self._encode_kwargs())["input_ids"])
+        ids = list(hf(text, **self.encode_kwargs())["input_ids"])
         return self.validate_tokens(tokenizer, ids)
 
-    def _encode_kwargs(self) -> dict[str, Any]:
+    def encode_kwargs(self) -> dict[str, Any]:
+        """The tokenizer call's arguments (vLLM's get_encode_kwargs): truncation to k, or to one token past the
+        bound so that the length check sees a prompt too long without tokenizing all of a huge text."""
         max_length = self.truncate_prompt_tokens
         if max_length is not None and max_length < 0:
             max_length = self.max_input_tokens
