@@ -77,9 +77,9 @@ def make_tiny_bert(tmp_path: Path, classifier: bool = False, num_labels: int = 3
     out = Path(tmp_path) / f"tiny-bert-{'cls' if classifier else 'emb'}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(out)
-    config = tf.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=64, max_position_embeddings=64, type_vocab_size=2,
-                           num_labels=num_labels, **overrides)
+    config = tf.BertConfig(**{"vocab_size": len(tok), "hidden_size": 32, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64,
+                              "type_vocab_size": 2, "num_labels": num_labels, **overrides})
     model = (tf.BertForSequenceClassification if classifier else tf.BertModel)(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -38,6 +38,20 @@ def test_an_unknown_flag_before_the_command_still_gets_the_top_level_usage(capsy
     assert capsys.readouterr().err.startswith("usage: tokenloom [-h] COMMAND")
 
 
+def test_vllms_dotted_json_flags_set_one_field() -> None:
+    """vLLM's FlexibleArgumentParser form of a JSON flag (vLLM's pooling tests serve with `--pooler-config.task
+    token_embed`): each dotted field, = or space, JSON values read as JSON, gathered into one object per flag."""
+    from tokenloom.cli import build_parser, expand_dotted_args, parse_args
+
+    argv = ["serve", "m.gguf", "--pooler-config.task", "token_embed", "--pooler-config.use_activation=false",
+            "--speculative-config.a.b", "3", "--temperature", "-0.5", "--chat-template", "./t.jinja"]
+    assert expand_dotted_args(argv) == ["serve", "m.gguf", "--temperature", "-0.5", "--chat-template", "./t.jinja",
+                                        "--pooler-config", '{"task": "token_embed", "use_activation": false}',
+                                        "--speculative-config", '{"a": {"b": 3}}']
+    args = parse_args(build_parser(), ["serve", "/x", "--pooler-config.task", "token_embed"])
+    assert args.pooler_config == {"task": "token_embed"}
+
+
 def test_python_dash_m_tokenloom_runs_the_cli() -> None:
     out = subprocess.run([sys.executable, "-m", "tokenloom", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)

@@ -65,7 +65,8 @@ def test_vllms_dtype_names_are_taken_and_float16_runs_as_autos_16_bit_choice(cap
     assert "float16 runs as" in caplog.text
     with pytest.raises(ConfigError, match="dtype"):
         EngineConfig(dtype="float64")
-    assert cfg.engine_arg("dtype").choices == ("auto", "float32", "bfloat16", "float16")
+    # The command line takes vLLM's spellings too (`vllm serve --dtype half`; vLLM's pooling tests pass it).
+    assert cfg.engine_arg("dtype").choices == ("auto", "float32", "bfloat16", "float16", "half", "float")
 
 
 def test_sweepable_knobs_exclude_those_that_reload_the_model() -> None:

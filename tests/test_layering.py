@@ -22,6 +22,7 @@ LEVELS = {
     "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom.parser_registry": -0.5,  # the name registry both parser managers share: imports nothing of tokenloom
+    "tokenloom.tasks": -0.6,  # vLLM's task names and its refusal of the removed ones: imports only the error type
     "tokenloom.reasoning": -0.3,  # reasoning parsers: the server splits outputs, the engine's grammar gate waits
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
     "tokenloom.pooling_params": 0.1,  # a pooling request's parameters: their output_kind is the sampling params' kind
@@ -39,8 +40,8 @@ LEVELS = {
     "tokenloom.cli": 7,
     "tokenloom.__main__": 8,  # `python -m tokenloom`: runs tokenloom/cli.py
 }  # fmt: skip
-NO_TORCH = ("tokenloom.exceptions", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.pooling_params",
-            "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
+NO_TORCH = ("tokenloom.exceptions", "tokenloom.tasks", "tokenloom.config", "tokenloom.sampling_params",
+            "tokenloom.pooling_params", "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
             "tokenloom.logprobs", "tokenloom.reasoning", "tokenloom.parser_registry")
 
 

@@ -94,6 +94,10 @@ def test_chat_echo_continues_the_final_message(http) -> None:
     chunks = _stream(http, "/v1/chat/completions", body)
     text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
     assert text == full["choices"][0]["message"]["content"]
+    both = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert both.status_code == 400  # vLLM's sentence, as its pooling and tokenize bodies say it too
+    assert both.json()["error"]["message"] == ("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                                               "to True.")
 
 
 def test_chat_without_generation_prompt_answers_in_the_last_role(http) -> None:

@@ -385,3 +385,24 @@ def test_fuzzed_fields_never_500_and_the_engine_keeps_serving(http) -> None:
     ok = http.post("/v1/completions", json={**CMPL, "max_tokens": 3, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert http.get("/health").status_code == 200
+
+
+def test_a_body_that_does_not_validate_is_described_in_vllms_words() -> None:
+    """vLLM's validation handler's message: the count, then each error's pydantic type, field, words and the value
+    sent (a long value cut, a container described), at most ten; `param` the first field. tokenloom's message
+    had neither the type nor the value, which vLLM's tests read ("literal_error", the bad value)."""
+    from tokenloom.server.body import parse_model
+    from tokenloom.server.errors import APIError
+    from tokenloom.server.protocol import CompletionRequest
+
+    with pytest.raises(APIError) as err:
+        parse_model(CompletionRequest, {"prompt": "hi", "n": "x" * 500, "stop": [5] * 300})
+    assert err.value.status == 400 and err.value.param == "n"
+    lines = err.value.message.splitlines()
+    assert lines[0] == "302 validation errors:" and len(lines) == 12 and lines[-1] == "  ...and 292 more errors"
+    assert "'type': 'int_type', 'loc': 'n'" in lines[1] and "x" * 200 + "...[truncated]" in lines[1]
+    assert "'loc': 'stop', " in lines[2] and "'input': '<list of 300 items>'" in lines[2]  # union branches left out
+    with pytest.raises(APIError) as err:
+        parse_model(CompletionRequest, {"prompt": "hi", "stream": "maybe"})
+    assert err.value.message == ("1 validation error:\n  {'type': 'bool_type', 'loc': 'stream', 'msg': 'Input should "
+                                 "be a valid boolean', 'input': 'maybe'}")

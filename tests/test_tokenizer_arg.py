@@ -84,3 +84,24 @@ def test_a_missing_tokenizer_path_is_a_clear_error(model_and_tokenizer, tmp_path
     with pytest.raises(Exception, match="nowhere") as info:
         LLM(gguf, tokenizer=str(tmp_path / "nowhere"), **KW)
     assert "Traceback" not in str(info.value)
+
+
+def test_the_servers_chat_template_replaces_the_tokenizers(model_and_tokenizer, tmp_path) -> None:
+    """vLLM's --chat-template: a file or the Jinja text itself, read once at start-up, then every chat the
+    server's tokenizer renders uses it (the GGUF's own template, and a transformers-loaded one alike); a
+    path-like value naming no file is vLLM's refusal."""
+    from tokenloom.model.tokenizer import load_tokenizer
+    from tokenloom.server.config import ServerConfig, load_chat_template
+
+    gguf, other, _ = model_and_tokenizer
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text(OTHER_TEMPLATE)
+    assert ServerConfig(chat_template=str(template_file)).chat_template == OTHER_TEMPLATE
+    assert load_chat_template(OTHER_TEMPLATE) == OTHER_TEMPLATE
+    with pytest.raises(ConfigError, match="appears path-like, but doesn't exist"):
+        load_chat_template("no-such-template.jinja")
+    for source in (gguf, other):
+        tokenizer = load_tokenizer(source)
+        tokenizer.chat_template = "{% for m in messages %}{{ 'T: ' + m['content'] }}{% endfor %}"
+        assert tokenizer.apply_chat_template(CONV, tokenize=False) == "T: Hello, world!"
+        assert tokenizer.hf.apply_chat_template(CONV, tokenize=False) == "T: Hello, world!"

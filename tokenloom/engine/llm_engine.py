@@ -55,7 +55,8 @@ from tokenloom.engine.metrics_reader import Metric, get_metrics_snapshot
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
-from tokenloom.engine.pooling import encode_text, prepare_pooling_params, truncate_prompt
+from tokenloom.engine.pooling import prepare_pooling_params
+from tokenloom.engine.tokenize_params import TokenizeParams
 from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
@@ -244,9 +245,12 @@ class LLMEngine:
         params: PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Queue a pooling request (params.task set: embed, classify, score, token_embed, ...); it
-        finishes with a PoolingRequestOutput once its prompt is computed. ValueError for bad input."""
+        """Queue a pooling request (params.task: embed, classify, token_embed, token_classify; None: the model's
+        pooling task); it finishes with a PoolingRequestOutput once its prompt is computed. The prompt is
+        truncated and bounded as `tokenization_kwargs` (vLLM's) and params.truncate_prompt_tokens say
+        (tokenize_params). ValueError for bad input."""
         if not isinstance(self.client, InprocClient):
             raise ValueError("pooling models run on one engine in this process: data_parallel_size > 1 (engine-core "
                              "processes) is not supported with them")
@@ -255,21 +259,32 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        max_len = self.input_processor.info.max_model_len
+        tok_params = self.tokenize_params(params.truncate_prompt_tokens, tokenization_kwargs)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
             if self.tokenizer is None:
                 raise InvalidRequestError(TEXT_PROMPT_WITHOUT_TOKENIZER, "prompt")
-            token_ids = encode_text(self.tokenizer, text, params.truncate_prompt_tokens, max_len)
+            if not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            token_ids = tok_params.encode_text(self.tokenizer, text)
         else:
             text, token_ids = self.input_processor.tokenize(prompt)
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, max_len)
+            token_ids = tok_params.validate_tokens(self.tokenizer, token_ids)
         arrival = self.clock() if arrival_time is None else arrival_time
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
         self.client.add_request(core)
         self.output_processor.add_request(request_id, text, token_ids, [core], arrival)
         self._track(request_id, [core])
         return request_id
+
+    def tokenize_params(self, truncate_prompt_tokens: int | None = None,
+                        tokenization_kwargs: dict[str, Any] | None = None) -> TokenizeParams:
+        """How a pooling prompt is tokenized here (vLLM's TokenizeParams within max_model_len): its
+        tokenization_kwargs, truncate_prompt_tokens (tokenloom's) where they do not say."""
+        kwargs = dict(tokenization_kwargs or {})
+        if truncate_prompt_tokens is not None:
+            kwargs.setdefault("truncate_prompt_tokens", truncate_prompt_tokens)
+        return TokenizeParams.from_kwargs(self.input_processor.info.max_model_len, kwargs)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -2,9 +2,10 @@
 detected from the architecture), what the front ends need to know about it (PoolingInfo), and the
 checks that refuse what pooling does not combine with.
 
-    BertModel (sentence-transformers)         pooling runner, embed: the encoder runner, no KV cache,
-                                              pooling from modules.json / 1_Pooling (else CLS)
-    BertForSequenceClassification             pooling runner, classify + score (a cross-encoder)
+    BertModel (sentence-transformers)         pooling runner, embed (+ token_embed): the encoder runner, no
+                                              KV cache, pooling from modules.json / 1_Pooling (else CLS)
+    BertForSequenceClassification             pooling runner, classify (+ token_classify); with one label a
+                                              cross-encoder, whose classify output is /score's score
     Roberta* / XLMRoberta* (bge-m3, e5, the   the same two, with RoBERTa's positions and head
     bge rerankers)
     *ForCausalLM with --runner pooling        the decoder's runner over its paged KV cache, LAST pooling
@@ -19,30 +20,81 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenloom.config import ConfigError, EngineConfig
-from tokenloom.core.prompt_fit import EMPTY_PROMPT
-from tokenloom.exceptions import ValidationError
+from tokenloom.config import ConfigError, EngineConfig, PoolerConfig
+from tokenloom.exceptions import VLLMValidationError
 from tokenloom.pooling_params import PoolingParams
+from tokenloom.tasks import SCORE_TYPE_MAP, check_removed_pooling_task, pick_pooling_task
 
 
 @dataclass
 class PoolingInfo:
-    """What the API process (and LLM) needs to know about a pooling engine."""
+    """What the API process (and LLM) needs to know about a pooling engine: vLLM's model_config, as far as
+    pooling reads it (PoolingParams.verify takes this object as its model_config)."""
 
-    tasks: list[str]  # the PoolingParams tasks it serves
-    hidden_size: int
+    supported_tasks: tuple[str, ...]  # the PoolingParams tasks the engine runs
+    # The one task LLM.encode and /pooling serve (vLLM's ModelConfig.get_pooling_task): the PoolerConfig's
+    # `task`, else the first supported one in vLLM's order.
+    pooling_task: str
+    embedding_size: int  # an embedding's length: the hidden size, or the last Dense projection's
     is_encoder: bool
-    pooling_type: str  # the model's default pooling (LAST, MEAN, CLS, ...)
-    normalize: bool  # embed's default
+    pooling_type: str  # the model's sequence pooling (LAST, MEAN, CLS)
+    # vLLM's PoolerConfig with the model's defaults filled in (use_activation: embed's normalisation, from the
+    # sentence-transformers Normalize module; the step pooling's defaults): what PoolingParams.verify merges.
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
     is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
     num_labels: int = 0
     id2label: dict[int, str] = field(default_factory=dict)
     # The cross-encoder's pair input: the tokenizer's (text, text_pair) with token type ids.
     is_cross_encoder: bool = False
+    architecture: str = ""
+    served_model_name: str = ""  # the name vLLM's messages quote; the server sets its first served name
 
     @property
     def is_embedding_model(self) -> bool:
-        return "embed" in self.tasks
+        return "embed" in self.supported_tasks
+
+    @property
+    def score_type(self) -> str | None:
+        """How LLM.score and /score read this model (vLLM's SCORE_TYPE_MAP of its pooling task)."""
+        return SCORE_TYPE_MAP.get(self.pooling_task)
+
+    @property
+    def enables_scoring_api(self) -> bool:
+        """vLLM's enable_scoring_api: embedding models, and classifiers with one label (a cross-encoder)."""
+        if self.pooling_task in ("embed", "token_embed"):
+            return True
+        return self.pooling_task == "classify" and self.num_labels == 1
+
+
+def build_pooling_info(resolved: Any, user: PoolerConfig | None, supported_tasks: tuple[str, ...],
+                       hidden_size: int, is_encoder: bool, hf_config: dict[str, Any], *, num_labels: int = 0,
+                       id2label: dict[int, str] | None = None, is_cross_encoder: bool = False,
+                       served_model_name: str = "") -> PoolingInfo:
+    """A pooling engine's PoolingInfo from its ResolvedPooler (tokenloom/model/pooler.py) and the user's
+    PoolerConfig: the pooling task it serves (ConfigError for one it cannot run) and vLLM's PoolerConfig with
+    every default filled in, as vLLM's ModelConfig fills its own."""
+    user = user or PoolerConfig()
+    try:
+        pooling_task = pick_pooling_task(user.task, supported_tasks)
+    except ValueError as exc:
+        raise ConfigError(f"pooler_config.task: {exc}") from None
+    effective = PoolerConfig(
+        task=user.task, seq_pooling_type=resolved.seq_pooling_type.value,
+        tok_pooling_type=resolved.tok_pooling_type.value, use_activation=resolved.use_activation,
+        dimensions=user.dimensions, enable_chunked_processing=user.enable_chunked_processing,
+        max_embed_len=user.max_embed_len, logit_mean=user.logit_mean, logit_sigma=user.logit_sigma,
+        step_tag_id=user.step_tag_id, returned_token_ids=user.returned_token_ids)
+    mds = hf_config.get("matryoshka_dimensions")
+    archs = hf_config.get("architectures") or []
+    return PoolingInfo(
+        supported_tasks=supported_tasks, pooling_task=pooling_task or supported_tasks[0],
+        embedding_size=resolved.embedding_size(hidden_size), is_encoder=is_encoder,
+        pooling_type=resolved.seq_pooling_type.value, pooler_config=effective,
+        is_matryoshka=bool(mds) or bool(hf_config.get("is_matryoshka")),
+        matryoshka_dimensions=list(mds) if mds else None, num_labels=num_labels, id2label=dict(id2label or {}),
+        is_cross_encoder=is_cross_encoder, architecture=archs[0] if archs else "",
+        served_model_name=served_model_name)
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
@@ -111,91 +163,55 @@ def sentence_bert_max_seq_length(path: Path) -> int | None:
 
 
 def prepare_pooling_params(params: PoolingParams, info: PoolingInfo, task: str | None = None) -> PoolingParams:
-    """A verified copy: the task (given, the params', or the model's first), the model's defaults.
-    ValueError for a task the model does not serve or a parameter the task does not take."""
+    """A verified copy: the task (given, the params', or the model's own), the model's defaults merged in
+    (vLLM's PoolingParams.verify). ValueError for a task the engine cannot run or a parameter the task does not
+    take, in vLLM's words."""
     if not isinstance(params, PoolingParams):
         raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
     params = params.clone()
-    task = task or params.task or info.tasks[0]
-    if task not in info.tasks:
-        what = "an embedding model" if info.is_embedding_model else "a classification model"
-        raise ValueError(f"task {task!r} is not supported by this model ({what}; tasks: {', '.join(info.tasks)})")
-    params.verify(task, model_dim=info.hidden_size, is_matryoshka=info.is_matryoshka,
-                  default_normalize=info.normalize)
+    task = task or params.task or info.pooling_task
+    if params.task is not None and params.task != task:
+        raise VLLMValidationError(f"You cannot overwrite params.task={params.task!r} with pooling_task={task!r}!",
+                                  parameter="task")
+    if task not in info.supported_tasks:  # vLLM's input processor
+        raise VLLMValidationError(f"Unsupported task: {task!r} Supported tasks: {list(info.supported_tasks)}",
+                                  parameter="task")
+    params.task = task
+    params.verify(info)
     return params
 
 
-def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: k = max_model_len); None keeps all
-    (then a prompt longer than max_model_len is an error, raised here with vLLM's wording)."""
-    k = truncate_prompt_tokens
-    if k is not None:
-        if k == -1:
-            k = max_model_len
-        if k > max_model_len:
-            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
-                             "Please request a smaller truncation size.")
-        token_ids = token_ids[-k:] if k else []
-    if not token_ids:
-        raise ValidationError(EMPTY_PROMPT, parameter="prompt")
-    if len(token_ids) > max_model_len:
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                         f"{len(token_ids)} tokens in the input for embedding generation. Please reduce the length "
-                         "of the input.")
-    return token_ids
+def verify_pooling_task(info: PoolingInfo, pooling_task: str | None) -> str:
+    """LLM.encode's check of the task asked for (vLLM's PoolingOfflineMixin._verify_pooling_task): only the
+    model's own pooling task runs; another it supports needs the PoolerConfig's `task`."""
+    if pooling_task is None:
+        raise ValueError(ENCODE_NEEDS_TASK)
+    check_removed_pooling_task(pooling_task)
+    if pooling_task in ("embed", "token_embed") and pooling_task not in info.supported_tasks:
+        raise ValueError("Embedding API is not supported by this model. Try converting the model using "
+                         "`--convert embed`.")
+    if pooling_task in ("classify", "token_classify") and pooling_task not in info.supported_tasks:
+        raise ValueError("Classification API is not supported by this model. Try converting the model using "
+                         "`--convert classify`.")
+    if pooling_task != "plugin" and pooling_task != info.pooling_task:
+        if pooling_task not in info.supported_tasks:
+            raise ValueError(f"Unsupported task: {pooling_task!r} Supported tasks: {info.supported_tasks}")
+        raise ValueError(f'Try switching the model\'s pooling_task via `PoolerConfig(task="{pooling_task}")`')
+    if pooling_task == "plugin":
+        raise ValueError(NO_IO_PROCESSOR_PLUGIN)
+    return pooling_task
 
 
-def cross_encoder_pair(tokenizer: Any, text_1: str, text_2: str) -> tuple[list[int], int | None]:
-    """A cross-encoder's input for one pair: the tokenizer's (text, text_pair) encoding, and where
-    token type 1 starts (vLLM's compressed_token_type_ids; None when the tokenizer gives no types)."""
-    hf = getattr(tokenizer, "hf", tokenizer)
-    enc = hf(text_1, text_pair=text_2, return_token_type_ids=True)
-    ids = list(enc["input_ids"])
-    types = enc.get("token_type_ids")
-    split = types.index(1) if types and 1 in types else None
-    return ids, split
-
-
-def score_pairs(data_1: Any, data_2: Any) -> list[tuple[Any, Any]]:
-    """vLLM's pairing for score/rerank: one query against N documents, or N against N pairwise."""
-    d1 = [data_1] if isinstance(data_1, str) else data_1
-    d2 = [data_2] if isinstance(data_2, str) else data_2
-    for name, texts in (("data_1", d1), ("data_2", d2)):  # what the tokenizer and the cosine's dedup take
-        if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
-            raise TypeError(f"score: {name} must be a text or a list of texts, got {type(texts).__name__}"
-                            f"{'' if not isinstance(texts, list | tuple) else ' holding other things'}")
-    d1, d2 = list(d1), list(d2)
-    if not d1 or not d2:
-        raise ValueError("score needs at least one text on each side")
-    if len(d1) == 1:
-        d1 = d1 * len(d2)
-    elif len(d1) != len(d2):
-        raise ValueError(f"score: {len(d1)} texts against {len(d2)}: give one query, or as many as the documents")
-    return list(zip(d1, d2))
-
-
-def cosine(a: Any, b: Any) -> float:
-    """Cosine similarity of two vectors (numpy or torch), as vLLM's embedding-model score (float32)."""
-    import numpy as np
-
-    a = np.asarray(a, dtype=np.float32)
-    b = np.asarray(b, dtype=np.float32)
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    return float(np.dot(a, b) / max(na * nb, 1e-8))
-
-
-def encode_text(tokenizer: Any, text: str, truncate_prompt_tokens: int | None, max_model_len: int,
-                add_special_tokens: bool = True) -> list[int]:
-    """A text input's token ids. With truncate_prompt_tokens, as vLLM's renderer does for text: the
-    tokenizer truncates (its truncation side, right for BERT: [CLS] ... [SEP] kept, as
-    sentence-transformers' max_seq_length does); token-id inputs keep their last k (truncate_prompt)."""
-    k = truncate_prompt_tokens
-    if k is None:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if k == -1:
-        k = max_model_len
-    if k > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
-                         "Please request a smaller truncation size.")
-    hf = getattr(tokenizer, "hf", tokenizer)
-    return list(hf(text, add_special_tokens=add_special_tokens, truncation=True, max_length=k)["input_ids"])
+# vLLM's words for LLM.encode without a task, and for the `plugin` task (tokenloom has no IO-processor plugins).
+ENCODE_NEEDS_TASK = """
+                pooling_task required for `LLM.encode`.
+                Please use one of the more specific methods or set the pooling_task when using `LLM.encode`:
+                  - For embeddings, use `LLM.embed(...)` or `pooling_task="embed"`.
+                  - For classification logits, use `LLM.classify(...)` or `pooling_task="classify"`.
+                  - For similarity scores, use `LLM.score(...)`.
+                  - For rewards, `pooling_task="classify"` or `pooling_task="token_classify"`.
+                  - For token classification, use `pooling_task="token_classify"`.
+                  - For multi-vector retrieval, use `pooling_task="token_embed"`.
+                """
+NO_IO_PROCESSOR_PLUGIN = ("No IOProcessor plugin installed. Please refer to the documentation and to the "
+                          "'prithvi_geospatial_mae_io_processor' offline inference example for more details.")

@@ -10,10 +10,11 @@ model_executor/layers/pooler.py: the pooling types, the heads' normalisation and
 
 Heads: embed -> the checkpoint's sentence-transformers Dense projections (linear + activation,
 in modules.json order, as vLLM's ST projector), the first `dimensions` components (matryoshka), then
-L2 normalisation when `normalize`; classify -> the classification head, then softmax (sigmoid with one label) when
-`use_activation`. The model's default pooling comes from its sentence-transformers files
-(modules.json, 1_Pooling/config.json, the Normalize module) as vLLM reads them, else from the
-architecture (encoder embed: CLS; decoder: LAST).
+L2 normalisation when `use_activation`; classify -> the classification head, then (with the PoolerConfig's
+logit_mean / logit_sigma, vLLM's affine calibration) softmax (sigmoid with one label) when `use_activation`.
+The model's pooling (ResolvedPooler) is the user's PoolerConfig (--pooler-config) over the checkpoint's
+sentence-transformers files (modules.json, 1_Pooling/config.json, the Normalize module) as vLLM reads them,
+over the architecture's defaults (encoder embed: CLS; decoder: LAST; token tasks: ALL).
 """
 
 from __future__ import annotations
@@ -59,19 +60,38 @@ class DenseLayer:
 
 
 @dataclass
-class PoolerConfig:
-    """vLLM's PoolerConfig (the fields tokenloom reads): the pooling type and the embed default."""
+class ResolvedPooler:
+    """The pooling a model runs: vLLM's PoolerConfig fields once every default is filled in (the user's
+    --pooler-config over the sentence-transformers files over the architecture), plus what only the runner
+    needs (the Dense projections)."""
 
-    pooling_type: PoolingType
-    normalize: bool = True
-    # Where the default came from (for the log and the docs): "sentence-transformers" | "architecture".
+    seq_pooling_type: PoolingType  # embed / classify: LAST, MEAN or CLS
+    use_activation: bool = True  # embed's L2 normalisation by default (vLLM's pooler_config.use_activation)
+    tok_pooling_type: PoolingType = PoolingType.ALL  # token_embed / token_classify: ALL or STEP
+    # Where the sequence pooling came from (for the log and the docs): "sentence-transformers" | "architecture" |
+    # "override".
     source: str = "architecture"
     # The checkpoint's sentence-transformers Dense projections, applied to embed's pooled vector.
     dense: list[DenseLayer] = field(default_factory=list)
+    # classify: activation((logit - logit_mean) / logit_sigma) (vLLM's affine calibration); None: as is.
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
 
     def embedding_size(self, hidden_size: int) -> int:
         """The size of an embedding: the last projection's out_features, else the hidden size."""
         return int(self.dense[-1].weight.shape[0]) if self.dense else hidden_size
+
+    def pooling_type_for(self, task: str) -> PoolingType:
+        """token_* tasks pool every token (ALL, or STEP's tagged ones); the others the sequence pooling."""
+        return self.tok_pooling_type if task in ("token_embed", "token_classify") else self.seq_pooling_type
+
+    def calibrate(self, logits: torch.Tensor) -> torch.Tensor:
+        """vLLM's logit_mean / logit_sigma, before the activation."""
+        if self.logit_mean is not None:
+            logits = logits - self.logit_mean
+        if self.logit_sigma is not None:
+            logits = logits / self.logit_sigma
+        return logits
 
 
 def _load_dense(path: Path, folder: str) -> DenseLayer:
@@ -113,7 +133,7 @@ _ST_MODES = {  # 1_Pooling/config.json flag -> pooling type (vLLM's get_pooling_
 }
 
 
-def sentence_transformers_pooling(path: Path) -> PoolerConfig | None:
+def sentence_transformers_pooling(path: Path) -> ResolvedPooler | None:
     """The pooling a sentence-transformers checkpoint declares (modules.json), or None without one.
     Raises for what tokenloom does not run (max, mean_sqrt_len and weighted mean pooling)."""
     modules_file = path / "modules.json"
@@ -149,28 +169,25 @@ def sentence_transformers_pooling(path: Path) -> PoolerConfig | None:
                              f"{tuple(second.weight.shape)})")
     if pooling_type is None:
         return None
-    return PoolerConfig(pooling_type, normalize, source="sentence-transformers", dense=dense)
+    return ResolvedPooler(pooling_type, normalize, source="sentence-transformers", dense=dense)
 
 
-def resolve_pooler_config(path: Path, is_encoder: bool, override: dict[str, Any] | None = None) -> PoolerConfig:
-    """The model's default pooler: `override` (vLLM's --pooler-config: {"pooling_type", "normalize"})
-    first, then the sentence-transformers files, then the architecture's default."""
-    config = sentence_transformers_pooling(path) or PoolerConfig(
+def resolve_pooler(path: Path, is_encoder: bool, user: Any = None) -> ResolvedPooler:
+    """The model's pooling: `user` (vLLM's PoolerConfig, --pooler-config) first, then the sentence-transformers
+    files, then the architecture's default (CLS for an encoder, LAST for a decoder; ALL for token tasks)."""
+    resolved = sentence_transformers_pooling(path) or ResolvedPooler(
         PoolingType.CLS if is_encoder else PoolingType.LAST, True)
-    if override:
-        if override.get("pooling_type"):
-            config.pooling_type = PoolingType(str(override["pooling_type"]).upper())
-            config.source = "override"
-        if override.get("normalize") is not None:
-            config.normalize = bool(override["normalize"])
-    return config
-
-
-def pooling_type_for(task: str, default: PoolingType) -> PoolingType:
-    """token_* tasks pool every token; the others the model's default (STEP stays STEP)."""
-    if task in ("token_embed", "token_classify"):
-        return PoolingType.STEP if default is PoolingType.STEP else PoolingType.ALL
-    return default
+    if user is None:
+        return resolved
+    if user.seq_pooling_type is not None:
+        resolved.seq_pooling_type = PoolingType(user.seq_pooling_type)
+        resolved.source = "override"
+    if user.tok_pooling_type is not None:
+        resolved.tok_pooling_type = PoolingType(user.tok_pooling_type)
+    if user.use_activation is not None:
+        resolved.use_activation = user.use_activation
+    resolved.logit_mean, resolved.logit_sigma = user.logit_mean, user.logit_sigma
+    return resolved
 
 
 def pool_rows(hidden: torch.Tensor, pooling_type: PoolingType) -> torch.Tensor:
@@ -190,7 +207,7 @@ def embed_head(x: torch.Tensor, params: PoolingParams, dense: list[DenseLayer] |
         x = layer(x)
     if params.dimensions is not None:
         x = x[..., : params.dimensions]
-    if params.normalize:
+    if params.use_activation:
         x = F.normalize(x, p=2, dim=-1)
     return x
 

@@ -21,48 +21,49 @@ from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.model.bert import BertEncoder, load_bert
 from tokenloom.model.platform import configure_cpu_threads, resolve_device, resolve_dtype
 from tokenloom.model.pooler import (
-    PoolerConfig,
     PoolingType,
+    ResolvedPooler,
     classify_activation,
     embed_head,
     pool_rows,
-    pooling_type_for,
     step_select,
     to_output,
 )
 from tokenloom.pooling_params import PoolingParams
 
 
-def pool_request(rows: torch.Tensor, token_ids: list[int], params: PoolingParams, pooler: PoolerConfig,
+def pool_request(rows: torch.Tensor, token_ids: list[int], params: PoolingParams, pooler: ResolvedPooler,
                  classify: Any = None, activation: str | None = None) -> Any:
     """One request's output from its hidden states [L, H] (all its rows; for LAST pooling the last
     row suffices). `classify`: the model's classification head ([N, H] -> [N, labels]), if it has one."""
     task = params.task or "embed"
-    ptype = pooling_type_for(task, pooler.pooling_type)
-    if task in ("classify", "score", "token_classify"):
+    ptype = pooler.pooling_type_for(task)
+    if task in ("classify", "token_classify"):
         if classify is None:
             raise ValueError(f"task {task!r} needs a classification head; this model has none")
         if ptype in (PoolingType.ALL, PoolingType.STEP):
             logits = classify(rows)
         else:
             logits = classify(pool_rows(rows, ptype).unsqueeze(0))[0]
-        out = classify_activation(logits, activation) if params.use_activation else logits.float()
+        logits = pooler.calibrate(logits.float())
+        out = classify_activation(logits, activation) if params.use_activation else logits
         if ptype is PoolingType.STEP:
             out = step_select(out, token_ids, params)
         return to_output(out)
     pooled = pool_rows(rows, ptype)
     if ptype is PoolingType.STEP:
         pooled = step_select(pooled, token_ids, params)
-    # sentence-transformers' Dense modules project the sentence embedding only (token_embed's ALL rows
-    # stay the encoder's hidden states, as its `output_value="token_embeddings"`).
-    per_token = ptype in (PoolingType.ALL, PoolingType.STEP)
-    return to_output(embed_head(pooled, params, None if per_token else pooler.dense))
+    # vLLM's heads project every row with the sentence-transformers Dense modules, token_embed's too (its
+    # TokenEmbeddingPoolerHead), then cut and normalise each; rows cut to returned_token_ids' columns are no
+    # hidden states to project.
+    projectable = not (ptype is PoolingType.STEP and params.returned_token_ids)
+    return to_output(embed_head(pooled, params, pooler.dense if projectable else None))
 
 
 class EncoderRunner:
     """The runner of an encoder-only pooling model; same interface as ModelRunner.execute_model."""
 
-    def __init__(self, path: Path, pooler: PoolerConfig, *, block_size: int, num_blocks: int,
+    def __init__(self, path: Path, pooler: ResolvedPooler, *, block_size: int, num_blocks: int,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                  loaded: tuple[Any, dict[str, torch.Tensor]] | None = None) -> None:
         self.device = resolve_device(device)

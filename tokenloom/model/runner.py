@@ -256,7 +256,7 @@ class ModelRunner:
         # Debug: fp32 logits of the sampling rows of the last step run with return_logits=True.
         self.last_logits: torch.Tensor | None = None
         self.last_logits_index: dict[str, int] = {}
-        # A pooling engine over a decoder (--runner pooling): its PoolerConfig (LAST pooling); the
+        # A pooling engine over a decoder (--runner pooling): its ResolvedPooler (LAST pooling); the
         # requests that reach their prompt's end are pooled, not sampled (tokenloom/model/pooler.py).
         self.pooler: Any = None
         # LoRA adapters (enable_lora): the manager of their slots; None: requests run the base model.
@@ -373,12 +373,12 @@ class ModelRunner:
         that reads every row (MEAN, CLS, ALL, STEP, token_* tasks): each chunk's rows are kept until
         the chunk that ends the prompt, then pooled together (the engine turns prefix caching off for
         these: a cached prefix has no hidden states). A chunk that stops short pools nothing."""
-        from tokenloom.model.pooler import PoolingType, pooling_type_for
+        from tokenloom.model.pooler import PoolingType
         from tokenloom.model.pooling_runner import pool_request
 
         def needs_rows(state: _RequestState) -> bool:
             task = state.pooling_params.task or "embed"
-            return pooling_type_for(task, self.pooler.pooling_type) is not PoolingType.LAST
+            return self.pooler.pooling_type_for(task) is not PoolingType.LAST
 
         for state, _, _ in inputs.row_spans:
             if state.pooling_params is None:

@@ -59,12 +59,15 @@ class Tokenizer:
         self._core = direct if direct is not None else hf_tokenizer
         self._backend_decode = direct.backend.decode if direct is not None else _backend_decode(hf_tokenizer)
         self._vocab: dict[str, int] | None = None
+        self._chat_template_set = False
 
     @property
     def hf(self) -> Any:
         if self._hf is None:
             assert self._direct is not None
             self._hf = _from_saved(self._direct.directory)
+            if self._chat_template_set:  # a template set before transformers loaded (--chat-template)
+                self._hf.chat_template = self._direct.chat_template
         return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -111,6 +114,14 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._core.chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        """Another template for every chat this tokenizer renders (the server's --chat-template)."""
+        self._core.chat_template = template
+        self._chat_template_set = True
+        if self._hf is not None:
+            self._hf.chat_template = template
 
     def apply_chat_template(
         self,

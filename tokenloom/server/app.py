@@ -36,7 +36,7 @@ from tokenloom.server.request_id import RequestIdMiddleware
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion
-from tokenloom.server.serving_pooling import add_pooling_routes
+from tokenloom.server.serving_pooling import add_pooling_routes, pooling_invocation
 from tokenloom.server.serving_responses import cancel_response, create_response, retrieve_response
 from tokenloom.server.serving_tokenize import detokenize, tokenize, tokenizer_info
 from tokenloom.server.state import ServerState, get_state
@@ -117,8 +117,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/invocations")
     async def invocations(raw: Request) -> Response:
         # SageMaker's entry point, as in vLLM: the body's shape picks the endpoint.
-        obj = await read_json(raw, get_state(raw).config.max_request_body_bytes)
+        state = get_state(raw)
+        obj = await read_json(raw, state.config.max_request_body_bytes)
         raw.state.body = obj
+        if state.engine.info.pooling is not None:  # vLLM's pooling invocation types, in its order
+            return await pooling_invocation(raw, obj)
         if "messages" in obj:
             return await create_chat_completion(raw)
         if "prompt" in obj:

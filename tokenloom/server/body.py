@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -68,19 +68,63 @@ def _refuse_lone_surrogates(obj: dict) -> None:
         raise APIError(400, "the request body is nested too deeply") from None
 
 
+_MAX_REPORTED_ERRORS = 10  # vLLM's bounds on a validation error's size (a big bad body must not echo itself)
+_MAX_ERROR_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _summarize_input(value: Any) -> Any:
+    """vLLM's: a container described, a long value cut (pydantic repeats the whole input in every error)."""
+    if isinstance(value, dict | list | tuple | set):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= _MAX_ERROR_INPUT_CHARS:
+        return value
+    return text[:_MAX_ERROR_INPUT_CHARS] + "...[truncated]"
+
+
+# pydantic's names for the branches of a union and its validator wrappers, which a `loc` spells out but a client
+# never sent (vLLM's _INTERNAL_LOC_MARKERS, and any bracketed segment).
+_INTERNAL_LOC = frozenset({"function-wrap", "function-after", "function-before", "function-plain", "json-or-python",
+                           "lax-or-strict", "chain", "default", "nullable", "tagged-union", "union", "call",
+                           "arguments", "is-instance", "is-subclass", "callable", "str", "int", "float", "bool",
+                           "bytes", "bytearray", "list", "tuple", "dict", "set", "frozenset", "complex", "none",
+                           "nonetype"})
+
+
+def clean_loc(loc: tuple[Any, ...]) -> str:
+    """vLLM's clean_loc_for_param: ('stop', 'list[str]', 0) -> 'stop.0'."""
+    parts = [str(p) for p in loc if not any(c in str(p) for c in "[]{}()") and str(p).lower() not in _INTERNAL_LOC]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    shown = {"type": err["type"], "loc": clean_loc(err["loc"]), "msg": err["msg"]}
+    if "input" in err:
+        shown["input"] = _summarize_input(err["input"])
+    text = str(shown)
+    return text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text
+
+
+def validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM's words for a body that does not validate: the count, then each error (its pydantic type, where,
+    what, the value sent), at most ten of them."""
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    shown = errors[:_MAX_REPORTED_ERRORS]
+    message = f"{count} validation {label}:\n" + "".join(f"  {_format_error(e)}\n" for e in shown)
+    if count > _MAX_REPORTED_ERRORS:
+        message += f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}\n"
+    return message.rstrip()
+
+
 def parse_model(cls: type[M], obj: dict) -> M:
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False)
-        seen: dict[str, str] = {}
-        for err in errors:  # one line per top-level field (unions report every alternative)
-            field = str(err["loc"][0]) if err["loc"] else "body"
-            if field not in seen:
-                loc = ".".join(str(p) for p in err["loc"]) or "body"
-                seen[field] = f"{loc}: {err['msg']}"
-        message = "invalid request: " + "; ".join(list(seen.values())[:5])
-        raise APIError(400, message, param=next(iter(seen), None)) from None
+        errors = exc.errors(include_url=False)
+        param = next((str(e["loc"][0]) for e in errors if e["loc"]), None)  # the top-level field to blame
+        raise APIError(400, validation_message(errors), param=param) from None
 
 
 class DrainBodyMiddleware:

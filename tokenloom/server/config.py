@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from tokenloom.config import EngineArg, knob, knobs_of, parse_bytes
+from tokenloom.config import ConfigError, EngineArg, knob, knobs_of, parse_bytes
 from tokenloom.server.lora_modules import LoRAModulePath, parse_lora_module
 
 
@@ -22,6 +23,20 @@ def _json_strings(text: str) -> list[str]:
 
 
 UvicornLogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's load_chat_template: a file's text, or the value itself when it reads as Jinja ({, } or a newline);
+    a path-like value that names no file is refused."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except OSError:
+        if not any(c in value for c in "{}\n"):
+            raise ConfigError(f"The supplied chat template string ({value}) appears path-like, but doesn't "
+                              "exist!") from None
+        return value
 
 
 @dataclass
@@ -94,6 +109,10 @@ class ServerConfig:
                 "function (every call's envelope), parameter (arguments too, as if every tool were strict)")
     exclude_tools_when_tool_choice_none: bool = knob(
         False, "do not show the tools to the chat template when tool_choice is none")
+    # vLLM's --chat-template: the template every chat endpoint renders with instead of the tokenizer's own (a
+    # file's path, or the Jinja text itself); read once at start-up (load_chat_template).
+    chat_template: str | None = knob(
+        None, "the chat template to use instead of the model's (a file, or the Jinja template itself)")
     # A request's own chat_template (a Jinja program) is refused unless this is set (vLLM's flag).
     trust_request_chat_template: bool = knob(
         False, "run a chat_template sent with a request (a Jinja program); refused with 400 otherwise")
@@ -104,6 +123,7 @@ class ServerConfig:
         nargs="+", parse=parse_lora_module)
 
     def __post_init__(self) -> None:
+        self.chat_template = load_chat_template(self.chat_template)
         if self.max_waiting_requests == 0:  # the CLI's "no limit"
             self.max_waiting_requests = None
         if isinstance(self.api_key, list) and not self.api_key:

@@ -299,7 +299,7 @@ def check_chat_request(req: ChatCompletionRequest, vocab_size: int) -> None:
     if req.logprob_token_ids and not req.logprobs:
         raise APIError(400, "when using logprob_token_ids, logprobs must be set to true", "logprob_token_ids")
     if req.add_generation_prompt and req.continue_final_message:
-        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                        "continue_final_message")
 
 
@@ -357,7 +357,7 @@ def render_chat(
 ) -> list[int]:
     """The model's own chat template (or the request's), as token ids. Runs in the tokenizer thread."""
     if add_generation_prompt and continue_final_message:
-        raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                        "continue_final_message")
     dicts = [_message_dict(i, m) for i, m in enumerate(messages)]
     if tools_prompt:  # a template that does not render tools: they go into the system message

@@ -37,6 +37,10 @@ class ServerState:
         self.engine = engine
         self.config = config
         self.model_names = list(config.served_model_names or [engine.info.model_name])
+        if config.chat_template is not None and engine.tokenizer is not None:  # --chat-template, for every chat
+            engine.tokenizer.chat_template = config.chat_template
+        if getattr(engine.info, "pooling", None) is not None:  # the name vLLM's pooling messages quote
+            engine.info.pooling.served_model_name = self.model_names[0]
         # The base model's names and the LoRA adapters served (--lora-modules, runtime loading).
         self.models = ServingModels(self.model_names, getattr(engine.info, "lora", None), config.lora_modules)
         self.max_model_len = engine.info.max_model_len
@@ -74,7 +78,8 @@ class ServerState:
         pooling = getattr(self.engine.info, "pooling", None)
         if pooling is not None:
             raise APIError(400, f"The model `{self.model_names[0]}` is a pooling model (tasks: "
-                                f"{', '.join(pooling.tasks)}) and does not support generation: use /v1/embeddings, "
+                                f"{', '.join(pooling.supported_tasks)}) and does not support generation: use "
+                                "/v1/embeddings, "
                                 "/pooling, /classify, /score or /rerank", "model")
 
     def lora_request(self, requested: str | None) -> LoRARequest | None:

@@ -46,6 +46,15 @@ CHAT: dict[str, Unsupported] = {
 
 COMPLETION: dict[str, Unsupported] = {}
 
+# The pooling endpoints (/v1/embeddings, /pooling, /classify, /score, /rerank): vLLM's fields for what tokenloom's
+# text models do not take.
+POOLING: dict[str, Unsupported] = {
+    "cache_salt": COMMON["cache_salt"],
+    "mm_processor_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    "media_io_kwargs": Unsupported("multimodal inputs are not supported", ({},)),
+    "lora_request": COMMON["lora_request"],
+}
+
 # POST /v1/responses: what vLLM's ResponsesRequest knows and tokenloom does not serve.
 RESPONSES: dict[str, Unsupported] = {
     "background": Unsupported("background responses are not supported (responses run while the request is "
@@ -89,6 +98,10 @@ def reject_unsupported_chat(body: dict[str, Any]) -> None:
 def reject_unsupported_completion(body: dict[str, Any]) -> None:
     reject_unsupported(body, COMMON)
     reject_unsupported(body, COMPLETION)
+
+
+def reject_unsupported_pooling(body: dict[str, Any]) -> None:
+    reject_unsupported(body, POOLING)
 
 
 def reject_unsupported_responses(body: dict[str, Any]) -> None:
