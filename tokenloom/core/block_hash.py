@@ -48,21 +48,29 @@ def _cbor_head(major: int, n: int) -> bytes:
     raise ValueError(f"CBOR cannot encode {n} in a head; bignums are not used in block hashes")
 
 
+@functools.lru_cache(maxsize=1 << 18)
+def _cbor_int(value: int) -> bytes:
+    """Cached: a block's items are token ids, drawn from a vocabulary, so a few hundred thousand at most."""
+    return _cbor_head(0, value) if value >= 0 else _cbor_head(1, -1 - value)
+
+
 def canonical_cbor(value: Any) -> bytes:
     """Canonical CBOR of ints (64-bit), bytes, str, None, bool and tuples / lists of them."""
+    if type(value) is int:
+        return _cbor_int(value)
     if value is None:
         return b"\xf6"
     if isinstance(value, bool):
         return b"\xf5" if value else b"\xf4"
-    if isinstance(value, int):
-        return _cbor_head(0, value) if value >= 0 else _cbor_head(1, -1 - value)
+    if isinstance(value, int):  # an int subclass (an IntEnum): its value
+        return _cbor_int(int(value))
     if isinstance(value, bytes):
         return _cbor_head(2, len(value)) + value
     if isinstance(value, str):
         data = value.encode()
         return _cbor_head(3, len(data)) + data
     if isinstance(value, (tuple, list)):
-        return _cbor_head(4, len(value)) + b"".join(canonical_cbor(v) for v in value)
+        return _cbor_head(4, len(value)) + b"".join(map(canonical_cbor, value))
     raise TypeError(f"a block hash input cannot hold {type(value).__name__} (CBOR: ints, bytes, str, None, tuples)")
 
 

@@ -31,10 +31,20 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
+from tests.peer.core import vllm_kv_hashing as _hashing
+from tests.peer.core.vllm_kv_hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    get_none_hash_seed,
+    init_none_hash,
+    resolve_none_hash_seed,
+    sha256,
+    sha256_cbor,
+    xxhash,
+    xxhash_cbor,
+)
 from tests.peer.core.vllm_shim import FreeKVCacheBlockQueue
 from tests.peer.core.vllm_shim import KVCacheBlock as _VllmNamedBlock
 from tokenloom.config import CacheConfig, SchedulerConfig
-from tokenloom.core.block_hash import DEFAULT_HASH_ALGO, root_parent_hash, sha256, sha256_cbor
 from tokenloom.core.block_pool import NULL_BLOCK, block_hash_with_group_id
 from tokenloom.core.block_pool import BlockPool as _TLBlockPool
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec as _TLGroupSpec
@@ -53,32 +63,24 @@ from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 __all__ = ["BlockHash", "BlockHashWithGroupId", "BlockPool", "CachingMetrics", "FreeKVCacheBlockQueue",
            "FullAttentionSpec", "KVCacheBlock", "KVCacheBlocks", "KVCacheConfig", "KVCacheGroupSpec",
            "KVCacheManager", "KVCacheTensor", "KVQuantMode", "LoRARequest", "MambaSpec", "MultiModalFeatureSpec",
-           "MultiModalKwargsItem", "NONE_HASH", "PlaceholderRange", "PrefixCacheStats", "Request", "RequestStatus",
+           "MultiModalKwargsItem", "NONE_HASH", "PlaceholderRange", "PrefixCacheStats", "Request", "RequestStatus",  # noqa: F822 - module __getattr__
            "SamplingParams", "SlidingWindowManager", "SlidingWindowSpec", "create_scheduler", "get_block_hash",
            "get_group_id", "get_request_block_hasher", "hash_block_tokens", "init_none_hash",
-           "make_block_hash_with_group_id", "sha256", "sha256_cbor"]
+           "make_block_hash_with_group_id", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "DEFAULT_NONE_HASH_SEED",
+           "get_none_hash_seed", "resolve_none_hash_seed"]
 
 
 # Hashing ----------------------------------------------------------------------------------------------------
-_ALGO_OF = {sha256: "sha256", sha256_cbor: "sha256_cbor"}
-
-
-def _algo(hash_fn: Any) -> str:
-    return _ALGO_OF.get(hash_fn, DEFAULT_HASH_ALGO)
-
-
-NONE_HASH = root_parent_hash()  # the parent of a request's first block; init_none_hash sets it per function
-
-
-def init_none_hash(hash_fn: Any) -> None:
-    """vLLM's: NONE_HASH is the root parent under `hash_fn` (tokenloom's root_parent_hash)."""
-    global NONE_HASH
-    NONE_HASH = root_parent_hash(_algo(hash_fn))
+def __getattr__(name: str) -> Any:
+    """NONE_HASH lives in vllm_kv_hashing (init_none_hash sets it there); read through this module as vLLM's."""
+    if name == "NONE_HASH":
+        return _hashing.NONE_HASH
+    raise AttributeError(name)
 
 
 def hash_block_tokens(hash_fn: Any, parent_block_hash: bytes | None, curr_block_token_ids: Sequence[int],
                       extra_keys: tuple[Any, ...] | None = None) -> bytes:
-    return _tl_hash_block_tokens(parent_block_hash, tuple(curr_block_token_ids), extra_keys, _algo(hash_fn))
+    return _tl_hash_block_tokens(parent_block_hash, tuple(curr_block_token_ids), extra_keys, _hashing.algo_of(hash_fn))
 
 
 def BlockHash(value: bytes) -> bytes:  # noqa: N802 - vLLM's NewType
@@ -339,7 +341,7 @@ class SamplingParams(_TLSamplingParams):
 
 def get_request_block_hasher(block_size: int, hash_fn: Any) -> SimpleNamespace:
     """vLLM's hasher closure; a tokenloom Request hashes its own full blocks at its block size and algorithm."""
-    return SimpleNamespace(block_size=block_size, algo=_algo(hash_fn))
+    return SimpleNamespace(block_size=block_size, algo=_hashing.algo_of(hash_fn))
 
 
 def Request(request_id: str, prompt_token_ids: list[int] | None, sampling_params: _TLSamplingParams,  # noqa: N802
