@@ -404,6 +404,12 @@ class CacheConfig:
         "sha256", "the prefix-cache block hash (vLLM's): sha256 (pickle + SHA-256, the default: blocks cannot be "
         "made to collide on purpose), sha256_cbor (canonical CBOR + SHA-256, reproducible outside Python), xxhash / "
         "xxhash_cbor (XXH3-128: faster, not collision resistant; need the xxhash package)")
+    # vLLM's interval between retained sliding-window / Mamba prefix-cache checkpoints. tokenloom keeps no such
+    # checkpoints (its sliding-window groups cache a prefix's blocks as vLLM's SlidingWindowManager: docs/models.md),
+    # so only vLLM's default is accepted, and any other value is refused by name.
+    prefix_cache_retention_interval: int | None = knob(
+        0, "vLLM's token interval between retained sliding-window / Mamba prefix-cache checkpoints: only 0 (vLLM's "
+        "default); periodic or dense checkpoints are not built", parse=int)
     disable_hybrid_kv_cache_manager: bool = knob(
         False, "models mixing sliding-window and full-attention layers (Gemma 2/3) keep every KV block for "
         "every layer (one block table, windows by masking) instead of vLLM's per-group block tables", reload=True)
@@ -435,6 +441,10 @@ class CacheConfig:
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ConfigError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
         _check_prefix_caching_hash_algo(self.prefix_caching_hash_algo)
+        if self.prefix_cache_retention_interval != 0:
+            raise ConfigError(f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r} is not "
+                              "supported: tokenloom keeps no periodic (or dense) sliding-window / Mamba prefix-cache "
+                              "checkpoints; only 0, vLLM's default, is accepted")
         if self.kv_offloading_backend is not None:
             _check_choice("kv_offloading_backend", self.kv_offloading_backend, KVOffloadingBackend)
         if not self.kv_offloading_disk_size > 0:
