@@ -114,24 +114,30 @@ def test_a_decode_engine_of_another_fingerprint_loads_nothing(tiny_dir, caplog):
     decode.llm_engine.close()
 
 
+def _h(n: int) -> bytes:
+    """A block hash (a digest: 32 bytes for sha256, 16 for xxhash's; both travel padded to 32)."""
+    return bytes([n]) * (32 if n % 2 else 16)
+
+
 def test_the_wire_serves_a_checked_prefix():
     store = BlockStore(capacity_bytes=3 * 8, block_nbytes=8)
     for h in (11, 12, 13):
-        store.put(h, bytes([h]) * 8)
+        store.put(_h(h), bytes([h]) * 8)
     server = BlockServer(store, b"d" * 32, "127.0.0.1", 0)
     host, port = server.address
     try:
         # The longest stored prefix, in order; a gap ends it.
-        assert fetch_blocks(host, port, b"d" * 32, [11, 12, 99, 13], 8) == [bytearray([11] * 8), bytearray([12] * 8)]
-        assert fetch_blocks(host, port, b"d" * 32, [99, 11], 8) == []
+        assert fetch_blocks(host, port, b"d" * 32, [_h(11), _h(12), _h(99), _h(13)], 8) == [
+            bytearray([11] * 8), bytearray([12] * 8)]
+        assert fetch_blocks(host, port, b"d" * 32, [_h(99), _h(11)], 8) == []
         with pytest.raises(ValueError, match="another model or cache options"):
-            fetch_blocks(host, port, b"x" * 32, [11], 8)
-        store.put(14, bytes(8))  # over the bound: the least recently used (13) goes
-        assert 13 not in store and 11 in store and 14 in store
+            fetch_blocks(host, port, b"x" * 32, [_h(11)], 8)
+        store.put(_h(14), bytes(8))  # over the bound: the least recently used (13) goes
+        assert _h(13) not in store and _h(11) in store and _h(14) in store
     finally:
         server.close()
     with pytest.raises(OSError):
-        fetch_blocks(host, port, b"d" * 32, [11], 8, timeout_s=2)
+        fetch_blocks(host, port, b"d" * 32, [_h(11)], 8, timeout_s=2)
 
 
 def test_socket_options_are_checked(tiny_dir):

@@ -47,6 +47,8 @@ TokenizerMode = Literal["auto", "hf", "slow", "mistral", "custom"]  # vLLM's cho
 # --kv-transfer-config's kv_role and --kv-offloading-backend (vLLM's values; tokenloom/kv_transfer).
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVOffloadingBackend = Literal["native"]
+# vLLM's CacheConfig.prefix_caching_hash_algo choices (tokenloom/core/block_hash.py has the functions).
+PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 # --quantization values: int8 = W8A8 decoder layers (tokenloom/model/quant.py); gguf = a GGUF file's
 # quantized weights kept as they are, run by the GGUF kernels (tokenloom/model/gguf_weights.py); none =
 # no quantized layers (a quantized GGUF dequantized to --dtype). Unset (None) is auto: gguf for a
@@ -153,6 +155,18 @@ def _check_choice(name: str, value: Any, choices: Any, hint: str = "") -> None:
     allowed = get_args(choices)
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}{hint}")
+
+
+def _check_prefix_caching_hash_algo(algo: str) -> None:
+    """A bad name, or an xxhash one without the xxhash package (optional, as vLLM's: an environment with
+    strict security controls may not allow it), is refused here rather than at the first request."""
+    _check_choice("prefix_caching_hash_algo", algo, PrefixCachingHashAlgo)
+    if algo.startswith("xxhash"):
+        try:
+            import xxhash  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"prefix_caching_hash_algo={algo!r}: xxhash is required for the 'xxhash' prefix "
+                              "caching hash algorithms. Install it via `pip install xxhash`.") from None
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -386,6 +400,16 @@ class CacheConfig:
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of identical prompt prefixes")
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = knob(
+        "sha256", "the prefix-cache block hash (vLLM's): sha256 (pickle + SHA-256, the default: blocks cannot be "
+        "made to collide on purpose), sha256_cbor (canonical CBOR + SHA-256, reproducible outside Python), xxhash / "
+        "xxhash_cbor (XXH3-128: faster, not collision resistant; need the xxhash package)")
+    # vLLM's interval between retained sliding-window / Mamba prefix-cache checkpoints. tokenloom keeps no such
+    # checkpoints (its sliding-window groups cache a prefix's blocks as vLLM's SlidingWindowManager: docs/models.md),
+    # so only vLLM's default is accepted, and any other value is refused by name.
+    prefix_cache_retention_interval: int | None = knob(
+        0, "vLLM's token interval between retained sliding-window / Mamba prefix-cache checkpoints: only 0 (vLLM's "
+        "default); periodic or dense checkpoints are not built", parse=int)
     disable_hybrid_kv_cache_manager: bool = knob(
         False, "models mixing sliding-window and full-attention layers (Gemma 2/3) keep every KV block for "
         "every layer (one block table, windows by masking) instead of vLLM's per-group block tables", reload=True)
@@ -416,6 +440,11 @@ class CacheConfig:
             _check_int("num_blocks", self.num_blocks, 1)
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ConfigError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        _check_prefix_caching_hash_algo(self.prefix_caching_hash_algo)
+        if self.prefix_cache_retention_interval != 0:
+            raise ConfigError(f"prefix_cache_retention_interval={self.prefix_cache_retention_interval!r} is not "
+                              "supported: tokenloom keeps no periodic (or dense) sliding-window / Mamba prefix-cache "
+                              "checkpoints; only 0, vLLM's default, is accepted")
         if self.kv_offloading_backend is not None:
             _check_choice("kv_offloading_backend", self.kv_offloading_backend, KVOffloadingBackend)
         if not self.kv_offloading_disk_size > 0:

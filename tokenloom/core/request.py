@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+# hash_block_tokens: re-exported (the router and tests import it from here, beside the Request that uses it).
+from tokenloom.core.block_hash import DEFAULT_HASH_ALGO, BlockHash, hash_block_tokens
 from tokenloom.core.structured_output import StructuredOutputRequest
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
@@ -56,30 +58,6 @@ _FINISHED_REASON = {
     RequestStatus.FINISHED_ERROR: "error",
     RequestStatus.FINISHED_REPETITION: "repetition",
 }
-
-# The parent of a request's first block (vLLM's NONE_HASH), a fixed int: hash(None) is the object's address
-# before Python 3.12, which differs from process to process (ASLR), and a block hash must mean the same
-# in every process, and after a restart (the KV offloading disk tier files blocks under it).
-ROOT_PARENT_HASH = 0x746F6B656E6C6F6F
-
-
-def hash_block_tokens(parent_hash: int | None, block_token_ids: tuple[int, ...],
-                      extra_keys: tuple[Any, ...] | None = None) -> int:
-    """Hash of one full block, chained to its parent so equal blocks at different depths differ.
-
-    Python's tuple hash of ints is deterministic across processes (PYTHONHASHSEED only salts
-    str/bytes), which keeps schedules reproducible. `extra_keys` (vLLM's): what else the block's KV
-    depends on, e.g. the LoRA adapter; None for the base model (the hash is then the plain one).
-    """
-    parent = ROOT_PARENT_HASH if parent_hash is None else parent_hash
-    if extra_keys:
-        return hash((parent, block_token_ids, _stable_keys(extra_keys)))
-    return hash((parent, block_token_ids))
-
-
-def _stable_keys(extra_keys: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Strings hash differently in every process (PYTHONHASHSEED); their UTF-8 bytes as an int do not."""
-    return tuple(int.from_bytes(k.encode(), "little") if isinstance(k, str) else k for k in extra_keys)
 
 
 def lora_extra_hash_keys(lora_request: Any) -> tuple[int, ...] | None:
@@ -160,7 +138,9 @@ class Request:
 
         # Full-block hashes of all_token_ids, extended as tokens are appended.
         self.block_size = block_size
-        self.block_hashes: list[int] = []
+        # The engine's prefix_caching_hash_algo (set with the block size by the scheduler).
+        self.hash_algo = DEFAULT_HASH_ALGO
+        self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
 
         # Timestamps for per-request metrics, stamped by the scheduler's clock.
@@ -205,10 +185,12 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self._update_block_hashes()
 
-    def set_block_size(self, block_size: int) -> None:
-        """Hash the full blocks at the scheduler's block size (a request may be built without one)."""
-        if block_size != self.block_size:
+    def set_block_size(self, block_size: int, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+        """Hash the full blocks at the scheduler's block size and with its prefix_caching_hash_algo (a request
+        may be built without either)."""
+        if block_size != self.block_size or hash_algo != self.hash_algo:
             self.block_size = block_size
+            self.hash_algo = hash_algo
             self.block_hashes = []
             self._update_block_hashes()
 
@@ -220,7 +202,8 @@ class Request:
         parent = self.block_hashes[-1] if self.block_hashes else None
         extra = lora_extra_hash_keys(self.lora_request)
         for i in range(len(self.block_hashes), n_full):
-            parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]), extra)
+            parent = hash_block_tokens(parent, tuple(self._all_token_ids[i * bs : (i + 1) * bs]), extra,
+                                       self.hash_algo)
             self.block_hashes.append(parent)
 
     @property

@@ -194,6 +194,8 @@ class Scheduler(SchedulerInterface):
             max_num_batched_tokens=max_in_flight_tokens(scheduler_config.token_budget_ceiling,
                                                         scheduler_config.async_scheduling),
         )
+        # The prefix-cache block hash every request is hashed with (core/block_hash.py).
+        self.hash_algo = cache_config.prefix_caching_hash_algo
         self.requests: dict[str, Request] = {}
         # The policies beyond vLLM (core/policies.py), each None unless its knobs turn it on; vLLM's values
         # (an explicit max_num_batched_tokens, continuous batching) run none of them.
@@ -276,7 +278,7 @@ class Scheduler(SchedulerInterface):
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run."""
         self._validate(request)
-        request.set_block_size(self.block_size)
+        request.set_block_size(self.block_size, self.hash_algo)
         if request.use_structured_output:
             if self.structured_output_manager is None:
                 raise RequestRejected(f"request {request.request_id!r}: structured outputs need a grammar "

@@ -268,6 +268,12 @@ class EngineCoreHost:
         self.scheduler = self._new_scheduler()
         self.tracer = StepTracer(config.trace_steps) if config.trace_steps else None
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
+        if cache_cfg.enable_prefix_caching and cache_cfg.prefix_caching_hash_algo.startswith("xxhash"):
+            # vLLM warns too: its seed is random then; tokenloom's root is fixed (core/block_hash.py root_seed).
+            logger.warning("prefix_caching_hash_algo=%s is not collision resistant: prompts could be built whose "
+                           "blocks share a hash, and one request be served another's KV. Use sha256 where tenants "
+                           "do not trust each other, or set PYTHONHASHSEED to a private value.",
+                           cache_cfg.prefix_caching_hash_algo)
         weight_bytes = getattr(getattr(self.runner, "model", None), "weight_bytes", lambda: 0)()
         if self.runner is None:  # worker processes: the ranks' shards together
             weight_bytes = sum(i["weight_bytes"] for i in getattr(self.executor, "worker_info", []))

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenloom.config import EngineConfig
+from tokenloom.core.block_hash import DEFAULT_HASH_ALGO
 from tokenloom.core.request import Request
 from tokenloom.engine.core_client import MPClient
 from tokenloom.engine.core_messages import EngineCoreOutputs, EngineCoreRequest, EngineReady, Shutdown
@@ -69,6 +70,8 @@ class DPEngineCoreClient:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.router_config = router_config or RouterConfig()
+        # The engines' block hash, for the router's prefix index (its keys are their block hashes).
+        self.hash_algo = config.cache.prefix_caching_hash_algo if config.cache else DEFAULT_HASH_ALGO
         if clients is None:
             cpu_sets = split_cpus(data_parallel_size)
             clients = []
@@ -114,7 +117,7 @@ class DPEngineCoreClient:
                         load_time_s=max(r.load_time_s for r in readies))
         lora = getattr(ready, "lora", None)
         self.router = Router(self.router_config, len(self.clients), ready.block_size, ready.num_blocks,
-                             lora_capacity=lora["max_cpu_loras"] if lora else 0)
+                             lora_capacity=lora["max_cpu_loras"] if lora else 0, hash_algo=self.hash_algo)
         return ready
 
     # Running ------------------------------------------------------------------------------------

@@ -10,12 +10,14 @@ cache's hashes), models with hybrid KV cache groups (one block table per group),
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tokenloom.config import CacheConfig, ConfigError, EngineConfig, KVTransferConfig
+from tokenloom.core.block_hash import DEFAULT_HASH_ALGO, root_parent_hash
 from tokenloom.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
 from tokenloom.kv_transfer.factory import KVConnectorFactory
 from tokenloom.kv_transfer.spec import KVBlockSpec
@@ -77,8 +79,15 @@ def kv_block_spec(runner: Any, config: EngineConfig, model_path: Path) -> KVBloc
     except OSError:
         model_file = {"path": str(model_path), "bytes": None}
     mc = runner.model_config
+    # The block hash names every block on disk and on the P/D wire: engines (or a restart) under another
+    # algorithm or root parent (PYTHONHASHSEED seeds it) must not share blocks, and format 2 (digests)
+    # refuses format 1's int-hash directories. The root enters as a digest of it: the fingerprint is
+    # written to index.json, and the root of a seeded xxhash is meant to stay private.
+    hash_algo = config.cache.prefix_caching_hash_algo if config.cache else DEFAULT_HASH_ALGO
     fingerprint = {
-        "format": 1,
+        "format": 2,
+        "block_hash": hash_algo,
+        "block_hash_root": hashlib.sha256(root_parent_hash(hash_algo)).hexdigest()[:16],
         "model": model_file,
         "architecture": getattr(mc, "architecture", None),
         "num_hidden_layers": mc.num_hidden_layers,

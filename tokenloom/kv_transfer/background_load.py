@@ -60,7 +60,7 @@ class BackgroundLoader:
         self.num_in_flight += 1
         self._pool.submit(self._load, req_id, loads, read or self._read_files)
 
-    def _read_files(self, hashes: list[int]) -> list[bytearray | None]:
+    def _read_files(self, hashes: list[bytes]) -> list[bytearray | None]:
         assert self.files is not None, "a loader without files needs a reader"
         return [self.files.read(h) for h in hashes]  # None: missing, short, or a bad checksum
 

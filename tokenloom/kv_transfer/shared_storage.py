@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 class SharedStorageMetadata(KVConnectorMetadata):
     step_id: int
     load: list[tuple[int, bytearray]] = field(default_factory=list)  # (pool block, the block's bytes)
-    store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, block hash)
+    store: list[tuple[int, bytes]] = field(default_factory=list)  # (pool block, block hash)
     # Background loads (load_async), by request: (pool block, block hash, None: no host slot here)
     load_async: dict[str, list[tuple[int, int, None]]] = field(default_factory=dict)
 
@@ -101,8 +101,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
             self._requests: dict[str, Request] = {}
             self._block_ids: dict[str, list[int]] = {}
             self._next_store: dict[str, int] = {}
-            self._lookup: dict[str, tuple[int, dict[int, bytearray]]] = {}
-            self._pending: dict[int, list[int]] = {}  # step -> files written in it
+            self._lookup: dict[str, tuple[int, dict[bytes, bytearray]]] = {}
+            self._pending: dict[int, list[bytes]] = {}  # step -> files written in it
             self.loaded_tokens = 0  # since start, for tests and logs
             self._async_loads: dict[str, set[int]] = {}  # request -> pool blocks loading in the background
             self._load_failed: set[str] = set()  # requests a background load failed for: never looked up again
@@ -149,7 +149,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 n += 1
             self._lookup[request.request_id] = (start, {})
             return n * self.block_size, n > 0
-        staged: dict[int, bytearray] = {}
+        staged: dict[bytes, bytearray] = {}
         for h in request.block_hashes[start:end]:
             data = self.files.read(h)
             if data is None:

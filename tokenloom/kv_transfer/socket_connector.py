@@ -54,7 +54,7 @@ _KNOWN_KEYS = {"send_buffer_bytes", "fetch_timeout_s", "load_async"}
 class SocketConnectorMetadata(KVConnectorMetadata):
     step_id: int
     load: list[tuple[int, bytearray]] = field(default_factory=list)  # (pool block, the block's bytes)
-    store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, block hash)
+    store: list[tuple[int, bytes]] = field(default_factory=list)  # (pool block, block hash)
     # Background fetches (load_async), by request: ((host, port), [(pool block, block hash, None)])
     load_async: dict[str, tuple[tuple[str, int], list[tuple[int, int, None]]]] = field(default_factory=dict)
 
@@ -239,7 +239,7 @@ class SocketConnector(KVConnectorBase_V1):
 
     def _reader(self, rid: str, host: str, port: int) -> Any:
         """Fetches a request's blocks from the prefill engine: the prefix that came, None for the rest."""
-        def read(hashes: list[int]) -> list[bytearray | None]:
+        def read(hashes: list[bytes]) -> list[bytearray | None]:
             try:
                 got: list[bytearray | None] = list(fetch_blocks(host, port, self.spec.digest, hashes,
                                                                 self.spec.block_nbytes, self.fetch_timeout_s))

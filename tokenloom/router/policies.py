@@ -64,10 +64,10 @@ def lb_score(load: EngineLoad) -> float:
 class RoutingPolicy:
     name = ""
 
-    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[int]) -> int:
+    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[bytes]) -> int:
         raise NotImplementedError
 
-    def on_routed(self, engine: int, block_hashes: Sequence[int]) -> None:
+    def on_routed(self, engine: int, block_hashes: Sequence[bytes]) -> None:
         """The request went to `engine` (called for every policy's choice)."""
 
     def on_engine_dead(self, engine: int) -> None:
@@ -80,7 +80,7 @@ class RoundRobin(RoutingPolicy):
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[int]) -> int:
+    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[bytes]) -> int:
         _live(loads)
         n = len(loads)
         for k in range(n):
@@ -97,7 +97,7 @@ class LeastLoad(RoutingPolicy):
     def __init__(self) -> None:
         self._start = 0
 
-    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[int]) -> int:
+    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[bytes]) -> int:
         _live(loads)
         n = len(loads)
         best, best_score = -1, float("inf")
@@ -121,7 +121,7 @@ class PowerOfTwo(RoutingPolicy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[int]) -> int:
+    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[bytes]) -> int:
         live = _live(loads)
         if len(live) == 1:
             return live[0]
@@ -158,7 +158,7 @@ class CacheAware(RoutingPolicy):
         hi, lo = max(in_flight), min(in_flight)
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
-    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[int]) -> int:
+    def select(self, loads: Sequence[EngineLoad], block_hashes: Sequence[bytes]) -> int:
         live = _live(loads)
         if self.is_imbalanced(loads, live):
             self.decisions["balance"] += 1
@@ -173,7 +173,7 @@ class CacheAware(RoutingPolicy):
         self.decisions["room"] += 1
         return min(live, key=lambda i: (len(self.trees[i]), loads[i].num_in_flight, i))
 
-    def on_routed(self, engine: int, block_hashes: Sequence[int]) -> None:
+    def on_routed(self, engine: int, block_hashes: Sequence[bytes]) -> None:
         self.trees[engine].insert(block_hashes)
 
     def on_engine_dead(self, engine: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tokenloom.config import ParallelConfig
+from tokenloom.core.block_hash import DEFAULT_HASH_ALGO
 from tokenloom.core.request import lora_extra_hash_keys
 from tokenloom.router.policies import (
     ROUTING_POLICIES,
@@ -86,11 +87,13 @@ class Router:
     or when no engine holds it, the policy decides and the chosen engine loads it."""
 
     def __init__(self, config: RouterConfig, num_engines: int, block_size: int, engine_num_blocks: int,
-                 lora_capacity: int = 0) -> None:
+                 lora_capacity: int = 0, hash_algo: str = DEFAULT_HASH_ALGO) -> None:
+        """`hash_algo`: the engines' prefix_caching_hash_algo, so the prefix index keys are their block hashes."""
         if num_engines < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {num_engines}")
         self.config = config
         self.block_size = block_size
+        self.hash_algo = hash_algo
         self.loads = [EngineLoad() for _ in range(num_engines)]
         self.policy = make_policy(config, num_engines, engine_num_blocks)
         self.owner: dict[str, int] = {}  # request id -> engine, while unfinished
@@ -111,7 +114,7 @@ class Router:
         if request_id in self.owner:
             return self.owner[request_id]
         extra = lora_extra_hash_keys(_LoRAId(lora_int_id)) if lora_int_id is not None else None
-        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, extra) if isinstance(
+        hashes = prompt_block_hashes(prompt_token_ids, self.block_size, extra, self.hash_algo) if isinstance(
             self.policy, CacheAware) else []
         engine = self._lora_holder(lora_int_id) if lora_int_id is not None else None
         if engine is not None and engines is not None and engine not in engines:

@@ -35,5 +35,5 @@ def simulate_dp(
                         SimulatedExecutor(cost_model, c, async_scheduling=scheduler_config.async_scheduling))
              for c in clocks]  # fmt: skip
     router = Router(router_config or RouterConfig(), data_parallel_size, cache_config.block_size,
-                    cache_config.num_blocks)
+                    cache_config.num_blocks, hash_algo=cache_config.prefix_caching_hash_algo)
     return run_dp_workload(requests, cores, clocks, router, percentiles=percentiles, seed=seed)

@@ -5,8 +5,12 @@
 # metrics over recent requests, allocate_slots with lookahead tokens), unchanged but for the plumbing: the
 # imports point at tokenloom through tests/peer/core/vllm_kv_shim.py. Its free-queue cases are in
 # test_vllm_free_queue.py. The rest (KV cache memory sizing and spec merging, page sizes, HiSparse, DCP/PCP,
-# Mamba, multimodal / prompt-embeds / cache_salt extra keys, KV events, NONE_HASH seeding), and why, are listed
-# in docs/conformance.md ("KV cache manager level").
+# Mamba, multimodal / prompt-embeds / cache_salt extra keys, KV events), and why, are listed in docs/conformance.md
+# ("KV cache manager level"). NONE_HASH seeding and test_hash_block_tokens (vendored with tokenloom's vLLM block
+# hashes, docs/prefix_caching.md): `vllm.v1.core.kv_cache_utils`, which test_none_hash and
+# test_get_none_hash_seed_reports_effective_seed reload, is tests/peer/core/vllm_kv_hashing.py here (the shim's
+# NONE_HASH state, a module without classes, so a reload leaves the other vendored files' shim objects alone).
+import importlib
 from collections.abc import Callable
 
 import pytest
@@ -31,10 +35,13 @@ from tests.peer.core.vllm_kv_shim import (
     Request,
     SamplingParams,
     get_request_block_hasher,
+    hash_block_tokens,
     init_none_hash,
     make_block_hash_with_group_id,
     sha256,
     sha256_cbor,
+    xxhash,
+    xxhash_cbor,
 )
 
 
@@ -336,3 +343,101 @@ def test_allocate_with_lookahead():
     )
     assert len(blocks.get_block_ids()[0]) == 2
 
+
+
+@pytest.mark.parametrize("hash_fn", [sha256, sha256_cbor])
+def test_none_hash(monkeypatch, hash_fn):
+    import tests.peer.core.vllm_kv_hashing
+
+    # case 1: PYTHONHASHSEED is not set -> deterministic default seed so that
+    # independent processes compute identical block hashes for identical
+    # content (e.g. for KV cache reuse across nodes).
+    with monkeypatch.context() as m:
+        m.delenv("PYTHONHASHSEED", raising=False)
+        reloaded_kv_cache_utils = importlib.reload(tests.peer.core.vllm_kv_hashing)
+        reloaded_kv_cache_utils.init_none_hash(hash_fn)
+        none_hash = reloaded_kv_cache_utils.NONE_HASH
+        assert isinstance(none_hash, bytes)
+        assert none_hash != b""
+        assert none_hash == hash_fn(reloaded_kv_cache_utils.DEFAULT_NONE_HASH_SEED)
+        # deterministic across re-initialization within the same environment
+        reloaded_kv_cache_utils.init_none_hash(hash_fn)
+        assert none_hash == reloaded_kv_cache_utils.NONE_HASH
+
+    # case 2: PYTHONHASHSEED is set, use the seed and hash_fn
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONHASHSEED", "python hash seed")
+        reloaded_kv_cache_utils = importlib.reload(tests.peer.core.vllm_kv_hashing)
+        reloaded_kv_cache_utils.init_none_hash(hash_fn)
+        assert reloaded_kv_cache_utils.NONE_HASH is not None
+        assert isinstance(reloaded_kv_cache_utils.NONE_HASH, bytes)
+        assert hash_fn("python hash seed") == reloaded_kv_cache_utils.NONE_HASH
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "deliberate: tokenloom's root parent has one fixed seed for every algorithm, xxhash included (vLLM: a random "
+    "one per process unless PYTHONHASHSEED is set), because the data-parallel router, the P/D hand-off and the KV "
+    "disk tier across restarts need the same block hashes in every process (docs/prefix_caching.md)"))
+@pytest.mark.parametrize("non_crypto_fn", [xxhash, xxhash_cbor])
+def test_none_hash_seed_random_for_non_crypto(monkeypatch, non_crypto_fn):
+    """Non-cryptographic algorithms keep the per-process random seed.
+
+    A deterministic seed is safe for SHA-256, whose collision resistance does
+    not depend on a secret, but xxHash is not collision resistant: a known seed
+    would let an attacker precompute colliding blocks offline. Keep the
+    unpredictable seed there unless the operator opts into a shared one.
+    """
+    # PYTHONHASHSEED unset -> unpredictable, differs per resolution.
+    with monkeypatch.context() as m:
+        m.delenv("PYTHONHASHSEED", raising=False)
+        seeds = {kv_cache_utils.resolve_none_hash_seed(non_crypto_fn) for _ in range(5)}
+        assert len(seeds) == 5
+        assert kv_cache_utils.DEFAULT_NONE_HASH_SEED not in seeds
+
+    # PYTHONHASHSEED set -> operator opt-in wins, so peers can share a cache.
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONHASHSEED", "12345")
+        assert kv_cache_utils.resolve_none_hash_seed(non_crypto_fn) == "12345"
+
+
+@pytest.mark.parametrize("hash_fn", [sha256, sha256_cbor])
+def test_none_hash_seed_deterministic_for_crypto(monkeypatch, hash_fn):
+    with monkeypatch.context() as m:
+        m.delenv("PYTHONHASHSEED", raising=False)
+        seed = kv_cache_utils.resolve_none_hash_seed(hash_fn)
+        assert seed == kv_cache_utils.DEFAULT_NONE_HASH_SEED
+        assert seed == kv_cache_utils.resolve_none_hash_seed(hash_fn)
+
+
+def test_get_none_hash_seed_reports_effective_seed(monkeypatch):
+    """P2P advertises the seed NONE_HASH was actually derived from.
+
+    The P2P tier is constructed before init_none_hash runs, so it must read the
+    resolved seed lazily rather than re-deriving it.
+    """
+    import tests.peer.core.vllm_kv_hashing
+
+    with monkeypatch.context() as m:
+        m.delenv("PYTHONHASHSEED", raising=False)
+        reloaded = importlib.reload(tests.peer.core.vllm_kv_hashing)
+        reloaded.init_none_hash(sha256)
+        assert reloaded.get_none_hash_seed() == reloaded.DEFAULT_NONE_HASH_SEED
+
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONHASHSEED", "12345")
+        reloaded = importlib.reload(tests.peer.core.vllm_kv_hashing)
+        reloaded.init_none_hash(sha256)
+        assert reloaded.get_none_hash_seed() == "12345"
+
+
+@pytest.mark.parametrize("hash_fn", [sha256, sha256_cbor])
+def test_hash_block_tokens(hash_fn):
+    parent_block_hash = BlockHash(b"123")
+    curr_block_token_ids = (1, 2, 3)
+    extra_keys = ("key1", "key2")
+
+    block_hash = hash_block_tokens(
+        hash_fn, parent_block_hash, curr_block_token_ids, extra_keys
+    )
+    expected = hash_fn((parent_block_hash, curr_block_token_ids, extra_keys))
+    assert block_hash == expected

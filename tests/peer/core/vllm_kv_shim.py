@@ -8,10 +8,13 @@ tokenloom's own answer. The mappings:
   blocks at 1..num_blocks-1; tokenloom's pool holds only usable blocks, numbered from 0, and its `NULL_BLOCK`
   (id 0) stands apart. The shim builds tokenloom's pool with `num_blocks - 1` blocks and numbers them from 1,
   with `blocks[0]` the null block, so `pool.blocks[i].block_id == i` and every id a test expects is vLLM's.
-* **Hashes.** tokenloom has one block hash (Python's tuple hash, chained from a fixed root as vLLM's from
-  NONE_HASH); vLLM's two hash functions (`sha256`, `sha256_cbor`) both map onto it: `sha256((parent, tokens,
-  extra_keys))` is what tokenloom's `hash_block_tokens` gives that block. A block's prefix-cache key is
-  `block_hash_with_group_id` (group 0: the plain hash; others: (hash, group)), vLLM's BlockHashWithGroupId.
+* **Hashes.** tokenloom's block hashes are vLLM's (tokenloom/core/block_hash.py): `sha256` and `sha256_cbor`
+  are tokenloom's own functions, `init_none_hash(hash_fn)` sets this module's NONE_HASH to tokenloom's root
+  parent under that function, and `get_request_block_hasher(block_size, hash_fn)` makes a Request hash with
+  it (the engine's prefix_caching_hash_algo). A hash function tokenloom does not have (the builtin `hash`,
+  the default of test_kv_cache_utils.py's make_request, whose cases compare no digests) hashes with the
+  default, sha256. A block's prefix-cache key is `block_hash_with_group_id` (group 0: the plain hash;
+  others: (hash, group)), vLLM's BlockHashWithGroupId.
 * **The hash map.** tokenloom's `cached_block_hash_to_block` is a dict of {block_id: block} per key; the shim
   gives it vLLM's `insert` and `_cache` (the raw dict, which the tests pop and restore entries of).
 * **Signatures.** vLLM's KVCacheManager, BlockPool and SlidingWindowManager take specs and keyword arguments
@@ -28,6 +31,17 @@ from enum import Enum
 from types import SimpleNamespace
 from typing import Any
 
+from tests.peer.core import vllm_kv_hashing as _hashing
+from tests.peer.core.vllm_kv_hashing import (
+    DEFAULT_NONE_HASH_SEED,
+    get_none_hash_seed,
+    init_none_hash,
+    resolve_none_hash_seed,
+    sha256,
+    sha256_cbor,
+    xxhash,
+    xxhash_cbor,
+)
 from tests.peer.core.vllm_shim import FreeKVCacheBlockQueue
 from tests.peer.core.vllm_shim import KVCacheBlock as _VllmNamedBlock
 from tokenloom.config import CacheConfig, SchedulerConfig
@@ -36,8 +50,8 @@ from tokenloom.core.block_pool import BlockPool as _TLBlockPool
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec as _TLGroupSpec
 from tokenloom.core.kv_cache_manager import KVCacheBlocks, PrefixCacheStats
 from tokenloom.core.kv_cache_manager import KVCacheManager as _TLKVCacheManager
-from tokenloom.core.request import ROOT_PARENT_HASH, RequestStatus
 from tokenloom.core.request import Request as _TLRequest
+from tokenloom.core.request import RequestStatus
 from tokenloom.core.request import hash_block_tokens as _tl_hash_block_tokens
 from tokenloom.core.scheduler import Scheduler as _TLScheduler
 from tokenloom.core.scheduler_factory import make_scheduler
@@ -49,34 +63,24 @@ from tokenloom.sampling_params import SamplingParams as _TLSamplingParams
 __all__ = ["BlockHash", "BlockHashWithGroupId", "BlockPool", "CachingMetrics", "FreeKVCacheBlockQueue",
            "FullAttentionSpec", "KVCacheBlock", "KVCacheBlocks", "KVCacheConfig", "KVCacheGroupSpec",
            "KVCacheManager", "KVCacheTensor", "KVQuantMode", "LoRARequest", "MambaSpec", "MultiModalFeatureSpec",
-           "MultiModalKwargsItem", "NONE_HASH", "PlaceholderRange", "PrefixCacheStats", "Request", "RequestStatus",
+           "MultiModalKwargsItem", "NONE_HASH", "PlaceholderRange", "PrefixCacheStats", "Request", "RequestStatus",  # noqa: F822 - module __getattr__
            "SamplingParams", "SlidingWindowManager", "SlidingWindowSpec", "create_scheduler", "get_block_hash",
            "get_group_id", "get_request_block_hasher", "hash_block_tokens", "init_none_hash",
-           "make_block_hash_with_group_id", "sha256", "sha256_cbor"]
+           "make_block_hash_with_group_id", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "DEFAULT_NONE_HASH_SEED",
+           "get_none_hash_seed", "resolve_none_hash_seed"]
 
 
 # Hashing ----------------------------------------------------------------------------------------------------
-NONE_HASH = ROOT_PARENT_HASH  # the parent of a request's first block
+def __getattr__(name: str) -> Any:
+    """NONE_HASH lives in vllm_kv_hashing (init_none_hash sets it there); read through this module as vLLM's."""
+    if name == "NONE_HASH":
+        return _hashing.NONE_HASH
+    raise AttributeError(name)
 
 
-def sha256(block: tuple[Any, tuple[int, ...], tuple[Any, ...] | None]) -> int:
-    """vLLM's hash of one block `(parent_hash, token_ids, extra_keys)`: tokenloom's hash of that block."""
-    parent, token_ids, extra_keys = block
-    return _tl_hash_block_tokens(parent, tuple(token_ids), extra_keys)
-
-
-def sha256_cbor(block: tuple[Any, tuple[int, ...], tuple[Any, ...] | None]) -> int:
-    """vLLM's other hash function: tokenloom has one."""
-    return sha256(block)
-
-
-def init_none_hash(hash_fn: Any) -> None:
-    """vLLM seeds NONE_HASH per hash function; tokenloom's root parent is a fixed constant."""
-
-
-def hash_block_tokens(hash_fn: Any, parent_block_hash: Hashable | None, curr_block_token_ids: Sequence[int],
-                      extra_keys: tuple[Any, ...] | None = None) -> int:
-    return _tl_hash_block_tokens(parent_block_hash, tuple(curr_block_token_ids), extra_keys)  # type: ignore[arg-type]
+def hash_block_tokens(hash_fn: Any, parent_block_hash: bytes | None, curr_block_token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None) -> bytes:
+    return _tl_hash_block_tokens(parent_block_hash, tuple(curr_block_token_ids), extra_keys, _hashing.algo_of(hash_fn))
 
 
 def BlockHash(value: bytes) -> bytes:  # noqa: N802 - vLLM's NewType
@@ -336,8 +340,8 @@ class SamplingParams(_TLSamplingParams):
 
 
 def get_request_block_hasher(block_size: int, hash_fn: Any) -> SimpleNamespace:
-    """vLLM's hasher closure; a tokenloom Request hashes its own full blocks at its block size."""
-    return SimpleNamespace(block_size=block_size)
+    """vLLM's hasher closure; a tokenloom Request hashes its own full blocks at its block size and algorithm."""
+    return SimpleNamespace(block_size=block_size, algo=_hashing.algo_of(hash_fn))
 
 
 def Request(request_id: str, prompt_token_ids: list[int] | None, sampling_params: _TLSamplingParams,  # noqa: N802
@@ -348,8 +352,11 @@ def Request(request_id: str, prompt_token_ids: list[int] | None, sampling_params
         raise NotImplementedError("tokenloom serves text prompts (no multimodal features, no prompt embeds)")
     if cache_salt is not None:
         raise NotImplementedError("tokenloom has no cache_salt (its server refuses the field)")
-    return _TLRequest(request_id, prompt_token_ids or [], sampling_params, pooling_params=pooling_params,
-                      block_size=block_hasher.block_size if block_hasher else None, lora_request=lora_request)
+    request = _TLRequest(request_id, prompt_token_ids or [], sampling_params, pooling_params=pooling_params,
+                         lora_request=lora_request)
+    if block_hasher is not None:
+        request.set_block_size(block_hasher.block_size, block_hasher.algo)
+    return request
 
 
 def MultiModalFeatureSpec(*args: Any, **kwargs: Any) -> Any:  # noqa: N802

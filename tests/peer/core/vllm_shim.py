@@ -100,7 +100,8 @@ def get_hash_fn_by_name(name: str) -> str:
 
 
 def init_none_hash(hash_fn: Any) -> None:
-    """vLLM seeds its block-hash chain here; tokenloom's root is a constant (core/request.py ROOT_PARENT_HASH)."""
+    """vLLM seeds its block-hash chain here; tokenloom's root is fixed per algorithm (core/block_hash.py
+    root_parent_hash), and the scheduler's cache config names the algorithm."""
 
 
 def get_request_block_hasher(block_size: int, hash_fn: Any) -> None:

@@ -161,9 +161,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._block_ids: dict[str, list[int]] = {}
         self._next_store: dict[str, int] = {}  # first block index not yet offered to the tiers
         self._lookup_start: dict[str, int] = {}  # block index where the last lookup started (the pool's hit)
-        self._staged: dict[str, dict[int, bytearray]] = {}  # disk reads of waiting requests, by block hash
+        self._staged: dict[str, dict[bytes, bytearray]] = {}  # disk reads of waiting requests, by block hash
         self._loads = OffloadingConnectorMetadata(step_id=-1)  # this step's loads so far
-        self._in_flight: dict[int, tuple[list[int], list[int]]] = {}  # step -> (host hashes, disk hashes) pending
+        self._in_flight: dict[int, tuple[list[bytes], list[bytes]]] = {}  # step -> (host hashes, disk hashes) pending
         self._async_lookup: set[str] = set()  # requests whose last lookup asked for a background load
         self._async_loads: dict[str, list[tuple[int, int, int | None]]] = {}  # request -> its loads in flight
 

@@ -1,8 +1,13 @@
 """The disk tier's files: one file per block, named by its block hash, in one directory per engine.
 
-A file is a 64-byte header and the block's bytes:
+A file is an 88-byte header and the block's bytes:
 
-    magic (8) | fingerprint digest (32) | block hash (int64) | payload bytes (uint64) | crc32 (uint32) | pad (4)
+    magic (8) | fingerprint digest (32) | block hash (32) | payload bytes (uint64) | crc32 (uint32) | pad (4)
+
+The block hash is the digest of core/block_hash.py (prefix_caching_hash_algo, part of the fingerprint),
+zero-padded to 32 bytes; the file name is the digest in hex. Format 1 (64-bit int hashes, 16-hex names,
+magic TLKVBLK1) is never misread as format 2: its index's fingerprint differs, so the directory is
+emptied of every block file, the old names included.
 
 Written atomically (a temporary name in the same directory, then os.replace), so a reader sees a whole
 file or none; a file cut short or changed on disk fails its length or checksum and is deleted, never
@@ -24,29 +29,41 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from tokenloom.core.block_hash import MAX_DIGEST_BYTES, padded_hash
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"TLKVBLK1"
-_HEADER = struct.Struct("<8s32sqQI4x")
-HEADER_BYTES = _HEADER.size  # 64
+MAGIC = b"TLKVBLK2"
+_HEADER = struct.Struct(f"<8s32s{MAX_DIGEST_BYTES}sQI4x")
+HEADER_BYTES = _HEADER.size  # 88
 SUFFIX = ".kvb"
 INDEX = "index.json"
 LOCK = ".lock"
 
 
-def file_name(block_hash: int) -> str:
-    return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}{SUFFIX}"
+def file_name(block_hash: bytes) -> str:
+    return f"{block_hash.hex()}{SUFFIX}"
 
 
-def hash_of(name: str) -> int | None:
-    """The block hash a file name stands for (signed, as Python's hash), None for another file."""
-    if not name.endswith(SUFFIX) or len(name) != 16 + len(SUFFIX):
+def hash_of(name: str) -> bytes | None:
+    """The block hash a file name stands for, None for another file (a format-1 name among them: 16 hex
+    digits are no digest's length here)."""
+    stem = name[: -len(SUFFIX)]
+    if not name.endswith(SUFFIX) or len(stem) not in _DIGEST_HEX_LENGTHS:
         return None
     try:
-        value = int(name[:16], 16)
+        return bytes.fromhex(stem)
     except ValueError:
         return None
-    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# sha256's 32 bytes and XXH3-128's 16, in hex.
+_DIGEST_HEX_LENGTHS = (64, 32)
+
+
+def is_block_file(name: str) -> bool:
+    """Any block file of this tier, of either format (emptying a directory deletes the old ones too)."""
+    return name.endswith(SUFFIX) and not name.startswith(".")
 
 
 class DiskFiles:
@@ -59,14 +76,14 @@ class DiskFiles:
         self.block_nbytes = block_nbytes
         self.file_bytes = HEADER_BYTES + block_nbytes
 
-    def path(self, block_hash: int) -> Path:
+    def path(self, block_hash: bytes) -> Path:
         return self.dir / file_name(block_hash)
 
-    def write(self, block_hash: int, payload: memoryview | bytes) -> None:
+    def write(self, block_hash: bytes, payload: memoryview | bytes) -> None:
         """Raises OSError (disk full, permissions); the caller drops the entry."""
         if len(payload) != self.block_nbytes:
             raise ValueError(f"a block is {self.block_nbytes} bytes, got {len(payload)}")
-        header = _HEADER.pack(MAGIC, self.digest, block_hash, len(payload), zlib.crc32(payload))
+        header = _HEADER.pack(MAGIC, self.digest, padded_hash(block_hash), len(payload), zlib.crc32(payload))
         final = self.path(block_hash)
         tmp = self.dir / f".tmp.{os.getpid()}.{final.name}"
         try:
@@ -78,7 +95,7 @@ class DiskFiles:
             tmp.unlink(missing_ok=True)
             raise
 
-    def read(self, block_hash: int) -> bytearray | None:
+    def read(self, block_hash: bytes) -> bytearray | None:
         """The block's bytes, or None when the file is missing, truncated, foreign or corrupt (then it is
         deleted, with a log line)."""
         path = self.path(block_hash)
@@ -104,7 +121,7 @@ class DiskFiles:
             return None
         return payload
 
-    def _check(self, header: bytes, block_hash: int) -> str | None:
+    def _check(self, header: bytes, block_hash: bytes) -> str | None:
         if len(header) != HEADER_BYTES:
             return "truncated header"
         magic, digest, stored_hash, length, _ = _HEADER.unpack(header)
@@ -112,16 +129,16 @@ class DiskFiles:
             return "not a tokenloom KV block file"
         if digest != self.digest:
             return "another fingerprint"
-        if stored_hash != block_hash:
+        if stored_hash != padded_hash(block_hash):
             return "block hash differs from its name"
         if length != self.block_nbytes:
             return f"payload of {length} bytes, expected {self.block_nbytes}"
         return None
 
-    def delete(self, block_hash: int) -> None:
+    def delete(self, block_hash: bytes) -> None:
         self.path(block_hash).unlink(missing_ok=True)
 
-    def touch(self, block_hash: int) -> None:
+    def touch(self, block_hash: bytes) -> None:
         """Recency survives a restart through the file's mtime (the LRU order is rebuilt from it)."""
         with contextlib.suppress(OSError):
             os.utime(self.path(block_hash))
@@ -140,7 +157,7 @@ def lock_dir(directory: Path) -> int:
     return fd
 
 
-def open_dir(files: DiskFiles, fingerprint: dict[str, Any]) -> list[tuple[int, int]]:
+def open_dir(files: DiskFiles, fingerprint: dict[str, Any]) -> list[tuple[bytes, int]]:
     """Make the directory this fingerprint's: returns the valid block files as (block hash, mtime_ns),
     oldest first. A missing or different index empties the directory of block files (logged)."""
     directory = files.dir
@@ -154,7 +171,7 @@ def open_dir(files: DiskFiles, fingerprint: dict[str, Any]) -> list[tuple[int, i
         pass
     except (OSError, ValueError) as exc:
         logger.warning("KV disk tier: %s is unreadable (%s); starting empty", index_path, exc)
-    names = [p for p in directory.iterdir() if hash_of(p.name) is not None]
+    names = [p for p in directory.iterdir() if is_block_file(p.name)]
     if old is None or old.get("fingerprint") != fingerprint:
         if old is not None:
             before = old.get("fingerprint") or {}
@@ -164,13 +181,16 @@ def open_dir(files: DiskFiles, fingerprint: dict[str, Any]) -> list[tuple[int, i
         for path in names:
             path.unlink(missing_ok=True)
         tmp = directory / f".tmp.{os.getpid()}.{INDEX}"
-        tmp.write_text(json.dumps({"format": 1, "fingerprint": fingerprint}, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps({"format": 2, "fingerprint": fingerprint}, indent=1, sort_keys=True))
         os.replace(tmp, index_path)
         return []
-    found: list[tuple[int, int]] = []
+    found: list[tuple[bytes, int]] = []
     for path in names:
         block_hash = hash_of(path.name)
-        assert block_hash is not None
+        if block_hash is None:  # a block file of no known name under this fingerprint: not ours to serve
+            logger.warning("KV disk tier: %s is not a valid block file name; deleted", path.name)
+            path.unlink(missing_ok=True)
+            continue
         try:
             st = path.stat()
             with open(path, "rb") as f:

@@ -17,27 +17,27 @@ class HostTier:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._ready: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, oldest first
-        self._pending: dict[int, int] = {}
+        self._ready: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot, oldest first
+        self._pending: dict[bytes, int] = {}
 
-    def __contains__(self, block_hash: int) -> bool:
+    def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._ready or block_hash in self._pending
 
     def __len__(self) -> int:
         return len(self._ready) + len(self._pending)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         """The slot of a ready entry (made most recent), else None."""
         slot = self._ready.get(block_hash)
         if slot is not None:
             self._ready.move_to_end(block_hash)
         return slot
 
-    def touch(self, block_hash: int) -> None:
+    def touch(self, block_hash: bytes) -> None:
         if block_hash in self._ready:
             self._ready.move_to_end(block_hash)
 
-    def allocate(self, block_hash: int) -> int | None:
+    def allocate(self, block_hash: bytes) -> int | None:
         """A slot for a new entry (pending), evicting the least recently used ready one if none is free;
         None when every slot is pending."""
         if self._free:
@@ -65,19 +65,19 @@ class HostTier:
 class DiskTier:
     def __init__(self, capacity_bytes: int, file_bytes: int, existing: Iterable[int] = ()) -> None:
         self.capacity = max(0, capacity_bytes // file_bytes)  # in files
-        self._ready: OrderedDict[int, None] = OrderedDict((h, None) for h in existing)
+        self._ready: OrderedDict[bytes, None] = OrderedDict((h, None) for h in existing)
         self._pending: set[int] = set()
 
-    def __contains__(self, block_hash: int) -> bool:
+    def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._ready or block_hash in self._pending
 
     def __len__(self) -> int:
         return len(self._ready) + len(self._pending)
 
-    def is_ready(self, block_hash: int) -> bool:
+    def is_ready(self, block_hash: bytes) -> bool:
         return block_hash in self._ready
 
-    def touch(self, block_hash: int) -> None:
+    def touch(self, block_hash: bytes) -> None:
         if block_hash in self._ready:
             self._ready.move_to_end(block_hash)
 
@@ -88,7 +88,7 @@ class DiskTier:
             out.append(self._ready.popitem(last=False)[0])
         return out
 
-    def reserve(self, block_hash: int) -> tuple[bool, list[int]]:
+    def reserve(self, block_hash: bytes) -> tuple[bool, list[int]]:
         """Room for a new file (pending): whether there is, and the ready entries evicted for it."""
         if self.capacity == 0:
             return False, []
@@ -106,7 +106,7 @@ class DiskTier:
                 self._pending.discard(h)
                 self._ready[h] = None
 
-    def discard(self, block_hash: int) -> None:
+    def discard(self, block_hash: bytes) -> None:
         """A failed write or a bad file: forget it."""
         self._pending.discard(block_hash)
         self._ready.pop(block_hash, None)
