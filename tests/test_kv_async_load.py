@@ -180,14 +180,19 @@ def test_shared_storage_handoff_loads_in_the_background(tiny_dir, reference, tmp
     first = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     params = prefill.generate([{"prompt_token_ids": PROMPT}], first, use_tqdm=False)[0].kv_transfer_params
     then = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, extra_args={"kv_transfer_params": params})
+    # The request's cached tokens are the prefill engine's own hit (vLLM's remote_prefill_cached_tokens: none, the
+    # prompt was new there); what the decode engine loaded, its connector counts.
+    assert params["remote_prefill_cached_tokens"] == 0
+    connector = decode.llm_engine.kv_connector
     tokens, cached, statuses = _step_until_done(decode, PROMPT, then)
-    assert (tokens, cached) == (reference["prompt"], EXPECTED_HIT)
+    assert (tokens, cached, connector.loaded_tokens) == (reference["prompt"], 0, EXPECTED_HIT)
     assert RequestStatus.WAITING_FOR_REMOTE_KVS in statuses
     # A bad file on the way: the decode engine computes from that block on, same tokens.
     assert decode.llm_engine.scheduler.reset_prefix_cache()
     _corrupt(tmp_path, PROMPT, 4)
     tokens, cached, _ = _step_until_done(decode, PROMPT, then)
-    assert (tokens, cached) == (reference["prompt"], 4 * BS)
+    # Every block but the bad one arrived (the blocks after it are loaded, then recomputed with it).
+    assert (tokens, cached, connector.loaded_tokens) == (reference["prompt"], 0, 2 * EXPECTED_HIT - BS)
     assert _pool_in_use(decode) == 0
     prefill.llm_engine.close()
     decode.llm_engine.close()
