@@ -22,7 +22,10 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.params import render_chat, template_kwargs
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.serving_responses import build_messages, call_item, chat_body, namespaced_names, output_messages
+from tokenloom.server.responses_events import ItemStream
+from tokenloom.server.responses_output import call_item
+from tokenloom.server.responses_tools import ToolNames
+from tokenloom.server.serving_responses import build_messages, chat_body, output_messages
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -65,7 +68,7 @@ def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
     messages = build_messages(req, None)
     assert messages == [{"role": "user", "content": "Hello."},
                         {"role": "assistant", "content": "Hi!", "reasoning": "Greet back."},
-                        {"role": "assistant", "content": None, "reasoning": "Short."},
+                        {"role": "assistant", "reasoning": "Short."},
                         {"role": "user", "content": "Again."}]
     chat = parse_model(ChatCompletionRequest, chat_body(req, obj, messages))
     assert chat.reasoning_effort == "low"
@@ -129,10 +132,10 @@ def test_namespace_tools_as_vllm() -> None:
     body = chat_body(req, obj, messages)
     assert [t["function"]["name"] for t in body["tools"]] == ["mcp__computer_use__get_app_state", "get_weather"]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "mcp__computer_use__get_app_state"}}
-    names = namespaced_names(tools)
-    item = call_item("fc_1", "c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
+    names = ToolNames.of(tools)
+    item = call_item("c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
     assert (item["name"], item["namespace"]) == ("get_app_state", "mcp__computer_use")
-    assert "namespace" not in call_item("fc_2", "c3", "get_weather", "{}", "completed", names)
+    assert "namespace" not in call_item("c3", "get_weather", "{}", "completed", names)
     # The stored output continues with the flat name the model wrote.
     assert output_messages([item])[0]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
     twice = [*tools, {"type": "namespace", "name": "other", "tools": [app]}]
@@ -142,6 +145,19 @@ def test_namespace_tools_as_vllm() -> None:
     bad = {**obj, "tools": [{"type": "namespace", "name": "x"}]}
     with pytest.raises(APIError, match="namespace tool needs"):
         chat_body(parse_model(ResponsesRequest, bad), bad, messages)
+
+
+def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:
+    # vLLM's emit_simple_tool_call_done: the custom call's input streams as the part of `{"input": "..."}` that
+    # is sure; when the finished arguments do not decode to an extension of what was sent (here the call was
+    # cut inside the string: the input is then the arguments as written), the whole input is sent again.
+    items = ItemStream(ToolNames.of([{"type": "custom", "name": "sh"}]))
+    events = items.call("c1", "sh", 0) + items.arguments('{"input": "ls -') + items.close()
+    assert [e["type"] for e in events] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                                           "response.custom_tool_call_input.delta",
+                                           "response.custom_tool_call_input.done", "response.output_item.done"]
+    assert [e["delta"] for e in events[1:3]] == ["ls -", '{"input": "ls -']
+    assert events[3]["input"] == events[4]["item"]["input"] == '{"input": "ls -' and items.done == [events[4]["item"]]
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +249,45 @@ class TestServer:
         assert answer.output[0].type == "message" and answer.output_text
         assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
 
+    def test_custom_tool_whole_streamed_and_answered(self, client) -> None:
+        # vLLM 0.32's custom tools (free text in): shown to the model as a function of one string, `input`, and
+        # answered as a custom_tool_call item carrying that string; streamed as custom_tool_call_input events.
+        # tokenloom refused custom tools (400 naming tools.0) until 2026-12-07.
+        shell = {"type": "custom", "name": "shell", "description": "Run a shell command.", "format": {"type": "text"}}
+        kwargs = dict(model=MODEL, input="Run the command `ls`.", tools=[shell], max_output_tokens=24,
+                      tool_choice={"type": "custom", "name": "shell"}, temperature=0.0)
+        r = client.responses.create(**kwargs)
+        [call] = r.output
+        assert (call.type, call.name) == ("custom_tool_call", "shell") and call.id.startswith("ctc_") and call.input
+        assert r.tool_choice.type == "custom" and r.tools[0].type == "custom"
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        types = [e.type for e in events]
+        assert types[2] == "response.output_item.added" and events[2].item.type == "custom_tool_call"
+        assert types[-3:] == ["response.custom_tool_call_input.done", "response.output_item.done",
+                              "response.completed"]
+        pieces = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+        assert pieces == events[-3].input == final.output[0].input == call.input
+        answer = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[shell], tool_choice="none",
+                                         input=[{"type": "custom_tool_call_output", "call_id": call.call_id,
+                                                 "output": "a.txt b.txt"}], max_output_tokens=8, temperature=0.0)
+        assert answer.output[0].type == "message" and answer.usage.input_tokens > r.usage.input_tokens
+
+    def test_vllm_request_fields_read_and_echoed(self, client, server) -> None:
+        # vLLM 0.32 takes top_logprobs without the logprobs include (it asks for nothing then) and every
+        # service_tier of its Literal, holds a max_output_tokens within the context to the room the prompt
+        # leaves (get_max_tokens), and echoes the sampling parameters as used (from_request). tokenloom answered
+        # these three with 400s until 2026-12-07, and echoed no penalties.
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, top_logprobs=3, service_tier="flex",
+                                    temperature=0.0, extra_body={"presence_penalty": 0.5})
+        assert r.top_logprobs is None and r.service_tier == "flex" and not r.output[0].content[0].logprobs
+        assert (r.presence_penalty, r.frequency_penalty) == (0.5, 0.0)
+        body = {"input": "Hi", "max_output_tokens": 1024, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as events:
+            created = next(json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: "))
+        assert created["type"] == "response.created" and 900 < created["response"]["max_output_tokens"] < 1024
+
     def test_reasoning_accepted_and_echoed(self, client) -> None:
         # vLLM without a reasoning parser takes `reasoning` and reasoning items (they reach the chat template
         # only; SmolLM2's ignores them) and echoes `reasoning`; no reasoning items come out.
@@ -318,13 +373,18 @@ class TestServer:
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input",
          "Encrypted content is not supported."),
         ({"input": [{"type": "reasoning"}]}, "input", "summary must be a list"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "Unsupported input item type: item_reference"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
          "only text parts"),
         ({"max_output_tokens": "many"}, "max_output_tokens", "max_output_tokens"),
         ({"temperature": -1}, "temperature", "temperature"),
-        ({"top_logprobs": 3}, "top_logprobs", "include"),
-        ({"service_tier": "flex"}, "service_tier", "service_tier"),
+        ({"service_tier": "premium"}, "service_tier", "service_tier"),
+        # vLLM 0.32's words (its renderer's TokenizeParams); a limit within the context is held to the room left
+        ({"max_output_tokens": 1025}, "max_output_tokens",
+         "max_output_tokens=1025 cannot be greater than max_model_len=1024. Please request fewer output tokens."),
+        ({"tools": [{"type": "custom", "name": "sh", "format": {"type": "grammar", "syntax": "lark",
+                                                                 "definition": "start: \"ls\""}}]}, "tools",
+         "Custom tools with a grammar format are not supported; only free-form text custom tools are accepted."),
         ({"model": "nope"}, "model", "does not exist"),
     ])
     def test_errors_in_the_apis_shape(self, server, body, param, words) -> None:
