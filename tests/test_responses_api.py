@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -26,6 +27,7 @@ from tokenloom.server.responses_events import ItemStream
 from tokenloom.server.responses_output import call_item
 from tokenloom.server.responses_tools import ToolNames
 from tokenloom.server.serving_responses import build_messages, chat_body, output_messages
+from tokenloom.server.state import ServerState
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -145,6 +147,27 @@ def test_namespace_tools_as_vllm() -> None:
     bad = {**obj, "tools": [{"type": "namespace", "name": "x"}]}
     with pytest.raises(APIError, match="namespace tool needs"):
         chat_body(parse_model(ResponsesRequest, bad), bad, messages)
+
+
+def test_model_names_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read in vLLM 0.32's serving base while porting test_errors.py (not vendored: it drives vLLM's serving class
+    # through mocks): an unknown model is its 404 naming the served aliases, an empty name is the served model,
+    # and VLLM_SKIP_MODEL_NAME_VALIDATION (1 or true) takes any name, answered as the served model.
+    state = ServerState.__new__(ServerState)
+    state.model_names = [MODEL, "smol"]
+    state.models = SimpleNamespace(is_served=lambda name: name in state.model_names)
+    monkeypatch.delenv("VLLM_SKIP_MODEL_NAME_VALIDATION", raising=False)
+    assert (state.model_name("smol"), state.model_name(""), state.model_name(None)) == ("smol", MODEL, MODEL)
+    with pytest.raises(APIError) as err:
+        state.model_name("gpt-4o")
+    assert (err.value.status, err.value.param) == (404, "model")
+    assert err.value.message == f"The model `gpt-4o` does not exist. Valid aliases: {MODEL}, smol."
+    for value, skips in (("1", True), ("true", True), ("TRUE", True), ("yes", False), ("0", False)):
+        monkeypatch.setenv("VLLM_SKIP_MODEL_NAME_VALIDATION", value)
+        if skips:
+            assert state.model_name("gpt-4o") == MODEL
+        else:
+            pytest.raises(APIError, state.model_name, "gpt-4o")
 
 
 def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:

@@ -148,7 +148,9 @@ def _add_routes(app: FastAPI) -> None:
         lora = state.lora_request(model)
         if lora is not None:
             return JSONResponse(_lora_card(state, lora))
-        return JSONResponse(_model_card(state, state.model_name(model)))
+        if not state.models.is_served(model):  # a lookup: VLLM_SKIP_MODEL_NAME_VALIDATION does not apply
+            raise state.unknown_model(model)
+        return JSONResponse(_model_card(state, model))
 
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         # vLLM registers these only when runtime updating is allowed (a warning-worthy power: any

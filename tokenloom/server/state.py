@@ -61,12 +61,19 @@ class ServerState:
             engine.stat_loggers.append(self.stat_logger.record)
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None:
+        """The name to answer with: the one requested, the served model's when none is (vLLM: an empty name too)
+        or when VLLM_SKIP_MODEL_NAME_VALIDATION takes any name; else vLLM's 404."""
+        if not requested:
             return self.model_names[0]
-        if not self.models.is_served(requested):
-            raise APIError(404, f"The model `{requested}` does not exist.", "model")
-        return requested
+        if self.models.is_served(requested):
+            return requested
+        if envs.VLLM_SKIP_MODEL_NAME_VALIDATION:
+            return self.model_names[0]
+        raise self.unknown_model(requested)
+
+    def unknown_model(self, requested: str) -> APIError:
+        return APIError(404, f"The model `{requested}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
+                        "model")
 
     def check_generates(self) -> None:
         """A generation endpoint on a pooling model: 400 naming the endpoints it serves, before any chat
