@@ -26,7 +26,7 @@ from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses_events import ItemStream
 from tokenloom.server.responses_output import call_item
 from tokenloom.server.responses_tools import ToolNames
-from tokenloom.server.serving_responses import build_messages, chat_body, output_messages
+from tokenloom.server.serving_responses import build_messages, chat_body, output_messages, responses_sampling_params
 from tokenloom.server.state import ServerState
 from tokenloom.server.unsupported import reject_unsupported_chat
 
@@ -168,6 +168,21 @@ def test_model_names_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
             assert state.model_name("gpt-4o") == MODEL
         else:
             pytest.raises(APIError, state.model_name, "gpt-4o")
+
+
+def test_output_room_as_vllm() -> None:
+    # vLLM 0.32's Responses serving: a prompt that fills the context is its 400 (_validate_generator_input); a
+    # max_output_tokens past the context is its renderer's 400; any other is held to the room the prompt leaves
+    # (get_max_tokens). tokenloom answered a limit past the room with a 400 naming max_tokens.
+    obj = {"input": "Hi", "max_output_tokens": 500}
+    req = parse_model(ResponsesRequest, obj)
+    chat = parse_model(ChatCompletionRequest, chat_body(req, obj, build_messages(req, None)))
+    assert responses_sampling_params(req, chat, 900, 1024, 50000, 20).max_tokens == 124
+    assert responses_sampling_params(req, chat, 10, 1024, 50000, 20).max_tokens == 500
+    with pytest.raises(APIError, match=r"^The engine prompt length 1024 exceeds the max_model_len 1024\. Please"):
+        responses_sampling_params(req, chat, 1024, 1024, 50000, 20)
+    with pytest.raises(APIError, match=r"^max_output_tokens=500 cannot be greater than max_model_len=400\."):
+        responses_sampling_params(req, chat, 10, 400, 50000, 20)
 
 
 def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:

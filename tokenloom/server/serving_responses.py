@@ -178,10 +178,14 @@ def responses_sampling_params(req: ResponsesRequest, chat: ChatCompletionRequest
                               max_model_len: int, vocab_size: int, max_logprobs: int,
                               defaults: dict[str, Any] | None = None,
                               structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-    """The chat request's sampling parameters, with vLLM's Responses rules on top: a max_output_tokens past the
-    whole context is vLLM's 400, any other is held to the room the prompt leaves (vLLM's get_max_tokens); and
+    """The chat request's sampling parameters, with vLLM's Responses rules on top: a prompt that fills the context
+    is its 400; a max_output_tokens past the whole context is its 400, any other is held to the room the prompt
+    leaves (vLLM's get_max_tokens); and
     extra_args is a dict even when empty (vLLM's ResponsesRequest.to_sampling_params, which custom logits
     processors read)."""
+    if prompt_len == max_model_len:  # vLLM's _validate_generator_input (a longer prompt is refused as chat's is)
+        raise APIError(400, f"The engine prompt length {prompt_len} exceeds the max_model_len {max_model_len}. "
+                            "Please reduce prompt.", "input")
     wanted = req.max_output_tokens
     if wanted is not None and wanted > max_model_len:
         raise APIError(400, f"max_output_tokens={wanted} cannot be greater than max_model_len={max_model_len}. "
