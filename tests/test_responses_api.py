@@ -7,8 +7,10 @@ the API's error shape, unsupported fields refused by name. docs/responses.md."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -23,6 +25,7 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.params import render_chat, template_kwargs
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
+from tokenloom.server.responses_background import BackgroundRuns, EventLog
 from tokenloom.server.responses_events import ItemStream
 from tokenloom.server.responses_output import call_item
 from tokenloom.server.responses_tools import ToolNames
@@ -185,6 +188,35 @@ def test_output_room_as_vllm() -> None:
         responses_sampling_params(req, chat, 10, 400, 50000, 20)
 
 
+def test_background_runs_end_and_replay() -> None:
+    # A run cancelled before its task started still ends (its engine request is aborted there: a coroutine
+    # cancelled then never runs its own `finally`), and an event log replays after a sequence number, then
+    # follows new frames until it closes (vLLM's responses_background_stream_generator).
+    async def scenario() -> tuple[list[str], list[str], list[str]]:
+        ended: list[str] = []
+        runs = BackgroundRuns()
+        runs.start("r1", asyncio.sleep(60), lambda: ended.append("r1"))
+        assert "r1" in runs
+        await runs.cancel("r1")
+        log = EventLog()
+        for frame in ("a", "b"):
+            log.append(frame)
+        replayed: list[str] = []
+
+        async def follow() -> None:
+            replayed.extend([frame async for frame in log.replay(starting_after=0)])
+
+        reader = asyncio.ensure_future(follow())
+        await asyncio.sleep(0)
+        log.append("c")
+        log.close()
+        await reader
+        return ended, replayed, [frame async for frame in log.replay()]
+
+    ended, replayed, whole = asyncio.run(scenario())
+    assert ended == ["r1"] and replayed == ["b", "c"] and whole == ["a", "b", "c"]
+
+
 def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:
     # vLLM's emit_simple_tool_call_done: the custom call's input streams as the part of `{"input": "..."}` that
     # is sure; when the finished arguments do not decode to an extension of what was sent (here the call was
@@ -287,30 +319,31 @@ class TestServer:
         assert answer.output[0].type == "message" and answer.output_text
         assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
 
-    def test_custom_tool_whole_streamed_and_answered(self, client) -> None:
+    def test_custom_tool_streamed(self, client) -> None:
         # vLLM 0.32's custom tools (free text in): shown to the model as a function of one string, `input`, and
-        # answered as a custom_tool_call item carrying that string; streamed as custom_tool_call_input events.
-        # tokenloom refused custom tools (400 naming tools.0) until 2026-12-07.
+        # answered as a custom_tool_call item carrying that string; streamed as custom_tool_call_input events
+        # (the whole response's items and the answer's replay: the vendored test_vllm_responses_utils.py);
+        # the stored conversation carries the call as the function the model wrote. tokenloom refused custom
+        # tools (400 naming tools.0) until 2026-12-07.
         shell = {"type": "custom", "name": "shell", "description": "Run a shell command.", "format": {"type": "text"}}
-        kwargs = dict(model=MODEL, input="Run the command `ls`.", tools=[shell], max_output_tokens=24,
-                      tool_choice={"type": "custom", "name": "shell"}, temperature=0.0)
-        r = client.responses.create(**kwargs)
+        with client.responses.stream(model=MODEL, input="Run the command `ls`.", tools=[shell], max_output_tokens=24,
+                                     tool_choice={"type": "custom", "name": "shell"}, temperature=0.0) as stream:
+            events = list(stream)
+            r = stream.get_final_response()
         [call] = r.output
         assert (call.type, call.name) == ("custom_tool_call", "shell") and call.id.startswith("ctc_") and call.input
         assert r.tool_choice.type == "custom" and r.tools[0].type == "custom"
-        with client.responses.stream(**kwargs) as stream:
-            events = list(stream)
-            final = stream.get_final_response()
         types = [e.type for e in events]
         assert types[2] == "response.output_item.added" and events[2].item.type == "custom_tool_call"
         assert types[-3:] == ["response.custom_tool_call_input.done", "response.output_item.done",
                               "response.completed"]
         pieces = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
-        assert pieces == events[-3].input == final.output[0].input == call.input
-        answer = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[shell], tool_choice="none",
-                                         input=[{"type": "custom_tool_call_output", "call_id": call.call_id,
-                                                 "output": "a.txt b.txt"}], max_output_tokens=8, temperature=0.0)
-        assert answer.output[0].type == "message" and answer.usage.input_tokens > r.usage.input_tokens
+        assert pieces == events[-3].input == call.input
+        # The answer's replay (custom_tool_call_output after the call) is the vendored
+        # test_custom_tool_history_replays_through_function_shim's.
+        stored = output_messages([call.model_dump(exclude_none=True)])
+        arguments = json.dumps({"input": call.input}, ensure_ascii=False)
+        assert stored[0]["tool_calls"][0]["function"] == {"name": "shell", "arguments": arguments}
 
     def test_vllm_request_fields_read_and_echoed(self, client, server) -> None:
         # vLLM 0.32 takes top_logprobs without the logprobs include (it asks for nothing then) and every
@@ -396,9 +429,37 @@ class TestServer:
             client.responses.cancel(first.id)
         assert httpx.post(f"{server.url}/v1/responses/resp_unknown/cancel", timeout=30).status_code == 404
 
+    def test_background_polled_replayed_and_cancelled(self, client) -> None:
+        # vLLM 0.32's background mode (its test_stateful.py's test_background and test_background_cancel, which
+        # failed here: tokenloom refused `background`): stored queued and answered at once, generated without
+        # the client; a streamed one's events replay from GET ?stream=true&starting_after=N; cancel stops a
+        # queued one for good, and answers a finished one vLLM's 400.
+        kwargs = dict(model=MODEL, input="Say hello.", max_output_tokens=4, temperature=0.0)
+        queued = client.responses.create(background=True, **kwargs)
+        assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+        for _ in range(300):
+            done = client.responses.retrieve(queued.id)
+            if done.status != "queued":
+                break
+            time.sleep(0.1)
+        assert done.status in ("completed", "incomplete") and done.output_text
+        assert done.output_text == client.responses.create(**kwargs).output_text
+        with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+            client.responses.cancel(queued.id)
+        streamed = list(client.responses.create(background=True, stream=True, **kwargs))
+        assert streamed[0].type == "response.created" and streamed[-1].type == "response.completed"
+        again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=1))
+        assert [e.sequence_number for e in again] == [e.sequence_number for e in streamed[2:]]
+        with pytest.raises(openai.BadRequestError, match="Unknown response_id"):
+            list(client.responses.retrieve(queued.id, stream=True))  # not streamed when created
+        long = client.responses.create(background=True, model=MODEL, input="Write a long story.",
+                                       max_output_tokens=900, extra_body={"ignore_eos": True})
+        assert client.responses.cancel(long.id).status == "cancelled"
+        time.sleep(0.5)
+        assert client.responses.retrieve(long.id).status == "cancelled"  # its engine request: the leak check's
+
     @pytest.mark.parametrize("body, param, words", [
-        ({"background": True}, "background", "background responses are not supported"),
-        # vLLM's check, before whether background is served (vLLM 0.32's test_stateful.py matches the message)
+        # vLLM's check (vLLM 0.32's test_stateful.py matches the message)
         ({"background": True, "store": False}, "background", "background can only be used when `store` is true"),
         ({"reasoning": {"effort": "maximal"}}, "reasoning", "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),

@@ -65,6 +65,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, log_stats_interval_s: floa
         try:
             yield
         finally:  # uvicorn gets here after in-flight requests finished (or were cut)
+            await state.background.cancel_all()  # background responses have no client to wait for
             if stats_task is not None:
                 stats_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -337,6 +337,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: Bool | None = True
     store: Bool | None = True
     stream: Bool | None = False
+    background: Bool | None = False  # vLLM's: stored queued, answered at once, generated in the server
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -17,13 +17,15 @@ response.completed carrying the whole response.
 
 `store` (default true, as OpenAI) keeps the response and its conversation in memory for
 `previous_response_id` and GET, bounded by TOKENLOOM_RESPONSES_STORE_SIZE (least recently used go first);
-vLLM keeps them in memory too (behind VLLM_ENABLE_RESPONSES_API_STORE, unbounded). Cancel is vLLM's: only a
-background response can be cancelled, and background is refused, so a stored response answers vLLM's 400.
+vLLM keeps them in memory too (behind VLLM_ENABLE_RESPONSES_API_STORE, unbounded). `background` is vLLM's:
+stored queued and answered at once, generated in a task of the server (responses_background.py); cancel stops
+only such a response, any other answers vLLM's 400.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
@@ -45,6 +47,7 @@ from tokenloom.server.protocol import ChatCompletionRequest, ResponsesNamedToolC
 from tokenloom.server.reasoning import OutputParser
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses import chat_logprobs
+from tokenloom.server.responses_background import EventLog
 from tokenloom.server.responses_events import ItemStream, split_delta
 from tokenloom.server.responses_input import (
     construct_chat_messages_with_tool_call,
@@ -54,13 +57,14 @@ from tokenloom.server.responses_input import (
 from tokenloom.server.responses_output import build_response_output_items, message_item, new_item_id
 from tokenloom.server.responses_tools import ToolNames, chat_tools
 from tokenloom.server.serving_chat import ChatExtras, parse_chat
-from tokenloom.server.state import get_state
-from tokenloom.server.streaming import SSEResponse, collect
+from tokenloom.server.state import ServerState, get_state
+from tokenloom.server.streaming import SSEResponse, collect, merge_final
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
 from tokenloom.server.tool_parsers import DeltaMessage
 from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
+logger = logging.getLogger(__name__)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
 # words of the message (longest first; not "messages" or "logprobs", which are common words there).
@@ -217,6 +221,7 @@ class ResponseContext:
     tools: ToolSetup | None
     messages: list[dict[str, Any]]
     prompt: tuple[str, list[int]] | None = None  # the rendered prompt, kept for enable_response_messages
+    events: EventLog | None = None  # a streamed background response's events, kept for GET ?stream=true
     created_at: int = field(default_factory=lambda: int(time.time()))
     extras: ChatExtras = field(default_factory=ChatExtras)  # parse_chat's: the reasoning parsing among them
 
@@ -260,7 +265,7 @@ class ResponseContext:
                                ] if comp.text or comp.token_ids else []
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "background": bool(req.background), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": self.params.max_tokens, "max_tool_calls": None,
             "metadata": req.metadata, "model": self.model, "output": output,
@@ -278,8 +283,14 @@ class ResponseContext:
         }
 
     def store(self, store: ResponseStore, body: dict[str, Any]) -> None:
-        if self.req.store:
-            store.put(self.response_id, StoredResponse(body, self.messages + output_messages(body["output"])))
+        """Keep (or replace) the stored response; a cancelled one stays as it is (vLLM)."""
+        if not self.req.store:
+            return
+        kept = store.get(self.response_id)
+        if kept is not None and kept.body.get("status") == "cancelled":
+            return
+        store.put(self.response_id, StoredResponse(body, self.messages + output_messages(body["output"]),
+                                                   self.events))
 
 
 def _status(comp: CompletionOutput) -> str:
@@ -311,6 +322,9 @@ async def create_response(raw: Request) -> Response:
     reject_unsupported_responses(obj)
     req = parse_model(ResponsesRequest, obj)
     store = state.responses
+    if req.background and store.capacity <= 0:  # vLLM's case: its store off, background is its 400
+        raise APIError(400, "background responses are kept in the response store, which "
+                            "TOKENLOOM_RESPONSES_STORE_SIZE=0 turns off", "background")
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
@@ -342,6 +356,8 @@ async def create_response(raw: Request) -> Response:
     except BaseException:
         stream.close()
         raise
+    if req.background:
+        return _start_background(state, ctx, stream)
     if req.stream:
         return SSEResponse(_events(ctx, stream, store), stream)
     finals = await collect(raw, stream)
@@ -356,22 +372,83 @@ async def create_response(raw: Request) -> Response:
     return JSONResponse(body, headers=response_headers(state, raw, out))
 
 
-async def retrieve_response(raw: Request, response_id: str) -> JSONResponse:
-    if raw.query_params.get("stream", "false").lower() not in ("false", "0") or "starting_after" in raw.query_params:
-        raise APIError(400, "only background responses can be streamed again, and background is not supported",
-                       "stream")
+async def retrieve_response(raw: Request, response_id: str) -> Response:
+    """The stored response; with ?stream=true a streamed background response's events again, after the
+    sequence number `starting_after` (vLLM's)."""
     stored = get_state(raw).responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    return JSONResponse(stored.body)
+    if raw.query_params.get("stream", "false").lower() in ("false", "0"):
+        return JSONResponse(stored.body)
+    if stored.events is None:  # vLLM's words: only a background response streamed when created has events
+        raise APIError(400, f"Unknown response_id: {response_id}", "response_id")
+    after = raw.query_params.get("starting_after")
+    if after is not None and not after.lstrip("-").isdigit():
+        raise APIError(400, f"starting_after must be an integer, got {after[:40]!r}", "starting_after")
+    return _replay(stored.events, int(after) if after is not None else None)
 
 
 async def cancel_response(raw: Request, response_id: str) -> JSONResponse:
-    stored = get_state(raw).responses.get(response_id)
+    """vLLM's rule: only a queued or in-progress (background) response can be cancelled; it stays cancelled."""
+    state = get_state(raw)
+    stored = state.responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    # vLLM's rule: only a queued or in-progress (background) response can be cancelled.
-    raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    if stored.body.get("status") not in ("queued", "in_progress"):
+        raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    stored.body["status"] = "cancelled"
+    await state.background.cancel(response_id)
+    return JSONResponse(stored.body)
+
+
+# Background -----------------------------------------------------------------------------------------
+def _replay(events: EventLog, starting_after: int | None = None) -> StreamingResponse:
+    """Events of a background response: they go on without this client, which may leave at any time."""
+    return StreamingResponse(events.replay(starting_after), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _start_background(state: ServerState, ctx: ResponseContext, stream: RequestStream) -> Response:
+    """vLLM's background mode: the response is stored queued and answered at once (streamed: its events as they
+    come), and the generation goes on in a task of the server, without the client."""
+    queued = ctx.response("queued", [], None)
+    if ctx.req.stream:
+        ctx.events = EventLog()
+    ctx.store(state.responses, queued)
+    state.background.start(ctx.response_id, _run_in_background(ctx, stream, state.responses),
+                           lambda: _end_background(ctx, stream, state.responses))
+    return _replay(ctx.events) if ctx.events is not None else JSONResponse(queued)
+
+
+async def _run_in_background(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> None:
+    """Generate a background response to its end and store it (_end_background follows, however it ends)."""
+    try:
+        if ctx.events is not None:
+            async for frame in _events(ctx, stream, store):
+                ctx.events.append(frame)
+            return
+        last: RequestOutput | None = None
+        async for out in stream:
+            last = merge_final(last, out)
+        comp = last.outputs[0] if last is not None else None
+        if comp is not None and comp.finish_reason != "error":
+            ctx.store(store, ctx.response(_status(comp), whole_output(ctx, comp), last))
+    except EngineDeadError:
+        pass  # stored failed by _end_background
+    except Exception:
+        logger.exception("background response %s failed", ctx.response_id)
+
+
+def _end_background(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> None:
+    """After a background run, even one cancelled before it started (vLLM's cancel): its engine request aborted if
+    unfinished, its event log closed, and a response that came to no end (an error) stored failed, as vLLM marks
+    it."""
+    stream.close()
+    if ctx.events is not None:
+        ctx.events.close()
+    kept = store.get(ctx.response_id)
+    if kept is not None and kept.body.get("status") == "queued":
+        kept.body["status"] = "failed"
 
 
 # Streaming ------------------------------------------------------------------------------------------

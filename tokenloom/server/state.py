@@ -20,6 +20,7 @@ from tokenloom.reasoning import ReasoningParser, ReasoningParserManager
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.response_store import ResponseStore
+from tokenloom.server.responses_background import BackgroundRuns
 from tokenloom.server.serving_models import ServingModels
 
 if TYPE_CHECKING:  # the tokenizer module imports torch
@@ -43,6 +44,7 @@ class ServerState:
         self.vocab_size = engine.info.vocab_size
         self.server_load = 0  # generation requests in flight (GET /load)
         self.responses = ResponseStore(envs.TOKENLOOM_RESPONSES_STORE_SIZE)  # /v1/responses with store
+        self.background = BackgroundRuns()  # /v1/responses with background: the runs in flight
         # The model's generation_config.json defaults (empty with --generation-config vllm).
         self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
