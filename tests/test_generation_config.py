@@ -49,6 +49,21 @@ def test_request_fields_override_model_defaults(tmp_path: Path) -> None:
     assert (plain.temperature, plain.top_k, plain.max_tokens) == (1.0, 0, 990)
 
 
+def test_penalty_defaults_as_vllm(tmp_path: Path) -> None:
+    # vLLM 0.32's get_diff_sampling_param reads presence_penalty and frequency_penalty too, and its chat,
+    # completion and Responses requests fall back to them (vLLM's test_penalty_default_resolution.py, which the
+    # HTTP-level peer run had checked against vLLM's own request classes); tokenloom took 0.0 for both.
+    d = load_generation_defaults(_model_dir(tmp_path, {"presence_penalty": 1.5, "frequency_penalty": 0.5}), "auto",
+                                 None)
+    assert d.params == {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    msgs = [{"role": "user", "content": "hi"}]
+    unset = chat_params(ChatCompletionRequest(messages=msgs), 10, 1000, 32000, 20, d.params)
+    assert (unset.presence_penalty, unset.frequency_penalty) == (1.5, 0.5)
+    explicit = chat_params(ChatCompletionRequest(messages=msgs, presence_penalty=0.2), 10, 1000, 32000, 20, d.params)
+    assert (explicit.presence_penalty, explicit.frequency_penalty) == (0.2, 0.5)
+    assert d.sampling_params().presence_penalty == 1.5
+
+
 def test_bad_values_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="generation_config.json: temperature"):
         load_generation_defaults(_model_dir(tmp_path, {"temperature": -1}), "auto", None)

@@ -7,8 +7,11 @@ the API's error shape, unsupported fields refused by name. docs/responses.md."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -22,7 +25,12 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.params import render_chat, template_kwargs
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.serving_responses import build_messages, call_item, chat_body, namespaced_names, output_messages
+from tokenloom.server.responses_background import BackgroundRuns, EventLog
+from tokenloom.server.responses_events import ItemStream
+from tokenloom.server.responses_output import call_item
+from tokenloom.server.responses_tools import ToolNames
+from tokenloom.server.serving_responses import build_messages, chat_body, output_messages, responses_sampling_params
+from tokenloom.server.state import ServerState
 from tokenloom.server.unsupported import reject_unsupported_chat
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -65,7 +73,7 @@ def test_reasoning_reaches_the_chat_template_as_in_vllm() -> None:
     messages = build_messages(req, None)
     assert messages == [{"role": "user", "content": "Hello."},
                         {"role": "assistant", "content": "Hi!", "reasoning": "Greet back."},
-                        {"role": "assistant", "content": None, "reasoning": "Short."},
+                        {"role": "assistant", "reasoning": "Short."},
                         {"role": "user", "content": "Again."}]
     chat = parse_model(ChatCompletionRequest, chat_body(req, obj, messages))
     assert chat.reasoning_effort == "low"
@@ -129,10 +137,10 @@ def test_namespace_tools_as_vllm() -> None:
     body = chat_body(req, obj, messages)
     assert [t["function"]["name"] for t in body["tools"]] == ["mcp__computer_use__get_app_state", "get_weather"]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "mcp__computer_use__get_app_state"}}
-    names = namespaced_names(tools)
-    item = call_item("fc_1", "c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
+    names = ToolNames.of(tools)
+    item = call_item("c2", "mcp__computer_use__get_app_state", '{"app": "Chrome"}', "completed", names)
     assert (item["name"], item["namespace"]) == ("get_app_state", "mcp__computer_use")
-    assert "namespace" not in call_item("fc_2", "c3", "get_weather", "{}", "completed", names)
+    assert "namespace" not in call_item("c3", "get_weather", "{}", "completed", names)
     # The stored output continues with the flat name the model wrote.
     assert output_messages([item])[0]["tool_calls"][0]["function"]["name"] == "mcp__computer_use__get_app_state"
     twice = [*tools, {"type": "namespace", "name": "other", "tools": [app]}]
@@ -142,6 +150,84 @@ def test_namespace_tools_as_vllm() -> None:
     bad = {**obj, "tools": [{"type": "namespace", "name": "x"}]}
     with pytest.raises(APIError, match="namespace tool needs"):
         chat_body(parse_model(ResponsesRequest, bad), bad, messages)
+
+
+def test_model_names_as_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read in vLLM 0.32's serving base while porting test_errors.py (not vendored: it drives vLLM's serving class
+    # through mocks): an unknown model is its 404 naming the served aliases, an empty name is the served model,
+    # and VLLM_SKIP_MODEL_NAME_VALIDATION (1 or true) takes any name, answered as the served model.
+    state = ServerState.__new__(ServerState)
+    state.model_names = [MODEL, "smol"]
+    state.models = SimpleNamespace(is_served=lambda name: name in state.model_names)
+    monkeypatch.delenv("VLLM_SKIP_MODEL_NAME_VALIDATION", raising=False)
+    assert (state.model_name("smol"), state.model_name(""), state.model_name(None)) == ("smol", MODEL, MODEL)
+    with pytest.raises(APIError) as err:
+        state.model_name("gpt-4o")
+    assert (err.value.status, err.value.param) == (404, "model")
+    assert err.value.message == f"The model `gpt-4o` does not exist. Valid aliases: {MODEL}, smol."
+    for value, skips in (("1", True), ("true", True), ("TRUE", True), ("yes", False), ("0", False)):
+        monkeypatch.setenv("VLLM_SKIP_MODEL_NAME_VALIDATION", value)
+        if skips:
+            assert state.model_name("gpt-4o") == MODEL
+        else:
+            pytest.raises(APIError, state.model_name, "gpt-4o")
+
+
+def test_output_room_as_vllm() -> None:
+    # vLLM 0.32's Responses serving: a prompt that fills the context is its 400 (_validate_generator_input); a
+    # max_output_tokens past the context is its renderer's 400; any other is held to the room the prompt leaves
+    # (get_max_tokens). tokenloom answered a limit past the room with a 400 naming max_tokens.
+    obj = {"input": "Hi", "max_output_tokens": 500}
+    req = parse_model(ResponsesRequest, obj)
+    chat = parse_model(ChatCompletionRequest, chat_body(req, obj, build_messages(req, None)))
+    assert responses_sampling_params(req, chat, 900, 1024, 50000, 20).max_tokens == 124
+    assert responses_sampling_params(req, chat, 10, 1024, 50000, 20).max_tokens == 500
+    with pytest.raises(APIError, match=r"^The engine prompt length 1024 exceeds the max_model_len 1024\. Please"):
+        responses_sampling_params(req, chat, 1024, 1024, 50000, 20)
+    with pytest.raises(APIError, match=r"^max_output_tokens=500 cannot be greater than max_model_len=400\."):
+        responses_sampling_params(req, chat, 10, 400, 50000, 20)
+
+
+def test_background_runs_end_and_replay() -> None:
+    # A run cancelled before its task started still ends (its engine request is aborted there: a coroutine
+    # cancelled then never runs its own `finally`), and an event log replays after a sequence number, then
+    # follows new frames until it closes (vLLM's responses_background_stream_generator).
+    async def scenario() -> tuple[list[str], list[str], list[str]]:
+        ended: list[str] = []
+        runs = BackgroundRuns()
+        runs.start("r1", asyncio.sleep(60), lambda: ended.append("r1"))
+        assert "r1" in runs
+        await runs.cancel("r1")
+        log = EventLog()
+        for frame in ("a", "b"):
+            log.append(frame)
+        replayed: list[str] = []
+
+        async def follow() -> None:
+            replayed.extend([frame async for frame in log.replay(starting_after=0)])
+
+        reader = asyncio.ensure_future(follow())
+        await asyncio.sleep(0)
+        log.append("c")
+        log.close()
+        await reader
+        return ended, replayed, [frame async for frame in log.replay()]
+
+    ended, replayed, whole = asyncio.run(scenario())
+    assert ended == ["r1"] and replayed == ["b", "c"] and whole == ["a", "b", "c"]
+
+
+def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:
+    # vLLM's emit_simple_tool_call_done: the custom call's input streams as the part of `{"input": "..."}` that
+    # is sure; when the finished arguments do not decode to an extension of what was sent (here the call was
+    # cut inside the string: the input is then the arguments as written), the whole input is sent again.
+    items = ItemStream(ToolNames.of([{"type": "custom", "name": "sh"}]))
+    events = items.call("c1", "sh", 0) + items.arguments('{"input": "ls -') + items.close()
+    assert [e["type"] for e in events] == ["response.output_item.added", "response.custom_tool_call_input.delta",
+                                           "response.custom_tool_call_input.delta",
+                                           "response.custom_tool_call_input.done", "response.output_item.done"]
+    assert [e["delta"] for e in events[1:3]] == ["ls -", '{"input": "ls -']
+    assert events[3]["input"] == events[4]["item"]["input"] == '{"input": "ls -' and items.done == [events[4]["item"]]
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +319,46 @@ class TestServer:
         assert answer.output[0].type == "message" and answer.output_text
         assert answer.previous_response_id == r.id and answer.usage.input_tokens > r.usage.input_tokens
 
+    def test_custom_tool_streamed(self, client) -> None:
+        # vLLM 0.32's custom tools (free text in): shown to the model as a function of one string, `input`, and
+        # answered as a custom_tool_call item carrying that string; streamed as custom_tool_call_input events
+        # (the whole response's items and the answer's replay: the vendored test_vllm_responses_utils.py);
+        # the stored conversation carries the call as the function the model wrote. tokenloom refused custom
+        # tools (400 naming tools.0) until 2026-12-07.
+        shell = {"type": "custom", "name": "shell", "description": "Run a shell command.", "format": {"type": "text"}}
+        with client.responses.stream(model=MODEL, input="Run the command `ls`.", tools=[shell], max_output_tokens=24,
+                                     tool_choice={"type": "custom", "name": "shell"}, temperature=0.0) as stream:
+            events = list(stream)
+            r = stream.get_final_response()
+        [call] = r.output
+        assert (call.type, call.name) == ("custom_tool_call", "shell") and call.id.startswith("ctc_") and call.input
+        assert r.tool_choice.type == "custom" and r.tools[0].type == "custom"
+        types = [e.type for e in events]
+        assert types[2] == "response.output_item.added" and events[2].item.type == "custom_tool_call"
+        assert types[-3:] == ["response.custom_tool_call_input.done", "response.output_item.done",
+                              "response.completed"]
+        pieces = "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta")
+        assert pieces == events[-3].input == call.input
+        # The answer's replay (custom_tool_call_output after the call) is the vendored
+        # test_custom_tool_history_replays_through_function_shim's.
+        stored = output_messages([call.model_dump(exclude_none=True)])
+        arguments = json.dumps({"input": call.input}, ensure_ascii=False)
+        assert stored[0]["tool_calls"][0]["function"] == {"name": "shell", "arguments": arguments}
+
+    def test_vllm_request_fields_read_and_echoed(self, client, server) -> None:
+        # vLLM 0.32 takes top_logprobs without the logprobs include (it asks for nothing then) and every
+        # service_tier of its Literal, holds a max_output_tokens within the context to the room the prompt
+        # leaves (get_max_tokens), and echoes the sampling parameters as used (from_request). tokenloom answered
+        # these three with 400s until 2026-12-07, and echoed no penalties.
+        r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, top_logprobs=3, service_tier="flex",
+                                    temperature=0.0, extra_body={"presence_penalty": 0.5})
+        assert r.top_logprobs is None and r.service_tier == "flex" and not r.output[0].content[0].logprobs
+        assert (r.presence_penalty, r.frequency_penalty) == (0.5, 0.0)
+        body = {"input": "Hi", "max_output_tokens": 1024, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as events:
+            created = next(json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: "))
+        assert created["type"] == "response.created" and 900 < created["response"]["max_output_tokens"] < 1024
+
     def test_reasoning_accepted_and_echoed(self, client) -> None:
         # vLLM without a reasoning parser takes `reasoning` and reasoning items (they reach the chat template
         # only; SmolLM2's ignores them) and echoes `reasoning`; no reasoning items come out.
@@ -303,9 +429,37 @@ class TestServer:
             client.responses.cancel(first.id)
         assert httpx.post(f"{server.url}/v1/responses/resp_unknown/cancel", timeout=30).status_code == 404
 
+    def test_background_polled_replayed_and_cancelled(self, client) -> None:
+        # vLLM 0.32's background mode (its test_stateful.py's test_background and test_background_cancel, which
+        # failed here: tokenloom refused `background`): stored queued and answered at once, generated without
+        # the client; a streamed one's events replay from GET ?stream=true&starting_after=N; cancel stops a
+        # queued one for good, and answers a finished one vLLM's 400.
+        kwargs = dict(model=MODEL, input="Say hello.", max_output_tokens=4, temperature=0.0)
+        queued = client.responses.create(background=True, **kwargs)
+        assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+        for _ in range(300):
+            done = client.responses.retrieve(queued.id)
+            if done.status != "queued":
+                break
+            time.sleep(0.1)
+        assert done.status in ("completed", "incomplete") and done.output_text
+        assert done.output_text == client.responses.create(**kwargs).output_text
+        with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+            client.responses.cancel(queued.id)
+        streamed = list(client.responses.create(background=True, stream=True, **kwargs))
+        assert streamed[0].type == "response.created" and streamed[-1].type == "response.completed"
+        again = list(client.responses.retrieve(streamed[0].response.id, stream=True, starting_after=1))
+        assert [e.sequence_number for e in again] == [e.sequence_number for e in streamed[2:]]
+        with pytest.raises(openai.BadRequestError, match="Unknown response_id"):
+            list(client.responses.retrieve(queued.id, stream=True))  # not streamed when created
+        long = client.responses.create(background=True, model=MODEL, input="Write a long story.",
+                                       max_output_tokens=900, extra_body={"ignore_eos": True})
+        assert client.responses.cancel(long.id).status == "cancelled"
+        time.sleep(0.5)
+        assert client.responses.retrieve(long.id).status == "cancelled"  # its engine request: the leak check's
+
     @pytest.mark.parametrize("body, param, words", [
-        ({"background": True}, "background", "background responses are not supported"),
-        # vLLM's check, before whether background is served (vLLM 0.32's test_stateful.py matches the message)
+        # vLLM's check (vLLM 0.32's test_stateful.py matches the message)
         ({"background": True, "store": False}, "background", "background can only be used when `store` is true"),
         ({"reasoning": {"effort": "maximal"}}, "reasoning", "reasoning.effort"),
         ({"tools": [{"type": "web_search"}]}, "tools", "'web_search' is not supported"),
@@ -318,13 +472,18 @@ class TestServer:
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input",
          "Encrypted content is not supported."),
         ({"input": [{"type": "reasoning"}]}, "input", "summary must be a list"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' is not supported"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "Unsupported input item type: item_reference"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
          "only text parts"),
         ({"max_output_tokens": "many"}, "max_output_tokens", "max_output_tokens"),
         ({"temperature": -1}, "temperature", "temperature"),
-        ({"top_logprobs": 3}, "top_logprobs", "include"),
-        ({"service_tier": "flex"}, "service_tier", "service_tier"),
+        ({"service_tier": "premium"}, "service_tier", "service_tier"),
+        # vLLM 0.32's words (its renderer's TokenizeParams); a limit within the context is held to the room left
+        ({"max_output_tokens": 1025}, "max_output_tokens",
+         "max_output_tokens=1025 cannot be greater than max_model_len=1024. Please request fewer output tokens."),
+        ({"tools": [{"type": "custom", "name": "sh", "format": {"type": "grammar", "syntax": "lark",
+                                                                 "definition": "start: \"ls\""}}]}, "tools",
+         "Custom tools with a grammar format are not supported; only free-form text custom tools are accepted."),
         ({"model": "nope"}, "model", "does not exist"),
     ])
     def test_errors_in_the_apis_shape(self, server, body, param, words) -> None:

@@ -210,6 +210,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (least recently used go first; 0 stores none). vLLM keeps them in memory too, without a bound.
     "TOKENLOOM_RESPONSES_STORE_SIZE": lambda: _int(
         "TOKENLOOM_RESPONSES_STORE_SIZE", 1000, "a number of responses", minimum=0),
+    # vLLM's: 1 or true: a request's `model` may name any model (answered as the served one), for a proxy or
+    # gateway that sends its own names; vLLM reads only those two spellings.
+    "VLLM_SKIP_MODEL_NAME_VALIDATION": lambda: os.environ.get("VLLM_SKIP_MODEL_NAME_VALIDATION", "0").strip().lower()
+    in ("1", "true"),
     # vLLM's: true (or 1) registers POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": lambda: _flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", False),
     # ---- vLLM's bounds on what one request may ask for (vLLM 0.32's names and defaults; docs/serving.md)

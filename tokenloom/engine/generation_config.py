@@ -1,8 +1,9 @@
 """The model's own sampling defaults, as vLLM applies them (`--generation-config auto|vllm`).
 
 `auto` (vLLM's default): a Hugging Face directory's generation_config.json supplies the defaults that
-a request's explicit parameters override: temperature, top_p, top_k, min_p, repetition_penalty and
-max_new_tokens (as max_tokens), the fields vLLM's `ModelConfig.get_diff_sampling_param` reads; its
+a request's explicit parameters override: temperature, top_p, top_k, min_p, repetition_penalty,
+presence_penalty, frequency_penalty and max_new_tokens (as max_tokens), the fields vLLM's
+`ModelConfig.get_diff_sampling_param` reads; its
 eos_token_id list adds stop tokens (vLLM's `SamplingParams.update_from_generation_config`).
 `vllm`: the file is ignored, SamplingParams' own defaults apply. A GGUF file carries no generation
 config (as in vLLM).
@@ -25,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 # generation_config.json field -> SamplingParams field (vLLM's get_diff_sampling_param).
 _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
 MODES = ("auto", "vllm")
 
 

@@ -65,6 +65,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, log_stats_interval_s: floa
         try:
             yield
         finally:  # uvicorn gets here after in-flight requests finished (or were cut)
+            await state.background.cancel_all()  # background responses have no client to wait for
             if stats_task is not None:
                 stats_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -151,7 +152,9 @@ def _add_routes(app: FastAPI) -> None:
         lora = state.lora_request(model)
         if lora is not None:
             return JSONResponse(_lora_card(state, lora))
-        return JSONResponse(_model_card(state, state.model_name(model)))
+        if not state.models.is_served(model):  # a lookup: VLLM_SKIP_MODEL_NAME_VALIDATION does not apply
+            raise state.unknown_model(model)
+        return JSONResponse(_model_card(state, model))
 
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         # vLLM registers these only when runtime updating is allowed (a warning-worthy power: any

@@ -38,6 +38,12 @@ class APIError(Exception):
         self.param = param
         self.headers = headers
 
+    @property
+    def parameter(self) -> str | None:
+        """The field at fault under vLLM's name for it (VLLMValidationError.parameter), for code written for
+        vLLM."""
+        return self.param
+
 
 def generation_error_status(error: str | None) -> int:
     """The status of a request the engine ended with an error: 400 when its own grammar could not be completed

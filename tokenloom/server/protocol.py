@@ -21,6 +21,7 @@ from tokenloom.engine.generation_config import server_default
 from tokenloom.sampling_params import BeamSearchParams, validate_thinking_token_budget
 from tokenloom.server.request_checks import (
     check_chat_tool_usage,
+    check_custom_tool_format,
     check_responses_tool_usage,
     check_structured_outputs_count,
 )
@@ -296,12 +297,29 @@ class DetokenizeRequest(BaseModel):
 
 
 class ResponsesNamedToolChoice(BaseModel):
-    """Responses' named tool_choice, {"type": "function", "name": ...} (openai's ToolChoiceFunction, as vLLM
-    types it: `request.tool_choice.name`)."""
+    """Responses' named tool_choice, {"type": "function" | "custom", "name": ...} (openai's ToolChoiceFunction and
+    ToolChoiceCustom, as vLLM types them: `request.tool_choice.name`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+
+
+def _custom_tools_shaped(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """A custom tool as openai's CustomTool types it (vLLM validates tools with that type): a name, and a format
+    that is an object (text or grammar; a grammar is refused by request_checks.check_custom_tool_format)."""
+    for i, tool in enumerate(tools or []):
+        if tool.get("type") != "custom":
+            continue
+        if not isinstance(tool.get("name"), str):
+            raise PydanticCustomError("custom_tool", "tools.{i}: a custom tool needs a name (a string)", {"i": i})
+        fmt = tool.get("format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "grammar")):
+            raise PydanticCustomError("custom_tool", "tools.{i}.format must be an object of type 'text' or "
+                                                     "'grammar'", {"i": i})
+        if tool.get("description") is not None and not isinstance(tool["description"], str):
+            raise PydanticCustomError("custom_tool", "tools.{i}.description must be a string", {"i": i})
+    return tools
 
 
 class ResponsesRequest(BaseModel):
@@ -317,12 +335,13 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, AfterValidator(_custom_tools_shaped)] = None
     # "none" without tools (request_checks); another JSON object is refused by the endpoint, naming its type
     tool_choice: str | ResponsesNamedToolChoice | dict[str, Any] | None = "auto"
     parallel_tool_calls: Bool | None = True
     store: Bool | None = True
     stream: Bool | None = False
+    background: Bool | None = False  # vLLM's: stored queued, answered at once, generated in the server
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -330,7 +349,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     top_logprobs: Int | None = None
     truncation: Literal["auto", "disabled"] | None = "disabled"
-    service_tier: Literal["auto", "default"] | None = "auto"
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = "auto"  # echoed only, as vLLM
     prompt_cache_key: str | None = None  # a routing hint; prefix caching needs no key
     # vLLM's extensions
     request_id: str | None = None
@@ -358,5 +377,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _vllm_checks(cls, data: Any) -> Any:
-        """vLLM's body checks ahead of the fields (request_checks.py): tool_choice resolved, and its 400s."""
+        """vLLM's body checks ahead of the fields (request_checks.py): custom tools' format, tool_choice resolved,
+        and their 400s."""
+        check_custom_tool_format(data)
         return check_responses_tool_usage(data)

@@ -8,6 +8,7 @@ are validated (tokenloom/server/protocol.py), with vLLM's 400 messages and defau
   malformed or not among the tools; Responses' "required" or a named function without tools, and a named
   function it cannot find (a namespace's function may be named by its own name when that is unambiguous).
 - `structured_outputs`: at most one of json / regex / choice; and on chat, not with a named function.
+- Responses' custom tools: a grammar format is refused (only free-form text custom tools).
 
 An APIError raised here leaves pydantic as it is (pydantic wraps only ValueError): the client gets vLLM's
 message and `param`, not a field-validation summary.
@@ -82,6 +83,16 @@ NAMESPACE_SEPARATOR = "__"  # vLLM's _NAMESPACE_TOOL_SEPARATOR
 def flat_tool_name(namespace: str, name: str) -> str:
     """vLLM's flat_namespace_tool_name: a namespace's function as the model sees it."""
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def check_custom_tool_format(data: Any) -> None:
+    """vLLM's ResponsesRequest.check_custom_tool_format: only free-form text custom tools."""
+    tools = data.get("tools") if isinstance(data, dict) else None
+    for tool in tools if isinstance(tools, list) else []:
+        fmt = tool.get("format") if isinstance(tool, dict) else None
+        if isinstance(fmt, dict) and tool.get("type") == "custom" and fmt.get("type") == "grammar":
+            raise APIError(400, "Custom tools with a grammar format are not supported; only free-form text custom "
+                                "tools are accepted.", "tools")
 
 
 def check_responses_tool_usage(data: Any) -> Any:

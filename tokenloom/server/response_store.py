@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenloom.server.responses_background import EventLog
 
 
 @dataclass
 class StoredResponse:
     body: dict[str, Any]  # the response object, as sent
     messages: list[dict[str, Any]] = field(default_factory=list)  # the conversation, its output included
+    events: EventLog | None = None  # a streamed background response's events (GET ?stream=true)
 
 
 class ResponseStore:

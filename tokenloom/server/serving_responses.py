@@ -3,28 +3,29 @@ vLLM 0.32 serves it for a model without Harmony (vLLM: entrypoints/openai/respon
 SimpleContext path; docs/responses.md).
 
 A Responses request is a chat request in other words, and runs as one: its `instructions`, the stored
-conversation of `previous_response_id` and its `input` (text, or message / function_call /
-function_call_output items) become chat messages, its fields the chat fields they mean (`max_output_tokens`
-→ max_completion_tokens, `text.format` → response_format, flat function `tools` → chat tools, ...), and
-`parse_chat` / `chat_params` render and check it (chat template, structured outputs, tool grammar, limits).
-The generation comes back as output items: a `message` with one `output_text` part, and a `function_call`
-item per tool call (read by the same tool-call code as chat: tool_calls.py). With --reasoning-parser a
-`reasoning` item (one `reasoning_text` part) comes first, and the message holds the content after the
-reasoning (server/reasoning.py; `include_reasoning: false` leaves the item out). Streamed, as vLLM's events:
-response.created, response.in_progress, then per item output_item.added, content_part.added,
-output_text.delta..., output_text.done, content_part.done, output_item.done (function calls:
-function_call_arguments.delta / .done; reasoning: reasoning_text.delta / .done), and response.completed
-carrying the whole response.
+conversation of `previous_response_id` and its `input` (text, or message / reasoning / function_call /
+custom_tool_call / tool output items) become chat messages by vLLM's rules (responses_input.py), its fields the
+chat fields they mean (`max_output_tokens` → max_completion_tokens, `text.format` → response_format, function,
+namespace and custom `tools` → chat functions: responses_tools.py, ...), and `parse_chat` / `chat_params` render
+and check it (chat template, structured outputs, tool grammar, limits). The generation comes back as output
+items (responses_output.py): a `message` with one `output_text` part, and a `function_call` (a custom tool's:
+`custom_tool_call`) item per tool call, read by the same tool-call code as chat (tool_calls.py). With
+--reasoning-parser a `reasoning` item (one `reasoning_text` part) comes first, and the message holds the content
+after the reasoning (server/reasoning.py; `include_reasoning: false` leaves the item out). Streamed, as vLLM's
+events (responses_events.py): response.created, response.in_progress, each item's events, and
+response.completed carrying the whole response.
 
 `store` (default true, as OpenAI) keeps the response and its conversation in memory for
 `previous_response_id` and GET, bounded by TOKENLOOM_RESPONSES_STORE_SIZE (least recently used go first);
-vLLM keeps them in memory too (behind VLLM_ENABLE_RESPONSES_API_STORE, unbounded). Cancel is vLLM's: only a
-background response can be cancelled, and background is refused, so a stored response answers vLLM's 400.
+vLLM keeps them in memory too (behind VLLM_ENABLE_RESPONSES_API_STORE, unbounded). `background` is vLLM's:
+stored queued and answered at once, generated in a task of the server (responses_background.py); cancel stops
+only such a response, any other answers vLLM's 400.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,28 +33,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
 from tokenloom.engine.outputs import CompletionOutput, RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError, generation_error, generation_error_status
 from tokenloom.server.headers import request_priority, response_headers
 from tokenloom.server.params import chat_params
-from tokenloom.server.protocol import ResponsesNamedToolChoice, ResponsesRequest
+from tokenloom.server.protocol import ChatCompletionRequest, ResponsesNamedToolChoice, ResponsesRequest
 from tokenloom.server.reasoning import OutputParser
-from tokenloom.server.request_checks import flat_tool_name
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses import chat_logprobs
+from tokenloom.server.responses_background import EventLog
+from tokenloom.server.responses_events import ItemStream, split_delta
+from tokenloom.server.responses_input import (
+    construct_chat_messages_with_tool_call,
+    construct_input_messages,
+    should_continue_final_message,
+)
+from tokenloom.server.responses_output import build_response_output_items, message_item, new_item_id
+from tokenloom.server.responses_tools import ToolNames, chat_tools
 from tokenloom.server.serving_chat import ChatExtras, parse_chat
-from tokenloom.server.state import get_state
-from tokenloom.server.streaming import SSEResponse, collect
+from tokenloom.server.state import ServerState, get_state
+from tokenloom.server.streaming import SSEResponse, collect, merge_final
 from tokenloom.server.tool_calls import StreamingToolParser, parse_output
+from tokenloom.server.tool_parsers import DeltaMessage
 from tokenloom.server.tools import ToolSetup
 from tokenloom.server.unsupported import reject_unsupported_responses
 
+logger = logging.getLogger(__name__)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Chat fields (what parse_chat's 400s name) → the Responses fields they came from: the `param`, and the
 # words of the message (longest first; not "messages" or "logprobs", which are common words there).
@@ -68,165 +79,26 @@ def _not_found(response_id: str, param: str = "response_id") -> APIError:
 
 
 # Request → chat messages and chat fields ------------------------------------------------------------
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string, or input_text / output_text / refusal parts) as text."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        key = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}.get(kind or "")
-        if key is None:
-            raise APIError(400, f"{where}.content.{j}: only text parts are supported (input_text, output_text, "
-                                f"refusal), got {kind!r}", "input")
-        value = part.get(key)
-        if not isinstance(value, str):
-            raise APIError(400, f"{where}.content.{j}.{key} must be a string", "input")
-        texts.append(value)
-    return "\n".join(texts)
-
-
-def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:
-    """A function call joins the assistant message before it, as vLLM merges them."""
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant":
-        last.setdefault("tool_calls", []).append(call)
-    else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def _add_reasoning(messages: list[dict[str, Any]], where: str, item: dict[str, Any]) -> None:
-    """vLLM's reasoning input item: an assistant message's `reasoning` (its first content part's text, else its
-    first summary's), joining the assistant message before it. The chat templates tokenloom renders do not read
-    it, so, as in vLLM with such a template, it leaves an (empty) assistant turn."""
-    if item.get("encrypted_content"):
-        raise APIError(400, "Encrypted content is not supported.", "input")
-    parts = []
-    for key in ("content", "summary"):
-        value = item.get(key)
-        if (value is None and key == "content") or (isinstance(value, list) and all(
-                isinstance(p, dict) and isinstance(p.get("text"), str) for p in value)):
-            parts.append(value or [])
-            continue
-        raise APIError(400, f"{where}.{key} must be a list of parts with text", "input")
-    content, summary = parts
-    reasoning = (content or summary)[0]["text"] if (content or summary) else ""
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant" and last.get("reasoning") is None:
-        last["reasoning"] = reasoning
-    else:
-        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
-
-
-def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
-    where = f"input.{i}"
-    if not isinstance(item, dict):
-        raise APIError(400, f"{where} must be an object", "input")
-    kind = item.get("type", "message")
-    if kind == "message":
-        role = item.get("role")
-        if role not in ("user", "system", "developer", "assistant"):
-            raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', got {role!r}",
-                           "input")
-        text = _text_of(item.get("content"), where)
-        last = messages[-1] if messages else None
-        if role == "assistant" and last is not None and last["role"] == "assistant" and last.get("content", "") is None:
-            last["content"] = text  # vLLM: the text joins the assistant message a reasoning item began
-        else:
-            messages.append({"role": role, "content": text})
-    elif kind == "reasoning":
-        _add_reasoning(messages, where, item)
-    elif kind == "function_call":
-        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
-        if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-            raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
-        namespace = item.get("namespace")
-        if isinstance(namespace, str) and namespace:  # vLLM: the flat name the model was shown
-            name = flat_tool_name(namespace, name)
-        _add_call(messages, {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-    elif kind == "function_call_output":
-        call_id, output = item.get("call_id"), item.get("output")
-        if not isinstance(call_id, str):
-            raise APIError(400, f"{where}: a function_call_output item needs call_id (a string)", "input")
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
-    else:
-        raise APIError(400, f"{where}.type {kind!r} is not supported (message, reasoning, function_call, "
-                            "function_call_output)", "input")
-
-
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as the chat messages a follow-up continues from (reasoning aside)."""
-    messages: list[dict[str, Any]] = []
-    for item in output:
-        if item["type"] == "message":
-            messages.append({"role": "assistant", "content": "".join(p.get("text", "") for p in item["content"])})
-        elif item["type"] == "function_call":
-            name = flat_tool_name(item["namespace"], item["name"]) if item.get("namespace") else item["name"]
-            _add_call(messages, {"id": item["call_id"], "type": "function",
-                                 "function": {"name": name, "arguments": item["arguments"]}})
-    return messages
+    """A response's output items as the chat messages a follow-up continues from: its text and, unlike vLLM
+    0.32 (which keeps only the text), its tool calls, so that a function_call_output answering one follows the
+    call; reasoning is left out, as vLLM does."""
+    return construct_chat_messages_with_tool_call(
+        [item for item in output if item["type"] != "reasoning" and (item["type"] != "message" or item["content"])])
 
 
 def build_messages(req: ResponsesRequest, previous: StoredResponse | None) -> list[dict[str, Any]]:
     """vLLM's construct_input_messages: instructions (not carried over), the previous conversation, the input."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if previous is not None:
-        messages += [dict(m) for m in previous.messages if m["role"] != "system"]
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        for i, item in enumerate(req.input):
-            _add_item(messages, i, item)
+    messages = construct_input_messages(request_instructions=req.instructions, request_input=req.input,
+                                        prev_msg=previous.messages if previous is not None else None)
     if not messages:
         raise APIError(400, "input must not be empty", "input")
     return messages
 
 
-def namespaced_names(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
-    """Flat name → (name, namespace) of every function in a `namespace` tool (vLLM's
-    build_responses_tool_call_name_map)."""
-    names: dict[str, tuple[str, str]] = {}
-    for tool in tools or []:
-        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
-            for inner in tool.get("tools") or []:
-                if isinstance(inner, dict) and inner.get("type") == "function" and isinstance(inner.get("name"), str):
-                    names[flat_tool_name(tool["name"], inner["name"])] = (inner["name"], tool["name"])
-    return names
-
-
-def _function(fn: dict[str, Any], name: Any = None) -> dict[str, Any]:
-    fields = {k: fn[k] for k in ("name", "description", "parameters", "strict") if fn.get(k) is not None}
-    return {"type": "function", "function": {**fields, **({"name": name} if name is not None else {})}}
-
-
-def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses' flat function tools → chat's {"type": "function", "function": {...}}; a `namespace` tool's
-    functions as `<namespace>__<name>` (vLLM's get_function_tools; its other tools are dropped, as vLLM)."""
-    out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "namespace":
-            namespace, inner = tool.get("name"), tool.get("tools")
-            if not isinstance(namespace, str) or not namespace or not isinstance(inner, list) or not all(
-                    isinstance(t, dict) and isinstance(t.get("name"), str) for t in inner):
-                raise APIError(400, f"tools.{i}: a namespace tool needs a name and a list of named tools", "tools")
-            out += [_function(t, flat_tool_name(namespace, t["name"])) for t in inner if t.get("type") == "function"]
-            continue
-        if kind != "function":
-            raise APIError(400, f"tools.{i}.type {kind!r} is not supported: only function and namespace tools "
-                                "(built-in tools such as web_search, file_search, code_interpreter and mcp need a "
-                                "tool server)", "tools")
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool  # chat's shape, leniently
-        out.append(_function(fn))
-    return out
-
-
 def _chat_tool_choice(choice: Any) -> Any:
-    """Responses' tool_choice (resolved by its request checks, request_checks.py) in chat's shape."""
+    """Responses' tool_choice (resolved by its request checks, request_checks.py) in chat's shape: a named custom
+    tool is the function it is shown as."""
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, ResponsesNamedToolChoice):
@@ -267,19 +139,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
                    "text.format")
 
 
-def continues_final_message(req: ResponsesRequest) -> bool:
-    """vLLM's should_continue_final_message: a last input item that is a message or reasoning item with status
-    in_progress / incomplete is a partial turn the model goes on with (no new generation prompt)."""
-    if isinstance(req.input, str) or not req.input or not isinstance(req.input[-1], dict):
-        return False
-    last = req.input[-1]
-    return last.get("type", "message") in ("message", "reasoning") and last.get("status") in ("in_progress",
-                                                                                                "incomplete")
-
-
 def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request this Responses request means (parse_chat checks and renders it)."""
-    continue_final = continues_final_message(req)
+    continue_final = should_continue_final_message(req.input)
     body: dict[str, Any] = {
         "add_generation_prompt": not continue_final, "continue_final_message": continue_final,
         "model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
@@ -296,26 +158,47 @@ def chat_body(req: ResponsesRequest, obj: dict[str, Any], messages: list[dict[st
         "include_reasoning": req.include_reasoning,
     }
     if req.text is not None and body["response_format"] is not None and req.structured_outputs is not None:
-        raise APIError(400, "Cannot specify both structured_outputs and text.format", "text.format")
-    chat_tools = _chat_tools(req.tools) if req.tools else []
-    if chat_tools:  # vLLM: Responses tools that leave no function are no tools (chat refuses an empty list)
-        body["tools"] = chat_tools
-    if not chat_tools and req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "Cannot specify both structured_outputs and text.format", "structured_outputs")
+    functions = chat_tools(req.tools) if req.tools else []
+    if functions:  # vLLM: Responses tools that leave no function are no tools (chat refuses an empty list)
+        body["tools"] = functions
+    if not functions and req.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice requires a function call, but tools contains no function tool the model "
                             "can call.", "tool_choice")
-    body["tool_choice"] = _chat_tool_choice(req.tool_choice if chat_tools else "none")
+    body["tool_choice"] = _chat_tool_choice(req.tool_choice if functions else "none")
     include = req.include or []
     unknown = [x for x in include if x != LOGPROBS_INCLUDE]
     if unknown:
         raise APIError(400, f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r})", "include")
-    if LOGPROBS_INCLUDE in include:
+    if LOGPROBS_INCLUDE in include:  # vLLM: top_logprobs without it asks for nothing
         body["logprobs"] = True
         body["top_logprobs"] = req.top_logprobs or 0
-    elif req.top_logprobs:
-        raise APIError(400, f"top_logprobs needs include [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
     if req.truncation == "auto":  # vLLM: keep the prompt's end, room for one output token
         body["truncate_prompt_tokens"] = -1
     return {k: v for k, v in body.items() if v is not None}
+
+
+def responses_sampling_params(req: ResponsesRequest, chat: ChatCompletionRequest, prompt_len: int,
+                              max_model_len: int, vocab_size: int, max_logprobs: int,
+                              defaults: dict[str, Any] | None = None,
+                              structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The chat request's sampling parameters, with vLLM's Responses rules on top: a prompt that fills the context
+    is its 400; a max_output_tokens past the whole context is its 400, any other is held to the room the prompt
+    leaves (vLLM's get_max_tokens); and
+    extra_args is a dict even when empty (vLLM's ResponsesRequest.to_sampling_params, which custom logits
+    processors read)."""
+    if prompt_len == max_model_len:  # vLLM's _validate_generator_input (a longer prompt is refused as chat's is)
+        raise APIError(400, f"The engine prompt length {prompt_len} exceeds the max_model_len {max_model_len}. "
+                            "Please reduce prompt.", "input")
+    wanted = req.max_output_tokens
+    if wanted is not None and wanted > max_model_len:
+        raise APIError(400, f"max_output_tokens={wanted} cannot be greater than max_model_len={max_model_len}. "
+                            "Please request fewer output tokens.", "max_output_tokens")
+    if wanted is not None:
+        chat = chat.model_copy(update={"max_completion_tokens": min(wanted, max(max_model_len - prompt_len, 1))})
+    params = chat_params(chat, prompt_len, max_model_len, vocab_size, max_logprobs, defaults, structured_outputs)
+    params.extra_args = params.extra_args or {}
+    return params
 
 
 def _renamed(exc: APIError) -> APIError:
@@ -324,35 +207,6 @@ def _renamed(exc: APIError) -> APIError:
     for chat_name, name in _MESSAGE_NAMES:
         message = message.replace(chat_name, name)
     return APIError(exc.status, message, _FIELD_NAMES.get(exc.param or "", exc.param), exc.headers)
-
-
-# Output items ---------------------------------------------------------------------------------------
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None,
-                 ) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
-                                        "logprobs": logprobs or []}]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
-def reasoning_item(item_id: str, text: str | None, status: str | None) -> dict[str, Any]:
-    """vLLM's ResponseReasoningItem: the reasoning as one reasoning_text part (none while it streams in)."""
-    content = None if text is None else [{"text": text, "type": "reasoning_text"}]
-    return {"id": item_id, "summary": [], "type": "reasoning", "content": content, "encrypted_content": None,
-            "status": status}
-
-
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
-              namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
-    """A function_call item; a namespace's function (flat name in `namespaces`) as its name and namespace."""
-    item = {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
-    if namespaces and name in namespaces:
-        item["name"], item["namespace"] = namespaces[name]
-    return item
 
 
 @dataclass
@@ -367,6 +221,7 @@ class ResponseContext:
     tools: ToolSetup | None
     messages: list[dict[str, Any]]
     prompt: tuple[str, list[int]] | None = None  # the rendered prompt, kept for enable_response_messages
+    events: EventLog | None = None  # a streamed background response's events, kept for GET ?stream=true
     created_at: int = field(default_factory=lambda: int(time.time()))
     extras: ChatExtras = field(default_factory=ChatExtras)  # parse_chat's: the reasoning parsing among them
 
@@ -410,7 +265,7 @@ class ResponseContext:
                                ] if comp.text or comp.token_ids else []
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "background": bool(req.background), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": self.params.max_tokens, "max_tool_calls": None,
             "metadata": req.metadata, "model": self.model, "output": output,
@@ -420,14 +275,22 @@ class ResponseContext:
             "service_tier": req.service_tier or "auto", "store": bool(req.store),
             "temperature": self.params.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": _echo(req.tool_choice), "tools": req.tools or [],
-            "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
+            # vLLM's from_request: the sampling parameters as used (top_logprobs null without the include)
+            "top_logprobs": self.params.logprobs, "top_p": self.params.top_p,
+            "presence_penalty": self.params.presence_penalty, "frequency_penalty": self.params.frequency_penalty,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
             "input_messages": input_messages, "output_messages": output_messages,
         }
 
     def store(self, store: ResponseStore, body: dict[str, Any]) -> None:
-        if self.req.store:
-            store.put(self.response_id, StoredResponse(body, self.messages + output_messages(body["output"])))
+        """Keep (or replace) the stored response; a cancelled one stays as it is (vLLM)."""
+        if not self.req.store:
+            return
+        kept = store.get(self.response_id)
+        if kept is not None and kept.body.get("status") == "cancelled":
+            return
+        store.put(self.response_id, StoredResponse(body, self.messages + output_messages(body["output"]),
+                                                   self.events))
 
 
 def _status(comp: CompletionOutput) -> str:
@@ -436,27 +299,20 @@ def _status(comp: CompletionOutput) -> str:
 
 def whole_output(ctx: ResponseContext, comp: CompletionOutput) -> list[dict[str, Any]]:
     """vLLM's _make_response_output_items: the reasoning (with a reasoning parser) as a reasoning item, the text
-    as a message, each tool call as a function_call item."""
+    as a message, each tool call as a function_call (or custom_tool_call) item."""
     tools = ctx.tools
     calls: list[dict[str, Any]] = []
-    content: str | None = comp.text
-    items = []
+    reasoning, content = None, comp.text
     parser = ctx.output_parser()
     if parser is not None:
         reasoning, content, calls = parser.parse(comp.text)
-        if reasoning:
-            items.append(reasoning_item(_item_id("rs"), reasoning, None))
     elif tools is not None and tools.parses_calls:
         content, calls = parse_output(comp.text, tools)
-    # vLLM: no text (and no call) is a message without content parts; with a reasoning parser, no message then.
-    if content or (not calls and parser is None):
-        shown = not calls and (parser is None or ctx.req.include_reasoning)
-        logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if shown else None
-        items.append(message_item(_item_id("msg"), content or None, "completed", logprobs))
-    namespaces = namespaced_names(ctx.req.tools)
-    items += [call_item(_item_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed",
-                        namespaces) for c in calls]
-    return items
+    shown = not calls and (parser is None or ctx.req.include_reasoning)
+    logprobs = ctx.logprobs(comp.token_ids, comp.logprobs) if shown else None
+    if parser is None and not calls:  # vLLM's fallback without a parser: the message, no part for no text
+        return [message_item(new_item_id("msg"), content or None, "completed", logprobs)]
+    return build_response_output_items(reasoning, content, calls, logprobs, ToolNames.of(ctx.req.tools))
 
 
 # Routes ---------------------------------------------------------------------------------------------
@@ -466,6 +322,9 @@ async def create_response(raw: Request) -> Response:
     reject_unsupported_responses(obj)
     req = parse_model(ResponsesRequest, obj)
     store = state.responses
+    if req.background and store.capacity <= 0:  # vLLM's case: its store off, background is its 400
+        raise APIError(400, "background responses are kept in the response store, which "
+                            "TOKENLOOM_RESPONSES_STORE_SIZE=0 turns off", "background")
     previous = None
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)
@@ -474,11 +333,12 @@ async def create_response(raw: Request) -> Response:
     messages = build_messages(req, previous)
     try:
         chat_req, prompt_ids, extras = await parse_chat(state, chat_body(req, obj, messages))
-        params = chat_params(chat_req, len(prompt_ids), state.max_model_len, state.vocab_size,
-                             state.config.max_logprobs, state.sampling_defaults, extras.structured_outputs)
+        params = responses_sampling_params(req, chat_req, len(prompt_ids), state.max_model_len, state.vocab_size,
+                                           state.config.max_logprobs, state.sampling_defaults,
+                                           extras.structured_outputs)
     except APIError as exc:
         raise _renamed(exc) from None
-    ctx = ResponseContext(req, obj, req.request_id or _item_id("resp"), state.model_name(req.model), params,
+    ctx = ResponseContext(req, obj, req.request_id or new_item_id("resp"), state.model_name(req.model), params,
                           extras.tools, messages, extras=extras)
     if req.enable_response_messages:
         ctx.prompt = (state.tokenizer.decode(prompt_ids, skip_special_tokens=False), list(prompt_ids))
@@ -496,6 +356,8 @@ async def create_response(raw: Request) -> Response:
     except BaseException:
         stream.close()
         raise
+    if req.background:
+        return _start_background(state, ctx, stream)
     if req.stream:
         return SSEResponse(_events(ctx, stream, store), stream)
     finals = await collect(raw, stream)
@@ -510,22 +372,83 @@ async def create_response(raw: Request) -> Response:
     return JSONResponse(body, headers=response_headers(state, raw, out))
 
 
-async def retrieve_response(raw: Request, response_id: str) -> JSONResponse:
-    if raw.query_params.get("stream", "false").lower() not in ("false", "0") or "starting_after" in raw.query_params:
-        raise APIError(400, "only background responses can be streamed again, and background is not supported",
-                       "stream")
+async def retrieve_response(raw: Request, response_id: str) -> Response:
+    """The stored response; with ?stream=true a streamed background response's events again, after the
+    sequence number `starting_after` (vLLM's)."""
     stored = get_state(raw).responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    return JSONResponse(stored.body)
+    if raw.query_params.get("stream", "false").lower() in ("false", "0"):
+        return JSONResponse(stored.body)
+    if stored.events is None:  # vLLM's words: only a background response streamed when created has events
+        raise APIError(400, f"Unknown response_id: {response_id}", "response_id")
+    after = raw.query_params.get("starting_after")
+    if after is not None and not after.lstrip("-").isdigit():
+        raise APIError(400, f"starting_after must be an integer, got {after[:40]!r}", "starting_after")
+    return _replay(stored.events, int(after) if after is not None else None)
 
 
 async def cancel_response(raw: Request, response_id: str) -> JSONResponse:
-    stored = get_state(raw).responses.get(response_id)
+    """vLLM's rule: only a queued or in-progress (background) response can be cancelled; it stays cancelled."""
+    state = get_state(raw)
+    stored = state.responses.get(response_id)
     if stored is None:
         raise _not_found(response_id)
-    # vLLM's rule: only a queued or in-progress (background) response can be cancelled.
-    raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    if stored.body.get("status") not in ("queued", "in_progress"):
+        raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    stored.body["status"] = "cancelled"
+    await state.background.cancel(response_id)
+    return JSONResponse(stored.body)
+
+
+# Background -----------------------------------------------------------------------------------------
+def _replay(events: EventLog, starting_after: int | None = None) -> StreamingResponse:
+    """Events of a background response: they go on without this client, which may leave at any time."""
+    return StreamingResponse(events.replay(starting_after), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _start_background(state: ServerState, ctx: ResponseContext, stream: RequestStream) -> Response:
+    """vLLM's background mode: the response is stored queued and answered at once (streamed: its events as they
+    come), and the generation goes on in a task of the server, without the client."""
+    queued = ctx.response("queued", [], None)
+    if ctx.req.stream:
+        ctx.events = EventLog()
+    ctx.store(state.responses, queued)
+    state.background.start(ctx.response_id, _run_in_background(ctx, stream, state.responses),
+                           lambda: _end_background(ctx, stream, state.responses))
+    return _replay(ctx.events) if ctx.events is not None else JSONResponse(queued)
+
+
+async def _run_in_background(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> None:
+    """Generate a background response to its end and store it (_end_background follows, however it ends)."""
+    try:
+        if ctx.events is not None:
+            async for frame in _events(ctx, stream, store):
+                ctx.events.append(frame)
+            return
+        last: RequestOutput | None = None
+        async for out in stream:
+            last = merge_final(last, out)
+        comp = last.outputs[0] if last is not None else None
+        if comp is not None and comp.finish_reason != "error":
+            ctx.store(store, ctx.response(_status(comp), whole_output(ctx, comp), last))
+    except EngineDeadError:
+        pass  # stored failed by _end_background
+    except Exception:
+        logger.exception("background response %s failed", ctx.response_id)
+
+
+def _end_background(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> None:
+    """After a background run, even one cancelled before it started (vLLM's cancel): its engine request aborted if
+    unfinished, its event log closed, and a response that came to no end (an error) stored failed, as vLLM marks
+    it."""
+    stream.close()
+    if ctx.events is not None:
+        ctx.events.close()
+    kept = store.get(ctx.response_id)
+    if kept is not None and kept.body.get("status") == "queued":
+        kept.body["status"] = "failed"
 
 
 # Streaming ------------------------------------------------------------------------------------------
@@ -542,106 +465,19 @@ class _EventWriter:
         return f"event: {event['type']}\ndata: {data}\n\n"
 
 
-@dataclass
-class _OpenItem:
-    index: int
-    item: dict[str, Any]
-    text: str = ""  # the message's text, or the call's arguments, so far
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-
-
-class _ItemStream:
-    """Output items as their events: at most one open at a time (vLLM's SimpleStreamingEventProcessor)."""
-
-    def __init__(self, ctx: ResponseContext) -> None:
-        self.ctx = ctx
-        self.done: list[dict[str, Any]] = []
-        self.open: _OpenItem | None = None
-
-    def text(self, delta: str, logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        events = []
-        if self.open is None or self.open.item["type"] != "message":
-            events += self.close()
-            item = message_item(_item_id("msg"), None, "in_progress")
-            self.open = _OpenItem(len(self.done), item)
-            events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
-            events.append({"type": "response.content_part.added", "item_id": item["id"],
-                           "output_index": self.open.index, "content_index": 0,
-                           "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-        self.open.text += delta
-        self.open.logprobs += logprobs or []
-        events.append({"type": "response.output_text.delta", "item_id": self.open.item["id"],
-                       "output_index": self.open.index, "content_index": 0, "delta": delta,
-                       "logprobs": logprobs or []})
-        return events
-
-    def reasoning(self, delta: str) -> list[dict[str, Any]]:
-        """vLLM's emit_simple_reasoning_open / _delta: a reasoning item opened on its first piece."""
-        events = []
-        if self.open is None or self.open.item["type"] != "reasoning":
-            events += self.close()
-            item = reasoning_item(_item_id("rs"), None, "in_progress")
-            self.open = _OpenItem(len(self.done), item)
-            events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
-            events.append({"type": "response.content_part.added", "item_id": item["id"],
-                           "output_index": self.open.index, "content_index": 0,
-                           "part": {"text": "", "type": "reasoning_text"}})
-        self.open.text += delta
-        events.append({"type": "response.reasoning_text.delta", "item_id": self.open.item["id"],
-                       "output_index": self.open.index, "content_index": 0, "delta": delta})
-        return events
-
-    def call(self, call_id: str, name: str) -> list[dict[str, Any]]:
-        events = self.close()
-        item = call_item(_item_id("fc"), call_id, name, "", "in_progress", namespaced_names(self.ctx.req.tools))
-        self.open = _OpenItem(len(self.done), item)
-        events.append({"type": "response.output_item.added", "output_index": self.open.index, "item": item})
-        return events
-
-    def arguments(self, delta: str) -> list[dict[str, Any]]:
-        if self.open is None or self.open.item["type"] != "function_call" or not delta:
-            return []
-        self.open.text += delta
-        return [{"type": "response.function_call_arguments.delta", "item_id": self.open.item["id"],
-                 "output_index": self.open.index, "delta": delta}]
-
-    def close(self) -> list[dict[str, Any]]:
-        if self.open is None:
-            return []
-        o, self.open = self.open, None
-        item_id, index = o.item["id"], o.index
-        if o.item["type"] == "message":
-            item = message_item(item_id, o.text, "completed", o.logprobs if self.ctx.wants_logprobs else None)
-            part = item["content"][0]
-            events = [{"type": "response.output_text.done", "item_id": item_id, "output_index": index,
-                       "content_index": 0, "text": o.text, "logprobs": part["logprobs"]},
-                      {"type": "response.content_part.done", "item_id": item_id, "output_index": index,
-                       "content_index": 0, "part": part}]
-        elif o.item["type"] == "reasoning":  # vLLM's emit_simple_reasoning_done
-            item = reasoning_item(item_id, o.text, "completed")
-            events = [{"type": "response.reasoning_text.done", "item_id": item_id, "output_index": index,
-                       "content_index": 0, "text": o.text},
-                      {"type": "response.content_part.done", "item_id": item_id, "output_index": index,
-                       "content_index": 0, "part": item["content"][0]}]
-        else:
-            item = {**o.item, "arguments": o.text, "status": "completed"}
-            events = [{"type": "response.function_call_arguments.done", "item_id": item_id, "output_index": index,
-                       "name": item["name"], "arguments": o.text}]
-        events.append({"type": "response.output_item.done", "output_index": index, "item": item})
-        self.done.append(item)
-        return events
-
-
 async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> AsyncIterator[str]:
     write = _EventWriter()
     initial = ctx.response("in_progress", [], None)
     yield write({"type": "response.created", "response": initial})
     yield write({"type": "response.in_progress", "response": initial})
-    items = _ItemStream(ctx)
+    items = ItemStream(ToolNames.of(ctx.req.tools), ctx.wants_logprobs)
     output_parser = ctx.output_parser()
     parser = StreamingToolParser(ctx.tools) if ctx.tools is not None and ctx.tools.parses_calls else None
     if output_parser is not None:
         parser = None  # the output parser runs the tool calls after the reasoning
+    # Logprobs follow the tokens only while the text is the model's own (no tool parser holding any back); behind
+    # a reasoning parser they are the step's, as vLLM's, unless the reasoning is hidden.
+    text_logprobs = parser is None and (output_parser is None or ctx.req.include_reasoning)
     last: RequestOutput | None = None
     status = "completed"
     try:
@@ -656,27 +492,15 @@ async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseSt
             if output_parser is not None:
                 message = output_parser.parse_delta(comp.delta_text, comp.delta_token_ids, out.prompt_token_ids,
                                                     final)
-                delta: dict[str, Any] = message.as_delta() if message is not None else {}
+                delta = DeltaMessage.model_validate(message.as_delta()) if message is not None else DeltaMessage()
             elif parser is None:
-                delta = {"content": comp.delta_text} if comp.delta_text else {}
+                delta = DeltaMessage(content=comp.delta_text or None)
             else:
-                delta = parser.feed(comp.delta_text, final, comp.delta_token_ids) or {}
-            if delta.get("reasoning"):  # vLLM's split_delta order: reasoning, then content, then tool calls
-                for event in items.reasoning(delta["reasoning"]):
-                    yield write(event)
-            if delta.get("content"):
-                # Logprobs follow the tokens only while the text is the model's own (no tool parser holding any
-                # back); behind a reasoning parser they are the step's, as vLLM's, unless the reasoning is hidden.
-                shown = parser is None and (output_parser is None or ctx.req.include_reasoning)
-                logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) if shown else None
-                for event in items.text(delta["content"], logprobs):
-                    yield write(event)
-            for tc in delta.get("tool_calls") or []:
-                fn = tc.get("function") or {}
-                if tc.get("id"):
-                    for event in items.call(tc["id"], fn.get("name") or ""):
-                        yield write(event)
-                for event in items.arguments(fn.get("arguments") or ""):
+                delta = DeltaMessage.model_validate(parser.feed(comp.delta_text, final, comp.delta_token_ids) or {})
+            for piece in split_delta(delta):
+                logprobs = ctx.logprobs(comp.delta_token_ids, comp.delta_logprobs) \
+                    if piece.content and text_logprobs else None
+                for event in items.feed(piece, logprobs):
                     yield write(event)
             if final:
                 status = _status(comp)

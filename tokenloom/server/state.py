@@ -20,6 +20,7 @@ from tokenloom.reasoning import ReasoningParser, ReasoningParserManager
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.response_store import ResponseStore
+from tokenloom.server.responses_background import BackgroundRuns
 from tokenloom.server.serving_models import ServingModels
 
 if TYPE_CHECKING:  # the tokenizer module imports torch
@@ -47,6 +48,7 @@ class ServerState:
         self.vocab_size = engine.info.vocab_size
         self.server_load = 0  # generation requests in flight (GET /load)
         self.responses = ResponseStore(envs.TOKENLOOM_RESPONSES_STORE_SIZE)  # /v1/responses with store
+        self.background = BackgroundRuns()  # /v1/responses with background: the runs in flight
         # The model's generation_config.json defaults (empty with --generation-config vllm).
         self.sampling_defaults = dict(getattr(engine.info, "sampling_defaults", None) or {})
         self.created = int(time.time())
@@ -65,12 +67,19 @@ class ServerState:
             engine.stat_loggers.append(self.stat_logger.record)
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None:
+        """The name to answer with: the one requested, the served model's when none is (vLLM: an empty name too)
+        or when VLLM_SKIP_MODEL_NAME_VALIDATION takes any name; else vLLM's 404."""
+        if not requested:
             return self.model_names[0]
-        if not self.models.is_served(requested):
-            raise APIError(404, f"The model `{requested}` does not exist.", "model")
-        return requested
+        if self.models.is_served(requested):
+            return requested
+        if envs.VLLM_SKIP_MODEL_NAME_VALIDATION:
+            return self.model_names[0]
+        raise self.unknown_model(requested)
+
+    def unknown_model(self, requested: str) -> APIError:
+        return APIError(404, f"The model `{requested}` does not exist. Valid aliases: {', '.join(self.model_names)}.",
+                        "model")
 
     def check_generates(self) -> None:
         """A generation endpoint on a pooling model: 400 naming the endpoints it serves, before any chat

@@ -98,6 +98,23 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
 def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
                           tool_strict_level: str = "auto") -> StructuredOutputsParams | None:
     """The request's one constraint (None: free text); 400 for two, or for one that is invalid."""
+    field, so = requested_structured_outputs(obj, tools, tool_strict_level)
+    if so is None:
+        return None
+    # Imported here: xgrammar (and torch) load in the API process only once a constraint arrives.
+    from tokenloom.model.grammar import validate_structured_outputs
+
+    try:
+        validate_structured_outputs(so)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"{field}: {exc}", field) from None
+    return so
+
+
+def requested_structured_outputs(obj: dict[str, Any], tools: ToolSetup | None = None, tool_strict_level: str = "auto",
+                                 ) -> tuple[str, StructuredOutputsParams | None]:
+    """The request field that asks for a constraint, and the constraint as asked (its grammar not compiled yet:
+    structured_outputs_of checks that); 400 for two, or for one of the wrong shape."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if obj.get("response_format") is not None:
         so = _named("response_format", _from_response_format, obj["response_format"])
@@ -117,13 +134,4 @@ def structured_outputs_of(obj: dict[str, Any], tools: ToolSetup | None = None,
         with_tools = _named("tools", tool_structured_outputs, tools, so, tool_strict_level)
         if with_tools is not so:
             field, so = "tools", with_tools
-    if so is None:
-        return None
-    # Imported here: xgrammar (and torch) load in the API process only once a constraint arrives.
-    from tokenloom.model.grammar import validate_structured_outputs
-
-    try:
-        validate_structured_outputs(so)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"{field}: {exc}", field) from None
-    return so
+    return field, so

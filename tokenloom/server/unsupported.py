@@ -57,8 +57,6 @@ POOLING: dict[str, Unsupported] = {
 
 # POST /v1/responses: what vLLM's ResponsesRequest knows and tokenloom does not serve.
 RESPONSES: dict[str, Unsupported] = {
-    "background": Unsupported("background responses are not supported (responses run while the request is "
-                              "open; store keeps them for previous_response_id and GET)", (False,)),
     "prompt": Unsupported("prompt template is not supported"),
     "max_tool_calls": Unsupported("max_tool_calls limits built-in tools, which tokenloom does not run"),
     "conversation": Unsupported("conversations are not supported; use previous_response_id"),
@@ -105,8 +103,8 @@ def reject_unsupported_pooling(body: dict[str, Any]) -> None:
 
 
 def reject_unsupported_responses(body: dict[str, Any]) -> None:
-    # vLLM's own check comes first (its request model's validator): background without store is a mistake
-    # whether or not background is served.
+    # vLLM's own check comes first (its request model's validator): a background response is kept only in the
+    # store.
     if body.get("background") and not body.get("store", True):
         raise APIError(400, "background can only be used when `store` is true", "background")
     reject_unsupported(body, COMMON)
