@@ -9,14 +9,14 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
 from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import BatchChatCompletionRequest
-from tokenloom.server.responses import UsageCounter
+from tokenloom.server.responses import JSONResponse, UsageCounter
 from tokenloom.server.serving_chat import chat_choice, echo_text, parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import collect

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.beam_search_async import BeamSearchStream
@@ -35,7 +35,7 @@ from tokenloom.server.params import (
 )
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.reasoning import OutputParser, ReasoningSetup
-from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
+from tokenloom.server.responses import JSONResponse, UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
 from tokenloom.server.structured import structured_outputs_of

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
@@ -46,7 +46,7 @@ from tokenloom.server.protocol import ResponsesNamedToolChoice, ResponsesRequest
 from tokenloom.server.reasoning import OutputParser
 from tokenloom.server.request_checks import flat_tool_name
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.responses import chat_logprobs
+from tokenloom.server.responses import JSONResponse, chat_logprobs
 from tokenloom.server.serving_chat import ChatExtras, parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect
