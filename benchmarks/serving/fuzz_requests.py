@@ -471,6 +471,39 @@ def combined_cases(draw: st.DrawFn, model: str) -> Case:
     return Case("POST", path, _encode(body), stream=body.get("stream") is True)
 
 
+# What a model may write where the server parses its output (tool calls here; the grammar makes the model write
+# it): broken JSON, wrong types, escapes of half a UTF-16 pair, nested or unclosed tags, SSE lookalikes.
+HOSTILE_OUTPUTS = [
+    '<tool_call>{"name": 5}</tool_call>', "<tool_call>[1,2]</tool_call>", "<tool_call>null</tool_call>",
+    '<tool_call>{"name": "get_weather", "arguments": 5}</tool_call>', "<tool_call>{</tool_call>",
+    '<tool_call>{"name": "get_weather", "arguments": "x"}</tool_call>', '<tool_call>{"name": "get_weather"',
+    '<tool_call><tool_call>{"name":"x"}</tool_call>', "</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": null, "arguments": null}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "\\udfff\\ud83d"}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": 1e999}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "\\u0000"}}</tool_call>',
+    'x<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>y<tool_call>{"name": 1}</tool_call>',
+    '"\\ud800"', "data: [DONE]\n\n", "<think>x</think>", '{"a": "\\ud800"}',
+]
+
+
+@st.composite
+def forced_output_cases(draw: st.DrawFn, model: str) -> Case:
+    """A valid request whose output the server parses, with the output forced to something hostile."""
+    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/responses"]))
+    output = draw(st.sampled_from(HOSTILE_OUTPUTS))
+    # No max_tokens: the tools' prompt takes most of the small context, and the choice ends the output anyway.
+    body: dict[str, Any] = {"model": model, "structured_outputs": {"choice": [output]}, "stream": draw(st.booleans())}
+    if path == "/v1/responses":
+        body.update(input="hi", tools=[{"type": "function", "name": "get_weather",
+                                        "parameters": TOOL["function"]["parameters"]}])
+    else:
+        body.update(messages=MSGS, tools=[TOOL], logprobs=draw(st.booleans()))
+    return Case("POST", path, _encode(body), stream=body["stream"])
+
+
 @st.composite
 def raw_cases(draw: st.DrawFn, paths: list[str], model: str) -> Case:
     """Bytes that are not the JSON the route wants, or a right body under a wrong content type."""
@@ -513,21 +546,24 @@ def get_cases(draw: st.DrawFn, model: str) -> Case:
     return Case(method, path, None, headers={})
 
 
-def all_cases(target: Target) -> st.SearchStrategy[Case]:
+# The kinds of case (--only picks some) and their weights in the mix.
+KINDS = {"fields": 3, "combined": 2, "forced": 2, "raw": 1, "leave": 1, "get": 1}
+
+
+def all_cases(target: Target, kinds: list[str]) -> st.SearchStrategy[Case]:
     raw_paths = sorted({k.split("#")[0].replace("{id}", "resp_x") for k in target.table})
-    bodies = json_cases(target)
     model = target.model
-    combined = combined_cases(model)
-    return st.one_of(bodies, bodies, bodies, combined, combined, raw_cases(raw_paths, model), leaving_cases(model),
-                     get_cases(model))
+    strategies = {"fields": json_cases(target), "combined": combined_cases(model), "forced": forced_output_cases(model),
+                  "raw": raw_cases(raw_paths, model), "leave": leaving_cases(model), "get": get_cases(model)}
+    return st.one_of([strategies[kind] for kind in kinds for _ in range(KINDS[kind])])
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
 
 # Python's own words for a failure the code did not foresee (tests/test_malformed_sweep.py's UNCLEAR).
-UNCLEAR = re.compile(r"^(?:'[^']*' object (?:is not|has no|cannot)|unhashable type|(?:list|tuple|string) index out of "
-                     r"range|'[^']*' not supported between|\w+\(\) (?:takes|got|missing|should|argument)|'[^']*'$|"
-                     r"None$|[A-Za-z]*Error\b)")
+UNCLEAR = re.compile(r"^(?:'[^']*' object (?:is not|has no|cannot)|'[^']*' codec can't|unhashable type|"
+                     r"(?:list|tuple|string) index out of range|'[^']*' not supported between|"
+                     r"\w+\(\) (?:takes|got|missing|should|argument)|'[^']*'$|None$|[A-Za-z]*Error\b)")
 FALLBACK_LOG = re.compile(r": \d{3} from \w+: |unhandled error in |Traceback \(most recent call last\)")
 SSE_SERVER_ERROR = re.compile(rb'"code":\s*5\d\d')
 
@@ -548,6 +584,7 @@ class Tally:
     notes: dict[str, int] = field(default_factory=dict)
     note_examples: dict[str, Any] = field(default_factory=dict)
     by_path: dict[str, dict[int, int]] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)  # "path: message head" -> count, to see what was reached
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, kind: str, where: str, detail: str, case: Case | None = None) -> None:
@@ -560,8 +597,14 @@ class Tally:
         with self.lock:
             self.sent += 1
             self.statuses[status] = self.statuses.get(status, 0) + 1
-            per_path = self.by_path.setdefault(path, {})
+            per_path = self.by_path.setdefault(path if len(path) < 60 else path[:40] + "...", {})
             per_path[status] = per_path.get(status, 0) + 1
+
+    def refused(self, path: str, message: str) -> None:
+        head = re.sub(r"\d+", "N", message[:70])
+        with self.lock:
+            key = f"{path[:40]}: {head}"
+            self.refusals[key] = self.refusals.get(key, 0) + 1
 
     def note(self, what: str, example: Any = None) -> None:
         """Something worth a look that breaks no rule; the first example kept."""
@@ -583,6 +626,8 @@ def check_error_body(tally: Tally, case: Case, status: int, content: bytes) -> N
         tally.fail("error body not vLLM's shape", case.path, f"{status} {content[:200]!r}", case)
     elif UNCLEAR.search(err["message"]):
         tally.fail("message in Python's words", case.path, f"{status} {err['message']}", case)
+    else:
+        tally.refused(case.path, err["message"])
 
 
 def check_stream(tally: Tally, case: Case, content: bytes, complete: bool) -> None:
@@ -596,7 +641,7 @@ def check_stream(tally: Tally, case: Case, content: bytes, complete: bool) -> No
             except ValueError:
                 tally.fail("stream event not JSON", case.path, data[:200].decode(errors="replace"), case)
                 return
-    if b'"error"' in content:
+    if b'"error":{' in content:
         tally.note(f"4xx error event in a 200 stream: {case.path}",
                    {"request": case.describe(), "answer": content[-400:].decode(errors="replace")})
     if complete and case.path != "/v1/responses" and (not events or events[-1] != b"[DONE]"):
@@ -777,13 +822,13 @@ class Fuzzer:
         self.tally.note(f"batch written to {path}")
 
 
-def fuzz(fuzzer: Fuzzer, batches: int, batch_size: int, seed: int) -> None:
+def fuzz(fuzzer: Fuzzer, batches: int, batch_size: int, seed: int, kinds: list[str]) -> None:
     pending: list[Case] = []
 
     @settings(max_examples=batches * batch_size, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=all_cases(Target(fuzzer.model, fuzzer.vocab)))
+    @given(case=all_cases(Target(fuzzer.model, fuzzer.vocab), kinds))
     def collect(case: Case) -> None:
         pending.append(case)
         if len(pending) >= batch_size:
@@ -802,7 +847,8 @@ def report(tally: Tally) -> dict[str, Any]:
               for k, v in sorted(tally.findings.items(), key=lambda kv: -len(kv[1]))]
     return {"answers": tally.sent, "statuses": dict(sorted(tally.statuses.items())),
             "by_path": {p: dict(sorted(s.items())) for p, s in sorted(tally.by_path.items())},
-            "notes": tally.notes, "note_examples": tally.note_examples, "failures": groups}
+            "notes": tally.notes, "note_examples": tally.note_examples,
+            "refusals": dict(sorted(tally.refusals.items(), key=lambda kv: -kv[1])), "failures": groups}
 
 
 def print_report(summary: dict[str, Any]) -> None:
@@ -827,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=8, help="requests of a batch in flight at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default=",".join(KINDS), help=f"comma-separated kinds of case, of {list(KINDS)}")
     p.add_argument("--json", type=Path, help="write every failure group here")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)")
     args = p.parse_args(argv)
@@ -839,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: tokenloom serve {' '.join(server_args + COMMON_ARGS)} (logs in {log_dir})", flush=True)
         fuzzer.start()
         try:
-            fuzz(fuzzer, args.batches, args.batch_size, args.seed)
+            fuzz(fuzzer, args.batches, args.batch_size, args.seed, args.only.split(","))
         finally:
             fuzzer.stop()
     summary = report(tally)
