@@ -522,6 +522,16 @@ def test_tool_arguments_escaping_half_a_surrogate_pair_are_served(gen_http, path
     assert json.loads(call["arguments"]) == {"city": "\ud800"}, r.text
 
 
+def test_a_batch_chat_whose_grammar_dead_ends_is_400(gen_http) -> None:
+    """allowed_token_ids that the grammar allows none of: the engine ends each conversation with its error. The batch
+    endpoint read that error from the completion instead of the request: an AttributeError, a 500 that also reset
+    the connection. Now the batch fails as one chat does, with the grammar's 400."""
+    body = {"model": MODEL, "messages": [MSGS, MSGS], "max_tokens": 4, "structured_outputs": {"choice": ["yes"]},
+            "allowed_token_ids": [2]}
+    r = gen_http.post("/v1/chat/completions/batch", json=body)
+    assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], r.text
+
+
 def test_malformed_requests_beside_running_ones_lose_nothing(gen_http) -> None:
     """Bad requests arriving while good ones run (a stream and a batch of plain requests): the good ones finish
     with the tokens they get alone, each bad one gets its 4xx."""
