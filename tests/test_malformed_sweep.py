@@ -522,6 +522,19 @@ def test_tool_arguments_escaping_half_a_surrogate_pair_are_served(gen_http, path
     assert json.loads(call["arguments"]) == {"city": "\ud800"}, r.text
 
 
+def test_every_json_writer_escapes_half_a_surrogate_pair() -> None:
+    """The same text through the server's other writers: SSE chunks, whole answers and the Responses stream's events
+    (a tool parser that re-serializes streamed arguments, phi4_mini_json's, put one there: Starlette's UTF-8 encoding
+    of the event raised mid-stream and the connection dropped without [DONE])."""
+    from tokenloom.server.responses import JSONResponse, sse
+    from tokenloom.server.serving_responses import _EventWriter
+
+    event = {"type": "response.function_call_arguments.done", "arguments": '{"city": "\ud800"}'}
+    for text in (sse(dict(event)), JSONResponse(dict(event)).body.decode(), _EventWriter()(dict(event))):
+        assert json.loads(text.split("data: ", 1)[-1])["arguments"] == event["arguments"], text
+        text.encode("utf-8")
+
+
 def test_a_batch_chat_whose_grammar_dead_ends_is_400(gen_http) -> None:
     """allowed_token_ids that the grammar allows none of: the engine ends each conversation with its error. The batch
     endpoint read that error from the completion instead of the request: an AttributeError, a 500 that also reset

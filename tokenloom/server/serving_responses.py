@@ -24,7 +24,6 @@ background response can be cancelled, and background is refused, so a stored res
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,7 +45,7 @@ from tokenloom.server.protocol import ResponsesNamedToolChoice, ResponsesRequest
 from tokenloom.server.reasoning import OutputParser
 from tokenloom.server.request_checks import flat_tool_name
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.responses import JSONResponse, chat_logprobs
+from tokenloom.server.responses import JSONResponse, chat_logprobs, json_text
 from tokenloom.server.serving_chat import ChatExtras, parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect
@@ -538,8 +537,7 @@ class _EventWriter:
     def __call__(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self.sequence_number
         self.sequence_number += 1
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {event['type']}\ndata: {data}\n\n"
+        return f"event: {event['type']}\ndata: {json_text(event, allow_nan=True)}\n\n"
 
 
 @dataclass
