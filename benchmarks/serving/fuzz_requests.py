@@ -39,6 +39,7 @@ import concurrent.futures
 import copy
 import json
 import re
+import shlex
 import socket
 import sys
 import tempfile
@@ -508,6 +509,13 @@ HOSTILE_OUTPUTS = [
     '<tool_call>{"name": "get_weather", "arguments": {"city": "\\u0000"}}</tool_call>',
     'x<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>y<tool_call>{"name": 1}</tool_call>',
     '"\\ud800"', "data: [DONE]\n\n", "<think>x</think>", '{"a": "\\ud800"}',
+    # the other parsers' shapes (--server-args "--tool-call-parser NAME"): llama3_json, pythonic, qwen3_coder, phi4
+    '{"name": "get_weather", "parameters": {"city": "\\ud800"}}', '{"name": 5, "parameters": []}',
+    '{"name": "get_weather", "parameters": {"city": "x"}}; {"name": "get_weather"', "[get_weather(city='x'), 5]",
+    '[get_weather(city="\\ud800")]', "[get_weather(city=x)]", "[get_weather(**{'city': 1})]", "[(lambda: 1)()]",
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n\\ud800\n</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=get_weather>\n<parameter=nope>\n5\n</parameter>\n</function>",
+    'functools[{"name": "get_weather", "arguments": {"city": "\\ud800"}}]', "functools[{]",
 ]
 
 
@@ -894,6 +902,7 @@ def print_report(summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model path (default: the default model)")
+    p.add_argument("--server-args", default="", help="more `tokenloom serve` flags for every configuration")
     p.add_argument("--configs", default="plain,spec", help=f"comma-separated, of {sorted(CONFIGS)}")
     p.add_argument("--batches", type=int, default=12, help="batches per configuration")
     p.add_argument("--batch-size", type=int, default=40)
@@ -907,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     tally = Tally()
     for name in args.configs.split(","):
-        server_args = ([args.model] if args.model else []) + CONFIGS[name]
+        server_args = ([args.model] if args.model else []) + CONFIGS[name] + shlex.split(args.server_args)
         fuzzer = Fuzzer(name, server_args, tally, args.concurrency, log_dir)
         print(f"{name}: tokenloom serve {' '.join(server_args + COMMON_ARGS)} (logs in {log_dir})", flush=True)
         fuzzer.start()
