@@ -534,6 +534,30 @@ def forced_output_cases(draw: st.DrawFn, model: str) -> Case:
     return Case("POST", path, _encode(body), stream=body["stream"])
 
 
+# Requests that pass every check and that the engine then ends with an error (a grammar allowing none of the allowed
+# tokens): the handlers' rarely run error paths, on every generation endpoint, streamed or not.
+DEAD_ENDS = [{"structured_outputs": {"choice": ["yes", "no"]}, "allowed_token_ids": [5]},
+             {"structured_outputs": {"regex": "[0-9]+"}, "allowed_token_ids": [504, 3458]},
+             {"response_format": {"type": "json_object"}, "allowed_token_ids": [504]}]
+
+
+@st.composite
+def failing_cases(draw: st.DrawFn, model: str) -> Case:
+    path = draw(st.sampled_from(sorted(VALID_BASES)))
+    body: dict[str, Any] = {"model": model, **copy.deepcopy(VALID_BASES[path]), **draw(st.sampled_from(DEAD_ENDS))}
+    if path == "/v1/completions":
+        body.pop("response_format", None)
+        body.setdefault("structured_outputs", {"json_object": True})
+    extras = {"n": 2, "temperature": 1.0, "logprobs": True if path != "/v1/completions" else 2, "echo": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+    for name in draw(st.lists(st.sampled_from(sorted(extras)), max_size=3, unique=True)):
+        body[name] = extras[name]
+    if path.endswith("/batch"):
+        body.pop("stream", None)
+        body.pop("n", None)
+    return Case("POST", path, _encode(body), stream=body.get("stream") is True)
+
+
 @st.composite
 def raw_cases(draw: st.DrawFn, paths: list[str], model: str) -> Case:
     """Bytes that are not the JSON the route wants, or a right body under a wrong content type."""
@@ -577,13 +601,14 @@ def get_cases(draw: st.DrawFn, model: str) -> Case:
 
 
 # The kinds of case (--only picks some) and their weights in the mix.
-KINDS = {"fields": 3, "combined": 2, "forced": 2, "raw": 1, "leave": 1, "get": 1}
+KINDS = {"fields": 3, "combined": 2, "forced": 2, "fail": 1, "raw": 1, "leave": 1, "get": 1}
 
 
 def all_cases(target: Target, kinds: list[str]) -> st.SearchStrategy[Case]:
     raw_paths = sorted({k.split("#")[0].replace("{id}", "resp_x") for k in target.table})
     model = target.model
     strategies = {"fields": json_cases(target), "combined": combined_cases(model), "forced": forced_output_cases(model),
+                  "fail": failing_cases(model),
                   "raw": raw_cases(raw_paths, model), "leave": leaving_cases(model), "get": get_cases(model)}
     return st.one_of([strategies[kind] for kind in kinds for _ in range(KINDS[kind])])
 
