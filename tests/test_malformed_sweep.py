@@ -501,6 +501,50 @@ def test_a_grammar_that_matches_nothing_is_400(gen_http) -> None:
     assert gen_http.post("/v1/completions", json=body).status_code == 200
 
 
+# Found by benchmarks/serving/fuzz_requests.py (docs/reliability.md, "The request fuzzer"): one request each.
+_HALF_PAIR_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": MSGS, "tools": [TOOL], "max_tokens": 96}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 96, "tools": [{"type": "function", "name": "get_weather",
+                                                                       "parameters": {"type": "object"}}]}),
+])
+def test_tool_arguments_escaping_half_a_surrogate_pair_are_served(gen_http, path, body) -> None:
+    """A model may write the JSON escape of half a UTF-16 pair in a tool call's arguments (here the grammar makes
+    it); the tool parser reads it into text that UTF-8 cannot encode, and rendering the whole answer raised
+    UnicodeEncodeError: a valid request's generation lost in a 400 in Python's words (vLLM: a 500). The answer now
+    writes it back as the same JSON escape."""
+    r = gen_http.post(path, json={"model": MODEL, **body, "structured_outputs": {"choice": [_HALF_PAIR_CALL]}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    call = out["choices"][0]["message"]["tool_calls"][0]["function"] if "choices" in out else out["output"][0]
+    assert json.loads(call["arguments"]) == {"city": "\ud800"}, r.text
+
+
+def test_every_json_writer_escapes_half_a_surrogate_pair() -> None:
+    """The same text through the server's other writers: SSE chunks, whole answers and the Responses stream's events
+    (a tool parser that re-serializes streamed arguments, phi4_mini_json's, put one there: Starlette's UTF-8 encoding
+    of the event raised mid-stream and the connection dropped without [DONE])."""
+    from tokenloom.server.responses import JSONResponse, sse
+    from tokenloom.server.serving_responses import _EventWriter
+
+    event = {"type": "response.function_call_arguments.done", "arguments": '{"city": "\ud800"}'}
+    for text in (sse(dict(event)), JSONResponse(dict(event)).body.decode(), _EventWriter()(dict(event))):
+        assert json.loads(text.split("data: ", 1)[-1])["arguments"] == event["arguments"], text
+        text.encode("utf-8")
+
+
+def test_a_batch_chat_whose_grammar_dead_ends_is_400(gen_http) -> None:
+    """allowed_token_ids that the grammar allows none of: the engine ends each conversation with its error. The batch
+    endpoint read that error from the completion instead of the request: an AttributeError, a 500 that also reset
+    the connection. Now the batch fails as one chat does, with the grammar's 400."""
+    body = {"model": MODEL, "messages": [MSGS, MSGS], "max_tokens": 4, "structured_outputs": {"choice": ["yes"]},
+            "allowed_token_ids": [2]}
+    r = gen_http.post("/v1/chat/completions/batch", json=body)
+    assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], r.text
+
+
 def test_malformed_requests_beside_running_ones_lose_nothing(gen_http) -> None:
     """Bad requests arriving while good ones run (a stream and a batch of plain requests): the good ones finish
     with the tokens they get alone, each bad one gets its 4xx."""

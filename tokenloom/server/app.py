@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -33,6 +33,7 @@ from tokenloom.server.body import DrainBodyMiddleware, read_json
 from tokenloom.server.config import ServerConfig
 from tokenloom.server.errors import APIError, error_body, error_response
 from tokenloom.server.request_id import RequestIdMiddleware
+from tokenloom.server.responses import JSONResponse
 from tokenloom.server.serving_batch import create_batch_chat_completion
 from tokenloom.server.serving_chat import create_chat_completion
 from tokenloom.server.serving_completions import create_completion

@@ -14,9 +14,8 @@ import json
 from http import HTTPStatus
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
 from tokenloom.core.structured_output import is_grammar_dead_end
+from tokenloom.server.responses import JSONResponse
 
 _TYPES = {
     400: "BadRequestError",

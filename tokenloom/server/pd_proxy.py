@@ -20,7 +20,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+
+from tokenloom.server.responses import JSONResponse
 
 
 def _error(status: int, message: str) -> JSONResponse:

@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from starlette.responses import JSONResponse as StarletteJSONResponse
 
 from tokenloom.engine.outputs import Logprob, RequestOutput
 
 # vLLM's floor for log-probabilities: -inf is not JSON.
 _MIN_LOGPROB = -9999.0
 DONE = "data: [DONE]\n\n"
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(obj: Any, allow_nan: bool = False) -> str:
+    """`obj` as the server writes JSON: compact, non-ASCII as itself, and any lone UTF-16 surrogate as its JSON
+    escape. A tool parser's json.loads turns a model's "\\ud800" into half a pair, which UTF-8 cannot encode:
+    rendering it failed the whole answer (a valid request's tokens lost; vLLM answers 500). In JSON text such a
+    character can only sit inside a string, where its escape reads back as the same string."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class JSONResponse(StarletteJSONResponse):
+    """Starlette's JSONResponse written by `json_text`: every JSON answer of the server."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode("utf-8")
 
 
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(obj, allow_nan=True)}\n\n"
 
 
 def _lp(value: float) -> float:

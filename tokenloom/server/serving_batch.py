@@ -9,15 +9,15 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.headers import base_request_id, response_headers
 from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import BatchChatCompletionRequest
-from tokenloom.server.responses import UsageCounter
-from tokenloom.server.serving_chat import chat_choice, echo_text, parse_chat
+from tokenloom.server.responses import JSONResponse, UsageCounter
+from tokenloom.server.serving_chat import chat_choice, check_generated, echo_text, parse_chat
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import collect
 
@@ -72,6 +72,8 @@ async def create_batch_chat_completion(raw: Request) -> Response:
     if finals is None:
         return Response(status_code=499)
     usage = UsageCounter(count_reasoning=parsed[0][2].count_reasoning())
+    for rid in ids:  # one conversation's failure is the batch's (they share their sampling fields)
+        check_generated(finals[rid])
     choices = []
     for i, (rid, (req, _, extras)) in enumerate(zip(ids, parsed)):
         out = finals[rid]

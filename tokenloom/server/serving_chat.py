@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.beam_search_async import BeamSearchStream
@@ -35,7 +35,7 @@ from tokenloom.server.params import (
 )
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.reasoning import OutputParser, ReasoningSetup
-from tokenloom.server.responses import UsageCounter, chat_logprobs, prompt_logprobs_json
+from tokenloom.server.responses import JSONResponse, UsageCounter, chat_logprobs, prompt_logprobs_json
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
 from tokenloom.server.structured import structured_outputs_of
@@ -144,9 +144,8 @@ def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
                 tools: ToolSetup | None = None, parser: OutputParser | None = None) -> dict[str, Any]:
     """One choice of a whole response. `parser` (a server with --reasoning-parser): the reasoning split out
     into `reasoning`, the tool calls read from the content after it; with include_reasoning false the
-    logprobs and token ids are left out too, so they do not show the reasoning (vLLM's rule)."""
-    if comp.finish_reason == "error":
-        raise generation_error(comp.error)
+    logprobs and token ids are left out too, so they do not show the reasoning (vLLM's rule). The caller has
+    checked the request with `check_generated`."""
     top_n = None if req.logprob_token_ids else (req.top_logprobs or 0)
     role = response_role(req)
     reasoning: str | None = None
@@ -170,15 +169,19 @@ def chat_choice(req: ChatCompletionRequest, comp: CompletionOutput, prefix: str,
     return body
 
 
+def check_generated(out: RequestOutput) -> None:
+    """A request the engine ended with an error fails the answer: 400 when its own grammar could not be completed,
+    else 500. The error is the request's (`out.error`); its completions only say that they failed."""
+    if any(comp.finish_reason == "error" for comp in out.outputs):
+        raise generation_error(out.error)
+
+
 def chat_response(req: ChatCompletionRequest, out: RequestOutput, request_id: str, model: str,
                   extras: ChatExtras | None = None, details: str | None = None) -> dict[str, Any]:
     extras = extras or ChatExtras()
     prefix = echo_text(req)
-    choices = []
-    for comp in out.outputs:
-        if comp.finish_reason == "error":
-            raise generation_error(out.error)
-        choices.append(chat_choice(req, comp, prefix, extras.tools, extras.output_parser(req)))
+    check_generated(out)
+    choices = [chat_choice(req, comp, prefix, extras.tools, extras.output_parser(req)) for comp in out.outputs]
     usage = UsageCounter(details, extras.count_reasoning())
     usage.update(out)
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,

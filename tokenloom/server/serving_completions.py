@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.engine.async_llm import RequestStream
 from tokenloom.engine.beam_search_async import BeamSearchStream
@@ -23,7 +23,7 @@ from tokenloom.server.errors import generation_error
 from tokenloom.server.headers import base_request_id, request_priority, response_headers
 from tokenloom.server.params import check_completion_request, completion_params, completion_prompts
 from tokenloom.server.protocol import CompletionRequest
-from tokenloom.server.responses import UsageCounter, completion_logprobs, prompt_logprobs_json
+from tokenloom.server.responses import JSONResponse, UsageCounter, completion_logprobs, prompt_logprobs_json
 from tokenloom.server.state import get_state
 from tokenloom.server.streaming import SSEResponse, collect, sse_events, usage_flags
 from tokenloom.server.structured import structured_outputs_of

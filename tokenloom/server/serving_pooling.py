@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenloom.engine.outputs import PoolingOutput, PoolingRequestOutput
@@ -67,6 +67,7 @@ from tokenloom.server.protocol_pooling import (
     score_request_class,
     with_chat_input,
 )
+from tokenloom.server.responses import JSONResponse
 from tokenloom.server.state import ServerState, get_state
 from tokenloom.server.streaming import collect
 from tokenloom.server.unsupported import reject_unsupported_pooling

@@ -24,7 +24,6 @@ only such a response, any other answers vLLM's 400.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from tokenloom.engine.async_llm import EngineDeadError, InvalidRequestError, RequestStream
@@ -46,7 +45,7 @@ from tokenloom.server.params import chat_params
 from tokenloom.server.protocol import ChatCompletionRequest, ResponsesNamedToolChoice, ResponsesRequest
 from tokenloom.server.reasoning import OutputParser
 from tokenloom.server.response_store import ResponseStore, StoredResponse
-from tokenloom.server.responses import chat_logprobs
+from tokenloom.server.responses import JSONResponse, chat_logprobs, json_text
 from tokenloom.server.responses_background import EventLog
 from tokenloom.server.responses_events import ItemStream, split_delta
 from tokenloom.server.responses_input import (
@@ -461,8 +460,7 @@ class _EventWriter:
     def __call__(self, event: dict[str, Any]) -> str:
         event["sequence_number"] = self.sequence_number
         self.sequence_number += 1
-        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {event['type']}\ndata: {data}\n\n"
+        return f"event: {event['type']}\ndata: {json_text(event, allow_nan=True)}\n\n"
 
 
 async def _events(ctx: ResponseContext, stream: RequestStream, store: ResponseStore) -> AsyncIterator[str]:

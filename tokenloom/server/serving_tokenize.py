@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from tokenloom.server.body import parse_model, read_json
 from tokenloom.server.errors import APIError
 from tokenloom.server.params import check_request_chat_template, render_chat
 from tokenloom.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from tokenloom.server.responses import JSONResponse
 from tokenloom.server.state import get_state
 
 
