@@ -34,7 +34,9 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a cluster of its own even where one already runs on this machine (ray.init() would join it,
+    # and refuse num_cpus there).
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:

@@ -35,7 +35,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.server.config import ServerConfig
 class Spawned(Exception):
     pass
-def spawn(config, log_level):
+def spawn(config, log_level, **_):
     heavy = [m for m in ("torch", "fastapi", "uvicorn", "transformers") if m in sys.modules]
     raise Spawned(heavy)
 launcher.make_client = spawn

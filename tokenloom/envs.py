@@ -187,6 +187,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_RAY_CPUS_PER_RANK": lambda: _int("TOKENLOOM_RAY_CPUS_PER_RANK", 1, "a number of CPUs", minimum=1),
     # OpenMP's own: when set, it decides the model's threads and tokenloom does not.
     "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
+    # Python's own; vLLM seeds the prefix-cache root hash (NONE_HASH) from it when set (tokenloom/core/block_hash.py).
+    "PYTHONHASHSEED": lambda: os.environ.get("PYTHONHASHSEED") or None,
     # ---- start-up
     # How engine-core processes start (tokenloom/engine/process_start.py): `auto` forks library engines
     # (LLM, AsyncLLM) from a forkserver that imported torch once and spawns `tokenloom serve`'s; `spawn`

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pickle
 import struct
 from collections.abc import Callable
 from typing import Any, NewType, get_args
 
+from tokenloom import envs
 from tokenloom.config import PrefixCachingHashAlgo
 
 BlockHash = NewType("BlockHash", bytes)
@@ -122,7 +122,7 @@ def root_seed() -> str:
     fetches a prefill engine's blocks by hash, and the KV disk tier finds its blocks after a restart, all of
     which need the same root in every process. Choosing xxhash is choosing speed over collision resistance
     (logged by the engine); set PYTHONHASHSEED to keep its root private."""
-    return os.environ.get("PYTHONHASHSEED") or DEFAULT_ROOT_SEED
+    return envs.PYTHONHASHSEED or DEFAULT_ROOT_SEED
 
 
 @functools.cache
