@@ -48,12 +48,15 @@ def test_the_choice(fresh_forkserver_record, monkeypatch) -> None:
     # engine forked from it runs, the next one is spawned; once none is, the forkserver restarts with it.
     stops = fresh_forkserver_record
     process_start._forked.add(_Alive())
-    monkeypatch.setenv("TOKENLOOM_GGUF_PREFETCH", "none")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert process_start.engine_process_context().get_start_method() == "spawn" and not stops
     process_start._forked.clear()
     assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True]
     assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True]
-    monkeypatch.delenv("TOKENLOOM_GGUF_PREFETCH")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True, True]
+    # A variable read lazily (every TOKENLOOM_* but the ISA cap) travels with the engine instead.
+    monkeypatch.setenv("TOKENLOOM_GGUF_PREFETCH", "none")
     assert process_start.engine_process_context().get_start_method() == "forkserver" and stops == [True, True]
     monkeypatch.setenv("TOKENLOOM_ENGINE_START_METHOD", "spawn")
     assert process_start.engine_process_context().get_start_method() == "spawn"
@@ -94,3 +97,21 @@ def test_forked_and_spawned_engines_give_the_same_tokens(monkeypatch) -> None:
     spawned_text, spawned_parent = asyncio.run(_greedy_and_parent())
     assert spawned_parent == os.getpid()
     assert forked_text == again_text == spawned_text and forked_text
+
+
+def _write_variable(path: str, name: str) -> None:
+    Path(path).write_text(os.environ.get(name, "<unset>"))
+
+
+def test_a_forked_engine_takes_its_starters_environment(monkeypatch, tmp_path) -> None:
+    """Set after the forkserver started (pytest sets PYTEST_CURRENT_TEST per test, tests set TOKENLOOM_*),
+    a variable reaches the forked process as it would a spawned one."""
+    monkeypatch.delenv("TOKENLOOM_ENGINE_START_METHOD", raising=False)
+    asyncio.run(_greedy_and_parent())  # the forkserver runs
+    monkeypatch.setenv("TOKENLOOM_PROBE_VARIABLE", "set-after-the-forkserver-started")
+    out = tmp_path / "seen"
+    process = process_start.start_engine_process(_write_variable, (str(out), "TOKENLOOM_PROBE_VARIABLE"), "probe")
+    process.join(60)
+    assert process in process_start._forked and process.exitcode == 0  # forked, and it ran
+    assert out.read_text() == "set-after-the-forkserver-started"
+

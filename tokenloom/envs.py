@@ -253,6 +253,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
 }
 
 
+def set_environment(values: dict[str, str]) -> None:
+    """Replace this process's environment with `values` (an engine forked from the forkserver takes the
+    environment of the process that started it: tokenloom/engine/process_start.py)."""
+    os.environ.clear()
+    os.environ.update(values)
+
+
 def child_environment(**overrides: str) -> dict[str, str]:
     """This process's environment with `overrides`, for a process it starts (a TP/PP worker), or to compare with
     what an engine forked from the forkserver inherited (tokenloom/engine/process_start.py)."""

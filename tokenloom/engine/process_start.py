@@ -9,12 +9,13 @@ torch threads exist there yet, no sockets, no model: a clean fork). `tokenloom s
 its data-parallel engines at once) per process, so it spawns, and its engine processes stay what `ps` and its
 supervisor know (a child of the server, `spawn_main`).
 
-The rule that keeps a forked engine the same as a spawned one: it inherits the environment, CPU affinity and
-standard output and error the forkserver started with, and torch, OpenMP and tokenloom read some variables
-when they load (the OpenMP spin, the oneDNN caches and TOKENLOOM_CPU_ISA's caps in tokenloom/__init__.py).
-So an engine is forked only while this process's are what they were when the forkserver started (else the
-forkserver is restarted with them, or the engine spawned while engines forked from it still run), and only
-from a forkserver this module started. TOKENLOOM_ENGINE_START_METHOD overrides the choice.
+The rule that keeps a forked engine the same as a spawned one: its first step takes the environment of the
+process that started it, but what was read when the forkserver loaded its modules stays the forkserver's
+(the interpreter's own variables; OpenMP's, oneDNN's and torch's; TOKENLOOM_CPU_ISA's caps and the OpenMP spin
+set in tokenloom/__init__.py), as do the CPU affinity and where standard output and error go. So an engine is
+forked only while those are what they were when the forkserver started (else the forkserver is restarted
+with them, or the engine spawned while engines forked from it still run), and only from a forkserver this
+module started. TOKENLOOM_ENGINE_START_METHOD overrides the choice.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ logger = logging.getLogger(__name__)
 # tokenloom first: it sets OpenMP's and oneDNN's variables before torch loads them (tokenloom/__init__.py).
 FORKSERVER_PRELOAD = ["tokenloom", "torch", "tokenloom.engine.core_proc", "tokenloom.engine.core_host"]
 
+# Variables read when the interpreter starts or a library loads (the forkserver has imported torch, and with it
+# libgomp, oneDNN and MKL; tokenloom/__init__.py has set its own), by name prefix: a forked engine sees the
+# forkserver's, so one of these changed means a new forkserver. Any other variable is read lazily, from the
+# environment the engine takes from its starter.
+LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH",
+                       "PYTORCH_", "LRU_CACHE_CAPACITY", "MALLOC_", "TOKENLOOM_CPU_ISA", "CUDA_", "NVIDIA_")
+
 # What this process's children inherited when its forkserver started (_what_a_child_inherits); None until then.
 _forkserver_started_with: tuple[object, ...] | None = None
 # The engine processes forked from it (a WeakSet: a finished client's process is dropped with it).
@@ -47,11 +55,21 @@ def start_engine_process(target: Callable[..., None], args: tuple[Any, ...], nam
     """Start a daemon process running `target(*args)`, forked from the forkserver or spawned
     (engine_process_context)."""
     ctx = engine_process_context(preferred)
+    forked = ctx.get_start_method() == "forkserver"
+    if forked:  # the child takes this process's environment as it is now, not the forkserver's
+        args, target = (envs.child_environment(), target, *args), _run_in_environment
     process = ctx.Process(target=target, args=args, name=name, daemon=True)
     process.start()
-    if ctx.get_start_method() == "forkserver":
+    if forked:
         _forked.add(process)
     return process
+
+
+def _run_in_environment(environment: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """A forked engine's first step: the environment of the process that started it (what a spawned engine
+    inherits), so the variables tokenloom and its libraries read from here on are that process's."""
+    envs.set_environment(environment)
+    target(*args)
 
 
 def engine_process_context(preferred: str = "forkserver") -> BaseContext:
@@ -86,9 +104,10 @@ def engine_process_context(preferred: str = "forkserver") -> BaseContext:
 
 
 def _what_a_child_inherits() -> tuple[object, ...]:
-    """What an engine process takes from the process that starts it, beyond its arguments: the environment,
-    the CPU affinity, and the files standard output and error write to (a child's log lines go where the
-    parent's would: a redirected stream, pytest's capture)."""
+    """What a forked engine would take from the forkserver instead of from the process that starts it: the
+    variables libraries read when they load (LOAD_TIME_VARIABLES; the others the child takes from its
+    starter, _run_in_environment), the CPU affinity, and the files standard output and error write to (a
+    child's log lines go where the parent's would: a redirected stream, pytest's capture)."""
     streams = []
     for fd in (1, 2):
         try:
@@ -96,7 +115,8 @@ def _what_a_child_inherits() -> tuple[object, ...]:
             streams.append((st.st_dev, st.st_ino))
         except OSError:  # closed
             streams.append(None)
-    return envs.child_environment(), frozenset(os.sched_getaffinity(0)), tuple(streams)
+    load_time = {k: v for k, v in envs.child_environment().items() if k.startswith(LOAD_TIME_VARIABLES)}
+    return load_time, frozenset(os.sched_getaffinity(0)), tuple(streams)
 
 
 def _forkserver_pid() -> int | None:
