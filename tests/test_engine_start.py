@@ -115,3 +115,20 @@ def test_a_forked_engine_takes_its_starters_environment(monkeypatch, tmp_path) -
     assert process in process_start._forked and process.exitcode == 0  # forked, and it ran
     assert out.read_text() == "set-after-the-forkserver-started"
 
+
+
+def test_where_no_forkserver_can_start_the_engine_is_spawned(fresh_forkserver_record, monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("TOKENLOOM_ENGINE_START_METHOD", raising=False)
+    real_start = process_start._start
+
+    def start(ctx, target, args, name):
+        if ctx.get_start_method() == "forkserver":
+            raise OSError("no sockets in this sandbox")
+        return real_start(ctx, target, args, name)
+
+    monkeypatch.setattr(process_start, "_start", start)
+    monkeypatch.setenv("TOKENLOOM_PROBE_VARIABLE", "spawned")
+    out = tmp_path / "seen"
+    process = process_start.start_engine_process(_write_variable, (str(out), "TOKENLOOM_PROBE_VARIABLE"), "probe")
+    process.join(60)
+    assert process not in process_start._forked and process.exitcode == 0 and out.read_text() == "spawned"

@@ -55,13 +55,20 @@ def start_engine_process(target: Callable[..., None], args: tuple[Any, ...], nam
     """Start a daemon process running `target(*args)`, forked from the forkserver or spawned
     (engine_process_context)."""
     ctx = engine_process_context(preferred)
-    forked = ctx.get_start_method() == "forkserver"
-    if forked:  # the child takes this process's environment as it is now, not the forkserver's
-        args, target = (envs.child_environment(), target, *args), _run_in_environment
+    if ctx.get_start_method() != "forkserver":
+        return _start(ctx, target, args, name)
+    try:  # the child takes this process's environment as it is now, not the forkserver's
+        process = _start(ctx, _run_in_environment, (envs.child_environment(), target, *args), name)
+    except OSError as exc:  # no forkserver here (its socket or pipe refused: a sandbox, no file descriptors)
+        logger.warning("could not fork the engine from a forkserver (%s); spawning it", exc)
+        return _start(mp.get_context("spawn"), target, args, name)
+    _forked.add(process)
+    return process
+
+
+def _start(ctx: BaseContext, target: Callable[..., None], args: tuple[Any, ...], name: str) -> BaseProcess:
     process = ctx.Process(target=target, args=args, name=name, daemon=True)
     process.start()
-    if forked:
-        _forked.add(process)
     return process
 
 
