@@ -211,7 +211,7 @@ def test_pooling_endpoints_refuse_a_generation_model():
     assert exc.value.status == 400
     engine = AsyncLLM.__new__(AsyncLLM)
     engine.info, engine.accepting, engine._requests = state.engine.info, True, {}
-    engine.client = SimpleNamespace(failure=None)
+    engine.client = SimpleNamespace(failure=None, shutdown=lambda: None)  # AsyncLLM.__del__ shuts its client down
     engine.input_processor = InputProcessor(None, state.engine.info)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="generation model"):
         engine.add_pooling_request("r", [1, 2], None, None)
