@@ -130,6 +130,16 @@ def _config_from_any(cls: type[_C], value: Any, name: str) -> _C | None:
     instance as is, a dict or a JSON string by field name (unknown fields refused by name), None as None."""
     if value is None or isinstance(value, cls):
         return value
+    value = _json_object(value, name)
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    return cls(**value)
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any]:
+    """A JSON-valued argument as a dict: a JSON string parsed, a dict as is; ConfigError naming `name` else."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -137,11 +147,7 @@ def _config_from_any(cls: type[_C], value: Any, name: str) -> _C | None:
             raise ConfigError(f"{name} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ConfigError(f"{name} must be a JSON object, got {type(value).__name__}")
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ConfigError(f"{name}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    return cls(**value)
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -972,13 +978,7 @@ class PoolerConfig:
         """--pooler-config's JSON, LLM(pooler_config={...}) or an instance; ConfigError in the user's terms."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"pooler_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ConfigError(f"pooler_config must be a JSON object, got {type(value).__name__}")
+        value = _json_object(value, "pooler_config")
         if "normalize" in value:
             raise ConfigError(f"pooler_config: {NORMALIZE_REMOVED}")
         try:
