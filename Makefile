@@ -91,9 +91,11 @@ figure: setup
 	@test -n "$(FIGURE)" || { echo "usage: make figure FIGURE=<file under docs/figures/> (list: $(BIN)/python benchmarks/figures/rerun.py --list)"; exit 2; }
 	$(BIN)/python benchmarks/figures/rerun.py --only $(FIGURE)
 
+# --durations: the slowest tests in every run's log, so that the suite's time (kept under 15 minutes on 2 cores)
+# is visible where it is spent.
 test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # vLLM's own tests vendored in tests/peer, with the long cases `make test` skips (tests/peer/offline/conftest.py,
 # tests/peer/core/conftest.py, tests/peer/logits_processors/conftest.py).
