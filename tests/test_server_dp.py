@@ -29,7 +29,8 @@ def test_serve_with_two_engines(tiny_dir, tmp_path):
         health = httpx.get(server.url + "/health", timeout=10)
         assert health.status_code == 200
         assert health.json() == {"status": "ok", "data_parallel_size": 2,
-                                 "engines": [{"engine": 0, "alive": True}, {"engine": 1, "alive": True}]}
+                                 "engines": [{"engine": 0, "alive": True, "requests_in_flight": 0},
+                                             {"engine": 1, "alive": True, "requests_in_flight": 0}]}
         prompts = [[5 + i, 17, 33, 61, 90, 120] for i in range(4)]
         got = []
         for p in prompts:
@@ -43,6 +44,9 @@ def test_serve_with_two_engines(tiny_dir, tmp_path):
         for e in ("0", "1"):  # round robin: each engine served two of the four
             assert metric(m, "tokenloom:engine_prefix_cache_queries_total", engine=e) > 0, sorted(m)
         assert metric(m, "tokenloom:request_success_total", finished_reason="length") == 4
+        for e in ("0", "1"):  # the router saw each request finish: nothing left in its load view
+            assert any(k.startswith("tokenloom:engine_router_requests_in_flight{") and f'engine="{e}"' in k for k in m)
+            assert metric(m, "tokenloom:engine_router_requests_in_flight", engine=e) == 0
     # Each engine serves what one engine serves: the same greedy tokens and text as an in-process engine
     # (float path: the same GEMM shapes decide near-ties the same way on either side).
     llm = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4, quantization="none")

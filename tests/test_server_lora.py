@@ -16,11 +16,16 @@ from tests.tiny_models import make_tiny_hf_model
 from tokenloom.engine.llm import LLM
 from tokenloom.lora.request import LoRARequest
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.server.errors import APIError
 from tokenloom.server.lora_modules import LoRAModulePath, parse_lora_module
 from tokenloom.server.serving_models import ServingModels
 
 pytestmark = pytest.mark.slow
 BASE = "tiny-base"
+# EngineReady.lora of the tiny base model (what ServingModels checks adapters against)
+TINY_LORA_INFO = {"max_loras": 1, "max_lora_rank": 8, "num_layers": 2,
+                  "target_shapes": {"q_proj": [64, 64], "v_proj": [64, 32], "k_proj": [64, 32], "o_proj": [64, 64],
+                                    "gate_proj": [64, 128], "up_proj": [64, 128], "down_proj": [128, 64]}}
 IDS = PROMPTS[1]["prompt_token_ids"]
 
 
@@ -97,6 +102,17 @@ def test_runtime_load_and_unload_while_requests_run(server, models, offline) -> 
     assert load.status_code == 200 and "added successfully" in load.text
     again = httpx.post(server.url + "/v1/load_lora_adapter", json=late, timeout=60)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    # vLLM's load_inplace: the name now serves the other adapter's weights (found by the request fuzzer's lora
+    # configuration, which got a 400 where vLLM 0.32 answers 200)
+    inplace = httpx.post(server.url + "/v1/load_lora_adapter", timeout=60,
+                         json={"lora_name": "late", "lora_path": str(adapters["sql"]), "load_inplace": True})
+    assert inplace.status_code == 200 and "added successfully" in inplace.text
+    assert complete(server, "late").json()["choices"][0]["text"] == offline["sql"]
+    httpx.post(server.url + "/v1/load_lora_adapter", json={**late, "load_inplace": True}, timeout=60)
+    for path in ("/nonexistent", "x" * 5000):  # (a name past NAME_MAX made Path.is_dir raise: a 500)
+        missing = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "m", "lora_path": path},
+                             timeout=60)
+        assert missing.status_code == 404, missing.text
     big = httpx.post(server.url + "/v1/load_lora_adapter",
                      json={"lora_name": "big", "lora_path": str(adapters["big"])}, timeout=60)
     assert big.status_code == 400 and "LoRA rank 16 is greater than max_lora_rank 8" in big.json()["error"]["message"]
@@ -117,6 +133,29 @@ def test_lora_requests_info_metric(server) -> None:
     assert 'max_lora="2"' in line and "running_lora_adapters=" in line and "waiting_lora_adapters=" in line
 
 
+def test_runtime_loads_refused_in_vllm_words(models, tmp_path) -> None:
+    """/v1/load_lora_adapter's refusals as vLLM 0.32's (serving.py): no adapter at the path is its 404, a name
+    loaded already its 400 naming load_inplace, which replaces the adapter (a fresh id: no stale KV blocks)."""
+    sm = ServingModels([BASE], TINY_LORA_INFO)
+    (tmp_path / "empty").mkdir()
+    for path in ("/nonexistent", str(tmp_path / "empty"), "x" * 5000):
+        with pytest.raises(APIError) as err:
+            sm.load_lora_adapter("m", path)
+        assert (err.value.status, err.value.message) == (404, f"Loading lora m failed: No adapter found for {path}")
+    first = sm.load_lora_adapter("sql", str(models[1]["sql"]))
+    with pytest.raises(APIError) as err:
+        sm.load_lora_adapter("sql", str(models[1]["chat"]))
+    assert err.value.status == 400 and err.value.message == (
+        "The lora adapter 'sql' has already been loaded. If you want to load the adapter in place, set "
+        "'load_inplace' to True.")
+    again = sm.load_lora_adapter("sql", str(models[1]["chat"]), load_inplace=True)
+    assert sm.lora_request("sql") is again and again.lora_path == str(models[1]["chat"])
+    assert again.lora_int_id != first.lora_int_id
+    with pytest.raises(APIError) as err:
+        sm.load_lora_adapter(BASE, str(models[1]["chat"]), load_inplace=True)
+    assert err.value.message == f"The lora adapter '{BASE}' conflicts with a served base model."
+
+
 def test_lora_module_parsing_and_refusals(models) -> None:
     assert parse_lora_module("a=/x") == LoRAModulePath("a", "/x")
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "b"}') == LoRAModulePath("a", "/x", "b")
@@ -125,8 +164,5 @@ def test_lora_module_parsing_and_refusals(models) -> None:
             parse_lora_module(bad)
     with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
         ServingModels([BASE], None, [LoRAModulePath("a", "/x")])
-    info = {"max_loras": 1, "max_lora_rank": 8, "num_layers": 2,
-            "target_shapes": {"q_proj": [64, 64], "v_proj": [64, 32], "k_proj": [64, 32], "o_proj": [64, 64],
-                              "gate_proj": [64, 128], "up_proj": [64, 128], "down_proj": [128, 64]}}
     with pytest.raises(ValueError, match="--lora-modules big: .*LoRA rank 16"):
-        ServingModels([BASE], info, [LoRAModulePath("big", str(models[1]["big"]))])
+        ServingModels([BASE], TINY_LORA_INFO, [LoRAModulePath("big", str(models[1]["big"]))])

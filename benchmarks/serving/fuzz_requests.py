@@ -1,11 +1,16 @@
 """Fuzz a live `tokenloom serve` with malformed and adversarial requests, then prove it still serves.
 
 Not part of `make test` (tests/test_malformed_sweep.py is the short, fixed sweep that is). This one starts
-the default model (SmolLM2-135M-Instruct, GGUF, a small --max-model-len) in two configurations:
+the default model (SmolLM2-135M-Instruct, GGUF, a small --max-model-len) in one or more of these
+configurations (CONFIGS; --configs, `plain,spec` by default):
 
 - `plain`: the defaults;
 - `spec`: n-gram speculative decoding + --async-scheduling + --enable-auto-tool-choice --tool-call-parser
-  hermes (--reasoning-parser needs a reasoning model, which the default model is not);
+  hermes; `spec-sync`: the drafts without async scheduling;
+- `reasoning`: --reasoning-parser qwen3 (its tags are text to SmolLM2) with the hermes tool parser, and the
+  tests' ScriptedOutput logits processor, which makes the model write the reasoning markup a request lists;
+- `lora`: --enable-lora with three adapters written from the model's shapes, two slots, runtime loading on;
+- `dp`: --data-parallel-size 2, the router's accounting checked after every batch;
 
 and sends every endpoint (/v1/completions, /v1/chat/completions, /v1/chat/completions/batch, /v1/responses
 and its GET / cancel, /invocations, /tokenize, /detokenize, /v1/models, the pooling routes a generation
@@ -14,18 +19,26 @@ ints past int64, NaN / inf as strings, floats where ints go), huge / empty / dee
 strings and arrays, token ids out of vocabulary, prompts longer than the context, contradictory fields (n vs
 best_of, stop lists, logprobs limits, response_format with tools, structured outputs with invalid or
 explosive schemas / regexes / grammars), invalid JSON, wrong content types, and clients that leave: mid-body,
-mid-wait, mid-stream. Each batch is sent --concurrency at a time beside a canary (a greedy stream).
+mid-wait, mid-stream. Each configuration adds kinds of its own to the mix (CONFIG_KINDS): `sampling`
+(valid, edge and hostile sampling fields together on prompts the drafter copies), `reasoning` (chat and
+Responses asking for reasoning, with tools, structured outputs, budgets, streams, scripted markup), `lora`
+(adapters that are, are not or cannot be names; n > 1, logprobs, beam search; runtime loads of good and
+broken adapters, unloads while requests run). Each batch is sent --concurrency at a time beside a canary
+(a greedy stream).
 
 Every answer must be a 2xx, or a 4xx with vLLM's error body ({"error": {"message", "type", "param", "code"}},
 code = status, a message in words, not Python's); never a 5xx, a dropped connection or a hang; a 200 stream
 ends with [DONE] and carries no 5xx error event. After each batch: the server process lives, /health is 200,
 a greedy request alone gives the tokens it gave before the fuzz, /metrics shows 0 running, 0 waiting and every
 KV block free, /load is 0 (no handler stuck), and the server log shows no exception that reached the fallback
-handlers (tokenloom/server/app.py logs each: a check can be right about the status by accident).
+handlers (tokenloom/server/app.py logs each: a check can be right about the status by accident); with data
+parallelism each engine alive, idle and with nothing left in the router's count of what it sent there; with
+LoRA, adapter a1 alone still gives its own greedy tokens.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/serving/fuzz_requests.py                      # both, ~10 min
     PYTHONPATH=$PWD .venv/bin/python benchmarks/serving/fuzz_requests.py --configs spec --batches 5 --seed 3
     PYTHONPATH=$PWD .venv/bin/python benchmarks/serving/fuzz_requests.py --json fuzz.json    # every failure
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/serving/fuzz_requests.py --configs reasoning,lora,dp,spec-sync
 
 Failures are grouped by what failed, where and the first words of the answer; each group keeps its first
 request, to replay with curl. Exit status 0 when nothing failed. docs/reliability.md ("The request fuzzer")
@@ -45,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +79,21 @@ CONFIGS: dict[str, list[str]] = {
     "plain": [],
     "spec": ["--speculative-config", SPEC, "--async-scheduling", "--enable-auto-tool-choice",
              "--tool-call-parser", "hermes"],
+    # n-gram drafts without async scheduling: the synchronous rejection path, under the `sampling` kind
+    "spec-sync": ["--speculative-config", SPEC],
+    # qwen3's tags are text on SmolLM2 (no <think> token): the parser's text path. ScriptedOutput (a logits
+    # processor of the tests) makes the model write what a request's vllm_xargs "script" lists, so the parser
+    # reads hostile reasoning markup; logits processors are refused with speculative decoding, so not in `spec`.
+    "reasoning": ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                  "--logits-processors", "tests.reasoning_models:ScriptedOutput"],
+    # three adapters written at start (lora_setup), two slots: a batch mixes more adapters than a step holds;
+    # runtime loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING), so /v1/load_lora_adapter and unload are fuzzed too
+    "lora": ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes"],
+    # two engine processes behind the router: its accounting is checked after every batch (wait_idle)
+    "dp": ["--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
 }
+CONFIG_ENV: dict[str, dict[str, str]] = {"lora": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
 COMMON_ARGS = ["--max-model-len", str(MAX_LEN), "--uvicorn-log-level", "info", "--disable-uvicorn-access-log",
                "--disable-log-stats", "--enable-tokenizer-info-endpoint"]
 CLIENT_TIMEOUT_S = 180.0  # a hang, not a slow answer: n=128 sequences of 256 tokens take < 60 s on 2 cores
@@ -398,13 +425,14 @@ class Case:
     leave: str = ""  # "", "body" (mid-body), "wait" (before the answer), "stream" (after `after` events)
     after: int = 0
     stream: bool = False
+    kind: str = ""  # the strategy that made it (KINDS), for the counts per configuration and kind
 
     def describe(self, limit: int = 3000) -> dict[str, Any]:
         body = None if self.body is None else self.body.decode("utf-8", "backslashreplace")
         if body is not None and len(body) > limit:
             body = body[:limit] + f"... ({len(self.body or b'')} bytes)"
-        return {"method": self.method, "path": self.path, "headers": self.headers, "leave": self.leave,
-                "after": self.after, "body": body}
+        return {"kind": self.kind, "method": self.method, "path": self.path, "headers": self.headers,
+                "leave": self.leave, "after": self.after, "body": body}
 
 
 def _encode(obj: Any) -> bytes:
@@ -418,9 +446,14 @@ def _fill_model(obj: Any, model: str) -> Any:
 
 @dataclass
 class Target:
-    """What the strategies draw from: the served model's name and the tables for its vocabulary."""
+    """What the strategies draw from: the served model's name and the tables for its vocabulary; on the `lora`
+    configuration its adapters' names and the adapter directories (good and bad) written for it; on the
+    `reasoning` configuration the token ids of each REASONING_OUTPUTS text (empty: no ScriptedOutput)."""
     model: str
     vocab: int
+    lora_names: tuple[str, ...] = ()
+    adapter_dirs: dict[str, str] = field(default_factory=dict)
+    scripts: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = endpoints(self.vocab)
@@ -600,17 +633,276 @@ def get_cases(draw: st.DrawFn, model: str) -> Case:
     return Case(method, path, None, headers={})
 
 
+# Sampling fields, valid and hostile values mixed several at a time: what the drafter, the rejection sampler and
+# the logprobs of drafts see (the `sampling` kind, for the speculative configurations).
+SAMPLING_FIELDS = ["n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+                   "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "include_stop_str_in_output",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "logit_bias",
+                   "allowed_token_ids", "structured_outputs", "ignore_eos", "stream", "stream_options", "echo",
+                   "use_beam_search", "length_penalty", "logprob_token_ids", "repetition_detection",
+                   "thinking_token_budget", "truncate_prompt_tokens", "skip_special_tokens", "return_token_ids",
+                   "top_logprobs", "response_format"]
+# Prompts whose continuation the n-gram drafter finds in them (drafts proposed, and some accepted).
+COPY_PROMPTS = ["a b c d a b c d a b c d a b c", "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,",
+                "The cat sat on the mat. The cat sat on the mat. The cat sat on the", "x " * (MAX_LEN - 24)]
+COPY_MESSAGES = [[{"role": "user", "content": "Repeat after me: " + p}] for p in COPY_PROMPTS[:3]]
+
+
+# Valid values at the edges of their ranges: what reaches the rejection sampler (truncated or flattened
+# distributions, forced tokens, penalties at their bounds) without a 400 first.
+EDGE_SAMPLING: dict[str, list[Any]] = {
+    "temperature": [1e-5, 0.01, 2.0], "top_p": [1e-9, 0.5], "top_k": [1, 2], "min_p": [0.99, 1.0],
+    "presence_penalty": [-2.0, 2.0], "frequency_penalty": [-2.0, 2.0], "repetition_penalty": [1e-3, 100.0],
+    "n": [3, 8], "max_tokens": [MAX_LEN - 40, 2], "min_tokens": [24], "seed": [0, 2**63 - 1],
+    "logprobs": [20], "prompt_logprobs": [20, -1], "stop": [["a", "b", "c", "d"], [" c d a", "cat"]],
+    "stop_token_ids": [[2, 0, 1]], "logit_bias": [{str(i): 100 for i in range(100, 164)}, {"330": -100, "253": 100}],
+    "allowed_token_ids": [[253], [253, 330, 2]], "bad_words": [["a b", "c", " the cat"]],
+    "repetition_detection": [{"max_pattern_size": 1, "min_count": 2}],
+}
+
+
+@st.composite
+def sampling_cases(draw: st.DrawFn, target: Target) -> Case:
+    """A completion or chat (batch too) with two to six sampling fields, two thirds of them valid (VALID_OPTIONS
+    and EDGE_SAMPLING), the rest hostile, on a prompt the n-gram drafter copies from."""
+    path = draw(st.sampled_from(sorted(VALID_BASES)))
+    chat = path != "/v1/completions"
+    batch = path.endswith("/batch")
+    body: dict[str, Any] = {"model": target.model, **copy.deepcopy(VALID_BASES[path]), "max_tokens": 24}
+    if chat:
+        messages = draw(st.sampled_from(COPY_MESSAGES))
+        body["messages"] = [messages, messages] if batch else messages
+    else:
+        body["prompt"] = draw(st.sampled_from(COPY_PROMPTS))
+    hostile = common_fields(target.vocab)
+    hostile.update(logprobs=[-1, 21, 2**31, 1.5] if not chat else [5, "true"], top_logprobs=[-1, 21, 2**31, 1.5],
+                   response_format=RESPONSE_FORMATS)
+    names = [n for n in SAMPLING_FIELDS if n not in (COMPLETION_ONLY if chat else CHAT_ONLY)]
+    for name in draw(st.lists(st.sampled_from(names), min_size=2, max_size=6, unique=True)):
+        valid = VALID_OPTIONS.get(name, []) + EDGE_SAMPLING.get(name, [])
+        if valid and (draw(st.integers(0, 2)) or not hostile.get(name)):
+            body[name] = copy.deepcopy(draw(st.sampled_from(valid)))
+        elif hostile.get(name):
+            body[name] = copy.deepcopy(draw(st.sampled_from(hostile[name])))
+    # Pairs the API refuses before anything runs: made consistent, so the case reaches the engine.
+    if "stream_options" in body:
+        body.setdefault("stream", True)
+    if "length_penalty" in body:
+        body.setdefault("use_beam_search", True)
+    if body.get("use_beam_search") is True:
+        body.pop("stream", None)
+        body.pop("stream_options", None)
+    if ("logprob_token_ids" in body or "top_logprobs" in body) and chat:
+        body.setdefault("logprobs", True)
+    if "logprob_token_ids" in body and not chat:
+        body.setdefault("logprobs", 1)
+    if chat and body.get("logprobs") in (0, 1, 20):
+        body["logprobs"] = True
+    if batch:
+        for name in ("stream", "stream_options", "n", "use_beam_search", "best_of", "length_penalty"):
+            body.pop(name, None)
+    if body.get("n", 1) not in (1, None) and "temperature" not in body and draw(st.booleans()):
+        body["temperature"] = 1.0
+    return Case("POST", path, _encode(body), stream=body.get("stream") is True)
+
+
+# What a reasoning model may write: the tags whole, split, unclosed, nested, out of order, with tool calls inside
+# and after the thinking, special tokens and whitespace where the parser holds text back. ScriptedOutput makes
+# the model write them (their token ids, from /tokenize, in vllm_xargs "script").
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+REASONING_OUTPUTS = [
+    "<think>The user asks.</think>Paris.", "I think so.</think>Paris.", "no tags at all", "</think>", "<think>",
+    "<think>unclosed thinking", "<think><think>nested</think></think>after", "a</think>b</think>c<think>d",
+    "<think>x</think>" + CALL, "thinking" + CALL, "<think>x" + CALL + "</think>tail", "x</think>\n\n",
+    "x</think>   ", "<thi", "x</thin", "x</think", "</think><think></think>", "<|im_end|>x</think>y",
+    "x<|im_start|>assistant\n</think>y", "x</think>" + CALL + CALL, 'x</think>{"a": 1}', "x</think><tool_call>{",
+    "x</think><tool_call>" + '{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>',
+    "<think>" + "deep thought " * 20 + "</think>ok", "x</think>" + "<think>y</think>" * 3,
+    "\u00e9\u00e9</think>\U0001f600",
+]
+REASONING_REQUEST_OPTIONS: dict[str, list[Any]] = {
+    "include_reasoning": [True, False, False, "no", None, 1],
+    "reasoning_effort": ["none", "low", "medium", "high", "max", "huge", 5, None],
+    "chat_template_kwargs": [{"enable_thinking": False}, {"enable_thinking": True}, {"enable_thinking": "no"},
+                             {"enable_thinking": None}, {"thinking": True}, {"enable_thinking": [False]}, "x", 5],
+    "thinking_token_budget": [0, 1, 3, 10**6, -1, -2, 1.5, "3", 2**63],
+    "tools": [[TOOL], [TOOL, {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}]],
+    "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}},
+                    {"type": "function", "function": {"name": "missing"}}],
+    "structured_outputs": [{"json": {"type": "object"}}, {"regex": "[A-Z][a-z]+"}, {"choice": ["Paris", "Lyon"]},
+                           {"grammar": 'root ::= "yes" | "no"'}, {"json_object": True}, {"regex": "(ab"}],
+    "response_format": [{"type": "json_object"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}],
+    "n": [2, 3], "temperature": [0, 1.0], "logprobs": [True], "top_logprobs": [0, 5, 20], "max_tokens": [1, 3, 64],
+    "stop": [["</think>"], ["<think>", "Paris"], ["\n"]], "stream": [True, True],
+    "stream_options": [{"include_usage": True, "continuous_usage_stats": True}], "return_token_ids": [True],
+    "skip_special_tokens": [True, False], "min_tokens": [4], "ignore_eos": [True], "echo": [True],
+    "add_generation_prompt": [False], "continue_final_message": [True], "use_beam_search": [True],
+    "messages": [MSGS, [*MSGS, {"role": "assistant", "content": "<think>half a thought"}],
+                 [*MSGS, {"role": "assistant", "content": "Paris", "reasoning": "It is Paris."}, *MSGS],
+                 [*MSGS, {"role": "assistant", "content": "x", "reasoning_content": "</think>"}, *MSGS],
+                 [*MSGS, {"role": "assistant", "content": None, "reasoning": 5}],
+                 [{"role": "user", "content": "</think><think>"}]],
+}
+RESPONSES_REASONING_OPTIONS: dict[str, list[Any]] = {
+    "reasoning": [{"effort": "low"}, {"effort": "none"}, {"effort": "high", "summary": "auto"}, {"effort": "x"}],
+    "include_reasoning": [True, False], "include": [["reasoning.encrypted_content"], ["message.output_text.logprobs"]],
+    "tools": [[{"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}]],
+    "tool_choice": ["auto", "required", "none"], "stream": [True], "max_output_tokens": [1, 4, 64],
+    "text": [{"format": {"type": "json_object"}}, {"format": {"type": "json_schema", "name": "x",
+                                                              "schema": {"type": "object"}}}],
+    "top_logprobs": [0, 5], "thinking_token_budget": [0, 2, -1],
+    "input": ["What is 2+2?", [{"type": "reasoning", "id": "rs_1", "summary": [],
+                                "content": [{"type": "reasoning_text", "text": "</think>"}]},
+                               {"role": "user", "content": "hi"}],
+              [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [{"type": "summary_text",
+                                                                                    "text": "<think>"}]}]],
+}
+
+
+@st.composite
+def reasoning_cases(draw: st.DrawFn, target: Target) -> Case:
+    """A chat (one or batch) or Responses request asking for reasoning, with what a reasoning model writes scripted
+    (when the server has ScriptedOutput), one to five options of REASONING_REQUEST_OPTIONS."""
+    path = draw(st.sampled_from(["/v1/chat/completions"] * 4 + ["/v1/chat/completions/batch", "/v1/responses"]))
+    responses = path == "/v1/responses"
+    options = RESPONSES_REASONING_OPTIONS if responses else REASONING_REQUEST_OPTIONS
+    body: dict[str, Any] = ({"model": target.model, "input": "What is 2+2?", "max_output_tokens": 48} if responses
+                            else {"model": target.model, "messages": MSGS, "max_tokens": 48})
+    for name in draw(st.lists(st.sampled_from(sorted(options)), min_size=1, max_size=5, unique=True)):
+        body[name] = copy.deepcopy(draw(st.sampled_from(options[name])))
+    if body.get("n", 1) != 1 and body.get("temperature") == 0:
+        body["temperature"] = 1.0
+    # Pairs the API refuses before anything runs (tool_choice without tools, a stream's options without the
+    # stream, continue_final_message with add_generation_prompt): mostly made consistent, to reach the parser.
+    if draw(st.integers(0, 3)):
+        if "tool_choice" in body:
+            body.setdefault("tools", copy.deepcopy(options["tools"][0]))
+        if "stream_options" in body:
+            body["stream"] = True
+        if body.get("continue_final_message") is True:
+            body["add_generation_prompt"] = False
+        if body.get("use_beam_search") is True:
+            for name in ("stream", "stream_options", "thinking_token_budget", "tools", "tool_choice"):
+                body.pop(name, None)
+    if target.scripts and draw(st.integers(0, 4)):
+        script = target.scripts[draw(st.sampled_from(sorted(target.scripts)))]
+        xargs: dict[str, Any] = {"script": script}
+        if draw(st.integers(0, 3)) == 0:
+            xargs["free_after_script"] = 1  # (vllm_xargs values are strings, numbers or lists of them)
+        body["vllm_xargs"] = xargs
+    if path.endswith("/batch"):
+        body["messages"] = [body["messages"], MSGS]
+        body.pop("stream", None)
+        body.pop("n", None)
+    return Case("POST", path, _encode(body), stream=body.get("stream") is True)
+
+
+# `model` values a LoRA server must tell apart: its adapters, the base, names that are not there or not names.
+BAD_LORA_NAMES: list[Any] = ["missing", "", " ", "a1 ", " a1", "A1", "a1/../a2", "a1\x00", "\ud800", "a" * 5000,
+                             "../../etc/passwd", "lora:a1", "a1,a2", "*", 5, None, ["a1"], {"name": "a1"}, True]
+# Runtime loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): names to load under and remove, including one served from
+# the start (a3: unloaded while requests run on it, loaded again later) and the base model's own name.
+LOAD_NAMES: list[Any] = ["d1", "d2", "a3", "a3", "{model}", "", "x" * 5000, "\ud800", "d1/../a1", 5, None, [], {}]
+UNLOAD_NAMES: list[Any] = ["d1", "d2", "a3", "{model}", "missing", "", 5, None, ["a3"]]
+
+
+@st.composite
+def lora_cases(draw: st.DrawFn, target: Target) -> Case:
+    """Requests naming adapters that are served, not served or not names, mixed in a batch (the pool sends eight
+    at once; two adapter slots), with n > 1, logprobs, echo, beam search, grammars, streams; and runtime loads /
+    unloads of good and bad adapter directories."""
+    if draw(st.integers(0, 2)) == 0:  # runtime loading and unloading
+        if draw(st.booleans()):
+            name = draw(st.sampled_from(LOAD_NAMES))
+            body: dict[str, Any] = {"lora_name": target.model if name == "{model}" else name,
+                                    "lora_path": draw(st.sampled_from(sorted(target.adapter_dirs.values()) + [
+                                        "", "/nonexistent", "/", "/etc/passwd", 5, None, "x" * 5000, "\ud800"]))}
+            if draw(st.integers(0, 3)) == 0:
+                body["load_inplace"] = draw(st.sampled_from([True, "x"]))
+            path = "/v1/load_lora_adapter"
+        else:
+            name = draw(st.sampled_from(UNLOAD_NAMES))
+            body = {"lora_name": target.model if name == "{model}" else name}
+            if draw(st.integers(0, 3)) == 0:
+                body["lora_int_id"] = draw(st.sampled_from([1, -1, 2**63, "x"]))
+            path = "/v1/unload_lora_adapter"
+        return Case("POST", path, _encode(body))
+    path = draw(st.sampled_from(["/v1/completions", "/v1/completions", "/v1/chat/completions",
+                                 "/v1/chat/completions/batch", "/v1/responses", "/tokenize", "/v1/embeddings"]))
+    names = [*target.lora_names, *target.lora_names, target.model, "d1", "d2"]
+    model = draw(st.sampled_from(names) if draw(st.integers(0, 3)) else st.sampled_from(BAD_LORA_NAMES))
+    body = {"model": model}
+    if path == "/v1/responses":
+        body.update(input="What is 2+2?", max_output_tokens=draw(st.sampled_from([1, 8, 32])))
+        if draw(st.booleans()):
+            body["stream"] = True
+        return Case("POST", path, _encode(body), stream=body.get("stream") is True)
+    if path in ("/tokenize", "/v1/embeddings"):
+        body.update({"prompt": "hello"} if path == "/tokenize" else {"input": "hello"})
+        return Case("POST", path, _encode(body))
+    chat = path != "/v1/completions"
+    body.update(copy.deepcopy(VALID_BASES[path]))
+    if not chat and draw(st.booleans()):
+        body["prompt"] = draw(st.sampled_from([["a", "b", "c"], [[1, 2, 3], [504, 3458]], "x " * (MAX_LEN - 20)]))
+    extras = {"n": [2, 4], "temperature": [0, 1.0], "logprobs": [0, 5, 20], "prompt_logprobs": [0, 5],
+              "echo": [True], "stream": [True], "stream_options": [{"include_usage": True,
+                                                                    "continuous_usage_stats": True}],
+              "use_beam_search": [True], "structured_outputs": [{"regex": "[a-z ]{1,20}"}, {"choice": ["yes", "no"]},
+                                                                {"json": {"type": "object"}}],
+              "max_tokens": [1, 16, 48], "seed": [0, 7], "stop": [[" "], ["e"]], "ignore_eos": [True],
+              "priority": [0, 5], "return_token_ids": [True], "top_logprobs": [0, 5],
+              "tools": [[TOOL]], "tool_choice": ["required", "auto"]}
+    names = [n for n in sorted(extras) if n not in (COMPLETION_ONLY if chat else CHAT_ONLY)]
+    for name in draw(st.lists(st.sampled_from(names), min_size=1, max_size=5, unique=True)):
+        body[name] = copy.deepcopy(draw(st.sampled_from(extras[name])))
+    if chat and body.get("logprobs") is not None:
+        body["logprobs"] = True
+    if body.get("use_beam_search"):
+        body.setdefault("n", 2)
+        for name in ("stream", "stream_options", "stop", "structured_outputs"):  # refused with beam search
+            body.pop(name, None)
+    if "tool_choice" in body:
+        body.setdefault("tools", [TOOL])
+    if "stream_options" in body:
+        body["stream"] = True
+    if path.endswith("/batch"):
+        for name in ("stream", "stream_options", "n", "use_beam_search", "tools", "tool_choice"):
+            body.pop(name, None)
+    return Case("POST", path, _encode(body), stream=body.get("stream") is True)
+
+
 # The kinds of case (--only picks some) and their weights in the mix.
 KINDS = {"fields": 3, "combined": 2, "forced": 2, "fail": 1, "raw": 1, "leave": 1, "get": 1}
+# Kinds each configuration adds to the mix (or weighs more) unless --only names the kinds.
+CONFIG_KINDS: dict[str, dict[str, int]] = {"spec": {"sampling": 3}, "spec-sync": {"sampling": 4},
+                                           "reasoning": {"reasoning": 6}, "lora": {"lora": 6},
+                                           "dp": {"fail": 2, "leave": 2, "combined": 3}}
+ALL_KINDS = [*KINDS, "sampling", "reasoning", "lora"]
 
 
-def all_cases(target: Target, kinds: list[str]) -> st.SearchStrategy[Case]:
+def kind_weights(config: str, only: str | None) -> dict[str, int]:
+    """The configuration's mix; with --only, those kinds, weighed as in that mix (1 if it has none)."""
+    mix = {**KINDS, **CONFIG_KINDS.get(config, {})}
+    if not only:
+        return mix
+    kinds = only.split(",")
+    unknown = [k for k in kinds if k not in ALL_KINDS]
+    if unknown:
+        raise SystemExit(f"unknown kind(s) {unknown}; the kinds are {ALL_KINDS}")
+    return {k: mix.get(k, 1) for k in kinds}
+
+
+def all_cases(target: Target, weights: dict[str, int]) -> st.SearchStrategy[Case]:
     raw_paths = sorted({k.split("#")[0].replace("{id}", "resp_x") for k in target.table})
     model = target.model
     strategies = {"fields": json_cases(target), "combined": combined_cases(model), "forced": forced_output_cases(model),
-                  "fail": failing_cases(model),
-                  "raw": raw_cases(raw_paths, model), "leave": leaving_cases(model), "get": get_cases(model)}
-    return st.one_of([strategies[kind] for kind in kinds for _ in range(KINDS[kind])])
+                  "fail": failing_cases(model), "raw": raw_cases(raw_paths, model), "leave": leaving_cases(model),
+                  "get": get_cases(model), "sampling": sampling_cases(target), "reasoning": reasoning_cases(target),
+                  "lora": lora_cases(target)}
+    return st.one_of([strategies[kind].map(lambda case, kind=kind: replace(case, kind=kind))
+                      for kind, weight in weights.items() for _ in range(weight)])
 
 
 # --- checks ----------------------------------------------------------------------------------------------------
@@ -640,6 +932,8 @@ class Tally:
     note_examples: dict[str, Any] = field(default_factory=dict)
     by_path: dict[str, dict[int, int]] = field(default_factory=dict)
     refusals: dict[str, int] = field(default_factory=dict)  # "path: message head" -> count, to see what was reached
+    config: str = ""  # the configuration being fuzzed
+    by_config: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # config -> kind -> status -> n
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, kind: str, where: str, detail: str, case: Case | None = None) -> None:
@@ -648,17 +942,24 @@ class Tally:
             self.findings.setdefault((kind, where, head), []).append(
                 Finding(kind, where, detail[:600], case.describe() if case else None))
 
-    def count(self, path: str, status: int) -> None:
+    def count(self, path: str, status: int, kind: str = "") -> None:
         with self.lock:
             self.sent += 1
             self.statuses[status] = self.statuses.get(status, 0) + 1
             per_path = self.by_path.setdefault(path if len(path) < 60 else path[:40] + "...", {})
             per_path[status] = per_path.get(status, 0) + 1
+        self.count_kind(kind, str(status))
+
+    def count_kind(self, kind: str, outcome: str) -> None:
+        """One case's outcome (its status, "left": a client that left) under its configuration and kind."""
+        with self.lock:
+            per_kind = self.by_config.setdefault(self.config, {}).setdefault(kind or "?", {})
+            per_kind[outcome] = per_kind.get(outcome, 0) + 1
 
     def refused(self, path: str, message: str) -> None:
         head = re.sub(r"\d+", "N", message[:70])
         with self.lock:
-            key = f"{path[:40]}: {head}"
+            key = f"{self.config} {path[:40]}: {head}"
             self.refusals[key] = self.refusals.get(key, 0) + 1
 
     def note(self, what: str, example: Any = None) -> None:
@@ -706,6 +1007,7 @@ def check_stream(tally: Tally, case: Case, content: bytes, complete: bool) -> No
 def send(http: httpx.Client, url: str, case: Case, tally: Tally) -> None:
     """One request, held to the rule; a client that leaves just leaves (the batch checks find what it left)."""
     if case.leave == "body":
+        tally.count_kind(case.kind, "left")
         return leave_mid_body(url, case)
     timeout = httpx.Timeout(CLIENT_TIMEOUT_S, read=0.3) if case.leave == "wait" else None
     headers = {name: value.encode("utf-8") for name, value in case.headers.items()}  # bytes: any value travels
@@ -715,10 +1017,12 @@ def send(http: httpx.Client, url: str, case: Case, tally: Tally) -> None:
             if case.leave == "stream" and r.status_code == 200:
                 for i, _ in enumerate(r.iter_lines()):
                     if i >= case.after:
+                        tally.count_kind(case.kind, "left")
                         return  # closing the response here drops the connection mid-stream
             content = r.read()
     except httpx.ReadTimeout:
         if case.leave == "wait":
+            tally.count_kind(case.kind, "left")
             return
         tally.fail("hang", case.path, f"no answer in {CLIENT_TIMEOUT_S:g} s", case)
         return
@@ -728,7 +1032,7 @@ def send(http: httpx.Client, url: str, case: Case, tally: Tally) -> None:
     except httpx.TransportError as exc:
         tally.fail("dropped connection", case.path, repr(exc), case)
         return
-    tally.count(case.path, r.status_code)
+    tally.count(case.path, r.status_code, case.kind)
     if r.status_code >= 500:
         tally.fail(f"{r.status_code}", case.path, content[:300].decode(errors="replace"), case)
     elif r.status_code >= 400 and case.method != "HEAD":
@@ -755,10 +1059,52 @@ def leave_mid_body(url: str, case: Case) -> None:
 # --- the run ---------------------------------------------------------------------------------------------------
 
 
+def lora_setup(model: str | None, out: Path) -> tuple[list[str], dict[str, str]]:
+    """Adapters for the `lora` configuration, written from the model's own shapes (benchmarks/lora's
+    write_adapter: random PEFT adapters, no peft or HF checkpoint needed, so the GGUF default model works):
+    the --lora-modules a1..a3 it serves from the start, and the directories the runtime loads draw from,
+    good and bad (rank past --max-lora-rank, another model's shapes, broken or missing files, NaN / inf /
+    huge weights, unknown targets)."""
+    from types import SimpleNamespace
+
+    from benchmarks.lora.lora_throughput import write_adapter
+    from tokenloom.model.loader import load_model_config
+    from tokenloom.model.paths import default_model_path
+
+    config = load_model_config(model or default_model_path())
+    # B's spread 0.05: enough to move the greedy tokens (a1's reference differs from the base model's)
+    dirs = {f"a{i}": write_adapter(out / f"a{i}", config, 8, seed=i, b_scale=0.05) for i in (1, 2, 3)}
+    dirs["good"] = write_adapter(out / "good", config, 4, seed=9)
+    dirs["rank16"] = write_adapter(out / "rank16", config, 16, seed=4)
+    dirs["nan"] = write_adapter(out / "nan", config, 8, seed=5, b_scale=float("nan"))
+    dirs["inf"] = write_adapter(out / "inf", config, 8, seed=6, b_scale=float("inf"))
+    dirs["huge"] = write_adapter(out / "huge", config, 8, seed=7, b_scale=1e30)
+    other = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            head_dim=16, num_key_value_heads=2)  # another model's shapes (write_adapter reads these)
+    dirs["shapes"] = write_adapter(out / "shapes", other, 8, seed=8)
+    for name, config_text in (("badjson", "{"), ("noweights", None), ("targets", json.dumps({
+            "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["lm_head", "foo"]})),
+            ("notlora", json.dumps({"peft_type": "PREFIX_TUNING"}))):
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        if name != "noweights":
+            (d / "adapter_model.safetensors").write_bytes((dirs["a1"] / "adapter_model.safetensors").read_bytes())
+        (d / "adapter_config.json").write_text(config_text or (dirs["a1"] / "adapter_config.json").read_text())
+        dirs[name] = d
+    (out / "empty").mkdir(exist_ok=True)
+    dirs["empty"] = out / "empty"
+    dirs["file"] = dirs["a1"] / "adapter_model.safetensors"
+    args = ["--lora-modules", *(f"a{i}={dirs[f'a{i}']}" for i in (1, 2, 3))]
+    return args, {name: str(path) for name, path in dirs.items()}
+
+
 class Fuzzer:
-    def __init__(self, name: str, server_args: list[str], tally: Tally, concurrency: int, log_dir: Path) -> None:
+    def __init__(self, name: str, server_args: list[str], tally: Tally, concurrency: int, log_dir: Path,
+                 env: dict[str, str] | None = None, adapter_dirs: dict[str, str] | None = None) -> None:
         self.name = name
         self.server_args = server_args
+        self.env = env
+        self.adapter_dirs = adapter_dirs or {}
         self.tally = tally
         self.concurrency = concurrency
         self.log_dir = log_dir
@@ -766,19 +1112,40 @@ class Fuzzer:
         self.model = ""
         self.vocab = VOCAB
         self.reference: list[int] = []
+        self.lora_reference: list[int] = []  # the `lora` configuration: a1's greedy tokens, held as the base's
+        self.scripts: dict[str, list[int]] = {}
+        self.num_engines = 1
         self.log_offset = 0
         self.batches = 0
 
     def start(self) -> None:
         log = self.log_dir / f"{self.name}-{int(time.time())}.log"
-        self.server = ServerProcess(*self.server_args, *COMMON_ARGS, log_path=log)
+        self.server = ServerProcess(*self.server_args, *COMMON_ARGS, log_path=log, env=self.env)
         self.server.start()
         self.log_offset = 0
         self.http = httpx.Client(base_url=self.server.url, timeout=CLIENT_TIMEOUT_S)
         self.model = self.http.get("/v1/models").json()["data"][0]["id"]
         self.vocab = self.vocab_size()
+        health = self.http.get("/health")
+        self.num_engines = len(health.json()["engines"]) if health.content else 1
+        if self.num_engines > 1 and not any("engine_router_requests_in_flight" in k for k in self.server.metrics()):
+            raise RuntimeError("data parallel without tokenloom:engine_router_requests_in_flight: nothing to check")
         self.greedy()  # once to fill the prefix cache: the reference is a prompt served from it, as every later one
         self.reference = self.greedy()
+        if self.adapter_dirs:
+            self.greedy("a1")
+            self.lora_reference = self.greedy("a1")
+            if self.lora_reference == self.reference:
+                self.tally.note("adapter a1 gives the base model's greedy tokens: its check shows less")
+        if "tests.reasoning_models:ScriptedOutput" in self.server_args:
+            self.scripts = {text: self.http.post("/tokenize", json={"model": self.model, "prompt": text,
+                                                                    "add_special_tokens": False}).json()["tokens"]
+                            for text in REASONING_OUTPUTS}
+
+    def target(self) -> Target:
+        lora_names = tuple(n for n in self.adapter_dirs if n in ("a1", "a2", "a3"))
+        dirs = {n: d for n, d in self.adapter_dirs.items() if n not in ("a1", "a2")}  # a1, a2 stay as they are
+        return Target(self.model, self.vocab, lora_names, dirs, self.scripts)
 
     def vocab_size(self) -> int:
         """The first id /detokenize refuses as out of vocabulary (a binary search; the server has no other way)."""
@@ -794,9 +1161,10 @@ class Fuzzer:
             self.http.close()
             self.server.stop()
 
-    def greedy(self) -> list[int]:
-        r = self.http.post("/v1/completions", json={"model": self.model, "prompt": REFERENCE_PROMPT, "max_tokens": 12,
-                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    def greedy(self, model: str | None = None) -> list[int]:
+        r = self.http.post("/v1/completions", json={"model": model or self.model, "prompt": REFERENCE_PROMPT,
+                                                    "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                    "return_token_ids": True})
         r.raise_for_status()
         return r.json()["choices"][0]["token_ids"]
 
@@ -846,6 +1214,8 @@ class Fuzzer:
                 self._dump_batch(cases)
             if self.greedy() != self.reference:
                 self.tally.fail("greedy answer changed", where, "the reference prompt gives other tokens")
+            if self.lora_reference and self.greedy("a1") != self.lora_reference:
+                self.tally.fail("greedy answer changed", where, "adapter a1 gives other tokens for the reference")
         except httpx.HTTPError as exc:
             self.tally.fail("server unresponsive after a batch", where, repr(exc))
         self.scan_log(where)
@@ -861,6 +1231,14 @@ class Fuzzer:
                     "kv blocks": metric(m, "tokenloom:kv_cache_total_blocks")
                     - metric(m, "tokenloom:kv_cache_free_blocks"),
                     "http load": self.http.get("/load").json()["server_load"]}
+            for e in map(str, range(self.num_engines if self.num_engines > 1 else 0)):
+                # Data parallel: each engine idle and alive, and the router's own record of what it sent there
+                # (its balance test reads it) back to 0: a request the router never saw finish stays counted.
+                left[f"engine {e} running"] = metric(m, "tokenloom:engine_num_requests_running", engine=e)
+                left[f"engine {e} waiting"] = metric(m, "tokenloom:engine_num_requests_waiting", engine=e)
+                left[f"engine {e} dead"] = 1 - metric(m, "tokenloom:engine_alive", engine=e)
+                left[f"engine {e} routed in flight"] = metric(m, "tokenloom:engine_router_requests_in_flight",
+                                                              engine=e)
             if not any(left.values()):
                 return ""
             if time.monotonic() > deadline:
@@ -881,13 +1259,13 @@ class Fuzzer:
         self.tally.note(f"batch written to {path}")
 
 
-def fuzz(fuzzer: Fuzzer, batches: int, batch_size: int, seed: int, kinds: list[str]) -> None:
+def fuzz(fuzzer: Fuzzer, batches: int, batch_size: int, seed: int, weights: dict[str, int]) -> None:
     pending: list[Case] = []
 
     @settings(max_examples=batches * batch_size, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @hypothesis_seed(seed)
-    @given(case=all_cases(Target(fuzzer.model, fuzzer.vocab), kinds))
+    @given(case=all_cases(fuzzer.target(), weights))
     def collect(case: Case) -> None:
         pending.append(case)
         if len(pending) >= batch_size:
@@ -906,6 +1284,7 @@ def report(tally: Tally) -> dict[str, Any]:
               for k, v in sorted(tally.findings.items(), key=lambda kv: -len(kv[1]))]
     return {"answers": tally.sent, "statuses": dict(sorted(tally.statuses.items())),
             "by_path": {p: dict(sorted(s.items())) for p, s in sorted(tally.by_path.items())},
+            "by_config": tally.by_config,
             "notes": tally.notes, "note_examples": tally.note_examples,
             "refusals": dict(sorted(tally.refusals.items(), key=lambda kv: -kv[1])), "failures": groups}
 
@@ -914,6 +1293,10 @@ def print_report(summary: dict[str, Any]) -> None:
     print(f"\n{summary['answers']} answers: {summary['statuses']}")
     for path, statuses in summary["by_path"].items():
         print(f"  {path}: {statuses}")
+    for config, kinds in summary["by_config"].items():
+        total = sum(n for outcomes in kinds.values() for n in outcomes.values())
+        print(f"  {config} ({total} cases): " + "; ".join(f"{kind} {dict(sorted(outcomes.items()))}"
+                                                         for kind, outcomes in sorted(kinds.items())))
     for note, n in summary["notes"].items():
         print(f"  note ({n}x): {note}")
     if not summary["failures"]:
@@ -933,20 +1316,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=40)
     p.add_argument("--concurrency", type=int, default=8, help="requests of a batch in flight at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", default=",".join(KINDS), help=f"comma-separated kinds of case, of {list(KINDS)}")
+    p.add_argument("--only", default=None, help=f"comma-separated kinds of case, of {ALL_KINDS} (default: the "
+                                                "configuration's mix, CONFIG_KINDS)")
     p.add_argument("--json", type=Path, help="write every failure group here")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)")
     args = p.parse_args(argv)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="tokenloom-fuzz-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     tally = Tally()
-    for name in args.configs.split(","):
+    names = args.configs.split(",")
+    if unknown := [n for n in names if n not in CONFIGS]:
+        p.error(f"unknown configuration(s) {unknown}; of {sorted(CONFIGS)}")
+    for name in names:
         server_args = ([args.model] if args.model else []) + CONFIGS[name] + shlex.split(args.server_args)
-        fuzzer = Fuzzer(name, server_args, tally, args.concurrency, log_dir)
-        print(f"{name}: tokenloom serve {' '.join(server_args + COMMON_ARGS)} (logs in {log_dir})", flush=True)
-        fuzzer.start()
+        adapter_dirs: dict[str, str] = {}
+        if name == "lora":
+            lora_args, adapter_dirs = lora_setup(args.model, log_dir / "adapters")
+            server_args += lora_args
+        weights = kind_weights(name, args.only)
+        tally.config = name
+        fuzzer = Fuzzer(name, server_args, tally, args.concurrency, log_dir, CONFIG_ENV.get(name), adapter_dirs)
+        print(f"{name}: tokenloom serve {' '.join(server_args + COMMON_ARGS)} (logs in {log_dir}); kinds {weights}",
+              flush=True)
         try:
-            fuzz(fuzzer, args.batches, args.batch_size, args.seed, args.only.split(","))
+            fuzzer.start()
+        except (RuntimeError, httpx.HTTPError) as exc:  # a configuration that does not start is a finding too
+            tally.fail("server did not start", name, str(exc)[-600:])
+            fuzzer.stop()
+            continue
+        try:
+            fuzz(fuzzer, args.batches, args.batch_size, args.seed, weights)
         finally:
             fuzzer.stop()
     summary = report(tally)

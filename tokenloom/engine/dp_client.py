@@ -235,8 +235,11 @@ class DPEngineCoreClient:
         return "; ".join(f"engine {i}: {c.failure}" for i, c in enumerate(self.clients))
 
     def engine_health(self) -> list[dict[str, Any]]:
-        return [{"engine": i, "alive": c.is_alive} | ({} if c.is_alive else {"error": c.failure})
-                for i, c in enumerate(self.clients)]
+        """Per engine: alive (a dead one's error), and the requests the router has sent it and not yet seen
+        finish (the count its balance test reads: one that never comes back to 0 when idle is a leak)."""
+        loads = self.router.loads if self.router is not None else None
+        return [{"engine": i, "alive": c.is_alive, "requests_in_flight": loads[i].num_in_flight if loads else 0}
+                | ({} if c.is_alive else {"error": c.failure}) for i, c in enumerate(self.clients)]
 
     # Stopping -----------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 5.0) -> None:

@@ -237,16 +237,19 @@ class _EngineMetrics:
         self.prefix_hits = family(Counter, "prefix_cache_hits", "This engine's prefix-cache hits, tokens")
         self.preemptions = family(Counter, "num_preemptions", "This engine's preemptions")
         self.alive = family(Gauge, "alive", "1 while this engine process serves, 0 once it died")
+        self.routed = family(Gauge, "router_requests_in_flight",
+                             "Requests the router sent to this engine and has not seen finish (its load view)")
         for gauge in self.alive:
             gauge.set(1)
         self._totals = [{"queries": 0, "hits": 0, "preemptions": 0} for _ in range(num_engines)]
 
     def record_health(self, engines: list[dict]) -> None:
-        """/health's per-engine view (AsyncLLM.engine_health) into the alive gauges; a dead engine's
+        """/health's per-engine view (AsyncLLM.engine_health) into the alive and router gauges; a dead engine's
         running and waiting gauges drop to 0 (its requests were failed, not left running)."""
         for entry in engines:
             i = entry["engine"]
             self.alive[i].set(1 if entry["alive"] else 0)
+            self.routed[i].set(entry.get("requests_in_flight", 0))
             if not entry["alive"]:
                 self.running[i].set(0)
                 self.waiting[i].set(0)

@@ -63,10 +63,24 @@ class LoRAError(ValueError):
     """An adapter that cannot run on this engine; the message says why."""
 
 
+class LoRANotFoundError(LoRAError):
+    """No adapter at the path: it does not exist, or holds no adapter_config.json (vLLM's
+    LoRAAdapterNotFoundError, a 404 on the server)."""
+
+
+def _exists(path: Path, kind: str = "") -> bool:
+    """Whether `path` exists (as a directory: kind "dir"); False for a name the OS cannot even look up: a client
+    may send any string as lora_path, and Path.is_dir raises OSError for a name over NAME_MAX (a 500 once)."""
+    try:
+        return path.is_dir() if kind == "dir" else path.exists()
+    except (OSError, ValueError):
+        return False
+
+
 def _read_config(path: Path, name: str) -> dict[str, Any]:
     cfg_file = path / "adapter_config.json"
     if not cfg_file.is_file():
-        raise LoRAError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
+        raise LoRANotFoundError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -126,7 +140,9 @@ def load_peft_adapter(path: str | Path, lora_id: int, name: str, *, num_layers: 
     """The adapter at `path`, checked: `target_shapes` maps each supported module name to the base
     linear's (in_features, out_features); raises LoRAError saying what does not fit."""
     path = Path(path)
-    if not path.is_dir():
+    if not _exists(path, "dir"):
+        if not _exists(path):
+            raise LoRANotFoundError(f"LoRA adapter {name!r}: {path} does not exist")
         raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory")
     cfg = _read_config(path, name)
     _check_options(cfg, name)

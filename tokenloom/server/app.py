@@ -164,19 +164,23 @@ def _add_routes(app: FastAPI) -> None:
         async def load_lora_adapter(raw: Request) -> Response:
             state = get_state(raw)
             body = await read_json(raw, state.config.max_request_body_bytes)
-            name, path = body.get("lora_name"), body.get("lora_path")
+            name, path, inplace = body.get("lora_name"), body.get("lora_path"), body.get("load_inplace", False)
             if not isinstance(name, str) or not isinstance(path, str):
-                raise APIError(400, "both 'lora_name' and 'lora_path' must be provided", "lora_name")
-            await state.in_tokenizer_thread(state.models.load_lora_adapter, name, path)
+                raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+            if not isinstance(inplace, bool):  # vLLM's LoadLoRAAdapterRequest: load_inplace: bool = False
+                raise APIError(400, "load_inplace must be true or false", "load_inplace")
+            await state.in_tokenizer_thread(state.models.load_lora_adapter, name, path, None, inplace)
             return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(raw: Request) -> Response:
             state = get_state(raw)
             body = await read_json(raw, state.config.max_request_body_bytes)
-            name = body.get("lora_name")
-            if not isinstance(name, str):
-                raise APIError(400, "'lora_name' must be provided", "lora_name")
+            name, lora_int_id = body.get("lora_name"), body.get("lora_int_id")
+            if not isinstance(name, str) or not name:
+                raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+            if lora_int_id is not None and (isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int)):
+                raise APIError(400, "lora_int_id must be an integer", "lora_int_id")  # (vLLM reads it, uses it not)
             # Requests already running keep their LoRARequest (the engine keeps its weights cached);
             # new ones can no longer name it.
             state.models.unload_lora_adapter(name)
