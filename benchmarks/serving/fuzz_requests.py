@@ -86,6 +86,11 @@ CONFIGS: dict[str, list[str]] = {
     # reads hostile reasoning markup; logits processors are refused with speculative decoding, so not in `spec`.
     "reasoning": ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                   "--logits-processors", "tests.reasoning_models:ScriptedOutput"],
+    # the same on the tests' tiny random Qwen3 (tests/reasoning_models.py), whose <think>, </think>, <tool_call>
+    # are tokens: the parser's token path, and the structured-output gate that starts a grammar after </think>
+    # (with text tags the reasoning never ends for the engine, so a grammar never starts while it is wanted)
+    "reasoning-tiny": ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--logits-processors", "tests.reasoning_models:ScriptedOutput", "--dtype", "float32"],
     # three adapters written at start (lora_setup), two slots: a batch mixes more adapters than a step holds;
     # runtime loading on (VLLM_ALLOW_RUNTIME_LORA_UPDATING), so /v1/load_lora_adapter and unload are fuzzed too
     "lora": ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--enable-auto-tool-choice",
@@ -94,6 +99,8 @@ CONFIGS: dict[str, list[str]] = {
     "dp": ["--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
 }
 CONFIG_ENV: dict[str, dict[str, str]] = {"lora": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
+# The tiny model's tokenizer makes a tools prompt ~500 tokens: its context must hold one.
+CONFIG_MAX_LEN: dict[str, int] = {"reasoning-tiny": 1024}
 COMMON_ARGS = ["--max-model-len", str(MAX_LEN), "--uvicorn-log-level", "info", "--disable-uvicorn-access-log",
                "--disable-log-stats", "--enable-tokenizer-info-endpoint"]
 CLIENT_TIMEOUT_S = 180.0  # a hang, not a slow answer: n=128 sequences of 256 tokens take < 60 s on 2 cores
@@ -680,7 +687,7 @@ def sampling_cases(draw: st.DrawFn, target: Target) -> Case:
     names = [n for n in SAMPLING_FIELDS if n not in (COMPLETION_ONLY if chat else CHAT_ONLY)]
     for name in draw(st.lists(st.sampled_from(names), min_size=2, max_size=6, unique=True)):
         valid = VALID_OPTIONS.get(name, []) + EDGE_SAMPLING.get(name, [])
-        if valid and (draw(st.integers(0, 2)) or not hostile.get(name)):
+        if valid and (draw(st.integers(0, 2)) < 2 or not hostile.get(name)):
             body[name] = copy.deepcopy(draw(st.sampled_from(valid)))
         elif hostile.get(name):
             body[name] = copy.deepcopy(draw(st.sampled_from(hostile[name])))
@@ -776,7 +783,7 @@ def reasoning_cases(draw: st.DrawFn, target: Target) -> Case:
         body["temperature"] = 1.0
     # Pairs the API refuses before anything runs (tool_choice without tools, a stream's options without the
     # stream, continue_final_message with add_generation_prompt): mostly made consistent, to reach the parser.
-    if draw(st.integers(0, 3)):
+    if draw(st.integers(0, 3)) < 3:
         if "tool_choice" in body:
             body.setdefault("tools", copy.deepcopy(options["tools"][0]))
         if "stream_options" in body:
@@ -786,10 +793,10 @@ def reasoning_cases(draw: st.DrawFn, target: Target) -> Case:
         if body.get("use_beam_search") is True:
             for name in ("stream", "stream_options", "thinking_token_budget", "tools", "tool_choice"):
                 body.pop(name, None)
-    if target.scripts and draw(st.integers(0, 4)):
+    if target.scripts and draw(st.integers(0, 4)) < 4:
         script = target.scripts[draw(st.sampled_from(sorted(target.scripts)))]
         xargs: dict[str, Any] = {"script": script}
-        if draw(st.integers(0, 3)) == 0:
+        if draw(st.integers(0, 3)) == 3:
             xargs["free_after_script"] = 1  # (vllm_xargs values are strings, numbers or lists of them)
         body["vllm_xargs"] = xargs
     if path.endswith("/batch"):
@@ -804,7 +811,8 @@ BAD_LORA_NAMES: list[Any] = ["missing", "", " ", "a1 ", " a1", "A1", "a1/../a2",
                              "../../etc/passwd", "lora:a1", "a1,a2", "*", 5, None, ["a1"], {"name": "a1"}, True]
 # Runtime loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): names to load under and remove, including one served from
 # the start (a3: unloaded while requests run on it, loaded again later) and the base model's own name.
-LOAD_NAMES: list[Any] = ["d1", "d2", "a3", "a3", "{model}", "", "x" * 5000, "\ud800", "d1/../a1", 5, None, [], {}]
+RUNTIME_NAMES = ["d1", "d2", "a3"]
+LOAD_NAMES: list[Any] = ["d1", "a3", "{model}", "", "x" * 5000, "\ud800", "d1/../a1", 5, None, [], {}]
 UNLOAD_NAMES: list[Any] = ["d1", "d2", "a3", "{model}", "missing", "", 5, None, ["a3"]]
 
 
@@ -814,16 +822,19 @@ def lora_cases(draw: st.DrawFn, target: Target) -> Case:
     at once; two adapter slots), with n > 1, logprobs, echo, beam search, grammars, streams; and runtime loads /
     unloads of good and bad adapter directories."""
     if draw(st.integers(0, 2)) == 0:  # runtime loading and unloading
+        plausible = draw(st.integers(0, 2)) < 2  # a name and path that may well load, or hostile ones
         if draw(st.booleans()):
-            name = draw(st.sampled_from(LOAD_NAMES))
+            name = draw(st.sampled_from(RUNTIME_NAMES if plausible else LOAD_NAMES))
+            good = [d for n, d in sorted(target.adapter_dirs.items()) if n in ("good", "a3", "huge")]
+            paths = good if plausible and good else sorted(target.adapter_dirs.values()) + [
+                "", "/nonexistent", "/", "/etc/passwd", 5, None, "x" * 5000, "\ud800"]
             body: dict[str, Any] = {"lora_name": target.model if name == "{model}" else name,
-                                    "lora_path": draw(st.sampled_from(sorted(target.adapter_dirs.values()) + [
-                                        "", "/nonexistent", "/", "/etc/passwd", 5, None, "x" * 5000, "\ud800"]))}
+                                    "lora_path": draw(st.sampled_from(paths))}
             if draw(st.integers(0, 3)) == 0:
-                body["load_inplace"] = draw(st.sampled_from([True, "x"]))
+                body["load_inplace"] = draw(st.sampled_from([True, True, False, "x"]))
             path = "/v1/load_lora_adapter"
         else:
-            name = draw(st.sampled_from(UNLOAD_NAMES))
+            name = draw(st.sampled_from(RUNTIME_NAMES if plausible else UNLOAD_NAMES))
             body = {"lora_name": target.model if name == "{model}" else name}
             if draw(st.integers(0, 3)) == 0:
                 body["lora_int_id"] = draw(st.sampled_from([1, -1, 2**63, "x"]))
@@ -832,7 +843,7 @@ def lora_cases(draw: st.DrawFn, target: Target) -> Case:
     path = draw(st.sampled_from(["/v1/completions", "/v1/completions", "/v1/chat/completions",
                                  "/v1/chat/completions/batch", "/v1/responses", "/tokenize", "/v1/embeddings"]))
     names = [*target.lora_names, *target.lora_names, target.model, "d1", "d2"]
-    model = draw(st.sampled_from(names) if draw(st.integers(0, 3)) else st.sampled_from(BAD_LORA_NAMES))
+    model = draw(st.sampled_from(names) if draw(st.integers(0, 3)) < 3 else st.sampled_from(BAD_LORA_NAMES))
     body = {"model": model}
     if path == "/v1/responses":
         body.update(input="What is 2+2?", max_output_tokens=draw(st.sampled_from([1, 8, 32])))
@@ -877,7 +888,8 @@ def lora_cases(draw: st.DrawFn, target: Target) -> Case:
 KINDS = {"fields": 3, "combined": 2, "forced": 2, "fail": 1, "raw": 1, "leave": 1, "get": 1}
 # Kinds each configuration adds to the mix (or weighs more) unless --only names the kinds.
 CONFIG_KINDS: dict[str, dict[str, int]] = {"spec": {"sampling": 3}, "spec-sync": {"sampling": 4},
-                                           "reasoning": {"reasoning": 6}, "lora": {"lora": 6},
+                                           "reasoning": {"reasoning": 6}, "reasoning-tiny": {"reasoning": 8},
+                                           "lora": {"lora": 6},
                                            "dp": {"fail": 2, "leave": 2, "combined": 3}}
 ALL_KINDS = [*KINDS, "sampling", "reasoning", "lora"]
 
@@ -913,6 +925,7 @@ UNCLEAR = re.compile(r"^(?:'[^']*' object (?:is not|has no|cannot)|'[^']*' codec
                      r"\w+\(\) (?:takes|got|missing|should|argument)|'[^']*'$|None$|[A-Za-z]*Error\b)")
 FALLBACK_LOG = re.compile(r": \d{3} from \w+: |unhandled error in |Traceback \(most recent call last\)")
 SSE_SERVER_ERROR = re.compile(rb'"code":\s*5\d\d')
+SSE_ERROR_EVENT = re.compile(rb'"error":\s*\{')  # an error event (written with a space after the colon)
 
 
 @dataclass
@@ -986,6 +999,41 @@ def check_error_body(tally: Tally, case: Case, status: int, content: bytes) -> N
         tally.refused(case.path, err["message"])
 
 
+def expected_choices(case: Case) -> int | None:
+    """How many choices a 200 to this request must hold (n per prompt, one per conversation of a batch), where
+    that is plain; None where it is not (beam search, Responses, a body that is not a dict)."""
+    if case.path not in ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch"):
+        return None
+    try:
+        body = json.loads(case.body or b"")
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("use_beam_search"):
+        return None
+    n = 1 if body.get("n") is None else body["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    if case.path.endswith("/batch"):
+        messages = body.get("messages")
+        return len(messages) if isinstance(messages, list) else None
+    if case.path == "/v1/chat/completions":
+        return n
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return n
+    return n * len(prompt) if isinstance(prompt, list) and prompt else None
+
+
+def check_choices(tally: Tally, case: Case, indexes: list[int], finished: set[int], content: bytes) -> None:
+    """A 200 holds every choice it owes, once each (whole answers), and each finished (streams): none lost."""
+    want = expected_choices(case)
+    if want is None:
+        return
+    if sorted(set(indexes)) != list(range(want)) or len(finished) != want:
+        tally.fail("lost choice", case.path, f"{want} choices owed; indexes {sorted(set(indexes))[:20]}, "
+                   f"{len(finished)} finished: {content[-300:].decode(errors='replace')}", case)
+
+
 def check_stream(tally: Tally, case: Case, content: bytes, complete: bool) -> None:
     if SSE_SERVER_ERROR.search(content):
         tally.fail("5xx error event in a stream", case.path, content[-300:].decode(errors="replace"), case)
@@ -997,11 +1045,20 @@ def check_stream(tally: Tally, case: Case, content: bytes, complete: bool) -> No
             except ValueError:
                 tally.fail("stream event not JSON", case.path, data[:200].decode(errors="replace"), case)
                 return
-    if b'"error":{' in content:
+    errored = SSE_ERROR_EVENT.search(content) is not None
+    if errored:
         tally.note(f"4xx error event in a 200 stream: {case.path}",
                    {"request": case.describe(), "answer": content[-400:].decode(errors="replace")})
     if complete and case.path != "/v1/responses" and (not events or events[-1] != b"[DONE]"):
         tally.fail("stream without [DONE]", case.path, content[-200:].decode(errors="replace"), case)
+    if complete and not errored:
+        indexes, finished = [], set()
+        for data in events[:-1]:
+            for choice in json.loads(data).get("choices") or []:
+                indexes.append(choice.get("index"))
+                if choice.get("finish_reason") is not None:
+                    finished.add(choice.get("index"))
+        check_choices(tally, case, indexes, finished, content)
 
 
 def send(http: httpx.Client, url: str, case: Case, tally: Tally) -> None:
@@ -1041,9 +1098,14 @@ def send(http: httpx.Client, url: str, case: Case, tally: Tally) -> None:
         check_stream(tally, case, content, complete=not case.leave)
     elif case.method == "POST" and r.headers.get("content-type", "").startswith("application/json"):
         try:
-            json.loads(content)
+            answer = json.loads(content)
         except ValueError:
             tally.fail("200 body not JSON", case.path, content[:200].decode(errors="replace"), case)
+            return
+        if r.status_code == 200 and isinstance(answer, dict) and isinstance(answer.get("choices"), list):
+            choices = [c for c in answer["choices"] if isinstance(c, dict)]
+            check_choices(tally, case, [c.get("index") for c in choices],
+                          {c.get("index") for c in choices if c.get("finish_reason") is not None}, content)
 
 
 def leave_mid_body(url: str, case: Case) -> None:
@@ -1120,7 +1182,8 @@ class Fuzzer:
 
     def start(self) -> None:
         log = self.log_dir / f"{self.name}-{int(time.time())}.log"
-        self.server = ServerProcess(*self.server_args, *COMMON_ARGS, log_path=log, env=self.env)
+        common = [str(CONFIG_MAX_LEN.get(self.name, MAX_LEN)) if a == str(MAX_LEN) else a for a in COMMON_ARGS]
+        self.server = ServerProcess(*self.server_args, *common, log_path=log, env=self.env)
         self.server.start()
         self.log_offset = 0
         self.http = httpx.Client(base_url=self.server.url, timeout=CLIENT_TIMEOUT_S)
@@ -1333,6 +1396,11 @@ def main(argv: list[str] | None = None) -> int:
         if name == "lora":
             lora_args, adapter_dirs = lora_setup(args.model, log_dir / "adapters")
             server_args += lora_args
+        if name == "reasoning-tiny":
+            from tests.reasoning_models import make_tiny_reasoning_model
+
+            server_args = [str(make_tiny_reasoning_model(log_dir / "tiny-reasoning"))] + server_args[
+                1 if args.model else 0:]
         weights = kind_weights(name, args.only)
         tally.config = name
         fuzzer = Fuzzer(name, server_args, tally, args.concurrency, log_dir, CONFIG_ENV.get(name), adapter_dirs)
