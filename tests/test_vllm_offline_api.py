@@ -399,3 +399,23 @@ def test_llm_engine_step_streams_n_children_one_at_a_time(tiny) -> None:
     (cut,) = engine.abort_request("nstep-abort")
     assert cut.finished and [(c.index, c.finish_reason) for c in cut.outputs] == [(i, "abort") for i in range(3)]
     assert not engine.has_unfinished_requests()
+
+
+def test_hf_overrides_on_the_default_model_run_its_first_layers() -> None:
+    """vLLM's hf_overrides on the default (GGUF, quantized) model, as a callable: it runs on the GGUF's config in
+    Hugging Face's names, its change (num_hidden_layers 2) is what the load applies, the later layers are not
+    loaded, and the truncated model generates."""
+
+    def two_layers(config):  # noqa: ANN001, ANN202 - a transformers LlamaConfig
+        config.num_hidden_layers = 2
+        return config
+
+    llm = LLM(hf_overrides=two_layers, max_model_len=256, num_blocks=64)
+    try:
+        assert llm.llm_engine.config.hf_overrides == {"num_hidden_layers": 2}
+        assert llm.llm_engine.model_config.num_hidden_layers == 2
+        assert len(llm.llm_engine.runner.model.layers) == 2
+        out = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
