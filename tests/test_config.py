@@ -228,3 +228,21 @@ def test_hf_overrides_take_a_dict_or_a_callable_and_the_cli_reads_vllms_json() -
     with pytest.raises(ValueError, match="cannot be converted to JSON"):
         cfg.parse_hf_overrides("{not: json}")
 
+
+def test_custom_histogram_buckets_are_checked_in_vllms_words() -> None:
+    good = {"request_latency": [0.01, 0.05, 0.1, 0.5], "request_tokens": [1, 10, 100]}
+    config = engine_config_from_kwargs(custom_histogram_buckets=good)
+    assert config.observability_config.custom_histogram_buckets == good
+    assert EngineConfig(custom_histogram_buckets='{"request_params_n": [1, 4]}').custom_histogram_buckets == \
+        {"request_params_n": [1.0, 4.0]}
+    assert EngineConfig().observability_config.custom_histogram_buckets is None
+    for bad, words in (({"bogus": [1.0]}, "unknown bucket family 'bogus'; known families: \\['inter_token_latency'"),
+                       ({"request_latency": []}, "bucket list must not be empty"),
+                       ({"request_latency": [True, 2]}, "must be a number, not a boolean"),
+                       ({"request_latency": [0, 1]}, "bound 0 must be finite and greater than 0"),
+                       ({"request_latency": [1, float("inf")]}, "bound inf must be finite"),
+                       ({"request_latency": [2, 1]}, "must be strictly increasing"),
+                       ({"request_latency": "1,2"}, "must be a list of numbers"),
+                       ([1, 2], "must be a JSON object")):
+        with pytest.raises(ConfigError, match=words):
+            engine_config_from_kwargs(custom_histogram_buckets=bad)

@@ -28,6 +28,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs
 
+from tokenloom.metric_buckets import check_custom_histogram_buckets
 from tokenloom.tasks import NORMALIZE_REMOVED, PoolingTask, check_removed_pooling_task
 
 logger = logging.getLogger(__name__)
@@ -1034,6 +1035,24 @@ class PoolerConfig:
             raise ConfigError(f"pooler_config: {exc}") from None
 
 
+def _check_histogram_buckets(value: Any) -> dict[str, list[float]] | None:
+    """--custom-histogram-buckets (vLLM's ObservabilityConfig check, its words): a dict or its JSON text."""
+    if isinstance(value, str):
+        value = _json_object(value, "custom_histogram_buckets")
+    try:
+        return check_custom_histogram_buckets(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """vLLM's ObservabilityConfig, as far as tokenloom has it: the Prometheus buckets per histogram family
+    (None: every family's default; tokenloom/metric_buckets.py)."""
+
+    custom_histogram_buckets: dict[str, list[float]] | None = None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRAConfig: the adapters' limits, made from EngineConfig's LoRA knobs when enable_lora is set.
@@ -1111,6 +1130,12 @@ class EngineConfig:
     # vLLM's sleep mode frees the GPU's weights and KV cache (CuMemAllocator); vLLM refuses it on CPU, as here.
     enable_sleep_mode: bool = knob(
         False, "vLLM's: refused (\"Sleep mode is not supported on current platform.\", as vLLM on CPU)",
+        simulated=False)
+    # vLLM's ObservabilityConfig.custom_histogram_buckets (tokenloom/metric_buckets.py has the families).
+    custom_histogram_buckets: dict[str, list[float]] | None = knob(
+        None, 'Prometheus histogram bounds per bucket family (vLLM\'s), e.g. \'{"request_latency": [0.01, 0.05, 0.1, '
+        '0.5]}\': a family\'s list replaces its default for every histogram of it (request_latency, '
+        "time_to_first_token, inter_token_latency, iteration_tokens, request_params_n, request_tokens, ...)",
         simulated=False)
     compilation_config: dict[str, Any] | None = knob(
         None, "vLLM's torch.compile / CUDA graph options (a JSON object, or vLLM's level as a number); tokenloom "
@@ -1273,9 +1298,15 @@ class EngineConfig:
             raise ConfigError(f"load_format {self.load_format!r} is vLLM's; tokenloom reads the model's own files "
                               "(a GGUF or a safetensors directory): use 'auto'")
         self._check_model_source()
+        self.custom_histogram_buckets = _check_histogram_buckets(self.custom_histogram_buckets)
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+
+    @property
+    def observability_config(self) -> ObservabilityConfig:
+        """vLLM's VllmConfig.observability_config, as far as tokenloom has it."""
+        return ObservabilityConfig(custom_histogram_buckets=self.custom_histogram_buckets)
 
     def _check_model_source(self) -> None:
         """vLLM's ModelConfig arguments on how the model is read, refused where tokenloom cannot honour them."""

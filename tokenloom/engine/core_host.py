@@ -486,6 +486,7 @@ class EngineCoreHost:
             logits_processors=list(self.logits_processor_names),
             num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
             reasoning_token_ids=self.reasoning_token_ids,
+            custom_histogram_buckets=self.config.custom_histogram_buckets,
         )
 
     def reset_scheduler(
