@@ -1129,8 +1129,8 @@ class EngineConfig:
         "implementations) are refused", simulated=False)
     # vLLM's sleep mode frees the GPU's weights and KV cache (CuMemAllocator); vLLM refuses it on CPU, as here.
     enable_sleep_mode: bool = knob(
-        False, "vLLM's: refused (\"Sleep mode is not supported on current platform.\", as vLLM on CPU)",
-        simulated=False)
+        False, "vLLM's: refused (\"Sleep mode is not supported on current platform.\", as vLLM on CPU); "
+        "LLM.sleep() / wake_up() pause and resume the engine without it, as vLLM's do there", simulated=False)
     # vLLM's ObservabilityConfig.custom_histogram_buckets (tokenloom/metric_buckets.py has the families).
     custom_histogram_buckets: dict[str, list[float]] | None = knob(
         None, 'Prometheus histogram bounds per bucket family (vLLM\'s), e.g. \'{"request_latency": [0.01, 0.05, 0.1, '
