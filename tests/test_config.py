@@ -155,3 +155,94 @@ def test_max_num_seqs_not_given_is_capped_by_a_smaller_token_budget() -> None:
     assert engine_config_from_args(parser.parse_args(["--max-num-batched-tokens", "48"])).scheduler.max_num_seqs == 48
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(48\) must be >= max_num_seqs \(64\)"):
         engine_config_from_kwargs(max_num_batched_tokens=48, max_num_seqs=64)
+
+
+def test_vllms_model_source_arguments_are_taken_or_refused_by_name() -> None:
+    """vLLM's model_impl, config_format, load_format, hf_token and enable_sleep_mode: what tokenloom honours is
+    taken (the CLI too, hf_token's bare flag as vLLM's), the rest refused in words that say why (vLLM's where it
+    has them: config_format's unknown value, sleep mode on a platform without it)."""
+    for kwargs in (dict(model_impl="vllm"), dict(model_impl="auto"), dict(config_format="hf"), dict(load_format="hf"),
+                   dict(hf_token="hf_abc"), dict(hf_token=True), dict(enable_sleep_mode=False)):
+        engine_config_from_kwargs(**kwargs)
+    for kwargs, words in ((dict(model_impl="transformers"), "Transformers backend"),
+                          (dict(model_impl="terratorch"), "TerraTorch backend"),
+                          (dict(model_impl="hf"), "model_impl must be one of"),
+                          (dict(config_format="mistral"), "params.json"),
+                          (dict(config_format="yaml"), "Unknown config format `yaml`."),
+                          (dict(load_format="pt"), "load_format 'pt' is vLLM's"),
+                          (dict(hf_token=3), "hf_token must be"),
+                          (dict(enable_sleep_mode=True), "^Sleep mode is not supported on current platform.$")):
+        with pytest.raises(ConfigError, match=words):
+            engine_config_from_kwargs(**kwargs)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--hf-token"]).hf_token is True
+    assert parser.parse_args(["--hf-token", "hf_x"]).hf_token == "hf_x" and parser.parse_args([]).hf_token is None
+    config = engine_config_from_args(parser.parse_args(["--model-impl", "vllm", "--config-format", "hf", "--hf-token"]))
+    assert (config.model_impl, config.config_format, config.hf_token) == ("vllm", "hf", True)
+    with pytest.raises(SystemExit):  # vLLM's CLI: a Literal's choices
+        parser.parse_args(["--model-impl", "other"])
+    with pytest.raises(ConfigError, match="Sleep mode"):
+        engine_config_from_args(parser.parse_args(["--enable-sleep-mode"]))
+
+
+def test_load_format_is_checked_against_the_model_path(tmp_path) -> None:
+    from tokenloom.engine.core_host import check_load_format
+
+    gguf, hf_dir = tmp_path / "m.gguf", tmp_path / "hf"
+    gguf.write_bytes(b"GGUF")
+    hf_dir.mkdir()
+    for fmt, path in (("auto", gguf), ("auto", hf_dir), ("gguf", gguf), ("hf", hf_dir), ("safetensors", hf_dir)):
+        check_load_format(fmt, path)
+    with pytest.raises(ConfigError, match="needs a .gguf model file"):
+        check_load_format("gguf", hf_dir)
+    with pytest.raises(ConfigError, match="is a GGUF file"):
+        check_load_format("hf", gguf)
+
+
+def test_hf_overrides_take_a_dict_or_a_callable_and_the_cli_reads_vllms_json() -> None:
+    """vLLM's HfOverrides: a dict, or offline a callable; --hf-overrides is a JSON object (vLLM's parser keeps any
+    other text a string, which the config refuses as vLLM's ModelConfig does; malformed JSON fails the parse)."""
+
+    def shrink(config):  # noqa: ANN001, ANN202 - a transformers config
+        config.num_hidden_layers = 2
+        return config
+
+    assert EngineConfig().hf_overrides == {} and EngineConfig(hf_overrides=None).hf_overrides == {}
+    assert engine_config_from_kwargs(hf_overrides={"num_hidden_layers": 2}).hf_overrides == {"num_hidden_layers": 2}
+    assert engine_config_from_kwargs(hf_overrides=shrink).hf_overrides is shrink
+    for bad, words in (("num_hidden_layers=2", "Input should be a valid dictionary or callable, got str"),
+                       ([("a", 1)], "got list"), ({1: 2}, "keys must be config field names")):
+        with pytest.raises(ConfigError, match=words):
+            engine_config_from_kwargs(hf_overrides=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--hf-overrides", '{"matryoshka_dimensions": [256], "text_config": {"a": 1}}'])
+    assert engine_config_from_args(args).hf_overrides == {"matryoshka_dimensions": [256], "text_config": {"a": 1}}
+    assert parser.parse_args([]).hf_overrides == {}
+    for text in ("[1, 2]", "{not json"):  # not an object's braces: a string, as vLLM's parser leaves it
+        with pytest.raises(ConfigError, match="valid dictionary"):
+            engine_config_from_args(parser.parse_args(["--hf-overrides", text]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hf-overrides", "{not: json}"])
+    with pytest.raises(ValueError, match="cannot be converted to JSON"):
+        cfg.parse_hf_overrides("{not: json}")
+
+
+def test_custom_histogram_buckets_are_checked_in_vllms_words() -> None:
+    good = {"request_latency": [0.01, 0.05, 0.1, 0.5], "request_tokens": [1, 10, 100]}
+    config = engine_config_from_kwargs(custom_histogram_buckets=good)
+    assert config.observability_config.custom_histogram_buckets == good
+    assert EngineConfig(custom_histogram_buckets='{"request_params_n": [1, 4]}').custom_histogram_buckets == \
+        {"request_params_n": [1.0, 4.0]}
+    assert EngineConfig().observability_config.custom_histogram_buckets is None
+    for bad, words in (({"bogus": [1.0]}, "unknown bucket family 'bogus'; known families: \\['inter_token_latency'"),
+                       ({"request_latency": []}, "bucket list must not be empty"),
+                       ({"request_latency": [True, 2]}, "must be a number, not a boolean"),
+                       ({"request_latency": [0, 1]}, "bound 0 must be finite and greater than 0"),
+                       ({"request_latency": [1, float("inf")]}, "bound inf must be finite"),
+                       ({"request_latency": [2, 1]}, "must be strictly increasing"),
+                       ({"request_latency": "1,2"}, "must be a list of numbers"),
+                       ([1, 2], "must be a JSON object")):
+        with pytest.raises(ConfigError, match=words):
+            engine_config_from_kwargs(custom_histogram_buckets=bad)

@@ -14,6 +14,7 @@ from transformers' own config classes (tests/tiny_models.py; 2 layers, hidden 64
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -29,7 +30,9 @@ from tokenloom.config import CacheConfig, SchedulerConfig
 from tokenloom.core.kv_cache_groups import make_kv_cache_groups
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler
-from tokenloom.model.loader import load_model
+from tokenloom.model.hf import config_from_hf, hf_dict_from_config
+from tokenloom.model.hf_overrides import ModelOverrides
+from tokenloom.model.loader import load_model, load_model_config
 from tokenloom.model.models.qwen3_moe import grouped_experts, route
 from tokenloom.model.runner import ModelRunner
 from tokenloom.sampling_params import SamplingParams
@@ -174,6 +177,36 @@ def test_gguf_matches_hf_dir(arch: str, tmp_path: Path) -> None:
         runner.execute_model(tmr.step({"r": 14}, new=[tmr.new_req("r", tokens, [1, 2, 3, 4])]), return_logits=True)
         logits.append(runner.last_logits)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+    # hf_overrides on a GGUF edit its metadata in Hugging Face's names (what transformers gives vLLM for a GGUF),
+    # which reads back as the GGUF's own config, and then as the same overrides on its config.json.
+    config = from_gguf.config
+    back = config_from_hf(hf_dict_from_config(config), name=config.name, check_rope=False)
+    assert replace(back, extra=config.extra) == config
+    overrides = ModelOverrides({"num_hidden_layers": 1, "max_position_embeddings": 128, "rms_norm_eps": 1e-3})
+    on_hf, on_gguf = (load_model_config(p, overrides) for p in (hf_dir, tmp_path / f"{arch}.gguf"))
+    assert (on_gguf.num_hidden_layers, on_gguf.max_position_embeddings, on_gguf.rms_norm_eps) == (1, 128, 1e-3)
+    assert replace(on_gguf, name=on_hf.name, extra=on_hf.extra) == on_hf
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_disable_sliding_window_runs_as_transformers_without_a_window(arch: str, tmp_path: Path) -> None:
+    """vLLM's disable_sliding_window: every layer attends to the whole sequence (the runner's logits match
+    transformers' model given a window longer than the prompts), Gemma 3's sliding layers keep their local rope
+    base, and the context is capped at the window (vLLM's derived max_model_len, key sliding_window)."""
+    path = make_tiny_hf_model(tmp_path, arch=arch, seed=3)
+    loaded = load_model(path, torch.float32, overrides=ModelOverrides(disable_sliding_window=True))
+    config = loaded.config
+    assert config.sliding_window is None and config.sliding_windows == [None, None]
+    assert (config.context_length, config.context_length_key, config.max_position_embeddings) == \
+        (8, "sliding_window", 256)
+    if arch == "gemma3":
+        assert config.layer_types == ["sliding_attention", "full_attention"] and config.is_sliding_layer(0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                              sliding_window=256).eval()
+    tmr.test_mixed_step_matches_transformers(Tiny(hf=hf, loaded=loaded), None)  # prompts of up to 13 > 8 tokens
+    assert ModelOverrides(disable_sliding_window=True).finish(load_model_config(path)).context_length == 8
+    plain = make_tiny_hf_model(tmp_path / "plain", arch="llama", seed=3)
+    assert load_model_config(plain, ModelOverrides(disable_sliding_window=True)) == load_model_config(plain)
 
 
 def test_gguf_tensors_not_matching_architecture(tmp_path: Path) -> None:

@@ -129,6 +129,22 @@ def test_another_fingerprint_starts_empty_with_a_log_line(tiny_dir, reference, t
     other.llm_engine.close()
 
 
+def test_the_fingerprint_names_the_model_overrides(tiny_dir):
+    """hf_overrides / disable_sliding_window change the numbers a block holds: they join the KV fingerprint (the disk
+    tier and the P/D wire refuse blocks made under others); an engine without them keeps the fingerprint it had."""
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.kv_connectors import kv_block_spec
+    from tokenloom.model.loader import load_model
+    from tokenloom.model.runner import ModelRunner
+
+    runner = ModelRunner(load_model(tiny_dir), block_size=BS, num_blocks=8, dtype="float32", device="cpu")
+    plain = kv_block_spec(runner, EngineConfig(), tiny_dir).fingerprint
+    over = kv_block_spec(runner, EngineConfig(hf_overrides={"rope_theta": 5e5}, disable_sliding_window=True),
+                         tiny_dir).fingerprint
+    assert not {"hf_overrides", "disable_sliding_window"} & plain.keys()
+    assert over == {**plain, "hf_overrides": '{"rope_theta": 500000.0}', "disable_sliding_window": True}
+
+
 def test_corrupt_or_truncated_files_are_skipped_never_served(tiny_dir, reference, tmp_path, caplog):
     disk = tmp_path / "kv"
     config = _offload_config(disk, host_blocks=2)

@@ -22,6 +22,7 @@ LEVELS = {
     "tokenloom.exceptions": -0.8,  # the error a refused request raises (vLLM's VLLMValidationError): imports nothing
     "tokenloom.cpu_isa": -0.5,  # TOKENLOOM_CPU_ISA's caps: read by tokenloom/__init__.py before torch loads
     "tokenloom.parser_registry": -0.5,  # the name registry both parser managers share: imports nothing of tokenloom
+    "tokenloom.metric_buckets": -0.5,  # vLLM's Prometheus bucket families: config checks, metrics build; no imports
     "tokenloom.tasks": -0.6,  # vLLM's task names and its refusal of the removed ones: imports only the error type
     "tokenloom.reasoning": -0.3,  # reasoning parsers: the server splits outputs, the engine's grammar gate waits
     "tokenloom": 0, "tokenloom.config": 0, "tokenloom.sampling_params": 0,
@@ -42,7 +43,7 @@ LEVELS = {
 }  # fmt: skip
 NO_TORCH = ("tokenloom.exceptions", "tokenloom.tasks", "tokenloom.config", "tokenloom.sampling_params",
             "tokenloom.pooling_params", "tokenloom.envs", "tokenloom.cpu_isa", "tokenloom.core", "tokenloom.inputs",
-            "tokenloom.logprobs", "tokenloom.reasoning", "tokenloom.parser_registry")
+            "tokenloom.logprobs", "tokenloom.reasoning", "tokenloom.parser_registry", "tokenloom.metric_buckets")
 
 
 def room(module: str) -> str:

@@ -521,3 +521,79 @@ def test_iq3_layout_choice_requantizes_or_keeps_the_blocks(tiny_dirs, tmp_path: 
     monkeypatch.setenv("TOKENLOOM_GGUF_IQ3_LAYOUT", "sometimes")
     with pytest.raises(ValueError, match="TOKENLOOM_GGUF_IQ3_LAYOUT must be one of auto, q8_0, blocks"):
         load_model(path, quantized=True)
+
+
+# vLLM's hf_overrides (tokenloom/model/hf_overrides.py) ---------------------------------------------------------------
+def test_hf_overrides_apply_as_vllms_model_config() -> None:
+    """A value sets its key; a dict for a nested config (one with a model_type) updates it key by key; any other dict
+    value replaces the key's whole value (vLLM's test_config.py: rope_parameters); a lowered num_hidden_layers keeps
+    the first layer_types; the config given is left as it was."""
+    from tokenloom.model.hf_overrides import apply_hf_overrides
+
+    cfg = {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "rope_parameters": {"rope_type": "linear", "factor": 8.0},
+           "text_config": {"model_type": "t", "a": 1, "b": 2}}
+    out = apply_hf_overrides(cfg, {"num_hidden_layers": 2, "rope_parameters": {"rope_type": "default"},
+                                   "text_config": {"b": 3}, "matryoshka_dimensions": [256]})
+    assert out == {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+                   "rope_parameters": {"rope_type": "default"}, "text_config": {"model_type": "t", "a": 1, "b": 3},
+                   "matryoshka_dimensions": [256]}
+    assert cfg["num_hidden_layers"] == 4 and cfg["text_config"]["b"] == 2 and len(cfg["layer_types"]) == 4
+    assert apply_hf_overrides(cfg, {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})["layer_types"] \
+        == ["full_attention"] * 2
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_a_lowered_num_hidden_layers_loads_the_checkpoints_first_layers(tiny_dirs, tmp_path: Path, fmt: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """hf_overrides={"num_hidden_layers": 1}: the first layer's weights as the whole checkpoint has them, the later
+    layers not read (the log says so); more layers than the checkpoint holds is refused by the weight check."""
+    from tokenloom.model.hf_overrides import ModelOverrides
+
+    path = tiny_dirs[("llama", False)]
+    if fmt == "gguf":
+        path = write_gguf_from_hf(path, tmp_path / "m.gguf")
+    whole = load_model(path)
+    with caplog.at_level(logging.WARNING, logger="tokenloom.model.hf_overrides"):
+        one = load_model(path, overrides=ModelOverrides({"num_hidden_layers": 1}))
+    assert one.config.num_hidden_layers == 1 and whole.config.num_hidden_layers == TINY_LAYERS
+    assert one.weights.keys() == {k for k in whole.weights if not k.startswith("model.layers.1.")}
+    for name, w in one.weights.items():
+        torch.testing.assert_close(w, whole.weights[name], atol=0, rtol=0)
+    assert "9 tensors of the checkpoint's later layers are not loaded" in caplog.text
+    with pytest.raises(ValueError, match="missing"):
+        load_model(path, overrides=ModelOverrides({"num_hidden_layers": TINY_LAYERS + 1}))
+
+
+def test_a_callable_hf_overrides_becomes_the_dict_of_what_it_changed(tiny_dirs, tmp_path: Path) -> None:
+    """vLLM's hf_overrides_fn gets the model's transformers config (a GGUF's metadata in its names); what it changed
+    is what every load then applies (so no process has to unpickle the callable). It must return the config."""
+    from transformers import LlamaConfig
+
+    from tokenloom.engine.pooling import read_hf_config
+    from tokenloom.model.hf_overrides import ModelOverrides
+    from tokenloom.model.loader import resolve_hf_overrides
+
+    seen = []
+
+    def shrink(config):  # noqa: ANN001, ANN202
+        seen.append(type(config))
+        config.num_hidden_layers = 1
+        config.matryoshka_dimensions = [16]
+        return config
+
+    hf_dir = tiny_dirs[("llama", False)]
+    for path in (hf_dir, write_gguf_from_hf(hf_dir, tmp_path / "m.gguf")):
+        assert resolve_hf_overrides(shrink, path) == {"num_hidden_layers": 1, "matryoshka_dimensions": [16]}
+        # a key the decoder does not read still reaches every reader of the HF config (pooling's matryoshka sizes)
+        assert read_hf_config(path, ModelOverrides({"matryoshka_dimensions": [16]}))["matryoshka_dimensions"] == [16]
+    assert seen == [LlamaConfig, LlamaConfig]
+    # Engine processes (data parallelism) get the dict, resolved before they start.
+    from tokenloom.config import EngineConfig
+    from tokenloom.engine.clients import hf_overrides_for_another_process
+
+    resolved = hf_overrides_for_another_process(EngineConfig(model=str(hf_dir), hf_overrides=shrink))
+    assert resolved == {"num_hidden_layers": 1, "matryoshka_dimensions": [16]} and len(seen) == 3
+    assert resolve_hf_overrides({"a": 1}, hf_dir) == {"a": 1} and resolve_hf_overrides(None, hf_dir) == {}
+    with pytest.raises(ValueError, match="must return the Hugging Face config it was given.*got NoneType"):
+        resolve_hf_overrides(lambda config: None, hf_dir)

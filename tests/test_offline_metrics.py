@@ -32,7 +32,10 @@ def _one(metrics: list[Metric], name: str, **labels: str) -> Metric:
 
 
 def test_counters_after_a_run(tiny_dir: str) -> None:
-    llm = _llm(tiny_dir, disable_log_stats=False)
+    """Also vLLM's --custom-histogram-buckets: a family's bounds replace its defaults in every histogram of it
+    (request_tokens: prompt and generation lengths), the others keep vLLM's (request_tokens' default is its 1-2-5
+    series up to max_model_len)."""
+    llm = _llm(tiny_dir, disable_log_stats=False, custom_histogram_buckets={"request_tokens": [4.0, 12.0, 20.0]})
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         metrics = llm.get_metrics()
@@ -49,12 +52,30 @@ def test_counters_after_a_run(tiny_dir: str) -> None:
     assert isinstance(success, Counter) and success.value == 2
     hist = _one(metrics, "vllm:request_generation_tokens")
     assert isinstance(hist, Histogram) and hist.count == 2 and hist.sum == generated
-    assert hist.buckets["+Inf"] == 2
+    assert hist.buckets == {"4.0": 0, "12.0": 2, "20.0": 2, "+Inf": 2}  # both generated 12
+    assert list(_one(metrics, "vllm:request_prompt_tokens").buckets) == ["4.0", "12.0", "20.0", "+Inf"]
+    assert list(_one(metrics, "vllm:e2e_request_latency_seconds").buckets)[:3] == ["0.3", "0.5", "0.8"]
     ttft = _one(metrics, "vllm:time_to_first_token_seconds")
     assert isinstance(ttft, Histogram) and ttft.count == 2
     running = _one(metrics, "vllm:num_requests_running")
     assert isinstance(running, Gauge) and running.value == 0.0
     assert _one(metrics, "vllm:iteration_tokens_total").count > 0  # one per engine step
+
+
+def test_histogram_families_default_to_vllms_buckets() -> None:
+    """Without custom buckets each histogram has its family's vLLM bounds: request_tokens (prompt, generation,
+    max_tokens) vLLM's 1-2-5 series up to max_model_len, iteration_tokens powers of two."""
+    from types import SimpleNamespace
+
+    from tokenloom.engine.metrics import PrometheusMetrics
+    from tokenloom.engine.metrics_reader import get_metrics_snapshot
+
+    info = SimpleNamespace(max_model_len=100, block_size=16, num_blocks=10)
+    metrics = get_metrics_snapshot(PrometheusMetrics("m", 10, prefix="vllm", info=info).registry)
+    assert list(_one(metrics, "vllm:request_prompt_tokens").buckets) == \
+        ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    assert list(_one(metrics, "vllm:iteration_tokens_total").buckets)[:3] == ["1.0", "8.0", "16.0"]
+    assert list(_one(metrics, "vllm:request_params_n").buckets) == ["1.0", "2.0", "5.0", "10.0", "20.0", "+Inf"]
 
 
 def test_abort_counts_as_abort(tiny_dir: str) -> None:

@@ -171,6 +171,23 @@ def test_engine_default_max_model_len_counts_the_groups(gemma3) -> None:  # noqa
     assert engine.scheduler_config.max_model_len == 40
 
 
+def test_disable_sliding_window_caps_max_model_len_at_the_window(gemma3) -> None:  # noqa: ANN001
+    """vLLM's disable_sliding_window: one full-attention KV cache group, and max_model_len capped at the window
+    (vLLM's derived max_model_len, `sliding_window` its key, named when --max-model-len asks for more)."""
+    from tokenloom.config import ConfigError
+    from tokenloom.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(str(gemma3), **{**ENGINE, "max_model_len": None}, disable_sliding_window=True)
+    try:
+        assert engine.scheduler_config.max_model_len == W
+        assert [g.sliding_window for g in engine.scheduler.kv_cache_manager.kv_cache_groups] == [None]
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match=rf"max_model_len={W + 1} is larger than the model's context length "
+                                          rf"\({W}: its sliding_window, which disable_sliding_window caps"):
+        resolve_max_model_len(EngineConfig(max_model_len=W + 1), W, W, key="sliding_window")
+
+
 @pytest.mark.slow
 def test_server_says_400_at_the_hybrid_boundary(gemma3, tmp_path) -> None:  # noqa: ANN001
     from tests.test_server_harness import ServerProcess

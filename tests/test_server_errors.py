@@ -47,7 +47,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 BAD_COMPLETIONS = [
     ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 10**9}, "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
@@ -315,6 +314,25 @@ def test_completion_max_tokens_null_means_16(http) -> None:
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_a_max_tokens_past_the_context_runs_until_the_context_is_full(http) -> None:
+    """vLLM 0.32's get_max_tokens: max_tokens (chat's max_completion_tokens) larger than the room the prompt leaves
+    is capped at that room, 200 with finish_reason "length", not refused; a prompt that fills the context still
+    is (vLLM's words)."""
+    max_len = http.post("/tokenize", json={"model": "tiny", "prompt": "hello"}).json()["max_model_len"]
+    for body in ({**CMPL, "max_tokens": 10**9}, {**CMPL, "max_tokens": max_len}):
+        r = http.post("/v1/completions", json={**body, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["total_tokens"] == max_len and usage["completion_tokens"] == max_len - usage["prompt_tokens"]
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": None, "max_completion_tokens": 10**9,
+                                                "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == max_len, r.text
+    err = _assert_error(http.post("/v1/completions", json={**CMPL, "prompt": [5] * max_len, "max_tokens": 10**9}),
+                        400, "prompt")
+    assert "maximum model length of 256" in err["message"], err
 
 
 def test_unknown_model_route_and_method(http) -> None:

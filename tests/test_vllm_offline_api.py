@@ -399,3 +399,67 @@ def test_llm_engine_step_streams_n_children_one_at_a_time(tiny) -> None:
     (cut,) = engine.abort_request("nstep-abort")
     assert cut.finished and [(c.index, c.finish_reason) for c in cut.outputs] == [(i, "abort") for i in range(3)]
     assert not engine.has_unfinished_requests()
+
+
+def test_sleep_and_wake_up_without_sleep_mode(tiny, caplog) -> None:
+    """vLLM's LLM.sleep() / wake_up() on a platform without sleep mode (its CPU): scheduling pauses, level 1 drops the
+    prefix cache and its executor tags sleep (nothing freed, vLLM's CPU worker's warning); requests added meanwhile
+    wait for wake_up; generate() while asleep is refused (vLLM would wait forever); modes abort / wait / keep."""
+    engine = tiny.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = tiny.generate("Sleepy prompt", params, use_tqdm=False)[0].outputs[0].token_ids
+    with caplog.at_level("WARNING", logger="tokenloom.engine.sleep"):
+        tiny.sleep(level=1)
+    assert engine.is_sleeping() and "sleep mode is not supported on CPU, ignore it." in caplog.text
+    assert engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 128  # the prefix cache dropped
+    with pytest.raises(RuntimeError, match="the engine is sleeping .* call LLM.wake_up"):
+        tiny.generate("Sleepy prompt", params, use_tqdm=False)
+    assert not engine.has_unfinished_requests()  # the refused generate took its requests back
+    engine.add_request("held", "Sleepy prompt", params)
+    assert engine.step() == [] and not engine.scheduler.has_unfinished_requests()  # held, not scheduled
+    assert tiny.wake_up(tags=["weights"]) is False and engine.is_sleeping()  # kv_cache still asleep
+    assert tiny.wake_up(tags=["kv_cache"]) is True and not engine.is_sleeping()
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+    # level 0 pauses only; "scheduling" resumes it. keep: a running request stays and goes on after wake_up.
+    engine.add_request("kept", "Sleepy prompt", params)
+    engine.step()
+    tiny.sleep(level=0, mode="keep")
+    assert engine.step() == [] and engine.has_unfinished_requests()
+    assert tiny.wake_up(tags=["scheduling"]) is True
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "kept" and outs[-1].outputs[0].token_ids == expected
+    # abort ends what runs (its final output comes from the next step); wait lets it finish first.
+    for mode, reason in (("abort", "abort"), ("wait", "length")):
+        engine.add_request(mode, "Sleepy prompt", params)
+        engine.step()
+        tiny.sleep(level=1, mode=mode)
+        final = engine.step()
+        assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in final][-1] == (mode, True, reason)
+        assert not engine.has_unfinished_requests() and tiny.wake_up() is True
+    with pytest.raises(ValueError, match="Invalid pause mode: later"):
+        tiny.sleep(mode="later")
+    assert not engine.is_sleeping()
+
+
+def test_hf_overrides_on_the_default_model_run_its_first_layers() -> None:
+    """vLLM's hf_overrides on the default (GGUF, quantized) model, as a callable: it runs on the GGUF's config in
+    Hugging Face's names, its change (num_hidden_layers 2) is what the load applies, the later layers are not
+    loaded, and the truncated model generates."""
+
+    def two_layers(config):  # noqa: ANN001, ANN202 - a transformers LlamaConfig
+        config.num_hidden_layers = 2
+        return config
+
+    llm = LLM(hf_overrides=two_layers, max_model_len=256, num_blocks=64)
+    try:
+        assert llm.llm_engine.config.hf_overrides == {"num_hidden_layers": 2}
+        assert llm.llm_engine.model_config.num_hidden_layers == 2
+        assert len(llm.llm_engine.runner.model.layers) == 2
+        out = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()

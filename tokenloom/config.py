@@ -28,6 +28,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import ArgsKwargs
 
+from tokenloom.metric_buckets import check_custom_histogram_buckets
 from tokenloom.tasks import NORMALIZE_REMOVED, PoolingTask, check_removed_pooling_task
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"
 # no quantized layers (a quantized GGUF dequantized to --dtype). Unset (None) is auto: gguf for a
 # quantized GGUF on CPU, none otherwise (tokenloom/model/loader.py, resolve_quantization).
 Quantization = Literal["int8", "gguf", "none"]
+# vLLM's ModelConfig.config_format / model_impl choices and LoadConfig.load_format values tokenloom honours (its
+# others are refused in EngineConfig's checks, by name).
+ConfigFormat = Literal["auto", "hf", "mistral"]
+ModelImpl = Literal["auto", "vllm", "transformers", "terratorch"]
+LOAD_FORMATS = ("auto", "hf", "gguf", "safetensors")
 RunnerType = Literal["auto", "generate", "pooling"]
 ConvertType = Literal["auto", "none", "embed", "classify"]
 # The methods a runner runs: "none" is only a spelling for "no method" in the config.
@@ -103,20 +109,52 @@ def parse_json(text: str) -> Any:
         raise ValueError(f"not JSON: {text!r} ({exc.msg})") from None
 
 
+def parse_hf_overrides(text: str) -> dict[str, Any] | str:
+    """--hf-overrides as vLLM's parser reads it (its union_dict_and_str): text that looks like a JSON object is
+    parsed (malformed JSON is refused here, in vLLM's words), anything else stays a string, which the config then
+    refuses as vLLM's ModelConfig does."""
+    if not re.match(r"(?s)^\s*{.*}\s*$", text):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"Value {text} cannot be converted to JSON ({exc.msg}).") from None
+
+
+def check_hf_overrides(value: Any) -> dict[str, Any] | Callable[[Any], Any]:
+    """hf_overrides as vLLM's ModelConfig takes it (its HfOverrides): a dict of config keys (None: none), or a
+    callable that takes the Hugging Face config and returns it. Anything else is refused in pydantic's words, as
+    vLLM's validation refuses it (a JSON string included: the command line parses it, LLM(...) does not)."""
+    if value is None:
+        return {}
+    if callable(value):
+        return value
+    if not isinstance(value, dict):
+        shown = value if not isinstance(value, str) or len(value) < 80 else value[:77] + "..."
+        raise ConfigError(f"hf_overrides: Input should be a valid dictionary or callable, got {type(value).__name__} "
+                          f"{shown!r} (a dict of Hugging Face config keys, on the command line a JSON object such "
+                          "as '{\"num_hidden_layers\": 2}'; or a callable taking and returning the config)")
+    bad = next((k for k in value if not isinstance(k, str)), None)
+    if bad is not None:
+        raise ConfigError(f"hf_overrides: keys must be config field names (strings), got {bad!r}")
+    return value
+
+
 def knob(default: Any, help: str, *, arg: str | None = None, parse: Callable[[str], Any] | None = None,
          flags: tuple[str, ...] = (), simulated: bool = True, reload: bool = False,
-         nargs: str | None = None) -> Any:  # fmt: skip
+         nargs: str | None = None, const: Any = None) -> Any:  # fmt: skip
     """A config field that is also an engine (or server) argument.
 
     arg: the keyword / CLI name when vLLM's differs from the field's (`scheduling_policy`);
     parse: text → value for the CLI and sweeps when the type does not say it (sizes);
     flags: extra CLI spellings (`-q`); simulated: False when the simulator does not model it;
     reload: True when changing it needs a new model load (a sweep on a loaded engine cannot vary it);
-    nargs: argparse's, for a list given as several words (`--api-key k1 k2`; each word through parse).
-    A mutable default (a dict) is copied per instance.
+    nargs: argparse's, for a list given as several words (`--api-key k1 k2`; each word through parse), or "?"
+    for a flag whose value is optional (`--hf-token` alone is `const`, vLLM's bool-or-str flags);
+    const: with nargs="?", the value of the bare flag. A mutable default (a dict) is copied per instance.
     """
     meta = {"knob": True, "help": help, "arg": arg, "parse": parse, "flags": flags, "simulated": simulated,
-            "reload": reload, "nargs": nargs}  # fmt: skip
+            "reload": reload, "nargs": nargs, "const": const}  # fmt: skip
     if isinstance(default, dict | list):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -997,6 +1035,24 @@ class PoolerConfig:
             raise ConfigError(f"pooler_config: {exc}") from None
 
 
+def _check_histogram_buckets(value: Any) -> dict[str, list[float]] | None:
+    """--custom-histogram-buckets (vLLM's ObservabilityConfig check, its words): a dict or its JSON text."""
+    if isinstance(value, str):
+        value = _json_object(value, "custom_histogram_buckets")
+    try:
+        return check_custom_histogram_buckets(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """vLLM's ObservabilityConfig, as far as tokenloom has it: the Prometheus buckets per histogram family
+    (None: every family's default; tokenloom/metric_buckets.py)."""
+
+    custom_histogram_buckets: dict[str, list[float]] | None = None
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """vLLM's LoRAConfig: the adapters' limits, made from EngineConfig's LoRA knobs when enable_lora is set.
@@ -1047,9 +1103,40 @@ class EngineConfig:
     tokenizer_revision: str | None = knob(None, "vLLM's; as --revision, for the tokenizer", simulated=False)
     download_dir: str | None = knob(None, "vLLM's Hub download directory; unused: tokenloom loads local files only",
                                     simulated=False)
-    load_format: str = knob("auto", "vLLM's: auto (the file's own format), gguf or safetensors; tokenloom reads "
-                            "what the model path holds (dummy weights, tensorizer, bitsandbytes and the others are "
-                            "refused)", simulated=False)
+    load_format: str = knob("auto", "vLLM's: auto or hf (the model path's own files), gguf (a .gguf file) or "
+                            "safetensors (a Hugging Face directory); dummy weights, tensorizer, bitsandbytes and the "
+                            "others are refused", simulated=False)
+    # vLLM's ModelConfig fields about reading the model's config (docs/models.md, "Overriding the model's config").
+    config_format: ConfigFormat = knob(
+        "auto", "vLLM's: the model config's format; auto and hf read the Hugging Face config.json (a GGUF's "
+        "metadata for a .gguf file); mistral (Mistral's params.json) is refused", simulated=False)
+    hf_token: str | bool | None = knob(
+        None, "vLLM's Hugging Face Hub token (the bare flag: the one `hf auth login` stored); tokenloom loads local "
+        "files only and downloads nothing, so it is accepted and unused", parse=str, nargs="?", const=True,
+        simulated=False)
+    # vLLM's HfOverrides: a dict (the command line's JSON object) or, offline, a callable that takes the model's
+    # Hugging Face config and returns it; applied before the model is built (tokenloom/model/hf_overrides.py).
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] = knob(
+        {}, 'change the model\'s Hugging Face config before it is built (vLLM\'s), e.g. \'{"num_hidden_layers": 2}\' '
+        "(the checkpoint's later layers are not loaded) or '{\"matryoshka_dimensions\": [256]}'; a GGUF's config "
+        "is its metadata in Hugging Face's names; offline also a callable taking and returning the config",
+        parse=parse_hf_overrides, simulated=False, reload=True)
+    disable_sliding_window: bool = knob(
+        False, "run the model's sliding-window layers with full attention, max_model_len capped at the window "
+        "(vLLM's); a model without a window is unchanged", simulated=False, reload=True)
+    model_impl: ModelImpl = knob(
+        "auto", "vLLM's: auto and vllm run tokenloom's own model code; transformers and terratorch (other "
+        "implementations) are refused", simulated=False)
+    # vLLM's sleep mode frees the GPU's weights and KV cache (CuMemAllocator); vLLM refuses it on CPU, as here.
+    enable_sleep_mode: bool = knob(
+        False, "vLLM's: refused (\"Sleep mode is not supported on current platform.\", as vLLM on CPU); "
+        "LLM.sleep() / wake_up() pause and resume the engine without it, as vLLM's do there", simulated=False)
+    # vLLM's ObservabilityConfig.custom_histogram_buckets (tokenloom/metric_buckets.py has the families).
+    custom_histogram_buckets: dict[str, list[float]] | None = knob(
+        None, 'Prometheus histogram bounds per bucket family (vLLM\'s), e.g. \'{"request_latency": [0.01, 0.05, 0.1, '
+        '0.5]}\': a family\'s list replaces its default for every histogram of it (request_latency, '
+        "time_to_first_token, inter_token_latency, iteration_tokens, request_params_n, request_tokens, ...)",
+        simulated=False)
     compilation_config: dict[str, Any] | None = knob(
         None, "vLLM's torch.compile / CUDA graph options (a JSON object, or vLLM's level as a number); tokenloom "
         "compiles its own kernels and captures no graphs, so any value runs the same", simulated=False)
@@ -1207,12 +1294,41 @@ class EngineConfig:
         for name in ("revision", "tokenizer_revision", "download_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
-        if self.load_format not in ("auto", "gguf", "safetensors"):
+        if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format {self.load_format!r} is vLLM's; tokenloom reads the model's own files "
                               "(a GGUF or a safetensors directory): use 'auto'")
+        self._check_model_source()
+        self.custom_histogram_buckets = _check_histogram_buckets(self.custom_histogram_buckets)
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {util!r}")
+
+    @property
+    def observability_config(self) -> ObservabilityConfig:
+        """vLLM's VllmConfig.observability_config, as far as tokenloom has it."""
+        return ObservabilityConfig(custom_histogram_buckets=self.custom_histogram_buckets)
+
+    def _check_model_source(self) -> None:
+        """vLLM's ModelConfig arguments on how the model is read, refused where tokenloom cannot honour them."""
+        if self.config_format == "mistral":
+            raise ConfigError("config_format 'mistral' (Mistral's params.json) is not read by tokenloom: it reads a "
+                              "Hugging Face config.json, or a GGUF's metadata; use 'auto' or 'hf'")
+        if self.config_format not in get_args(ConfigFormat):
+            raise ConfigError(f"Unknown config format `{self.config_format}`.")  # vLLM's get_config_parser
+        backends = {"transformers": "Transformers", "terratorch": "TerraTorch"}
+        if self.model_impl in backends:
+            raise ConfigError(f"model_impl {self.model_impl!r} (vLLM's {backends[self.model_impl]} backend) is not "
+                              "available: tokenloom runs its own model implementations only; use 'auto' or 'vllm'")
+        _check_choice("model_impl", self.model_impl, ModelImpl)
+        if self.hf_token is not None and not isinstance(self.hf_token, str | bool):
+            raise ConfigError(f"hf_token must be a token string or true / false, got {self.hf_token!r}")
+        if not isinstance(self.disable_sliding_window, bool):
+            raise ConfigError(f"disable_sliding_window must be true or false, got {self.disable_sliding_window!r}")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise ConfigError(f"enable_sleep_mode must be true or false, got {self.enable_sleep_mode!r}")
+        if self.enable_sleep_mode:  # vLLM's ModelConfig on a platform without sleep mode (its CPU platform)
+            raise ConfigError("Sleep mode is not supported on current platform.")
+        self.hf_overrides = check_hf_overrides(self.hf_overrides)
 
     def _apply_reasoning_parser(self) -> None:
         """--reasoning-parser and --reasoning-parser-plugin win over the structured-outputs config's fields (vLLM's
@@ -1267,7 +1383,8 @@ class EngineArg:
     flags: tuple[str, ...]  # extra CLI spellings
     simulated: bool  # the simulator models it (tokenloom simulate has the option)
     reload: bool  # changing it needs a new model load
-    nargs: str | None = None  # argparse's nargs for a list of words (then parse reads one word)
+    nargs: str | None = None  # argparse's nargs for a list of words (then parse reads one word), or "?"
+    const: Any = None  # with nargs "?": the bare flag's value
 
     @property
     def flag(self) -> str:
@@ -1312,6 +1429,7 @@ def knobs_of(cls: type, section: str) -> list[EngineArg]:
             name=meta["arg"] or f.name, field=f.name, section=section, default=default, help=meta["help"],
             kind=kind, choices=choices, parse=meta["parse"] or _PARSERS[kind], flags=meta["flags"],
             simulated=meta["simulated"], reload=meta["reload"] or section == "engine", nargs=meta["nargs"],
+            const=meta["const"],
         ))  # fmt: skip
     return out
 

@@ -165,13 +165,18 @@ def max_model_len_that_fits(num_blocks: int, block_size: int, max_model_len: int
     return lo
 
 
-def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int) -> int:
+def resolve_max_model_len(config: EngineConfig, model_max_len: int, default: int,
+                          key: str = "max_position_embeddings") -> int:
     """The engine's max_model_len, resolved once at construction (EngineCoreHost; the simulator the same way):
     --max-model-len, else `default`; never past the model's context. The scheduler config is then built with
-    it (its own checks run there)."""
+    it (its own checks run there). `key`: what the context comes from, named when it is the sliding window
+    (disable_sliding_window caps the context there, as vLLM's derived max_model_len)."""
     max_model_len = config.max_model_len or default
     if max_model_len > model_max_len:
-        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length ({model_max_len})")
+        why = (": its sliding_window, which disable_sliding_window caps the context at (vLLM's derived "
+               "max_model_len)") if key == "sliding_window" else ""
+        raise ConfigError(f"max_model_len={max_model_len} is larger than the model's context length "
+                          f"({model_max_len}{why})")
     return max_model_len
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import field, make_dataclass
 from typing import Any
@@ -48,6 +49,8 @@ def add_engine_arg(group: Any, a: EngineArg, *, field_default: bool = False) -> 
     elif a.nargs is not None:
         kwargs["nargs"] = a.nargs
         kwargs["type"] = cli_type(a.parse)
+        if a.nargs == "?":  # the bare flag (vLLM's `--hf-token` alone: the token `hf auth login` stored)
+            kwargs["const"] = a.const
     elif a.choices is not None:
         kwargs["choices"] = list(a.choices)
     else:
@@ -123,8 +126,10 @@ def _engine_args_fields() -> list[tuple[str, Any, Any]]:
     fields_ = [("model", "str | None", field(default=None))]
     for a in engine_args():
         default = a.default if a.section == "engine" else None
-        fields_.append((a.name, Any, field(default=copy.deepcopy(default) if isinstance(default, list | dict)
-                                           else default)))
+        if isinstance(default, list | dict):  # a fresh copy per instance (hf_overrides' {}, vLLM's default)
+            fields_.append((a.name, Any, field(default_factory=functools.partial(copy.deepcopy, default))))
+        else:
+            fields_.append((a.name, Any, field(default=default)))
     return fields_
 
 

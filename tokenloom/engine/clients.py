@@ -65,13 +65,25 @@ def logits_processors_by_name(specs: list | None) -> list[str] | None:
     return [fqcn_for_another_process(spec) for spec in specs]
 
 
+def hf_overrides_for_another_process(config: EngineConfig) -> dict:
+    """hf_overrides as the dict engine processes apply: a callable (offline only; it may not pickle) is run here,
+    once, on the model's Hugging Face config (model/hf_overrides.py), before any process starts."""
+    if not callable(config.hf_overrides):
+        return config.hf_overrides
+    from tokenloom.engine.core_host import resolve_model_overrides
+    from tokenloom.model.loader import resolve_model_path
+
+    return resolve_model_overrides(config, resolve_model_path(config.model)).hf_overrides
+
+
 def _mp_client(config: EngineConfig, log_level: str, start_method: str) -> AsyncEngineCoreClient:
     """The engine cores in processes, as `config.parallel` says: one spawned process (the default), N spawned
     processes behind the router, or N Ray actors behind the router."""
     parallel = config.parallel or ParallelConfig()
     router_config = RouterConfig.from_parallel(parallel)
     config = replace(config, parallel=parallel.engine_local(),  # what each engine core runs: one engine
-                     logits_processors=logits_processors_by_name(config.logits_processors))
+                     logits_processors=logits_processors_by_name(config.logits_processors),
+                     hf_overrides=hf_overrides_for_another_process(config))
     dp = parallel.data_parallel_size
     if parallel.distributed_executor_backend == "ray":
         from tokenloom.engine.ray_engine import start_ray_engines

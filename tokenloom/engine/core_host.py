@@ -97,7 +97,10 @@ class EngineCoreHost:
         if model_parallel > 1:
             check_model_parallel(config)
         path = resolve_model_path(config.model)
-        self.runner_type, self.convert = resolve_runner(config, path)
+        # hf_overrides as the dict every load below (and every worker) applies; a callable runs here, once.
+        config = resolve_model_overrides(config, path)
+        overrides = model_overrides(config)
+        self.runner_type, self.convert = resolve_runner(config, path, overrides)
         # The custom logits processors' class names, for the front end's validate_params (none: no processor).
         self.logits_processor_names: list[str] = []
         if self.runner_type == "pooling" and config.logits_processors:  # vLLM's refusal, before the load
@@ -117,14 +120,14 @@ class EngineCoreHost:
             check_pooling_engine(config)
             from tokenloom.model.bert import is_encoder_checkpoint
 
-            if is_encoder_checkpoint(path):
+            if is_encoder_checkpoint(path, overrides):
                 if config.quantization not in (None, "none"):
                     raise ConfigError(f"--quantization {config.quantization}: an encoder runs in --dtype "
                                       "(quantized weights are the decoders' GGUF path)")
                 if config.cache is not None and config.cache.cache_dtype != "auto":
                     raise ConfigError(f"--kv-cache-dtype {config.cache.cache_dtype}: an encoder (BERT-style) keeps "
                                       "no KV cache; leave it at auto")
-                self._init_encoder(config, path, clock)
+                self._init_encoder(config, path, clock, overrides)
                 return
         device = resolve_device(config.device)
         if config.quantization not in (None, "none") and device.type != "cpu":  # before minutes of loading
@@ -151,13 +154,14 @@ class EngineCoreHost:
                 from tokenloom.model.loader import load_model_config
                 from tokenloom.model.tp_shard import check_parallel_model
 
-                loaded = _ConfigOnly(load_model_config(path))
+                loaded = _ConfigOnly(load_model_config(path, overrides))
                 try:
                     check_parallel_model(loaded.config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
             else:
-                loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf")
+                loaded = on_model_thread(load_model, path, dtype, quantized=config.quantization == "gguf",
+                                         overrides=overrides)
         except BaseException:
             if self._model_thread is not None:  # a failed load leaves no idle thread behind
                 self._model_thread.shutdown()
@@ -195,10 +199,12 @@ class EngineCoreHost:
         # The default max_model_len is capped at the longest request the pool can hold, every KV cache
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
         sched_in = config.scheduler or SchedulerConfig()
-        pool_tokens = max_model_len_that_fits(num_blocks, cache_cfg.block_size, loaded.config.max_position_embeddings,
-                                              kv_cache_groups, max_in_flight_tokens(sched_in.token_budget_ceiling,
-                                                                                    sched_in.async_scheduling))
-        sched_cfg = self._scheduler_config(config, loaded.config.max_position_embeddings, pool_tokens)
+        # The model's context: max_position_embeddings, or the window under disable_sliding_window (vLLM's).
+        context = loaded.config.context_length
+        pool_tokens = max_model_len_that_fits(num_blocks, cache_cfg.block_size, context, kv_cache_groups,
+                                              max_in_flight_tokens(sched_in.token_budget_ceiling,
+                                                                   sched_in.async_scheduling))
+        sched_cfg = self._scheduler_config(config, context, pool_tokens, loaded.config.context_length_key)
         cache_cfg = replace(cache_cfg, num_blocks=num_blocks)
         if len(kv_cache_groups) > 1:
             logger.info("%s mixes sliding-window and full-attention layers: %d KV cache groups of %d layers "
@@ -215,7 +221,7 @@ class EngineCoreHost:
                                   "tokenizer: drop skip_tokenizer_init or choose another quantization")
             from tokenloom.model.quant import calibration_token_ids
 
-            calibration = calibration_token_ids(self.tokenizer, loaded.config.max_position_embeddings)
+            calibration = calibration_token_ids(self.tokenizer, loaded.config.context_length)
         # Custom logits processors run where the model samples: built in the runner (each worker's under TP/PP).
         # Not with a pooling model or speculative decoding, where vLLM leaves installed entry points unloaded
         # (the processors given explicitly were refused above, and by EngineConfig).
@@ -247,7 +253,7 @@ class EngineCoreHost:
             self.dtype, self.device = self.runner.dtype, self.runner.device
         del loaded
         if self.runner_type == "pooling":
-            caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching)
+            caching = self._pool_decoder(path, self.model_config, cache_cfg.enable_prefix_caching, overrides)
             cache_cfg = self.cache_config = replace(cache_cfg, enable_prefix_caching=caching)
         self.speculative_config = config.speculative_config
         if self.lora_config is not None:
@@ -288,7 +294,8 @@ class EngineCoreHost:
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )
 
-    def _init_encoder(self, config: EngineConfig, path: Any, clock: Callable[[], float]) -> None:
+    def _init_encoder(self, config: EngineConfig, path: Any, clock: Callable[[], float],
+                      overrides: Any = None) -> None:
         """A BERT-style encoder as a pooling model: the EncoderRunner (no KV cache), chunked prefill
         off (bidirectional attention: a prompt is computed in one step, as vLLM), prefix caching off,
         a block pool that only accounts for one step's tokens (requests finish in the step they run)."""
@@ -304,7 +311,7 @@ class EngineCoreHost:
         self._model_thread = None
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        bert_config, weights = load_bert(path, dtype)
+        bert_config, weights = load_bert(path, dtype, overrides)
         self.model_config = bert_config
         self.model_name = config.model or path.name
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer_source)
@@ -339,7 +346,7 @@ class EngineCoreHost:
         self.engine_core = EngineCore(self.scheduler, self.executor, self.tracer)
         tasks = ("classify", "token_classify") if bert_config.is_classifier else ("embed", "token_embed")
         self.pooling_info = build_pooling_info(
-            pooler, config.pooler_config, tasks, bert_config.hidden_size, True, read_hf_config(path),
+            pooler, config.pooler_config, tasks, bert_config.hidden_size, True, read_hf_config(path, overrides),
             num_labels=bert_config.num_labels, id2label=bert_config.id2label,
             is_cross_encoder=bert_config.is_classifier, served_model_name=self.model_name)
         logger.info("tokenloom pooling engine ready in %.1f s: %s (%s, %s) on %s, %s, %s pooling%s, task %s, "
@@ -348,7 +355,7 @@ class EngineCoreHost:
                     " + normalize" if pooler.use_activation and not bert_config.is_classifier else "",
                     self.pooling_info.pooling_task, max_model_len, token_budget_text(sched_cfg))
 
-    def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool) -> bool:
+    def _pool_decoder(self, path: Any, loaded_config: Any, prefix_caching: bool, overrides: Any = None) -> bool:
         """A decoder as an embedding model (--runner pooling / --convert embed), in the ModelRunner over
         its KV cache: LAST pooling by default (the final-norm hidden state of the prompt's last token);
         MEAN / CLS / ALL / STEP (--pooler-config, or the token_embed task) keep each chunk's rows until
@@ -365,7 +372,7 @@ class EngineCoreHost:
         self.runner.pooler = pooler
         tasks = ("embed",) if keep_prefix_caching else ("embed", "token_embed")
         self.pooling_info = build_pooling_info(pooler, user, tasks, loaded_config.hidden_size, False,
-                                               read_hf_config(path), served_model_name=self.model_name)
+                                               read_hf_config(path, overrides), served_model_name=self.model_name)
         return keep_prefix_caching
 
     def _structured_output_manager(self) -> StructuredOutputManager:
@@ -432,10 +439,12 @@ class EngineCoreHost:
         return num_blocks
 
     @staticmethod
-    def _scheduler_config(config: EngineConfig, model_max_len: int, pool_tokens: int) -> SchedulerConfig:
+    def _scheduler_config(config: EngineConfig, model_max_len: int, pool_tokens: int,
+                          model_max_len_key: str = "max_position_embeddings") -> SchedulerConfig:
         sched = config.scheduler or SchedulerConfig()
         max_model_len = resolve_max_model_len(config, model_max_len,
-                                              default=sched_max_len_default(config, model_max_len, pool_tokens))
+                                              default=sched_max_len_default(config, model_max_len, pool_tokens),
+                                              key=model_max_len_key)
         if config.max_model_len is None and max_model_len < model_max_len:
             # vLLM's default is the model's whole context; ours stops at 8,192 and what the pool holds: the
             # start-up log says so, or a long prompt's refusal would be the first a user hears of it.
@@ -477,6 +486,7 @@ class EngineCoreHost:
             logits_processors=list(self.logits_processor_names),
             num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
             reasoning_token_ids=self.reasoning_token_ids,
+            custom_histogram_buckets=self.config.custom_histogram_buckets,
         )
 
     def reset_scheduler(
@@ -618,10 +628,43 @@ def _model_parallel_executor(config: EngineConfig, path: Any, dtype: Any, device
                         quantization=config.quantization, seed=config.seed, runner_kwargs=dict(runner_kwargs),
                         speculative_config=config.speculative_config, max_model_len=sched_cfg.max_model_len,
                         log_level=logging.getLevelName(logger.getEffectiveLevel()),
-                        logits_processors=processors, logits_processors_config=logitsprocs_config)
+                        logits_processors=processors, logits_processors_config=logitsprocs_config,
+                        model_overrides=model_overrides(config))
              for r in range(parallel.model_parallel_size)]
     executor_class = RayExecutor if parallel.distributed_executor_backend == "ray" else MultiprocExecutor
     return executor_class(inits, async_scheduling=sched_cfg.async_scheduling)
+
+
+def resolve_model_overrides(config: EngineConfig, path: Any) -> EngineConfig:
+    """The config with hf_overrides as a dict, what every load applies (a callable is run once, here, on the
+    model's Hugging Face config: model/hf_overrides.py), and load_format checked against the model path."""
+    check_load_format(config.load_format, path)
+    if not callable(config.hf_overrides):
+        return config
+    from tokenloom.model.loader import resolve_hf_overrides
+
+    try:
+        return replace(config, hf_overrides=resolve_hf_overrides(config.hf_overrides, path))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def model_overrides(config: EngineConfig) -> Any:
+    """The ModelOverrides the loads apply (hf_overrides resolved to a dict, disable_sliding_window), or None."""
+    from tokenloom.model.hf_overrides import ModelOverrides
+
+    assert not callable(config.hf_overrides), "resolve_model_overrides first"
+    return ModelOverrides.of(config.hf_overrides, config.disable_sliding_window)
+
+
+def check_load_format(load_format: str, path: Any) -> None:
+    """vLLM's load_format against what the model path holds: gguf names a .gguf file, hf / safetensors a Hugging
+    Face directory (auto: whichever it is)."""
+    if load_format == "gguf" and not path.is_file():
+        raise ConfigError(f"load_format 'gguf' needs a .gguf model file; {path} is a Hugging Face directory")
+    if load_format in ("hf", "safetensors") and path.is_file():
+        raise ConfigError(f"load_format {load_format!r} reads a Hugging Face directory's safetensors; {path.name} is "
+                          "a GGUF file (load_format 'auto' or 'gguf')")
 
 
 def check_speculative_engine(config: EngineConfig) -> None:

@@ -96,6 +96,9 @@ class EngineReady:
     # With --reasoning-parser: its start and end strings as token ids (vLLM's ReasoningConfig), what a request's
     # thinking_token_budget counts from and forces; None without a parser (the budget is then refused).
     reasoning_token_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # --custom-histogram-buckets (vLLM's ObservabilityConfig, checked): the front end's Prometheus histograms
+    # (engine/metrics.py) take these bounds for their families. None: every family's default.
+    custom_histogram_buckets: dict[str, list[float]] | None = None
 
 
 @dataclass

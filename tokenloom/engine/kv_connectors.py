@@ -97,6 +97,14 @@ def kv_block_spec(runner: Any, config: EngineConfig, model_path: Path) -> KVBloc
         "kv_packed": bool(getattr(runner.attn_backend, "kv_packed", False)),
         "kv_tensors": copier.layout(),
     }
+    # hf_overrides / disable_sliding_window change the numbers a block holds (only named when set, so a plain
+    # engine's fingerprint, and the directories written under it, stay as they were).
+    from tokenloom.model.hf_overrides import ModelOverrides
+
+    hf_overrides = config.hf_overrides if isinstance(config.hf_overrides, dict) else {}
+    overrides = ModelOverrides.of(hf_overrides, config.disable_sliding_window)
+    if overrides is not None:
+        fingerprint.update(overrides.fingerprint())
     return KVBlockSpec(block_size=runner.block_size, block_nbytes=copier.block_nbytes, fingerprint=fingerprint)
 
 

@@ -39,6 +39,7 @@ from tokenloom.engine.scoring import (
     validate_score_input,
 )
 from tokenloom.engine.served_model_config import ServedModelConfig
+from tokenloom.engine.sleep import PauseMode
 from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -166,6 +167,18 @@ class LLM:
         """vLLM's: drop the cached prefix blocks, and with `reset_connector` the KV connector's cache
         (LLMEngine.reset_prefix_cache)."""
         return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """vLLM's LLM.sleep where there is no sleep mode (its CPU platform): the engine pauses (level 0), and at
+        level 1 / 2 also drops its prefix cache; no memory is freed (vLLM's CPU worker: "sleep mode is not
+        supported on CPU, ignore it."). `mode`: abort (the default), wait or keep, for requests in flight
+        (LLMEngine.sleep). generate() while asleep is refused: call wake_up() first."""
+        self.llm_engine.sleep(level=level, mode=mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's: resume after sleep(); `tags` ("weights", "kv_cache", "scheduling") wake a part. Returns whether
+        the engine is fully awake (it schedules again only then)."""
+        return self.llm_engine.wake_up(tags)
 
     def beam_search(
         self,
@@ -380,6 +393,9 @@ class LLM:
         out_tokens = 0
         try:
             while len(finals) < len(ids):
+                if engine.is_sleeping():  # vLLM would wait here forever: nothing is scheduled until wake_up()
+                    raise RuntimeError("the engine is sleeping (LLM.sleep()): call LLM.wake_up() before generating; "
+                                       "requests added while it sleeps are not scheduled until then")
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
                 for out in engine.step():

@@ -21,6 +21,7 @@ a clear error when the engine core lives in another process.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,10 +57,13 @@ from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.engine.outputs import RequestOutput
 from tokenloom.engine.parallel_sampling import fan_out
 from tokenloom.engine.pooling import prepare_pooling_params
+from tokenloom.engine.sleep import PauseMode, SleepState
 from tokenloom.engine.tokenize_params import TokenizeParams
 from tokenloom.exceptions import ValidationError
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def _in_process(name: str, what: str) -> property:
@@ -122,6 +126,12 @@ class LLMEngine:
             # vLLM's names only: get_metrics() reads `vllm:` figures, as vLLM's reader does.
             self.metrics = PrometheusMetrics(self.model_name, ready.num_blocks, prefix="vllm", info=ready)
             self.stat_loggers.append(self.metrics.record)
+        # LLM.sleep() / wake_up() without sleep mode (engine/sleep.py): the pause, the requests added meanwhile
+        # (sent to the engine core on wake-up), and outputs made while sleep() drained or aborted requests (the
+        # next step() returns them).
+        self._sleep = SleepState(str(ready.device).split(":")[0])
+        self._held: list[Request] = []
+        self._pending_outputs: list[RequestOutput] = []
         self._stat_parents: dict[str, list[Request]] = {}  # request id -> its core requests, while unfinished
         self._stat_cores: dict[str, Request] = {}  # core request id -> Request, until its finish is counted
         self._token_times: dict[str, float] = {}  # core request id -> when its latest counted tokens came
@@ -222,14 +232,29 @@ class LLMEngine:
         added = []
         try:
             for core in cores:
-                self.client.add_request(core)
+                self._submit(core)
                 added.append(core.request_id)
         except ValueError:
-            self.client.abort_requests(added)
+            self._abort_cores(added)
             raise
         self.output_processor.add_request(request_id, text, token_ids, cores, arrival)
         self._track(request_id, cores)
         return request_id
+
+    def _submit(self, core: Request) -> None:
+        """Send a core request to the engine core, or hold it while the engine sleeps (vLLM queues adds then)."""
+        if self._sleep.paused:
+            self._held.append(core)
+        else:
+            self.client.add_request(core)
+
+    def _abort_cores(self, core_ids: list[str]) -> None:
+        held = {c.request_id for c in self._held} & set(core_ids)
+        if held:
+            self._held = [c for c in self._held if c.request_id not in held]
+        rest = [i for i in core_ids if i not in held]
+        if rest:
+            self.client.abort_requests(rest)
 
     def _track(self, request_id: str, cores: list[Request]) -> None:
         """Keep `cores` for the metrics: the engine writes their timestamps (the scheduler in process, the
@@ -272,7 +297,7 @@ class LLMEngine:
             token_ids = tok_params.validate_tokens(self.tokenizer, token_ids)
         arrival = self.clock() if arrival_time is None else arrival_time
         core = Request(request_id, token_ids, None, arrival_time=arrival, priority=priority, pooling_params=params)
-        self.client.add_request(core)
+        self._submit(core)
         self.output_processor.add_request(request_id, text, token_ids, [core], arrival)
         self._track(request_id, [core])
         return request_id
@@ -291,7 +316,7 @@ class LLMEngine:
         results = []
         for rid in ids:
             core_ids = self.output_processor.core_ids(rid)
-            self.client.abort_requests(core_ids)
+            self._abort_cores(core_ids)
             out = self.output_processor.finish_aborted(rid)
             if out is not None:
                 results.append(out)
@@ -303,6 +328,16 @@ class LLMEngine:
 
     # The step -----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step's outputs (vLLM's). While the engine sleeps (sleep()), no step runs: the outputs its
+        sleep() made come first, then none until wake_up()."""
+        if self._pending_outputs:
+            outputs, self._pending_outputs = self._pending_outputs, []
+            return outputs
+        if self._sleep.paused:
+            return []
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         core_outputs = self.client.get_output()
         stats = self._count_outputs(core_outputs) if self.log_stats else None
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
@@ -394,6 +429,46 @@ class LLMEngine:
         # runs steps in order (as abort relies on).
         return self.core_host("reset_prefix_cache").scheduler.reset_prefix_cache(reset_running_requests,
                                                                                  reset_connector)
+
+    # Sleep (vLLM's, without sleep mode: engine/sleep.py) -------------------------------------------------
+    def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """vLLM's LLMEngine.sleep on a platform without sleep mode: scheduling pauses (requests added meanwhile
+        wait); `mode` abort ends every unfinished request now, wait lets the running ones finish first (the next
+        step() calls return their outputs), keep leaves them paused; level >= 1 also drops the prefix cache
+        (running requests recompute) and puts the executor's weights / kv_cache tags to sleep, freeing nothing
+        ("sleep mode is not supported on CPU, ignore it.", vLLM's CPU worker's warning)."""
+        SleepState.check(level, mode)
+        self._sleep.paused = True  # adds from here on are held (vLLM's PAUSED_NEW / PAUSED_ALL)
+        if mode == "abort":
+            self._pending_outputs += self.abort_request(self.output_processor.request_ids())
+        elif mode == "wait":
+            while self.client.has_unfinished_requests():
+                self._pending_outputs += self._step()
+        self._sleep.fall_asleep(level)
+        if level >= 1:
+            self._clear_caches()
+
+    def _clear_caches(self) -> None:
+        """vLLM's _reset_caches on sleep: the prefix cache (running requests preempted) and the KV connector's."""
+        if not isinstance(self.client, InprocClient):  # engine processes keep theirs (no reset across processes)
+            logger.info("sleep: the engine cores run in their own processes; their prefix caches are kept")
+            return
+        if not self.client.host.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+            raise RuntimeError("Failed to reset the KV connector cache.")
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's: wake the executor's tags (all with None; "scheduling" resumes a level-0 pause) and, once none
+        sleeps, resume scheduling with the requests added meanwhile. Returns whether the engine is fully awake."""
+        fully_awake = self._sleep.wake_up(tags)
+        if fully_awake and self._held:
+            held, self._held = self._held, []
+            for core in held:
+                self.client.add_request(core)
+        return fully_awake
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: paused at any level, or the executor's tags asleep."""
+        return self._sleep.is_sleeping
 
     def reset_scheduler(
         self,

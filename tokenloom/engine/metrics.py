@@ -21,20 +21,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tokenloom.core.scheduler import SchedulerStats
 from tokenloom.engine.iteration_stats import IterationStats
+from tokenloom.metric_buckets import histogram_buckets
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms compare bucket for bucket.
-_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-         80.0, 160.0, 640.0, 2560.0]
-_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-            960.0, 1920.0, 7680.0]
-_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+# tokenloom's own histograms (no vLLM family: --custom-histogram-buckets leaves them as they are).
 _STEP = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12]
 _IPC = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1]
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
-
-_N = [1, 2, 5, 10, 20]
 PREFIXES = {"both": ("vllm", "tokenloom"), "vllm": ("vllm",), "tokenloom": ("tokenloom",)}
 
 
@@ -75,9 +68,22 @@ class PrometheusMetrics:
         def counter(name: str, doc: str) -> Any:
             return _Fanout([Counter(f"{p}:{name}", doc, list(labels), registry=r).labels(**labels) for p in prefixes])
 
+        # vLLM's bucket families (tokenloom/metric_buckets.py), so histograms compare bucket for bucket, and the
+        # engine's --custom-histogram-buckets in place of a family's defaults. request_tokens' 1-2-5 series runs up
+        # to max_model_len (without an engine's figures, as in unit tests: the iteration_tokens series instead).
+        custom = getattr(info, "custom_histogram_buckets", None)
+        max_model_len = getattr(info, "max_model_len", None)
+
+        def family(name: str) -> list[float]:
+            if name == "request_tokens" and not isinstance(max_model_len, int) and not (custom or {}).get(name):
+                return histogram_buckets("iteration_tokens")
+            return histogram_buckets(name, max_model_len, custom)
+
         def histogram(name: str, doc: str, buckets: list[float]) -> Any:
             return _Fanout([Histogram(f"{p}:{name}", doc, list(labels), buckets=buckets, registry=r).labels(**labels)
                             for p in prefixes])
+
+        latency, tokens = family("request_latency"), family("request_tokens")
 
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
@@ -106,12 +112,13 @@ class PrometheusMetrics:
         self.waiting_capacity = _Fanout([g.labels(model_name=model_name, reason="capacity") for g in by_reason])
         self.waiting_deferred = _Fanout([g.labels(model_name=model_name, reason="deferred") for g in by_reason])
         self.waiting_deferred.set(0)
-        self.params_n = histogram("request_params_n", "Histogram of the n request parameter", _N)
+        self.params_n = histogram("request_params_n", "Histogram of the n request parameter",
+                                  family("request_params_n"))
         self.params_max_tokens = histogram("request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter", _TOKENS)
-        self.inference_time = histogram("request_inference_time_seconds", "Time in the RUNNING phase", _LATENCY)
-        self.prefill_time = histogram("request_prefill_time_seconds", "Time in the PREFILL phase", _LATENCY)
-        self.decode_time = histogram("request_decode_time_seconds", "Time in the DECODE phase", _LATENCY)
+                                           "Histogram of the max_tokens request parameter", tokens)
+        self.inference_time = histogram("request_inference_time_seconds", "Time in the RUNNING phase", latency)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time in the PREFILL phase", latency)
+        self.decode_time = histogram("request_decode_time_seconds", "Time in the DECODE phase", latency)
         if info is not None:  # vLLM's Info-as-gauge: always 1, the figures in its labels
             cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks)}
             for p in prefixes:
@@ -121,13 +128,15 @@ class PrometheusMetrics:
             if budget:  # tokenloom's own: which token budget runs (docs/scheduler.md, "The token budget")
                 Gauge("tokenloom:token_budget_info", "The token budget in force: mode auto (bounded by step time), "
                       "fixed or slo; its ceiling", list(budget), registry=r).labels(**budget).set(1)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request", _ITL)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", _LATENCY)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled", _LATENCY)
-        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests", _TOKENS)
-        self.gen_len = histogram("request_generation_tokens", "Generated tokens of finished requests", _TOKENS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step", _TOKENS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", family("time_to_first_token"))
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request",
+                             family("inter_token_latency"))
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish", latency)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled", latency)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests", tokens)
+        self.gen_len = histogram("request_generation_tokens", "Generated tokens of finished requests", tokens)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens scheduled per engine step",
+                                          family("iteration_tokens"))
         self.step_time = histogram("engine_step_duration_seconds", "Engine step: schedule + forward + update",
                                    _STEP)
         self.ipc_latency = histogram("engine_ipc_latency_seconds",

@@ -141,6 +141,10 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._parents)
 
+    def request_ids(self) -> list[str]:
+        """The unfinished requests' ids, in the order they were added."""
+        return list(self._parents)
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs of requests that progressed, and core ids to abort (stop strings)."""
         results = []

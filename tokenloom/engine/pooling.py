@@ -97,18 +97,21 @@ def build_pooling_info(resolved: Any, user: PoolerConfig | None, supported_tasks
         served_model_name=served_model_name)
 
 
-def read_hf_config(path: Path) -> dict[str, Any]:
-    cfg_file = path / "config.json"
-    return json.loads(cfg_file.read_text()) if path.is_dir() and cfg_file.is_file() else {}
+def read_hf_config(path: Path, overrides: Any = None) -> dict[str, Any]:
+    """The model's Hugging Face config ({} for a GGUF) with the engine's hf_overrides (model/hf_overrides.py)."""
+    from tokenloom.model.hf_overrides import read_hf_config as read
+
+    return read(path, overrides)
 
 
-def resolve_runner(config: EngineConfig, path: Path) -> tuple[str, str]:
-    """(runner, convert) in force: ("generate", "none") or ("pooling", "embed" | "classify")."""
+def resolve_runner(config: EngineConfig, path: Path, overrides: Any = None) -> tuple[str, str]:
+    """(runner, convert) in force: ("generate", "none") or ("pooling", "embed" | "classify"), from the
+    architecture the config (with the engine's hf_overrides) names."""
     from tokenloom.model.bert import is_encoder_checkpoint
 
-    cfg = read_hf_config(path)
+    cfg = read_hf_config(path, overrides)
     archs = cfg.get("architectures") or []
-    encoder = is_encoder_checkpoint(path)
+    encoder = is_encoder_checkpoint(path, overrides)
     classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     runner = config.runner
     if runner == "auto":

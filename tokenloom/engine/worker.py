@@ -64,6 +64,9 @@ class WorkerInit:
     # builds and applies them: every rank samples, and must sample the same tokens.
     logits_processors: list[str] | None = None
     logits_processors_config: Any = None
+    # The engine's hf_overrides (a dict by now) and disable_sliding_window (model/hf_overrides.py's ModelOverrides):
+    # every rank loads the model the engine core sized its KV cache for. None: none.
+    model_overrides: Any = None
 
     @property
     def world_size(self) -> int:
@@ -94,7 +97,8 @@ class Worker:
         # Every rank draws the same random numbers for requests without a seed: same tokens everywhere.
         torch.manual_seed(init.seed)
         dtype = getattr(torch, init.dtype)
-        loaded = load_model(init.model_path, dtype, quantized=init.quantization == "gguf")
+        loaded = load_model(init.model_path, dtype, quantized=init.quantization == "gguf",
+                            overrides=init.model_overrides)
         sharded = shard_model(loaded, tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size)
         del loaded
         self.runner = ModelRunner(sharded, dtype=dtype, device=init.device, quantization=init.quantization,

@@ -28,18 +28,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tokenloom.model.hf_overrides import ModelOverrides, read_hf_config
+
 ENCODER_ARCHITECTURES = ("BertModel", "BertForSequenceClassification", "RobertaModel",
                          "RobertaForSequenceClassification", "XLMRobertaModel", "XLMRobertaForSequenceClassification")
 ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 _ROBERTA_MODEL_TYPES = ("roberta", "xlm-roberta")
 
 
-def is_encoder_checkpoint(path: Path) -> bool:
-    """A Hugging Face directory whose config.json names a BERT-style encoder."""
-    cfg_file = path / "config.json"
-    if not path.is_dir() or not cfg_file.is_file():
+def is_encoder_checkpoint(path: Path, overrides: ModelOverrides | None = None) -> bool:
+    """A Hugging Face directory whose config.json (with the engine's hf_overrides) names a BERT-style encoder."""
+    if not path.is_dir() or not (path / "config.json").is_file():
         return False
-    cfg = json.loads(cfg_file.read_text())
+    cfg = read_hf_config(path, overrides)
     archs = cfg.get("architectures") or []
     return cfg.get("model_type") in ENCODER_MODEL_TYPES or any(a in ENCODER_ARCHITECTURES for a in archs)
 
@@ -133,12 +134,15 @@ class BertConfig:
         )
 
 
-def load_bert(path: Path, dtype: torch.dtype = torch.float32) -> tuple[BertConfig, dict[str, torch.Tensor]]:
+def load_bert(path: Path, dtype: torch.dtype = torch.float32,
+              overrides: ModelOverrides | None = None) -> tuple[BertConfig, dict[str, torch.Tensor]]:
     """Config and weights of a BERT / RoBERTa directory, named without the `bert.` / `roberta.` prefix
-    (checkpoints save both spellings); `position_ids` buffers are dropped."""
+    (checkpoints save both spellings); `position_ids` buffers are dropped. `overrides`: the engine's
+    hf_overrides, applied to config.json first (vLLM's: e.g. num_labels, matryoshka_dimensions)."""
     from safetensors import safe_open
 
-    config = BertConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    cfg = json.loads((path / "config.json").read_text())
+    config = BertConfig.from_hf(overrides.hf_config(cfg) if overrides is not None else cfg, name=path.name)
     weights: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

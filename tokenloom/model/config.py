@@ -48,6 +48,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # The longest context the engine may run when it is shorter than max_position_embeddings: vLLM's derived
+    # max_model_len under disable_sliding_window, which caps it at the window (tokenloom/model/hf_overrides.py).
+    # None: max_position_embeddings. (The rotary tables still cover max_position_embeddings.)
+    max_model_len_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,6 +65,26 @@ class ModelConfig:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @property
+    def context_length(self) -> int:
+        """The longest prompt + output the model runs: max_position_embeddings, or less under max_model_len_cap."""
+        if self.max_model_len_cap is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.max_model_len_cap)
+
+    @property
+    def context_length_key(self) -> str:
+        """Which config value context_length comes from, for messages (vLLM's max_len_key)."""
+        return "max_position_embeddings" if self.context_length == self.max_position_embeddings else "sliding_window"
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Whether layer i is one of the model's sliding-window layers by its type, whether or not its window is
+        in force (Gemma 3 rotates those layers with their local base either way, as vLLM's Gemma 3 does under
+        disable_sliding_window)."""
+        if self.layer_types is not None:
+            return self.layer_types[i] == SLIDING
+        return self.sliding_window is not None
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window in tokens, or None for full attention."""

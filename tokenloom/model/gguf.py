@@ -36,6 +36,8 @@ from tokenloom.model.gguf_families import (
     finish_family_weights,
     gguf_model_architecture,
 )
+from tokenloom.model.hf import override_gguf_config
+from tokenloom.model.hf_overrides import ModelOverrides, note_dropped_layers
 
 Q = GGMLQuantizationType
 logger = logging.getLogger(__name__)
@@ -355,12 +357,21 @@ def note_reference_only_types(gguf: GGUFFile, path: str | os.PathLike[str], kept
                    "/".join(sorted({t.qtype.name for t in slow})), kept_as, mib, file_mib)
 
 
-def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, dtype: torch.dtype,
+              overrides: ModelOverrides | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`overrides`: the engine's hf_overrides / disable_sliding_window (tokenloom/model/hf_overrides.py); the
+    blocks past an overridden num_hidden_layers are not read."""
     gguf = read_gguf(path)
     note_reference_only_types(gguf, path, str(dtype).removeprefix("torch."), torch.finfo(dtype).bits / 8)
     config = config_from_gguf(gguf, name=path.stem)
+    if overrides is not None:
+        config = override_gguf_config(config, overrides)
     weights = {}
+    dropped = 0
     for name, tensor in gguf.tensors.items():
+        if overrides is not None and overrides.drops_gguf_tensor(name, config):
+            dropped += 1
+            continue
         if name == _GGUF_ROPE_FREQS:
             config.extra["rope_freqs"] = dequantize(tensor).float().clone()
             continue
@@ -375,6 +386,7 @@ def load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, to
         elif config.architecture in ROPE_PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             value = unpermute_rope_rows(value, config.num_key_value_heads)
         weights[hf_name] = value.to(dtype)
+    note_dropped_layers(path, config, overrides, dropped)
     return config, finish_family_weights(config, weights)
 
 

@@ -40,6 +40,8 @@ from tokenloom.model.gguf import (
     unpermute_rope_rows,
 )
 from tokenloom.model.gguf_families import ROPE_FACTOR_TENSORS, ROPE_PERMUTED, finish_family_weights
+from tokenloom.model.hf import override_gguf_config
+from tokenloom.model.hf_overrides import ModelOverrides, note_dropped_layers
 
 logger = logging.getLogger(__name__)
 Q = GGMLQuantizationType
@@ -184,8 +186,10 @@ def iq3_as_q8_0(tensors: list[GGUFTensor], path: Path) -> bool:
     return as_q8
 
 
-def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
-    """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32."""
+def load_gguf_quantized(path: str | os.PathLike[str], overrides: ModelOverrides | None = None
+                        ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGUFWeight]]:
+    """(config, weights) with HF names; quantized 2-D tensors as GGUFWeight, the rest float32. `overrides`: the
+    engine's hf_overrides / disable_sliding_window; the blocks past an overridden num_hidden_layers are not read."""
     path = Path(path)
     gguf = read_gguf(path)
     note_reference_only_types(gguf, path, "Q8_0", 34 / 32)  # see requantize_q8_0
@@ -193,8 +197,14 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
     if iq3_as_q8_0([t for t in gguf.tensors.values() if t.qtype in Q8_0_WHEN_IT_FITS and len(t.shape) == 2], path):
         requantized = REFERENCE_ONLY_TYPES + Q8_0_WHEN_IT_FITS
     config = config_from_gguf(gguf, name=path.stem)
+    if overrides is not None:
+        config = override_gguf_config(config, overrides)
     weights: dict[str, torch.Tensor | GGUFWeight] = {}
+    dropped = 0
     for name, tensor in gguf.tensors.items():
+        if overrides is not None and overrides.drops_gguf_tensor(name, config):
+            dropped += 1
+            continue
         if name == _ROPE_FREQS:
             config.extra["rope_freqs"] = dequantize(tensor).float().clone()
             continue
@@ -224,6 +234,7 @@ def load_gguf_quantized(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict
             if heads is not None:
                 value = unpermute_rope_rows(value, heads)
             weights[hf_name] = value.contiguous()
+    note_dropped_layers(path, config, overrides, dropped)
     # The family's storage conventions, as the dequantizing loader undoes them (Gemma's 1 + w norms,
     # Qwen3-MoE's stacked experts, which are 3-D and so come out float, Phi-3's fused matrices).
     return config, finish_family_weights(config, weights)  # type: ignore[arg-type]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenloom.model.config import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenloom.model.hf_overrides import ModelOverrides, note_dropped_layers
 from tokenloom.model.rotary import rope_inv_freq
 
 _HF_ARCHITECTURES = {
@@ -30,19 +32,36 @@ _REQUIRED = {
 _COMMON_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def config_from_hf_dir(path: Path, overrides: ModelOverrides | None = None) -> ModelConfig:
+    """A Hugging Face directory's ModelConfig: its config.json, with the engine's hf_overrides and
+    disable_sliding_window applied (tokenloom/model/hf_overrides.py)."""
+    cfg = json.loads((path / "config.json").read_text())
+    if overrides is None:
+        return config_from_hf(cfg, name=path.name)
+    return overrides.finish(config_from_hf(overrides.hf_config(cfg), name=path.name))
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype,
+                overrides: ModelOverrides | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`overrides`: the engine's hf_overrides / disable_sliding_window; layers past an overridden
+    num_hidden_layers are not read."""
     from safetensors import safe_open
 
-    config = config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    config = config_from_hf_dir(path, overrides)
     weights: dict[str, torch.Tensor] = {}
+    dropped = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if _ignored_hf_tensor(name, config):
                     continue
+                if overrides is not None and overrides.drops_tensor(name, config):
+                    dropped += 1
+                    continue
                 if name in weights:
                     raise ValueError(f"{path}: tensor {name!r} appears in more than one safetensors file")
                 weights[name] = f.get_tensor(name).to(dtype)
+    note_dropped_layers(path, config, overrides, dropped)
     if config.architecture == "phi3":
         weights = split_phi3_fused(weights, config)
     if config.architecture == "mixtral":
@@ -96,8 +115,9 @@ def _ignored_hf_tensor(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight")
 
 
-def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-    """Build a `ModelConfig` from a parsed Hugging Face config.json."""
+def config_from_hf(cfg: dict[str, Any], name: str = "model", *, check_rope: bool = True) -> ModelConfig:
+    """Build a `ModelConfig` from a parsed Hugging Face config.json. `check_rope` False: the rope tables are not
+    built to check the rope_scaling (a GGUF's config, whose LongRoPE factors come with its tensors later)."""
     arch = _hf_architecture(cfg)
     if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:  # transformers v5 spelling
         cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
@@ -159,8 +179,71 @@ def config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         extra=extra,
     )
-    rope_inv_freq(config)  # an unknown rope_scaling type fails here, naming it, before any weight is read
+    if check_rope:
+        rope_inv_freq(config)  # an unknown rope_scaling type fails here, naming it, before any weight is read
     return config
+
+
+def override_gguf_config(config: ModelConfig, overrides: ModelOverrides) -> ModelConfig:
+    """A GGUF's ModelConfig (from its metadata) with the engine's overrides: hf_overrides on its config in Hugging
+    Face's names, read back as a directory's config.json is read; then disable_sliding_window."""
+    if overrides.hf_overrides:
+        overridden = config_from_hf(overrides.hf_config(hf_dict_from_config(config)), name=config.name,
+                                    check_rope=False)
+        config = replace(overridden, extra={**config.extra, **overridden.extra})
+    return overrides.finish(config)
+
+
+# ModelConfig.architecture -> (HF model_type, architectures[0]): what hf_dict_from_config writes.
+_HF_NAMES = {arch: ("gemma3_text" if arch == "gemma3" else arch, cls) for cls, arch in _HF_ARCHITECTURES.items()}
+
+
+def hf_dict_from_config(config: ModelConfig) -> dict[str, Any]:
+    """The Hugging Face config.json that `config_from_hf` reads back as `config`: a GGUF's metadata in Hugging Face's
+    names, the config vLLM's hf_overrides edit for a GGUF (transformers gives it one made from the metadata)."""
+    arch = config.architecture
+    model_type, cls = _HF_NAMES[arch]
+    eos: Any = config.extra.get("eos_token_ids", config.eos_token_id)
+    cfg: dict[str, Any] = {
+        "model_type": model_type, "architectures": [cls], "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias, "bos_token_id": config.bos_token_id, "eos_token_id": eos,
+        "hidden_act": config.hidden_act,
+    }
+    if config.rope_scaling is not None:
+        cfg["rope_scaling"] = dict(config.rope_scaling)
+        if "original_max_position_embeddings" in config.rope_scaling:
+            cfg["original_max_position_embeddings"] = config.rope_scaling["original_max_position_embeddings"]
+    if config.sliding_window is not None:
+        cfg["sliding_window"] = config.sliding_window
+        layer_types = config.layer_types
+        if arch in ("qwen2", "qwen3", "qwen3_moe"):  # their window counts only with use_sliding_window
+            cfg["use_sliding_window"] = True
+            layer_types = layer_types or [SLIDING] * config.num_hidden_layers
+        if layer_types is not None:
+            cfg["layer_types"] = list(layer_types)
+    if arch.startswith("gemma"):  # transformers types it int (a GGUF's, head_dim, comes as a float)
+        scalar = config.query_pre_attn_scalar
+        cfg["query_pre_attn_scalar"] = int(scalar) if isinstance(scalar, float) and scalar.is_integer() else scalar
+        cfg["final_logit_softcapping"] = config.final_logit_softcapping
+    if arch == "gemma2":
+        cfg["attn_logit_softcapping"] = config.attn_logit_softcapping
+    if arch == "gemma3":
+        cfg["rope_local_base_freq"] = config.rope_local_base_freq
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                   moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob)
+    if arch == "mixtral":  # Mixtral's experts are intermediate_size wide (config_from_hf reads them so)
+        cfg.update(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                   intermediate_size=config.moe_intermediate_size)
+    for key in ("decoder_sparse_step", "mlp_only_layers"):
+        if key in config.extra:
+            cfg[key] = config.extra[key]
+    return cfg
 
 
 def _hf_architecture(cfg: dict[str, Any]) -> str:
@@ -202,6 +285,8 @@ def _hf_sliding_window(cfg: dict[str, Any], arch: str) -> tuple[int | None, list
     when use_sliding_window is true; the others use theirs whenever it is set."""
     window = cfg.get("sliding_window")
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
+        window = None
+    if window == 0:  # vLLM: some checkpoints say 0 for "no sliding window"
         window = None
     layer_types = cfg.get("layer_types")
     if window is None:

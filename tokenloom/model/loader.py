@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf import load_gguf
-from tokenloom.model.hf import load_hf_dir
+from tokenloom.model.hf import config_from_hf_dir, hf_dict_from_config, load_hf_dir, override_gguf_config
+from tokenloom.model.hf_overrides import ModelOverrides, read_hf_config, run_hf_overrides_callable
 from tokenloom.model.paths import (  # noqa: F401  (re-exported: where the model is, torch-free)
     DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_FILE,
@@ -75,10 +78,11 @@ def resolve_quantization(requested: str | None, path: Path, device: torch.device
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
-               quantized: bool = False) -> LoadedModel:
+               quantized: bool = False, overrides: ModelOverrides | None = None) -> LoadedModel:
     """Load config and weights (converted to `dtype`) from a resolved path; see `resolve_model_path`.
     `quantized` (`--quantization gguf`): a GGUF's quantized matrices stay GGUF blocks (GGUFWeight,
-    tokenloom/model/gguf_weights.py); the other tensors come as float32."""
+    tokenloom/model/gguf_weights.py); the other tensors come as float32. `overrides`: the engine's hf_overrides
+    and disable_sliding_window, applied to the config before the weights are read (model/hf_overrides.py)."""
     path = Path(path)
     if quantized and not path.is_file():
         raise ValueError(f"quantization='gguf' needs a .gguf model file; {path} is a Hugging Face directory")
@@ -86,31 +90,43 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         if quantized:
             from tokenloom.model.gguf_weights import load_gguf_quantized
 
-            config, weights = load_gguf_quantized(path)
+            config, weights = load_gguf_quantized(path, overrides)
             source = "gguf"
         elif path.is_file():
-            config, weights = load_gguf(path, dtype)
+            config, weights = load_gguf(path, dtype, overrides)
             source = "gguf"
         else:
-            config, weights = load_hf_dir(path, dtype)
+            config, weights = load_hf_dir(path, dtype, overrides)
             source = "safetensors"
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, source=source, path=path)
 
 
-def load_model_config(path: str | os.PathLike[str]) -> ModelConfig:
-    """The model's config alone (a GGUF header or config.json; no weight is read): what a process
-    that holds no shard needs (the engine core under tensor / pipeline parallelism)."""
+def load_model_config(path: str | os.PathLike[str], overrides: ModelOverrides | None = None) -> ModelConfig:
+    """The model's config alone (a GGUF header or config.json; no weight is read), with the engine's overrides:
+    what a process that holds no shard needs (the engine core under tensor / pipeline parallelism)."""
     path = Path(path)
     if path.is_file():
         from tokenloom.model.gguf import config_from_gguf, read_gguf
 
-        return config_from_gguf(read_gguf(path), name=path.stem)
-    import json
+        config = config_from_gguf(read_gguf(path), name=path.stem)
+        return override_gguf_config(config, overrides) if overrides is not None else config
+    return config_from_hf_dir(path, overrides)
 
-    from tokenloom.model.hf import config_from_hf
 
-    return config_from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+def resolve_hf_overrides(value: dict[str, Any] | Callable[[Any], Any] | None, path: Path) -> dict[str, Any]:
+    """hf_overrides as the dict every load applies: a dict as it is; a callable (vLLM's hf_overrides_fn) run once
+    on the model's Hugging Face config (config.json, or a GGUF's metadata in its names) and the keys it changed
+    kept (model/hf_overrides.py run_hf_overrides_callable)."""
+    if not callable(value):
+        return dict(value or {})
+    if path.is_file():
+        from tokenloom.model.gguf import config_from_gguf, read_gguf
+
+        base = hf_dict_from_config(config_from_gguf(read_gguf(path), name=path.stem))
+    else:
+        base = read_hf_config(path)
+    return run_hf_overrides_callable(value, base)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

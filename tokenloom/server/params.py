@@ -135,11 +135,13 @@ def _extra_args(req: SamplingRequest) -> dict[str, Any] | None:
 
 def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
                 defaults: dict[str, Any] | None = None) -> int | None:
-    # None: as many as the context allows (vLLM's default for chat and for max_tokens=null), or the
-    # model's max_new_tokens when smaller (vLLM's get_max_tokens).
-    if requested is not None:
-        return requested
+    """vLLM 0.32's get_max_tokens: the request's max_tokens capped at the room the context leaves (a max_tokens
+    past max_model_len runs until the context is full, finish_reason "length", not a 400); None: that room, or the
+    model's max_new_tokens when smaller. A prompt that leaves no room keeps 1 here, and is refused by the prompt
+    check in vLLM's words."""
     room = max(max_model_len - prompt_len, 1)
+    if requested is not None:
+        return min(requested, room) if requested > 0 else requested  # 0 / negative: refused by the params' check
     default = (defaults or {}).get("max_tokens")
     return room if default is None else min(room, default)
 
@@ -193,9 +195,6 @@ def completion_params(req: CompletionRequest, prompt_len: int, max_model_len: in
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens  # echo only: one token, dropped
     if max_tokens is None:  # vLLM turns an explicit null into the default, 16, not "as many as fit"
         max_tokens = CompletionRequest.model_fields["max_tokens"].default
-    if "max_tokens" not in req.model_fields_set and max_tokens is not None:
-        # The default (16), not the client's number: like vLLM, clamp it to the room the context leaves.
-        max_tokens = min(max_tokens, max(max_model_len - prompt_len, 1))
     return _sampling_params(req, _max_tokens(max_tokens, prompt_len, max_model_len, defaults), logprobs,
                             prompt_logprobs, defaults=defaults,
                             structured_outputs=structured_outputs)

@@ -35,7 +35,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the real model runner on a grid of step shapes and fit the cost model")
     p.add_argument("model", nargs="?", default=None,
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
-    add_engine_args(p, with_model=False, only=("dtype", "device", "quantization", "block_size"), field_defaults=True)
+    add_engine_args(p, with_model=False, only=("dtype", "device", "quantization", "block_size", "hf_overrides",
+                                               "disable_sliding_window"), field_defaults=True)
     p.add_argument("--repeats", type=int, default=5, help="timed calls per shape (the median is kept)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per shape first")
     p.add_argument("--passes", type=int, default=3, help="passes over the grid; each shape keeps its median pass")
@@ -58,6 +59,7 @@ def _profile(args: argparse.Namespace) -> int:
         grid=QUICK_GRID if args.quick else Grid(), warmup=args.warmup, repeats=args.repeats, passes=args.passes,
         max_wait_s=args.max_wait,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        hf_overrides=_hf_overrides(args.hf_overrides), disable_sliding_window=args.disable_sliding_window,
     )  # fmt: skip
     profile.save(args.output)
     f = profile.fit
@@ -68,6 +70,13 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"fit on {f.num_samples} shapes: MAPE {f.mape:.1%}, worst {f.max_ape:.1%}, R² {f.r2:.4f}")
     print(f"wrote {args.output}")
     return 0
+
+
+def _hf_overrides(value: object) -> dict:
+    """--hf-overrides as the engine's config checks it (a string that is not a JSON object is refused there)."""
+    from tokenloom.config import check_hf_overrides
+
+    return check_hf_overrides(value)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------- simulate

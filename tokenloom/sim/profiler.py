@@ -346,9 +346,13 @@ def run_profile(
     passes: int = 3,
     max_wait_s: float = 120.0,
     progress: Callable[[str], None] | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+    disable_sliding_window: bool = False,
 ) -> Profile:
-    """Load the model, time every shape of the grid, fit, and return the profile."""
-    from tokenloom.model.loader import load_model, resolve_model_path
+    """Load the model, time every shape of the grid, fit, and return the profile. `hf_overrides` and
+    `disable_sliding_window`: the engine's (a profile of the model the engine would run)."""
+    from tokenloom.model.hf_overrides import ModelOverrides
+    from tokenloom.model.loader import load_model, resolve_hf_overrides, resolve_model_path
     from tokenloom.model.platform import resolve_device, resolve_dtype
     from tokenloom.model.runner import ModelRunner
 
@@ -358,7 +362,8 @@ def run_profile(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = resolve_model_path(model)
-    loaded = load_model(path, torch_dtype)
+    overrides = ModelOverrides.of(resolve_hf_overrides(hf_overrides, path), disable_sliding_window)
+    loaded = load_model(path, torch_dtype, overrides=overrides)
     num_blocks = blocks_needed(grid, block_size, warmup + repeats + 1)
     # int8 layers run at the same speed smoothed or not: no calibration needed to time them.
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev,
@@ -417,7 +422,7 @@ def profile_runner(
         fit=error,
         samples=samples,
         scheduler_overhead=overhead,
-        max_model_len=model_config.max_position_embeddings,
+        max_model_len=model_config.context_length,
         kv_bytes_per_token=kv_cache_bytes_per_block(model_config, 1, runner.dtype),
         kv_head_dim=model_config.head_dim,
         runner_fingerprint=fingerprint,

@@ -3,8 +3,8 @@
 # Vendored from vLLM 0.32.0's tests/v1/engine/test_engine_args.py: the cases on the prefix-caching flags and
 # custom_histogram_buckets, unchanged but for the plumbing: EngineArgs is tokenloom's (tokenloom/engine/args.py),
 # FlexibleArgumentParser is argparse's ArgumentParser, `_xxhash` is the xxhash module or None, and
-# create_engine_config's result is read through vLLM's names (cache_config: tokenloom's EngineConfig.cache; no
-# observability_config: tokenloom has no custom_histogram_buckets). Not vendored (docs/vllm_peer.md, "Engine
+# create_engine_config's result is read through vLLM's names (cache_config: tokenloom's EngineConfig.cache;
+# observability_config: its EngineConfig.observability_config). Not vendored (docs/vllm_peer.md, "Engine
 # level"): test_mm_prefix_lm_raises_batched_tokens_floor (multimodal prefix-LM models, mocked) and the five
 # data-parallel rank-inference cases (vLLM's multi-node hybrid / external load balancing on mocked MoE configs;
 # tokenloom's data parallelism is one node's engines under one router).
@@ -28,7 +28,8 @@ class EngineArgs(_TLEngineArgs):
 
     def create_engine_config(self):  # type: ignore[override]
         config = super().create_engine_config()
-        return SimpleNamespace(cache_config=config.cache, scheduler_config=config.scheduler)
+        return SimpleNamespace(cache_config=config.cache, scheduler_config=config.scheduler,
+                               observability_config=config.observability_config)
 
 
 @pytest.mark.xfail(strict=True, raises=ConfigError, reason=(
@@ -91,9 +92,6 @@ def test_prefix_caching_xxhash_from_cli():
     assert vllm_config.cache_config.prefix_caching_hash_algo == "xxhash_cbor"
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "custom_histogram_buckets (vLLM's ObservabilityConfig: Prometheus bucket boundaries per histogram family) is not "
-    "built: tokenloom's metrics keep their fixed buckets, and its config has no observability_config"))
 def test_custom_histogram_buckets_from_cli():
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
 

@@ -27,9 +27,10 @@ PROMPTS_FILE = Path(__file__).with_name("example_prompts.txt")
 # vLLM's knob for its GPU build's threads; tokenloom sizes its own (kernel_config and compilation_config are engine
 # arguments here, taken as vLLM's and changing nothing).
 _DROPPED = ("default_torch_num_threads",)
-# How vLLM reads the named checkpoint (its weights' and config's format, its tokenizer): the model that runs is
-# the default one, read as tokenloom reads it, as tokenizer_mode is (test_vllm_struct_output_generate.py).
-_DROPPED += ("load_format", "config_format")
+# How vLLM reads the named checkpoint's weights: the model that runs is the default one (a GGUF), read as tokenloom
+# reads it, as tokenizer_mode is (test_vllm_struct_output_generate.py asks load_format "hf" of Mistral's checkpoints,
+# which names a Hugging Face directory). config_format ("auto", "hf") goes to LLM as it is.
+_DROPPED += ("load_format",)
 # vLLM's attention-backend choice (test_vllm_async_scheduling.py asks for FLEX_ATTENTION, to run float32).
 _DROPPED += ("attention_config",)
 

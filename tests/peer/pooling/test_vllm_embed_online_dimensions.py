@@ -3,8 +3,8 @@
 # Vendored from vLLM 0.32.0's tests/entrypoints/pooling/embed/test_online_dimensions.py, unchanged but for the
 # plumbing: the imports point at tokenloom and tests/peer/pooling; pytest-asyncio's marker is anyio's.
 # RemoteOpenAIServer serves the named models' local stand-ins (tests/peer/pooling/standins.py: the Hub is out of
-# reach; snowflake-arctic-embed-m-v1.5's says matryoshka_dimensions [256] in its config.json, which the test's
-# --hf-overrides checks, tokenloom having no such flag) and hf_runner loads them in sentence-transformers.
+# reach; the test's --hf-overrides '{"matryoshka_dimensions":[256]}' goes to `tokenloom serve` as it is, vLLM's flag)
+# and hf_runner loads them in sentence-transformers.
 # Full run only (it starts two servers).
 """Run `pytest tests/entrypoints/openai/test_embedding_dimensions.py`."""
 

@@ -13,7 +13,6 @@ Models come from standins.py (the Hub is out of reach); `ROOT` is where they are
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -118,15 +117,13 @@ def get_tokenizer(tokenizer_name: str, **kwargs: Any) -> Any:
 
 class RemoteOpenAIServer:
     """vLLM's tests/utils.py RemoteOpenAIServer over `tokenloom serve <stand-in>`: vLLM's flags with underscores
-    read as dashes (its parser takes both); --hf-overrides checked against the stand-in's config.json, which
-    must already say what it overrides (tokenloom has no --hf-overrides); the model served under the test's
-    name."""
+    read as dashes (its parser takes both), --hf-overrides among them; the model served under the test's name."""
 
     DUMMY_API_KEY = "token-abc123"
 
     def __init__(self, model: str, vllm_serve_args: list[str], **unused: Any) -> None:
         path = model_path(model)
-        args = translate_args(path, vllm_serve_args)
+        args = translate_args(vllm_serve_args)
         log = Path(ROOT or ".") / f"server-{model.replace('/', '--')}.log"
         self.server = ServerProcess(str(path), *args, "--served-model-name", model, log_path=log)
         self.server.start()
@@ -159,28 +156,9 @@ class RemoteOpenAIServer:
         self.server.stop()
 
 
-def translate_args(path: Path, vllm_args: list[str]) -> list[str]:
-    out: list[str] = []
-    i = 0
-    while i < len(vllm_args):
-        arg = vllm_args[i]
-        if arg.startswith("--"):
-            arg = "--" + arg[2:].replace("_", "-")
-        if arg == "--hf-overrides":
-            _check_overrides(path, json.loads(vllm_args[i + 1]))
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
-    return out
-
-
-def _check_overrides(path: Path, overrides: dict[str, Any]) -> None:
-    config = json.loads((path / "config.json").read_text())
-    differ = {k: v for k, v in overrides.items() if config.get(k) != v}
-    if differ:
-        raise RuntimeError(f"--hf-overrides {differ} is not what the stand-in {path} says; tokenloom reads its "
-                           "config.json as it is")
+def translate_args(vllm_args: list[str]) -> list[str]:
+    """vLLM's flags as `tokenloom serve` spells them (dashes; vLLM's parser reads underscores too)."""
+    return ["--" + arg[2:].replace("_", "-") if arg.startswith("--") else arg for arg in vllm_args]
 
 
 class _Platform:

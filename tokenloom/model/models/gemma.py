@@ -100,6 +100,7 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 
     def attention_spec(self, config: ModelConfig, layer_idx: int) -> AttentionLayerSpec:
         spec = super().attention_spec(config, layer_idx)
-        # Sliding layers rotate with the local base (DecoderModel builds those tables).
-        self.self_attn.local_rope = spec.window is not None and config.rope_local_base_freq is not None
+        # Sliding layers rotate with the local base (DecoderModel builds those tables), by their layer type: with
+        # disable_sliding_window they attend to everything but keep their rope (vLLM's Gemma 3).
+        self.self_attn.local_rope = config.is_sliding_layer(layer_idx) and config.rope_local_base_freq is not None
         return spec
