@@ -228,7 +228,7 @@ def test_bad_adapters_are_refused_with_the_reason(llm, base_dir, adapters, tmp_p
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     _expect_refused(llm, lora(24, dora), "DoRA")
-    _expect_refused(llm, lora(25, tmp_path / "missing"), "is not a directory")
+    _expect_refused(llm, lora(25, tmp_path / "missing"), "missing does not exist")
     with pytest.raises(ValueError, match="must be a LoRARequest"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request="adapter1")
     with pytest.raises(ValueError, match="2 LoRARequests for 1 prompts"):
