@@ -545,6 +545,15 @@ def test_a_batch_chat_whose_grammar_dead_ends_is_400(gen_http) -> None:
     assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], r.text
 
 
+def test_n_with_the_largest_seed_is_served(gen_http) -> None:
+    """seed 2**63 - 1 (the largest the API takes) with n > 1: the children's seeds (vLLM's seed + index) went past
+    64 bits and SamplingParams refused them, a 400 from the fallback handler for a valid request (found by the
+    request fuzzer's `combined` kind). They wrap now."""
+    for path, body in (("/v1/completions", {"prompt": "hello"}), ("/v1/chat/completions", {"messages": MSGS})):
+        r = gen_http.post(path, json={"model": MODEL, **body, "max_tokens": 2, "n": 3, "seed": 2**63 - 1})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+
+
 def test_malformed_requests_beside_running_ones_lose_nothing(gen_http) -> None:
     """Bad requests arriving while good ones run (a stream and a batch of plain requests): the good ones finish
     with the tokens they get alone, each bad one gets its 4xx."""

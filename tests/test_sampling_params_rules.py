@@ -111,3 +111,14 @@ def test_top_k_true_is_refused_not_a_failed_step() -> None:
 
     with pytest.raises(ValueError, match="top_k must be"):
         _SP(top_k=True)
+
+
+def test_children_of_the_largest_seed_keep_64_bit_seeds() -> None:
+    """n > 1: each child samples with seed + index (vLLM's), wrapped into the 64-bit range SamplingParams holds
+    seeds to, so a parent seeded at either end of it is no ValueError."""
+    from tokenloom.engine.parallel_sampling import ParentRequest
+
+    low = -(2**63)
+    for seed, want in ((2**63 - 1, [2**63 - 1, low, low + 1]), (5, [5, 6, 7]), (low, [low, low + 1, low + 2])):
+        parent = ParentRequest("r", SamplingParams(n=3, seed=seed))
+        assert [parent.get_child_info(i)[1].seed for i in range(3)] == want

@@ -97,8 +97,11 @@ CONFIGS: dict[str, list[str]] = {
              "--tool-call-parser", "hermes"],
     # two engine processes behind the router: its accounting is checked after every batch (wait_idle)
     "dp": ["--data-parallel-size", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    # both: the router sends an adapter's requests to the engine that holds it (its per-engine adapter LRU)
+    "dp-lora": ["--data-parallel-size", "2", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"],
 }
-CONFIG_ENV: dict[str, dict[str, str]] = {"lora": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}
+CONFIG_ENV: dict[str, dict[str, str]] = {name: {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+                                          for name in ("lora", "dp-lora")}
 # The tiny model's tokenizer makes a tools prompt ~500 tokens: its context must hold one.
 CONFIG_MAX_LEN: dict[str, int] = {"reasoning-tiny": 1024}
 COMMON_ARGS = ["--max-model-len", str(MAX_LEN), "--uvicorn-log-level", "info", "--disable-uvicorn-access-log",
@@ -812,6 +815,11 @@ BAD_LORA_NAMES: list[Any] = ["missing", "", " ", "a1 ", " a1", "A1", "a1/../a2",
 # Runtime loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING): names to load under and remove, including one served from
 # the start (a3: unloaded while requests run on it, loaded again later) and the base model's own name.
 RUNTIME_NAMES = ["d1", "d2", "a3"]
+# lora_path values that are no adapter directory: names the OS refuses to look up (past NAME_MAX or PATH_MAX, a
+# NUL, half a surrogate pair), missing, not directories, not strings. (Hypothesis draws a list's first entries
+# most: the rarest paths of the server go first.)
+BAD_LORA_PATHS: list[Any] = ["x" * 300, "a/" * 3000, "/tmp/\x00", "\ud800", "x" * 5000, "/nonexistent", "/",
+                             "/etc/passwd", "/proc/self", ".", "", 5, None]
 LOAD_NAMES: list[Any] = ["d1", "a3", "{model}", "", "x" * 5000, "\ud800", "d1/../a1", 5, None, [], {}]
 UNLOAD_NAMES: list[Any] = ["d1", "d2", "a3", "{model}", "missing", "", 5, None, ["a3"]]
 
@@ -822,19 +830,21 @@ def lora_cases(draw: st.DrawFn, target: Target) -> Case:
     at once; two adapter slots), with n > 1, logprobs, echo, beam search, grammars, streams; and runtime loads /
     unloads of good and bad adapter directories."""
     if draw(st.integers(0, 2)) == 0:  # runtime loading and unloading
-        plausible = draw(st.integers(0, 2)) < 2  # a name and path that may well load, or hostile ones
-        if draw(st.booleans()):
-            name = draw(st.sampled_from(RUNTIME_NAMES if plausible else LOAD_NAMES))
+        if draw(st.integers(0, 2)) < 2:  # a load: names and paths drawn apart, so a bad path meets a good name
+            name = draw(st.sampled_from(RUNTIME_NAMES if draw(st.integers(0, 3)) < 3 else LOAD_NAMES))
             good = [d for n, d in sorted(target.adapter_dirs.items()) if n in ("good", "a3", "huge")]
-            paths = good if plausible and good else sorted(target.adapter_dirs.values()) + [
-                "", "/nonexistent", "/", "/etc/passwd", 5, None, "x" * 5000, "\ud800"]
+            broken = [d for n, d in sorted(target.adapter_dirs.items()) if n not in ("good", "a3", "huge")]
+            which = draw(st.integers(0, 3))  # 0, 1: adapters that load; 2: broken ones; 3: paths with no adapter
+            paths = (good if which < 2 else broken if which == 2 else BAD_LORA_PATHS) or BAD_LORA_PATHS
+            if which >= 2 and isinstance(name, str) and name in RUNTIME_NAMES:
+                name = "never"  # a name nothing loads under: the path is read, not refused as loaded already
             body: dict[str, Any] = {"lora_name": target.model if name == "{model}" else name,
                                     "lora_path": draw(st.sampled_from(paths))}
             if draw(st.integers(0, 3)) == 0:
                 body["load_inplace"] = draw(st.sampled_from([True, True, False, "x"]))
             path = "/v1/load_lora_adapter"
         else:
-            name = draw(st.sampled_from(RUNTIME_NAMES if plausible else UNLOAD_NAMES))
+            name = draw(st.sampled_from(RUNTIME_NAMES if draw(st.booleans()) else UNLOAD_NAMES))
             body = {"lora_name": target.model if name == "{model}" else name}
             if draw(st.integers(0, 3)) == 0:
                 body["lora_int_id"] = draw(st.sampled_from([1, -1, 2**63, "x"]))
@@ -889,7 +899,7 @@ KINDS = {"fields": 3, "combined": 2, "forced": 2, "fail": 1, "raw": 1, "leave": 
 # Kinds each configuration adds to the mix (or weighs more) unless --only names the kinds.
 CONFIG_KINDS: dict[str, dict[str, int]] = {"spec": {"sampling": 3}, "spec-sync": {"sampling": 4},
                                            "reasoning": {"reasoning": 6}, "reasoning-tiny": {"reasoning": 8},
-                                           "lora": {"lora": 6},
+                                           "lora": {"lora": 6}, "dp-lora": {"lora": 6, "fail": 2, "leave": 2},
                                            "dp": {"fail": 2, "leave": 2, "combined": 3}}
 ALL_KINDS = [*KINDS, "sampling", "reasoning", "lora"]
 
@@ -1393,7 +1403,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         server_args = ([args.model] if args.model else []) + CONFIGS[name] + shlex.split(args.server_args)
         adapter_dirs: dict[str, str] = {}
-        if name == "lora":
+        if name in ("lora", "dp-lora"):
             lora_args, adapter_dirs = lora_setup(args.model, log_dir / "adapters")
             server_args += lora_args
         if name == "reasoning-tiny":

@@ -17,6 +17,13 @@ from tokenloom.engine.outputs import CompletionOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 
+def child_seed(seed: int, index: int) -> int:
+    """vLLM's seed + index, wrapped into the 64-bit range a seed must stay in: a parent seeded near 2**63 - 1 (a
+    seed the API accepts) would otherwise give its children seeds SamplingParams refuses, and the valid request a
+    400 (vLLM's children take seed + index unchecked; the draws differ from vLLM's anyway, CPU against CUDA)."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 class ParentRequest:
     """One n > 1 request's children: their ids and parameters, and the fan-in of their outputs."""
 
@@ -50,7 +57,7 @@ class ParentRequest:
         child_id = f"{index}_{self.request_id}"
         self.child_requests.add(child_id)
         seed = self.sampling_params.seed
-        return child_id, replace(self.sampling_params, n=1, seed=None if seed is None else seed + index)
+        return child_id, replace(self.sampling_params, n=1, seed=None if seed is None else child_seed(seed, index))
 
     def get_outputs(self, child_request_id: str,
                     completion_output: CompletionOutput) -> tuple[list[CompletionOutput], bool]:  # fmt: skip
