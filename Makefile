@@ -91,11 +91,17 @@ figure: setup
 	@test -n "$(FIGURE)" || { echo "usage: make figure FIGURE=<file under docs/figures/> (list: $(BIN)/python benchmarks/figures/rerun.py --list)"; exit 2; }
 	$(BIN)/python benchmarks/figures/rerun.py --only $(FIGURE)
 
+# The suite runs on one pytest-xdist worker per core (at most 4), a test file's tests on one worker (their
+# module fixtures, a server or an engine, start once); tests/conftest.py pins each worker to its own cores.
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: every test process and every server, engine
+# and rank it starts would compile the same sources again (collection alone: 26 s of CPU against 15).
 # --durations: the slowest tests in every run's log, so that the suite's time (kept under 15 minutes on 2 cores)
 # is visible where it is spent.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks
-	$(BIN)/python -m pytest -q --durations=30
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # vLLM's own tests vendored in tests/peer, with the long cases `make test` skips (tests/peer/offline/conftest.py,
 # tests/peer/core/conftest.py, tests/peer/logits_processors/conftest.py).

@@ -4,10 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
-import pytest
 
-from tests import leak_check
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (`make test` runs one worker per core, up to 4) each worker, and every process it
+    starts (servers, TP ranks, Ray), keeps to cores of its own. Sharing cores, two workers' OpenMP teams would
+    each wait at every barrier for a thread the other had descheduled; apart, an engine in a worker sees one
+    core, sizes its threads to it (tokenloom/model/platform.py) and the two run side by side. Runs before
+    torch is imported: its thread pool is sized from this affinity. Without enough cores, nothing is pinned."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or len(cpus) < count:
+        return
+    share, index = len(cpus) // count, int(worker[2:])
+    os.sched_setaffinity(0, cpus[index * share:] if index == count - 1 else cpus[index * share:(index + 1) * share])
+
+
+_pin_xdist_worker()
+
+import pytest  # noqa: E402
+
+from tests import leak_check  # noqa: E402
 
 pytest_plugins = ["pytester"]  # tests/test_leak_check.py runs a planted leak through the real fixture
 

@@ -76,6 +76,8 @@ def test_the_scheduler_and_the_front_ends_refuse_with_one_rules_words(tmp_path) 
                         max_in_flight_tokens=kv.max_in_flight_tokens or 0)
     front = InputProcessor(None, ready)  # type: ignore[arg-type]
     cases = [([], 8, "The decoder prompt cannot be empty"), ([5] * max_len, 8, "leaves no room to generate"),
+             ([5] * (max_len + 1), 8, f"your prompt contains {max_len + 1} input tokens, which exceeds this limit "
+              "even without any output tokens"),  # vLLM 0.32's renderer's words for a longer prompt
              ([5] * 20, 22, "21 KV-cache blocks are needed (11 in the full-attention group")]
     for i, (ids, max_tokens, words) in enumerate(cases):
         params = SamplingParams(max_tokens=max_tokens)

@@ -123,9 +123,10 @@ def prompt_refusal(fit: PromptFit, *, pooling: bool = False, max_tokens: int | N
                              f"request has {n_prompt} input tokens, which leaves no room to generate. Please "
                              "reduce the length of the input.", "prompt")
     elif fit.no_room_to_generate:
-        return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your request has "
-                             f"{n_prompt} input tokens, which leaves no room to generate. Please reduce the length "
-                             "of the input.", "prompt")
+        # vLLM 0.32's renderer (renderers/params.py, _token_len_check), whichever front end refuses it.
+        return PromptRefusal(f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                             f"contains {n_prompt} input tokens, which exceeds this limit even without any output "
+                             "tokens. Please reduce the length of the input prompt.", "prompt")
     if max_tokens_in_context and max_tokens is not None and n_prompt + max_tokens > max_len:
         return PromptRefusal(f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
                              f"{max_len} tokens and your request has {n_prompt} input tokens "
