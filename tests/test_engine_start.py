@@ -132,3 +132,28 @@ def test_where_no_forkserver_can_start_the_engine_is_spawned(fresh_forkserver_re
     process = process_start.start_engine_process(_write_variable, (str(out), "TOKENLOOM_PROBE_VARIABLE"), "probe")
     process.join(60)
     assert process not in process_start._forked and process.exitcode == 0 and out.read_text() == "spawned"
+
+
+def test_a_script_that_starts_an_engine_unguarded_is_told_why_it_failed(tmp_path) -> None:
+    """Both start methods (forkserver here, the default) run the main script again in the engine process; a
+    script that starts its engine at the top level (no `if __name__ == "__main__":`) then starts one inside a
+    child that is still starting, which Python refuses. The caller's error said only 'exited during start-up
+    (exit code 1)'; it now says why and what to do. The same script with the guard runs."""
+    import subprocess
+    import sys
+
+    body = ("from tokenloom import AsyncEngineArgs, AsyncLLM\n"
+            "{indent}engine = AsyncLLM.from_engine_args(AsyncEngineArgs(max_model_len=64))\n"
+            "{indent}engine.shutdown()\n"
+            "{indent}print('started')\n")
+    env = {**os.environ, "TOKENLOOM_ENGINE_START_METHOD": "forkserver"}
+    unguarded = tmp_path / "unguarded.py"
+    unguarded.write_text(body.format(indent=""))
+    run = subprocess.run([sys.executable, str(unguarded)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode != 0 and "started" not in run.stdout
+    assert 'unguarded.py again as it starts: a program that starts an engine must do so under `if __name__ == ' \
+        '"__main__":`' in run.stderr, run.stderr[-3000:]
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text("if __name__ == '__main__':\n" + body.format(indent="    ").replace("from", "    from", 1))
+    run = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0 and "started" in run.stdout, run.stderr[-3000:]

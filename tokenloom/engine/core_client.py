@@ -53,7 +53,7 @@ from tokenloom.engine.core_messages import (
 )
 from tokenloom.engine.core_proc import run_engine_core_process
 from tokenloom.engine.exceptions import INIT_FAILED, EngineStartError
-from tokenloom.engine.process_start import start_engine_process
+from tokenloom.engine.process_start import main_module_rerun_hint, start_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +219,9 @@ class MPClient:
                 f"last: {stage}); it was still running after {_now() - start:.0f} s. "
                 f"TOKENLOOM_ENGINE_READY_TIMEOUT sets how long a stall may last (0: no limit)")
         self.process.join(1.0)
+        hint = main_module_rerun_hint() if stage == "starting the engine process" else ""
         raise EngineStartError(f"{INIT_FAILED}: the engine process exited during start-up (exit code "
-                               f"{self.process.exitcode})")
+                               f"{self.process.exitcode}){hint}")
 
     # Running ------------------------------------------------------------------------------------
     def attach(self, on_outputs: Callable[[EngineCoreOutputs], None], on_failure: Callable[[str], None]) -> None:

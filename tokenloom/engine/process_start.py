@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from multiprocessing import forkserver
@@ -64,6 +65,20 @@ def start_engine_process(target: Callable[..., None], args: tuple[Any, ...], nam
         return _start(mp.get_context("spawn"), target, args, name)
     _forked.add(process)
     return process
+
+
+def main_module_rerun_hint() -> str:
+    """What to tell the caller when an engine process died before it ran any of tokenloom's code: both start
+    methods run the program's main script again in the child (multiprocessing's `prepare`), so a script that
+    starts an engine at its top level starts one again there, and Python refuses that inside a child that is
+    still starting ("bootstrapping phase"). vLLM's spawned processes need the same guard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return ""  # an interactive session: nothing is run again
+    name = getattr(getattr(main, "__spec__", None), "name", None) or os.path.basename(path)
+    return (f" before it reached tokenloom's code. The engine process runs {name} again as it starts: a program "
+            'that starts an engine must do so under `if __name__ == "__main__":`')
 
 
 def _start(ctx: BaseContext, target: Callable[..., None], args: tuple[Any, ...], name: str) -> BaseProcess:
