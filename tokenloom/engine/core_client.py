@@ -219,7 +219,8 @@ class MPClient:
                 f"last: {stage}); it was still running after {_now() - start:.0f} s. "
                 f"TOKENLOOM_ENGINE_READY_TIMEOUT sets how long a stall may last (0: no limit)")
         self.process.join(1.0)
-        hint = main_module_rerun_hint() if stage == "starting the engine process" else ""
+        # No EngineProgress ever came (cpu_s unset): the child died before any of tokenloom's code ran.
+        hint = main_module_rerun_hint() if cpu_s < 0 else ""
         raise EngineStartError(f"{INIT_FAILED}: the engine process exited during start-up (exit code "
                                f"{self.process.exitcode}){hint}")
 
