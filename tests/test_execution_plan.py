@@ -35,7 +35,7 @@ def machine(monkeypatch):
     monkeypatch.setattr(execution_plan, "_gguf_kernels_available", lambda: state.gguf_kernels)
     state.kernels = SimpleNamespace(packed_layout_supported=lambda block_size, head_dim: state.packed_layout)
     for name in ("TOKENLOOM_FUSED_FLOAT", "TOKENLOOM_FUSED_DECODE_ROWS", "TOKENLOOM_GGUF_FUSED_ROWS",
-                 "TOKENLOOM_KV_PACKED", "TOKENLOOM_GGUF_PREFETCH"):
+                 "TOKENLOOM_KV_PACKED", "TOKENLOOM_GGUF_PREFETCH", "VLLM_BATCH_INVARIANT"):
         monkeypatch.delenv(name, raising=False)
     return state
 
@@ -143,3 +143,47 @@ def test_the_execution_overrides_are_read_only_by_the_planner() -> None:
         if names:
             readers[path.name] = names
     assert set(readers) == {"execution_plan.py"}, readers
+
+
+@pytest.mark.parametrize("quantization, dtype", [("gguf", torch.float32), (None, torch.float32),
+                                                 (None, torch.bfloat16)])
+def test_batch_invariant_runs_every_row_fused_without_packing(machine, monkeypatch, quantization, dtype) -> None:
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    plan = plan_execution(config(), CPU, dtype, quantization, machine.kernels)
+    assert plan.batch_invariant and plan.fused_decode and plan.prepack == PREPACK_NONE and not plan.kv_packed
+    assert "every row (batch-invariant" in plan.describe()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert not plan_execution(config(), CPU, dtype, quantization, machine.kernels).batch_invariant
+
+
+@pytest.mark.parametrize("case, match", [
+    ("gemma", "covers Llama / Qwen2 layers .* not this gemma2 model"),
+    ("window", "covers Llama / Qwen2 layers"),
+    ("int8", "--quantization int8"),
+    ("float16", "--dtype float16 is not covered"),
+    ("sharded", "tensor / pipeline parallelism"),
+    ("no kernels", "kernels are unavailable"),
+    ("no gguf kernels", "kernels are unavailable"),
+    ("cuda", "it runs on CPU here"),
+])
+def test_batch_invariant_refuses_what_it_does_not_cover(machine, monkeypatch, case, match) -> None:
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    cfg, device, dtype, quant, kernels, sharded = config(), CPU, torch.float32, "gguf", machine.kernels, False
+    if case == "gemma":
+        cfg = config("gemma2")
+    elif case == "window":
+        cfg = config(sliding_window=8)
+    elif case == "int8":
+        quant = "int8"
+    elif case == "float16":
+        quant, dtype = None, torch.float16
+    elif case == "sharded":
+        sharded = True
+    elif case == "no kernels":
+        kernels = None
+    elif case == "no gguf kernels":
+        machine.gguf_kernels = False
+    elif case == "cuda":
+        device = torch.device("cuda")
+    with pytest.raises(ValueError, match=f"VLLM_BATCH_INVARIANT=1: .*{match}"):
+        plan_execution(cfg, device, dtype, quant, kernels, sharded=sharded)

@@ -456,3 +456,44 @@ def test_iq_grid_header_is_what_gguf_py_gives() -> None:
 
     assert iq_grids.HEADER.read_text() == iq_grids.header_text()
     assert iq_grids.grid_words(__import__("gguf").quants.IQ3_XXS)[:2] == [0x04040404, 0x04040414]  # ggml's first two
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_batch_invariant_rows_do_not_depend_on_the_row_count(qtype: Q) -> None:
+    """Batch-invariant (VLLM_BATCH_INVARIANT; set_batch_invariant): the tile kernel gives row r the same floats
+    at every row count and place in the four-row tiling (one row alone, 2..9 rows beside it), and so does the
+    row kernel on the file's blocks. Without it Q8_0's one-row form sums even and odd groups apart."""
+    n, k = 8 * 5, 1024
+    raw = torch.from_numpy(random_blocks(qtype, n, k, seed=23))
+    packed = kernels.gguf_repack8(raw, int(qtype), k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(4))
+    before = kernels.batch_invariant()
+    try:
+        kernels.set_batch_invariant(True)
+        for run, w in ((kernels.gguf_linear_packed, packed), (kernels.gguf_linear, raw)):
+            alone = torch.empty(9, n)
+            for r in range(9):
+                run(alone[r : r + 1], x[r : r + 1].contiguous(), w, int(qtype), None)
+            for m in range(2, 10):
+                got = torch.full((m, n), float("nan"))
+                run(got, x[:m].contiguous(), w, int(qtype), None)
+                torch.testing.assert_close(got, alone[:m], rtol=0, atol=0, msg=f"{run.__name__}, {m} rows")
+    finally:
+        kernels.set_batch_invariant(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_linear_rows_do_not_depend_on_the_row_count(dtype: torch.dtype) -> None:
+    """The fused decoder's dense kernel (float layers, and a float LM head when batch-invariant) sums a row in
+    one order at every row count, the K tail (K % 8) included."""
+    n, k = 13, 100
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(7))
+    alone = torch.empty(5, n)
+    for r in range(5):
+        kernels.dense_linear(alone[r : r + 1], x[r : r + 1].contiguous(), w, None)
+    for m in range(2, 6):
+        got = torch.empty(m, n)
+        kernels.dense_linear(got, x[:m].contiguous(), w, None)
+        torch.testing.assert_close(got, alone[:m], rtol=0, atol=0)
+    torch.testing.assert_close(alone, x @ w.float().T, rtol=1e-5, atol=1e-5)

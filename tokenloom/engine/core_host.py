@@ -93,6 +93,7 @@ class EngineCoreHost:
         check_async_scheduling(config)
         check_speculative_engine(config)
         check_kv_transfer(config)
+        check_batch_invariant(config)
         model_parallel = parallel.model_parallel_size if parallel is not None else 1
         if model_parallel > 1:
             check_model_parallel(config)
@@ -665,6 +666,22 @@ def check_load_format(load_format: str, path: Any) -> None:
     if load_format in ("hf", "safetensors") and path.is_file():
         raise ConfigError(f"load_format {load_format!r} reads a Hugging Face directory's safetensors; {path.name} is "
                           "a GGUF file (load_format 'auto' or 'gguf')")
+
+
+def check_batch_invariant(config: EngineConfig) -> None:
+    """Refuse, before loading, what VLLM_BATCH_INVARIANT=1 does not cover (the model's own checks follow at
+    load: tokenloom/model/execution_plan.py, check_batch_invariant_covered)."""
+    if not envs.VLLM_BATCH_INVARIANT:
+        return
+    parallel = config.parallel
+    for given, what in ((config.lora_config is not None,
+                         "LoRA adapters (--enable-lora): an adapter's rows run per op, beside the fused decoder"),
+                        (parallel is not None and parallel.model_parallel_size > 1,
+                         "tensor / pipeline parallelism (the fused decoder runs the whole stack in one process)"),
+                        (config.device == "cuda", "--device cuda (it runs on CPU here)"),
+                        (config.quantization == "int8", "--quantization int8 (W8A8 through oneDNN)")):
+        if given:
+            raise ConfigError(f"VLLM_BATCH_INVARIANT=1 does not cover {what}")
 
 
 def check_speculative_engine(config: EngineConfig) -> None:

@@ -153,7 +153,7 @@ class DecoderModel:
         logger.info("%s", self.plan.describe())
         if self.packed_linear:
             return_freed_memory()  # the plain weights the packed copies replaced
-        self.head_kernels = self._bf16_head_kernels()
+        self.head_kernels = self._dense_head_kernels()
 
     def _prepack(self) -> bool:
         """Pre-pack the run-dtype linears the plan names for oneDNN. True if they were packed. Where
@@ -169,14 +169,17 @@ class DecoderModel:
         self.plan = self.plan.without_packing(fused_decode_available=gguf_kernels() is not None)
         return False
 
-    def _bf16_head_kernels(self) -> Any:
+    def _dense_head_kernels(self) -> Any:
         """The GGUF kernels module when the LM head is a plain bf16 matrix (oneDNN could not pack it):
         its dense kernel (bf16 -> fp32 by a shift, FMA) runs the logits GEMV 1.7x (one row) to 5x
         (16 rows) faster than F.linear's bf16 path on AVX2 (benchmarks/kernels/fused_float_decode.py). None
-        otherwise (packed or float32 heads stay on oneDNN, which measured as fast or faster)."""
+        otherwise (packed or float32 heads stay on oneDNN, which measured as fast or faster), except when
+        batch-invariant: the dense kernel sums a row in the same order at every row count, oneDNN's GEMMs
+        need not, so a float32 head takes it too."""
         head = self.lm_head
+        dtypes = (torch.bfloat16, torch.float32) if self.plan.batch_invariant else (torch.bfloat16,)
         if (self.device.type != "cpu" or self.kernels is None or head.packed is not None or head.bias is not None
-                or head.weight is None or head.weight.dtype != torch.bfloat16 or not head.weight.is_contiguous()
+                or head.weight is None or head.weight.dtype not in dtypes or not head.weight.is_contiguous()
                 or not isinstance(head.quant_method, UnquantizedLinearMethod)):
             return None
         from tokenloom.model.gguf_kernels import gguf_kernels
@@ -330,7 +333,8 @@ def _fused_decode_step(model: DecoderModel) -> Any:
 
     kernels = gguf_kernels()
     assert kernels is not None and model.kernels is not None, "the plan chose the fused step without its kernels"
-    step = FusedDecodeStep(None, model.config.hidden_size, model.dtype, model.plan.fused_decode_rows)
+    step = FusedDecodeStep(None, model.config.hidden_size, model.dtype, model.plan.fused_decode_rows,
+                           every_row=model.plan.batch_invariant)
 
     def parts(lin: LinearBase) -> list:
         return linear_parts(getattr(lin, "gguf", None), lin.weight, lin.bias)

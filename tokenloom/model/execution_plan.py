@@ -65,6 +65,10 @@ class ExecutionPlan:
     # TOKENLOOM_KV_PACKED); it is used with the kernel attention backend when the fused step is not
     # (that reads the plain layout).
     kv_packed_supported: bool
+    # VLLM_BATCH_INVARIANT: every row of every step runs the fused decoder's per-row arithmetic (no row
+    # cap, prefill and verification rows too), the quantized linears keep their tile kernels at every row
+    # count and the LM head one kernel, so a row's numbers do not depend on the step (docs/reproducibility.md).
+    batch_invariant: bool = False
 
     @property
     def weights(self) -> str:
@@ -96,6 +100,8 @@ class ExecutionPlan:
             weights += (f" (quantized GEMV/GEMM kernels, {prefetch})" if self.quantized_kernels
                         else " (dequantized per call)")
         fused = f"up to {self.fused_decode_rows} rows" if self.fused_decode else "off"
+        if self.batch_invariant:
+            fused = "every row (batch-invariant: VLLM_BATCH_INVARIANT)"
         cap = f" (capped: TOKENLOOM_CPU_ISA={self.isa_cap})" if self.isa_cap != cpu_isa.NATIVE else ""
         isa = f"{self.isa}{cap}, " if self.isa else ""
         return (f"execution plan: {self.device.type} {isa}{str(self.dtype).removeprefix('torch.')}, "
@@ -177,6 +183,13 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
             covered = covered and _gguf_kernels_available()  # the fused decoder is built by the GGUF kernels
             fused = covered
             prepack = PREPACK_LM_HEAD if packing and envs.TOKENLOOM_FUSED_FLOAT else PREPACK_NONE
+    batch_invariant = envs.VLLM_BATCH_INVARIANT
+    if batch_invariant:
+        check_batch_invariant_covered(config, device, dtype, quantization, kernels, sharded=sharded,
+                                      fused_kernels=quantized_kernels or (quantization is None
+                                                                          and _gguf_kernels_available()))
+        covered = fused = True
+        prepack = PREPACK_NONE  # oneDNN picks its GEMM by row count; the fused decoder's kernels do not
     kv_packed_supported = bool(
         kernels is not None and dtype == torch.bfloat16
         and kv_cache_dtype == "auto"  # the packed layout is of bf16 elements
@@ -188,7 +201,30 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
         cpu_kernels=kernels is not None, kernel_attention=kernels is not None,
         quantized_kernels=quantized_kernels, gguf_prefetch_stages=gguf_prefetch_stages(), prepack=prepack,
         fused_decode=fused, fused_decode_rows=rows, fused_decode_covered=covered,
-        kv_packed_supported=kv_packed_supported)
+        kv_packed_supported=kv_packed_supported, batch_invariant=batch_invariant)
+
+
+def check_batch_invariant_covered(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                                  quantization: str | None,
+                                  kernels: ModuleType | None, *, sharded: bool, fused_kernels: bool) -> None:
+    """Batch invariance runs every row through the fused decoder: refuse, with the reason, a model or
+    machine it does not cover (rather than run a path whose rows depend on the batch)."""
+    why = None
+    if device.type != "cpu":
+        why = f"it runs on CPU here (--device {device.type})"
+    elif quantization == "int8":
+        why = "--quantization int8 (W8A8 through oneDNN) is not covered: use a GGUF file or a float checkpoint"
+    elif quantization is None and dtype not in (torch.float32, torch.bfloat16):
+        why = f"--dtype {str(dtype).removeprefix('torch.')} is not covered: use float32 or bfloat16"
+    elif sharded:
+        why = "tensor / pipeline parallelism is not covered (the fused decoder runs the whole stack in one process)"
+    elif not fused_stack_covers(config):
+        why = (f"the fused decoder covers Llama / Qwen2 layers without sliding windows or LongRoPE, not this "
+               f"{config.architecture} model")
+    elif kernels is None or not fused_kernels:
+        why = "the compiled CPU / GGUF kernels are unavailable (TOKENLOOM_CPU_KERNELS=0, or their build failed)"
+    if why is not None:
+        raise ValueError(f"VLLM_BATCH_INVARIANT=1: {why}")
 
 
 def _gguf_kernels_available() -> bool:

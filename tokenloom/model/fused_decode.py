@@ -12,10 +12,16 @@ layers); `decoder_from_weights` from `load_gguf_quantized`'s weights directly.
 
 Steps it takes: decodes only (one new token per sequence), up to the plan's `fused_decode_rows`
 sequences, plain KV layout; anything else (prefill chunks, mixed steps, bigger batches) runs per op.
+Batch-invariant (VLLM_BATCH_INVARIANT, `every_row`): every step, whatever its rows. A prefill chunk's
+or a verification's rows are then rows of their own, each a one-token query at its position over its
+sequence's cache (the decoder writes every row's K/V before any row attends), so each row meets the
+same arithmetic in every step: its norms, attention and activations are its own, and the linears' tile
+kernels sum each row alike at every row count (docs/reproducibility.md).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,21 +124,33 @@ class FusedDecodeStep:
     """The model's fast path for small all-decode steps: binds the runner's KV caches to the
     decoder once and runs `step()` when the step qualifies (see `run`)."""
 
-    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, decoder: Any, hidden_size: int, dtype: torch.dtype, max_rows: int, *,
+                 every_row: bool = False) -> None:
         self.decoder = decoder
         self.hidden_size = hidden_size
         self.dtype = dtype
-        self.max_rows = max_rows  # ExecutionPlan.fused_decode_rows (TOKENLOOM_FUSED_DECODE_ROWS)
+        self.every_row = every_row  # ExecutionPlan.batch_invariant: every step, any rows, no row cap
+        # ExecutionPlan.fused_decode_rows (TOKENLOOM_FUSED_DECODE_ROWS)
+        self.max_rows = sys.maxsize if every_row else max_rows
         self._bound: int | None = None  # data_ptr of the first K cache bound to the decoder
 
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list, rope: Any,
                  max_position: int) -> torch.Tensor | None:
         """`run` for the model's forward, from the kernel attention backend's metadata (None when the
-        step is not all decodes, or another backend built it). The caller checks the KV layout."""
+        step is not all decodes, or another backend built it). The caller checks the KV layout.
+        With `every_row`, any step: the rows of a sequence with several read its block table each, and
+        the hidden states returned are those of `meta.output_rows` where the backend narrowed to them."""
         kernel = getattr(meta, "kernel", None)
         if kernel is None:
             return None
         rows = getattr(meta, "output_rows", None)
+        if self.every_row:
+            tables = kernel.block_tables
+            counts = (kernel.q_start[1:] - kernel.q_start[:-1]).long()
+            if bool((counts != 1).any()):
+                tables = tables.repeat_interleave(counts, dim=0)
+            h = self.run(input_ids, positions, tables, meta.slot_mapping, kv_caches, rope, max_position)
+            return h if h is None or rows is None else h.index_select(0, rows)
         if rows is not None and rows.numel() != input_ids.shape[0]:
             return None
         if kernel.q_start.shape[0] != input_ids.shape[0] + 1:  # a sequence with more than one row

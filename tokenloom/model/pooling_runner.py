@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tokenloom import envs
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.model.bert import BertEncoder, load_bert
 from tokenloom.model.platform import configure_cpu_threads, resolve_device, resolve_dtype
@@ -66,6 +67,9 @@ class EncoderRunner:
     def __init__(self, path: Path, pooler: ResolvedPooler, *, block_size: int, num_blocks: int,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                  loaded: tuple[Any, dict[str, torch.Tensor]] | None = None) -> None:
+        if envs.VLLM_BATCH_INVARIANT:  # the encoder's GEMMs are oneDNN's, which pick kernels by row count
+            raise ValueError("VLLM_BATCH_INVARIANT=1 does not cover encoder-only models (BERT family) yet: "
+                             "their GEMMs need not sum a row alike at every batch size")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":

@@ -216,10 +216,13 @@ class ModelRunner:
         plan = plan_execution(model.config, self.device, self.dtype, quantization, kernels,
                               sharded=shard is not None and shard.sharded, block_size=block_size,
                               kv_cache_dtype=kv_cache_dtype)
-        if plan.quantized_kernels:
+        if plan.quantized_kernels or plan.fused_decode:
             from tokenloom.model.gguf_kernels import gguf_kernels
 
-            gguf_kernels().set_weight_prefetch_stages(plan.gguf_prefetch_stages)
+            if plan.quantized_kernels:
+                gguf_kernels().set_weight_prefetch_stages(plan.gguf_prefetch_stages)
+            # Process-wide, as the prefetch stages: the engine that loads last in a process sets it.
+            gguf_kernels().set_batch_invariant(plan.batch_invariant)
         threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
             self.model = DecoderModel(model.config, model.weights, plan, kernels=kernels,

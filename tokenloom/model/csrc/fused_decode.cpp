@@ -81,7 +81,8 @@ inline void dense_tile(const float* x, int64_t K, const W* w, const float* bias,
   for (int m = 0; m < MT; m++)
     for (int r = 0; r < NR; r++) {
       float s = hsum8(acc[m][r]);
-      for (int64_t j = i; j < K; j++) s += x[m * K + j] * static_cast<float>(w[r * K + j]);
+      // std::fma: one rounding in every MT x NR instantiation (a contracted `+= a * b` need not be in all).
+      for (int64_t j = i; j < K; j++) s = std::fma(x[m * K + j], static_cast<float>(w[r * K + j]), s);
       out[m * ldo + r] = s + (bias ? bias[r] : 0.0f);
     }
 }

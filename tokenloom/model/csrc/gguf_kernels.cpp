@@ -67,6 +67,13 @@ int g_prefetch_stages = 2;
 // The stages, read once per tile run. Atomic (relaxed): the module's setter may run on another thread.
 inline int prefetch_stages() { return __atomic_load_n(&g_prefetch_stages, __ATOMIC_RELAXED); }
 
+// Batch-invariant mode (VLLM_BATCH_INVARIANT, set by the runner from its execution plan): every kernel
+// variant a row may meet sums in the same float order, so a row's result does not depend on how many
+// rows run beside it. The one variant that sums otherwise is Q8_0's one-row tile (even and odd groups
+// in two FMA chains, 2-3 % faster); with this set it takes the one chain the multi-row tiles take.
+bool g_batch_invariant = false;
+inline bool batch_invariant() { return __atomic_load_n(&g_batch_invariant, __ATOMIC_RELAXED); }
+
 // GGML type ids (gguf.GGMLQuantizationType).
 enum QType : int {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
@@ -675,7 +682,9 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nblocks, int64
                                          : dpbusd(_mm256_setzero_si256(), wa, xs8);
           const float dx = xd[m][g];
           acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(G.a * dx), acc[r][m]);
-          if constexpr (has_b(T)) sacc[r][m] += G.b * xs[m][g];
+          // std::fma, not `+= b * s`: the compiler may contract that into an FMA in some of the NR x MT
+          // instantiations and not in others, and then a row's sum would depend on how many rows ran beside it.
+          if constexpr (has_b(T)) sacc[r][m] = std::fma(G.b, xs[m][g], sacc[r][m]);
           if constexpr (T == kQ2_K) {
             const __m256i pm = _mm256_madd_epi16(_mm256_maddubs_epi16(G.mn, x), one);
             acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_set1_ps(-G.amin * dx), acc[r][m]);
@@ -1209,6 +1218,8 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
   for (int m = 0; m < MT; m++) acc[m] = accb[m] = _mm256_setzero_ps();
   const __m256i one = _mm256_set1_epi16(1);
   const int stages = prefetch_stages();
+  // Q8_0's one-row form sums odd groups into accb unless batch-invariant (then as MT > 1: all in acc).
+  const int64_t odd = T == kQ8_0 && MT == 1 && !batch_invariant() ? 1 : 0;
   for (int64_t g = 0; g < G; g++) {
     const uint8_t* p = tile + g * TB;
     prefetch_weights<TB>(p, kPrefetchGroups, stages);
@@ -1226,7 +1237,7 @@ inline void packed_tile(const uint8_t* tile, int64_t G, const int8_t* const* xq,
         s1 = dpbusd(s1, _mm256_sign_epi8(w1, w1), _mm256_sign_epi8(bcast4(x + 4 * j + 4), w1));
       }
       const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), sc = _mm256_mul_ps(dv, _mm256_set1_ps(xd[0][g]));
-      if (g & 1)
+      if (g & odd)
         accb[0] = _mm256_fmadd_ps(sum, sc, accb[0]);
       else
         acc[0] = _mm256_fmadd_ps(sum, sc, acc[0]);
@@ -2468,6 +2479,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2", &has_avx2);
   m.def("has_vnni", &has_vnni);
   m.def("has_wide_gemm", [] { return TLQ_GEMM512 != 0; });  // the batched GEMM's 512-bit micro-kernel
+  m.def("set_batch_invariant", [](bool on) { __atomic_store_n(&g_batch_invariant, on, __ATOMIC_RELAXED); });
+  m.def("batch_invariant", [] { return batch_invariant(); });
   // The tile kernels' weight prefetch: 2 stages (L2, then L1), 1 (L1 only) or 0 (none); see prefetch_weights.
   m.def("set_weight_prefetch_stages", [](int stages) {
     TORCH_CHECK(stages >= 0 && stages <= 2, "weight prefetch stages must be 0, 1 or 2, got ", stages);
