@@ -15,6 +15,7 @@ from tests.pooling_models import make_tiny_bert
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import ConfigError, has_arctic_inference
+from tokenloom.sampling_params import StructuredOutputsParams
 
 NEEDLE = "There once was a clever fox who"
 FILLERS = [("The history of the city begins with a small settlement on the river, where traders met. " * (i + 1))
@@ -119,6 +120,21 @@ def test_data_parallel_replicas_equal_one_engine(llm, invariant) -> None:
         assert [steps(o) for o in dp.generate(prompts, SEEDED, use_tqdm=False)] == plain
     finally:
         dp.shutdown()
+
+
+def test_int8_kv_cache_and_structured_outputs(invariant) -> None:
+    """The fused decoder writes and reads int8 K/V (a scale per token and head) per row too; a JSON schema
+    masks each row's logits alone."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    params = [SEEDED, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5,
+                                     structured_outputs=StructuredOutputsParams(json=schema))]
+    engine = LLM(max_num_seqs=16, kv_cache_dtype="int8")
+    try:
+        for sp in params:
+            alone = steps(engine.generate([NEEDLE], sp, use_tqdm=False)[0])
+            assert steps(engine.generate([FILLERS[5], NEEDLE, LONG], sp, use_tqdm=False)[1]) == alone
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
