@@ -13,8 +13,9 @@ import pytest
 
 from tests.pooling_models import make_tiny_bert
 from tests.tiny_models import make_tiny_hf_model
-from tokenloom import LLM, SamplingParams
+from tokenloom import LLM, EngineArgs, LLMEngine, SamplingParams
 from tokenloom.config import ConfigError, has_arctic_inference
+from tokenloom.model.gguf_kernels import gguf_kernels
 from tokenloom.sampling_params import StructuredOutputsParams
 
 NEEDLE = "There once was a clever fox who"
@@ -31,6 +32,11 @@ def invariant():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_BATCH_INVARIANT", "1")
         yield mp
+    # An in-process engine (the LLMEngine case) set the kernels' process-wide switch; later tests' kernels
+    # in this process run as the default engine's do.
+    kernels = gguf_kernels()
+    if kernels is not None:
+        kernels.set_batch_invariant(False)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +126,32 @@ def test_data_parallel_replicas_equal_one_engine(llm, invariant) -> None:
         assert [steps(o) for o in dp.generate(prompts, SEEDED, use_tqdm=False)] == plain
     finally:
         dp.shutdown()
+
+
+def test_vllms_reset_prefix_cache_e2e_on_the_quantized_path(invariant) -> None:
+    """vLLM's tests/v1/core/test_reset_prefix_cache_e2e.py (vendored in tests/peer/offline, where the default
+    model runs dequantized since its quantized path is not batch-invariant), on the weights kept quantized: the
+    running requests are preempted at step 10 and recomputed, in other steps beside other rows, under async
+    scheduling with a 32-token budget, and still give the undisturbed run's text."""
+    prompts = ["A robot may not injure a human being ", "To be or not to be,", "What is the meaning of life?",
+               "What does the fox say? " * 20]
+    engine = LLMEngine.from_engine_args(EngineArgs(model=None, async_scheduling=True, max_num_batched_tokens=32,
+                                                   max_model_len=2048))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    texts: dict[str, str] = {}
+    try:
+        for run in ("ground_truth", "preempted"):
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{run}_{i}", prompt, params)
+            step = 0
+            while engine.has_unfinished_requests():
+                if run == "preempted" and step == 10:
+                    engine.reset_prefix_cache(reset_running_requests=True)
+                texts.update((o.request_id, o.outputs[0].text) for o in engine.step() if o.finished)
+                step += 1
+    finally:
+        engine.close()
+    assert [texts[f"preempted_{i}"] for i in range(4)] == [texts[f"ground_truth_{i}"] for i in range(4)]
 
 
 def test_int8_kv_cache_and_structured_outputs(invariant) -> None:
