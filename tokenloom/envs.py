@@ -174,7 +174,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TOKENLOOM_KV_PACKED": lambda: _flag("TOKENLOOM_KV_PACKED", True),
     # vLLM's: 1 makes a row's numbers independent of the step it runs in (batch size, the other rows,
     # prefill chunking, prefix-cache hits, speculative verification): every row runs the fused decoder's
-    # per-row arithmetic (docs/reproducibility.md). Off by default: prefill runs ~1.3-2x slower.
+    # per-row arithmetic (docs/reproducibility.md). Off by default: prefill runs ~1.3x slower.
     "VLLM_BATCH_INVARIANT": lambda: _flag("VLLM_BATCH_INVARIANT", False),
     # ---- threads
     # vLLM's: cores left out of the model's OpenMP threads (for async scheduling's engine thread).
