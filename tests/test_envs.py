@@ -58,6 +58,18 @@ def test_malformed_values_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> 
         envs.TOKENLOOM_NOT_A_VARIABLE  # noqa: B018
 
 
+@pytest.mark.parametrize("raw, value", [("", False), ("0", False), ("1", True), ("2", True), ("true", True),
+                                        ("off", False), ("maybe", None)])
+def test_vllm_batch_invariant_reads_as_vllm(monkeypatch: pytest.MonkeyPatch, raw: str, value: bool | None) -> None:
+    """vLLM's bool(int(...)) (so "2" is on), words too; anything else names the variable."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", raw)
+    if value is None:
+        with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT must be 0 or 1, got 'maybe'"):
+            envs.VLLM_BATCH_INVARIANT  # noqa: B018
+    else:
+        assert envs.VLLM_BATCH_INVARIANT is value
+
+
 def test_benchmark_locations(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Where the benchmarks find the reference set-up outside the repository: a variable, else the old default."""
     for name in ("TOKENLOOM_ANCHORS_DIR", "ANCHORS", "TOKENLOOM_VLLM_PYTHON", "VLLM_PYTHON"):

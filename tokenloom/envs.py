@@ -71,6 +71,19 @@ def _seconds(name: str, default: float) -> float:
     return value
 
 
+def _vllm_bool(name: str) -> bool:
+    """vLLM's `bool(int(os.getenv(name, "0")))`, also taking true/false words; anything else is an error
+    with the variable's name (vLLM's int() raises a bare ValueError)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return False
+    if raw.lstrip("-").isdigit():
+        return bool(int(raw))
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+
+
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     raw = os.environ.get(name, "").strip().lower() or default
     if raw not in choices:
@@ -175,7 +188,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # vLLM's: 1 makes a row's numbers independent of the step it runs in (batch size, the other rows,
     # prefill chunking, prefix-cache hits, speculative verification): every row runs the fused decoder's
     # per-row arithmetic (docs/reproducibility.md). Off by default: prefill runs ~1.3x slower.
-    "VLLM_BATCH_INVARIANT": lambda: _flag("VLLM_BATCH_INVARIANT", False),
+    "VLLM_BATCH_INVARIANT": lambda: _vllm_bool("VLLM_BATCH_INVARIANT"),
     # ---- threads
     # vLLM's: cores left out of the model's OpenMP threads (for async scheduling's engine thread).
     "VLLM_CPU_NUM_OF_RESERVED_CPU": lambda: _int(
