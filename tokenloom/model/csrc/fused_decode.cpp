@@ -588,11 +588,20 @@ class FusedDecoder {
           }
         }
 #pragma omp barrier
-        thread_share(B * Hq_, tid, nth, b, e);
-        for (int64_t i = b; i < e; i++) {
+        auto attend_item = [&](int64_t i) {  // query head i % Hq_ of row i / Hq_
           const int64_t r = i / Hq_, hq = i % Hq_;
           attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
                  att + r * AD + hq * D_, ksc, vsc);
+        };
+        if (B >= 2 * nth) {
+          // Many rows (a prefill chunk's, batch-invariant): whole rows handed out as threads free up. A chunk's
+          // later rows attend to more keys, so contiguous shares left the first thread idle for most of the op.
+#pragma omp for schedule(dynamic, 1) nowait
+          for (int64_t r = 0; r < B; r++)
+            for (int64_t hq = 0; hq < Hq_; hq++) attend_item(r * Hq_ + hq);
+        } else {  // a few decode rows: their (row, head) pairs split evenly, so one row's heads use every thread
+          thread_share(B * Hq_, tid, nth, b, e);
+          for (int64_t i = b; i < e; i++) attend_item(i);
         }
         if (L.o.quantized) {
 #pragma omp barrier
