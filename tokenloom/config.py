@@ -612,6 +612,12 @@ class ParallelConfig:
     pipeline_parallel_size: int = knob(
         1, "pipeline stages per engine (worker processes; contiguous layer ranges, activations sent between "
         "them)", flags=("-pp",), reload=True)
+    # vLLM's: its custom CUDA all-reduce kernel off (NCCL's instead). tokenloom's ranks all-reduce on CPU (shared
+    # memory or gloo: TOKENLOOM_CPU_ALLREDUCE), so either value runs the same; accepted so that code written for
+    # vLLM (its batch-invariance tests pass it) runs as it is.
+    disable_custom_all_reduce: bool = knob(
+        False, "vLLM's (its CUDA all-reduce kernel); tokenloom's ranks all-reduce on CPU, so either value runs the "
+        "same", simulated=False)
 
     def __post_init__(self) -> None:
         _check_int("data_parallel_size", self.data_parallel_size, 1)

@@ -55,6 +55,12 @@ _FULL_RUN_ONLY = {
     # server with --logits-processors is tests/test_logits_processors.py::test_the_servers_flag_and_vllm_xargs
     "test_vllm_custom_logitsprocs_online.py::test_custom_logitsprocs",
     "test_vllm_custom_logitsprocs_online.py::test_invalid_custom_logitsproc_arg",
+    # vLLM's determinism cases, 8-10 s each on 2 cores (a batch of 12-32 prompts against each one alone; the
+    # inverse case without the mode); tests/test_batch_invariance.py holds the same properties in make test
+    "test_vllm_batch_invariance.py::test_v1_generation_is_deterministic_across_batch_sizes_with_needle",
+    "test_vllm_batch_invariance.py::test_logprobs_bitwise_batch_invariance_bs1_vs_bsN",
+    "test_vllm_batch_invariance.py::test_logprobs_bitwise_batch_invariance_ragged_chunked_prefill",
+    "test_vllm_batch_invariance.py::test_logprobs_without_batch_invariance_should_fail",
 }
 
 
