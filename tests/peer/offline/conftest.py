@@ -61,6 +61,8 @@ _FULL_RUN_ONLY = {
     "test_vllm_batch_invariance.py::test_logprobs_bitwise_batch_invariance_bs1_vs_bsN",
     "test_vllm_batch_invariance.py::test_logprobs_bitwise_batch_invariance_ragged_chunked_prefill",
     "test_vllm_batch_invariance.py::test_logprobs_without_batch_invariance_should_fail",
+    # the same against `tokenloom serve` (one server start, 33 requests: ~15 s)
+    "test_vllm_online_batch_invariance.py::test_logprobs_bitwise_batch_invariance_bs1_vs_bsN",
 }
 
 
