@@ -57,7 +57,6 @@ Q8_0_WHEN_IT_FITS = (Q.IQ3_XXS, Q.IQ3_S)
 # The crossovers of gemm_min_rows, measured with benchmarks/quant/gguf_prefill_gemm.py --tiles.
 GEMM_MIN_ROWS_WIDE = 8  # the GEMM's 512-bit micro-kernel (AVX-512 VNNI)
 GEMM_MIN_ROWS_NARROW = 64  # its 256-bit one (AVX2, AVX-VNNI)
-NEVER = 1 << 62  # a row count no step reaches
 
 
 def gemm_min_rows(kernels: Any) -> int:
@@ -69,8 +68,6 @@ def gemm_min_rows(kernels: Any) -> int:
     decodes 1.15x faster with it. With the 256-bit one 64: on SmolLM2's Q4_1 linears (K = 576 / 1536,
     one thread) the two are even at 32-64 rows (the tile kernel's 4-bit unpack is cheap there); on the
     0.5B's Q5_0 / Q6_K the GEMM is 1.13-1.43x faster at 512 (docs/performance.md)."""
-    if envs.VLLM_BATCH_INVARIANT:  # one kernel at every row count (docs/reproducibility.md)
-        return NEVER
     if envs.TOKENLOOM_GGUF_GEMM_ROWS > 0:
         return envs.TOKENLOOM_GGUF_GEMM_ROWS
     return GEMM_MIN_ROWS_WIDE if _has_wide_gemm(kernels) else GEMM_MIN_ROWS_NARROW
@@ -89,8 +86,6 @@ def dequant_min_rows(packed8: bool = False) -> int:
     while all rows pass over it, and stayed ahead of dequantize + fp32 GEMM at every size measured
     (128-token prefill: TTFT 231-253 vs 514-754 ms; 1,024 tokens: 5.4 vs 6.3 s, Q4_1): 4096
     (TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS), above any default step."""
-    if envs.VLLM_BATCH_INVARIANT:  # the quantized kernel at every row count, as gemm_min_rows
-        return NEVER
     return envs.TOKENLOOM_GGUF_PACKED_DEQUANT_ROWS if packed8 else envs.TOKENLOOM_GGUF_DEQUANT_ROWS
 
 
@@ -329,7 +324,10 @@ class GGUFLinear:
         bf16 rows costs nothing more (the LM head's logits keep it: see DecoderModel.compute_logits)."""
         m = x.shape[0]
         out_dtype = x.dtype if out_dtype is None else out_dtype
-        if self.kernels is None or all(m >= dequant_min_rows(p.packed8) for p in self.parts):
+        # Batch-invariant (the plan's VLLM_BATCH_INVARIANT, which the runner gave the kernels): the quantized
+        # GEMV / tile kernel at every row count, no GEMM or dequantizing crossover (docs/reproducibility.md).
+        invariant = self.kernels is not None and self.kernels.batch_invariant()
+        if self.kernels is None or (not invariant and all(m >= dequant_min_rows(p.packed8) for p in self.parts)):
             w = torch.cat([p.dequantize(x.dtype) for p in self.parts])
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, w, bias).to(out_dtype)
@@ -340,9 +338,9 @@ class GGUFLinear:
         for p in self.parts:
             n = p.shape[0]
             bias = None if self.bias is None else self.bias[col : col + n]
-            if m >= dequant_min_rows(p.packed8):  # this part's float GEMM
+            if not invariant and m >= dequant_min_rows(p.packed8):  # this part's float GEMM
                 out[:, col : col + n] = F.linear(xf, p.dequantize(torch.float32), bias)
-            elif p.packed8 and m >= gemm_min_rows(k):
+            elif p.packed8 and not invariant and m >= gemm_min_rows(k):
                 k.gguf_gemm_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]
             elif p.packed8:
                 k.gguf_linear_packed(out[:, col : col + n], xf, p.data, p.qtype, bias)  # type: ignore[attr-defined]

@@ -219,10 +219,12 @@ class ModelRunner:
         if plan.quantized_kernels or plan.fused_decode:
             from tokenloom.model.gguf_kernels import gguf_kernels
 
+            gk = gguf_kernels()
             if plan.quantized_kernels:
-                gguf_kernels().set_weight_prefetch_stages(plan.gguf_prefetch_stages)
-            # Process-wide, as the prefetch stages: the engine that loads last in a process sets it.
-            gguf_kernels().set_batch_invariant(plan.batch_invariant)
+                gk.set_weight_prefetch_stages(plan.gguf_prefetch_stages)
+            # Process-wide, as the prefetch stages: the engine that loads last in a process sets it. The kernels
+            # read it (Q8_0's one-row tile), and so does GGUFLinear (no GEMM or dequantizing crossover).
+            gk.set_batch_invariant(plan.batch_invariant)
         threads = torch.get_num_threads()
         with single_threaded():  # memory-bound copies: a second thread only adds OpenMP waits
             self.model = DecoderModel(model.config, model.weights, plan, kernels=kernels,
