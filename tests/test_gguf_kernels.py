@@ -497,3 +497,22 @@ def test_dense_linear_rows_do_not_depend_on_the_row_count(dtype: torch.dtype) ->
         kernels.dense_linear(got, x[:m].contiguous(), w, None)
         torch.testing.assert_close(got, alone[:m], rtol=0, atol=0)
     torch.testing.assert_close(alone, x @ w.float().T, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_linear_keeps_the_tile_kernel_at_every_row_count_when_batch_invariant() -> None:
+    """GGUFLinear (the LM head's path outside the fused decoder) reads the kernels' batch-invariant switch: 100 rows
+    at once, past the GEMM crossover, equal one at a time (without it the batched GEMM takes them, which sums
+    otherwise: not bit-equal on AVX2, measured)."""
+    from tokenloom.model.gguf_weights import GGUFLinear, GGUFWeight
+
+    n, k = 8 * 9, 512
+    weight = GGUFWeight(kernels.gguf_repack8(torch.from_numpy(random_blocks(Q.Q4_K, n, k, seed=29)), int(Q.Q4_K), k),
+                        int(Q.Q4_K), (n, k), packed8=True)
+    head = GGUFLinear([weight], None, kernels)
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(8))
+    before = kernels.batch_invariant()
+    try:
+        kernels.set_batch_invariant(True)
+        assert torch.equal(head(x), torch.cat([head(x[i : i + 1]) for i in range(100)]))
+    finally:
+        kernels.set_batch_invariant(before)
