@@ -201,6 +201,8 @@ def test_a_float_checkpoint(invariant, tmp_path, dtype) -> None:
 def test_refuses_what_it_does_not_cover(invariant, tmp_path) -> None:
     with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT=1 does not cover LoRA"):
         LLM(enable_lora=True)
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT=1 does not cover tensor / pipeline parallelism"):
+        LLM(tensor_parallel_size=2)
     with pytest.raises(Exception, match="VLLM_BATCH_INVARIANT=1: the fused decoder covers Llama / Qwen2"):
         LLM(str(make_tiny_hf_model(tmp_path / "gemma", arch="gemma2", seed=1)), dtype="float32")
     with pytest.raises(Exception, match="VLLM_BATCH_INVARIANT=1 does not cover encoder-only models"):
