@@ -82,21 +82,23 @@ def test_serve_start_up_imports_only_what_it_needs(tmp_path: Path) -> None:
 _ENGINE_CHILD = r"""
 import json, sys
 from tokenloom.model.tokenizer import load_tokenizer
-tok = load_tokenizer(None if sys.argv[1] == "default" else sys.argv[1], cache_dir=sys.argv[2], lazy_transformers=True)
+tok = load_tokenizer(None if sys.argv[1] == "default" else sys.argv[1], cache_dir=sys.argv[2],
+                     lazy_transformers=sys.argv[4] == "lazy")
+auto = "transformers.models.auto.tokenization_auto" in sys.modules
 texts = json.loads(sys.argv[3])
 out = {"ids": [tok.encode(t) for t in texts], "plain": [tok.encode(t, add_special_tokens=False) for t in texts],
        "eos": tok.eos_token_id, "bos": tok.bos_token_id, "special": sorted(tok.all_special_ids),
        "vocab": tok.vocab_size, "decoded": [tok.decode(tok.encode(t), skip_special_tokens=s) for t in texts
                                             for s in (True, False)],
        "pieces": tok.convert_ids_to_tokens(tok.encode(texts[-1])), "template": tok.chat_template,
-       "direct": tok._direct is not None, "transformers": "transformers" in sys.modules}
+       "direct": tok._direct is not None, "transformers": "transformers" in sys.modules, "auto": auto}
 out["chat"] = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 print(json.dumps(out))
 """
 
 
-def _lazy_load_in_a_child(model: str, cache: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, model, str(cache), json.dumps(TEXTS)], cwd=ROOT,
+def _lazy_load_in_a_child(model: str, cache: Path, mode: str = "lazy") -> dict:
+    out = subprocess.run([sys.executable, "-c", _ENGINE_CHILD, model, str(cache), json.dumps(TEXTS), mode], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
@@ -122,6 +124,51 @@ def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Pat
         assert child["template"] == reference.chat_template
         assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
                                                               add_generation_prompt=True)
+
+
+def _assert_same_answers(child: dict, reference: Tokenizer) -> None:
+    assert child["ids"] == [reference.encode(t) for t in TEXTS]
+    assert child["plain"] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert (child["eos"], child["bos"]) == (reference.eos_token_id, reference.bos_token_id)
+    assert child["special"] == sorted(reference.all_special_ids) and child["vocab"] == reference.vocab_size
+    assert child["decoded"] == [reference.decode(reference.encode(t), skip_special_tokens=s) for t in TEXTS
+                                for s in (True, False)]
+    assert child["template"] == reference.chat_template
+    assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                          add_generation_prompt=True)
+
+
+def test_a_model_directory_is_read_directly_once_autotokenizer_chose_the_plain_class(tmp_path: Path) -> None:
+    """A Hugging Face directory: the first load goes through AutoTokenizer (which may choose a model-specific
+    class) and records its choice; once that was the plain fast tokenizer, later loads of the unchanged
+    directory skip AutoTokenizer (the API process's) or transformers (the engine process's), with the same
+    answers. A changed tokenizer file, or a model type
+    transformers gives its own class (Qwen2: Qwen2Tokenizer over the declared TokenizersBackend), does not."""
+    cache = tmp_path / "cache"
+    llama = make_tiny_hf_model(tmp_path, "llama")
+    first = _lazy_load_in_a_child(str(llama), cache)
+    assert not first["direct"] and first["transformers"]  # nothing recorded yet: AutoTokenizer decided
+    reference = Tokenizer(AutoTokenizer.from_pretrained(str(llama), local_files_only=True))
+    _assert_same_answers(first, reference)
+    again = _lazy_load_in_a_child(str(llama), cache)
+    assert again["direct"] and not again["transformers"]
+    _assert_same_answers(again, reference)
+    eager = _lazy_load_in_a_child(str(llama), cache, "eager")
+    assert not eager["direct"] and not eager["auto"]
+    _assert_same_answers(eager, reference)
+
+    config = json.loads((llama / "tokenizer_config.json").read_text())
+    (llama / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    edited = _lazy_load_in_a_child(str(llama), cache)
+    assert not edited["direct"] and edited["eos"] == reference.hf.convert_tokens_to_ids("<|endoftext|>")
+
+    qwen2 = make_tiny_hf_model(tmp_path, "qwen2")
+    for mode in ("lazy", "lazy", "eager"):
+        child = _lazy_load_in_a_child(str(qwen2), cache, mode)
+        assert not child["direct"] and child["auto"], "transformers loads this Qwen2 as its own class"
+    reference = Tokenizer(AutoTokenizer.from_pretrained(str(qwen2), local_files_only=True))
+    assert type(reference.hf).__name__ not in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    _assert_same_answers(child, reference)
 
 
 def test_direct_tokenizer_leaves_what_transformers_would_change_to_transformers(tmp_path: Path) -> None:

@@ -151,6 +151,11 @@ def make_tiny_hf_model(
     out = Path(tmp_path) / f"tiny-{arch}{'-tied' if tie else ''}-s{seed}"
     model.save_pretrained(out, safe_serialization=True)
     make_tiny_tokenizer().save_pretrained(out)
+    # Load it once, as a user's first start would: AutoTokenizer's pick is recorded, so the servers and
+    # engine processes the tests start read it as later starts do (tests/test_startup.py covers both).
+    from tokenloom.model.tokenizer import load_tokenizer
+
+    load_tokenizer(out)
     return out
 
 

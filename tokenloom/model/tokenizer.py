@@ -14,11 +14,15 @@ A cached conversion is loaded through the class its tokenizer_config.json names 
 tokenizer), not AutoTokenizer: AutoTokenizer's probing imports transformers' model registry, 1 to 4 s
 of a server's start-up (twice: the API process and the engine process both load the tokenizer), to pick
 that same class for a directory without config.json. Hugging Face model directories still go through
-AutoTokenizer, which may choose a model-specific class over the one their tokenizer_config.json names.
+AutoTokenizer, which may choose a model-specific class over the one their tokenizer_config.json names;
+when it picks the plain fast tokenizer, a record under `<cache>/tokenizers/hf-dir-<key>` says so for that
+directory as it is (keyed like the conversions, on its tokenizer files and the transformers version), and
+later loads take that class without AutoTokenizer.
 
-The engine process goes one step further (`lazy_transformers=True`): a cached conversion that transformers
-would load unchanged is read through `tokenizers` alone (model/fast_tokenizer.py), and transformers is
-imported only if something asks for more than encoding, decoding and the special ids.
+The engine process goes one step further (`lazy_transformers=True`): a cached conversion, or a recorded
+model directory, that transformers would load unchanged is read through `tokenizers` alone
+(model/fast_tokenizer.py), and transformers is imported only if something asks for more than encoding,
+decoding and the special ids (4-5 CPU s of an engine's start on a Hugging Face directory, ~0.1 s after).
 """
 
 from __future__ import annotations
@@ -190,13 +194,26 @@ def load_tokenizer(model: str | os.PathLike[str] | None, cache_dir: str | os.Pat
     engine process: ~0.6 CPU s saved). The API process renders chat templates on every chat request and
     keeps the eager load, which it does while the engine process loads the model."""
     path = _tokenizer_path(model)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if path.is_file():
-        entry = _gguf_cache_entry(path, Path(cache_dir) if cache_dir else default_cache_dir())
+        entry = _gguf_cache_entry(path, cache)
         if lazy_transformers and (direct := _direct_from_saved(entry)) is not None:
             return Tokenizer(direct=direct)
         return Tokenizer(_gguf_tokenizer(path, entry))
-    # A Hugging Face directory stays with AutoTokenizer, which may pick a model-specific class.
-    return Tokenizer(_hf_dir_tokenizer(path))
+    # A Hugging Face directory goes through AutoTokenizer, which may pick a model-specific class over the one
+    # its tokenizer_config.json names (by model type, Hub name, auto_map: rules that change between
+    # transformers releases). Its pick is recorded; where that was the plain fast tokenizer, later loads of
+    # the unchanged directory take that class straight away, or in the engine process `tokenizers` alone.
+    record = _hf_dir_record(path, cache)
+    if record is not None and (recorded := _recorded_class_name(record)) is not None:
+        if lazy_transformers and (direct := direct_tokenizer(path)) is not None:
+            return Tokenizer(direct=direct)
+        if (cls := _direct_class(recorded)) is not None:
+            return Tokenizer(cls.from_pretrained(str(path), local_files_only=True))
+    hf = _hf_dir_tokenizer(path)
+    if record is not None and type(hf).__name__ in _DIRECT_CLASSES:
+        _write_record(record, type(hf).__name__)
+    return Tokenizer(hf)
 
 
 def _tokenizer_path(source: str | os.PathLike[str] | None) -> Path:
@@ -222,6 +239,52 @@ def _hf_dir_tokenizer(path: Path) -> Any:
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FileNotFoundError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+# The files AutoTokenizer may read from a model directory: a record is keyed on all that exist.
+_HF_TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                       "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _hf_dir_record(path: Path, cache_dir: Path) -> Path | None:
+    """`<cache>/tokenizers/hf-dir-<key>`: the class AutoTokenizer loaded this directory as, as it is now (its
+    tokenizer files' sizes and mtimes) under the installed transformers. None when the directory cannot be
+    read."""
+    try:
+        stats = [f"{name}:{st.st_size}:{st.st_mtime_ns}" for name in _HF_TOKENIZER_FILES
+                 if (st := _stat_or_none(path / name)) is not None]
+        ident = "|".join([str(_CACHE_FORMAT), str(path.resolve()), *stats, metadata.version("transformers")])
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return cache_dir / "tokenizers" / f"hf-dir-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
+def _recorded_class_name(record: Path) -> str | None:
+    """The plain fast tokenizer class a record names, or None (no record, or a name this code does not load)."""
+    try:
+        name = record.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return name if name in _DIRECT_CLASSES else None
+
+
+def _write_record(record: Path, class_name: str) -> None:
+    """Write atomically (a server's two processes may load the directory at once); a cache that cannot be
+    written only means the next load asks AutoTokenizer again."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f".{record.name}.{os.getpid()}")
+        tmp.write_text(class_name, encoding="utf-8")
+        tmp.replace(record)
+    except OSError as exc:
+        logger.debug("cannot record the tokenizer class in %s (%s)", record, exc)
 
 
 def _gguf_cache_entry(path: Path, cache_dir: Path) -> Path:
@@ -269,8 +332,15 @@ def _saved_class_name(directory: Path) -> str | None:
 
 def saved_tokenizer_class(directory: Path) -> Any:
     """The directly loadable class a saved tokenizer names, or None (another class, no tokenizer.json)."""
-    name = _saved_class_name(directory)
-    if name not in _DIRECT_CLASSES or not (directory / "tokenizer.json").is_file():
+    if not (directory / "tokenizer.json").is_file():
+        return None
+    return _direct_class(_saved_class_name(directory))
+
+
+def _direct_class(name: str | None) -> Any:
+    """transformers' plain fast tokenizer class under `name` (imported without AutoTokenizer's registry), or
+    None for any other name."""
+    if name not in _DIRECT_CLASSES:
         return None
     try:
         return getattr(importlib.import_module(_DIRECT_CLASSES[name]), name)
