@@ -112,6 +112,19 @@ def test_a_failed_prepacking_falls_back_to_the_fused_step(machine) -> None:
     assert not gemma.without_packing(fused_decode_available=True).fused_decode
 
 
+@pytest.mark.parametrize("fast_int8, with_kernels, gemm", [(False, True, "kernels"), (True, True, "onednn"),
+                                                          (False, False, "onednn")])
+def test_int8_runs_the_kernel_gemm_only_without_vnni(machine, monkeypatch, fast_int8, with_kernels, gemm) -> None:
+    """oneDNN's int8 GEMM on a CPU with VNNI / AMX-INT8; the CPU kernels' int8_gemm (exact, ~25x faster
+    there) on one without; oneDNN's slow path, said in a warning, when the kernels are missing too."""
+    monkeypatch.setattr(execution_plan, "cpu_has_fast_int8", lambda: fast_int8)
+    machine.kernels.int8_gemm = lambda acc, x, wp: None
+    plan = plan_execution(config(), CPU, torch.float32, "int8", machine.kernels if with_kernels else None)
+    assert plan.int8_gemm == gemm
+    assert ("int8_gemm" in plan.describe()) == (gemm == "kernels")
+    assert plan_execution(config(), CPU, torch.float32, "gguf", machine.kernels).int8_gemm == "onednn"
+
+
 def test_int8_layers_never_fuse(machine) -> None:
     plan = plan_execution(config(), CPU, torch.bfloat16, "int8", machine.kernels)
     assert plan.weights == "int8" and not plan.fused_decode and plan.prepack == PREPACK_ALL

@@ -240,8 +240,8 @@ class DecoderModel:
         for layer in self.layers:
             tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for lin in self.linears():
-            tensors += [t for t in (lin.weight, lin.bias, lin.packed, getattr(lin, "qweight", None),
-                                      getattr(lin, "qweight_lo", None)) if t is not None]
+            quantized = (getattr(lin, name, None) for name in ("qweight", "qweight_lo", "qweight_packed"))
+            tensors += [t for t in (lin.weight, lin.bias, lin.packed, *quantized) if t is not None]
             gguf = getattr(lin, "gguf", None)
             if gguf is not None:
                 tensors += [p.data for p in gguf.parts]

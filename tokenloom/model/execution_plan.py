@@ -5,8 +5,9 @@ CPU's features, the run dtype, the quantization, the family and the overrides in
 (the only place a TOKENLOOM_* variable is read), and logged once at start-up. TOKENLOOM_CPU_ISA caps
 the features seen here (and the kernels' builds, and torch's) at a lower ISA: tokenloom/cpu_isa.py.
 
-* weights: plain run-dtype linears ("float"), int8 W8A8 ("int8"), or GGUF blocks kept quantized
-  ("gguf", run by the GGUF kernels' quantized GEMV / GEMM, or dequantized per call without them);
+* weights: plain run-dtype linears ("float"), int8 W8A8 ("int8": oneDNN's int8 GEMM, or the CPU
+  kernels' where the CPU has no VNNI / AMX-INT8), or GGUF blocks kept quantized ("gguf", run by the
+  GGUF kernels' quantized GEMV / GEMM, or dequantized per call without them);
 * which float linears oneDNN pre-packs: all, only the LM head, or none;
 * the fused decode step (tokenloom/model/fused_decode.py): small all-decode steps in one compiled
   call, up to `fused_decode_rows` sequences;
@@ -69,6 +70,10 @@ class ExecutionPlan:
     # cap, prefill and verification rows too), the quantized linears keep their tile kernels at every row
     # count and the LM head one kernel, so a row's numbers do not depend on the step (docs/reproducibility.md).
     batch_invariant: bool = False
+    # int8 W8A8: which GEMM runs the layers. "onednn": torch._int_mm, fast with VNNI or AMX-INT8;
+    # "kernels": the CPU kernels' int8_gemm (exact int32 sums, AVX2 vpmaddubsw) where the CPU has neither
+    # and oneDNN's int8 path runs ~20x slower than its float32 one.
+    int8_gemm: str = "onednn"
 
     @property
     def weights(self) -> str:
@@ -94,6 +99,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         """One line for the start-up log."""
         weights = self.weights
+        if self.quantization == "int8":
+            weights += " (GEMM: CPU kernels' int8_gemm)" if self.int8_gemm == "kernels" else " (GEMM: oneDNN)"
         if self.quantization == "gguf":
             prefetch = (f"{self.gguf_prefetch_stages}-stage weight prefetch" if self.gguf_prefetch_stages
                         else "no software weight prefetch")
@@ -153,10 +160,13 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
     torch_isa = torch.backends.cpu.get_cpu_capability() if on_cpu else ""
     if on_cpu:  # under TOKENLOOM_CPU_ISA torch's kernels must be capped too, or the proxy is not one
         cpu_isa.check_torch_capped(torch_isa)
+    int8_gemm = "onednn"
     if quantization == "int8" and on_cpu and not cpu_has_fast_int8():
-        logger.warning("--quantization int8 on a CPU without VNNI or AMX-INT8: oneDNN's int8 GEMMs take a "
-                       "slow path here (slower than float32); --quantization gguf keeps int8 weights "
-                       "with AVX2 kernels")
+        if kernels is not None and hasattr(kernels, "int8_gemm"):
+            int8_gemm = "kernels"
+        else:
+            logger.warning("--quantization int8 on a CPU without VNNI or AMX-INT8 and without the CPU kernels: "
+                           "oneDNN's int8 GEMMs take a slow path here (slower than float32)")
     rows = envs.TOKENLOOM_FUSED_DECODE_ROWS
     covers = fused_stack_covers(config)
     packing = packing_enabled(device, dtype)
@@ -201,7 +211,7 @@ def plan_execution(config: ModelConfig, device: torch.device, dtype: torch.dtype
         cpu_kernels=kernels is not None, kernel_attention=kernels is not None,
         quantized_kernels=quantized_kernels, gguf_prefetch_stages=gguf_prefetch_stages(), prepack=prepack,
         fused_decode=fused, fused_decode_rows=rows, fused_decode_covered=covered,
-        kv_packed_supported=kv_packed_supported, batch_invariant=batch_invariant)
+        kv_packed_supported=kv_packed_supported, batch_invariant=batch_invariant, int8_gemm=int8_gemm)
 
 
 def check_batch_invariant_covered(config: ModelConfig, device: torch.device, dtype: torch.dtype,

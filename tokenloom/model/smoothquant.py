@@ -167,6 +167,6 @@ def quantize_model(model: DecoderModel, quantization: str, calibration_token_ids
             stats = activation_absmax(model, calibration_token_ids)
         finally:
             torch.set_num_threads(previous)
-    method = get_linear_method(quantization, model.kernels)
+    method = get_linear_method(quantization, model.kernels, int8_gemm=model.plan.int8_gemm)
     for i, layer in enumerate(model.layers):
         quantize_layer(layer, method, stats[i] if stats else None, model.num_kv_heads, model.head_dim)

@@ -10,6 +10,7 @@
 //   argmax_rows          greedy sampling: row-wise argmax of the logits (fp32 or bf16)
 //   skinny_linear        fp32 x @ w.T for a few rows, each weight row read once (verification rows)
 //   quantize_rows, rms_norm_quant, dequant*   the int8 (W8A8) GEMMs' prologues and epilogues
+//   int8_gemm            the W8A8 GEMM itself (exact int32) on CPUs without VNNI / AMX-INT8
 //
 // KV layouts: "plain" [Hkv, num_blocks, block_size, D] (the torch path's), and for bf16 with
 // AVX512-BF16 the "packed" one (same tensor shape, elements reordered within each block; see
@@ -1594,6 +1595,75 @@ void dequant_silu_mul_quant(at::Tensor q, at::Tensor s, const at::Tensor& acc, c
 }
 
 bool has_avx512() { return TL_AVX512; }
+
+// ------------------------------------------------------------------------------ int8 GEMM (no VNNI)
+
+// int8_gemm: acc[t, n] = sum_k x[t, k] * w[k, n], exact int32, for the W8A8 layers on CPUs without
+// VNNI or AMX-INT8, where oneDNN's int8 GEMM (torch._int_mm) runs ~0.7 GMAC/s (AVX2 Zen 1: slower than
+// its float32 GEMM by ~20x) and saturates full-range weights. The weights are packed once
+// (int8_pack_weight in quant.py): [N/8][K/4][8][4], each 32 bytes eight output channels' four
+// consecutive k, so that vpmaddubsw pairs neighbouring k of one channel. vpmaddubsw multiplies
+// unsigned by signed bytes; |x| (<= 127, the quantizer clamps) times sign(x) * w (|w| <= 127) gives
+// the same products, and a pair sums to at most 2 * 127 * 127 = 32258 < 32767: never saturates, so
+// the sums are exactly _int_mm's (the tokens do not depend on which GEMM ran).
+template <int MR>
+void int8_block(const int8_t* x, int64_t K, const int8_t* wp, int32_t* acc, int64_t N, int64_t nb0, int64_t nb1) {
+  const int64_t K4 = K / 4;
+  for (int64_t nb = nb0; nb < nb1; nb++) {
+    const int8_t* w = wp + nb * K4 * 32;
+#if TL_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum[MR];
+    for (int r = 0; r < MR; r++) sum[r] = _mm256_setzero_si256();
+    for (int64_t kb = 0; kb < K4; kb++) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kb * 32));
+      for (int r = 0; r < MR; r++) {
+        int32_t four;
+        std::memcpy(&four, x + r * K + kb * 4, 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wv, xb));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(prod, ones));
+      }
+    }
+    for (int r = 0; r < MR; r++)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * N + nb * 8), sum[r]);
+#else
+    for (int r = 0; r < MR; r++)
+      for (int c = 0; c < 8; c++) {
+        int32_t total = 0;
+        for (int64_t kb = 0; kb < K4; kb++)
+          for (int j = 0; j < 4; j++) total += int32_t(x[r * K + kb * 4 + j]) * int32_t(w[kb * 32 + c * 4 + j]);
+        acc[r * N + nb * 8 + c] = total;
+      }
+#endif
+  }
+}
+
+void int8_gemm(at::Tensor acc, const at::Tensor& x, const at::Tensor& wp) {
+  TORCH_CHECK(x.scalar_type() == at::kChar && x.dim() == 2 && x.is_contiguous(), "int8_gemm: x int8 [T, K]");
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.is_contiguous() && wp.dim() == 4 && wp.size(1) * 4 == K &&
+              wp.size(2) == 8 && wp.size(3) == 4, "int8_gemm: packed weight int8 [N/8, K/4, 8, 4]");
+  const int64_t N = wp.size(0) * 8;
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.is_contiguous() && acc.size(0) == T && acc.size(1) == N,
+              "int8_gemm: acc int32 [T, N]");
+  const int8_t* xp = x.data_ptr<int8_t>();
+  const int8_t* w = wp.data_ptr<int8_t>();
+  int32_t* out = acc.data_ptr<int32_t>();
+  // Four rows share each weight load; threads split the output channels, so every row's sums are the
+  // same whatever the thread count.
+  at::parallel_for(0, N / 8, 4, [&](int64_t b, int64_t e) {
+    int64_t r = 0;
+    for (; r + 4 <= T; r += 4) int8_block<4>(xp + r * K, K, w, out + r * N, N, b, e);
+    switch (T - r) {
+      case 3: int8_block<3>(xp + r * K, K, w, out + r * N, N, b, e); break;
+      case 2: int8_block<2>(xp + r * K, K, w, out + r * N, N, b, e); break;
+      case 1: int8_block<1>(xp + r * K, K, w, out + r * N, N, b, e); break;
+      default: break;
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------ skinny fp32 GEMM
 
 // skinny_linear: out[m, :] = x[m, :] @ w.T (+ bias) for a few rows, fp32 (tokenloom/model/linear.py
@@ -1693,6 +1763,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant", &dequant, nogil);
   m.def("dequant_add_rms_norm_quant", &dequant_add_rms_norm_quant, nogil);
   m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, nogil);
+  m.def("int8_gemm", &int8_gemm, nogil, arg("acc"), arg("x"), arg("wp"));
   m.def("has_avx512", &has_avx512);
   m.def("packed_layout_supported", &packed_layout_supported);
   m.def("set_force_scalar", &set_force_scalar);
