@@ -146,10 +146,9 @@ def test_a_model_directory_is_read_directly_once_autotokenizer_chose_the_plain_c
     transformers gives its own class (Qwen2: Qwen2Tokenizer over the declared TokenizersBackend), does not."""
     cache = tmp_path / "cache"
     llama = make_tiny_hf_model(tmp_path, "llama")
-    first = _lazy_load_in_a_child(str(llama), cache)
-    assert not first["direct"] and first["transformers"]  # nothing recorded yet: AutoTokenizer decided
     reference = Tokenizer(AutoTokenizer.from_pretrained(str(llama), local_files_only=True))
-    _assert_same_answers(first, reference)
+    first = load_tokenizer(llama, cache_dir=cache, lazy_transformers=True)
+    assert first._direct is None  # nothing recorded yet: AutoTokenizer decided, and its pick is recorded
     again = _lazy_load_in_a_child(str(llama), cache)
     assert again["direct"] and not again["transformers"]
     _assert_same_answers(again, reference)
@@ -159,16 +158,14 @@ def test_a_model_directory_is_read_directly_once_autotokenizer_chose_the_plain_c
 
     config = json.loads((llama / "tokenizer_config.json").read_text())
     (llama / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
-    edited = _lazy_load_in_a_child(str(llama), cache)
-    assert not edited["direct"] and edited["eos"] == reference.hf.convert_tokens_to_ids("<|endoftext|>")
+    edited = load_tokenizer(llama, cache_dir=cache, lazy_transformers=True)
+    assert edited._direct is None and edited.eos_token_id == reference.hf.convert_tokens_to_ids("<|endoftext|>")
 
     qwen2 = make_tiny_hf_model(tmp_path, "qwen2")
     for _ in range(2):
-        child = _lazy_load_in_a_child(str(qwen2), cache)
-        assert not child["direct"] and child["auto"], "transformers loads this Qwen2 as its own class"
-    reference = Tokenizer(AutoTokenizer.from_pretrained(str(qwen2), local_files_only=True))
-    assert type(reference.hf).__name__ not in ("TokenizersBackend", "PreTrainedTokenizerFast")
-    _assert_same_answers(child, reference)
+        loaded = load_tokenizer(qwen2, cache_dir=cache, lazy_transformers=True)
+        assert loaded._direct is None, "transformers loads this Qwen2 as its own class: it must keep deciding"
+        assert type(loaded.hf).__name__ not in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def test_direct_tokenizer_leaves_what_transformers_would_change_to_transformers(tmp_path: Path) -> None:
