@@ -71,7 +71,7 @@ def test_the_cap_reaches_the_build_flags_and_torch(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not HAVE_AVX2, reason="this CPU has no AVX2 to cap at")
-def test_under_avx2_dtype_auto_is_float32_and_int8_is_slow(monkeypatch) -> None:
+def test_under_avx2_dtype_auto_is_float32_and_onednn_has_no_fast_int8(monkeypatch) -> None:
     monkeypatch.setenv("TOKENLOOM_CPU_ISA", "avx2")
     assert platform.resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert not platform.cpu_supports_bf16() and not platform.cpu_has_fast_int8()

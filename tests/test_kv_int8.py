@@ -138,12 +138,13 @@ def test_fused_kernel_reads_int8_cache(dtype, block_size, heads, force_scalar) -
 def avx2_kernels():
     """The CPU kernels built for an AVX2-only CPU (-march=haswell): on this machine the AVX-512 decode
     kernel serves one-row queries; on AVX2 CPUs the tiled kernel serves them too, with its int8 tile
-    dequantization. Built once per source change into the kernel cache (~1 min)."""
+    dequantization. Built once per source change into the kernel cache (~1 min), as the entry the engine
+    builds under TOKENLOOM_CPU_ISA=avx2 (the same stem and flags: test_cpu_isa.py's capped engine reuses it)."""
     from tokenloom.model.kernels import LDFLAGS, SOURCE, load_cached_extension
 
     if K is None:
         pytest.skip("compiled CPU kernels unavailable")
-    module, _ = load_cached_extension("cpu_kernels_haswell", SOURCE,
+    module, _ = load_cached_extension("cpu_kernels_avx2", SOURCE,
                                       ["-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"], LDFLAGS,
                                       "AVX2-only CPU kernels")
     assert not module.has_avx512()
