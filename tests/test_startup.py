@@ -104,6 +104,19 @@ def _lazy_load_in_a_child(model: str, cache: Path, mode: str = "lazy") -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def _assert_same_answers(child: dict, reference: Tokenizer) -> None:
+    assert child["ids"] == [reference.encode(t) for t in TEXTS]
+    assert child["plain"] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
+    assert (child["eos"], child["bos"]) == (reference.eos_token_id, reference.bos_token_id)
+    assert child["special"] == sorted(reference.all_special_ids) and child["vocab"] == reference.vocab_size
+    assert child["decoded"] == [reference.decode(reference.encode(t), skip_special_tokens=s) for t in TEXTS
+                                for s in (True, False)]
+    assert child["pieces"] == reference.convert_ids_to_tokens(reference.encode(TEXTS[-1]))
+    assert child["template"] == reference.chat_template
+    assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                          add_generation_prompt=True)
+
+
 def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Path) -> None:
     """The engine process's tokenizer (load_tokenizer(lazy_transformers=True)) reads a cached GGUF conversion
     through `tokenizers` alone: no transformers import until a chat template is rendered, and every answer
@@ -114,28 +127,7 @@ def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Pat
         child = _lazy_load_in_a_child(model, cache)
         if model == "default":
             assert child["direct"] and not child["transformers"], "the default model's tokenizer loaded transformers"
-        assert child["ids"] == [reference.encode(t) for t in TEXTS]
-        assert child["plain"] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
-        assert (child["eos"], child["bos"]) == (reference.eos_token_id, reference.bos_token_id)
-        assert child["special"] == sorted(reference.all_special_ids) and child["vocab"] == reference.vocab_size
-        assert child["decoded"] == [reference.decode(reference.encode(t), skip_special_tokens=s) for t in TEXTS
-                                    for s in (True, False)]
-        assert child["pieces"] == reference.convert_ids_to_tokens(reference.encode(TEXTS[-1]))
-        assert child["template"] == reference.chat_template
-        assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                              add_generation_prompt=True)
-
-
-def _assert_same_answers(child: dict, reference: Tokenizer) -> None:
-    assert child["ids"] == [reference.encode(t) for t in TEXTS]
-    assert child["plain"] == [reference.encode(t, add_special_tokens=False) for t in TEXTS]
-    assert (child["eos"], child["bos"]) == (reference.eos_token_id, reference.bos_token_id)
-    assert child["special"] == sorted(reference.all_special_ids) and child["vocab"] == reference.vocab_size
-    assert child["decoded"] == [reference.decode(reference.encode(t), skip_special_tokens=s) for t in TEXTS
-                                for s in (True, False)]
-    assert child["template"] == reference.chat_template
-    assert child["chat"] == reference.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                          add_generation_prompt=True)
+        _assert_same_answers(child, reference)
 
 
 def test_a_model_directory_is_read_directly_once_autotokenizer_chose_the_plain_class(tmp_path: Path) -> None:
