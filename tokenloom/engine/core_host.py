@@ -679,7 +679,8 @@ def check_batch_invariant(config: EngineConfig) -> None:
                         (parallel is not None and parallel.model_parallel_size > 1,
                          "tensor / pipeline parallelism (the fused decoder runs the whole stack in one process)"),
                         (config.device == "cuda", "--device cuda (it runs on CPU here)"),
-                        (config.quantization == "int8", "--quantization int8 (W8A8 through oneDNN)")):
+                        (config.quantization == "int8",
+                         "--quantization int8 (its W8A8 layers run per op, not in the fused decoder)")):
         if given:
             raise ConfigError(f"VLLM_BATCH_INVARIANT=1 does not cover {what}")
 

@@ -223,7 +223,8 @@ def check_batch_invariant_covered(config: ModelConfig, device: torch.device, dty
     if device.type != "cpu":
         why = f"it runs on CPU here (--device {device.type})"
     elif quantization == "int8":
-        why = "--quantization int8 (W8A8 through oneDNN) is not covered: use a GGUF file or a float checkpoint"
+        why = ("--quantization int8 (its W8A8 layers run per op, not in the fused decoder) is not covered: use a GGUF "
+               "file or a float checkpoint")
     elif quantization is None and dtype not in (torch.float32, torch.bfloat16):
         why = f"--dtype {str(dtype).removeprefix('torch.')} is not covered: use float32 or bfloat16"
     elif sharded:
