@@ -4,8 +4,6 @@ fp32 on tiny Llama / Qwen2 models (kernel path and torch path), and the default 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -126,25 +124,19 @@ def test_kernel_int8_gemm_is_exact_at_full_range(rows: int, k: int, n: int) -> N
     packed = quant.pack_int8_weight(w)
     assert packed.shape == (n // 8, k // 4, 8, 4)
     want = x.long() @ w.long()
-    for threads in (1, 2):
-        with _torch_threads(threads):
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
             acc = torch.full((rows, n), -1, dtype=torch.int32)
             K.int8_gemm(acc, x, packed)
-        assert torch.equal(acc.long(), want)
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
+            assert torch.equal(acc.long(), want), threads
     finally:
         torch.set_num_threads(previous)
 
 
 @needs_kernels
-def test_int8_layer_on_the_kernel_gemm_keeps_one_copy_and_the_same_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_layer_on_the_kernel_gemm_keeps_one_copy_and_the_same_sums() -> None:
     """An int8 layer on the kernels' GEMM holds only the packed weights and gives the sums oneDNN's GEMM
     gives (its split form where that saturates); a shape the packing does not cover keeps oneDNN's."""
     g = torch.Generator().manual_seed(5)

@@ -160,7 +160,8 @@ class Int8LinearMethod(LinearMethodBase):
 
     def __init__(self, kernels: ModuleType | None = None, kernel_gemm: bool = False) -> None:
         super().__init__(kernels)
-        self.kernel_gemm = kernel_gemm and kernels is not None and hasattr(kernels, "int8_gemm")
+        assert not kernel_gemm or kernels is not None, "the kernels' GEMM needs the kernels"
+        self.kernel_gemm = kernel_gemm  # the plan's choice: it checked that these kernels have int8_gemm
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         assert layer.weight is not None, f"{layer.prefix}: no float weight to quantize"
