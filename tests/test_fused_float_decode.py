@@ -257,3 +257,40 @@ def test_default_model_greedy_bf16_close(monkeypatch: pytest.MonkeyPatch) -> Non
     if not packing_enabled(torch.device("cpu"), torch.bfloat16):
         assert min(firsts) >= 4, firsts
     assert sum(vs_fp32["fused"]) >= sum(vs_fp32["per-op"]), vs_fp32
+
+
+@pytest.fixture(scope="module")
+def tiny_d64(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4 query heads on 2 kv heads, 64 wide: the grouped attention kernel's shape (head_dim 64 or 128)."""
+    return str(make_tiny_hf_model(tmp_path_factory.mktemp("d64"), arch="llama", seed=5, head_dim=64))
+
+
+@pytest.mark.parametrize("kvd", ["auto", "int8"])
+def test_grouped_decode_attention_is_per_head_attention_to_the_bit(tiny_d64: str, kvd: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode step hands a work item all query heads of a kv head (each key tile read, and
+    converted from an int8 or 16-bit cache, once for them) when that splits evenly over the threads, else
+    one head: on one thread a step of the tiny model runs grouped, on three per head. The logits of every
+    decode step are the same to the bit either way."""
+    from pathlib import Path
+
+    from tokenloom.model.runner import ModelRunner
+
+    loaded = load_model(Path(tiny_d64), torch.float32)
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads, loaded.config.head_dim) == (4, 2, 64)
+    reqs = _requests(1, length=40, steps=6)
+    logits = {}
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("TOKENLOOM_FUSED_FLOAT", "1")
+    for n in (1, 3):
+        runner = ModelRunner(loaded, block_size=BLOCK, num_blocks=64, dtype="float32", device="cpu",
+                             cpu_kernels=True, kv_cache_dtype=kvd)
+        calls = count_fused_runs(runner.model)
+        torch.set_num_threads(n)
+        try:
+            logits[n] = _decode(runner, reqs, 6)
+        finally:
+            torch.set_num_threads(threads)
+        assert calls["n"] == 6
+    for a, b in zip(logits[1][1:], logits[3][1:]):
+        assert torch.equal(a, b)

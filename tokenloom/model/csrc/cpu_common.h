@@ -14,7 +14,8 @@
 //   rotary     fused: on fp32 activations with float or bf16 tables, a * b - c * d that the GGUF
 //              build may contract to an FMA; cpu_kernels: in place on float / bf16 qkv rows, AVX-512
 //              fmsub, no contraction. One source would round differently in the two builds.
-//   attention  fused: one query head at a time, two passes (scores, then softmax-weighted V);
+//   attention  fused: two passes (scores, then softmax-weighted V) per query head, the heads of a kv head
+//              reading each key tile together;
 //              cpu_kernels: flash tiles over several rows and heads, the packed bf16 layout.
 #pragma once
 

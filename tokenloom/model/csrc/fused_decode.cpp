@@ -305,6 +305,102 @@ void attend_simd(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float
   for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], inv));
 }
 
+// attend_simd for the gn query heads of kv head h that share it (GQA): q rows and o rows of the heads
+// contiguous, D apart. Each head gets attend_simd's arithmetic to the bit (the same products, sums and
+// exps in the same order); what changes is that a tile of kTileKeys keys' K rows, then V rows, is read
+// (and converted from bf16 / fp16 / int8) once for all gn heads instead of once per head. With a
+// 16-bit or int8 cache the conversion, not the memory, was the cost per key on AVX2 CPUs (Zen 1 runs
+// one vcvtph2ps every two cycles); with a float cache the tile is read from L1 gn times instead of a
+// long context's K/V from L2 or memory gn times.
+template <int ND, typename KT>
+void attend_simd_heads(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int gn,
+                       int64_t n, const int32_t* table, float scale, std::vector<float>& buf, float* o,
+                       const float* ksc, const float* vsc) {
+  constexpr int64_t D = 8 * ND;
+  constexpr int kTileKeys = 32;
+  constexpr bool convert = !std::is_same_v<KT, float>;
+  const int64_t npad = n + 8;
+  buf.resize(static_cast<size_t>(gn) * npad + (convert ? kTileKeys * D : 0));
+  float* scores = buf.data();
+  float* tile = scores + gn * npad;  // a converted tile: kTileKeys rows of D floats
+  const float* rows[kTileKeys];
+  int64_t slots[kTileKeys];
+  // The tile's rows of K or V as floats (pointers into the cache when it is float).
+  auto load_tile = [&](const KT* cache, int64_t t0, int nk) {
+    for (int j = 0; j < nk; j++) {
+      const int64_t t = t0 + j;
+      slots[j] = (h * nb + table[t / bs]) * bs + t % bs;
+      const KT* src = cache + slots[j] * D;
+      if constexpr (convert) {
+        for (int c = 0; c < ND; c++) _mm256_storeu_ps(tile + j * D + 8 * c, load8f(src + 8 * c));
+        rows[j] = tile + j * D;
+      } else {
+        rows[j] = src;
+      }
+    }
+  };
+  // Scores (and each head's running max).
+  float mx[64];
+  for (int g = 0; g < gn; g++) mx[g] = -INFINITY;
+  for (int64_t t0 = 0; t0 < n; t0 += kTileKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kTileKeys, n - t0));
+    load_tile(kc, t0, nk);
+    for (int g = 0; g < gn; g++) {
+      __m256 qv[ND];
+      for (int j = 0; j < ND; j++) qv[j] = _mm256_loadu_ps(q + g * D + 8 * j);
+      float* sg = scores + g * npad + t0;
+      for (int jk = 0; jk < nk; jk++) {
+        const float* k = rows[jk];
+        __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+        for (int j = 2; j < ND; j += 2) {
+          a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a0);
+          a1 = _mm256_fmadd_ps(qv[j + 1], _mm256_loadu_ps(k + 8 * j + 8), a1);
+        }
+        sg[jk] = hsum8(_mm256_add_ps(a0, a1)) * (ksc ? scale * ksc[slots[jk]] : scale);
+        mx[g] = std::max(mx[g], sg[jk]);
+      }
+    }
+  }
+  // Softmax numerators in place, each head's sum.
+  float sum[64];
+  for (int g = 0; g < gn; g++) {
+    float* sg = scores + g * npad;
+    const __m256 mv = _mm256_set1_ps(mx[g]);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+      _mm256_storeu_ps(sg + t, ev);
+      sv = _mm256_add_ps(sv, ev);
+    }
+    sum[g] = hsum8(sv);
+    for (; t < n; t++) {
+      sg[t] = std::exp(sg[t] - mx[g]);
+      sum[g] += sg[t];
+    }
+  }
+  // Weighted sums of V, each head's accumulators carried in o between tiles.
+  for (int64_t t0 = 0; t0 < n; t0 += kTileKeys) {
+    const int nk = static_cast<int>(std::min<int64_t>(kTileKeys, n - t0));
+    load_tile(vc, t0, nk);
+    for (int g = 0; g < gn; g++) {
+      __m256 acc[ND];
+      for (int j = 0; j < ND; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + g * D + 8 * j);
+      const float* sg = scores + g * npad + t0;
+      for (int jk = 0; jk < nk; jk++) {
+        const __m256 w = _mm256_set1_ps(vsc ? sg[jk] * vsc[slots[jk]] : sg[jk]);
+        for (int j = 0; j < ND; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[jk] + 8 * j), acc[j]);
+      }
+      for (int j = 0; j < ND; j++) _mm256_storeu_ps(o + g * D + 8 * j, acc[j]);
+    }
+  }
+  for (int g = 0; g < gn; g++) {
+    const __m256 inv = _mm256_set1_ps(1.0f / sum[g]);
+    float* og = o + g * D;
+    for (int j = 0; j < ND; j++) _mm256_storeu_ps(og + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(og + 8 * j), inv));
+  }
+}
+
 // a[t] = SiLU(g[t]) * u[t] for t in [0, n).
 inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
   int64_t t = 0;
@@ -588,20 +684,23 @@ class FusedDecoder {
           }
         }
 #pragma omp barrier
-        auto attend_item = [&](int64_t i) {  // query head i % Hq_ of row i / Hq_
-          const int64_t r = i / Hq_, hq = i % Hq_;
-          attend(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), pos[r] + 1, tb + r * ld, scores,
-                 att + r * AD + hq * D_, ksc, vsc);
+        // Work items: `gc` query heads of one kv head in one row (attend_heads reads each key once for them).
+        auto attend_item = [&](int64_t i, int64_t gc) {  // heads (i % (Hq_ / gc)) * gc .. + gc - 1 of row i / ...
+          const int64_t per_row = Hq_ / gc, r = i / per_row, hq = (i % per_row) * gc;
+          attend_heads(kc, vc, nb, bs, qkv + r * QKV + hq * D_, hq / (Hq_ / Hkv_), static_cast<int>(gc), pos[r] + 1,
+                       tb + r * ld, scores, att + r * AD + hq * D_, ksc, vsc);
         };
         if (B >= 2 * nth) {
           // Many rows (a prefill chunk's, batch-invariant): whole rows handed out as threads free up. A chunk's
           // later rows attend to more keys, so contiguous shares left the first thread idle for most of the op.
+          const int64_t G = Hq_ / Hkv_;
 #pragma omp for schedule(dynamic, 1) nowait
           for (int64_t r = 0; r < B; r++)
-            for (int64_t hq = 0; hq < Hq_; hq++) attend_item(r * Hq_ + hq);
-        } else {  // a few decode rows: their (row, head) pairs split evenly, so one row's heads use every thread
-          thread_share(B * Hq_, tid, nth, b, e);
-          for (int64_t i = b; i < e; i++) attend_item(i);
+            for (int64_t kvh = 0; kvh < Hkv_; kvh++) attend_item(r * Hkv_ + kvh, G);
+        } else {  // a few decode rows: their (row, heads) items split evenly, so one row's heads use every thread
+          const int64_t gc = heads_per_item(B, nth);
+          thread_share(B * Hq_ / gc, tid, nth, b, e);
+          for (int64_t i = b; i < e; i++) attend_item(i, gc);
         }
         if (L.o.quantized) {
 #pragma omp barrier
@@ -659,6 +758,36 @@ class FusedDecoder {
       xh[i] = x1 * ci - x2 * si;
       xh[i + half] = x2 * ci + x1 * si;
     }
+  }
+
+  // Query heads per attention work item of a decode step of B rows on nth threads: all G heads of a kv head
+  // (each key read once for them) when that still splits evenly over the threads or leaves >= 4 items a
+  // thread, else fewer (a divisor of G), down to one head an item, which always spreads a row's heads over
+  // every thread. The arithmetic per head is the same whichever it is.
+  int64_t heads_per_item(int64_t B, int nth) const {
+    const int64_t G = Hq_ / Hkv_;
+    for (int64_t gc = std::min<int64_t>(G, 64); gc > 1; gc--) {
+      if (G % gc) continue;
+      const int64_t items = B * Hq_ / gc;
+      if (items % nth == 0 || items >= 4 * nth) return gc;
+    }
+    return 1;
+  }
+
+  // gn query heads (q and o rows D apart) of kv head h over their sequence's first n cached positions:
+  // the grouped SIMD kernel where there is one, else attend() per head (the same numbers either way).
+  template <typename KT>
+  void attend_heads(const KT* kc, const KT* vc, int64_t nb, int64_t bs, const float* q, int64_t h, int gn, int64_t n,
+                    const int32_t* table, std::vector<float>& scores, float* o, const float* ksc,
+                    const float* vsc) const {
+#if TLQ_AVX2
+    if (gn > 1 && gn <= 64 && !g_force_scalar) {
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+      if (D_ == 64) return attend_simd_heads<8>(kc, vc, nb, bs, q, h, gn, n, table, scale, scores, o, ksc, vsc);
+      if (D_ == 128) return attend_simd_heads<16>(kc, vc, nb, bs, q, h, gn, n, table, scale, scores, o, ksc, vsc);
+    }
+#endif
+    for (int g = 0; g < gn; g++) attend(kc, vc, nb, bs, q + g * D_, h, n, table, scores, o + g * D_, ksc, vsc);
   }
 
   // One query head over its sequence's first n cached positions (block table `table`) -> o [D].
