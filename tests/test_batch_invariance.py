@@ -154,13 +154,15 @@ def test_vllms_reset_prefix_cache_e2e_on_the_quantized_path(invariant) -> None:
     assert [texts[f"preempted_{i}"] for i in range(4)] == [texts[f"ground_truth_{i}"] for i in range(4)]
 
 
-def test_int8_kv_cache_and_structured_outputs(invariant) -> None:
-    """The fused decoder writes and reads int8 K/V (a scale per token and head) per row too; a JSON schema
-    masks each row's logits alone."""
+@pytest.mark.parametrize("kvd", ["int8", "float16"])
+def test_int8_and_16bit_kv_caches_and_structured_outputs(invariant, kvd) -> None:
+    """The fused decoder writes and reads int8 K/V (a scale per token and head) and 16-bit K/V per row too
+    (its query heads grouped by kv head or not, the same arithmetic per head); a JSON schema masks each
+    row's logits alone."""
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     params = [SEEDED, SamplingParams(temperature=0.0, max_tokens=24, logprobs=5,
                                      structured_outputs=StructuredOutputsParams(json=schema))]
-    engine = LLM(max_num_seqs=16, kv_cache_dtype="int8")
+    engine = LLM(max_num_seqs=16, kv_cache_dtype=kvd)
     try:
         for sp in params:
             alone = steps(engine.generate([NEEDLE], sp, use_tqdm=False)[0])

@@ -265,7 +265,7 @@ def tiny_d64(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_hf_model(tmp_path_factory.mktemp("d64"), arch="llama", seed=5, head_dim=64))
 
 
-@pytest.mark.parametrize("kvd", ["auto", "int8"])
+@pytest.mark.parametrize("kvd", ["auto", "float16", "bfloat16", "int8"])
 def test_grouped_decode_attention_is_per_head_attention_to_the_bit(tiny_d64: str, kvd: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused decode step hands a work item all query heads of a kv head (each key tile read, and

@@ -289,13 +289,14 @@ def test_vllms_int8_per_token_head_is_this_format() -> None:
 @pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int4_per_token_head",
                                    "turboquant_k8v4"])
 def test_fp8_spellings_refused_by_name(value) -> None:
-    with pytest.raises(ConfigError, match=f"kv_cache_dtype='{value}'.*not built.*supported: auto, int8"):
+    with pytest.raises(ConfigError,
+                       match=f"kv_cache_dtype='{value}'.*not built.*supported: auto, bfloat16, float16, int8"):
         CacheConfig(cache_dtype=value)
 
 
 @pytest.mark.parametrize("value", ["int4", "bf16", "", None, 8])
 def test_other_values_refused(value) -> None:
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, int8"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, bfloat16, float16, int8"):
         CacheConfig(cache_dtype=value)
 
 
@@ -309,8 +310,9 @@ def test_engine_args_and_cli_spell_it_as_vllm() -> None:
         engine_config_from_kwargs(kv_cache_dtype="fp8_e5m2")
 
 
-@pytest.mark.parametrize("value, said", [("fp8_e4m3", "not built in tokenloom; supported: auto, int8"),
-                                         ("q8_0", "must be one of auto, int8")])
+@pytest.mark.parametrize("value, said", [
+    ("fp8_e4m3", "not built in tokenloom; supported: auto, bfloat16, float16, int8"),
+    ("q8_0", "must be one of auto, bfloat16, float16, int8")])
 def test_cli_refuses_before_loading_a_model(value, said, capsys) -> None:
     from tokenloom.cli import main as cli_main
 

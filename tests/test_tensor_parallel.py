@@ -273,13 +273,11 @@ def test_refusals_are_clear_before_loading(tiny_dir):
                                                                           "num_speculative_tokens": 2}, **KW)
     with pytest.raises(ConfigError, match="exceeds the model's 2 layers"):
         LLM(str(tiny_dir), pipeline_parallel_size=3, **KW)
-    # This session's LoRA, KV connectors and int8 KV are not built into the worker processes: refused by name.
+    # LoRA and KV connectors are not built into the worker processes: refused by name.
     with pytest.raises(ConfigError, match="LoRA adapters"):
         LLM(str(tiny_dir), tensor_parallel_size=2, enable_lora=True, **KW)
     with pytest.raises(ConfigError, match="KV connector"):
         LLM(str(tiny_dir), tensor_parallel_size=2, kv_offloading_size=1, **KW)
-    with pytest.raises(ConfigError, match="kv-cache-dtype int8"):
-        LLM(str(tiny_dir), tensor_parallel_size=2, kv_cache_dtype="int8", **KW)
     with pytest.raises(ConfigError, match="pooling models run on one rank"):
         LLM(str(tiny_dir), tensor_parallel_size=2, runner="pooling", **KW)
 

@@ -396,30 +396,35 @@ class SchedulerConfig:
             )
 
 
-# --kv-cache-dtype (vLLM's CacheConfig.cache_dtype). "int8": symmetric int8 values with one float32
-# scale per token and KV head (docs/kv_cache.md), the format vLLM calls "int8_per_token_head" (accepted
-# as a spelling of it). vLLM's other cache dtypes are refused by name: nothing here reads fp8 or 4-bit
-# formats (no CPU this project targets has fp8 arithmetic; int8 is the byte-per-value format the
-# kernels read).
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "int8")
+# --kv-cache-dtype (vLLM's CacheConfig.cache_dtype). "auto": the run dtype (--dtype). "bfloat16" /
+# "float16": K and V stored in that 16-bit type whatever the run dtype, converted to it where attention
+# reads them (a float32 run, the AVX2 default, then keeps half the bytes per token, as llama.cpp's
+# default f16 cache does). "int8": symmetric int8 values with one float32 scale per token and KV head
+# (docs/kv_cache.md), the format vLLM calls "int8_per_token_head" (accepted as a spelling of it).
+# vLLM's other cache dtypes are refused by name: nothing here reads fp8 or 4-bit formats (no CPU this
+# project targets has fp8 arithmetic; int8 is the byte-per-value format the kernels read).
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "int8")
 _KV_CACHE_DTYPE_ALIASES = {"int8_per_token_head": "int8"}
 _UNBUILT_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "fp8_per_token_head",
-                            "int4_per_token_head", "nvfp4", "nvfp4_4over6", "nvfp4_ds_mla", "float16", "bfloat16")
+                            "int4_per_token_head", "nvfp4", "nvfp4_4over6", "nvfp4_ds_mla")
 KV_SCALE_BYTES = 4  # an int8 KV cache's scale per (token, layer, K or V, kv head): float32
+# Bytes per stored value of the cache dtypes that name a float type ("auto" is the run dtype's).
+_KV_FLOAT_BYTES = {"bfloat16": 2, "float16": 2}
 
 
 def kv_cache_row_bytes(head_dim: int, elem_size: int, cache_dtype: str = "auto") -> int:
     """Bytes one (token, layer, K or V, kv head) row of the KV cache takes: head_dim elements of the
-    run dtype (`elem_size` bytes each), or for int8 head_dim bytes plus its scale. Every block size
-    (the pool's, the simulator's, the never-fits checks') is a multiple of this."""
+    run dtype (`elem_size` bytes each) or of the 16-bit cache dtype named, or for int8 head_dim bytes
+    plus its scale. Every block size (the pool's, the simulator's, the never-fits checks') is a
+    multiple of this."""
     if cache_dtype == "int8":
         return head_dim + KV_SCALE_BYTES
-    return head_dim * elem_size
+    return head_dim * _KV_FLOAT_BYTES.get(cache_dtype, elem_size)
 
 
 def resolve_kv_cache_dtype(value: Any) -> str:
-    """The built KV cache dtype `value` names ("auto" or "int8"; vLLM's "int8_per_token_head" is
-    "int8"), or a clear error: vLLM's other cache dtypes are named as not built."""
+    """The built KV cache dtype `value` names ("auto", "bfloat16", "float16" or "int8"; vLLM's
+    "int8_per_token_head" is "int8"), or a clear error: vLLM's other cache dtypes are named as not built."""
     if isinstance(value, str) and value in _KV_CACHE_DTYPE_ALIASES:
         return _KV_CACHE_DTYPE_ALIASES[value]
     if value in KV_CACHE_DTYPES:
@@ -437,9 +442,11 @@ class CacheConfig:
     # A str, not a Literal: vLLM's fp8 spellings get their own error (resolve_kv_cache_dtype), not
     # argparse's "invalid choice".
     cache_dtype: str = knob(
-        "auto", "KV cache storage: auto (the model's --dtype) or int8 (symmetric int8 with a float32 scale per "
-        "token and KV head: ~2x the blocks of bf16, ~3.8x of float32, in the same memory; docs/kv_cache.md; "
-        "vLLM's int8_per_token_head names the same format). vLLM's fp8, fp8_e4m3, fp8_e5m2 are not built",
+        "auto", "KV cache storage: auto (the model's --dtype), bfloat16 or float16 (16-bit K/V whatever --dtype: "
+        "half the bytes of a float32 run's cache, as llama.cpp's default f16 cache), or int8 (symmetric int8 with "
+        "a float32 scale per token and KV head: ~2x the blocks of bf16, ~3.8x of float32, in the same memory; "
+        "docs/kv_cache.md; vLLM's int8_per_token_head names the same format). vLLM's fp8, fp8_e4m3, fp8_e5m2 "
+        "are not built",
         arg="kv_cache_dtype", reload=True)
     # None: sized by the engine from its memory budget.
     num_blocks: int | None = knob(None, "KV blocks in the pool (overrides --kv-cache-memory)")

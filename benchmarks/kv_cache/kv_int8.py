@@ -1,5 +1,6 @@
-"""--kv-cache-dtype int8 against float KV on the default model (SmolLM2-135M GGUF): capacity, decode
-speed at a long context, perplexity (docs/kv_cache.md).
+"""--kv-cache-dtype int8 (and the 16-bit caches, bfloat16 / float16) against the run dtype's KV on the
+default model (SmolLM2-135M GGUF) or --model: capacity, decode speed at a long context, perplexity
+(docs/kv_cache.md).
 
 * `capacity`: the pool's blocks at --kv-cache-memory (the engine's own sizing) and the sequences of
   --context tokens it holds at once; then measured: --num-requests distinct 256-token prompts into an
@@ -11,10 +12,14 @@ speed at a long context, perplexity (docs/kv_cache.md).
   per text; the prompt's own K/V is written to the cache and read back, so int8 KV is in the path).
 * `kernel`: the fused paged-attention kernel alone (SmolLM2's heads: 9 q, 3 kv, 64 wide; one layer),
   --batch decodes of --context keys each, per cache: bf16 packed (where the CPU has it), bf16 plain,
-  int8 with bf16 queries, float32, int8 with float32 queries; the caches alternate round by round.
+  int8 with bf16 queries, float32, int8, fp16 and bf16 with float32 queries; the caches alternate round
+  by round.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/kv_cache/kv_int8.py [--what capacity,decode,ppl]
-        [--dtypes bfloat16,float32] [--context 4096] [--batch 1,4] [--rounds 3] [--out result.json]
+        [--dtypes bfloat16,float32] [--kv-dtypes auto,int8] [--model FILE] [--context 4096] [--batch 1,4]
+        [--rounds 3] [--out result.json]
+
+Each --kv-dtypes entry is compared with the first (auto: the run dtype's cache).
 
 Timings on a shared machine: run under `flock /tmp/tokenloom-bench.lock` and read them as A/B ratios.
 """
@@ -35,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tokenloom import LLM, SamplingParams  # noqa: E402
 
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Artistic", textwrap.__file__]
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ["auto", "int8"]  # --kv-dtypes; the first is the baseline the others are compared with
+MODEL: str | None = None  # --model (None: the default model)
 
 
 def _corpus_ids(llm: LLM) -> list[int]:
@@ -50,13 +56,13 @@ def _corpus_ids(llm: LLM) -> list[int]:
 def capacity(dtype: str, memory: int, context: int, small_memory: int, num_requests: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kvd in KV_DTYPES:
-        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=memory, max_model_len=context + 64)
+        llm = LLM(MODEL, dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=memory, max_model_len=context + 64)
         blocks = llm.llm_engine.cache_config.num_blocks
         bs = llm.llm_engine.cache_config.block_size
         llm.llm_engine.close()
         per_seq = -(-(context + 1) // bs)  # a sequence of `context` tokens that generates one more
         # Measured: how many of `num_requests` 256-token prompts (+ 32 generated) run at once.
-        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=small_memory, enable_prefix_caching=False,
+        llm = LLM(MODEL, dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=small_memory, enable_prefix_caching=False,
                   max_model_len=512)
         engine = llm.llm_engine
         corpus = _corpus_ids(llm)
@@ -78,9 +84,9 @@ def capacity(dtype: str, memory: int, context: int, small_memory: int, num_reque
 
 
 def decode(dtype: str, context: int, batches: list[int], rounds: int, max_tokens: int) -> dict[str, Any]:
-    engines = {kvd: LLM(dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=1 << 30, max_model_len=context + 256)
-               for kvd in KV_DTYPES}
-    corpus = _corpus_ids(engines["auto"])
+    engines = {kvd: LLM(MODEL, dtype=dtype, kv_cache_dtype=kvd, kv_cache_memory=1 << 30,
+                        max_model_len=context + 256) for kvd in KV_DTYPES}
+    corpus = _corpus_ids(engines[KV_DTYPES[0]])
     while len(corpus) < max(batches) * context + max(batches):
         corpus += corpus
     contexts = [corpus[i * 97 : i * 97 + context] for i in range(max(batches))]  # distinct, overlapping text
@@ -94,7 +100,7 @@ def decode(dtype: str, context: int, batches: list[int], rounds: int, max_tokens
     res: dict[str, Any] = {str(b): {kvd: [] for kvd in KV_DTYPES} for b in batches}
     for r in range(rounds):
         for b in batches:
-            order = KV_DTYPES if r % 2 == 0 else KV_DTYPES[::-1]  # alternate which runs first
+            order = KV_DTYPES if r % 2 == 0 else KV_DTYPES[::-1]  # alternate which run first
             for kvd in order:
                 outs = engines[kvd].generate([{"prompt_token_ids": c} for c in contexts[:b]], params,
                                              use_tqdm=False)
@@ -105,18 +111,21 @@ def decode(dtype: str, context: int, batches: list[int], rounds: int, max_tokens
                 print(f"decode {dtype} round {r} batch {b} {kvd}: {tps:.1f} tok/s", flush=True)
     for llm in engines.values():
         llm.llm_engine.close()
+    base = KV_DTYPES[0]
     for b in batches:
-        f, q = res[str(b)]["auto"], res[str(b)]["int8"]
-        ratios = [y / x for x, y in zip(f, q)]
-        print(f"decode {dtype} batch {b} at {context}: float {min(f):.1f}-{max(f):.1f}, int8 {min(q):.1f}-"
-              f"{max(q):.1f} tok/s; int8/float per round {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+        f = res[str(b)][base]
+        for kvd in KV_DTYPES[1:]:
+            q = res[str(b)][kvd]
+            ratios = [y / x for x, y in zip(f, q)]
+            print(f"decode {dtype} batch {b} at {context}: {base} {min(f):.1f}-{max(f):.1f}, {kvd} {min(q):.1f}-"
+                  f"{max(q):.1f} tok/s; {kvd}/{base} per round {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
     return res
 
 
 def perplexity(dtype: str, tokens: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for kvd in KV_DTYPES:
-        llm = LLM(dtype=dtype, kv_cache_dtype=kvd, enable_prefix_caching=False, kv_cache_memory=256 << 20)
+        llm = LLM(MODEL, dtype=dtype, kv_cache_dtype=kvd, enable_prefix_caching=False, kv_cache_memory=256 << 20)
         tok = llm.get_tokenizer()
         ppl = []
         for path in TEXTS:
@@ -130,11 +139,14 @@ def perplexity(dtype: str, tokens: int) -> dict[str, Any]:
         llm.llm_engine.close()
         res[kvd] = ppl
         print(f"ppl {dtype} {kvd}: " + " ".join(f"{p:.4f}" for p in ppl), flush=True)
-    change = [100 * (q / f - 1) for f, q in zip(res["auto"], res["int8"])]
-    geo = 100 * (math.exp(sum(math.log(q / f) for f, q in zip(res["auto"], res["int8"])) / len(change)) - 1)
-    res["change_percent"] = change
-    print(f"ppl {dtype} int8 vs float KV: " + " ".join(f"{c:+.2f} %" for c in change) + f" (geomean {geo:+.2f} %)",
-          flush=True)
+    base = KV_DTYPES[0]
+    for kvd in KV_DTYPES[1:]:
+        change = [100 * (q / f - 1) for f, q in zip(res[base], res[kvd])]
+        geo = 100 * (math.exp(sum(math.log(q / f) for f, q in zip(res[base], res[kvd])) / len(change)) - 1)
+        # The int8 entry keeps its old key (the figures already recorded read it).
+        res["change_percent" if kvd == "int8" else f"change_percent_{kvd}"] = change
+        print(f"ppl {dtype} {kvd} vs {base} KV: " + " ".join(f"{c:+.2f} %" for c in change)
+              + f" (geomean {geo:+.2f} %)", flush=True)
     return res
 
 
@@ -165,6 +177,8 @@ def kernel(context: int, batches: list[int], rounds: int) -> dict[str, Any]:
             "int8 (bf16 q)": ((kq, vq, ks, vs), qkv[torch.bfloat16], False),
             "float32": ((kf, vf), qkv[torch.float32], False),
             "int8 (fp32 q)": ((kq, vq, ks, vs), qkv[torch.float32], False),
+            "fp16 (fp32 q)": ((kf.half(), vf.half()), qkv[torch.float32], False),
+            "bf16 (fp32 q)": ((kf.bfloat16(), vf.bfloat16()), qkv[torch.float32], False),
         }
         if k_mod.packed_layout_supported(bs, d):
             caches["bf16 packed"] = (pack_kv_layout(kf.bfloat16(), vf.bfloat16()), qkv[torch.bfloat16], True)
@@ -188,6 +202,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--what", default="capacity,decode,ppl")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--kv-dtypes", default="auto,int8", help="--kv-cache-dtype values; the first is the baseline")
+    ap.add_argument("--model", help="a model path or GGUF file (default: the default model)")
     ap.add_argument("--memory", type=lambda s: int(float(s) * 2**20), default=2048 << 20,
                     help="MiB of KV pool for the capacity count (default 2048, the engine's default)")
     ap.add_argument("--small-memory", type=lambda s: int(float(s) * 2**20), default=16 << 20,
@@ -200,8 +216,11 @@ def main() -> None:
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    global MODEL
+    KV_DTYPES[:] = a.kv_dtypes.split(",")
+    MODEL = a.model
     what = set(a.what.split(","))
-    result: dict[str, Any] = {"context": a.context}
+    result: dict[str, Any] = {"context": a.context, "kv_dtypes": KV_DTYPES, "model": a.model}
     if "kernel" in what:
         result["kernel"] = kernel(a.context, [int(b) for b in a.batch.split(",")], a.rounds)
     for dtype in a.dtypes.split(","):

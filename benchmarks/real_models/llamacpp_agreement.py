@@ -97,11 +97,11 @@ def llamacpp_greedy(binary: str, model: str, prompts: list[list[int]], max_token
 
 
 def tokenloom_greedy(model: str, quantization: str, prompts: list[list[int]], max_tokens: int,
-                     banned: list[int], dtype: str = "float32") -> list[Greedy]:
+                     banned: list[int], dtype: str = "float32", kv_cache_dtype: str = "auto") -> list[Greedy]:
     from tokenloom.engine.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, quantization=quantization)
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_N,
                             logit_bias={t: -100.0 for t in banned})
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--defaults", action="store_true",
                     help="both engines as a user runs them: tokenloom's --dtype auto (bf16 where the CPU has "
                          "AVX512-BF16 or AMX), llama.cpp's f16 KV cache (else float32 and an f32 KV cache on both)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="tokenloom's --kv-cache-dtype (float16: llama.cpp's default cache's roundings)")
     a = ap.parse_args()
     dtype = "auto" if a.defaults else "float32"
     from tokenloom.model.loader import resolve_model_path
@@ -176,7 +178,7 @@ def main() -> None:
                                   kv_f32=not a.defaults)
     runs = {"llamacpp": theirs}
     for name, quant in (("gguf", "gguf"), ("dequantized", "none")):
-        runs[name] = tokenloom_greedy(model, quant, prompts, a.max_tokens, eog, dtype)
+        runs[name] = tokenloom_greedy(model, quant, prompts, a.max_tokens, eog, dtype, a.kv_cache_dtype)
     rows = {name: compare(runs[name], runs["llamacpp"]) for name in ("gguf", "dequantized")}
     if a.self_check:
         runs["llamacpp_fa_off"] = llamacpp(model, "-fa", "off")
@@ -193,7 +195,7 @@ def main() -> None:
                           for k, r in rows.items())
         print(f"{c[:40]:40s}  {cells}")
     summary = {"model": Path(model).name, "max_tokens": a.max_tokens, "llama_args": a.llama_arg, "banned_eog": eog,
-               "defaults": a.defaults, "tokenloom_dtype": dtype,
+               "defaults": a.defaults, "tokenloom_dtype": dtype, "tokenloom_kv_cache_dtype": a.kv_cache_dtype,
                **{f"{k}_identical": sum(n == a.max_tokens for n in r["common_prefix"]) for k, r in rows.items()},
                **{f"{k}_{field}": v for k, r in rows.items() for field, v in r.items()}}
     print(json.dumps(summary))

@@ -195,7 +195,8 @@ class EngineCoreHost:
 
             pp = parallel.pipeline_parallel_size
             block_bytes = max(kv_cache_bytes_per_block(rank_config(loaded.config, parallel.tensor_parallel_size, s, pp),
-                                                       cache_cfg.block_size, dtype) for s in range(pp))
+                                                       cache_cfg.block_size, dtype, cache_dtype=cache_cfg.cache_dtype)
+                              for s in range(pp))
         num_blocks = cache_cfg.num_blocks or self._num_blocks_for(config, device, block_bytes)
         # The default max_model_len is capped at the longest request the pool can hold, every KV cache
         # group counted (vLLM's estimate_max_model_len; a sliding group needs only its window's blocks).
@@ -237,6 +238,7 @@ class EngineCoreHost:
             self.executor = _model_parallel_executor(config, path, dtype, device, sched_cfg,
                                                      block_size=cache_cfg.block_size, num_blocks=num_blocks,
                                                      kv_cache_groups=kv_cache_groups,
+                                                     kv_cache_dtype=cache_cfg.cache_dtype,
                                                      calibration_token_ids=calibration,
                                                      logitsprocs_config=logitsprocs_config)
             self.runner = None  # the runners live in the worker processes
@@ -290,7 +292,7 @@ class EngineCoreHost:
             self.device, str(self.dtype).replace("torch.", ""),
             f" + {config.quantization} layers" if config.quantization else "", weight_bytes / 2**20, num_blocks,
             cache_cfg.block_size, num_blocks * block_bytes / 2**20,
-            ", int8 KV" if cache_cfg.cache_dtype == "int8" else "", sched_cfg.max_model_len,
+            f", {cache_cfg.cache_dtype} KV" if cache_cfg.cache_dtype != "auto" else "", sched_cfg.max_model_len,
             token_budget_text(sched_cfg),
             ", async scheduling" if sched_cfg.async_scheduling else "",
         )
@@ -571,11 +573,9 @@ def check_model_parallel(config: EngineConfig) -> None:
     if config.device == "cuda":
         raise ConfigError("tensor/pipeline parallelism runs on CPU worker processes here; use --device cpu")
     # What the worker processes do not build yet (docs/parallelism.md).
-    cache_dtype = config.cache.cache_dtype if config.cache is not None else "auto"
     for given, what in ((config.lora_config is not None, "LoRA adapters (--enable-lora)"),
                         (config.kv_transfer_config is not None,
-                         "a KV connector (--kv-transfer-config, --kv-offloading-size)"),
-                        (cache_dtype not in ("auto", None), f"--kv-cache-dtype {cache_dtype}")):
+                         "a KV connector (--kv-transfer-config, --kv-offloading-size)")):
         if given:
             raise ConfigError(f"tensor/pipeline parallelism does not combine with {what} yet; run it with "
                               "-tp 1 -pp 1")

@@ -158,7 +158,8 @@ class Worker:
         return {"rank": self.init.rank, "pid": os.getpid(), "threads": torch.get_num_threads(),
                 "all_reduce": "none" if tp.world_size == 1 else "shared memory" if tp.shm is not None else "gloo",
                 "cpus": sorted(os.sched_getaffinity(0)), "weight_bytes": self.runner.model.weight_bytes(),
-                "num_kv_heads": self.runner.model.num_kv_heads, "num_layers": len(self.runner.model.layers)}
+                "num_kv_heads": self.runner.model.num_kv_heads, "num_layers": len(self.runner.model.layers),
+                "kv_cache_dtype": str(self.runner.kv_caches[0][0].dtype).removeprefix("torch.")}
 
     def shutdown(self) -> None:
         from tokenloom.distributed import destroy_model_parallel

@@ -46,6 +46,11 @@ as the reference and the fallback (CUDA, or no compiler).
 Which of the two a model runs, and the metadata each builds, is an `AttentionBackend`
 (tokenloom/model/attention_backends.py); this module holds the arithmetic and the metadata types.
 
+16-bit KV cache (--kv-cache-dtype bfloat16 / float16): K and V stored in that type whatever the run
+dtype; the writers round to it (round to nearest even), the readers convert rows back as they read
+(the kernels per key tile or row, the torch path per gathered block). Scores, softmax and sums stay
+fp32 (the kernels) or the run dtype (the torch path), as with a cache of the run dtype.
+
 int8 KV cache (--kv-cache-dtype int8, docs/kv_cache.md): K and V hold int8 values in the same
 [Hkv, num_blocks, block_size, D] shape and each layer's KVCache carries two more tensors, the
 float32 scales [Hkv, num_blocks, block_size] of K and V, one per (token, kv head): value = q * scale,
@@ -269,8 +274,14 @@ def allocate_kv_cache(
         scales = make(shape[:-1], dtype=KV_SCALE_DTYPE, device=device)
         return [(values[slot_of[i], 0], values[slot_of[i], 1], scales[slot_of[i], 0], scales[slot_of[i], 1])
                 for i in range(config.num_hidden_layers)]
-    full = make(shape, dtype=dtype, device=device)
+    full = make(shape, dtype=kv_storage_dtype(dtype, cache_dtype), device=device)
     return [(full[slot_of[i], 0], full[slot_of[i], 1]) for i in range(config.num_hidden_layers)]
+
+
+def kv_storage_dtype(run_dtype: torch.dtype, cache_dtype: str = "auto") -> torch.dtype:
+    """The element type K and V are stored in: the run dtype for "auto", the 16-bit type named, int8."""
+    named = {"bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+    return named.get(cache_dtype, run_dtype)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +313,9 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
             cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, q)
             scales.view(num_heads, -1).index_copy_(1, slot_mapping, s)
         return
-    k_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    # A 16-bit cache under another run dtype: rounded to the cache's type on the way in.
+    k_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(num_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def paged_attention(
@@ -355,24 +367,26 @@ def pack_kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> KVCache:
     return k, v
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scales: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[Hkv, num_blocks, bs, D] -> [Hkv, len(block_ids) * bs, D], whole blocks at a time; an int8
-    cache's blocks are dequantized with their `scales` into `dtype` (the gathered copy is made anyway)."""
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] -> [Hkv, len(block_ids) * bs, D], whole blocks at a time, in `dtype`: an
+    int8 cache's blocks dequantized with their `scales`, a 16-bit cache's converted (the gathered copy
+    is made anyway)."""
     num_heads, _, block_size, head_dim = cache.shape
     out = cache.index_select(1, block_ids)
     if scales is not None:
-        assert dtype is not None
         out = dequantize_kv(out, scales.index_select(1, block_ids), dtype)
+    elif out.dtype != dtype:
+        out = out.to(dtype)
     return out.view(num_heads, block_ids.numel() * block_size, head_dim)
 
 
 def _gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A context's K and V blocks, [Hkv, len(block_ids) * bs, D] each, in `dtype`."""
     if len(kv_cache) == 4:
-        return (_gather_blocks(kv_cache[0], block_ids, kv_cache[2], dtype),
-                _gather_blocks(kv_cache[1], block_ids, kv_cache[3], dtype))
-    return _gather_blocks(kv_cache[0], block_ids), _gather_blocks(kv_cache[1], block_ids)
+        return (_gather_blocks(kv_cache[0], block_ids, dtype, kv_cache[2]),
+                _gather_blocks(kv_cache[1], block_ids, dtype, kv_cache[3]))
+    return _gather_blocks(kv_cache[0], block_ids, dtype), _gather_blocks(kv_cache[1], block_ids, dtype)
 
 
 def _decode_attention(q: torch.Tensor, kv_cache: KVCache, meta: DecodeMetadata,

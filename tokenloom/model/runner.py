@@ -50,7 +50,12 @@ import torch
 from tokenloom.config import resolve_kv_cache_dtype
 from tokenloom.core.kv_cache_groups import KVCacheGroupSpec, make_kv_cache_groups
 from tokenloom.core.outputs import ModelRunnerOutput, NewRequestData, SampleLogprobs, SchedulerOutput
-from tokenloom.model.attention import AttentionMetadata, CommonAttentionMetadata, allocate_kv_cache
+from tokenloom.model.attention import (
+    AttentionMetadata,
+    CommonAttentionMetadata,
+    allocate_kv_cache,
+    kv_storage_dtype,
+)
 from tokenloom.model.attention_backends import CpuKernelAttentionBackend, TorchAttentionBackend
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.decoder_model import DecoderModel
@@ -191,11 +196,15 @@ class ModelRunner:
         `kv_cache_groups`: the scheduler's KV cache groups (tokenloom/core/kv_cache_groups.py); each
         layer reads its group's block table. None: one group of every layer.
 
-        `kv_cache_dtype`: "auto" (the run dtype) or "int8" (int8 values + float32 scales per token and
-        kv head, read by every attention path; tokenloom/model/attention.py, docs/kv_cache.md)."""
-        self.kv_cache_dtype = kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
+        `kv_cache_dtype`: "auto" (the run dtype), "bfloat16" / "float16" (K and V stored in that type under
+        any run dtype) or "int8" (int8 values + float32 scales per token and kv head), read by every
+        attention path (tokenloom/model/attention.py, docs/kv_cache.md)."""
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if kv_cache_dtype != "int8" and kv_storage_dtype(self.dtype, kv_cache_dtype) == self.dtype:
+            kv_cache_dtype = "auto"  # the run dtype named: the cache every path (packed layout included) knows
+        self.kv_cache_dtype = kv_cache_dtype
         if self.device.type == "cpu":
             configure_cpu_threads()
             keep_freed_memory_in_process()

@@ -54,8 +54,9 @@ class Profile:
 
     def kv_bytes_per_token_for(self, cache_dtype: str = "auto") -> int:
         """The KV bytes per token of the engine's pool with this --kv-cache-dtype: the profiled dtype's
-        (auto), or the same rows stored as int8 values + float32 scales (the engine's block bytes,
-        model/attention.kv_cache_bytes_per_block). The step costs stay the profiled cache's."""
+        (auto), or the same rows stored in another cache dtype: 16-bit values, or int8 values + float32
+        scales (the engine's block bytes, model/attention.kv_cache_bytes_per_block). The step costs stay
+        the profiled cache's."""
         if cache_dtype == "auto" or not self.kv_bytes_per_token:
             return self.kv_bytes_per_token
         elem = _DTYPE_BYTES.get(self.dtype)

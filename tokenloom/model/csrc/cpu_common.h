@@ -1,9 +1,9 @@
 // Helpers both CPU extensions compile from one copy: cpu_kernels.cpp (the per-op kernels,
 // tokenloom/model/kernels.py) and the fused decoder (fused_decode.cpp, built with gguf_kernels.cpp by
-// tokenloom/model/gguf_kernels.py): the ISA switches, element conversions, eight-lane AVX2 loads and
-// sums, and the int8 KV cache's row quantizer. Every function here is integer work, conversions,
-// adds or a single multiply, so it rounds the same under both extensions' flags (cpu_kernels.cpp is
-// built with -ffp-contract=off, the GGUF extension is not).
+// tokenloom/model/gguf_kernels.py): the ISA switches, element conversions (float, bf16, fp16), eight-lane
+// AVX2 loads and sums, the int8 KV cache's row quantizer and the 16-bit caches' row writer. Every
+// function here is integer work, conversions, adds or a single multiply, so it rounds the same under
+// both extensions' flags (cpu_kernels.cpp is built with -ffp-contract=off, the GGUF extension is not).
 //
 // Deliberately NOT shared, because the two sides differ in layout or in numerics and the fused
 // step's tokens and logprobs must stay what they are:
@@ -20,10 +20,12 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -41,9 +43,11 @@
 namespace tlc {
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;  // a --kv-cache-dtype float16 cache's elements (IEEE binary16)
 
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
+inline float to_f(f16 x) { return static_cast<float>(x); }  // exact
 inline float to_f(int8_t x) { return static_cast<float>(x); }  // an int8 KV cache's value (times its scale)
 
 #if TL_AVX2
@@ -66,7 +70,36 @@ inline __m256 load8f(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// fp16 (a float16 KV cache): F16C, on every AVX2 CPU; the exact conversion either way.
+inline __m256 load8f(const f16* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; i++) f[i] = static_cast<float>(p[i]);
+  return _mm256_load_ps(f);
 #endif
+}
+#endif
+
+// A KV cache element from a float: round to nearest even (c10's conversions), int8 excluded (its
+// rows are quantized with a scale, quantize_kv_row).
+template <typename KT>
+inline KT kv_from_f(float x) {
+  static_assert(!std::is_same_v<KT, int8_t>, "int8 KV rows go through quantize_kv_row");
+  if constexpr (std::is_same_v<KT, float>) return x;
+  else return KT(x);
+}
+
+// Copy one row of K or V into the cache: a plain copy where the types match, else each value rounded.
+template <typename T, typename KT>
+inline void store_kv_row(const T* x, int64_t D, KT* dst) {
+  if constexpr (std::is_same_v<T, KT>) {
+    std::copy(x, x + D, dst);
+  } else {
+    for (int64_t d = 0; d < D; d++) dst[d] = kv_from_f<KT>(to_f(x[d]));
+  }
+}
 
 // ------------------------------------------------------------------------------ int8 KV cache
 // --kv-cache-dtype int8: each (token, kv head) row of K or V is stored as D int8 values q and one

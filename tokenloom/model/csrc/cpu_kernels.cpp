@@ -16,9 +16,10 @@
 // AVX512-BF16 the "packed" one (same tensor shape, elements reordered within each block; see
 // attend_packed), which the runner uses whenever packed_layout_supported() says so.
 //
-// Element types: float and bfloat16, fp32 accumulation everywhere. The AVX-512 paths need
-// AVX512F/BW/VL (the bf16 dot products use AVX512-BF16 when the CPU has it); other CPUs, and head
-// sizes that are not a multiple of 16 (fp32) / 32 (bf16), take plain C++ loops.
+// Element types: float and bfloat16, fp32 accumulation everywhere; KV caches also hold bf16 or fp16
+// under either (--kv-cache-dtype bfloat16 / float16: converted as they are read) or int8 with scales.
+// The AVX-512 paths need AVX512F/BW/VL (the bf16 dot products use AVX512-BF16 when the CPU has it);
+// other CPUs, and head sizes that are not a multiple of 16 (fp32) / 32 (bf16), take plain C++ loops.
 // Threads: at::parallel_for (torch's OpenMP pool, torch.get_num_threads()).
 
 // Slim includes (not torch/extension.h): the first-use compile takes ~10 s instead of ~30 s.
@@ -65,6 +66,9 @@ inline __m512 load16(const bf16* p) {
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
@@ -126,6 +130,14 @@ inline __m512 reduce16(const __m512* v) {
 // Partial dot product of q and k (D elements) in the lanes of one vector.
 template <int D_>
 inline __m512 dot_lanes(const float* q, const float* k, int D) {
+  const int n = D_ ? D_ : D;
+  __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+  for (int j = 16; j < n; j += 16) acc = _mm512_fmadd_ps(load16(q + j), load16(k + j), acc);
+  return acc;
+}
+// q and k of different types (a 16-bit cache under a float32 or bf16 run): both converted to fp32.
+template <int D_, typename T, typename KT>
+inline __m512 dot_lanes(const T* q, const KT* k, int D) {
   const int n = D_ ? D_ : D;
   __m512 acc = _mm512_mul_ps(load16(q), load16(k));
   for (int j = 16; j < n; j += 16) acc = _mm512_fmadd_ps(load16(q + j), load16(k + j), acc);
@@ -932,10 +944,6 @@ void paged_attention_impl(const AttnArgs<T, KT>& a, const int32_t* q_start, cons
   });
 }
 
-// out: [T, Hq * D]; q: [T, >= Hq * D] rows (e.g. the fused qkv), heads contiguous from column 0;
-// caches: [Hkv, num_blocks, block_size, D]; block_tables [S, max_blocks] int32; q_start [S + 1] int32
-// (rows of sequence s: q_start[s] .. q_start[s+1]-1); pos_start [S] int32 (position of each
-// sequence's first row: row j of s sees keys 0 .. pos_start[s] + j).
 // int8 caches (--kv-cache-dtype int8) come with k_scale / v_scale, float32 [Hkv, num_blocks, block_size].
 void check_kv_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scale,
                      const c10::optional<at::Tensor>& v_scale) {
@@ -950,6 +958,35 @@ void check_kv_scales(const at::Tensor& k_cache, const c10::optional<at::Tensor>&
                 "KV scales must be contiguous float32 [Hkv, num_blocks, block_size]");
 }
 
+// Calls f(T*, KT*) (null pointers, as type tags) for q's dtype T (the run dtype: float or bf16) and the
+// caches' element type KT: the run dtype itself, a 16-bit cache under either run dtype (bf16, fp16:
+// --kv-cache-dtype bfloat16 / float16), or int8 (with scales).
+template <typename F>
+void dispatch_q_kv(at::ScalarType q_type, at::ScalarType kv_type, const char* what, F&& f) {
+  auto with_q = [&](auto* tq) {
+    using T = std::remove_pointer_t<decltype(tq)>;
+    switch (kv_type) {
+      case at::kFloat:
+        if constexpr (std::is_same_v<T, float>) return f(tq, static_cast<float*>(nullptr));
+        break;
+      case at::kBFloat16: return f(tq, static_cast<bf16*>(nullptr));
+      case at::kHalf: return f(tq, static_cast<f16*>(nullptr));
+      case at::kChar: return f(tq, static_cast<int8_t*>(nullptr));
+      default: break;
+    }
+    TORCH_CHECK(false, what, ": KV caches must be of the run dtype, bfloat16, float16 or int8, got ", kv_type,
+                " under ", q_type);
+  };
+  if (q_type == at::kFloat) with_q(static_cast<float*>(nullptr));
+  else if (q_type == at::kBFloat16) with_q(static_cast<bf16*>(nullptr));
+  else TORCH_CHECK(false, what, ": q must be float32 or bfloat16, got ", q_type);
+}
+
+// out: [T, Hq * D]; q: [T, >= Hq * D] rows (e.g. the fused qkv), heads contiguous from column 0;
+// caches: [Hkv, num_blocks, block_size, D] of q's dtype, bf16, fp16 or int8; block_tables [S, max_blocks]
+// int32; q_start [S + 1] int32 (rows of sequence s: q_start[s] .. q_start[s+1]-1); pos_start [S] int32
+// (position of each sequence's first row: row j of s sees keys 0 .. pos_start[s] + j).
+// int8 caches (--kv-cache-dtype int8) come with k_scale / v_scale, float32 [Hkv, num_blocks, block_size].
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& pos_start,
                      double scale, bool packed, const c10::optional<at::Tensor>& k_scale,
@@ -957,10 +994,9 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [Hkv, num_blocks, block_size, D]");
   const bool q8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              (q8 || q.scalar_type() == k_cache.scalar_type()), "q, caches and out must share a dtype (or int8 caches)");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and out must share a dtype, and the K and V caches theirs");
   check_kv_scales(k_cache, k_scale, v_scale);
-  TORCH_CHECK(!(q8 && packed), "the packed KV layout is bf16 only");
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "q and out must be 2-D rows");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && q_start.scalar_type() == at::kInt &&
               pos_start.scalar_type() == at::kInt, "block_tables, q_start and pos_start must be int32");
@@ -971,44 +1007,22 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const int Hkv = k_cache.size(0), bs = k_cache.size(2), D = k_cache.size(3);
   const int Hq = out.size(1) / D;
   TORCH_CHECK(Hq * D == out.size(1) && Hq % Hkv == 0 && q.size(1) >= Hq * D, "head counts do not match");
-  TORCH_CHECK(!packed || (q.scalar_type() == at::kBFloat16 && bs % 16 == 0 && D % 32 == 0 && D <= 512 &&
-                          Hq / Hkv <= 64), "the packed KV layout needs bf16, block_size % 16 == 0, D % 32 == 0");
+  TORCH_CHECK(!packed || (q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && bs % 16 == 0 &&
+                          D % 32 == 0 && D <= 512 && Hq / Hkv <= 64),
+              "the packed KV layout needs bf16 q and caches, block_size % 16 == 0, D % 32 == 0");
   const int32_t* qs = q_start.data_ptr<int32_t>();
   TORCH_CHECK(qs[0] == 0 && qs[S] <= q.size(0) && qs[S] <= out.size(0), "q_start out of range");
-  if (q8) {
-    const float* ks = k_scale->data_ptr<float>();
-    const float* vs = v_scale->data_ptr<float>();
-    const int64_t sstride = k_scale->stride(0);
-    AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention_int8",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        AttnArgs<float, int8_t> a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<int8_t>(),
-                                  v_cache.data_ptr<int8_t>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
-                                  block_tables.stride(0), out.data_ptr<float>(), out.stride(0), bs, D, Hq, Hkv,
-                                  static_cast<float>(scale), ks, vs, sstride};
-        paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        AttnArgs<bf16, int8_t> a{q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<int8_t>(),
-                                 v_cache.data_ptr<int8_t>(), k_cache.stride(0), block_tables.data_ptr<int32_t>(),
-                                 block_tables.stride(0), out.data_ptr<bf16>(), out.stride(0), bs, D, Hq, Hkv,
-                                 static_cast<float>(scale), ks, vs, sstride};
-        paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
-      }));
-    return;
-  }
-  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      AttnArgs<float> a{q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                        k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                        out.data_ptr<float>(), out.stride(0), bs, D, Hq, Hkv, static_cast<float>(scale)};
-      paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, false);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      AttnArgs<bf16> a{q.data_ptr<bf16>(), q.stride(0), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
-                       k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                       out.data_ptr<bf16>(), out.stride(0), bs, D, Hq, Hkv, static_cast<float>(scale)};
-      paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, packed);
-    }));
+  const float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
+  const float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t sstride = q8 ? k_scale->stride(0) : 0;
+  dispatch_q_kv(q.scalar_type(), k_cache.scalar_type(), "paged_attention", [&](auto* tq, auto* tk) {
+    using T = std::remove_pointer_t<decltype(tq)>;
+    using KT = std::remove_pointer_t<decltype(tk)>;
+    AttnArgs<T, KT> a{q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<KT>(), v_cache.data_ptr<KT>(),
+                      k_cache.stride(0), block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                      out.data_ptr<T>(), out.stride(0), bs, D, Hq, Hkv, static_cast<float>(scale), ks, vs, sstride};
+    paged_attention_impl(a, qs, pos_start.data_ptr<int32_t>(), S, packed);
+  });
 }
 
 // ------------------------------------------------------------------------------ RMSNorm
@@ -1183,12 +1197,14 @@ void rotate_head(T* x, const T* cos, const T* sin, int half) {
 #endif
 }
 
-template <typename T>
+// KT: the caches' elements (T, a 16-bit type, or int8_t with scales).
+template <typename T, typename KT>
 void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t* positions, const T* cos,
-                           const T* sin, int Hq, int Hkv, int D, T* kc, T* vc, int64_t head_stride,
-                           const int64_t* slots, int block_size, bool packed, int8_t* kq = nullptr,
-                           int8_t* vq = nullptr, float* ks = nullptr, float* vs = nullptr, int64_t sstride = 0) {
-  // kq set: an int8 cache (kc, vc unused): each k / v head row quantized with its scale (quantize_kv_row).
+                           const T* sin, int Hq, int Hkv, int D, KT* kc, KT* vc, int64_t head_stride,
+                           const int64_t* slots, int block_size, bool packed, float* ks = nullptr,
+                           float* vs = nullptr, int64_t sstride = 0) {
+  // int8 caches: each k / v head row quantized with its scale (quantize_kv_row); 16-bit caches under
+  // another run dtype: each value rounded to the cache's type (store_kv_row).
   const int half = D / 2;
   at::parallel_for(0, T_, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; t++) {
@@ -1197,31 +1213,32 @@ void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t
       const T* s = sin + positions[t] * half;
       for (int h = 0; h < Hq + Hkv; h++) rotate_head(row + static_cast<int64_t>(h) * D, c, s, half);
       if (slots == nullptr || slots[t] < 0) continue;
-      if (packed) {  // see attend_packed: K [D/2][bs][2], V [bs/2][D][2] per block (2-byte elements)
-        const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
-        for (int h = 0; h < Hkv; h++) {
-          const int64_t base = h * head_stride + blk * block_size * D;
-          const uint32_t* k = reinterpret_cast<const uint32_t*>(row + static_cast<int64_t>(Hq + h) * D);
-          uint32_t* kdst = reinterpret_cast<uint32_t*>(kc + base) + off;
-          for (int p = 0; p < D / 2; p++) kdst[static_cast<int64_t>(p) * block_size] = k[p];
-          const T* v = row + static_cast<int64_t>(Hq + Hkv + h) * D;
-          T* vdst = vc + base + (off / 2) * 2 * D + (off % 2);
-          for (int d = 0; d < D; d++) vdst[2 * d] = v[d];
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<KT, bf16>) {
+        if (packed) {  // see attend_packed: K [D/2][bs][2], V [bs/2][D][2] per block (2-byte elements)
+          const int64_t blk = slots[t] / block_size, off = slots[t] % block_size;
+          for (int h = 0; h < Hkv; h++) {
+            const int64_t base = h * head_stride + blk * block_size * D;
+            const uint32_t* k = reinterpret_cast<const uint32_t*>(row + static_cast<int64_t>(Hq + h) * D);
+            uint32_t* kdst = reinterpret_cast<uint32_t*>(kc + base) + off;
+            for (int p = 0; p < D / 2; p++) kdst[static_cast<int64_t>(p) * block_size] = k[p];
+            const T* v = row + static_cast<int64_t>(Hq + Hkv + h) * D;
+            T* vdst = vc + base + (off / 2) * 2 * D + (off % 2);
+            for (int d = 0; d < D; d++) vdst[2 * d] = v[d];
+          }
+          continue;
         }
-        continue;
-      }
-      if (kq != nullptr) {
-        for (int h = 0; h < Hkv; h++) {
-          const int64_t slot = h * sstride + slots[t];
-          quantize_kv_row(row + static_cast<int64_t>(Hq + h) * D, D, kq + slot * D, ks + slot);
-          quantize_kv_row(row + static_cast<int64_t>(Hq + Hkv + h) * D, D, vq + slot * D, vs + slot);
-        }
-        continue;
       }
       for (int h = 0; h < Hkv; h++) {
-        std::memcpy(kc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + h) * D, D * sizeof(T));
-        std::memcpy(vc + h * head_stride + slots[t] * D, row + static_cast<int64_t>(Hq + Hkv + h) * D,
-                    D * sizeof(T));
+        const T* k = row + static_cast<int64_t>(Hq + h) * D;
+        const T* v = row + static_cast<int64_t>(Hq + Hkv + h) * D;
+        if constexpr (std::is_same_v<KT, int8_t>) {
+          const int64_t slot = h * sstride + slots[t];
+          quantize_kv_row(k, D, kc + slot * D, ks + slot);
+          quantize_kv_row(v, D, vc + slot * D, vs + slot);
+        } else {
+          store_kv_row(k, D, kc + h * head_stride + slots[t] * D);
+          store_kv_row(v, D, vc + h * head_stride + slots[t] * D);
+        }
       }
     }
   });
@@ -1229,7 +1246,7 @@ void rotary_and_cache_impl(T* qkv, int64_t row_stride, int64_t T_, const int64_t
 
 // qkv: [T, (Hq + 2 Hkv) * D] rows (q heads, k heads, v heads); cos/sin: [P, D / 2] tables in qkv's
 // dtype; positions, slot_mapping: [T] int64. Rotates q and k in place, then writes k and v to the
-// caches ([Hkv, num_blocks, block_size, D]) at their slots.
+// caches ([Hkv, num_blocks, block_size, D], of qkv's dtype, bf16, fp16 or int8) at their slots.
 // int8 caches (--kv-cache-dtype int8): k_scale / v_scale [Hkv, num_blocks, block_size] float32 take
 // each written row's scale.
 void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -1242,15 +1259,15 @@ void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Ten
   TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == D / 2 &&
               cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope tables");
   const bool q8 = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
-              (q8 || k_cache.scalar_type() == qkv.scalar_type()), "caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches");
   check_kv_scales(k_cache, k_scale, v_scale);
-  TORCH_CHECK(!(q8 && packed), "the packed KV layout is bf16 only");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
               positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == qkv.size(0) &&
               slot_mapping.numel() == qkv.size(0), "positions and slot_mapping: [T] int64");
-  TORCH_CHECK(!packed || (qkv.scalar_type() == at::kBFloat16 && k_cache.size(2) % 16 == 0 && D % 32 == 0),
-              "the packed KV layout needs bf16, block_size % 16 == 0, D % 32 == 0");
+  TORCH_CHECK(!packed || (qkv.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                          k_cache.size(2) % 16 == 0 && D % 32 == 0),
+              "the packed KV layout needs bf16 qkv and caches, block_size % 16 == 0, D % 32 == 0");
   const int64_t T_ = qkv.size(0);
   const int bs = k_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -1260,36 +1277,16 @@ void rotary_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Ten
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position out of the rope table");
     TORCH_CHECK(slots[t] < max_slot, "slot out of the cache");
   }
-  if (q8) {
-    int8_t* kq = k_cache.data_ptr<int8_t>();
-    int8_t* vq = v_cache.data_ptr<int8_t>();
-    float* ks = k_scale->data_ptr<float>();
-    float* vs = v_scale->data_ptr<float>();
-    const int64_t sstride = k_scale->stride(0);
-    AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_and_cache_int8",
-      AT_DISPATCH_CASE(at::kFloat, [&] {
-        rotary_and_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), T_, pos, cos.data_ptr<float>(),
-                                     sin.data_ptr<float>(), Hq, Hkv, D, nullptr, nullptr, 0, slots, bs, false, kq, vq,
-                                     ks, vs, sstride);
-      })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        rotary_and_cache_impl<bf16>(qkv.data_ptr<bf16>(), qkv.stride(0), T_, pos, cos.data_ptr<bf16>(),
-                                    sin.data_ptr<bf16>(), Hq, Hkv, D, nullptr, nullptr, 0, slots, bs, false, kq, vq,
-                                    ks, vs, sstride);
-      }));
-    return;
-  }
-  AT_DISPATCH_SWITCH(qkv.scalar_type(), "rotary_and_cache",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      rotary_and_cache_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), T_, pos, cos.data_ptr<float>(),
-                                   sin.data_ptr<float>(), Hq, Hkv, D, k_cache.data_ptr<float>(),
-                                   v_cache.data_ptr<float>(), k_cache.stride(0), slots, bs, false);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      rotary_and_cache_impl<bf16>(qkv.data_ptr<bf16>(), qkv.stride(0), T_, pos, cos.data_ptr<bf16>(),
-                                  sin.data_ptr<bf16>(), Hq, Hkv, D, k_cache.data_ptr<bf16>(),
-                                  v_cache.data_ptr<bf16>(), k_cache.stride(0), slots, bs, packed);
-    }));
+  float* ks = q8 ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = q8 ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t sstride = q8 ? k_scale->stride(0) : 0;
+  dispatch_q_kv(qkv.scalar_type(), k_cache.scalar_type(), "rotary_and_cache", [&](auto* tq, auto* tk) {
+    using T = std::remove_pointer_t<decltype(tq)>;
+    using KT = std::remove_pointer_t<decltype(tk)>;
+    rotary_and_cache_impl<T, KT>(qkv.data_ptr<T>(), qkv.stride(0), T_, pos, cos.data_ptr<T>(), sin.data_ptr<T>(), Hq,
+                                 Hkv, D, k_cache.data_ptr<KT>(), v_cache.data_ptr<KT>(), k_cache.stride(0), slots, bs,
+                                 packed, ks, vs, sstride);
+  });
 }
 
 // ------------------------------------------------------------------------------ greedy argmax

@@ -488,8 +488,8 @@ class FusedDecoder {
                     "KV caches must be contiguous [Hkv, num_blocks, block_size, D]");
         TORCH_CHECK(c->scalar_type() == k[0].scalar_type() &&
                         (c->scalar_type() == at::kFloat || c->scalar_type() == at::kBFloat16 ||
-                         c->scalar_type() == at::kChar),
-                    "KV caches must all be float, all bf16 or all int8");
+                         c->scalar_type() == at::kHalf || c->scalar_type() == at::kChar),
+                    "KV caches must all be float, all bf16, all fp16 or all int8");
       }
       layers_[i].k_cache = k[i];
       layers_[i].v_cache = v[i];
@@ -561,20 +561,20 @@ class FusedDecoder {
     act_h_.shape(B, H_);
     if (Hq_ * D_ % 32 == 0) act_att_.shape(B, Hq_ * D_);
     if (I_ % 32 == 0) act_ffn_.shape(B, I_);
-    const bool f32_rope = cos.scalar_type() == at::kFloat, f32_kv = layers_[0].k_cache.scalar_type() == at::kFloat;
-    if (layers_[0].k_cache.scalar_type() == at::kChar) {
-      if (f32_rope)
-        run_step<float, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-      else
-        run_step<bf16, int8_t>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    } else if (f32_rope && f32_kv)
-      run_step<float, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else if (f32_rope)
-      run_step<float, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else if (f32_kv)
-      run_step<bf16, float>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
-    else
-      run_step<bf16, bf16>(out, B, idp, pos, slots.data_ptr<int64_t>(), block_tables, cos, sin);
+    // CT: the rope tables' type (the run dtype's); KT: the caches' elements.
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const bool f32_rope = cos.scalar_type() == at::kFloat;
+    auto with_kv = [&](auto* tc) {
+      using CT = std::remove_pointer_t<decltype(tc)>;
+      switch (layers_[0].k_cache.scalar_type()) {
+        case at::kFloat: return run_step<CT, float>(out, B, idp, pos, sl, block_tables, cos, sin);
+        case at::kBFloat16: return run_step<CT, bf16>(out, B, idp, pos, sl, block_tables, cos, sin);
+        case at::kHalf: return run_step<CT, f16>(out, B, idp, pos, sl, block_tables, cos, sin);
+        default: return run_step<CT, int8_t>(out, B, idp, pos, sl, block_tables, cos, sin);
+      }
+    };
+    if (f32_rope) with_kv(static_cast<float*>(nullptr));
+    else with_kv(static_cast<bf16*>(nullptr));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
