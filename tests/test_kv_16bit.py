@@ -7,9 +7,9 @@ dtype, so a float32 run (the default on CPUs without AVX512-BF16) keeps half the
   the fused decode step, write_kv);
 * the engine: the pool holds twice the blocks of float32 at the same memory; the default model's greedy
   tokens with a float16 cache against float32's (teacher-forced); naming the run dtype is auto (the packed
-  bf16 layout kept); prefix caching and preemption, speculative decoding with async scheduling and tensor
-  parallel workers (int8 caches too) combine with it. (The fused decode step's grouped attention on these
-  caches: tests/test_fused_float_decode.py.)
+  bf16 layout kept); prefix caching and preemption, speculative decoding with async scheduling, tensor and
+  pipeline parallel workers and the KV offloading tiers (int8 caches too) combine with it. (The fused
+  decode step's grouped attention on these caches: tests/test_fused_float_decode.py.)
 """
 
 from __future__ import annotations
@@ -384,3 +384,25 @@ def test_model_parallel_workers_take_the_option(tiny_llama, kvd, layout) -> None
         llm.llm_engine.close()
     assert [i["kv_cache_dtype"] for i in info] == [kvd, kvd]
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+@pytest.mark.parametrize("kvd", ["float16", "int8"])
+def test_offloading_tier_stores_and_serves_the_cache_dtype(tiny_llama, kvd) -> None:
+    """The KV offloading connector copies a block's bytes whatever they hold: a prompt evicted into the host
+    tier comes back as hits (its blocks of a float16 cache, or int8 values with their scales) and gives the
+    tokens of the run without a connector."""
+    from tests.test_kv_offload import BS, EXPECTED_HIT, GREEDY, PROMPT, _run
+
+    kw = dict(dtype="float32", block_size=BS, kv_cache_dtype=kvd)
+    plain = LLM(tiny_llama, num_blocks=256, **kw)
+    try:
+        want = _run(plain, PROMPT)[0]
+    finally:
+        _close(plain)
+    llm = LLM(tiny_llama, num_blocks=32, kv_offloading_size=0.01, **kw)
+    try:
+        assert _run(llm, PROMPT) == (want, 0)
+        assert llm.llm_engine.scheduler.reset_prefix_cache()
+        assert _run(llm, PROMPT, GREEDY) == (want, EXPECTED_HIT)
+    finally:
+        llm.llm_engine.close()
