@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_kv_int8 import GREEDY, NGRAM, PROMPTS, TINY, TINY_PROMPTS, _close, _tiny_run
+from tests.test_kv_int8 import GREEDY, NGRAM, TINY, TINY_PROMPTS, _close, _tiny_run, against_the_float32_cache
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import CacheConfig, ConfigError, kv_cache_row_bytes
@@ -266,33 +266,12 @@ def test_greedy_agreement_with_float32_kv_on_the_default_model(capsys) -> None:
     claim is teacher-forced: scoring the float32 run's prompt + outputs with the float16 cache, its token is
     the top-1 at >= 95 % of the generated positions (189/192 on the Zen 1 EPYC) and each prompt's first token
     is the same."""
-    kw = dict(dtype="float32", kv_cache_memory=64 << 20, enable_prefix_caching=False)
-    ref = LLM(**kw)
-    try:
-        tok = ref.get_tokenizer()
-        ids = [tok.encode(p) for p in PROMPTS]
-        want = [list(o.outputs[0].token_ids) for o in ref.generate(
-            [{"prompt_token_ids": p} for p in ids], SamplingParams(**GREEDY), use_tqdm=False)]
-    finally:
-        _close(ref)
-    llm = LLM(kv_cache_dtype="float16", **kw)
-    try:
-        assert llm.llm_engine.runner.kv_caches[0][0].dtype == torch.float16
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(
-            [{"prompt_token_ids": p} for p in ids], SamplingParams(**GREEDY), use_tqdm=False)]
-        scored = llm.generate([{"prompt_token_ids": p + w} for p, w in zip(ids, want)],
-                              SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    finally:
-        _close(llm)
-    agree = [next((i for i, (x, y) in enumerate(zip(w, g)) if x != y), len(w)) for w, g in zip(want, got)]
-    top1 = sum(o.prompt_logprobs[len(p) + j][t].rank == 1
-               for p, w, o in zip(ids, want, scored) for j, t in enumerate(w))
-    total = sum(len(w) for w in want)
+    r = against_the_float32_cache("float16", torch.float16)
     with capsys.disabled():
-        print(f"\nfloat16 vs float32 KV, SmolLM2 GGUF float32: free-running agreement {agree} of "
-              f"{GREEDY['max_tokens']}; teacher-forced top-1 {top1}/{total}")
-    assert all(w[0] == g[0] for w, g in zip(want, got))
-    assert top1 >= 0.95 * total
+        print(f"\nfloat16 vs float32 KV, SmolLM2 GGUF float32: free-running agreement {r['agree']} of "
+              f"{GREEDY['max_tokens']}; teacher-forced top-1 {r['top1']}/{r['total']}")
+    assert r["firsts_equal"]
+    assert r["top1"] >= 0.95 * r["total"]
 
 
 @pytest.mark.parametrize("path", ["torch", "kernels"])

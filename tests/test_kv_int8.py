@@ -350,13 +350,11 @@ def _close(llm) -> None:
         llm.llm_engine.close()
 
 
-@pytest.mark.slow
-def test_greedy_agreement_with_float_kv_on_the_default_model(capsys) -> None:
-    """SmolLM2 GGUF, float32: the int8 run's greedy tokens against the float-KV run's (prefill through
-    the fused kernel, decodes through the fused decode step). Free-running agreement is reported (a
-    near-tie flips a whole continuation); the claim is teacher-forced: scoring the float run's prompt +
-    outputs with the int8 cache, the float run's token is the int8 model's top-1 at >= 93 % of the
-    generated positions (186/192 here, AVX-512 Xeon), and each prompt's first token is the same."""
+def against_the_float32_cache(kv_cache_dtype: str, cache_type: torch.dtype) -> dict:
+    """SmolLM2 GGUF, float32: greedy tokens of PROMPTS with a `kv_cache_dtype` cache against the float32
+    cache's, free-running (`agree`: tokens shared before they part, per prompt; `firsts_equal`) and
+    teacher-forced (`top1` of `total`: scoring the float32 run's prompt + outputs with that cache, how often
+    its token is the top-1)."""
     kw = dict(dtype="float32", kv_cache_memory=64 << 20, enable_prefix_caching=False)
     ref = LLM(**kw)
     try:
@@ -366,27 +364,34 @@ def test_greedy_agreement_with_float_kv_on_the_default_model(capsys) -> None:
             [{"prompt_token_ids": p} for p in ids], SamplingParams(**GREEDY), use_tqdm=False)]
     finally:
         _close(ref)
-    llm = LLM(kv_cache_dtype="int8", **kw)
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, **kw)
     try:
-        assert llm.llm_engine.runner.kv_caches[0][0].dtype == torch.int8
+        assert llm.llm_engine.runner.kv_caches[0][0].dtype == cache_type
         got = [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": p} for p in ids], SamplingParams(**GREEDY), use_tqdm=False)]
         scored = llm.generate([{"prompt_token_ids": p + w} for p, w in zip(ids, want)],
                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     finally:
         _close(llm)
-    agree = [_agreement(w, g) for w, g in zip(want, got)]
-    top1 = total = 0
-    for p, w, out in zip(ids, want, scored):
-        for pos, t in enumerate(w):
-            lp = out.prompt_logprobs[len(p) + pos]
-            top1 += lp[t].rank == 1
-            total += 1
+    top1 = sum(out.prompt_logprobs[len(p) + pos][t].rank == 1
+               for p, w, out in zip(ids, want, scored) for pos, t in enumerate(w))
+    return {"agree": [_agreement(w, g) for w, g in zip(want, got)], "top1": top1,
+            "total": sum(len(w) for w in want), "firsts_equal": all(w[0] == g[0] for w, g in zip(want, got))}
+
+
+@pytest.mark.slow
+def test_greedy_agreement_with_float_kv_on_the_default_model(capsys) -> None:
+    """SmolLM2 GGUF, float32: the int8 run's greedy tokens against the float-KV run's (prefill through
+    the fused kernel, decodes through the fused decode step). Free-running agreement is reported (a
+    near-tie flips a whole continuation); the claim is teacher-forced: scoring the float run's prompt +
+    outputs with the int8 cache, the float run's token is the int8 model's top-1 at >= 93 % of the
+    generated positions (186/192 here, AVX-512 Xeon), and each prompt's first token is the same."""
+    r = against_the_float32_cache("int8", torch.int8)
     with capsys.disabled():
-        print(f"\nint8 vs float KV, SmolLM2 GGUF float32: free-running agreement {agree} of {GREEDY['max_tokens']} "
-              f"({sum(agree)}/{GREEDY['max_tokens'] * len(want)}); teacher-forced top-1 {top1}/{total}")
-    assert all(w[0] == g[0] for w, g in zip(want, got))
-    assert top1 >= 0.93 * total
+        print(f"\nint8 vs float KV, SmolLM2 GGUF float32: free-running agreement {r['agree']} of "
+              f"{GREEDY['max_tokens']}; teacher-forced top-1 {r['top1']}/{r['total']}")
+    assert r["firsts_equal"]
+    assert r["top1"] >= 0.93 * r["total"]
 
 
 @pytest.fixture(scope="module", params=["mistral", "gemma2"])
