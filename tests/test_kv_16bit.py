@@ -9,34 +9,36 @@ dtype, so a float32 run (the default on CPUs without AVX512-BF16) keeps half the
   tokens with a float16 cache against float32's (teacher-forced); naming the run dtype is auto (the packed
   bf16 layout kept); prefix caching and preemption, speculative decoding with async scheduling, tensor and
   pipeline parallel workers and the KV offloading tiers (int8 caches too) combine with it. (The fused
-  decode step's grouped attention on these caches: tests/test_fused_float_decode.py.)
+  decode step on these caches: tests/test_kv_int8.py against the per-op kernels, tests/test_fused_float_decode.py
+  its grouped attention.)
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.test_kv_int8 import GREEDY, NGRAM, TINY, TINY_PROMPTS, _close, _tiny_run, against_the_float32_cache
+from tests.test_kv_int8 import (
+    NGRAM,
+    TINY,
+    TINY_PROMPTS,
+    K,
+    _close,
+    _tiny_run,
+    against_the_float32_cache,
+    kernel_metadata,
+    needs_kernels,
+    torch_path_metadata,
+)
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import CacheConfig, ConfigError, kv_cache_row_bytes
-from tokenloom.model import kernels as kernels_mod
 from tokenloom.model.attention import (
-    DecodeMetadata,
-    KernelMetadata,
-    PrefillMetadata,
-    TorchAttentionMetadata,
-    causal_offset_mask,
     paged_attention,
     paged_attention_fused,
     write_kv,
 )
 
-K = kernels_mod.cpu_kernels()
-needs_kernels = pytest.mark.skipif(K is None, reason="compiled CPU kernels unavailable on this machine")
 KV16 = [torch.float16, torch.bfloat16]
 KV16_IDS = ["fp16", "bf16"]
 
@@ -56,13 +58,7 @@ def _case(seed: int, hq: int, hkv: int, d: int, bs: int, run: torch.dtype):
     tables = [perm[i * max_blocks : (i + 1) * max_blocks].tolist() for i in range(len(SEQS))]
     total = sum(n for _, n in SEQS)
     qkv = torch.randn(total, (hq + 2 * hkv) * d, generator=g).to(run)
-    q_start = [0]
-    for _, n in SEQS:
-        q_start.append(q_start[-1] + n)
-    meta = KernelMetadata(block_tables=torch.tensor(tables, dtype=torch.int32),
-                          q_start=torch.tensor(q_start, dtype=torch.int32),
-                          pos_start=torch.tensor([s for s, _ in SEQS], dtype=torch.int32))
-    return k, v, qkv, meta
+    return k, v, qkv, kernel_metadata(SEQS, tables)
 
 
 @needs_kernels
@@ -146,23 +142,8 @@ def test_torch_path_reads_and_writes_a_16bit_cache(kv) -> None:
     tables = [perm[i * max_blocks : (i + 1) * max_blocks].tolist() for i in range(len(seqs))]
     total = sum(n for _, n in seqs)
     q, k, v = (torch.randn(total, h, d, generator=g) for h in (hq, hkv, hkv))
-    slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, (s, n) in enumerate(seqs) for p in range(s, s + n)])
-    dec = [i for i, (_, n) in enumerate(seqs) if n == 1]
-    mb = max(seqs[i][0] // bs + 1 for i in dec)
-    bt = torch.zeros(len(dec), mb, dtype=torch.long)
-    bias = torch.full((1, len(dec), 1, mb * bs), float("-inf"))
-    for j, i in enumerate(dec):
-        s = seqs[i][0]
-        bt[j, : s // bs + 1] = torch.tensor(tables[i][: s // bs + 1])
-        bias[0, j, 0, : s + 1] = 0.0
-    prefills, offset = [], len(dec)
-    for i, (s, n) in enumerate(seqs):
-        if n > 1:
-            mask = causal_offset_mask(s, n, "cpu") if s > 0 else None
-            prefills.append(PrefillMetadata(offset, n, s + n, torch.tensor(tables[i][: -(-(s + n) // bs)]), mask))
-            offset += n
-    meta = TorchAttentionMetadata(slot_mapping=slots, decodes=[DecodeMetadata(0, len(dec), bt.reshape(-1), mb, bias)],
-                                  prefills=prefills)
+    meta = torch_path_metadata(seqs, tables, bs)
+    slots = meta.slot_mapping
     cache16 = (base[0].clone(), base[1].clone())
     got = paged_attention(q, k, v, cache16, meta)
     assert torch.equal(cache16[0].view(hkv, -1, d)[:, slots], k.transpose(0, 1).to(kv))
@@ -266,12 +247,7 @@ def test_greedy_agreement_with_float32_kv_on_the_default_model(capsys) -> None:
     claim is teacher-forced: scoring the float32 run's prompt + outputs with the float16 cache, its token is
     the top-1 at >= 95 % of the generated positions (189/192 on the Zen 1 EPYC) and each prompt's first token
     is the same."""
-    r = against_the_float32_cache("float16", torch.float16)
-    with capsys.disabled():
-        print(f"\nfloat16 vs float32 KV, SmolLM2 GGUF float32: free-running agreement {r['agree']} of "
-              f"{GREEDY['max_tokens']}; teacher-forced top-1 {r['top1']}/{r['total']}")
-    assert r["firsts_equal"]
-    assert r["top1"] >= 0.95 * r["total"]
+    against_the_float32_cache("float16", torch.float16, 0.95, capsys)
 
 
 @pytest.mark.parametrize("path", ["torch", "kernels"])
@@ -301,46 +277,6 @@ def test_speculative_and_async_scheduling_combine(tiny_llama) -> None:
                             async_scheduling=True)
     assert sched.spec_decoding_totals is not None and sched.spec_decoding_totals.num_accepted_tokens > 0
     assert both == want
-
-
-@needs_kernels
-def test_fused_decode_step_reads_and_writes_a_16bit_cache(tiny_llama, monkeypatch) -> None:
-    """The fused decode step (TOKENLOOM_FUSED_FLOAT=1) on a float16 cache against the per-op kernels on one:
-    the decode steps' logits agree as closely as the two paths do on a float cache, and the step wrote its
-    rows (the pool is uninitialised: a finite row where each request's last decode went)."""
-    from tests.test_fused_float_decode import TOL as FUSED_TOL
-    from tests.test_fused_float_decode import _decode, _requests
-    from tests.test_gguf_decode import count_fused_runs
-    from tests.test_model_runner import BLOCK
-    from tokenloom.model.gguf_kernels import gguf_kernels
-    from tokenloom.model.loader import load_model
-    from tokenloom.model.runner import ModelRunner
-
-    if gguf_kernels() is None:
-        pytest.skip("GGUF kernels unavailable")
-    loaded = load_model(Path(tiny_llama), torch.float32)
-    runners = {}
-    for fused in (True, False):
-        with monkeypatch.context() as m:
-            m.setenv("TOKENLOOM_FUSED_FLOAT", "1")
-            m.setenv("TOKENLOOM_FUSED_DECODE_ROWS", "8" if fused else "0")
-            runners[fused] = ModelRunner(loaded, block_size=BLOCK, num_blocks=64, dtype="float32", device="cpu",
-                                         cpu_kernels=True, kv_cache_dtype="float16")
-        assert (runners[fused].model.fused_step is not None) == fused
-        assert runners[fused].kv_caches[0][0].dtype == torch.float16
-    calls = count_fused_runs(runners[True].model)
-    reqs = _requests(3)
-    got, want = _decode(runners[True], reqs, 4), _decode(runners[False], reqs, 4)
-    assert calls["n"] == 4
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=FUSED_TOL["float32"])
-    # Both runners stored the same rows: the decode step's K/V are the per-op kernels' to the bit.
-    for prompt_ids, blocks in reqs.values():
-        last = len(prompt_ids) + 3
-        for a, b in zip(runners[True].kv_caches[0][:2], runners[False].kv_caches[0][:2]):
-            row_a, row_b = a[:, blocks[last // BLOCK], last % BLOCK], b[:, blocks[last // BLOCK], last % BLOCK]
-            assert bool(torch.isfinite(row_a).all())
-            torch.testing.assert_close(row_a.float(), row_b.float(), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.slow
