@@ -28,6 +28,24 @@ import pytest  # noqa: E402
 
 from tests import leak_check  # noqa: E402
 
+# Files whose tests start several engines, servers or worker processes (the largest worker seconds of a
+# `--durations` run), scheduled first. `make test` runs `-n 2 --dist loadfile`, which hands out whole files
+# in collection order, alphabetical, and most of these sort late (test_s*, test_t*): one worker then ran
+# them alone at the end while the other had nothing left. Longest first evens out the tail; the order
+# inside a file is kept.
+RUN_FIRST = (
+    "test_tensor_parallel.py", "test_spec_decode_engine.py", "test_batch_invariance.py", "test_cpu_isa.py",
+    "test_tool_calls_server.py", "test_beam_search.py", "test_structured_spec_async_matrix.py",
+    "test_pd_handoff.py", "test_kv_int8.py", "test_ray_parallel.py", "test_responses_api.py",
+    "test_malformed_sweep.py", "test_structured_server.py", "test_server_load.py", "test_chaos.py",
+    "test_server_beam_search.py", "test_smollm2_greedy.py", "test_suffix_decoding.py", "test_server_dp_deaths.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their own order
+
 pytest_plugins = ["pytester"]  # tests/test_leak_check.py runs a planted leak through the real fixture
 
 leak_check.install()
