@@ -82,22 +82,16 @@ inline __m256 load8f(const f16* p) {
 }
 #endif
 
-// A KV cache element from a float: round to nearest even (c10's conversions), int8 excluded (its
-// rows are quantized with a scale, quantize_kv_row).
-template <typename KT>
-inline KT kv_from_f(float x) {
-  static_assert(!std::is_same_v<KT, int8_t>, "int8 KV rows go through quantize_kv_row");
-  if constexpr (std::is_same_v<KT, float>) return x;
-  else return KT(x);
-}
-
-// Copy one row of K or V into the cache: a plain copy where the types match, else each value rounded.
+// Copy one row of K or V into a float / bf16 / fp16 cache: a plain copy where the types match, else each
+// value rounded to nearest even (c10's conversions). int8 rows are quantized with a scale instead
+// (quantize_kv_row).
 template <typename T, typename KT>
 inline void store_kv_row(const T* x, int64_t D, KT* dst) {
+  static_assert(!std::is_same_v<KT, int8_t>, "int8 KV rows go through quantize_kv_row");
   if constexpr (std::is_same_v<T, KT>) {
     std::copy(x, x + D, dst);
   } else {
-    for (int64_t d = 0; d < D; d++) dst[d] = kv_from_f<KT>(to_f(x[d]));
+    for (int64_t d = 0; d < D; d++) dst[d] = KT(to_f(x[d]));
   }
 }
 

@@ -675,11 +675,9 @@ class FusedDecoder {
             if constexpr (std::is_same_v<KT, int8_t>) {
               quantize_kv_row(row + hd * D_, D_, kd, ksc + kvh * nb * bs + slots[r]);
               quantize_kv_row(row + (Hq_ + Hkv_ + kvh) * D_, D_, vd, vsc + kvh * nb * bs + slots[r]);
-              continue;
-            }
-            for (int64_t t = 0; t < D_; t++) {
-              kd[t] = static_cast<KT>(row[hd * D_ + t]);
-              vd[t] = static_cast<KT>(row[(Hq_ + Hkv_ + kvh) * D_ + t]);
+            } else {
+              store_kv_row(row + hd * D_, D_, kd);
+              store_kv_row(row + (Hq_ + Hkv_ + kvh) * D_, D_, vd);
             }
           }
         }
