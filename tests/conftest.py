@@ -63,17 +63,44 @@ def engine_leak_check(request):
 
 
 @pytest.fixture(scope="session")
-def transformers_default_model():
-    """transformers' own GGUF loader over the default model, float32, eval mode: the reference three
-    modules hold the engine to. Loaded once per run; the tests only read it."""
+def transformers_default_model(request):
+    """transformers' own GGUF loader over the default model, float32, eval mode: the reference four
+    modules hold the engine to. Loaded once per run; the tests only read it.
+
+    What that loader made is kept in pytest's cache directory (.pytest_cache, `--cache-clear` empties it),
+    its config and tensors keyed by the GGUF's bytes and the transformers and torch versions: reading it
+    back takes ~1 s where parsing and dequantizing the GGUF takes 10-14 s of a test worker, and the weights
+    are the same tensors."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
     import torch
+    import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     from tokenloom.model.loader import resolve_model_path
 
     path = resolve_model_path(None)
-    with _gguf_py_answers_shared():
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    digest = hashlib.sha256(path.read_bytes())
+    digest.update(f"{transformers.__version__} {torch.__version__}".encode())
+    saved = request.config.cache.mkdir("transformers-default-model") / digest.hexdigest()[:16]
+    if not (saved / "config.json").is_file():
+        with _gguf_py_answers_shared():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32)
+        partial = tempfile.mkdtemp(dir=saved.parent)
+        # save_pretrained refuses a model its GGUF loader made; its config and tensors (the tied embedding
+        # once) read back through from_pretrained as the same float32 weights (checked: equal logits).
+        model.config.save_pretrained(partial)
+        save_model(model, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        with contextlib.suppress(OSError):  # another worker saved it first: theirs is the same
+            os.rename(partial, saved)
+        if os.path.isdir(partial):
+            shutil.rmtree(partial)
+    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32)
     model.eval()
     return model
 

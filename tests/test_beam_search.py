@@ -7,6 +7,7 @@ blocks all returned; plus the score formula and the early stop on their own.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -88,6 +89,14 @@ def test_beam_width_1_is_greedy(llm) -> None:
         assert seq.text == llm.get_tokenizer().decode(seq.tokens)  # offline: the prompt's text included
 
 
+@functools.lru_cache(maxsize=256)
+def _hf_next_logprobs(hf, tokens: tuple[int, ...]) -> torch.Tensor:
+    """transformers' next-token log-softmax after `tokens` (cached: two cases below search the same beams and
+    differ only in their final ranking)."""
+    with torch.inference_mode():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
+
+
 def _reference_beam_search(hf, prompt: list[int], width: int, steps: int, eos: int, ignore_eos: bool,
                            length_penalty: float) -> list[tuple[list[int], float]]:
     """The same search written out over transformers' log-softmax: each beam's top 2*width tokens are
@@ -98,9 +107,7 @@ def _reference_beam_search(hf, prompt: list[int], width: int, steps: int, eos: i
     for _ in range(steps):
         candidates = []
         for tokens, cum in beams:
-            with torch.inference_mode():
-                logits = hf(torch.tensor([tokens])).logits[0, -1].float()
-            top = torch.log_softmax(logits, dim=-1).topk(2 * width)
+            top = _hf_next_logprobs(hf, tuple(tokens)).topk(2 * width)
             for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
                 (finished if tok == eos and not ignore_eos else candidates).append((tokens + [tok], cum + lp))
         beams = sorted(candidates, key=lambda c: -c[1])[:width]

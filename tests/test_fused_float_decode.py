@@ -208,7 +208,16 @@ CHATS = [[{"role": "user", "content": c}] for c in (
     "List three uses of a paperclip.")]
 
 
+_GREEDY_CHATS: dict[tuple[str, bool], list[list[int]]] = {}  # the bf16 test reuses the float32 test's runs
+
+
 def _greedy_chats(monkeypatch: pytest.MonkeyPatch, dtype: str, fused: bool) -> list[list[int]]:
+    if (dtype, fused) not in _GREEDY_CHATS:
+        _GREEDY_CHATS[dtype, fused] = _run_greedy_chats(monkeypatch, dtype, fused)
+    return _GREEDY_CHATS[dtype, fused]
+
+
+def _run_greedy_chats(monkeypatch: pytest.MonkeyPatch, dtype: str, fused: bool) -> list[list[int]]:
     from tokenloom import LLM, SamplingParams
 
     with monkeypatch.context() as m:

@@ -71,7 +71,9 @@ def llms():
 class TestDefaultModel:
     def test_chat_greedy_identical(self, llms):
         plain, spec = llms
-        convs = grounded_messages(4) + [
+        # Two of the shorter code-grounded prompts (~200 tokens each: answers copy from them, so drafts are
+        # accepted) beside four plain questions; the two longest (~500 tokens) doubled the test's time.
+        convs = grounded_messages(2, offset=2) + [
             [{"role": "user", "content": q}]
             for q in ("Which city is the capital of France?", "Write a haiku about the sea.",
                       "List the days of the week.", "Explain what a hash map is in two sentences.")
@@ -86,16 +88,20 @@ class TestDefaultModel:
 
     def test_stop_string_and_eos_inside_accepted_drafts(self, llms):
         plain, spec = llms
-        conv = grounded_messages(1, offset=1)
+        conv = grounded_messages(1, offset=3)  # ~160 prompt tokens; its answer copies code (drafts accepted)
         params = SamplingParams(temperature=0.0, max_tokens=64)
         full = plain.chat(conv, params, use_tqdm=False)[0].outputs[0]
         stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 6]
-        for kwargs in ({"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True},
-                       {"stop_token_ids": [full.token_ids[40]]}, {"max_tokens": 37}):
-            p = SamplingParams(temperature=0.0, **{"max_tokens": 64, **kwargs})
-            a = plain.chat(conv, p, use_tqdm=False)[0].outputs[0]
-            b = spec.chat(conv, p, use_tqdm=False)[0].outputs[0]
+        variants = ({"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True},
+                    {"stop_token_ids": [full.token_ids[40]]}, {"max_tokens": 37})
+        # One batch per engine (the float32 path's rows do not depend on the batch): each variant ends its
+        # own request inside or at the edge of an accepted draft while the others go on.
+        params = [SamplingParams(temperature=0.0, **{"max_tokens": 64, **kwargs}) for kwargs in variants]
+        want = [o.outputs[0] for o in plain.chat(conv * len(variants), params, use_tqdm=False)]
+        got = [o.outputs[0] for o in spec.chat(conv * len(variants), params, use_tqdm=False)]
+        for kwargs, a, b in zip(variants, want, got):
             assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, a.finish_reason), kwargs
+        assert [a.finish_reason for a in want] == ["stop", "stop", "stop", "length"]
         assert _free_all(spec)
 
     def test_seeded_sampling_is_reproducible(self, llms):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from tests.tiny_models import make_tiny_hf_model, write_gguf_from_hf
@@ -117,11 +118,21 @@ def _assert_same_answers(child: dict, reference: Tokenizer) -> None:
                                                           add_generation_prompt=True)
 
 
-def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def default_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer cache holding the default GGUF's conversion (AutoTokenizer's, ~8 s on 2 cores), made once;
+    each test takes a copy of it."""
+    cache = tmp_path_factory.mktemp("default-tokenizer")
+    load_tokenizer(None, cache_dir=cache)
+    return cache
+
+
+def test_engine_tokenizer_loads_without_transformers_and_equals_it(tmp_path: Path, default_conversion: Path) -> None:
     """The engine process's tokenizer (load_tokenizer(lazy_transformers=True)) reads a cached GGUF conversion
     through `tokenizers` alone: no transformers import until a chat template is rendered, and every answer
     the same as the transformers tokenizer's (the default model's, where it must be direct)."""
     cache = tmp_path / "cache"
+    shutil.copytree(default_conversion, cache)
     for model in ("default", str(write_gguf_from_hf(make_tiny_hf_model(tmp_path, "llama"), tmp_path / "m.gguf"))):
         reference = load_tokenizer(None if model == "default" else model, cache_dir=cache)  # converts and caches
         child = _lazy_load_in_a_child(model, cache)
@@ -160,9 +171,10 @@ def test_a_model_directory_is_read_directly_once_autotokenizer_chose_the_plain_c
         assert type(loaded.hf).__name__ not in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def test_direct_tokenizer_leaves_what_transformers_would_change_to_transformers(tmp_path: Path) -> None:
-    load_tokenizer(None, cache_dir=tmp_path)
-    entry = next((tmp_path / "tokenizers").iterdir())
+def test_direct_tokenizer_leaves_what_transformers_would_change_to_transformers(tmp_path: Path,
+                                                                              default_conversion: Path) -> None:
+    shutil.copytree(default_conversion, tmp_path / "cache")
+    entry = next((tmp_path / "cache" / "tokenizers").iterdir())
     assert direct_tokenizer(entry) is not None
     # A post-processor that adds a BOS (as Llama's tokenizer.json does): the direct encode adds it where
     # transformers does, and only there.

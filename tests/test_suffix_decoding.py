@@ -220,7 +220,7 @@ def test_a_repeated_request_accepts_the_drafts_ngram_lacks():
     """The same chat twice: its output does not copy its prompt, so n-gram drafts little; the
     second time, suffix decoding drafts from the first output and accepts most of it."""
     conv = [[{"role": "user", "content": "Write a short poem about autumn leaves."}]]
-    params = SamplingParams(temperature=0.0, max_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
     # Token identity with and without drafts holds for the float path; the quantized kernels
     # verify k+1 rows in other accumulation orders than one-row decode, so on some CPUs a near
     # tie flips (seen on CI's machine).
