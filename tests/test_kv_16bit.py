@@ -32,7 +32,7 @@ from tests.test_kv_int8 import (
 )
 from tests.tiny_models import make_tiny_hf_model
 from tokenloom import LLM, SamplingParams
-from tokenloom.config import CacheConfig, ConfigError, kv_cache_row_bytes
+from tokenloom.config import CacheConfig, ConfigError, auto_kv_cache_dtype, kv_cache_row_bytes
 from tokenloom.model.attention import (
     paged_attention,
     paged_attention_fused,
@@ -192,6 +192,56 @@ def test_simulator_sizes_a_16bit_pool_as_the_engine() -> None:
     assert half.num_blocks == 2 * plain.num_blocks
 
 
+def test_simulator_sizes_auto_as_the_profiled_engine_stored_it() -> None:
+    """A profile records the cache its engine stored under auto: a float32 profile of a GGUF made where --dtype
+    auto runs float32 stored float16 K/V, and `simulate` sizes auto (and float16) as that pool; bfloat16 the
+    same 2 bytes, int8 its own rows."""
+    from dataclasses import replace
+
+    from tokenloom.sim.profile import Profile, load_profile
+    from tokenloom.sim.simulate import engine_configs
+
+    prof = load_profile("default")
+    f32 = replace(prof, dtype="float32", kv_bytes_per_token=2 * prof.kv_bytes_per_token)
+    stored = Profile.from_dict(replace(f32, kv_cache_dtype="float16").to_dict())  # the field is saved
+    assert stored.kv_cache_dtype == "float16"
+    sizes = {kvd: engine_configs(stored, {"kv_cache_memory": 256 << 20, "kv_cache_dtype": kvd})[1].num_blocks
+             for kvd in ("auto", "float16", "bfloat16", "int8")}
+    assert sizes["auto"] == sizes["float16"] == sizes["bfloat16"]
+    assert sizes["auto"] == 2 * engine_configs(f32, {"kv_cache_memory": 256 << 20})[1].num_blocks
+    assert sizes["int8"] == engine_configs(f32, {"kv_cache_memory": 256 << 20, "kv_cache_dtype": "int8"})[1].num_blocks
+
+
+def test_auto_is_the_models_dtype() -> None:
+    """vLLM's rule, `auto` = the model's dtype: the run's, except that a float32 run `--dtype auto` chose on a
+    CPU without native bf16 (or `--dtype float16`, which runs as auto's choice) keeps a 16-bit checkpoint's
+    type, and a GGUF's f16."""
+    assert auto_kv_cache_dtype("auto", "auto", "float32", "float16") == "float16"  # a GGUF on an AVX2 CPU
+    assert auto_kv_cache_dtype("auto", "auto", "float32", "bfloat16") == "bfloat16"  # a bf16 checkpoint there
+    assert auto_kv_cache_dtype("auto", "auto", "float32", "float32") == "auto"  # a float32 checkpoint
+    assert auto_kv_cache_dtype("auto", "auto", "float32", None) == "auto"  # a config that names no dtype
+    assert auto_kv_cache_dtype("auto", "float32", "float32", "float16") == "auto"  # float32 asked for
+    assert auto_kv_cache_dtype("auto", "float", "float32", "bfloat16") == "auto"
+    assert auto_kv_cache_dtype("auto", "float16", "float32", "float32") == "float16"  # half asked for
+    assert auto_kv_cache_dtype("auto", "half", "float32", None) == "float16"
+    assert auto_kv_cache_dtype("auto", "auto", "bfloat16", "float16") == "auto"  # a bf16 run: its own cache
+    assert auto_kv_cache_dtype("int8", "auto", "float32", "float16") == "int8"  # named: as named
+    assert auto_kv_cache_dtype("bfloat16", "float32", "float32", "float32") == "bfloat16"
+
+
+def test_a_checkpoints_dtype_is_read_as_vllm_reads_it(tmp_path) -> None:
+    import json
+
+    from tokenloom.model.loader import checkpoint_float_dtype, resolve_model_path
+
+    assert checkpoint_float_dtype(resolve_model_path(None)) == "float16"  # a GGUF
+    for cfg, want in (({"torch_dtype": "bfloat16"}, "bfloat16"), ({"dtype": "float16"}, "float16"),
+                      ({"dtype": "float32", "torch_dtype": "bfloat16"}, "float32"), ({}, None),
+                      ({"torch_dtype": "int8"}, None)):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **cfg}))
+        assert checkpoint_float_dtype(tmp_path) == want, cfg
+
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -220,6 +270,36 @@ def test_pool_holds_twice_the_blocks_of_float32(tiny_d64, kvd) -> None:
         finally:
             _close(llm)
     assert blocks[kvd] / blocks["auto"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_the_default_engine_keeps_a_16bit_models_cache_16bit(tiny_d64) -> None:
+    """The default model (a GGUF) under --dtype auto: where that runs float32 (no AVX512-BF16 / AMX) the cache is
+    float16, twice a float32 cache's blocks in the same memory, and --dtype float32 keeps a float32 cache; where
+    it runs bf16 the cache is the run's. A float32 checkpoint keeps a float32 cache under auto."""
+    from tokenloom.model.platform import resolve_dtype
+
+    float32_run = resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    found = {}
+    for name, kw in (("auto", {}), ("float32", {"dtype": "float32"})):
+        llm = LLM(kv_cache_memory=64 << 20, max_model_len=256, **kw)
+        try:
+            runner = llm.llm_engine.runner
+            found[name] = (runner.kv_cache_dtype, runner.kv_caches[0][0].dtype, llm.llm_engine.cache_config.num_blocks)
+            assert llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4),
+                                use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            _close(llm)
+    assert found["float32"][:2] == ("auto", torch.float32)
+    if float32_run:
+        assert found["auto"][:2] == ("float16", torch.float16)
+        assert found["auto"][2] / found["float32"][2] == pytest.approx(2.0, rel=0.02)
+    else:
+        assert found["auto"][0] == "auto"
+    llm = LLM(tiny_d64, num_blocks=16, max_model_len=64)  # its config.json: torch_dtype float32
+    try:
+        assert llm.llm_engine.runner.kv_cache_dtype == "auto"
+    finally:
+        _close(llm)
 
 
 @needs_kernels

@@ -231,6 +231,8 @@ def test_request_id_orca_header_and_extra_routes(server, http) -> None:
                  "vllm:request_decode_time_seconds", "vllm:cache_config_info",
                  'vllm:num_requests_waiting_by_reason{model_name="tiny",reason="capacity"}'):
         assert name in metrics, name
+    # vLLM's cache info names what the cache stores: --dtype float32, so a float32 cache
+    assert re.search(r'vllm:cache_config_info\{[^}]*cache_dtype="float32"[^}]*num_gpu_blocks="1024"', metrics)
     # the default token budget is automatic under a 2,048 ceiling, and /metrics says so
     assert 'tokenloom:token_budget_info{auto_budget_prefill_ms="1500",max_num_batched_tokens="2048",mode="auto"} 1.0' \
         in metrics

@@ -35,3 +35,21 @@ def test_default_model_answers_a_chat_request(server) -> None:
         temperature=0.0, max_completion_tokens=40, stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+
+
+def test_the_kv_cache_keeps_the_ggufs_16bit_type(server) -> None:
+    """`make serve`'s KV cache: where --dtype auto runs float32 (no AVX512-BF16 / AMX), the GGUF's float16, twice
+    a float32 cache's blocks in the same 2 GiB (docs/kv_cache.md); where it runs bf16, the run's bf16. /metrics'
+    vLLM cache info says which."""
+    import re
+
+    import httpx
+    import torch
+
+    from tokenloom.model.platform import resolve_dtype
+
+    want = "float16" if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else "bfloat16"
+    info = re.search(r'vllm:cache_config_info\{([^}]*)\}', httpx.get(server.url + "/metrics", timeout=30).text)
+    assert info and f'cache_dtype="{want}"' in info.group(1), info
+    blocks = int(re.search(r'num_gpu_blocks="(\d+)"', info.group(1)).group(1))
+    assert blocks == (2 << 30) // (30 * 2 * 3 * 64 * 2 * 16)  # 30 layers, K and V, 3 kv heads of 64, 2 bytes, 16 tokens

@@ -422,6 +422,22 @@ def kv_cache_row_bytes(head_dim: int, elem_size: int, cache_dtype: str = "auto")
     return head_dim * _KV_FLOAT_BYTES.get(cache_dtype, elem_size)
 
 
+def auto_kv_cache_dtype(cache_dtype: str, requested_dtype: str, run_dtype: str, checkpoint_dtype: str | None) -> str:
+    """What --kv-cache-dtype auto stores: vLLM's rule, the model's dtype. That is the run dtype, except where the
+    run is float32 only because the CPU computes 16-bit types slowly: `--dtype auto` (or float16, which runs as
+    auto's choice) on a CPU without AVX512-BF16 or AMX runs a 16-bit checkpoint (or a GGUF: f16) in float32,
+    and its cache then keeps the checkpoint's 16-bit type (llama.cpp's default cache is f16 too): half the
+    bytes of a float32 cache, read at its speed and perplexity (docs/kv_cache.md). `run_dtype` is the
+    resolved one ("float32", "bfloat16"); a float32 checkpoint, or --dtype float32, keeps a float32 cache."""
+    if cache_dtype != "auto" or run_dtype != "float32":
+        return cache_dtype
+    if requested_dtype in ("float16", "half"):
+        return "float16"
+    if requested_dtype == "auto" and checkpoint_dtype in ("float16", "bfloat16"):
+        return checkpoint_dtype
+    return "auto"
+
+
 def resolve_kv_cache_dtype(value: Any) -> str:
     """The built KV cache dtype `value` names ("auto", "bfloat16", "float16" or "int8"; vLLM's
     "int8_per_token_head" is "int8"), or a clear error: vLLM's other cache dtypes are named as not built."""
@@ -442,8 +458,10 @@ class CacheConfig:
     # A str, not a Literal: vLLM's fp8 spellings get their own error (resolve_kv_cache_dtype), not
     # argparse's "invalid choice".
     cache_dtype: str = knob(
-        "auto", "KV cache storage: auto (the model's --dtype), bfloat16 or float16 (16-bit K/V whatever --dtype: "
-        "half the bytes of a float32 run's cache, as llama.cpp's default f16 cache), or int8 (symmetric int8 with "
+        "auto", "KV cache storage: auto (the model's dtype: the run's, but a 16-bit checkpoint or a GGUF that "
+        "--dtype auto runs in float32, on a CPU without AVX512-BF16 or AMX, keeps a 16-bit cache, float16 for a "
+        "GGUF as llama.cpp's), bfloat16 or float16 (16-bit K/V whatever --dtype: half the bytes of a float32 "
+        "cache), or int8 (symmetric int8 with "
         "a float32 scale per token and KV head: ~2x the blocks of bf16, ~3.8x of float32, in the same memory; "
         "docs/kv_cache.md; vLLM's int8_per_token_head names the same format). vLLM's fp8, fp8_e4m3, fp8_e5m2 "
         "are not built",

@@ -29,6 +29,7 @@ from tokenloom.config import (
     EngineConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    auto_kv_cache_dtype,
     check_verification_budget,
     token_budget_labels,
     token_budget_text,
@@ -79,7 +80,7 @@ class EngineCoreHost:
         import torch
 
         from tokenloom.model.attention import kv_cache_bytes_per_block
-        from tokenloom.model.loader import load_model, resolve_model_path, resolve_quantization
+        from tokenloom.model.loader import checkpoint_float_dtype, load_model, resolve_model_path, resolve_quantization
         from tokenloom.model.platform import model_threads, resolve_device, resolve_dtype
         from tokenloom.model.tokenizer import load_tokenizer
 
@@ -181,7 +182,10 @@ class EngineCoreHost:
                                                             config.generation_config, self.eos_token_id)
 
         cache_cfg = config.cache or CacheConfig()
-        cache_cfg = replace(cache_cfg, layer_windows=self._layer_windows(loaded.config))
+        # auto: the model's dtype (a float32 run of a 16-bit checkpoint keeps a 16-bit cache: config.py).
+        cache_dtype = auto_kv_cache_dtype(cache_cfg.cache_dtype, str(config.dtype),
+                                          str(dtype).removeprefix("torch."), checkpoint_float_dtype(path))
+        cache_cfg = replace(cache_cfg, layer_windows=self._layer_windows(loaded.config), cache_dtype=cache_dtype)
         kv_cache_groups = make_kv_cache_groups(cache_cfg.layer_windows, loaded.config.num_hidden_layers,
                                                hybrid=not cache_cfg.disable_hybrid_kv_cache_manager)
         # A block holds the K/V of one group's layers (all of them with one group).
@@ -490,6 +494,8 @@ class EngineCoreHost:
             num_speculative_tokens=self.speculative_config.num_speculative_tokens if self.speculative_config else 0,
             reasoning_token_ids=self.reasoning_token_ids,
             custom_histogram_buckets=self.config.custom_histogram_buckets,
+            kv_cache_dtype=(str(self.dtype).replace("torch.", "") if self.cache_config.cache_dtype == "auto"
+                            else self.cache_config.cache_dtype),
         )
 
     def reset_scheduler(

@@ -99,6 +99,9 @@ class EngineReady:
     # --custom-histogram-buckets (vLLM's ObservabilityConfig, checked): the front end's Prometheus histograms
     # (engine/metrics.py) take these bounds for their families. None: every family's default.
     custom_histogram_buckets: dict[str, list[float]] | None = None
+    # What the KV cache stores (float32, bfloat16, float16, int8): --kv-cache-dtype as resolved (auto: the model's
+    # dtype, config.auto_kv_cache_dtype); "" from an engine that does not say.
+    kv_cache_dtype: str = ""
 
 
 @dataclass

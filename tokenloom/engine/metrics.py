@@ -121,6 +121,8 @@ class PrometheusMetrics:
         self.decode_time = histogram("request_decode_time_seconds", "Time in the DECODE phase", latency)
         if info is not None:  # vLLM's Info-as-gauge: always 1, the figures in its labels
             cache = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks)}
+            if getattr(info, "kv_cache_dtype", ""):  # vLLM's label: what the cache stores
+                cache["cache_dtype"] = info.kv_cache_dtype
             for p in prefixes:
                 Gauge(f"{p}:cache_config_info", "Information of the LLMEngine CacheConfig", list(cache),
                       registry=r).labels(**cache).set(1)

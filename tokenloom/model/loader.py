@@ -102,6 +102,17 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
     return LoadedModel(config=config, weights=weights, source=source, path=path)
 
 
+def checkpoint_float_dtype(path: Path) -> str | None:
+    """The float type the checkpoint stores its weights in, as vLLM's model dtype reads it: a Hugging Face
+    directory's config.json `dtype` (`torch_dtype` before transformers 4.56); "float16" for a GGUF, whose float
+    tensors (and llama.cpp's KV cache) are f16 and whose quantized blocks carry f16 scales. None: not said."""
+    if path.is_file():
+        return "float16"
+    cfg = read_hf_config(path)
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    return named if named in ("float32", "float16", "bfloat16") else None
+
+
 def load_model_config(path: str | os.PathLike[str], overrides: ModelOverrides | None = None) -> ModelConfig:
     """The model's config alone (a GGUF header or config.json; no weight is read), with the engine's overrides:
     what a process that holds no shard needs (the engine core under tensor / pipeline parallelism)."""

@@ -41,12 +41,13 @@ class GracefulServer(uvicorn.Server):
         if self.started:
             info = self.engine.info
             logger.info("tokenloom serve ready on %s in %.1f s (engine loaded in %.1f s): %s, %s on %s, "
-                        "max_model_len %d, %d KV blocks of %d tokens", self._url(),
+                        "max_model_len %d, %d KV blocks of %d tokens%s", self._url(),
                         time.perf_counter() - self.t_launch,
                         info.load_time_s, info.model_name,
                         info.dtype + (f" + {info.quantization} layers" if info.quantization else ""),
                         info.device, info.max_model_len,
-                        info.num_blocks, info.block_size)
+                        info.num_blocks, info.block_size,
+                        f" ({info.kv_cache_dtype})" if getattr(info, "kv_cache_dtype", "") else "")
 
     def _url(self) -> str:
         host = self.config.host

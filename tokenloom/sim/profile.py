@@ -47,6 +47,10 @@ class Profile:
     # The model's head size: with --kv-cache-dtype int8 a (token, layer, K or V, head) row is this
     # many bytes plus its scale (kv_bytes_per_token_for). 0: not recorded (profiles before int8 KV).
     kv_head_dim: int = 0
+    # The KV cache dtype the profiled runner stored (its step costs are that cache's): "auto", the run dtype's
+    # (kv_bytes_per_token's elements), or the engine's auto choice for a float32 run of a 16-bit checkpoint
+    # (config.auto_kv_cache_dtype), which --kv-cache-dtype auto then means in the simulation too.
+    kv_cache_dtype: str = "auto"
     runner_fingerprint: str = ""  # runner_fingerprint() when profiled
     quantization: str | None = None  # the runner's --quantization when profiled
     created: str = ""
@@ -57,6 +61,8 @@ class Profile:
         (auto), or the same rows stored in another cache dtype: 16-bit values, or int8 values + float32
         scales (the engine's block bytes, model/attention.kv_cache_bytes_per_block). The step costs stay
         the profiled cache's."""
+        if cache_dtype == "auto":
+            cache_dtype = self.kv_cache_dtype
         if cache_dtype == "auto" or not self.kv_bytes_per_token:
             return self.kv_bytes_per_token
         elem = _DTYPE_BYTES.get(self.dtype)
@@ -86,6 +92,7 @@ class Profile:
             "max_model_len": self.max_model_len,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_head_dim": self.kv_head_dim,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "runner_fingerprint": self.runner_fingerprint,
             "created": self.created,
             "tokenloom_version": self.tokenloom_version or tokenloom_version(),
@@ -116,6 +123,7 @@ class Profile:
             max_model_len=int(data.get("max_model_len", 2048)),
             kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
             kv_head_dim=int(data.get("kv_head_dim", 0)),
+            kv_cache_dtype=data.get("kv_cache_dtype", "auto"),
             runner_fingerprint=data.get("runner_fingerprint", ""),
             created=data.get("created", ""),
             tokenloom_version=data.get("tokenloom_version", ""),

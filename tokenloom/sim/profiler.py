@@ -351,8 +351,9 @@ def run_profile(
 ) -> Profile:
     """Load the model, time every shape of the grid, fit, and return the profile. `hf_overrides` and
     `disable_sliding_window`: the engine's (a profile of the model the engine would run)."""
+    from tokenloom.config import auto_kv_cache_dtype
     from tokenloom.model.hf_overrides import ModelOverrides
-    from tokenloom.model.loader import load_model, resolve_hf_overrides, resolve_model_path
+    from tokenloom.model.loader import checkpoint_float_dtype, load_model, resolve_hf_overrides, resolve_model_path
     from tokenloom.model.platform import resolve_device, resolve_dtype
     from tokenloom.model.runner import ModelRunner
 
@@ -366,8 +367,11 @@ def run_profile(
     loaded = load_model(path, torch_dtype, overrides=overrides)
     num_blocks = blocks_needed(grid, block_size, warmup + repeats + 1)
     # int8 layers run at the same speed smoothed or not: no calibration needed to time them.
+    # The cache the engine's --kv-cache-dtype auto would store (a 16-bit one for a float32 run of a 16-bit model).
+    kv_cache_dtype = auto_kv_cache_dtype("auto", str(dtype), str(torch_dtype).removeprefix("torch."),
+                                         checkpoint_float_dtype(path))
     runner = ModelRunner(loaded, block_size=block_size, num_blocks=num_blocks, dtype=torch_dtype, device=dev,
-                         quantization=quantization)
+                         quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     name = "SmolLM2-135M-Instruct" if model in (None, "default") else (loaded.config.name or path.stem)
     return profile_runner(runner, loaded.config, name, quantization=quantization, grid=grid, warmup=warmup,
                           repeats=repeats, passes=passes, max_wait_s=max_wait_s, progress=progress,
@@ -425,6 +429,7 @@ def profile_runner(
         max_model_len=model_config.context_length,
         kv_bytes_per_token=kv_cache_bytes_per_block(model_config, 1, runner.dtype),
         kv_head_dim=model_config.head_dim,
+        kv_cache_dtype=getattr(runner, "kv_cache_dtype", "auto"),
         runner_fingerprint=fingerprint,
         created=_dt.datetime.now().isoformat(timespec="seconds"),
         tokenloom_version=tokenloom_version(),
