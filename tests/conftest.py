@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Any
 
 
 def _pin_xdist_worker() -> None:
@@ -84,13 +85,18 @@ def transformers_default_model(request):
     from tokenloom.model.loader import resolve_model_path
 
     path = resolve_model_path(None)
+
+    def from_the_gguf() -> Any:
+        with _gguf_py_answers_shared():
+            return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+
+    if getattr(request.config, "cache", None) is None:  # -p no:cacheprovider: nowhere to keep it
+        return from_the_gguf().eval()
     digest = hashlib.sha256(path.read_bytes())
     digest.update(f"{transformers.__version__} {torch.__version__}".encode())
     saved = request.config.cache.mkdir("transformers-default-model") / digest.hexdigest()[:16]
     if not (saved / "config.json").is_file():
-        with _gguf_py_answers_shared():
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                         dtype=torch.float32)
+        model = from_the_gguf()
         partial = tempfile.mkdtemp(dir=saved.parent)
         # save_pretrained refuses a model its GGUF loader made; its config and tensors (the tied embedding
         # once) read back through from_pretrained as the same float32 weights (checked: equal logits).
