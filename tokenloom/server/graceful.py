@@ -47,7 +47,7 @@ class GracefulServer(uvicorn.Server):
                         info.dtype + (f" + {info.quantization} layers" if info.quantization else ""),
                         info.device, info.max_model_len,
                         info.num_blocks, info.block_size,
-                        f" ({info.kv_cache_dtype})" if getattr(info, "kv_cache_dtype", "") else "")
+                        f" ({info.kv_cache_dtype})" if info.kv_cache_dtype else "")
 
     def _url(self) -> str:
         host = self.config.host
