@@ -28,10 +28,13 @@ def tiny_dir(tmp_path_factory):
 
 
 def _workers(server: ServerProcess) -> list[int]:
+    """The ranks: children of the engine's ranks' forkserver (tokenloom/engine/worker_forkserver.py)."""
     assert server.proc is not None
     found = []
     for engine in children(server.proc.pid):
-        found += [p for p in children(engine) if b"tokenloom.engine.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        for p in children(engine):
+            if b"tokenloom.engine.worker_forkserver" in Path(f"/proc/{p}/cmdline").read_bytes():
+                found += children(p)
     return found
 
 

@@ -3,9 +3,9 @@ the one-rank greedy tokens and logits, run exactly two all-reduces per decoder l
 int8 and GGUF weights correctly, refuse what they cannot run with a clear error, and a killed rank
 ends the engine instead of hanging it.
 
-The engines are real worker processes (2-3 interpreters) on a tiny random model (4 heads, 2 KV heads,
-float32 so that a different summation order cannot flip a greedy choice); each test starts its engines
-once. The shared-memory all-reduce is checked on its own between threads (no process start-up).
+The engines are real worker processes (2-4 ranks, forked from the ranks' forkserver) on a tiny random model
+(4 heads, 2 KV heads, float32 so that a different summation order cannot flip a greedy choice); each test
+starts its engines once. The shared-memory all-reduce is checked on its own between threads (no process start-up).
 """
 
 from __future__ import annotations
@@ -149,6 +149,45 @@ def test_tp4_replicates_kv_heads_and_gloo_gives_the_same_tokens(tiny_dir, one_ra
         assert _tokens(llm) == one_rank[0]
     finally:
         llm.llm_engine.close()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_ranks_fork_from_one_forkserver_with_the_executors_environment_of_now(tiny_dir, monkeypatch):
+    """Successive engines' ranks fork from one forkserver (torch imported once per process, not once per rank),
+    each rank with the environment its executor has when it starts it (TOKENLOOM_CPU_ALLREDUCE, set after the
+    forkserver started, reaches the ranks); a variable libraries read when they load (MALLOC_*) changed means a
+    new forkserver, and the old one exits once its ranks have."""
+    from tokenloom.engine.worker_forkserver import forkserver
+
+    server = forkserver()
+    monkeypatch.delenv("TOKENLOOM_CPU_ALLREDUCE", raising=False)
+    for all_reduce in ("shared memory", "gloo"):
+        if all_reduce == "gloo":
+            monkeypatch.setenv("TOKENLOOM_CPU_ALLREDUCE", "gloo")
+        llm = LLM(str(tiny_dir), tensor_parallel_size=2, **KW)
+        try:
+            info = llm.llm_engine.executor.worker_info
+            assert [_parent(i["pid"]) for i in info] == [server.proc.pid] * 2
+            assert [i["all_reduce"] for i in info] == [all_reduce] * 2
+        finally:
+            llm.llm_engine.close()
+    assert forkserver() is server
+    monkeypatch.setenv("MALLOC_TOKENLOOM_TEST", "1")
+    assert forkserver() is not server
+    assert server.proc.wait(timeout=60) == 0
+
+
+def test_a_forkserver_gone_before_forking_is_a_clear_error():
+    from tokenloom.engine.process_start import what_a_child_inherits
+    from tokenloom.engine.worker_forkserver import WorkerForkserver
+
+    server = WorkerForkserver(what_a_child_inherits())
+    server.proc.kill()
+    with pytest.raises(RuntimeError, match="forkserver exited with code -9 before starting every rank"):
+        server.fork_ranks([{"address": "127.0.0.1:1", "authkey": "00", "rank": 0, "omp_threads": None}])
 
 
 def test_shard_cuts_heads_kv_replicas_vocab_and_layers(tiny_dir):

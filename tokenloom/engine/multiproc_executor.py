@@ -2,8 +2,9 @@
 v1/executor/multiproc_executor.py); the RayExecutor (ray_executor.py) places the same ranks as Ray actors.
 
 The executor starts `tensor_parallel_size x pipeline_parallel_size` workers
-(tokenloom/engine/worker.py), each a fresh interpreter that connects back over an authenticated
-localhost socket (multiprocessing.connection). Every step it sends the SchedulerOutput to every
+(tokenloom/engine/worker.py), forked from an interpreter that imported torch and the worker code once, this
+process's ranks' forkserver (tokenloom/engine/worker_forkserver.py); each connects back over an
+authenticated localhost socket (multiprocessing.connection). Every step it sends the SchedulerOutput to every
 worker (a broadcast over N pipes: the pickled SchedulerOutput is a few KB) and waits for every
 worker's answer; the ModelRunnerOutput comes from the output rank (TP rank 0 of the last PP stage).
 
@@ -35,7 +36,6 @@ import logging
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -48,6 +48,7 @@ from tokenloom.config import ConfigError
 from tokenloom.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenloom.engine.executor import Executor, ExecutorDeadError
 from tokenloom.engine.worker import WorkerInit, recv, send
+from tokenloom.engine.worker_forkserver import forkserver
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._drafts: Any = None
         self._send_lock = threading.Lock()  # a message to every worker, and its gather queued, as one
-        self.procs: list[Any] = []  # subprocess.Popen, or anything with pid / poll / kill / wait
+        self.procs: list[Any] = []  # worker_forkserver.ForkedRank, or anything with pid / poll / kill / wait
         self.conns: list[Connection] = []
         self.worker_info: list[dict[str, Any]] = []
         # Answers read but not yet gathered, per rank, with the wait round they arrived in: a rank that
@@ -165,17 +166,13 @@ class MultiprocExecutor(Executor):
         return cpus
 
     def _launch(self, host: str, port: int, authkey: bytes) -> list[Any]:
-        """Start one worker per rank that connects back to host:port; their process handles."""
+        """Fork one worker per rank, from the ranks' forkserver, that connects back to host:port; their process
+        handles."""
         _, threads = rank_cpus(self.world_size, envs.VLLM_CPU_OMP_THREADS_BIND, sorted(os.sched_getaffinity(0)))
-        procs: list[Any] = []
-        for rank in range(self.world_size):
-            # The rank's OpenMP threads, unless the user set them (then theirs win, as on one rank).
-            omp = {} if envs.OMP_NUM_THREADS else {"OMP_NUM_THREADS": str(threads[rank])}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenloom.engine.worker", f"{host}:{port}", authkey.hex(), str(rank)],
-                env=envs.child_environment(**omp), stdin=subprocess.DEVNULL))
-            self.procs = procs  # a failed start below kills what started
-        return procs
+        # Each rank's OpenMP threads, unless the user set them (then theirs win, as on one rank).
+        return forkserver().fork_ranks([
+            {"address": f"{host}:{port}", "authkey": authkey.hex(), "rank": rank,
+             "omp_threads": None if envs.OMP_NUM_THREADS else threads[rank]} for rank in range(self.world_size)])
 
     def _accept(self, listener: Listener) -> dict[int, tuple[Connection, str, str, int]]:
         """Every worker's connection and where it runs (node id, node address, a free port there), by

@@ -45,7 +45,7 @@ FORKSERVER_PRELOAD = ["tokenloom", "torch", "tokenloom.engine.core_proc", "token
 LOAD_TIME_VARIABLES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH",
                        "PYTORCH_", "LRU_CACHE_CAPACITY", "MALLOC_", "TOKENLOOM_CPU_ISA", "CUDA_", "NVIDIA_")
 
-# What this process's children inherited when its forkserver started (_what_a_child_inherits); None until then.
+# What this process's children inherited when its forkserver started (what_a_child_inherits); None until then.
 _forkserver_started_with: tuple[object, ...] | None = None
 # The engine processes forked from it (a WeakSet: a finished client's process is dropped with it).
 _forked: weakref.WeakSet[BaseProcess] = weakref.WeakSet()
@@ -106,7 +106,7 @@ def engine_process_context(preferred: str = "forkserver") -> BaseContext:
     method = preferred if chosen == "auto" else chosen
     if method == "spawn":
         return mp.get_context("spawn")
-    now = _what_a_child_inherits()
+    now = what_a_child_inherits()
     if _forkserver_started_with is None and _forkserver_pid() is not None:
         logger.debug("a forkserver this module did not start is running: spawning the engine")
         return mp.get_context("spawn")
@@ -125,7 +125,7 @@ def engine_process_context(preferred: str = "forkserver") -> BaseContext:
     return ctx
 
 
-def _what_a_child_inherits() -> tuple[object, ...]:
+def what_a_child_inherits() -> tuple[object, ...]:
     """What a forked engine would take from the forkserver instead of from the process that starts it: the
     variables libraries read when they load (LOAD_TIME_VARIABLES; the others the child takes from its
     starter, _run_in_environment), the CPU affinity, and the files standard output and error write to (a

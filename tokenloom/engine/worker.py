@@ -1,10 +1,12 @@
 """A tensor / pipeline-parallel worker: one process per rank, holding its shard of the model and
 its KV cache (vLLM's v1/worker/cpu_worker.py with its WorkerProc loop).
 
-Started by the MultiprocExecutor (tokenloom/engine/multiproc_executor.py) as
-`python -m tokenloom.engine.worker HOST:PORT AUTHKEY RANK`: a fresh interpreter (no forked torch
-threads), started with subprocess so that an engine core that is itself a daemon process may start
-it (a Ray actor of the RayExecutor runs the same loop, `serve`, in its own process). It connects back
+Started by the MultiprocExecutor (tokenloom/engine/multiproc_executor.py), forked from the ranks'
+forkserver (tokenloom/engine/worker_forkserver.py: an interpreter started with subprocess, so that an engine
+core that is itself a daemon process may start it, imports torch once per process and forks each rank into
+`main(HOST:PORT AUTHKEY RANK)`; `python -m tokenloom.engine.worker HOST:PORT AUTHKEY RANK` runs the same
+rank in an interpreter of its own); a Ray actor of the RayExecutor runs the same loop, `serve`, in its own
+process. It connects back
 to the executor, says where it runs, receives its `WorkerInit`, pins itself to its cores, joins the
 process groups (gloo, tokenloom/distributed), loads the checkpoint, keeps its cut
 (tokenloom/model/tp_shard.py), builds a ModelRunner over it, and then runs what the executor sends:

@@ -155,8 +155,8 @@ def fqcn_for_another_process(spec: str | type[LogitsProcessor], allow_main: bool
     qualified name, once checked that this name gives the class back here (ConfigError otherwise: a class
     defined inside a function, or in an interactive session's __main__, exists in this process only).
     `allow_main` False: the other process does not re-run this process's main script (a tensor-parallel
-    worker is `python -m tokenloom.engine.worker`; a spawned engine process does re-run it), so a class of the
-    script's own (__main__) cannot reach it either."""
+    worker is forked from `python -m tokenloom.engine.worker_forkserver`; a spawned engine process does re-run
+    it), so a class of the script's own (__main__) cannot reach it either."""
     name = spec if isinstance(spec, str) else fqcn(spec)
     if not allow_main and name.startswith("__main__:"):
         raise ConfigError(f"logits_processors: {name.removeprefix('__main__:')} is defined in the script being run "
