@@ -92,7 +92,8 @@ figure: setup
 	$(BIN)/python benchmarks/figures/rerun.py --only $(FIGURE)
 
 # The suite runs on one pytest-xdist worker per core (at most 4), a test file's tests on one worker (their
-# module fixtures, a server or an engine, start once); tests/conftest.py pins each worker to its own cores.
+# module fixtures, a server or an engine, start once), the longest files first (tests/conftest.py's RUN_FIRST;
+# --no-loadscope-reorder keeps that order); tests/conftest.py pins each worker to its own cores.
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: every test process and every server, engine
 # and rank it starts would compile the same sources again (collection alone: 26 s of CPU against 15).
 # --durations: the slowest tests in every run's log, so that the suite's time (kept under 15 minutes on 2 cores)
@@ -101,7 +102,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4;
 
 test: setup $(VENV)/.test-installed $(VENV)/.suffix-installed $(VENV)/.chromium $(VENV)/.isa-checked
 	$(BIN)/ruff check tokenloom tests benchmarks
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # vLLM's own tests vendored in tests/peer, with the long cases `make test` skips (tests/peer/offline/conftest.py,
 # tests/peer/core/conftest.py, tests/peer/logits_processors/conftest.py).

@@ -29,17 +29,29 @@ import pytest  # noqa: E402
 
 from tests import leak_check  # noqa: E402
 
-# Files whose tests start several engines, servers or worker processes (the largest worker seconds of a
-# `--durations` run), scheduled first. `make test` runs `-n 2 --dist loadfile`, which hands out whole files
-# in collection order, alphabetical, and most of these sort late (test_s*, test_t*): one worker then ran
-# them alone at the end while the other had nothing left. Longest first evens out the tail; the order
-# inside a file is kept.
+# Files whose tests start several engines, servers or worker processes, longest first (each file's summed
+# seconds in a `--durations=0` run on the 2-core Zen 1, the files of 10 s and more; the rest follow in
+# collection order, alphabetical). `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`, which
+# hands out whole files in this order: longest first evens out the tail, where one worker would otherwise run a
+# long file alone while the other has nothing left (xdist's own reordering, by number of tests, put files of one
+# long test last: 26 s of one worker idle at the end). The order inside a file is kept.
 RUN_FIRST = (
-    "test_tensor_parallel.py", "test_spec_decode_engine.py", "test_batch_invariance.py", "test_cpu_isa.py",
-    "test_tool_calls_server.py", "test_beam_search.py", "test_structured_spec_async_matrix.py",
-    "test_pd_handoff.py", "test_kv_int8.py", "test_ray_parallel.py", "test_responses_api.py",
-    "test_malformed_sweep.py", "test_structured_server.py", "test_server_load.py", "test_chaos.py",
-    "test_server_beam_search.py", "test_smollm2_greedy.py", "test_suffix_decoding.py", "test_server_dp_deaths.py",
+    "test_batch_invariance.py", "test_tool_calls_server.py", "test_vllm_async_llm.py", "test_responses_api.py",
+    "test_spec_decode_engine.py", "test_pd_handoff.py", "test_tensor_parallel.py", "test_malformed_sweep.py",
+    "test_ray_parallel.py", "test_structured_server.py", "test_vllm_struct_output_generate.py",
+    "test_server_beam_search.py", "test_beam_search.py", "test_structured_spec_async_matrix.py",
+    "test_fused_float_decode.py", "test_server_load.py", "test_chaos.py", "test_server_pooling.py",
+    "test_suffix_decoding.py", "test_server_errors.py", "test_tool_calls_qwen3_server.py",
+    "test_tool_calls_pythonic_server.py", "test_bad_words.py", "test_kv_16bit.py", "test_ray_backend.py",
+    "test_vllm_llm_engine.py", "test_feature_combinations.py", "test_server_dp_deaths.py",
+    "test_server_lifecycle.py", "test_async_engine.py", "test_async_spec_engine.py", "test_startup.py",
+    "test_structured_outputs.py", "test_structured_spec_decode.py", "test_engine_start.py",
+    "test_logits_processors.py", "test_rejection_sampler.py", "test_stat_logging.py", "test_vllm_context_length.py",
+    "test_smollm2_greedy.py", "test_kv_offload_server.py", "test_reasoning_server.py",
+    "test_default_quantization.py", "test_cpu_isa.py", "test_kv_int8.py", "test_server_api.py", "test_quant.py",
+    "test_vllm_custom_logitsprocs.py", "test_single_stream_phases.py", "test_server_dp.py",
+    "test_server_behaviours.py", "test_sim.py", "test_server_lora.py", "test_skip_tokenizer_init.py",
+    "test_server_smollm2.py", "test_pooling.py", "test_server.py", "test_soak.py",
 )
 
 
