@@ -205,13 +205,13 @@ def _run_rank(request: dict[str, Any]) -> None:
         os.close(null)
         from tokenloom import envs
 
-        envs.set_environment(request["env"])
-        os.chdir(request["cwd"])
         threads = request.get("omp_threads")
+        # The rank's threads also in its environment: what its thread planning reads (platform.py, via envs).
+        envs.set_environment({**request["env"], **({"OMP_NUM_THREADS": str(threads)} if threads else {})})
+        os.chdir(request["cwd"])
         if threads:
             import torch
 
-            os.environ["OMP_NUM_THREADS"] = str(threads)  # what the rank's thread planning reads (envs)
             torch.set_num_threads(int(threads))
         from tokenloom.engine.worker import main
 
