@@ -234,8 +234,10 @@ def test_custom_tool_input_resent_whole_when_the_end_disagrees() -> None:
 def server(tmp_path_factory):
     # No prefix caching: a whole and a streamed reply are compared token for token (a prefix-cache hit
     # computes the prompt's tail in another batch shape; see tests/test_tool_calls_server.py).
+    # --return-tokens-as-token-ids: vLLM's Responses logprobs then name tokens "token_id:N" (no test here reads
+    # another server's token strings).
     with ServerProcess("--host", "127.0.0.1", "--max-model-len", "1024", "--no-enable-prefix-caching",
-                       log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+                       "--return-tokens-as-token-ids", log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 
 
@@ -353,6 +355,12 @@ class TestServer:
         r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, top_logprobs=3, service_tier="flex",
                                     temperature=0.0, extra_body={"presence_penalty": 0.5})
         assert r.top_logprobs is None and r.service_tier == "flex" and not r.output[0].content[0].logprobs
+        # the server's --return-tokens-as-token-ids (vLLM's _create_response_logprobs reads it)
+        scored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, top_logprobs=1,
+                                         temperature=0.0, include=["message.output_text.logprobs"])
+        lps = scored.output[0].content[0].logprobs
+        assert lps and all(lp.token.startswith("token_id:") for lp in lps)
+        assert all(top.token.startswith("token_id:") for lp in lps for top in lp.top_logprobs)
         assert (r.presence_penalty, r.frequency_penalty) == (0.5, 0.0)
         body = {"input": "Hi", "max_output_tokens": 1024, "stream": True}
         with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as events:

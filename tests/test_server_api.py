@@ -74,6 +74,13 @@ def test_completion_echo_with_logprobs_and_prompt_logprobs(http) -> None:
     plp = scored["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(PROMPT_IDS)
     assert all(str(t) in e for t, e in zip(PROMPT_IDS[1:], plp[1:]))
+    # vLLM's order within a position: the prompt's (or the sampled) token first, then the top-n by rank
+    assert [next(iter(e)) for e in plp[1:]] == [str(t) for t in PROMPT_IDS[1:]]
+    assert [next(iter(e)) for e in lp["top_logprobs"][1:]] == lp["tokens"][1:]
+    # (test_vllm_return_tokens_as_ids.py's check: each position's first top_logprobs key is its token)
+    as_ids = _post(http, "/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 4, "echo": True, "logprobs": 1,
+                                             "return_tokens_as_token_ids": True, **GREEDY})["choices"][0]["logprobs"]
+    assert [next(iter(e)) for e in as_ids["top_logprobs"][1:]] == as_ids["tokens"][1:]
 
 
 def test_minus_one_logprobs_mean_the_whole_vocabulary_with_max_logprobs_minus_one(http) -> None:

@@ -127,8 +127,10 @@ def test_data_parallel_async_and_speculating_engines_take_it(model_dirs, referen
 
 @pytest.mark.slow
 def test_server_with_skip_tokenizer_init(model_dirs, reference, tmp_path) -> None:
+    # --return-tokens-as-token-ids: vLLM's flag, the request's field as the server's default (a request's own
+    # value wins)
     args = [model_dirs[1], "--skip-tokenizer-init", "--dtype", "float32", "--num-blocks", "64", "--block-size", "4",
-            "--max-model-len", "64"]
+            "--max-model-len", "64", "--return-tokens-as-token-ids"]
     with ServerProcess(*args, log_path=tmp_path / "server.log") as s:
         def post(path: str, body: dict) -> httpx.Response:
             return httpx.post(s.url + path, json=body, timeout=60)
@@ -143,9 +145,21 @@ def test_server_with_skip_tokenizer_init(model_dirs, reference, tmp_path) -> Non
         choice = r.json()["choices"][0]
         assert choice["token_ids"] == reference[0]
         assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference[0]]
+        r = post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                     "logprobs": 1})  # return_tokens_as_token_ids from the server's flag
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in reference[0]]
+        # echo with return_token_ids needs no tokenizer: no prompt text (vLLM's), the ids in prompt_token_ids
+        r = post("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                     "echo": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and choice["prompt_token_ids"] == PROMPTS[0]
+        assert choice["token_ids"] == reference[0]
         for path, body, words in [
             ("/v1/completions", {"prompt": "abc"}, "You cannot pass text prompts when `skip_tokenizer_init=True`"),
-            ("/v1/completions", {"prompt": PROMPTS[0], "logprobs": 1}, "Unable to get tokenizer because"),
+            ("/v1/completions", {"prompt": PROMPTS[0], "logprobs": 1, "return_tokens_as_token_ids": False},
+             "Unable to get tokenizer because"),
             ("/v1/completions", {"prompt": PROMPTS[0], "echo": True}, "Tokenizer not available"),
             ("/v1/completions", {"prompt": PROMPTS[0], "stop": ["."]}, "give stop_token_ids instead"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "Tokenizer not available"),

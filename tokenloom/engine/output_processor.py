@@ -307,9 +307,12 @@ class OutputProcessor:
         ranks are unknown. decode=False (detokenize=False): no decoded_token, as vLLM. `context`: the tokens the
         sequence holds just before this position (at most 4), which complete a token's partial character."""
         text = (lambda tid: self._decoded_token(tid, context)) if decode else (lambda _: None)
-        d = {tid: Logprob(v, rank + 1 if ranked else None, text(tid)) for rank, (tid, v) in enumerate(lp.top)}
-        if lp.token_id not in d:
-            d[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
+        # The sampled (or prompt) token first, then the top-n, as vLLM's sampler lays a position out (its dict's
+        # order is what a client iterating prompt_logprobs or a completion's top_logprobs sees); a top-n entry
+        # for the same token overwrites it in place.
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
+        for rank, (tid, v) in enumerate(lp.top):
+            d[tid] = Logprob(v, rank + 1 if ranked else None, d[tid].decoded_token if tid in d else text(tid))
         return d
 
     def _decoded_token(self, token_id: int, context: Sequence[int]) -> str | None:

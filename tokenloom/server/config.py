@@ -83,6 +83,9 @@ class ServerConfig:
     enable_server_load_tracking: bool = knob(False, "accepted for vLLM compatibility: GET /load is always served")
     metrics_prefix: Literal["both", "vllm", "tokenloom"] = knob(
         "both", "Prometheus names: vLLM's (vllm:...), tokenloom's (tokenloom:...), or both")
+    return_tokens_as_token_ids: bool = knob(
+        False, "logprobs name tokens as 'token_id:N' unless a request says otherwise (vLLM's flag; the request's "
+               "return_tokens_as_token_ids overrides it)")
     max_logprobs: int = knob(
         20, "the most logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's option); -1 (or at "
             "least the vocabulary) also allows -1, every token")

@@ -224,7 +224,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer | None,
         truncated = truncate_prompt(ids, req, max_model_len)
         # The text of a truncated prompt is what is left of it (echo returns that).
         text = item if isinstance(item, str) and truncated is ids else None
-        if text is None and (req.echo or isinstance(item, str)):
+        if text is None and tokenizer is not None and (req.echo or isinstance(item, str)):
             text = tokenizer.decode(truncated, skip_special_tokens=False)
         out.append((text, truncated))
     return out
@@ -232,10 +232,11 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer | None,
 
 def _check_without_tokenizer(req: CompletionRequest, items: list[Any]) -> None:
     """--skip-tokenizer-init: a text prompt, echo (the prompt's text) and logprobs' token strings need the
-    tokenizer: 400s in vLLM's words (return_tokens_as_token_ids gives logprobs that need none)."""
+    tokenizer: 400s in vLLM's words (return_tokens_as_token_ids gives logprobs that need none; with
+    return_token_ids, echo adds no prompt text, the ids being in prompt_token_ids, as vLLM's)."""
     if any(isinstance(item, str) for item in items):
         raise APIError(400, TEXT_PROMPT_WITHOUT_TOKENIZER, "prompt")
-    if req.echo:
+    if req.echo and not req.return_token_ids:
         raise APIError(400, NO_TOKENIZER, "echo")
     if req.logprobs is not None and not req.return_tokens_as_token_ids:
         raise APIError(400, "Unable to get tokenizer because `skip_tokenizer_init=True`", "skip_tokenizer_init")

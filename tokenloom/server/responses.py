@@ -132,8 +132,10 @@ def completion_logprobs(
         if entry is None:
             top.append(None)
         else:
+            # vLLM's order: the chosen token first, then the top-n by rank (its sampler's layout of a position);
+            # tokens that decode alike (e.g. partial UTF-8) keep the first
             ranked: dict[str, float] = {}
-            for t, lp in _by_rank(entry):  # tokens that decode alike (e.g. partial UTF-8) keep the best
+            for t, lp in sorted(_by_rank(entry), key=lambda kv: kv[0] != tid):
                 ranked.setdefault(_token(lp, t, as_ids), _lp(lp.logprob))
             top.append(ranked)
         offsets.append(text_offset)

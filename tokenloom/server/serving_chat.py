@@ -84,6 +84,8 @@ async def parse_chat(state: ServerState, obj: dict[str, Any]) -> tuple[ChatCompl
     """Validate one chat request and render its prompt (the batch endpoint shares this)."""
     reject_unsupported_chat(obj)
     req = parse_model(ChatCompletionRequest, obj)
+    if req.return_tokens_as_token_ids is None:  # --return-tokens-as-token-ids: the server's default
+        req.return_tokens_as_token_ids = state.config.return_tokens_as_token_ids
     state.model_name(req.model)
     state.check_generates()
     check_chat_request(req, state.vocab_size)

@@ -35,6 +35,8 @@ async def create_completion(raw: Request) -> Response:
     obj = await read_json(raw, state.config.max_request_body_bytes)
     reject_unsupported_completion(obj)
     req = parse_model(CompletionRequest, obj)
+    if req.return_tokens_as_token_ids is None:  # --return-tokens-as-token-ids: the server's default
+        req.return_tokens_as_token_ids = state.config.return_tokens_as_token_ids
     model = state.model_name(req.model)
     state.check_generates()
     check_completion_request(req, state.vocab_size)

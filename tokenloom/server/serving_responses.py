@@ -223,6 +223,9 @@ class ResponseContext:
     events: EventLog | None = None  # a streamed background response's events, kept for GET ?stream=true
     created_at: int = field(default_factory=lambda: int(time.time()))
     extras: ChatExtras = field(default_factory=ChatExtras)  # parse_chat's: the reasoning parsing among them
+    # --return-tokens-as-token-ids: logprobs name tokens "token_id:N" (vLLM's Responses reads the server's flag;
+    # its request has no such field)
+    tokens_as_ids: bool = False
 
     def output_parser(self) -> OutputParser | None:
         """The output's reasoning / tool-call parser (None without --reasoning-parser: tool_calls.py's alone)."""
@@ -242,7 +245,7 @@ class ResponseContext:
     def logprobs(self, token_ids: list[int], entries: Any) -> list[dict[str, Any]] | None:
         if not self.wants_logprobs or entries is None:
             return None
-        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0)["content"]
+        return chat_logprobs(token_ids, entries, self.req.top_logprobs or 0, self.tokens_as_ids)["content"]
 
     def response(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None) -> dict[str, Any]:
         req = self.req
@@ -338,7 +341,7 @@ async def create_response(raw: Request) -> Response:
     except APIError as exc:
         raise _renamed(exc) from None
     ctx = ResponseContext(req, obj, req.request_id or new_item_id("resp"), state.model_name(req.model), params,
-                          extras.tools, messages, extras=extras)
+                          extras.tools, messages, extras=extras, tokens_as_ids=state.config.return_tokens_as_token_ids)
     if req.enable_response_messages:
         ctx.prompt = (state.tokenizer.decode(prompt_ids, skip_special_tokens=False), list(prompt_ids))
     engine_id = f"{ctx.response_id}-{uuid.uuid4().hex[:8]}"
