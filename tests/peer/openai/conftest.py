@@ -26,6 +26,7 @@ _FULL_RUN_ONLY_FILES = {
     "test_vllm_token_in_token_out.py",  # --skip-tokenizer-init
     "test_vllm_return_tokens_as_ids.py",  # --return-tokens-as-token-ids (and a second without)
     "test_vllm_root_path.py",  # VLLM_API_KEY in the server's environment
+    "test_vllm_chunked_prompt.py",  # --enable-chunked-prefill --max-num-batched-tokens 1000
 }
 
 # Cases that drive vLLM's request objects' internals (to_sampling_params, build_chat_params, vllm.envs), which
