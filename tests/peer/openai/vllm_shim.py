@@ -5,7 +5,7 @@ tokenloom's own answer.
     RemoteOpenAIServer    vLLM's tests/utils.py server: `tokenloom serve` of the default model
                           (SmolLM2-135M-Instruct) under every model name the vendored files use (the Hub is out
                           of reach), with vLLM's flags as tokenloom's. Servers whose flags agree once vLLM's GPU
-                          knobs are dropped are one server, started on first use and stopped at the session's end
+                          knobs are dropped are one server, started on first use and stopped after the directory's tests
                           (conftest.py), so that the files share it
     get_tokenizer         the default model's tokenizer (transformers')
     ModelConfig           vLLM's ModelConfig as the tests read it (get_vocab_size): the default model's config
@@ -144,7 +144,7 @@ class RemoteOpenAIServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        pass  # stopped by stop_all at the session's end
+        pass  # stopped by stop_all after the directory's tests (conftest.py's package fixture)
 
 
 def _default_model_path() -> Path:
