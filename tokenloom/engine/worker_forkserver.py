@@ -38,6 +38,8 @@ import threading
 import traceback
 from typing import Any
 
+from tokenloom import envs
+
 # tokenloom first: it sets OpenMP's and oneDNN's variables before torch loads them (tokenloom/__init__.py);
 # then what a rank imports before it loads its cut (worker.Worker).
 PRELOAD = ("tokenloom", "torch", "tokenloom.engine.worker", "tokenloom.distributed.parallel_state",
@@ -73,8 +75,6 @@ class WorkerForkserver:
     """The executors' side: the forkserver process, the ranks asked of it and their exits."""
 
     def __init__(self, inherits: tuple[object, ...]) -> None:
-        from tokenloom import envs
-
         self.inherits = inherits  # what its ranks take from it (process_start.what_a_child_inherits)
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenloom.engine.worker_forkserver"],
                                      env=envs.child_environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -85,8 +85,7 @@ class WorkerForkserver:
         self._pids: dict[int, int] = {}  # request id -> pid
         self._exits: dict[int, int] = {}  # request id -> exit code
         self._eof = False  # its output ended: it exited (or was killed)
-        self._reader = threading.Thread(target=self._read, name="tokenloom-rank-forkserver", daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._read, name="tokenloom-rank-forkserver", daemon=True).start()
 
     def alive(self) -> bool:
         return not self._eof and self.proc.poll() is None
@@ -95,8 +94,6 @@ class WorkerForkserver:
         """Fork one rank per entry ({"address", "authkey", "rank", "omp_threads"}: worker.main's arguments and the
         rank's OpenMP threads, None to keep the environment's); returns once every rank has a pid, or raises
         RuntimeError if the forkserver exits first (its imports failed: the error is on standard error)."""
-        from tokenloom import envs
-
         requests = [{**entry, "id": next(self._ids), "env": envs.child_environment(), "cwd": os.getcwd()}
                     for entry in ranks]
         assert self.proc.stdin is not None
@@ -111,8 +108,7 @@ class WorkerForkserver:
         with self._cond:
             self._cond.wait_for(lambda: self._eof or all(i in self._pids for i in wanted))
             pids = {i: self._pids.get(i) for i in wanted}
-        handles = [ForkedRank(self, i, r["rank"], pid) for (i, pid), r in zip(pids.items(), requests)
-                   if pid is not None]
+        handles = [ForkedRank(self, r["id"], r["rank"], pids[r["id"]]) for r in requests if pids[r["id"]] is not None]
         if len(handles) < len(requests):
             for handle in handles:
                 handle.kill()
@@ -203,8 +199,6 @@ def _run_rank(request: dict[str, Any]) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        from tokenloom import envs
-
         threads = request.get("omp_threads")
         # The rank's threads also in its environment: what its thread planning reads (platform.py, via envs).
         envs.set_environment({**request["env"], **({"OMP_NUM_THREADS": str(threads)} if threads else {})})

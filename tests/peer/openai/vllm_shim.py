@@ -26,6 +26,7 @@ from typing import Any
 
 import openai
 
+from tests.peer.remote_openai import RemoteOpenAIClients
 from tests.test_server_harness import ServerProcess
 from tokenloom.sampling_params import SamplingParams  # noqa: F401  (vLLM's name)
 from tokenloom.server.errors import APIError as VLLMValidationError  # noqa: F401  (a 400 in vLLM's words)
@@ -94,11 +95,9 @@ def stop_all() -> None:
         server.stop()
 
 
-class RemoteOpenAIServer:
+class RemoteOpenAIServer(RemoteOpenAIClients):
     """vLLM's tests/utils.py RemoteOpenAIServer over `tokenloom serve` of the default model, shared between the
     files whose flags agree (see SHARED_FLAGS): leaving the `with` block leaves it running for the next file."""
-
-    DUMMY_API_KEY = "token-abc123"
 
     def __init__(self, model: str, vllm_serve_args: list[str], *, env_dict: dict[str, str] | None = None,
                  **unused: Any) -> None:
@@ -116,32 +115,12 @@ class RemoteOpenAIServer:
             _servers[key] = server
         self.server = server
 
-    @property
-    def url_root(self) -> str:
-        return self.server.url
-
-    def url_for(self, *parts: str) -> str:
-        path = "/".join(part.strip("/") for part in parts if part)
-        return f"{self.url_root}/{path}"
-
-    def get_client(self, **kwargs: Any) -> openai.OpenAI:
-        kwargs.setdefault("timeout", 600)
-        return openai.OpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0, **kwargs)
-
     def get_async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        kwargs.setdefault("timeout", 600)
-        # a transport closed by close() only, not by the garbage collector in a later test's event loop
-        # (tests/peer/pooling/vllm_shim.py says why)
-        kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient())
-        client = openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0,
-                                    **kwargs)
+        client = super().get_async_client(**kwargs)
         # Held to the session's end: a client a test never closes (test_vllm_prompt_validation.py's) would else
         # be collected, and close its connections, in a later test's event loop ("Event loop is closed" there).
         _clients.append(client)
         return client
-
-    def __enter__(self) -> RemoteOpenAIServer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         pass  # stopped by stop_all after the directory's tests (conftest.py's package fixture)

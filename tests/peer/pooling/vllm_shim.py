@@ -16,9 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import openai
-
 from tests.peer.pooling import standins
+from tests.peer.remote_openai import RemoteOpenAIClients
 from tests.test_server_harness import ServerProcess
 from tokenloom import LLM
 
@@ -115,11 +114,9 @@ def get_tokenizer(tokenizer_name: str, **kwargs: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path(tokenizer_name)), local_files_only=True, **kwargs)
 
 
-class RemoteOpenAIServer:
+class RemoteOpenAIServer(RemoteOpenAIClients):
     """vLLM's tests/utils.py RemoteOpenAIServer over `tokenloom serve <stand-in>`: vLLM's flags with underscores
     read as dashes (its parser takes both), --hf-overrides among them; the model served under the test's name."""
-
-    DUMMY_API_KEY = "token-abc123"
 
     def __init__(self, model: str, vllm_serve_args: list[str], **unused: Any) -> None:
         path = model_path(model)
@@ -127,30 +124,6 @@ class RemoteOpenAIServer:
         log = Path(ROOT or ".") / f"server-{model.replace('/', '--')}.log"
         self.server = ServerProcess(str(path), *args, "--served-model-name", model, log_path=log)
         self.server.start()
-
-    @property
-    def url_root(self) -> str:
-        return self.server.url
-
-    def url_for(self, *parts: str) -> str:
-        path = "/".join(part.strip("/") for part in parts if part)
-        return f"{self.url_root}/{path}"
-
-    def get_client(self, **kwargs: Any) -> openai.OpenAI:
-        kwargs.setdefault("timeout", 600)
-        return openai.OpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0, **kwargs)
-
-    def get_async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
-        kwargs.setdefault("timeout", 600)
-        # openai's default transport closes itself when garbage-collected, by a task on the loop then running: a
-        # client a test never closes (test_online_dimensions.py's) would then close in a later test's event loop
-        # (anyio's plugin gives each test its own) and fail there. This transport is closed by close() only.
-        kwargs.setdefault("http_client", openai.DefaultAsyncHttpxClient())
-        return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0,
-                                  **kwargs)
-
-    def __enter__(self) -> RemoteOpenAIServer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.stop()
